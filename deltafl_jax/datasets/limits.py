@@ -1,0 +1,44 @@
+"""Size limits applied to any loaded dataset (for CPU-sized runs and quick experiments)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from deltafl_jax.data import ClientData, DataError, FederatedDataset
+
+
+def _truncate(split: ClientData, max_examples: int) -> ClientData:
+    sizes = np.minimum(split.sizes, max_examples)
+    idx = np.concatenate([np.arange(lo, lo + n) for lo, n in zip(split.offsets[:-1], sizes)])
+    return ClientData(x=split.x[idx], y=None if split.y is None else split.y[idx],
+                      offsets=np.concatenate([[0], np.cumsum(sizes)]),
+                      client_ids=split.client_ids)
+
+
+def _subsample(split: ClientData, max_clients: int, seed: int) -> ClientData:
+    if split.num_clients <= max_clients:
+        return split
+    keep = np.sort(np.random.default_rng(seed).permutation(split.num_clients)[:max_clients])
+    return split.subset(keep)
+
+
+def apply_limits(data: FederatedDataset, config) -> FederatedDataset:
+    """Keep the first `max_examples_per_client` examples of each client (the text datasets keep
+    contiguous text this way) and a seeded subset of `max_train_clients` / `max_test_clients`."""
+    train, test = data.train, data.test
+    for name in ("max_examples_per_client", "max_train_clients", "max_test_clients"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise DataError(f"--{name} must be at least 1, got {value}")
+    if config.max_train_clients is not None:
+        train = _subsample(train, config.max_train_clients, config.data_seed + 1)
+    if config.max_test_clients is not None:
+        test = _subsample(test, config.max_test_clients, config.data_seed + 2)
+    if config.max_examples_per_client is not None:
+        train = _truncate(train, config.max_examples_per_client)
+        test = _truncate(test, config.max_examples_per_client)
+    if train is data.train and test is data.test:
+        return data
+    return dataclasses.replace(data, train=train, test=test)

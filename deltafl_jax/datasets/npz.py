@@ -1,0 +1,90 @@
+"""A user's own federated data from one .npz file (``--dataset=npz --data_path=FILE.npz``).
+
+The file holds six arrays (README.md, "Your own data"):
+
+- ``train_x`` [N, ...] inputs (any numeric dtype; floats must be finite),
+- ``train_y`` [N] integer labels 0..C-1 (absent for ``--model=mean``),
+- ``train_client`` [N] integer client id of each example,
+- ``test_x``, ``test_y``, ``test_client`` likewise, for clients that do not train,
+
+and optionally a scalar ``x_scale`` by which inputs are multiplied after a cast to float32
+(e.g. 1/255 for uint8 pixels). A client's examples need not be contiguous; they are grouped
+by id (in order of first appearance within the id's rows), clients sorted by id. The number of
+classes is max(y) + 1 over both splits.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import numpy as np
+
+from deltafl_jax.data import ClientData, DataError, FederatedDataset
+
+REQUIRED = ("train_x", "train_client", "test_x", "test_client")
+
+
+def _group(x, y, client, split: str, path: str) -> ClientData:
+    if client.ndim != 1 or len(client) != len(x):
+        raise DataError(f"{path}: {split}_client must be 1-D with one id per row of {split}_x "
+                        f"({len(x)} rows), got shape {client.shape}")
+    if not np.issubdtype(client.dtype, np.integer):
+        raise DataError(f"{path}: {split}_client must hold integer client ids, got {client.dtype}")
+    if y is not None:
+        if y.ndim != 1 or len(y) != len(x):
+            raise DataError(f"{path}: {split}_y must be 1-D with one label per row of {split}_x "
+                            f"({len(x)} rows), got shape {y.shape}")
+        if np.issubdtype(y.dtype, np.floating):
+            if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
+                raise DataError(f"{path}: {split}_y must hold integer class labels")
+        elif not np.issubdtype(y.dtype, np.integer):
+            raise DataError(f"{path}: {split}_y must hold integer class labels, got {y.dtype}")
+        if y.size and y.min() < 0:
+            raise DataError(f"{path}: {split}_y holds a negative label ({y.min()})")
+    if len(x) == 0:
+        raise DataError(f"{path}: {split}_x has no rows")
+    if np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(x)):
+        raise DataError(f"{path}: {split}_x holds NaN or Inf")
+    if not (np.issubdtype(x.dtype, np.number) or x.dtype == bool):
+        raise DataError(f"{path}: {split}_x must be numeric, got {x.dtype}")
+    order = np.argsort(client, kind="stable")
+    ids, counts = np.unique(client[order], return_counts=True)
+    return ClientData(x=x[order], y=None if y is None else y[order].astype(np.int32),
+                      offsets=np.concatenate([[0], np.cumsum(counts)]), client_ids=ids)
+
+
+def load_npz(config) -> FederatedDataset:
+    path = config.data_path
+    if not path:
+        raise DataError("--dataset=npz needs --data_path=FILE.npz")
+    if not os.path.isfile(path):
+        raise DataError(f"--data_path={path}: no such file")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise DataError(f"--data_path={path} is not a readable .npz file ({e})") from None
+    missing = [k for k in REQUIRED if k not in arrays]
+    if missing:
+        raise DataError(f"{path} lacks the array(s) {', '.join(missing)} (needs train_x, "
+                        f"train_client, test_x, test_client, and train_y, test_y for labels)")
+    has_y = ("train_y" in arrays, "test_y" in arrays)
+    if has_y[0] != has_y[1]:
+        raise DataError(f"{path}: give both train_y and test_y, or neither")
+    train_x, test_x = arrays["train_x"], arrays["test_x"]
+    if train_x.shape[1:] != test_x.shape[1:]:
+        raise DataError(f"{path}: train_x rows have shape {train_x.shape[1:]} but test_x rows "
+                        f"{test_x.shape[1:]}")
+    train = _group(train_x, arrays.get("train_y"), arrays["train_client"], "train", path)
+    test = _group(test_x, arrays.get("test_y"), arrays["test_client"], "test", path)
+    num_classes = 0
+    if has_y[0]:
+        num_classes = int(max(train.y.max(), test.y.max())) + 1
+    x_scale = None
+    if "x_scale" in arrays:
+        x_scale = float(np.asarray(arrays["x_scale"]).reshape(()))
+        if not np.isfinite(x_scale) or x_scale <= 0:
+            raise DataError(f"{path}: x_scale must be a positive number, got {x_scale}")
+    return FederatedDataset(name="npz", train=train, test=test, num_classes=num_classes,
+                            x_scale=x_scale, metadata={"path": os.path.abspath(path)})

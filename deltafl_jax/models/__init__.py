@@ -1,0 +1,229 @@
+"""Models: a Flax module plus the per-example loss and error that Delta-FL needs.
+
+Every model gives per-example losses f(w; xi) so that the engine can form both the client
+loss F_k(w) = mean_i f(w; xi_i) of Algorithm 2 (line 4) and minibatch SGD steps from one
+definition. Losses (paper, App. C.1):
+
+- "softmax": multinomial logistic loss -log p_y, error = 1[argmax != y];
+- "sigmoid": binary logistic loss on one logit, error = 1[(logit > 0) != y];
+- "squared": ||xi - w(x)||^2 for mean estimation (Fig. 3), error = the same squared loss.
+
+Models are looked up by name with :func:`build_model`. The text models (gru, lstm,
+sent140_linear) live in :mod:`deltafl_jax.models.text` and resolve lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, Dict, Optional
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+import numpy as np
+
+from deltafl_jax.data import FederatedDataset
+from deltafl_jax.models.conv import conv2d, default_conv_impl, max_pool_2x2
+
+Params = Any
+
+LOSS_KINDS = ("softmax", "sigmoid", "squared")
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model as the engine sees it.
+
+    Attributes:
+      name: registry name.
+      module: Flax module; ``module.apply({"params": p}, x)`` gives the outputs.
+      loss_kind: one of LOSS_KINDS.
+      input_scale: float inputs are cast to float32 and multiplied by this (None: keep dtype).
+      zero_init: initialise every parameter to zero (the reference code's linear models).
+      example_shape: shape of one input, for initialisation.
+      input_dtype: dtype of one input as stored on the host.
+    """
+
+    name: str
+    module: nn.Module
+    loss_kind: str
+    example_shape: tuple
+    input_dtype: Any = np.float32
+    input_scale: Optional[float] = None
+    zero_init: bool = False
+
+    def __post_init__(self):
+        if self.loss_kind not in LOSS_KINDS:
+            raise ValueError(f"unknown loss kind {self.loss_kind!r}")
+
+    def init(self, key) -> Params:
+        x = jnp.zeros((1,) + tuple(self.example_shape), self.input_dtype)
+        params = self.module.init(key, self.preprocess(x))["params"]
+        if self.zero_init:
+            params = jax.tree.map(jnp.zeros_like, params)
+        return params
+
+    def preprocess(self, x):
+        if self.input_scale is None:
+            return x
+        return x.astype(jnp.float32) * jnp.float32(self.input_scale)
+
+    def apply(self, params: Params, x):
+        """Outputs on raw (stored-dtype) inputs x: [B, ...] -> [B, ...]."""
+        return self.module.apply({"params": params}, self.preprocess(x))
+
+    def losses_and_errors(self, params: Params, x, y):
+        """Per-example (loss [B], error [B]) on a batch of raw inputs."""
+        out = self.apply(params, x)
+        if self.loss_kind == "softmax":
+            logp = jax.nn.log_softmax(out.astype(jnp.float32), axis=-1)
+            loss = -jnp.take_along_axis(logp, y[:, None].astype(jnp.int32), axis=-1)[:, 0]
+            err = (jnp.argmax(out, axis=-1) != y).astype(jnp.float32)
+        elif self.loss_kind == "sigmoid":
+            z = out.reshape(out.shape[0]).astype(jnp.float32)
+            yf = y.astype(jnp.float32)
+            # log(1 + e^z) - y z, stable for large |z|.
+            loss = jnp.logaddexp(0.0, z) - yf * z
+            err = ((z > 0).astype(jnp.float32) != yf).astype(jnp.float32)
+        else:  # squared
+            target = self.preprocess(x).reshape(x.shape[0], -1)
+            loss = jnp.sum(jnp.square(target - out.reshape(x.shape[0], -1)), axis=-1)
+            err = loss
+        return loss, err
+
+    def losses(self, params: Params, x, y):
+        return self.losses_and_errors(params, x, y)[0]
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class Linear(nn.Module):
+    """Softmax regression: scores <w_c, x> + b_c (paper, App. C.1.1)."""
+
+    num_outputs: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.num_outputs)(x.reshape(x.shape[0], -1))
+
+
+class ConvNet(nn.Module):
+    """The paper's ConvNet (App. C.1.1): conv5x5-32, ReLU, maxpool 2, conv5x5-64, ReLU,
+    maxpool 2, dense to the class scores."""
+
+    num_outputs: int
+    conv_impl: str = "im2col_wgrad"
+    hidden: int = 0  # the reference code adds a 1024-unit dense layer; the paper has none
+
+    @nn.compact
+    def __call__(self, x):
+        if x.ndim == 2:  # flat 784 pixels
+            side = int(round(np.sqrt(x.shape[-1])))
+            x = x.reshape(x.shape[0], side, side, 1)
+        elif x.ndim == 3:
+            x = x[..., None]
+        for feats in (32, 64):
+            kernel = self.param("kernel_%d" % feats, nn.initializers.lecun_normal(),
+                                (5, 5, x.shape[-1], feats))
+            bias = self.param("bias_%d" % feats, nn.initializers.zeros, (feats,))
+            x = max_pool_2x2(nn.relu(conv2d(x, kernel, self.conv_impl) + bias))
+        x = x.reshape(x.shape[0], -1)
+        if self.hidden:
+            x = nn.relu(nn.Dense(self.hidden)(x))
+        return nn.Dense(self.num_outputs)(x)
+
+
+class MLP(nn.Module):
+    """A small ReLU network for synthetic data."""
+
+    num_outputs: int
+    hidden: tuple = (64,)
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.reshape(x.shape[0], -1)
+        for h in self.hidden:
+            x = nn.relu(nn.Dense(h)(x))
+        return nn.Dense(self.num_outputs)(x)
+
+
+class Mean(nn.Module):
+    """Mean estimation: the model is a point w; the output is w for every input (Fig. 3)."""
+
+    dim: int
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.zeros, (self.dim,))
+        return jnp.broadcast_to(w, (x.shape[0], self.dim))
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """Model choices that do not come from the dataset."""
+
+    conv_impl: Optional[str] = None  # None: chosen for the backend
+    mlp_hidden: tuple = (64,)
+    cnn_hidden: int = 0
+
+
+def _classes(data: FederatedDataset, name: str) -> int:
+    if data.num_classes < 2:
+        raise ValueError(f"model {name!r} needs a labelled classification dataset")
+    return data.num_classes
+
+
+def _linear(data, opts):
+    return Model("linear", Linear(_classes(data, "linear")), "softmax", data.feature_shape,
+                 data.train.x.dtype, data.x_scale, zero_init=True)
+
+
+def _cnn(data, opts):
+    impl = opts.conv_impl or default_conv_impl()
+    return Model("cnn", ConvNet(_classes(data, "cnn"), impl, opts.cnn_hidden), "softmax",
+                 data.feature_shape, data.train.x.dtype, data.x_scale)
+
+
+def _mlp(data, opts):
+    return Model("mlp", MLP(_classes(data, "mlp"), tuple(opts.mlp_hidden)), "softmax",
+                 data.feature_shape, data.train.x.dtype, data.x_scale)
+
+
+def _mean(data, opts):
+    dim = int(np.prod(data.feature_shape))
+    return Model("mean", Mean(dim), "squared", data.feature_shape, data.train.x.dtype,
+                 data.x_scale)
+
+
+MODELS: Dict[str, Callable[[FederatedDataset, ModelOptions], Model]] = {
+    "linear": _linear,
+    "cnn": _cnn,
+    "mlp": _mlp,
+    "mean": _mean,
+}
+
+# Resolved on first use: "module:function" taking (dataset, options) -> Model.
+LAZY_MODELS: Dict[str, str] = {
+    "gru": "deltafl_jax.models.text:gru",
+    "lstm": "deltafl_jax.models.text:lstm",
+    "sent140_linear": "deltafl_jax.models.text:sent140_linear",
+}
+
+
+def model_names():
+    return sorted(set(MODELS) | set(LAZY_MODELS))
+
+
+def build_model(name: str, data: FederatedDataset, options: ModelOptions = ModelOptions()) -> Model:
+    """The model `name` for `data`. Raises ValueError for an unknown name or a mismatch."""
+    if name in MODELS:
+        return MODELS[name](data, options)
+    if name in LAZY_MODELS:
+        module_name, fn_name = LAZY_MODELS[name].split(":")
+        return getattr(importlib.import_module(module_name), fn_name)(data, options)
+    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(model_names())}")

@@ -1,0 +1,167 @@
+"""Host-side plan of a round: which clients, which examples, in which order.
+
+Sampling (Algorithm 2, line 2) and the per-client shuffles of local SGD are pure functions of
+(seed, round, client), drawn with NumPy from ``SeedSequence([seed, round, ...])``, so a run can
+be resumed exactly and every conformity level theta trained with one seed sees the same clients
+and the same minibatches (common random numbers).
+
+A plan holds only int32 index streams into the device-resident split, padded to capacities that
+are fixed for the whole run, so the jitted round never recompiles. Padding never costs work:
+the engine loops over the real length of each stream (see :mod:`deltafl_jax.engine`).
+
+Per group g (one per seed) the plan holds:
+
+- ``clients [G, m]``: the sampled clients, without replacement;
+- ``sizes [G, m]``: their example counts n_k;
+- ``eval_idx [G, Le]`` / ``eval_seg [G, Le]`` / ``eval_len [G]``: the examples of the sampled
+  clients one after another, with the slot (0..m-1) each belongs to, for F_k(w_t);
+- ``train_idx [G, Lt]`` / ``train_start [G, m]``: for slot i, `epochs` fresh permutations of
+  the client's examples laid end to end (enough for `local_steps` steps in steps mode);
+- ``seg_len [G, m]``, ``batches_per_epoch [G, m]``, ``steps [G, m]``: how local step s reads
+  its batch: epoch e, batch b = divmod(s, batches_per_epoch); positions
+  e * seg_len + b * B + j, valid while b * B + j < seg_len.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+
+_SAMPLE_STREAM = 0
+_SHUFFLE_STREAM = 1
+
+
+def sample_clients(seed: int, round_idx: int, num_clients: int, m: int) -> np.ndarray:
+    """m distinct clients drawn uniformly (Algorithm 2, line 2); a pure function of
+    (seed, round)."""
+    if not 0 < m <= num_clients:
+        raise ValueError(f"cannot sample {m} of {num_clients} clients")
+    rng = np.random.default_rng([int(seed), int(round_idx), _SAMPLE_STREAM])
+    return np.sort(rng.choice(num_clients, size=m, replace=False)).astype(np.int32)
+
+
+def client_permutations(seed: int, round_idx: int, client: int, n: int, epochs: int) -> np.ndarray:
+    """`epochs` independent permutations of range(n), concatenated: the order in which the
+    client visits its examples in this round."""
+    rng = np.random.default_rng([int(seed), int(round_idx), _SHUFFLE_STREAM, int(client)])
+    return np.concatenate([rng.permutation(n) for _ in range(epochs)]).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalWork:
+    """How much local SGD a client does: `local_epochs` epochs, or exactly `local_steps`
+    steps (which cycle through fresh permutations) when local_steps is set."""
+
+    batch_size: int
+    local_epochs: int = 1
+    local_steps: Optional[int] = None
+
+    def epochs_for(self, n: np.ndarray) -> np.ndarray:
+        n = np.asarray(n, dtype=np.int64)
+        if self.local_steps is None:
+            return np.full_like(n, self.local_epochs)
+        return -(-(self.local_steps * self.batch_size) // n)  # ceil(K B / n)
+
+    def steps_for(self, n: np.ndarray) -> np.ndarray:
+        n = np.asarray(n, dtype=np.int64)
+        if self.local_steps is None:
+            return self.local_epochs * (-(-n // self.batch_size))
+        return np.full_like(n, self.local_steps)
+
+
+class RoundPlan(NamedTuple):
+    """Index streams of one round (shapes in the module docstring)."""
+
+    clients: np.ndarray
+    sizes: np.ndarray
+    eval_idx: np.ndarray
+    eval_seg: np.ndarray
+    eval_len: np.ndarray
+    train_idx: np.ndarray
+    train_start: np.ndarray
+    seg_len: np.ndarray
+    batches_per_epoch: np.ndarray
+    steps: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacities:
+    """Static lengths of the streams, fixed for a run (an upper bound over all rounds)."""
+
+    eval_len: int
+    train_len: int
+
+
+def capacities(sizes: np.ndarray, m: int, work: LocalWork, eval_chunk: int) -> Capacities:
+    """Upper bounds of the stream lengths over every possible sample of m clients."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    largest = np.sort(sizes)[::-1][:m]
+    eval_len = int(largest.sum())
+    eval_len = -(-eval_len // eval_chunk) * eval_chunk
+    # Train stream of a slot: epochs_for(n) * n entries; bound it by the largest values.
+    per_client = work.epochs_for(sizes) * sizes
+    train_len = int(np.sort(per_client)[::-1][:m].sum()) + work.batch_size
+    return Capacities(eval_len=eval_len, train_len=train_len)
+
+
+def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m: int,
+                    work: LocalWork, caps: Capacities) -> RoundPlan:
+    """The plan of round `round_idx` for each seed in `seeds` (one group per seed)."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    all_sizes = np.diff(offsets)
+    num_clients = all_sizes.size
+    G = len(seeds)
+    clients = np.zeros((G, m), np.int32)
+    eval_idx = np.zeros((G, caps.eval_len), np.int32)
+    eval_seg = np.full((G, caps.eval_len), m, np.int32)
+    eval_len = np.zeros((G,), np.int32)
+    train_idx = np.zeros((G, caps.train_len), np.int32)
+    train_start = np.zeros((G, m), np.int32)
+    for g, seed in enumerate(seeds):
+        chosen = sample_clients(seed, round_idx, num_clients, m)
+        clients[g] = chosen
+        n = all_sizes[chosen]
+        starts = offsets[chosen]
+        total = int(n.sum())
+        eval_len[g] = total
+        eval_idx[g, :total] = np.concatenate([np.arange(s, s + k) for s, k in zip(starts, n)])
+        eval_seg[g, :total] = np.repeat(np.arange(m, dtype=np.int32), n)
+        epochs = work.epochs_for(n)
+        pos = 0
+        for i, (client, start, k, e) in enumerate(zip(chosen, starts, n, epochs)):
+            perm = client_permutations(seed, round_idx, int(client), int(k), int(e))
+            train_start[g, i] = pos
+            train_idx[g, pos:pos + perm.size] = start + perm
+            pos += perm.size
+    sizes = all_sizes[clients].astype(np.int32)
+    if work.local_steps is None:
+        seg_len = sizes
+    else:
+        seg_len = (work.epochs_for(sizes) * sizes).astype(np.int32)
+    batches_per_epoch = (-(-seg_len // work.batch_size)).astype(np.int32)
+    steps = work.steps_for(sizes).astype(np.int32)
+    return RoundPlan(clients=clients, sizes=sizes, eval_idx=eval_idx, eval_seg=eval_seg,
+                     eval_len=eval_len, train_idx=train_idx, train_start=train_start,
+                     seg_len=seg_len, batches_per_epoch=batches_per_epoch, steps=steps)
+
+
+class SplitPlan(NamedTuple):
+    """A whole split as one evaluation stream: every example, with its client index."""
+
+    eval_idx: np.ndarray  # [1, L]
+    eval_seg: np.ndarray  # [1, L]
+    eval_len: np.ndarray  # [1]
+
+
+def make_split_plan(offsets: np.ndarray, eval_chunk: int) -> SplitPlan:
+    offsets = np.asarray(offsets, dtype=np.int64)
+    total = int(offsets[-1])
+    num_clients = offsets.size - 1
+    cap = -(-total // eval_chunk) * eval_chunk
+    idx = np.zeros((1, cap), np.int32)
+    idx[0, :total] = np.arange(total)
+    seg = np.full((1, cap), num_clients, np.int32)
+    seg[0, :total] = np.repeat(np.arange(num_clients, dtype=np.int32), np.diff(offsets))
+    return SplitPlan(eval_idx=idx, eval_seg=seg, eval_len=np.array([total], np.int32))

@@ -1,0 +1,147 @@
+"""One federated round for R replicas at once, as a pure function to jit once.
+
+    round_fn(state, data, key) -> (state, metrics)
+
+A replica is one model being trained: a (conformity level theta or other swept
+hyper-parameter, seed) pair. ``state.params`` and ``state.algo_state`` carry a leading
+replica axis [R, ...]. The round (Algorithm 2):
+
+1. F_k(w_t) of every sampled client for every replica (:func:`engine.evaluate_streams`),
+   plus (l2/2)||w_t||^2 when l2 > 0, as the reference code does;
+2. ``algorithm.client_weights``, vmapped over replicas: the filter (eta, tail weights);
+3. LocalUpdate on the kept clients only (:func:`engine.train_jobs`);
+4. ``algorithm.server_update``, vmapped over replicas: the weighted average.
+
+Replicas that share a seed share the sampled clients and the minibatch order (the plan of
+group g = their seed), which makes theta-to-theta comparisons paired.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, NamedTuple, Sequence, Tuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deltafl_jax import engine
+from deltafl_jax.algorithms.base import ClientFeedback, FederatedAlgorithm
+from deltafl_jax.models import Model
+from deltafl_jax.plan import RoundPlan
+
+
+class ServerState(flax.struct.PyTreeNode):
+    """State of every replica.
+
+    params: pytree, leaves [R, ...]: the global models w_t.
+    algo_state: pytree, leaves [R, ...]: the algorithm's own state (empty for Delta-FL).
+    round: [] int32: rounds completed.
+    """
+
+    params: Any
+    algo_state: Any
+    round: jax.Array
+
+
+class RoundData(NamedTuple):
+    """x: [N, ...] and y: [N] the training split on the device; plan: this round's
+    :class:`deltafl_jax.plan.RoundPlan` (arrays with a leading group axis G)."""
+
+    x: jax.Array
+    y: jax.Array
+    plan: RoundPlan
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Replicas:
+    """Static description of the R replicas.
+
+    group: [R] index of each replica's seed in the run's seed list.
+    hyper: name -> [R] float32 per-replica hyper-parameters ("theta", "l2", "mu", ...).
+    schedules: R optax schedules, round -> client learning rate.
+    labels: R dicts naming each replica for outputs (theta, seed, param_name, param_value).
+    """
+
+    group: np.ndarray
+    hyper: Dict[str, np.ndarray]
+    schedules: Tuple[Callable, ...]
+    labels: Tuple[Dict[str, Any], ...]
+
+    @property
+    def size(self) -> int:
+        return int(self.group.size)
+
+
+def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
+               seeds: Sequence[int]) -> ServerState:
+    """w_0 of each replica from its seed (replicas with one seed start from one w_0)."""
+    keys = [jax.random.key(int(seeds[g])) for g in replicas.group]
+    params = jax.tree.map(lambda *a: jnp.stack(a), *[model.init(k) for k in keys])
+    hyper = {k: jnp.asarray(v) for k, v in replicas.hyper.items()}
+    algo_state = jax.vmap(algorithm.init)(params, hyper)
+    return ServerState(params=params, algo_state=algo_state, round=jnp.int32(0))
+
+
+def replica_keys(replicas: Replicas, seeds: Sequence[int]):
+    """[R] typed root keys, one per replica's seed; the round folds in the round index."""
+    seeds_r = jnp.asarray([int(seeds[g]) for g in replicas.group], jnp.uint32)
+    return jax.vmap(jax.random.key)(seeds_r)
+
+
+def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
+                   local: engine.LocalSGDConfig, eval_chunk: int, eval_lanes: int,
+                   num_sampled: int):
+    """The round of `algorithm` for `replicas`. Returns an unjitted pure function."""
+    group = jnp.asarray(replicas.group, jnp.int32)
+    m = num_sampled
+    schedules = replicas.schedules
+    hyper_np = {k: np.asarray(v, np.float32) for k, v in replicas.hyper.items()}
+    R = replicas.size
+    zeros = np.zeros((R,), np.float32)
+
+    def round_fn(state: ServerState, data: RoundData, key) -> Tuple[ServerState, Dict]:
+        t = state.round
+        plan = data.plan
+        hyper = {k: jnp.asarray(v) for k, v in hyper_np.items()}
+        l2 = hyper.get("l2", jnp.asarray(zeros))
+        lr = jnp.stack([jnp.asarray(s(t), jnp.float32) for s in schedules])
+
+        ev = engine.evaluate_streams(model, state.params, data.x, data.y, plan.eval_idx,
+                                     plan.eval_seg, plan.eval_len, group, m, eval_chunk,
+                                     eval_lanes)
+        sizes = plan.sizes[group]                                   # [R, m]
+        sqnorm = jax.vmap(engine._tree_sqnorm)(state.params)        # [R]
+        losses = ev.loss_sum / sizes + 0.5 * (l2 * sqnorm)[:, None]
+
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(key)
+        weights = jax.vmap(algorithm.client_weights)(state.algo_state, losses, sizes, hyper,
+                                                     keys)
+        tr = engine.train_jobs(model, state.params, data.x, data.y, plan, group, weights, lr,
+                               l2, hyper.get("mu", jnp.asarray(zeros)), local)
+        feedback = ClientFeedback(losses=losses, sizes=sizes, weights=weights,
+                                  delta_sum=tr.delta_sum, weight_sum=tr.weight_sum,
+                                  job_sqnorm=tr.job_sqnorm, job_finite=tr.job_finite,
+                                  job_trained=tr.job_trained, learning_rate=lr)
+        params, algo_state, algo_metrics = jax.vmap(algorithm.server_update)(
+            state.algo_state, state.params, feedback, hyper)
+
+        sizes_f = sizes.astype(jnp.float32)
+        metrics = {
+            "num_selected": jnp.sum(weights > 0, axis=1),
+            "num_rejected": jnp.sum(tr.job_trained & ~tr.job_finite, axis=1),
+            "sampled_loss_mean": jnp.sum(sizes_f * losses, 1) / jnp.sum(sizes_f, 1),
+            "kept_examples": jnp.sum(jnp.where(weights > 0, sizes, 0), axis=1),
+            "learning_rate": lr,
+            **algo_metrics,
+            # Work done by the whole program this round (scalars).
+            "eval_real_examples": ev.real_examples,
+            "eval_padded_examples": ev.padded_examples,
+            "train_real_examples": tr.real_examples,
+            "train_padded_examples": tr.padded_examples,
+            "train_trips": tr.trips,
+        }
+        return ServerState(params=params, algo_state=algo_state, round=t + 1), metrics
+
+    return round_fn
