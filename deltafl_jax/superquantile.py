@@ -51,7 +51,11 @@ def weighted_quantile(values, weights, level):
     return v[jnp.argmax(ok)]
 
 
-def tail_weights(values, weights, theta):
+def _tie_tolerance(eta, tie_rtol):
+    return jnp.asarray(tie_rtol, eta.dtype) * jnp.abs(eta)
+
+
+def tail_weights(values, weights, theta, tie_rtol=0.0):
     """The maximising pi of the superquantile LP (the exact Delta-FL aggregation weights).
 
     pi_k = w_k / (theta W) for v_k above eta = weighted_quantile(v, w, 1 - theta); the values
@@ -60,6 +64,11 @@ def tail_weights(values, weights, theta):
 
     Args:
       values: [N]; weights: [N] non-negative, not all zero; theta: scalar in (0, 1].
+      tie_rtol: values within tie_rtol * |eta| of eta count as tied with it. 0 (the default)
+        is the exact LP maximiser. Client losses that are equal in exact arithmetic (e.g. all
+        log C at a zero initialisation) differ in float32 by summation noise; a small
+        tolerance lets them share the boundary mass, so the choice does not depend on the
+        order of additions.
     Returns:
       [N] pi, in the order of `values`.
     """
@@ -68,8 +77,9 @@ def tail_weights(values, weights, theta):
     theta = jnp.asarray(theta, weights.dtype)
     total = jnp.sum(weights)
     eta = weighted_quantile(values, weights, 1.0 - theta)
-    above = values > eta
-    tied = (values == eta) & (weights > 0)
+    tol = _tie_tolerance(eta, tie_rtol)
+    above = values > eta + tol
+    tied = (jnp.abs(values - eta) <= tol) & (weights > 0)
     w_above = jnp.sum(jnp.where(above, weights, 0.0))
     w_tied = jnp.sum(jnp.where(tied, weights, 0.0))
     # Mass (in weight units) that the tied values may still take: theta W - w_above, which is
@@ -100,14 +110,14 @@ def superquantile_dual(values, weights, theta):
     return eta + jnp.sum(alpha * jnp.maximum(values - eta, 0.0)) / theta
 
 
-def threshold_weights(values, weights, theta):
+def threshold_weights(values, weights, theta, tie_rtol=0.0):
     """The reference code's filter: every value >= eta keeps its full weight (ties and the
     boundary included, so the kept mass may exceed theta). Returns [N] weights (not
-    normalised), zero for the filtered-out values."""
+    normalised), zero for the filtered-out values. `tie_rtol` as in :func:`tail_weights`."""
     values = jnp.asarray(values)
     weights = jnp.asarray(weights, dtype=jnp.result_type(values.dtype, jnp.float32))
     eta = weighted_quantile(values, weights, 1.0 - jnp.asarray(theta, weights.dtype))
-    return jnp.where(values >= eta, weights, 0.0)
+    return jnp.where(values >= eta - _tie_tolerance(eta, tie_rtol), weights, 0.0)
 
 
 __all__ = [

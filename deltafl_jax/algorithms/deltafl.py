@@ -11,6 +11,12 @@ models (line 9). Two filters:
   exactly theta.
 - ``reference``: the authors' code: every client with F_k >= eta keeps its full alpha_k
   (ties and the boundary client included).
+
+Losses within ``tie_rtol`` (relative, 1e-5 by default) of eta count as tied with it. Losses that
+are equal in exact arithmetic, such as log C for every client at the zero initialisation of the
+linear models, differ in float32 by summation noise of that order; without the tolerance the
+round-0 filter would pick clients by rounding noise, and the result would depend on how the
+evaluation is chunked.
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ from deltafl_jax.superquantile import tail_weights, threshold_weights, weighted_
 FILTERS = ("exact", "reference")
 
 
-def deltafl(filter: str = "exact") -> FederatedAlgorithm:
+DEFAULT_TIE_RTOL = 1e-5
+
+
+def deltafl(filter: str = "exact", tie_rtol: float = DEFAULT_TIE_RTOL) -> FederatedAlgorithm:
     """Delta-FL with hyper["theta"] in (0, 1]; theta = 1 is FedAvg."""
     if filter not in FILTERS:
         raise ValueError(f"unknown filter {filter!r}; choose one of {', '.join(FILTERS)}")
@@ -31,7 +40,7 @@ def deltafl(filter: str = "exact") -> FederatedAlgorithm:
 
     def client_weights(state, losses, sizes, hyper, key):
         del state, key
-        return rule(losses, sizes.astype(jnp.float32), hyper["theta"])
+        return rule(losses, sizes.astype(jnp.float32), hyper["theta"], tie_rtol)
 
     def server_update(state, params, feedback, hyper):
         eta = weighted_quantile(feedback.losses, feedback.sizes.astype(jnp.float32),

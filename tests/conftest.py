@@ -1,0 +1,32 @@
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from deltafl_jax import ClientData, DataConfig, ExperimentConfig, FederatedDataset  # noqa: E402
+from deltafl_jax.data import split_clients  # noqa: E402
+from deltafl_jax.datasets.synthetic import synthetic_clients  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_synthetic():
+    """24 synthetic clients of 50..80 examples (12 train / 12 test), 60 features, 10 classes."""
+    clients = synthetic_clients(1.0, 1.0, 24, seed=3, max_examples=80, shared=0.5)
+    train, test = split_clients(clients, seed=3)
+    return FederatedDataset("synthetic", train, test, num_classes=10)
+
+
+def tiny_config(**overrides):
+    base = dict(data=DataConfig("synthetic"), model="linear", thetas=(1.0, 0.5), seeds=(1,),
+                num_rounds=3, clients_per_round=6, batch_size=8, learning_rate=0.05,
+                eval_every=3, output_dir=None, save_models=False, verbose=False)
+    base.update(overrides)
+    return ExperimentConfig(**base)
+
+
+@pytest.fixture
+def make_config():
+    return tiny_config
