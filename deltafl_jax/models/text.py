@@ -1,0 +1,144 @@
+"""The papers' text models: a character GRU for Shakespeare, an LSTM and a logistic regression on
+frozen GloVe vectors for Sent140 (delta-fl-long.md, App. C.1.2 and C.1.3; reference-notes.md,
+"Hyper-parameters").
+
+- ``gru``: embedding of the 53 character classes into 8 dimensions, one GRU layer of 128 units
+  over the 20-character window, and a dense layer from its last state to the 53 scores
+  (multinomial logistic loss, "softmax").
+- ``lstm``: the first 25 token ids of a tweet, looked up in the frozen GloVe table, one LSTM layer
+  of 50 units (the embedding size), and a dense layer from the state after the 25th step to one
+  logit (binary logistic loss, "sigmoid"). As in the reference code, shorter tweets are padded
+  with zero vectors up to 25 steps and the output is read after the last step.
+- ``sent140_linear``: logistic regression, w in R^50 and a bias, on the mean GloVe vector of the
+  tweet's tokens (unknown words count in the mean as zero vectors; padding does not count),
+  zero-initialised like the reference code's linear models.
+
+The GloVe table (``FederatedDataset.metadata["embeddings"]`` of :mod:`deltafl_jax.datasets.sent140`)
+is a constant of the model, held by :class:`FrozenTable`, never a parameter: it gets no
+gradient, no SGD step, no L2 penalty and no aggregation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from deltafl_jax.data import FederatedDataset
+from deltafl_jax.models import Model, ModelOptions
+
+GRU_EMBED_DIM = 8
+GRU_HIDDEN = 128
+LSTM_HIDDEN = 50
+LSTM_MAX_TOKENS = 25
+
+
+class FrozenTable:
+    """A read-only float32 matrix held by a module as a constant.
+
+    Hashed and compared by identity, so modules (and jitted functions closing over them) that
+    hold it stay cheap to hash; the matrix enters the computation as a constant.
+    """
+
+    def __init__(self, array):
+        array = np.array(array, dtype=np.float32)
+        array.flags.writeable = False
+        self.array = array
+
+    @property
+    def shape(self):
+        return self.array.shape
+
+    def __repr__(self):
+        return f"FrozenTable(shape={self.array.shape})"
+
+
+class CharGRU(nn.Module):
+    """Character embedding -> GRU -> dense scores of the next character."""
+
+    num_classes: int
+    vocab_size: int
+    embed_dim: int = GRU_EMBED_DIM
+    hidden: int = GRU_HIDDEN
+
+    @nn.compact
+    def __call__(self, ids):
+        h = nn.Embed(self.vocab_size, self.embed_dim)(ids.astype(jnp.int32))
+        last = nn.RNN(nn.GRUCell(self.hidden), return_carry=True)(h)[0]
+        return nn.Dense(self.num_classes)(last)
+
+
+class GloveLSTM(nn.Module):
+    """Frozen GloVe vectors of the first `max_tokens` ids -> LSTM -> one logit."""
+
+    table: FrozenTable
+    hidden: int = LSTM_HIDDEN
+    max_tokens: int = LSTM_MAX_TOKENS
+
+    @nn.compact
+    def __call__(self, ids):
+        ids = ids[:, : self.max_tokens].astype(jnp.int32)
+        # ids beyond the stored length are padding (a zero vector, like PAD and UNK).
+        vectors = jnp.asarray(self.table.array)[ids]
+        if vectors.shape[1] < self.max_tokens:
+            vectors = jnp.pad(vectors, ((0, 0), (0, self.max_tokens - vectors.shape[1]), (0, 0)))
+        (_, h), _ = nn.RNN(nn.OptimizedLSTMCell(self.hidden), return_carry=True)(vectors)
+        return nn.Dense(1)(h)
+
+
+class MeanGloveLogistic(nn.Module):
+    """Logistic regression <w, mean GloVe vector> + b; padding ids are left out of the mean."""
+
+    table: FrozenTable
+    pad_id: int = 0
+
+    @nn.compact
+    def __call__(self, ids):
+        ids = ids.astype(jnp.int32)
+        vectors = jnp.asarray(self.table.array)[ids]  # [B, L, 50]
+        mask = (ids != self.pad_id).astype(vectors.dtype)[..., None]
+        count = jnp.maximum(mask.sum(axis=1), 1.0)
+        mean = (vectors * mask).sum(axis=1) / count
+        return nn.Dense(1)(mean)
+
+
+def _embeddings(data: FederatedDataset, name: str) -> FrozenTable:
+    table = data.metadata.get("embeddings") if data.metadata else None
+    if table is None:
+        raise ValueError(f"model {name!r} needs a dataset with GloVe token ids (sent140)")
+    return FrozenTable(table)
+
+
+def _check_classes(data: FederatedDataset, name: str, expected: Optional[int] = None):
+    if data.num_classes < 2 or (expected is not None and data.num_classes != expected):
+        want = f"{expected} classes" if expected else "a classification dataset"
+        raise ValueError(f"model {name!r} needs {want}, got {data.num_classes} classes")
+
+
+def gru(data: FederatedDataset, options: ModelOptions) -> Model:
+    """Shakespeare's GRU (embedding 8, GRU 128, dense to the classes)."""
+    del options
+    _check_classes(data, "gru")
+    vocab = int((data.metadata or {}).get("input_vocab_size", data.num_classes))
+    return Model("gru", CharGRU(num_classes=data.num_classes, vocab_size=vocab), "softmax",
+                 data.feature_shape, data.train.x.dtype)
+
+
+def lstm(data: FederatedDataset, options: ModelOptions) -> Model:
+    """Sent140's LSTM (frozen GloVe-50, hidden 50, first 25 tokens, one logit)."""
+    del options
+    _check_classes(data, "lstm", 2)
+    return Model("lstm", GloveLSTM(table=_embeddings(data, "lstm")), "sigmoid",
+                 data.feature_shape, data.train.x.dtype)
+
+
+def sent140_linear(data: FederatedDataset, options: ModelOptions) -> Model:
+    """Sent140's logistic regression on the mean GloVe vector (w in R^50, bias; zero init)."""
+    del options
+    _check_classes(data, "sent140_linear", 2)
+    pad_id = int(data.metadata.get("pad_id", 0))
+    return Model("sent140_linear", MeanGloveLogistic(table=_embeddings(data, "sent140_linear"),
+                                                     pad_id=pad_id), "sigmoid",
+                 data.feature_shape, data.train.x.dtype, zero_init=True)
