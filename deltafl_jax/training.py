@@ -198,11 +198,14 @@ def _fmt_progress(exp: Experiment, t: int, total: int, elapsed: float, eta: floa
         key = lab.get("param_value", lab.get("theta"))
         by_value.setdefault((lab.get("param_name", "theta"), key), []).append(r)
     parts = []
+    classify = exp.model.loss_kind != "squared"
     for (name, value), rs in by_value.items():
         short = "θ" if name == "theta" else name
+        err, p90 = (np.mean(summary[k][rs]) for k in ("test_error_mean", "test_error_p90"))
+        tail = (f"err {100 * err:.1f}% p90 {100 * p90:.1f}%" if classify
+                else f"test loss {err:.3f} p90 {p90:.3f}")
         parts.append(f"{short}={value:g}: loss {np.mean(summary['train_loss_mean'][rs]):.3f} "
-                     f"err {100 * np.mean(summary['test_error_mean'][rs]):.1f}% "
-                     f"p90 {100 * np.mean(summary['test_error_p90'][rs]):.1f}%")
+                     + tail)
     return (f"[round {t:>{len(str(total))}}/{total}] {elapsed:7.1f}s elapsed, ETA {eta:6.0f}s | "
             + " | ".join(parts))
 
