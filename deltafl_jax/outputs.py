@@ -8,6 +8,8 @@
   sampled_loss_mean, learning_rate, ...) and the replica labels.
 - ``clients.npz``: the final per-client arrays [R, N] (train loss, train error, test loss,
   test error) with the clients' sizes and ids, for re-plotting.
+- ``clients_history.npz``: the same per-client arrays at every evaluation, float32
+  [E, R, N], with ``rounds`` [E], so that any percentile convention can be recomputed.
 - ``summary.json``: the configuration, the dataset's Table 1 row, the timings and the final
   metrics of every replica.
 - ``models/``: the final model of every replica and what is needed to rebuild the network;
@@ -29,7 +31,8 @@ import numpy as np
 from deltafl_jax.data import ClientData, FederatedDataset
 from deltafl_jax.models import Model, ModelOptions, build_model
 
-RESULT_FILES = ("metrics.jsonl", "summary.json", "rounds.npz", "clients.npz", "models")
+RESULT_FILES = ("metrics.jsonl", "summary.json", "rounds.npz", "clients.npz",
+                "clients_history.npz", "models")
 
 
 def has_results(output_dir: str) -> bool:
@@ -38,7 +41,10 @@ def has_results(output_dir: str) -> bool:
 
 
 def replica_key(labels: Dict[str, Any]) -> str:
-    """File-name key of a replica, e.g. 'theta=0.5_seed=1' or 'qffl_q=0.1_seed=1'."""
+    """File-name key of a replica, e.g. 'theta=0.5_seed=1' or 'qffl_q=0.1_seed=1' (or the
+    label "key" when a caller names replicas itself, e.g. a 2-D tuning grid)."""
+    if "key" in labels:
+        return str(labels["key"])
     if "param_name" in labels and labels["param_name"] != "theta":
         head = f"{labels['param_name']}={labels['param_value']:g}"
     else:

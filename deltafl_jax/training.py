@@ -242,6 +242,7 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
     T = config.num_rounds
     per_round: Dict[str, List[np.ndarray]] = {}
     history = []
+    client_history: Dict[str, List[np.ndarray]] = {"rounds": []}
     t_start = time.perf_counter()
     compile_s = None
     pending = exp.round_data(0)
@@ -265,6 +266,9 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
         if (t + 1) % config.eval_every == 0 or t + 1 == T:
             per_client, summ = do_eval(t + 1, state)
             last_summary = summ
+            client_history["rounds"].append(t + 1)
+            for k, v in per_client.items():
+                client_history.setdefault(k, []).append(v.astype(np.float32))
             elapsed = time.perf_counter() - t_start
             eta = elapsed / (t + 1) * (T - t - 1)
             records = []
@@ -304,6 +308,8 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
         per_round_arr = {k: np.stack(v) for k, v in per_round.items()}
         np.savez(os.path.join(out_dir, "rounds.npz"), **per_round_arr,
                  replica_keys=np.asarray([outputs.replica_key(l) for l in exp.replicas.labels]))
+        np.savez(os.path.join(out_dir, "clients_history.npz"),
+                 **{k: np.stack(v) for k, v in client_history.items()})
         np.savez(os.path.join(out_dir, "clients.npz"), **per_client,
                  train_sizes=data.train.sizes, test_sizes=data.test.sizes,
                  train_client_ids=np.asarray(data.train.client_ids).astype(str),
