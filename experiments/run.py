@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 
@@ -140,6 +140,7 @@ def parse_flags_or_fail(argv):
 
 
 def main(argv):
+    logging.set_verbosity(logging.WARNING)  # keep jax's backend probing out of the output
     if len(argv) > 1:
         fail(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
     from deltafl_jax import ConfigError, DataError, run_experiment
