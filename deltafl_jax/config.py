@@ -26,7 +26,9 @@ class ExperimentConfig:
     """One experiment: a dataset, a model, an algorithm and the replicas to train.
 
     Replicas are every (sweep value, seed) pair. For Delta-FL the swept value is theta
-    (``thetas``); for the baselines it is their own hyper-parameter (``sweep_values``).
+    (``thetas``); for the baselines it is their own hyper-parameter (``fedprox_mu``,
+    ``qffl_q``, ``afl_lambda_lr``, ``term_t``, ``fedavg_sub_clients``; () = the defaults of
+    :mod:`deltafl_jax.algorithms.registry`). Each list is read only by its algorithm.
     """
 
     data: DataConfig
@@ -49,9 +51,12 @@ class ExperimentConfig:
     eval_chunk: Optional[int] = None        # None = chosen from the model
     output_dir: Optional[str] = None
     overwrite: bool = False
-    # Baselines (issue 4): the swept hyper-parameter values and fixed ones.
-    sweep_values: Tuple[float, ...] = ()
-    algorithm_options: Tuple[Tuple[str, float], ...] = ()
+    # Baselines (issue 4): the values each one sweeps (() = its default grid).
+    fedavg_sub_clients: Tuple[int, ...] = ()
+    fedprox_mu: Tuple[float, ...] = ()
+    qffl_q: Tuple[float, ...] = ()
+    afl_lambda_lr: Tuple[float, ...] = ()
+    term_t: Tuple[float, ...] = ()
     conv_impl: Optional[str] = None
     save_models: bool = True
     verbose: bool = True
@@ -106,8 +111,31 @@ def _check(c: ExperimentConfig):
             raise ConfigError(f"--thetas must lie in (0, 1], got {t!r}")
     if len(set(c.thetas)) != len(c.thetas):
         raise ConfigError(f"--thetas lists a value twice: {list(c.thetas)}")
+    _check_sweep("fedprox_mu", c.fedprox_mu, lambda v: v >= 0, "must be >= 0")
+    _check_sweep("qffl_q", c.qffl_q, lambda v: v >= 0, "must be >= 0")
+    _check_sweep("afl_lambda_lr", c.afl_lambda_lr, lambda v: v >= 0, "must be >= 0")
+    _check_sweep("term_t", c.term_t, lambda v: True, "")
+    for k in c.fedavg_sub_clients:
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= c.clients_per_round:
+            raise ConfigError(f"--fedavg_sub_clients must be integers in [1, "
+                              f"--clients_per_round={c.clients_per_round}], got {k!r}")
+    if len(set(c.fedavg_sub_clients)) != len(c.fedavg_sub_clients):
+        raise ConfigError(f"--fedavg_sub_clients lists a value twice: "
+                          f"{list(c.fedavg_sub_clients)}")
+    from deltafl_jax.algorithms import registry
+    registry.check(c)
     if not c.output_dir and c.save_models:
         raise ConfigError("--output_dir is required")
+
+
+def _check_sweep(name, values, ok, requirement):
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"--{name} must be finite numbers, got {v!r}")
+        if not ok(v):
+            raise ConfigError(f"--{name} {requirement}, got {v!r}")
+    if len(set(values)) != len(values):
+        raise ConfigError(f"--{name} lists a value twice: {list(values)}")
 
 
 def learning_rate_schedule(lr: float, decay: float, every: int):

@@ -55,13 +55,24 @@ def _gather_replicas(params, r):
     return jax.tree.map(lambda a: jnp.take(a, r, axis=0), params)
 
 
-def _per_lane(fn, lanes: int):
-    """Run `fn` on every lane: unbatched for one lane (plain ops, fast on CPU), vmap for more."""
-    if lanes == 1:
-        def one(*args):
-            out = fn(*jax.tree.map(lambda a: a[0], args))
-            return jax.tree.map(lambda a: a[None], out)
-        return one
+LANE_MODES = ("vmap", "unroll")
+
+
+def _per_lane(fn, lanes: int, mode: str = "vmap"):
+    """Run `fn` on every lane (inputs and outputs carry a leading lane axis).
+
+    One lane: the plain unbatched function. "vmap": one batched computation, the form for
+    accelerators and small models. "unroll": `lanes` independent copies of the unbatched
+    computation, which XLA:CPU can run concurrently on its cores while each keeps ordinary
+    (ungrouped) convolutions.
+    """
+    if mode not in LANE_MODES:
+        raise ValueError(f"unknown lane mode {mode!r}; expected one of {LANE_MODES}")
+    if lanes == 1 or mode == "unroll":
+        def unrolled(*args):
+            outs = [fn(*jax.tree.map(lambda a, i=i: a[i], args)) for i in range(lanes)]
+            return jax.tree.map(lambda *o: jnp.stack(o), *outs)
+        return unrolled
     return jax.vmap(fn)
 
 
@@ -164,6 +175,7 @@ class LocalSGDConfig(NamedTuple):
     lanes: int
     make_optimizer: Callable  # (learning_rate, l2) -> optax.GradientTransformation
     use_prox: bool = False    # add (mu/2)||w - w_t||^2 to the local objective (FedProx)
+    lane_mode: str = "vmap"   # how lanes > 1 run: "vmap" or "unroll" (see _per_lane)
 
 
 def sgd_with_weight_decay(learning_rate, l2):
@@ -225,7 +237,7 @@ def train_jobs(model: Model, params, X, Y, plan, replica_group, job_weight, lear
         updates, opt_state = opt.update(grads, opt_state, p)
         return optax.apply_updates(p, updates), opt_state
 
-    run_step = _per_lane(lane_step, c)
+    run_step = _per_lane(lane_step, c, cfg.lane_mode)
 
     def opt_init(p):
         return cfg.make_optimizer(0.0, 0.0).init(p)

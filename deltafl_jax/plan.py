@@ -155,13 +155,17 @@ class SplitPlan(NamedTuple):
     eval_len: np.ndarray  # [1]
 
 
-def make_split_plan(offsets: np.ndarray, eval_chunk: int) -> SplitPlan:
+def make_split_plan(offsets: np.ndarray, eval_chunk: int,
+                    num_segments: Optional[int] = None) -> SplitPlan:
+    """`num_segments` (>= the number of clients) marks padding; splits of different sizes can
+    share it, and then one compiled evaluation."""
     offsets = np.asarray(offsets, dtype=np.int64)
     total = int(offsets[-1])
     num_clients = offsets.size - 1
+    pad_segment = num_clients if num_segments is None else int(num_segments)
     cap = -(-total // eval_chunk) * eval_chunk
     idx = np.zeros((1, cap), np.int32)
     idx[0, :total] = np.arange(total)
-    seg = np.full((1, cap), num_clients, np.int32)
+    seg = np.full((1, cap), pad_segment, np.int32)
     seg[0, :total] = np.repeat(np.arange(num_clients, dtype=np.int32), np.diff(offsets))
     return SplitPlan(eval_idx=idx, eval_seg=seg, eval_len=np.array([total], np.int32))

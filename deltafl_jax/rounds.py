@@ -8,7 +8,9 @@ replica axis [R, ...]. The round (Algorithm 2):
 
 1. F_k(w_t) of every sampled client for every replica (:func:`engine.evaluate_streams`),
    plus (l2/2)||w_t||^2 when l2 > 0, as the reference code does;
-2. ``algorithm.client_weights``, vmapped over replicas: the filter (eta, tail weights);
+2. ``algorithm.client_weights``, vmapped over replicas: the filter (eta, tail weights), or a
+   baseline's weights; it gets the replica's round key (the seed's key folded with the round)
+   and the sampled clients' ids;
 3. LocalUpdate on the kept clients only (:func:`engine.train_jobs`);
 4. ``algorithm.server_update``, vmapped over replicas: the weighted average.
 
@@ -77,8 +79,9 @@ class Replicas:
 def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                seeds: Sequence[int]) -> ServerState:
     """w_0 of each replica from its seed (replicas with one seed start from one w_0)."""
-    keys = [jax.random.key(int(seeds[g])) for g in replicas.group]
-    params = jax.tree.map(lambda *a: jnp.stack(a), *[model.init(k) for k in keys])
+    keys = jax.vmap(jax.random.key)(
+        jnp.asarray([int(seeds[g]) for g in replicas.group], jnp.uint32))
+    params = jax.jit(jax.vmap(model.init))(keys)
     hyper = {k: jnp.asarray(v) for k, v in replicas.hyper.items()}
     algo_state = jax.vmap(algorithm.init)(params, hyper)
     return ServerState(params=params, algo_state=algo_state, round=jnp.int32(0))
@@ -116,14 +119,16 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         losses = ev.loss_sum / sizes + 0.5 * (l2 * sqnorm)[:, None]
 
         keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(key)
+        clients = plan.clients[group]                               # [R, m] client ids
         weights = jax.vmap(algorithm.client_weights)(state.algo_state, losses, sizes, hyper,
-                                                     keys)
+                                                     keys, clients)
         tr = engine.train_jobs(model, state.params, data.x, data.y, plan, group, weights, lr,
                                l2, hyper.get("mu", jnp.asarray(zeros)), local)
         feedback = ClientFeedback(losses=losses, sizes=sizes, weights=weights,
                                   delta_sum=tr.delta_sum, weight_sum=tr.weight_sum,
                                   job_sqnorm=tr.job_sqnorm, job_finite=tr.job_finite,
-                                  job_trained=tr.job_trained, learning_rate=lr)
+                                  job_trained=tr.job_trained, learning_rate=lr,
+                                  clients=clients)
         params, algo_state, algo_metrics = jax.vmap(algorithm.server_update)(
             state.algo_state, state.params, feedback, hyper)
 

@@ -39,11 +39,27 @@ def default_clients_per_step(model: Model, m: int, backend: Optional[str] = None
     return min(m, 8)
 
 
+def default_lane_mode(model: Model, backend: Optional[str] = None) -> str:
+    """Unrolled lanes for convolutional models on CPU (a vmap over per-client weights turns
+    convolutions into grouped convolutions, ~5x slower on XLA:CPU); vmap elsewhere."""
+    backend = backend or jax.default_backend()
+    return "unroll" if backend == "cpu" and model.name == "cnn" else "vmap"
+
+
 def default_eval_chunk(model: Model, backend: Optional[str] = None) -> int:
+    """Examples per evaluation work item: large enough to amortise the loop, small enough to
+    keep the padding of each replica's last chunk small."""
     backend = backend or jax.default_backend()
     if backend != "cpu":
         return 1024
-    return 256 if model.name == "cnn" else 512
+    return 256 if model.name == "cnn" else 2048
+
+
+def default_eval_lanes(num_replicas: int, backend: Optional[str] = None) -> int:
+    """Evaluation items per step. One on CPU (a bigger chunk is the better batch there); on
+    accelerators one lane per replica (up to 16), so a step evaluates all models at once."""
+    backend = backend or jax.default_backend()
+    return 1 if backend == "cpu" else max(1, min(num_replicas, 16))
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,6 +82,9 @@ class Experiment:
     device_test: Tuple[jax.Array, jax.Array]
     train_plan: Any
     test_plan: Any
+    eval_segments: int = 0  # segment count of the evaluation program (max of both splits)
+    num_sampled: int = 0  # m: clients sampled per round (AFL: all training clients)
+    served_fn: Optional[Callable] = None  # jitted (algo_state, params) -> served params
 
     @property
     def seeds(self):
@@ -77,9 +96,16 @@ class Experiment:
     def keys(self):
         return rounds.replica_keys(self.replicas, self.seeds)
 
+    def served_params(self, state):
+        """The models that are evaluated and saved, [R, ...]: w_t, or what the algorithm
+        serves instead (AFL: the averaged iterate)."""
+        if self.served_fn is None:
+            return state.params
+        return self.served_fn(state.algo_state, state.params)
+
     def round_plan(self, round_idx: int):
         return plan_lib.make_round_plan(self.seeds, round_idx, self.data.train.offsets,
-                                        self.config.clients_per_round, self.work, self.caps)
+                                        self.num_sampled, self.work, self.caps)
 
     def round_data(self, round_idx: int) -> rounds.RoundData:
         x, y = self.device_train
@@ -132,8 +158,9 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
         raise ConfigError(
             f"--clients_per_round={m} exceeds the {data.train.num_clients} training clients of "
             f"{data.name}")
-    setup = registry.build(config)
+    setup = registry.build(config, data)
     algorithm = setup.algorithm
+    m = setup.clients_per_round or m
     replicas = replicas or build_replicas(config, setup)
     local_steps = setup.local_steps if setup.local_steps is not None else config.local_steps
     work = plan_lib.LocalWork(batch_size=config.batch_size, local_epochs=config.local_epochs,
@@ -141,13 +168,14 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     lanes = config.clients_per_step or default_clients_per_step(model, m)
     lanes = min(lanes, m * replicas.size)
     eval_chunk = config.eval_chunk or default_eval_chunk(model)
+    eval_lanes = default_eval_lanes(replicas.size)
     caps = plan_lib.capacities(data.train.sizes, m, work, eval_chunk)
     local = engine.LocalSGDConfig(batch_size=config.batch_size, lanes=lanes,
                                   make_optimizer=engine.sgd_with_weight_decay,
-                                  use_prox=algorithm.use_prox)
+                                  use_prox=algorithm.use_prox,
+                                  lane_mode=default_lane_mode(model))
     round_fn = jax.jit(rounds.build_round_fn(model, algorithm, replicas, local, eval_chunk,
-                                             lanes, m), donate_argnums=(0,))
-    eval_lanes = lanes
+                                             eval_lanes, m), donate_argnums=(0,))
 
     def eval_fn(params, x, y, idx, seg, length, num_segments):
         group = jnp.zeros((jax.tree.leaves(params)[0].shape[0],), jnp.int32)
@@ -156,13 +184,21 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
         return res.loss_sum, res.error_sum
 
     eval_jit = jax.jit(eval_fn, static_argnames=("num_segments",))
+    # Both splits use one segment count (the larger), so one evaluation program serves both.
+    eval_segments = max(data.train.num_clients, data.test.num_clients)
     return Experiment(
         config=config, data=data, model=model, model_options=options, algorithm=algorithm,
         replicas=replicas, work=work, caps=caps, lanes=lanes, eval_chunk=eval_chunk,
         round_fn=round_fn, eval_fn=eval_jit, device_train=_device_split(data.train),
         device_test=_device_split(data.test),
-        train_plan=jax.device_put(plan_lib.make_split_plan(data.train.offsets, eval_chunk)),
-        test_plan=jax.device_put(plan_lib.make_split_plan(data.test.offsets, eval_chunk)))
+        train_plan=jax.device_put(plan_lib.make_split_plan(data.train.offsets, eval_chunk,
+                                                           eval_segments)),
+        test_plan=jax.device_put(plan_lib.make_split_plan(data.test.offsets, eval_chunk,
+                                                          eval_segments)),
+        eval_segments=eval_segments,
+        num_sampled=m,
+        served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
+                   if algorithm.eval_params is not None else None))
 
 
 def evaluate(exp: Experiment, params) -> Dict[str, np.ndarray]:
@@ -175,8 +211,10 @@ def evaluate(exp: Experiment, params) -> Dict[str, np.ndarray]:
                                           ("test", exp.data.test, exp.device_test,
                                            exp.test_plan)):
         loss_sum, err_sum = exp.eval_fn(params, x, y, sp.eval_idx, sp.eval_seg, sp.eval_len,
-                                        num_segments=split.num_clients)
+                                        num_segments=exp.eval_segments)
+        k = split.num_clients
         n = split.sizes.astype(np.float64)
+        loss_sum, err_sum = np.asarray(loss_sum)[:, :k], np.asarray(err_sum)[:, :k]
         loss = np.asarray(loss_sum, np.float64) / n
         if split_name == "train":
             loss = loss + 0.5 * (l2.astype(np.float64) * sqnorm)[:, None]
@@ -226,7 +264,7 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
     R = exp.replicas.size
     log(f"deltafl_jax: {data.name} ({data.train.num_clients} train / {data.test.num_clients} "
         f"test clients), model {exp.model.name}, {config.algorithm}, {R} replicas "
-        f"({len(config.seeds)} seeds), m={config.clients_per_round}, "
+        f"({len(config.seeds)} seeds), m={exp.num_sampled}, "
         f"{exp.lanes} client lane(s) per step, backend {jax.default_backend()}")
     if out_dir:
         if config.overwrite and os.path.isdir(out_dir):
@@ -249,7 +287,7 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
     last_summary, per_client = None, None
 
     def do_eval(t, state):
-        pc = evaluate(exp, state.params)
+        pc = evaluate(exp, exp.served_params(state))
         summ = summarize_clients(exp, pc)
         return pc, summ
 
@@ -297,6 +335,7 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
         "dataset": {"name": data.name, **data.stats()},
         "model": exp.model.name,
         "replicas": [dict(l) for l in exp.replicas.labels],
+        "clients_per_round": exp.num_sampled,
         "clients_per_step": exp.lanes,
         "eval_chunk": exp.eval_chunk,
         "backend": jax.default_backend(),
@@ -316,8 +355,8 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
                  test_client_ids=np.asarray(data.test.client_ids).astype(str),
                  replica_keys=np.asarray([outputs.replica_key(l) for l in exp.replicas.labels]))
         if config.save_models:
-            outputs.save_models(out_dir, state.params, exp.replicas.labels, exp.model,
-                                exp.model_options, data)
+            outputs.save_models(out_dir, exp.served_params(state), exp.replicas.labels,
+                                exp.model, exp.model_options, data)
         outputs.write_json(os.path.join(out_dir, "summary.json"), summary)
     summary["state"] = state
     summary["history"] = history

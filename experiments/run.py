@@ -2,6 +2,10 @@ r"""Train Delta-FL (or a baseline) for every theta x seed in one compiled progra
 
     python -m experiments.run --flagfile=experiments/synthetic.flags [--flag=value ...]
 
+``--algorithm`` may list several methods (``--algorithm=deltafl,fedavg,qffl``): they run one
+after another on the same data, each in its own compiled program, into
+``<output_dir>/<algorithm>/``, and a table of the final test errors closes the run.
+
 This file is the only place that reads flags: it turns them into a frozen
 :class:`deltafl_jax.ExperimentConfig` and calls :func:`deltafl_jax.run_experiment`. Bad input
 prints one line naming the problem to stderr and exits with code 2, before any output
@@ -41,12 +45,23 @@ flags.DEFINE_string("model", "linear", "linear | cnn | mlp | mean | gru | lstm |
                     "sent140_linear")
 flags.DEFINE_string("conv_impl", None, "cnn convolutions: im2col_wgrad (CPU) | xla "
                     "(default: by backend)")
-flags.DEFINE_string("algorithm", "deltafl", "deltafl | fedavg (= deltafl at theta=1)")
+flags.DEFINE_list("algorithm", ["deltafl"], "one or more of deltafl, fedavg (= deltafl at "
+                  "theta=1), fedavg_sub, fedprox, qffl, afl_qffl (q-FFL at q=10), afl, term; "
+                  "several run one after another into <output_dir>/<algorithm>/")
 flags.DEFINE_string("filter", "exact", "exact: tail weights of the superquantile (fractional "
                     "boundary client) | reference: every client with F_k >= eta, full weight")
 flags.DEFINE_list("thetas", [], "conformity levels, e.g. 1.0,0.8,0.5,0.1 (default: these four "
                   "for deltafl, 1.0 for fedavg)")
 flags.DEFINE_list("seeds", ["1"], "seeds; each seeds sampling, shuffling and initialisation")
+# --- baselines: each list is swept in one program (empty: the algorithm's default grid)
+flags.DEFINE_list("fedavg_sub_clients", [], "fedavg_sub: clients averaged per round (default: "
+                  "as many as Delta-FL keeps at each theta < 1 of --thetas)")
+flags.DEFINE_list("fedprox_mu", [], "fedprox: proximal weights mu >= 0 (default "
+                  "0.001,0.01,0.1,1)")
+flags.DEFINE_list("qffl_q", [], "qffl: exponents q >= 0 (default 0.001,0.01,0.1,1,10)")
+flags.DEFINE_list("afl_lambda_lr", [], "afl: step sizes >= 0 of the projected ascent on lambda "
+                  "(default 0.01)")
+flags.DEFINE_list("term_t", [], "term: tilts t (default 0.1,1,10)")
 # --- training
 flags.DEFINE_integer("num_rounds", 100, "communication rounds")
 flags.DEFINE_integer("clients_per_round", 10, "m, clients sampled per round")
@@ -100,8 +115,9 @@ def _toy_means(text):
     return means
 
 
-def config_from_flags():
-    """The frozen experiment configuration described by the flags."""
+def config_from_flags(algorithm: str = None):
+    """The frozen experiment configuration described by the flags (for `algorithm`, default
+    the first of --algorithm)."""
     from deltafl_jax import DataConfig, ExperimentConfig
 
     data = DataConfig(
@@ -115,7 +131,9 @@ def config_from_flags():
         synthetic_shared=FLAGS.synthetic_shared, toy_means=_toy_means(FLAGS.toy_means),
         toy_examples_per_client=FLAGS.toy_examples_per_client)
     return ExperimentConfig(
-        data=data, model=FLAGS.model, algorithm=FLAGS.algorithm, filter=FLAGS.filter,
+        data=data, model=FLAGS.model,
+        algorithm=algorithm if algorithm is not None else (FLAGS.algorithm or [""])[0],
+        filter=FLAGS.filter,
         thetas=_floats("thetas", FLAGS.thetas), seeds=_ints("seeds", FLAGS.seeds),
         num_rounds=FLAGS.num_rounds, clients_per_round=FLAGS.clients_per_round,
         local_epochs=FLAGS.local_epochs, local_steps=FLAGS.local_steps,
@@ -123,7 +141,61 @@ def config_from_flags():
         lr_decay=FLAGS.lr_decay, lr_decay_every=FLAGS.lr_decay_every, l2_reg=FLAGS.l2_reg,
         eval_every=FLAGS.eval_every, clients_per_step=FLAGS.clients_per_step,
         eval_chunk=FLAGS.eval_chunk, output_dir=FLAGS.output_dir, overwrite=FLAGS.overwrite,
-        conv_impl=FLAGS.conv_impl, save_models=FLAGS.save_models)
+        conv_impl=FLAGS.conv_impl, save_models=FLAGS.save_models,
+        fedavg_sub_clients=_ints("fedavg_sub_clients", FLAGS.fedavg_sub_clients),
+        fedprox_mu=_floats("fedprox_mu", FLAGS.fedprox_mu),
+        qffl_q=_floats("qffl_q", FLAGS.qffl_q),
+        afl_lambda_lr=_floats("afl_lambda_lr", FLAGS.afl_lambda_lr),
+        term_t=_floats("term_t", FLAGS.term_t))
+
+
+def configs_from_flags():
+    """One configuration per method of --algorithm. With several methods, each writes into
+    <output_dir>/<algorithm>/, and fedavg ignores --thetas (which then sets Delta-FL's levels
+    and FedAvg-Sub's client counts)."""
+    import dataclasses
+    import os
+
+    names = [a.strip() for a in FLAGS.algorithm]
+    if not names or any(not a for a in names):
+        raise UsageError(f"--algorithm must name at least one method, got "
+                         f"{','.join(FLAGS.algorithm)!r}")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--algorithm lists a method twice: {','.join(names)}")
+    if len(names) == 1:
+        return [config_from_flags(names[0])]
+    configs = []
+    for name in names:
+        config = config_from_flags(name)
+        changes = {}
+        if config.output_dir:
+            changes["output_dir"] = os.path.join(config.output_dir, name)
+        if name == "fedavg":
+            changes["thetas"] = ()
+        configs.append(dataclasses.replace(config, **changes))
+    return configs
+
+
+def comparison_lines(results):
+    """Rows 'method, swept value: mean and p90 of the final per-client test error, each the
+    mean over seeds' of a multi-method run. results: [(algorithm, summary dict)]."""
+    from deltafl_jax.outputs import replica_key
+
+    lines = [f"{'method':<28} {'test error mean':>16} {'test error p90':>15}  seeds"]
+    for name, summary in results:
+        groups = {}
+        for lab in summary["replicas"]:
+            if "param_name" in lab:
+                what = f"{lab['param_name']}={lab['param_value']:g}"
+            else:
+                what = f"theta={lab['theta']:g}"
+            groups.setdefault(what, []).append(summary["final"][replica_key(lab)])
+        for what, finals in groups.items():
+            mean = sum(f["test_error_mean"] for f in finals) / len(finals)
+            p90 = sum(f["test_error_p90"] for f in finals) / len(finals)
+            lines.append(f"{name + ' ' + what:<28} {100 * mean:15.2f}% {100 * p90:14.2f}%  "
+                         f"{len(finals)}")
+    return lines
 
 
 def fail(message: str) -> None:
@@ -143,13 +215,25 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # keep jax's backend probing out of the output
     if len(argv) > 1:
         fail(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
-    from deltafl_jax import ConfigError, DataError, run_experiment
+    from deltafl_jax import ConfigError, DataError, load_dataset, outputs, run_experiment
 
     try:
-        config = config_from_flags()
-        run_experiment(config)
+        configs = configs_from_flags()
+        for config in configs:  # refuse before anything runs
+            if (config.output_dir and outputs.has_results(config.output_dir)
+                    and not config.overwrite):
+                raise ConfigError(f"--output_dir={config.output_dir} already holds results; "
+                                  f"pass --overwrite or choose another directory")
+        data = load_dataset(configs[0].data)
+        results = []
+        for config in configs:
+            summary = run_experiment(config, data)
+            results.append((config.algorithm, summary))
     except (UsageError, ConfigError, DataError) as e:
         fail(str(e))
+    if len(configs) > 1 and configs[0].verbose:
+        print("\n".join(["", "Final test error per method (mean over seeds):"]
+                        + comparison_lines(results)), flush=True)
 
 
 if __name__ == "__main__":

@@ -151,3 +151,19 @@ def test_jitted_round_equals_unjitted_and_round_two_does_not_recompile(tiny_synt
     for t in (1, 2, 3):  # new plans, same shapes: no new trace
         s_jit, _ = traced(s_jit, exp.round_data(t), keys)
     assert int(s_jit.round) == 4
+
+
+def test_unrolled_lanes_equal_vmapped_lanes(tiny_synthetic):
+    cfg = tiny_config(thetas=(1.0, 0.4), seeds=(1, 2), clients_per_step=3)
+    exp = build_experiment(cfg, tiny_synthetic)
+    outs = []
+    for mode in ("vmap", "unroll"):
+        local = LocalSGDConfig(cfg.batch_size, 3, sgd_with_weight_decay, lane_mode=mode)
+        fn = jax.jit(rounds.build_round_fn(exp.model, exp.algorithm, exp.replicas, local,
+                                           exp.eval_chunk, 1, cfg.clients_per_round))
+        state, keys = exp.initial_state(), exp.keys()
+        for t in range(3):
+            state, met = fn(state, exp.round_data(t), keys)
+        outs.append(state.params)
+    for x, y in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)

@@ -5,9 +5,14 @@ baselines of the CISS paper, Table I):
 
 1. the engine computes each sampled client's loss F_k(w_t) on its whole training data;
 2. ``client_weights`` turns (F, n) into aggregation weights a_k >= 0; a_k = 0 means the client
-   does no local work (the Delta-FL filter, FedAvg-Sub's subset, ...);
+   does no local work (the Delta-FL filter, FedAvg-Sub's subset, ...). It also receives the
+   replica's round key and the ids of the sampled clients (AFL keeps one lambda_k per
+   training client);
 3. the engine runs LocalUpdate on every client with a_k > 0 and returns sums over them;
 4. ``server_update`` forms the new global model.
+
+An algorithm may also say which parameters are *served* (evaluated and saved): AFL serves the
+average of its iterates (``eval_params``); by default the served model is w_t.
 
 All three functions act on ONE replica (one conformity level / hyper-parameter and one seed);
 the round vmaps them over replicas. Hyper-parameters that may differ between replicas of one
@@ -17,7 +22,7 @@ when the factory builds the algorithm.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +44,7 @@ class ClientFeedback(NamedTuple):
       job_finite: [m] the client trained and its update is finite.
       job_trained: [m] the client trained.
       learning_rate: this round's client learning rate.
+      clients: [m] int32 ids of the sampled clients (indices into the training clients).
     """
 
     losses: jax.Array
@@ -50,12 +56,14 @@ class ClientFeedback(NamedTuple):
     job_finite: jax.Array
     job_trained: jax.Array
     learning_rate: jax.Array
+    clients: Any = None
 
 
 class FederatedAlgorithm(NamedTuple):
     """init(params, hyper) -> state;
-    client_weights(state, losses, sizes, hyper, key) -> [m] a_k;
-    server_update(state, params, feedback, hyper) -> (params, state, metrics dict of scalars).
+    client_weights(state, losses, sizes, hyper, key, clients) -> [m] a_k;
+    server_update(state, params, feedback, hyper) -> (params, state, metrics dict of scalars);
+    eval_params(state, params) -> the parameters to evaluate and save (None: params).
 
     `sweep`: name of the hyper-parameter that a multi-value flag sweeps (e.g. "theta").
     `use_prox`: the local objective carries FedProx's (mu/2)||w - w_t||^2 (hyper["mu"]).
@@ -69,6 +77,15 @@ class FederatedAlgorithm(NamedTuple):
     sweep: str = "theta"
     use_prox: bool = False
     local_steps: Any = None
+    eval_params: Optional[Callable[[State, Params], Params]] = None
+
+
+def served_params(algorithm: FederatedAlgorithm, state, params):
+    """The parameters an algorithm serves, for ONE replica: eval_params(state, params), or
+    params itself when the algorithm has no such hook."""
+    if algorithm.eval_params is None:
+        return params
+    return algorithm.eval_params(state, params)
 
 
 def average_update(params, feedback: ClientFeedback):

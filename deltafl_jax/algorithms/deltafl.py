@@ -38,8 +38,8 @@ def deltafl(filter: str = "exact", tie_rtol: float = DEFAULT_TIE_RTOL) -> Federa
         raise ValueError(f"unknown filter {filter!r}; choose one of {', '.join(FILTERS)}")
     rule = tail_weights if filter == "exact" else threshold_weights
 
-    def client_weights(state, losses, sizes, hyper, key):
-        del state, key
+    def client_weights(state, losses, sizes, hyper, key, clients):
+        del state, key, clients
         return rule(losses, sizes.astype(jnp.float32), hyper["theta"], tie_rtol)
 
     def server_update(state, params, feedback, hyper):
