@@ -1,0 +1,77 @@
+r"""Write the papers' tables and figures for finished runs.
+
+    python -m experiments.report RUN_DIR [RUN_DIR ...] --out=DIR [--percentile=lower|linear]
+
+Writes into DIR: ``report.md`` (Table 2 = 90th percentile and Table 3 = mean of the per-client
+test misclassification error in %, mean +- std over seeds, plus the alpha-weighted train-loss
+mean and 90th percentile; Sec. 5 of the long paper), the PNG figures of Sec. 5 and App. C.3
+(Fig. 4 histograms, Fig. 5 scatter, Figs. 6-11 curves, Fig. 16 clients kept per round) and the
+per-client values as CSV. Several run directories put their methods side by side; a directory
+of runs (e.g. ``runs/``) stands for the runs in it. Runs that are missing or incomplete are
+skipped with one line on stderr. The library is :mod:`deltafl_jax.report`; this file only
+reads flags. Bad input prints one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("out", None, "directory for report.md, the figures and the CSV files")
+flags.DEFINE_enum("percentile", "lower", ["lower", "linear"],
+                  "lower: weighted lower quantile (train losses alpha-weighted); linear: "
+                  "NumPy's linear interpolation, unweighted, as the reference scripts")
+flags.DEFINE_integer("dpi", 110, "resolution of the PNG figures")
+
+
+def fail(message: str) -> None:
+    """One line on stderr, exit code 2."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def parse_flags_or_fail(argv):
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        fail(str(e).splitlines()[0] if str(e) else "bad flags")
+
+
+def main(argv):
+    logging.set_verbosity(logging.WARNING)
+    paths = argv[1:]
+    if not paths:
+        fail("no run directory given (usage: python -m experiments.report RUN_DIR [RUN_DIR "
+             "...] --out=DIR)")
+    if not FLAGS.out:
+        fail("--out is required (the directory for report.md and the figures)")
+    if os.path.exists(FLAGS.out) and not os.path.isdir(FLAGS.out):
+        fail(f"--out={FLAGS.out} exists and is not a directory")
+    if FLAGS.dpi < 10:
+        fail(f"--dpi must be at least 10, got {FLAGS.dpi}")
+    import matplotlib
+    matplotlib.use("Agg")
+    from deltafl_jax import report
+
+    def warn(line):
+        print(line, file=sys.stderr, flush=True)
+
+    runs, skipped = report.load(paths, log=warn)
+    if not runs:
+        fail(f"no complete run among {' '.join(paths)} (see the lines above)")
+    try:
+        os.makedirs(FLAGS.out, exist_ok=True)
+    except OSError as e:
+        fail(f"--out={FLAGS.out} cannot be created ({e.strerror})")
+    out = report.write_report(runs, FLAGS.out, percentile=FLAGS.percentile, skipped=skipped,
+                              dpi=FLAGS.dpi, log=warn)
+    print(f"wrote {out['report']} ({len(runs)} run(s), {len(out['figures'])} figure(s), "
+          f"{len(out['csv'])} CSV file(s); {len(skipped)} skipped)", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags_or_fail)

@@ -1,0 +1,422 @@
+"""Reports of real tiny runs: the tables against metrics.jsonl and against NumPy written another
+way (percentiles by repeating each loss n_k times), the figures' plotted arrays, the CSV files,
+and runs that are missing or incomplete (skipped with one line, never a crash)."""
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from deltafl_jax import DataConfig, ExperimentConfig, run_experiment
+from deltafl_jax import report
+from experiments import report as report_cli
+
+REPO = os.path.dirname(os.path.dirname(__file__))
+TINY_DATA = DataConfig("synthetic", synthetic_num_clients=20, synthetic_max_examples=120,
+                       synthetic_shared=0.8)
+
+
+def tiny_run(out_dir, **overrides):
+    """A run of tests/tiny.flags' size, written to out_dir."""
+    base = dict(data=TINY_DATA, model="linear", algorithm="deltafl", thetas=(1.0, 0.5),
+                seeds=(1, 2), num_rounds=6, clients_per_round=4, batch_size=16,
+                learning_rate=0.05, eval_every=3, output_dir=str(out_dir), save_models=False,
+                verbose=False)
+    base.update(overrides)
+    run_experiment(ExperimentConfig(**base))
+    return str(out_dir)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    delta = tiny_run(root / "delta")
+    fedavg = tiny_run(root / "fedavg", algorithm="fedavg", thetas=(), seeds=(1, 2, 3),
+                      learning_rate=0.1)
+    return {"delta": delta, "fedavg": fedavg, "root": str(root)}
+
+
+def cli(argv, capsys):
+    """experiments.report in-process: (exit code, stdout, stderr)."""
+    report_cli.FLAGS.unparse_flags()
+    code = 0
+    try:
+        rest = report_cli.parse_flags_or_fail(["report"] + list(argv))
+        report_cli.main(rest)
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# --------------------------------------------------------------------------------------------
+# Independent references
+
+
+def lower_percentile(values, counts, percent):
+    """The reference code's rule: repeat value k counts[k] times, sort, take index
+    ceil(N p) - 1, in exact integer arithmetic."""
+    rep = np.sort(np.repeat(np.asarray(values, np.float64), np.asarray(counts, np.int64)))
+    k = -(-len(rep) * percent // 100)
+    return rep[max(k - 1, 0)]
+
+
+def reference_final(run_dir, percentile):
+    """(theta or algorithm, seed) -> metrics, from clients.npz with NumPy only."""
+    z = np.load(os.path.join(run_dir, "clients.npz"))
+    n = z["train_sizes"]
+    out = {}
+    for r, key in enumerate(z["replica_keys"]):
+        tl, te = z["train_loss"][r], z["test_error"][r]
+        if percentile == "lower":
+            p_train = lower_percentile(tl, n, 90)
+            p_test = lower_percentile(te, np.ones_like(te, dtype=np.int64), 90)
+        else:
+            p_train, p_test = np.percentile(tl, 90), np.percentile(te, 90)
+        out[str(key)] = {"train_loss_mean": np.sum(tl * n) / np.sum(n),
+                         "train_loss_p90": p_train,
+                         "test_error_mean": te.sum() / te.size, "test_error_p90": p_test}
+    return out
+
+
+def last_records(run_dir):
+    records = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+    last = max(r["round"] for r in records)
+    return [r for r in records if r["round"] == last]
+
+
+def parse_tables(md):
+    """Section title -> (column labels, {row: [cell text]})."""
+    tables, title, lines = {}, None, md.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("## "):
+            title = line[3:]
+        elif line.startswith("| Dataset / model") and title:
+            header = [c.strip() for c in line.strip("|").split("|")][1:]
+            rows = {}
+            for body in lines[i + 2:]:
+                if not body.startswith("|"):
+                    break
+                cells = [c.strip() for c in body.strip("|").split("|")]
+                rows[cells[0]] = cells[1:]
+            tables[title] = (header, rows)
+    return tables
+
+
+def cell_numbers(text):
+    mean, std = text.replace("**", "").split("±")
+    return float(mean), float(std)
+
+
+def table_of(tables, prefix):
+    (title,) = [t for t in tables if t.startswith(prefix)]
+    return tables[title]
+
+
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("percentile", ["lower", "linear"])
+def test_tables_against_metrics_jsonl_and_numpy(runs, tmp_path, capsys, percentile):
+    out = tmp_path / "rep"
+    code, stdout, err = cli([runs["delta"], runs["fedavg"], f"--out={out}",
+                             f"--percentile={percentile}"], capsys)
+    assert code == 0, err
+    assert "wrote" in stdout and os.path.exists(out / "report.md")
+    md = open(out / "report.md").read()
+    tables = parse_tables(md)
+    assert ("linear interpolation" in md) and ("α_k" in md) and ("unweighted" in md)
+
+    ref = {name: reference_final(runs[name], percentile) for name in ("delta", "fedavg")}
+    jsonl = {name: last_records(runs[name]) for name in ("delta", "fedavg")}
+    # Column -> (run, replica keys); the two FedAvg columns carry their run's name.
+    columns = {"FedAvg [delta]": ("delta", ["theta=1_seed=1", "theta=1_seed=2"]),
+               "Δ-FL, θ = 0.5": ("delta", ["theta=0.5_seed=1", "theta=0.5_seed=2"]),
+               "FedAvg [fedavg]": ("fedavg", [f"theta=1_seed={s}" for s in (1, 2, 3)])}
+    specs = {"Table 2": ("test_error_p90", 100.0), "Table 3": ("test_error_mean", 100.0),
+             "Train loss: alpha-weighted mean": ("train_loss_mean", 1.0),
+             "Train loss: 90th": ("train_loss_p90", 1.0)}
+    for prefix, (metric, scale) in specs.items():
+        header, rows = table_of(tables, prefix)
+        assert sorted(header) == sorted(columns)
+        assert list(rows) == ["synthetic / linear"]
+        digits = 2 if scale == 100.0 else 4
+        for label, (run, keys) in columns.items():
+            mean, std = cell_numbers(rows["synthetic / linear"][header.index(label)])
+            per_seed = np.array([ref[run][k][metric] for k in keys]) * scale
+            assert mean == pytest.approx(per_seed.mean(), abs=0.51 * 10 ** -digits)
+            assert std == pytest.approx(per_seed.std(), abs=0.51 * 10 ** -digits)
+            if percentile == "lower" or metric.endswith("mean"):
+                # metrics.jsonl (the runner's own summary) says the same.
+                logged = np.array([r[metric] for r in jsonl[run]
+                                   if f"theta={r['theta']:g}_seed={r['seed']}" in keys])
+                assert len(logged) == len(keys)
+                np.testing.assert_allclose(np.sort(logged * scale), np.sort(per_seed),
+                                           rtol=1e-6)
+
+    # final.csv carries the unrounded values.
+    with open(out / "final.csv") as f:
+        final = list(csv.DictReader(f))
+    assert len(final) == 4 + 3
+    for row in final:
+        want = ref[row["run"]][row["replica"]]
+        for metric in ("train_loss_mean", "train_loss_p90", "test_error_mean",
+                       "test_error_p90"):
+            assert float(row[metric]) == pytest.approx(want[metric], rel=1e-6, abs=1e-7)
+
+
+def test_bold_marks_the_lowest_mean_of_the_row(runs, tmp_path, capsys):
+    code, _, err = cli([runs["delta"], f"--out={tmp_path}"], capsys)
+    assert code == 0, err
+    header, rows = table_of(parse_tables(open(tmp_path / "report.md").read()), "Table 2")
+    cells = rows["synthetic / linear"]
+    means = [cell_numbers(c)[0] for c in cells]
+    bold = [c.startswith("**") for c in cells]
+    assert header == ["FedAvg", "Δ-FL, θ = 0.5"]
+    assert bold == [m == min(means) for m in means]
+
+
+def test_figures_plot_the_per_client_and_per_round_data(runs):
+    runs_read, skipped = report.load([runs["delta"]])
+    assert skipped == []
+    cols = report.columns(runs_read)
+    assert [c.label for c in cols] == ["FedAvg", "Δ-FL, θ = 0.5"]
+    z = np.load(os.path.join(runs["delta"], "clients.npz"))
+    keys = list(z["replica_keys"])
+    reps = {"FedAvg": [keys.index("theta=1_seed=1"), keys.index("theta=1_seed=2")],
+            "Δ-FL, θ = 0.5": [keys.index("theta=0.5_seed=1"), keys.index("theta=0.5_seed=2")]}
+
+    # Fig. 4: bars are the fractions of test clients per bin of the seed-averaged error.
+    fig = report.histogram_figure(cols, "test", "error")
+    for ax in fig.axes[:2]:
+        r = reps[ax.get_title()]
+        err = z["test_error"][r].mean(axis=0)
+        bars = ax.patches
+        edges = np.array([b.get_x() for b in bars] + [bars[-1].get_x() + bars[-1].get_width()])
+        # 5 %-wide bins on [0, 1] (rebuilt exactly: errors like 1/4 sit on the edges).
+        np.testing.assert_allclose(edges, np.arange(21) / 20, atol=1e-12)
+        counts, _ = np.histogram(err, bins=np.arange(21) / 20)
+        np.testing.assert_allclose([b.get_height() for b in bars], counts / err.size)
+        p90 = np.mean([lower_percentile(z["test_error"][i], np.ones(err.size, int), 90)
+                       for i in r])
+        assert ax.lines[0].get_xdata()[0] == pytest.approx(p90, rel=1e-6)
+    # Train-loss histogram: bars are alpha-weighted.
+    fig = report.histogram_figure(cols, "train", "loss")
+    for ax in fig.axes[:2]:
+        loss = z["train_loss"][reps[ax.get_title()]].mean(axis=0)
+        bars = ax.patches
+        edges = np.array([b.get_x() for b in bars] + [bars[-1].get_x() + bars[-1].get_width()])
+        mass, _ = np.histogram(loss, bins=edges, weights=z["train_sizes"])
+        np.testing.assert_allclose([b.get_height() for b in bars],
+                                   mass / z["train_sizes"].sum(), atol=1e-12)
+
+    # Fig. 5: scatter of (n_k, value averaged over seeds).
+    fig = report.scatter_figure(cols)
+    top, bottom = fig.axes[:2], fig.axes[2:4]
+    for j, label in enumerate(["FedAvg", "Δ-FL, θ = 0.5"]):
+        r = reps[label]
+        np.testing.assert_allclose(
+            top[j].collections[0].get_offsets(),
+            np.column_stack([z["train_sizes"], z["train_loss"][r].mean(0)]))
+        np.testing.assert_allclose(
+            bottom[j].collections[0].get_offsets(),
+            np.column_stack([z["test_sizes"], z["test_error"][r].mean(0)]))
+
+    # Figs. 6-11: mean over seeds at every evaluation, as metrics.jsonl logged it.
+    records = [json.loads(l) for l in open(os.path.join(runs["delta"], "metrics.jsonl"))]
+    fig = report.curves_figure(cols)
+    metrics = ["train_loss_mean", "train_loss_p90", "test_error_mean", "test_error_p90"]
+    for ax, metric in zip(fig.axes[:4], metrics):
+        lines = {l.get_label(): l for l in ax.lines}
+        for label, theta in (("FedAvg", 1.0), ("Δ-FL, θ = 0.5", 0.5)):
+            rounds = sorted({r["round"] for r in records})
+            want = [np.mean([r[metric] for r in records
+                             if r["round"] == t and r["theta"] == theta]) for t in rounds]
+            np.testing.assert_array_equal(lines[label].get_xdata(), rounds)
+            np.testing.assert_allclose(lines[label].get_ydata(), want, rtol=2e-6)
+
+    # Fig. 16: clients kept per round, mean over seeds and a min/max band.
+    rz = np.load(os.path.join(runs["delta"], "rounds.npz"))
+    rkeys = list(rz["replica_keys"])
+    fig = report.kept_figure(cols)
+    ax = fig.axes[0]
+    for j, label in enumerate(["FedAvg", "Δ-FL, θ = 0.5"]):
+        theta = "1" if label == "FedAvg" else "0.5"
+        sel = rz["num_selected"][:, [rkeys.index(f"theta={theta}_seed={s}") for s in (1, 2)]]
+        line = [l for l in ax.lines if l.get_label() == label][0]
+        np.testing.assert_array_equal(line.get_xdata(), np.arange(1, 7))
+        np.testing.assert_allclose(line.get_ydata(), sel.mean(axis=1))
+        band = ax.collections[j].get_paths()[0].vertices
+        for t in range(6):
+            ys = band[np.isclose(band[:, 0], t + 1), 1]
+            assert ys.min() == sel[t].min() and ys.max() == sel[t].max()
+    assert rz["num_selected"][:, rkeys.index("theta=1_seed=1")].tolist() == [4] * 6
+
+
+def test_clients_csv_holds_every_final_per_client_value(runs, tmp_path, capsys):
+    code, _, err = cli([runs["delta"], f"--out={tmp_path}"], capsys)
+    assert code == 0, err
+    z = np.load(os.path.join(runs["delta"], "clients.npz"))
+    with open(tmp_path / "clients.csv") as f:
+        rows = list(csv.DictReader(f))
+    R, n_train = z["train_loss"].shape
+    n_test = z["test_loss"].shape[1]
+    assert len(rows) == R * (n_train + n_test)
+    keys = list(z["replica_keys"])
+    for row in rows:
+        r, k = keys.index(row["replica"]), int(row["client_index"])
+        split = row["split"]
+        assert float(row["loss"]) == z[f"{split}_loss"][r, k]
+        assert float(row["error"]) == z[f"{split}_error"][r, k]
+        assert int(row["num_examples"]) == z[f"{split}_sizes"][k]
+        assert row["client_id"] == str(z[f"{split}_client_ids"][k])
+    for name in ("fig4_hist_test_error_synthetic_linear.png", "fig5_scatter_synthetic_linear.png",
+                 "fig6_curves_synthetic_linear.png",
+                 "fig16_kept_clients_synthetic_linear.png"):
+        assert os.path.getsize(tmp_path / name) > 1000, name
+        assert f"]({name})" in open(tmp_path / "report.md").read()
+
+
+def test_missing_and_incomplete_runs_are_skipped_with_one_line(runs, tmp_path, capsys):
+    missing = tmp_path / "nope"
+    cut = tmp_path / "cut"            # stopped before the end: only metrics.jsonl
+    cut.mkdir()
+    shutil.copy(os.path.join(runs["delta"], "metrics.jsonl"), cut / "metrics.jsonl")
+    broken = tmp_path / "broken"      # summary.json but a truncated clients.npz
+    shutil.copytree(runs["delta"], broken)
+    with open(broken / "clients.npz", "r+b") as f:
+        f.truncate(100)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = tmp_path / "rep"
+    code, _, err = cli([runs["delta"], str(missing), str(cut), str(broken), str(empty),
+                        f"--out={out}"], capsys)
+    assert code == 0, err
+    lines = [l for l in err.splitlines() if l.startswith("skipped")]
+    assert len(lines) == 4
+    assert lines[0] == f"skipped {missing}: no such directory"
+    assert lines[1].startswith(f"skipped {cut}: incomplete run: no summary.json")
+    assert "the last at round 6" in lines[1]
+    assert lines[2].startswith(f"skipped {broken}: clients.npz cannot be read")
+    assert lines[3].startswith(f"skipped {empty}: not a run directory")
+    md = open(out / "report.md").read()
+    assert all(f"- {l}" in md for l in lines)
+    assert "| synthetic / linear |" in md
+
+    # Nothing usable: one line, exit code 2, no report.
+    out2 = tmp_path / "rep2"
+    code, _, err = cli([str(missing), str(cut), f"--out={out2}"], capsys)
+    assert code == 2
+    assert err.splitlines()[-1].startswith("error: no complete run among")
+    assert not (out2 / "report.md").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "error: no run directory given"),
+    (["RUN"], "error: --out is required"),
+    (["RUN", "--out=OUT", "--percentile=cubic"], "error: flag --percentile=cubic"),
+    (["RUN", "--out=FILE"], "exists and is not a directory"),
+])
+def test_bad_input_exits_2_with_one_line(runs, tmp_path, capsys, argv, message):
+    (tmp_path / "file").write_text("x")
+    argv = [a.replace("RUN", runs["delta"]).replace("OUT", str(tmp_path / "o"))
+            .replace("FILE", str(tmp_path / "file")) for a in argv]
+    code, _, err = cli(argv, capsys)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
+
+
+def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "experiments.report", str(tmp_path / "none"),
+                           f"--out={tmp_path / 'o'}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"skipped {tmp_path / 'none'}: no such directory",
+        f"error: no complete run among {tmp_path / 'none'} (see the lines above)"]
+
+
+def test_a_run_without_history_uses_metrics_jsonl_for_lower_curves_only(runs, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(runs["delta"], old)
+    os.remove(old / "clients_history.npz")
+    (run,), _ = report.load([str(old)])
+    assert any("no clients_history.npz" in n for n in run.notes)
+    rounds, per = run.curves("lower")
+    records = [json.loads(l) for l in open(old / "metrics.jsonl")]
+    for r, key in enumerate(run.keys):
+        mine = [x for x in records if f"theta={x['theta']:g}_seed={x['seed']}" == key]
+        np.testing.assert_array_equal(rounds, [x["round"] for x in mine])
+        np.testing.assert_array_equal(per["test_error_p90"][:, r],
+                                      [x["test_error_p90"] for x in mine])
+    assert run.curves("linear") is None
+    out = report.write_report([run], str(tmp_path / "rep"), percentile="linear")
+    assert not any("fig6_curves" in f for f in out["figures"])
+    assert any("no curves for FedAvg, Δ-FL, θ = 0.5" in n for n in out["notes"])
+
+
+def test_linear_curves_are_recomputed_from_the_client_history(runs):
+    (run,), _ = report.load([runs["delta"]])
+    h = np.load(os.path.join(runs["delta"], "clients_history.npz"))
+    rounds, per = run.curves("linear")
+    np.testing.assert_array_equal(rounds, h["rounds"])
+    np.testing.assert_allclose(per["test_error_p90"],
+                               np.percentile(h["test_error"].astype(np.float64), 90, axis=2))
+    np.testing.assert_allclose(per["train_loss_p90"],
+                               np.percentile(h["train_loss"].astype(np.float64), 90, axis=2))
+
+
+def test_load_runs_gives_tidy_rows_and_a_dataframe_only_with_pandas(runs, monkeypatch):
+    log = []
+    rows = report.load_runs([runs["root"], "/nonexistent/run"], as_frame=False,
+                            log=log.append)
+    assert log == ["skipped /nonexistent/run: no such directory"]
+    assert {r["method"] for r in rows} == {"FedAvg [delta]", "Δ-FL, θ = 0.5",
+                                           "FedAvg [fedavg]"}
+    assert len(rows) == 4 + 3
+    ref = reference_final(runs["delta"], "lower")
+    for row in rows:
+        if row["run"] == "delta":
+            assert row["test_error_p90"] == pytest.approx(ref[row["replica"]]["test_error_p90"],
+                                                          rel=1e-6)
+    kept = report.load_runs(runs["delta"], kind="kept", as_frame=False)
+    assert len(kept) == 4 * 6 and {r["num_selected"] for r in kept} <= set(range(1, 5))
+
+    monkeypatch.setitem(sys.modules, "pandas", None)          # pandas not installed
+    assert isinstance(report.load_runs(runs["delta"]), list)
+    with pytest.raises(ImportError, match="needs pandas"):
+        report.load_runs(runs["delta"], as_frame=True)
+
+    made = []
+    fake = types.ModuleType("pandas")
+    fake.DataFrame = lambda rows: made.append(rows) or "frame"
+    monkeypatch.setitem(sys.modules, "pandas", fake)          # pandas installed
+    assert report.load_runs(runs["delta"], kind="curves") == "frame"
+    assert len(made[0]) == 4 * 2 and {r["round"] for r in made[0]} == {3, 6}
+    with pytest.raises(ValueError, match="unknown kind"):
+        report.load_runs(runs["delta"], kind="nope")
+
+
+def test_column_names_follow_the_papers_tables():
+    cases = [({"algorithm": "deltafl", "theta": 1.0, "seed": 1}, "exact", "FedAvg"),
+             ({"algorithm": "fedavg", "theta": 1.0, "seed": 2}, "exact", "FedAvg"),
+             ({"algorithm": "deltafl", "theta": 0.8, "seed": 1}, "exact", "Δ-FL, θ = 0.8"),
+             ({"algorithm": "deltafl", "theta": 0.5, "seed": 1}, "reference",
+              "Δ-FL, θ = 0.5 (reference filter)"),
+             ({"algorithm": "qffl", "theta": 1.0, "param_name": "qffl_q", "param_value": 10.0,
+               "seed": 1}, "exact", "q-FFL, q = 10"),
+             ({"algorithm": "fedprox", "theta": 1.0, "param_name": "fedprox_mu",
+               "param_value": 0.01, "seed": 1}, "exact", "FedProx, μ = 0.01"),
+             ({"algorithm": "fedavg_sub", "theta": 0.5, "seed": 3}, "exact",
+              "FedAvg-Sub, θ = 0.5"),
+             ({"algorithm": "fedavg", "theta": 1.0, "learning_rate": 0.1, "lr_decay": 2.0,
+               "seed": 1, "key": "lr=0.1_decay=2_seed=1"}, "exact",
+              "FedAvg, learning_rate = 0.1, lr_decay = 2")]
+    for label, filt, want in cases:
+        assert report.method_label(label, filt) == want
