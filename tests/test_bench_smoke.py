@@ -1,0 +1,64 @@
+"""Smoke runs of the benchmark scripts at tiny sizes, so that they keep working. The figures
+themselves are not asserted (machines are noisy); the JSON's shape and its internal
+consistency are."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(__file__))
+
+
+def run_json(args, tmp_path, name):
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, "-m"] + args + [f"--out={out}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_femnist_like_sizes_have_femnist_shape():
+    from bench.common import femnist_like_sizes
+    sizes = femnist_like_sizes(865, seed=0)
+    assert sizes.min() == 101 and sizes.max() == 447
+    assert abs(np.median(sizes) - 179) <= 6
+
+
+def test_round_speed_smoke(tmp_path):
+    res = run_json(["bench.round_speed", "--shapes=cnn,linear", "--cnn_lanes=1",
+                    "--linear_lanes=1,3", "--clients=3", "--num_clients=8", "--rounds=1"],
+                   tmp_path, "round_speed")
+    assert set(res["shapes"]) == {"cnn", "linear"}
+    for shape, per_lanes in res["shapes"].items():
+        for lanes, row in per_lanes.items():
+            assert "error" not in row, row
+            assert row["clients_per_step"] == int(lanes)
+            assert row["s_per_round"] > 0 and row["peak_rss_mb"] > 0
+            assert row["padded_over_real"] >= 1.0
+            assert row["trained_over_kept"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("model", ["linear", "cnn"])
+def test_compare_smoke(tmp_path, model):
+    res = run_json(["bench.compare", f"--model={model}", "--clients=3", "--num_clients=8",
+                    "--rounds=1", "--warmup=1"], tmp_path, "compare")
+    keys = {"model", "backend", "engine_s_per_round", "torch_loop_s_per_round",
+            "jax_loop_s_per_round", "speedup_vs_torch", "speedup_vs_jax_loop",
+            "padded_over_real", "trained_over_kept", "compile_s", "peak_rss_mb"}
+    assert keys <= set(res)
+    assert res["speedup_vs_torch"] == pytest.approx(
+        res["torch_loop_s_per_round"] / res["engine_s_per_round"])
+    assert res["trained_over_kept"] == pytest.approx(1.0)
+
+
+def test_theta_sweep_smoke(tmp_path):
+    res = run_json(["bench.theta_sweep", "--r=2", "--clients=3", "--num_clients=8",
+                    "--rounds=1"], tmp_path, "theta_sweep")
+    rows = {row["r"]: row for row in res["rows"]}
+    assert set(rows) == {2}
+    assert rows[2]["joint_compiles"] == 1 and rows[2]["separate_compiles"] == 2
+    assert len(rows[2]["separate_s_per_round_each"]) == 2
