@@ -92,3 +92,54 @@ def machine() -> Dict:
 
 
 median = statistics.median
+
+
+class CompileTimer:
+    """Seconds JAX spends tracing, lowering and compiling while active (from jax.monitoring)."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        import jax
+        self.seconds = 0.0
+        self.active = False
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+
+    def _on(self, name, duration, **kwargs):
+        if self.active and name in self.EVENTS:
+            self.seconds += duration
+
+    def __enter__(self):
+        self.active = True
+        return self
+
+    def __exit__(self, *exc):
+        self.active = False
+        return False
+
+
+def forward_flops_per_example(model) -> float:
+    """FLOPs of one example's forward pass, from XLA's cost analysis of the model alone."""
+    import jax
+    import jax.numpy as jnp
+
+    params = model.init(jax.random.key(0))
+    x = jnp.zeros((64,) + tuple(model.example_shape), model.input_dtype)
+    cost = jax.jit(model.apply).lower(params, x).compile().cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0]
+    return float(cost["flops"]) / 64
+
+
+def gemm_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """Measured float32 GEMM rate (n x n times n x n): the practical roof of this machine."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    jax.block_until_ready(f(a))
+    best = min(median_time(lambda: jax.block_until_ready(f(a)), repeats))
+    return 2 * n ** 3 / best / 1e9

@@ -205,7 +205,8 @@ def main(argv):
     del argv
     import jax
 
-    from bench.common import emit, femnist_like_dataset, machine, median, peak_rss_mb
+    from bench.common import (CompileTimer, emit, femnist_like_dataset, forward_flops_per_example,
+                              gemm_peak_gflops, machine, median, peak_rss_mb)
     from deltafl_jax import DataConfig, ExperimentConfig, build_experiment
     from deltafl_jax.plan import sample_clients
 
@@ -220,13 +221,15 @@ def main(argv):
 
     timers = {}
     info = {}
+    compile_timer = CompileTimer()
     if "engine" in FLAGS.methods:
         exp = build_experiment(cfg, data)
         eng = {"state": exp.initial_state(), "keys": exp.keys()}
 
         def engine_round(t):
-            eng["state"], met = exp.round_fn(eng["state"], exp.round_data(t), eng["keys"])
-            met = jax.device_get(met)
+            with compile_timer:
+                eng["state"], met = exp.round_fn(eng["state"], exp.round_data(t), eng["keys"])
+                met = jax.device_get(met)
             eng.setdefault("mets", []).append(met)
 
         timers["engine"] = engine_round
@@ -285,12 +288,23 @@ def main(argv):
 
         real = total("eval_real_examples") + total("train_real_examples")
         padded = total("eval_padded_examples") + total("train_padded_examples")
+        # Work of a round: a forward pass per evaluated example, ~3 (forward + backward) per
+        # trained example; the roof is the measured GEMM rate of this machine.
+        fwd = forward_flops_per_example(exp.model)
+        flops = fwd * (total("eval_real_examples") + 3 * total("train_real_examples"))
+        peak = gemm_peak_gflops()
         result.update({
             "padded_over_real": padded / real,
             "trained_over_kept": total("train_real_examples") / total("kept_examples"),
-            "compile_s": max(first["engine"] - med["engine"], 0.0),
+            "compile_s": compile_timer.seconds,
             "clients_per_step": info["clients_per_step"],
             "engine_clients_kept_per_round": total("num_selected"),
+            "forward_flops_per_example": fwd,
+            "round_gflop": flops / 1e9,
+            "engine_gflops": flops / 1e9 / med["engine"],
+            "gemm_peak_gflops": peak,
+            "engine_fraction_of_gemm_peak": flops / 1e9 / med["engine"] / peak,
+            "flop_limit_s_per_round": flops / 1e9 / peak,
         })
     result["peak_rss_mb"] = peak_rss_mb()
     emit(result, FLAGS.out)

@@ -28,15 +28,14 @@ from deltafl_jax.models import Model, ModelOptions, build_model
 
 
 def default_clients_per_step(model: Model, m: int, backend: Optional[str] = None) -> int:
-    """Client lanes per step: one on CPU for convolutional models (unbatched convolutions are
-    the fast form on XLA:CPU), all sampled clients on accelerators, and a few on CPU for the
-    other models. See bench/round_speed.py for the measurements behind these choices."""
+    """Client lanes per step: all sampled clients on accelerators; two on CPU (unrolled for
+    convolutional models, whose unbatched convolutions are the fast form on XLA:CPU, and
+    vmapped for the others), which measured fastest for both the ConvNet and the linear
+    model on a 2-core CPU. See bench/README.md for the measurements."""
     backend = backend or jax.default_backend()
     if backend != "cpu":
         return m
-    if model.name == "cnn":
-        return 1
-    return min(m, 8)
+    return min(m, 2)
 
 
 def default_lane_mode(model: Model, backend: Optional[str] = None) -> str:
@@ -52,7 +51,7 @@ def default_eval_chunk(model: Model, backend: Optional[str] = None) -> int:
     backend = backend or jax.default_backend()
     if backend != "cpu":
         return 1024
-    return 256 if model.name == "cnn" else 2048
+    return 128 if model.name == "cnn" else 2048
 
 
 def default_eval_lanes(num_replicas: int, backend: Optional[str] = None) -> int:

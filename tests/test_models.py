@@ -96,3 +96,37 @@ def test_unknown_model_names_the_choices():
         split = ClientData(x=np.zeros((2, 2), np.float32), y=None, offsets=np.array([0, 2]),
                            client_ids=np.array([0]))
         build_model("linear", FederatedDataset("m", split, split, 0))
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (50, 200), (200, 50), (3, 4, 5)])
+def test_orthogonal_init_equals_jax_qr_initialiser_without_lapack(shape):
+    from deltafl_jax.models.init import orthogonal
+    key = jax.random.key(7)
+    ours = jax.jit(orthogonal(), static_argnums=1)(key, shape)
+    ref = jax.nn.initializers.orthogonal()(key, shape)   # QR, computed eagerly
+    np.testing.assert_allclose(ours, ref, atol=2e-5)
+    lowered = jax.jit(orthogonal(), static_argnums=1).lower(key, shape).as_text()
+    assert "lapack" not in lowered.lower()
+
+
+def test_no_model_initialisation_calls_lapack():
+    """jaxlib 0.10's CPU LAPACK kernels can deadlock XLA's thread pool when several run at
+    once; the replicas' jitted, vmapped initialisation must not contain any."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_text_models import sent140_like, shakespeare_like
+    from deltafl_jax.models import model_names
+
+    datasets = {"gru": shakespeare_like(), "lstm": sent140_like(),
+                "sent140_linear": sent140_like(), "mean": None}
+    for name in model_names():
+        data = datasets.get(name, image_dataset())
+        if name == "mean":
+            split = ClientData(x=np.zeros((2, 2), np.float32), y=None, offsets=np.array([0, 2]),
+                               client_ids=np.array([0]))
+            data = FederatedDataset("m", split, split, 0)
+        model = build_model(name, data)
+        keys = jax.vmap(jax.random.key)(jnp.arange(3, dtype=jnp.uint32))
+        text = jax.jit(jax.vmap(model.init)).lower(keys).as_text().lower()
+        assert "lapack" not in text, name

@@ -16,6 +16,7 @@ import pytest
 from conftest import tiny_config
 from deltafl_jax import build_experiment
 from experiments import run as runner
+from deltafl_jax import tuning
 from experiments import tune
 
 HERE = os.path.dirname(__file__)
@@ -40,7 +41,7 @@ def test_lr_grid_in_one_program_equals_separate_runs(tiny_synthetic):
     base = tiny_config(algorithm="fedavg", thetas=(), seeds=(1, 2), num_rounds=4,
                        lr_decay_every=2, clients_per_step=1)
     lrs, decays = (0.02, 0.1), (1.0, 4.0)
-    replicas = tune.lr_grid_replicas(base, lrs, decays)
+    replicas = tuning.lr_grid_replicas(base, lrs, decays)
     assert replicas.size == 2 * 2 * 2
     joint, joint_rates = run_rounds(build_experiment(base, tiny_synthetic, replicas), 4)
     finals = {}
@@ -62,7 +63,7 @@ def test_lr_grid_in_one_program_equals_separate_runs(tiny_synthetic):
 
 
 def test_validation_split_holds_out_half_the_training_clients(tiny_synthetic):
-    val = tune.validation_split(tiny_synthetic, seed=0)
+    val = tuning.validation_split(tiny_synthetic, seed=0)
     train_ids, val_ids = list(val.train.client_ids), list(val.test.client_ids)
     original = list(tiny_synthetic.train.client_ids)
     assert len(train_ids) == len(val_ids) == len(original) // 2
@@ -72,7 +73,7 @@ def test_validation_split_holds_out_half_the_training_clients(tiny_synthetic):
         x_orig, y_orig = tiny_synthetic.train.client(original.index(cid))
         np.testing.assert_array_equal(x_val, x_orig)
         np.testing.assert_array_equal(y_val, y_orig)
-    other = tune.validation_split(tiny_synthetic, seed=1)
+    other = tuning.validation_split(tiny_synthetic, seed=1)
     assert set(other.test.client_ids) != set(val_ids)
 
 
@@ -95,9 +96,9 @@ def lower_p90_unweighted(values):
 def test_l2_grid_in_one_program_equals_separate_runs_and_scores_validation_clients(
         tiny_synthetic):
     base = tiny_config(thetas=(1.0, 0.5), seeds=(1, 2), num_rounds=3, clients_per_step=1)
-    val = tune.validation_split(tiny_synthetic, seed=0)
+    val = tuning.validation_split(tiny_synthetic, seed=0)
     l2s = (1e-1, 1e-4)
-    replicas = tune.l2_grid_replicas(base, (1.0, 0.5), l2s)
+    replicas = tuning.l2_grid_replicas(base, (1.0, 0.5), l2s)
     joint, _ = run_rounds(build_experiment(base, val, replicas), 3)
     for lam in l2s:
         single, _ = run_rounds(build_experiment(dataclasses.replace(base, l2_reg=lam), val), 3)
@@ -109,8 +110,8 @@ def test_l2_grid_in_one_program_equals_separate_runs_and_scores_validation_clien
                 np.testing.assert_allclose(x[r], y[i], atol=1e-6)
 
     # The tuner's scores are the p90 of the error on the validation clients.
-    summary = tune.run_grid(base, val, replicas)
-    got = tune.scores(replicas, summary["final"], "test_error_p90")
+    summary = tuning.run_grid(base, val, replicas)
+    got = tuning.scores(replicas, summary["final"], "test_error_p90")
     params = jax.device_get(summary["state"].params)
     assert len(got) == 4
     for s in got:
@@ -125,11 +126,11 @@ def test_l2_grid_in_one_program_equals_separate_runs_and_scores_validation_clien
 
 
 def test_best_skips_diverged_values_and_breaks_ties_by_grid_order():
-    mk = lambda lr, vals: tune.Score(point={"learning_rate": lr}, seeds=[1, 2], values=vals)
+    mk = lambda lr, vals: tuning.Score(point={"learning_rate": lr}, seeds=[1, 2], values=vals)
     grid = [mk(0.1, [0.5, float("nan")]), mk(0.2, [0.3, 0.5]), mk(0.3, [0.5, 0.3]),
             mk(0.4, [0.6, 0.6])]
-    assert tune.best(grid).point["learning_rate"] == 0.2
-    assert tune.best([mk(0.1, [float("inf"), 1.0])]) is None
+    assert tuning.best(grid).point["learning_rate"] == 0.2
+    assert tuning.best([mk(0.1, [float("inf"), 1.0])]) is None
 
 
 def cli(argv, capsys):

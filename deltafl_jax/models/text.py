@@ -28,6 +28,7 @@ import numpy as np
 
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.models import Model, ModelOptions
+from deltafl_jax.models.init import orthogonal  # Flax's default would call LAPACK (see init.py)
 
 GRU_EMBED_DIM = 8
 GRU_HIDDEN = 128
@@ -66,7 +67,8 @@ class CharGRU(nn.Module):
     @nn.compact
     def __call__(self, ids):
         h = nn.Embed(self.vocab_size, self.embed_dim)(ids.astype(jnp.int32))
-        last = nn.RNN(nn.GRUCell(self.hidden), return_carry=True)(h)[0]
+        cell = nn.GRUCell(self.hidden, recurrent_kernel_init=orthogonal())
+        last = nn.RNN(cell, return_carry=True)(h)[0]
         return nn.Dense(self.num_classes)(last)
 
 
@@ -84,7 +86,8 @@ class GloveLSTM(nn.Module):
         vectors = jnp.asarray(self.table.array)[ids]
         if vectors.shape[1] < self.max_tokens:
             vectors = jnp.pad(vectors, ((0, 0), (0, self.max_tokens - vectors.shape[1]), (0, 0)))
-        (_, h), _ = nn.RNN(nn.OptimizedLSTMCell(self.hidden), return_carry=True)(vectors)
+        cell = nn.OptimizedLSTMCell(self.hidden, recurrent_kernel_init=orthogonal())
+        (_, h), _ = nn.RNN(cell, return_carry=True)(vectors)
         return nn.Dense(1)(h)
 
 

@@ -1,0 +1,316 @@
+r"""The papers' tuning protocol (App. C.2.2 of the long paper; Sec. 5, "Hyperparameters").
+
+1. **Learning rate.** FedAvg (theta = 1) is trained for every (gamma_0, c) of the grid on all
+   training clients; the winner has the smallest terminal alpha-weighted mean training loss
+   (mean over seeds). The decay is the divisor c >= 1 of ``--lr_decay`` (the paper's factor
+   1/c in {1, 1/2, 1/4, 1/8}, applied every ``--lr_decay_every`` rounds; with
+   ``--lr_decay_every=0``, the paper's constant rate for linear models, only c = 1 is tried).
+   The same rate then serves every theta, as in the paper.
+2. **L2 regularisation** (linear models by default): half the training clients are held out as
+   validation clients (they form the test split of a new federated dataset); every
+   lambda of the grid is trained, with the chosen rate, on the other half, separately for
+   each theta of ``--thetas`` (FedAvg = theta 1); the winner has the smallest 90th percentile
+   of the misclassification error over the validation clients (unweighted lower quantile,
+   mean over seeds). App. C.2.2 says "smallest 10th percentile" where Sec. 5 says the 90th;
+   this follows Sec. 5 and issue 5 (the tail is what Delta-FL is about).
+3. The winners are written as flagfiles that ``python -m experiments.run`` accepts:
+   ``DIR/tuned.flags``, or one ``DIR/tuned_l2=<lambda>.flags`` per distinct lambda when the
+   thetas chose different values (the runner takes one ``--l2_reg``); ``DIR/tuning.json``
+   and ``DIR/tuning.md`` hold every grid value's score.
+
+Each grid is ONE compiled program: the grid points x seeds are replicas
+(:class:`deltafl_jax.rounds.Replicas`) with per-replica learning-rate schedules and per-replica
+``l2``. ``DIR/lr_grid`` and ``DIR/l2_grid`` are ordinary run directories
+(``python -m experiments.report DIR/lr_grid --out=...`` plots them). Ties go to the first value
+in grid order. A grid value whose training loss is not finite for some seed is out.
+
+These functions take configurations, never flags; ``python -m experiments.tune`` is their
+command-line front end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+PAPER_DECAYS = (1.0, 2.0, 4.0, 8.0)        # divisors c: the paper's factors 1, 1/2, 1/4, 1/8
+PAPER_L2 = (1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8)
+LR_MULTIPLIERS = (0.25, 0.5, 1.0, 2.0, 4.0)   # default gamma_0 grid around --learning_rate
+LINEAR_MODELS = ("linear", "sent140_linear")
+
+
+class TuningError(ValueError):
+    """Bad tuning input; the message is one line."""
+
+
+# --------------------------------------------------------------------------------------------
+# Grids as replicas of one program
+
+
+def _key_value(v: float) -> str:
+    return f"{v:.6g}"
+
+
+def _check_grid(name: str, values: Sequence[float], low: float, low_ok: bool) -> Tuple[float, ...]:
+    values = tuple(float(v) for v in values)
+    if not values:
+        raise TuningError(f"--{name} is empty")
+    for v in values:
+        if not math.isfinite(v) or v < low or (v == low and not low_ok):
+            bound = f">= {low:g}" if low_ok else f"> {low:g}"
+            raise TuningError(f"--{name} values must be finite and {bound}, got {v:g}")
+    keys = [_key_value(v) for v in values]
+    if len(set(keys)) != len(keys):
+        raise TuningError(f"--{name} lists a value twice: {', '.join(keys)}")
+    return values
+
+
+def lr_grid_replicas(config, learning_rates: Sequence[float], decays: Sequence[float]):
+    """FedAvg replicas for every (gamma_0, c) x seed: per-replica schedules
+    gamma_0 c^-(t // --lr_decay_every), theta = 1, lambda = config.l2_reg."""
+    from deltafl_jax import rounds
+    from deltafl_jax.config import learning_rate_schedule
+
+    groups, labels, schedules = [], [], []
+    for lr in learning_rates:
+        for c in decays:
+            schedule = learning_rate_schedule(float(lr), float(c), config.lr_decay_every)
+            for g, seed in enumerate(config.seeds):
+                groups.append(g)
+                schedules.append(schedule)
+                labels.append({"algorithm": "fedavg", "theta": 1.0,
+                               "learning_rate": float(lr), "lr_decay": float(c),
+                               "seed": int(seed),
+                               "key": f"lr={_key_value(lr)}_decay={_key_value(c)}_seed={seed}"})
+    n = len(groups)
+    return rounds.Replicas(
+        group=np.asarray(groups, np.int32),
+        hyper={"theta": np.ones(n, np.float32),
+               "l2": np.full(n, config.l2_reg, np.float32)},
+        schedules=tuple(schedules), labels=tuple(labels))
+
+
+def l2_grid_replicas(config, thetas: Sequence[float], l2s: Sequence[float]):
+    """Delta-FL replicas for every (theta, lambda) x seed with the config's learning rate."""
+    from deltafl_jax import rounds
+    from deltafl_jax.config import learning_rate_schedule
+
+    schedule = learning_rate_schedule(config.learning_rate, config.lr_decay,
+                                      config.lr_decay_every)
+    groups, labels, theta_v, l2_v = [], [], [], []
+    for theta in thetas:
+        for lam in l2s:
+            for g, seed in enumerate(config.seeds):
+                groups.append(g)
+                theta_v.append(theta)
+                l2_v.append(lam)
+                labels.append({"algorithm": "deltafl", "theta": float(theta),
+                               "l2_reg": float(lam), "seed": int(seed),
+                               "key": f"theta={_key_value(theta)}_l2={_key_value(lam)}_"
+                                      f"seed={seed}"})
+    return rounds.Replicas(
+        group=np.asarray(groups, np.int32),
+        hyper={"theta": np.asarray(theta_v, np.float32), "l2": np.asarray(l2_v, np.float32)},
+        schedules=tuple(schedule for _ in groups), labels=tuple(labels))
+
+
+def validation_split(data, seed: int):
+    """The training clients split in halves: a dataset whose train split is one half and whose
+    test split is the other (the validation clients, App. C.2.2)."""
+    from deltafl_jax import FederatedDataset
+    from deltafl_jax.data import split_clients
+
+    train, val = split_clients(data.train, seed=seed, train_fraction=0.5)
+    return FederatedDataset(name=data.name, train=train, test=val, num_classes=data.num_classes,
+                            x_scale=data.x_scale,
+                            metadata={**dict(data.metadata), "validation_seed": int(seed)})
+
+
+@dataclasses.dataclass
+class Score:
+    """One grid value: its label fields, the criterion per seed, their mean and std."""
+
+    point: Dict[str, float]
+    seeds: List[int]
+    values: List[float]
+
+    @property
+    def finite(self) -> bool:
+        return all(math.isfinite(v) for v in self.values)
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.values))
+
+    @property
+    def std(self) -> float:
+        return float(np.std(self.values))
+
+
+def scores(replicas, final: Dict[str, Dict[str, float]], metric: str) -> List[Score]:
+    """Group the replicas' final `metric` by grid value (labels without seed and key)."""
+    from deltafl_jax.outputs import replica_key
+
+    out: Dict[Tuple, Score] = {}
+    for lab in replicas.labels:
+        point = {k: v for k, v in lab.items() if k not in ("seed", "key", "algorithm")}
+        s = out.setdefault(tuple(point.items()), Score(point=point, seeds=[], values=[]))
+        s.seeds.append(int(lab["seed"]))
+        s.values.append(float(final[replica_key(lab)][metric]))
+    return list(out.values())
+
+
+def best(candidates: Sequence[Score]) -> Optional[Score]:
+    """The smallest mean among the finite scores; ties go to the first in grid order."""
+    ok = [s for s in candidates if s.finite]
+    if not ok:
+        return None
+    low = min(s.mean for s in ok)
+    return next(s for s in ok if s.mean == low)
+
+
+def run_grid(config, data, replicas, log: Optional[Callable[[str], None]] = None,
+             name: str = "grid"):
+    """Train the replicas in one program (:func:`deltafl_jax.run_experiment`); returns its
+    summary (``final`` metrics per replica key, ``state``)."""
+    from deltafl_jax import run_experiment
+
+    def quiet(line):
+        if log is not None:
+            log(f"[{name}] " + line.split(" | ")[0])
+
+    return run_experiment(config, data, log=quiet, replicas=replicas)
+
+
+@dataclasses.dataclass
+class TuningResult:
+    learning_rate: float
+    lr_decay: float
+    lr_scores: List[Score]
+    l2: Dict[float, float]             # theta -> lambda
+    l2_scores: List[Score]
+    notes: List[str]
+
+
+def default_lr_grid(config) -> Tuple[float, ...]:
+    return tuple(config.learning_rate * m for m in LR_MULTIPLIERS)
+
+
+def l2_thetas(config, per_theta: bool) -> Tuple[float, ...]:
+    """The thetas whose lambda is tuned: every theta of the run (FedAvg = 1), or only 1."""
+    from deltafl_jax.config import PAPER_THETAS
+
+    if config.algorithm != "deltafl" or not per_theta:
+        return (1.0,)
+    return tuple(config.thetas) or PAPER_THETAS
+
+
+def check(config, data, lr_grid, decay_grid, l2_grid, tune_lr: bool, tune_l2: bool) -> None:
+    """Everything that can be wrong before training, as one-line TuningErrors."""
+    if tune_lr:
+        _check_grid("lr_grid", lr_grid, 0.0, False)
+        _check_grid("lr_decay_grid", decay_grid, 1.0, True)
+    if tune_l2:
+        _check_grid("l2_grid", l2_grid, 0.0, True)
+        if config.algorithm not in ("deltafl", "fedavg"):
+            raise TuningError(f"--tune_l2 tunes Delta-FL / FedAvg runs; --algorithm="
+                              f"{config.algorithm} would need its own grid (pass --tune_l2=no)")
+        half = data.train.num_clients // 2
+        if config.clients_per_round > half:
+            raise TuningError(
+                f"--clients_per_round={config.clients_per_round} exceeds the {half} clients "
+                f"of the half of the training clients that trains while lambda is tuned")
+
+
+def tune(config, data, lr_grid: Sequence[float], decay_grid: Sequence[float],
+         l2_grid: Sequence[float], tune_lr: bool = True, tune_l2: bool = True,
+         per_theta: bool = True, validation_seed: int = 0, out_dir: Optional[str] = None,
+         log: Optional[Callable[[str], None]] = None) -> TuningResult:
+    """Run the protocol (module docstring). `config` is the experiment's configuration."""
+    log = log or (lambda s: None)
+    check(config, data, lr_grid, decay_grid, l2_grid, tune_lr, tune_l2)
+    notes: List[str] = []
+    lr, decay, lr_scores = config.learning_rate, config.lr_decay, []
+    if tune_lr:
+        decays = tuple(decay_grid)
+        if config.lr_decay_every <= 0:
+            decays = (1.0,)
+            notes.append("--lr_decay_every=0: constant learning rate (the paper's choice for "
+                         "linear models), only c = 1 tried")
+        grid_config = dataclasses.replace(
+            config, algorithm="fedavg", thetas=(), l2_reg=config.l2_reg,
+            output_dir=os.path.join(out_dir, "lr_grid") if out_dir else None,
+            save_models=False)
+        replicas = lr_grid_replicas(grid_config, lr_grid, decays)
+        log(f"learning-rate grid: {len(lr_grid)} x {len(decays)} values x "
+            f"{len(config.seeds)} seed(s) = {replicas.size} FedAvg replicas in one program")
+        summary = run_grid(grid_config, data, replicas, log, "lr grid")
+        lr_scores = scores(replicas, summary["final"], "train_loss_mean")
+        win = best(lr_scores)
+        if win is None:
+            raise TuningError("every learning rate of the grid diverged (non-finite training "
+                              "loss); try smaller --lr_grid values")
+        lr, decay = win.point["learning_rate"], win.point["lr_decay"]
+        log(f"chosen: --learning_rate={lr:g} --lr_decay={decay:g} (terminal train loss "
+            f"{win.mean:.4f})")
+    l2: Dict[float, float] = {}
+    l2_scores: List[Score] = []
+    thetas = l2_thetas(config, per_theta)
+    if tune_l2:
+        val_data = validation_split(data, validation_seed)
+        grid_config = dataclasses.replace(
+            config, algorithm="deltafl", thetas=thetas, learning_rate=lr, lr_decay=decay,
+            output_dir=os.path.join(out_dir, "l2_grid") if out_dir else None,
+            save_models=False)
+        replicas = l2_grid_replicas(grid_config, thetas, l2_grid)
+        log(f"lambda grid: {len(thetas)} theta(s) x {len(l2_grid)} values x "
+            f"{len(config.seeds)} seed(s) = {replicas.size} replicas in one program, on "
+            f"{val_data.train.num_clients} training / {val_data.test.num_clients} validation "
+            f"clients")
+        summary = run_grid(grid_config, val_data, replicas, log, "l2 grid")
+        l2_scores = scores(replicas, summary["final"], "test_error_p90")
+        for theta in thetas:
+            win = best([s for s in l2_scores if s.point["theta"] == theta])
+            if win is None:
+                raise TuningError(f"every lambda diverged at theta={theta:g}")
+            l2[float(theta)] = float(win.point["l2_reg"])
+            log(f"chosen at theta={theta:g}: --l2_reg={win.point['l2_reg']:g} (validation p90 "
+                f"error {100 * win.mean:.2f}%)")
+        if not per_theta or config.algorithm != "deltafl":
+            for theta in l2_thetas(config, True):
+                l2[float(theta)] = l2[1.0]
+    return TuningResult(learning_rate=float(lr), lr_decay=float(decay), lr_scores=lr_scores,
+                        l2=l2, l2_scores=l2_scores, notes=notes)
+
+
+def l2_groups(result: TuningResult, thetas: Sequence[float], default_l2: float
+              ) -> List[Tuple[float, Tuple[float, ...]]]:
+    """(lambda, thetas) per distinct chosen lambda, in the order of `thetas`."""
+    groups: Dict[float, List[float]] = {}
+    for t in thetas:
+        groups.setdefault(result.l2.get(float(t), default_l2), []).append(float(t))
+    return [(lam, tuple(ts)) for lam, ts in groups.items()]
+
+
+def scores_markdown(title: str, rows: Sequence[Score], chosen: Sequence[Score], metric: str,
+                    percent: bool) -> List[str]:
+    if not rows:
+        return []
+    names = list(rows[0].point)
+    out = [f"## {title}", "", "| " + " | ".join(names) + f" | {metric} (mean ± std over seeds) "
+           "| |", "|" + "---|" * (len(names) + 2)]
+    for s in rows:
+        scale = 100.0 if percent else 1.0
+        value = (f"{scale * s.mean:.4g} ± {scale * s.std:.2g}" if s.finite
+                 else "diverged")
+        mark = "**chosen**" if any(s is c for c in chosen) else ""
+        out.append("| " + " | ".join(f"{s.point[n]:g}" for n in names) + f" | {value} | {mark} |")
+    return out + [""]
+
+
+# --------------------------------------------------------------------------------------------
+# The command line
