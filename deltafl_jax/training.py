@@ -27,15 +27,20 @@ from deltafl_jax.metrics import summarize
 from deltafl_jax.models import Model, ModelOptions, build_model
 
 
+# Client lanes per step on a 2-core CPU, measured (bench/README.md): 2 for the ConvNet (unrolled)
+# and the linear model, 4 for the recurrent models, whose small matrix products gain from
+# batching a few clients.
+CPU_LANES = {"gru": 4, "lstm": 4}
+
+
 def default_clients_per_step(model: Model, m: int, backend: Optional[str] = None) -> int:
-    """Client lanes per step: all sampled clients on accelerators; two on CPU (unrolled for
-    convolutional models, whose unbatched convolutions are the fast form on XLA:CPU, and
-    vmapped for the others), which measured fastest for both the ConvNet and the linear
-    model on a 2-core CPU. See bench/README.md for the measurements."""
+    """Client lanes per step: all sampled clients on accelerators; on CPU the measured best of
+    CPU_LANES (unrolled lanes for convolutional models, whose unbatched convolutions are the
+    fast form on XLA:CPU; vmapped lanes for the others)."""
     backend = backend or jax.default_backend()
     if backend != "cpu":
         return m
-    return min(m, 2)
+    return min(m, CPU_LANES.get(model.name, 2))
 
 
 def default_lane_mode(model: Model, backend: Optional[str] = None) -> str:
