@@ -26,7 +26,7 @@ from absl import app, flags
 
 flags.DEFINE_list("shapes", ["cnn", "linear"], "shapes to time")
 flags.DEFINE_list("cnn_lanes", ["1", "2", "4"], "clients_per_step values for the CNN")
-flags.DEFINE_list("linear_lanes", ["1", "4", "16", "100"], "clients_per_step for linear")
+flags.DEFINE_list("linear_lanes", ["1", "2", "4", "16", "100"], "clients_per_step for linear")
 flags.DEFINE_integer("clients", 100, "m, sampled clients per round")
 flags.DEFINE_integer("num_clients", 865, "training clients in the population")
 flags.DEFINE_integer("rounds", 5, "timed rounds after the first (median reported)")

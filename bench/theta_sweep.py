@@ -5,9 +5,12 @@ r"""r conformity levels (or seeds) in one compiled program against r separate pr
 For r in ``--r`` (1, 2, 4, 8), the same Delta-FL round (m FEMNIST-like clients, batch 10 or
 16, one local epoch) is timed (a) as ONE program training r replicas, the theta values
 1.0, 0.8, 0.5, 0.1, 0.9, 0.7, 0.3, 0.2 (or r seeds at theta = 0.5 with ``--axis=seed``), and
-(b) as r separate programs of one replica each, run one after the other, as a user without
-the replica vmap would. It reports seconds per round of both, their ratio, and the number of
-XLA backend compilations each needed (from ``jax.monitoring``).
+(b) as r separate programs of one replica each, as a user without the replica vmap would run
+them. All r + 1 programs are built first; their timed rounds are then interleaved (joint,
+separate 1, ..., separate r, joint, ...), so that the machine's drift hits both sides alike.
+It reports seconds per round of both (medians), their ratio, the seconds to build and run the
+first round (compilation included), and the number of XLA backend compilations each needed
+(from ``jax.monitoring``).
 
 The joint program's work is the sum of the separate programs' work (the lane executor trains
 each replica's kept clients only), so the ratio measures what one program saves: dispatch,
@@ -59,40 +62,49 @@ class CompileCounter:
         return out, self.count
 
 
-def time_program(data, thetas, seeds, counter):
-    """(seconds per round (median), seconds of build + first round, compilations of the
-    round program (counted during the rounds; eager set-up work is not counted))."""
-    import jax
+class Program:
+    """One compiled Delta-FL program over its replicas, built with its round inputs; its
+    rounds are run one at a time by :meth:`step`, so that several programs can be timed
+    interleaved (A B A B ...)."""
 
-    from bench.common import median
-    from deltafl_jax import DataConfig, ExperimentConfig, build_experiment
+    def __init__(self, data, thetas, seeds, counter):
+        import jax
 
-    bs = 16 if FLAGS.model == "cnn" else 10
-    cfg = ExperimentConfig(
-        data=DataConfig("femnist_like"), model=FLAGS.model, thetas=tuple(thetas),
-        seeds=tuple(seeds), num_rounds=FLAGS.rounds + 1, clients_per_round=FLAGS.clients,
-        batch_size=bs, learning_rate=0.05, clients_per_step=FLAGS.clients_per_step,
-        output_dir=None, save_models=False, verbose=False)
+        from deltafl_jax import DataConfig, ExperimentConfig, build_experiment
 
-    t0 = time.perf_counter()
-    exp = build_experiment(cfg, data)
-    state, keys = exp.initial_state(), exp.keys()
-    plans = [exp.round_data(t) for t in range(FLAGS.rounds + 1)]
-    jax.block_until_ready((state, plans))
-    t_build = time.perf_counter() - t0
+        bs = 16 if FLAGS.model == "cnn" else 10
+        cfg = ExperimentConfig(
+            data=DataConfig("femnist_like"), model=FLAGS.model, thetas=tuple(thetas),
+            seeds=tuple(seeds), num_rounds=FLAGS.rounds + 1, clients_per_round=FLAGS.clients,
+            batch_size=bs, learning_rate=0.05, clients_per_step=FLAGS.clients_per_step,
+            output_dir=None, save_models=False, verbose=False)
+        self.counter, self.compiles, self.times = counter, 0, []
+        t0 = time.perf_counter()
+        self.exp = build_experiment(cfg, data)
+        self.state, self.keys = self.exp.initial_state(), self.exp.keys()
+        self.plans = [self.exp.round_data(t) for t in range(FLAGS.rounds + 1)]
+        jax.block_until_ready((self.state, self.plans))
+        build_s = time.perf_counter() - t0
+        self.first_s = build_s + self.step(0)  # build + the first round, compilation included
 
-    def rounds():
-        nonlocal state
-        times = []
-        for t in range(FLAGS.rounds + 1):
+    def step(self, t):
+        """Runs round t; returns its seconds and counts the compilations it caused."""
+        import jax
+
+        def run():
             t0 = time.perf_counter()
-            state, met = exp.round_fn(state, plans[t], keys)
+            self.state, met = self.exp.round_fn(self.state, self.plans[t], self.keys)
             jax.device_get(met)
-            times.append(time.perf_counter() - t0)
-        return times
+            return time.perf_counter() - t0
 
-    times, compiles = counter.measure(rounds)
-    return median(times[1:]), t_build + times[0], compiles
+        seconds, compiles = self.counter.measure(run)
+        self.compiles += compiles
+        self.times.append(seconds)
+        return seconds
+
+    def s_per_round(self):
+        from bench.common import median
+        return median(self.times[1:])
 
 
 def main(argv):
@@ -109,17 +121,23 @@ def main(argv):
         else:
             sets = [((0.5,), (s,)) for s in range(1, r + 1)]
             joint = ((0.5,), tuple(range(1, r + 1)))
-        j_round, j_first, j_comp = time_program(data, *joint, counter)
-        sep = [time_program(data, th, sd, counter) for th, sd in sets]
-        s_round = float(np.sum([s[0] for s in sep]))
+        programs = [Program(data, *joint, counter)]
+        programs += [Program(data, th, sd, counter) for th, sd in sets]
+        for t in range(1, FLAGS.rounds + 1):  # interleaved: joint, separate 1..r, joint, ...
+            for program in programs:
+                program.step(t)
+        j, sep = programs[0], programs[1:]
+        j_round = j.s_per_round()
+        s_each = [p.s_per_round() for p in sep]
+        s_round = float(np.sum(s_each))
+        j_comp = j.compiles
         row = {
             "r": r, "joint_s_per_round": j_round, "separate_s_per_round_total": s_round,
-            "separate_s_per_round_each": [s[0] for s in sep],
+            "separate_s_per_round_each": s_each,
             "ratio_joint_over_separate": j_round / s_round,
-            "ratio_joint_over_r_times_mean_one": j_round / (r * s_round / r),
-            "joint_build_and_first_round_s": j_first,
-            "separate_build_and_first_round_s_total": float(np.sum([s[1] for s in sep])),
-            "joint_compiles": j_comp, "separate_compiles": int(np.sum([s[2] for s in sep])),
+            "joint_build_and_first_round_s": j.first_s,
+            "separate_build_and_first_round_s_total": float(np.sum([p.first_s for p in sep])),
+            "joint_compiles": j_comp, "separate_compiles": int(np.sum([p.compiles for p in sep])),
         }
         rows.append(row)
         print(f"# r={r}: joint {j_round:.3f}s/round vs separate {s_round:.3f}s/round "
