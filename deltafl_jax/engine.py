@@ -26,7 +26,7 @@ Nothing here is jitted: the caller jits the round once (see :mod:`deltafl_jax.ro
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp

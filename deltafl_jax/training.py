@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ import numpy as np
 from deltafl_jax import engine, outputs, plan as plan_lib, rounds
 from deltafl_jax.algorithms import registry
 from deltafl_jax.config import PERCENTILES, ConfigError, ExperimentConfig, learning_rate_schedule
-from deltafl_jax.data import DataError, FederatedDataset
+from deltafl_jax.data import FederatedDataset
 from deltafl_jax.datasets import load_dataset
 from deltafl_jax.metrics import summarize
 from deltafl_jax.models import Model, ModelOptions, build_model

@@ -19,6 +19,8 @@ import sys
 
 from absl import app, flags, logging
 
+from experiments.cli import fail, parse_flags_or_fail
+
 FLAGS = flags.FLAGS
 
 flags.DEFINE_string("out", None, "directory for report.md, the figures and the CSV files")
@@ -26,19 +28,6 @@ flags.DEFINE_enum("percentile", "lower", ["lower", "linear"],
                   "lower: weighted lower quantile (train losses alpha-weighted); linear: "
                   "NumPy's linear interpolation, unweighted, as the reference scripts")
 flags.DEFINE_integer("dpi", 110, "resolution of the PNG figures")
-
-
-def fail(message: str) -> None:
-    """One line on stderr, exit code 2."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def parse_flags_or_fail(argv):
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        fail(str(e).splitlines()[0] if str(e) else "bad flags")
 
 
 def main(argv):

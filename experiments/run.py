@@ -14,9 +14,9 @@ directory is created.
 
 from __future__ import annotations
 
-import sys
-
 from absl import app, flags, logging
+
+from experiments.cli import fail, parse_flags_or_fail
 
 FLAGS = flags.FLAGS
 
@@ -196,19 +196,6 @@ def comparison_lines(results):
             lines.append(f"{name + ' ' + what:<28} {100 * mean:15.2f}% {100 * p90:14.2f}%  "
                          f"{len(finals)}")
     return lines
-
-
-def fail(message: str) -> None:
-    """One line on stderr, exit code 2."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def parse_flags_or_fail(argv):
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        fail(str(e).splitlines()[0] if str(e) else "bad flags")
 
 
 def main(argv):

@@ -1,12 +1,11 @@
 import os
 import sys
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from deltafl_jax import ClientData, DataConfig, ExperimentConfig, FederatedDataset  # noqa: E402
+from deltafl_jax import DataConfig, ExperimentConfig, FederatedDataset  # noqa: E402
 from deltafl_jax.data import split_clients  # noqa: E402
 from deltafl_jax.datasets.synthetic import synthetic_clients  # noqa: E402
 

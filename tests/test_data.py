@@ -5,7 +5,7 @@ import pytest
 
 from deltafl_jax import ClientData, DataConfig, DataError, load_dataset
 from deltafl_jax.datasets.synthetic import synthetic_clients
-from deltafl_jax.plan import (Capacities, LocalWork, capacities, client_permutations,
+from deltafl_jax.plan import (LocalWork, capacities, client_permutations,
                               make_round_plan, make_split_plan, sample_clients)
 
 

@@ -4,4 +4,4 @@ from deltafl_jax.algorithms.base import ClientFeedback, FederatedAlgorithm, aver
 from deltafl_jax.algorithms.deltafl import FILTERS, deltafl
 from deltafl_jax.algorithms import registry
 
-__all__ = ["ClientFeedback", "FederatedAlgorithm", "average_update", "deltafl", "FILTERS"]
+__all__ = ["ClientFeedback", "FederatedAlgorithm", "average_update", "deltafl", "FILTERS", "registry"]

@@ -348,12 +348,6 @@ def download(data_dir: str, url: str = TFF_URL, timeout: float = 60.0) -> str:
 # ----------------------------------------------------------------------------- prepare / load
 
 
-def _min_examples(config) -> int:
-    if config.min_client_examples is None:
-        return DEFAULT_MIN_CLIENT_EXAMPLES
-    return int(config.min_client_examples)
-
-
 def missing_source_message(data_dir: str) -> str:
     raw = os.path.join(data_dir, RAW_SUBDIR)
     return (f"femnist: no prepared data and no source: pass --data_path=/path/to/emnist_all.sqlite "
@@ -376,7 +370,7 @@ def default_source(data_dir: str) -> Optional[str]:
 def prepare(config, min_client_examples: Optional[int] = None,
             source: Optional[str] = None) -> str:
     """Read the source, keep writers with enough images and write the prepared dataset."""
-    k = _min_examples(config) if min_client_examples is None else int(min_client_examples)
+    k = prepared.min_client_examples(config, DEFAULT_MIN_CLIENT_EXAMPLES) if min_client_examples is None else int(min_client_examples)
     data_dir = config.resolved_data_dir
     source = source or config.data_path or default_source(data_dir)
     if source is None:
@@ -408,7 +402,7 @@ def subsample_writers(num_writers: int, seed: int, fraction: float = WRITER_FRAC
 
 def load(config) -> FederatedDataset:
     """Load (preparing on first use when a source is at hand), subsample and split the writers."""
-    k = _min_examples(config)
+    k = prepared.min_client_examples(config, DEFAULT_MIN_CLIENT_EXAMPLES)
     data_dir = config.resolved_data_dir
     source = os.path.abspath(config.data_path) if config.data_path else None
     info = prepared.open_or_prepare(data_dir, NAME, k, lambda: prepare(config, k), source)

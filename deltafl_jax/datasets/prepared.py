@@ -52,6 +52,13 @@ _INFO_FILE = "dataset_info.json"
 FeatureSpec = Mapping[str, Tuple[Tuple[Optional[int], ...], Any]]
 
 
+
+def min_client_examples(config, default: int) -> int:
+    """The dataset's minimum client size: ``config.min_client_examples``, else its default."""
+    if config.min_client_examples is None:
+        return default
+    return int(config.min_client_examples)
+
 def _tfds():
     """Import tensorflow_datasets without its progress bars."""
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top

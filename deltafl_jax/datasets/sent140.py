@@ -115,12 +115,6 @@ def encode(token_lists: List[List[str]], vocabulary: dict, max_tokens: int) -> n
 # ----------------------------------------------------------------------------- prepare / load
 
 
-def _min_examples(config) -> int:
-    if config.min_client_examples is None:
-        return DEFAULT_MIN_CLIENT_EXAMPLES
-    return int(config.min_client_examples)
-
-
 def missing_source_message(data_dir: str) -> str:
     raw = os.path.join(data_dir, RAW_SUBDIR)
     return (f"sent140: no prepared data and no source: pass --data_path=/path/to/leaf/data/sent140/"
@@ -136,7 +130,7 @@ def default_source(data_dir: str) -> Optional[str]:
 def prepare(config, min_client_examples: Optional[int] = None,
             source: Optional[str] = None) -> str:
     """Tokenise the kept users' tweets, restrict GloVe to their words, write the prepared set."""
-    k = _min_examples(config) if min_client_examples is None else int(min_client_examples)
+    k = prepared.min_client_examples(config, DEFAULT_MIN_CLIENT_EXAMPLES) if min_client_examples is None else int(min_client_examples)
     data_dir = config.resolved_data_dir
     source = source or config.data_path or default_source(data_dir)
     if source is None:
@@ -178,7 +172,7 @@ def prepare(config, min_client_examples: Optional[int] = None,
 
 def load(config) -> FederatedDataset:
     """Load (preparing on first use when a source is at hand) and split 50/50 by user."""
-    k = _min_examples(config)
+    k = prepared.min_client_examples(config, DEFAULT_MIN_CLIENT_EXAMPLES)
     data_dir = config.resolved_data_dir
     source = os.path.abspath(config.data_path) if config.data_path else None
     info = prepared.open_or_prepare(data_dir, NAME, k, lambda: prepare(config, k), source)

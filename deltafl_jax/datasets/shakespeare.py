@@ -183,15 +183,9 @@ def build_roles(source: str) -> List[dict]:
 # ----------------------------------------------------------------------------- prepare / load
 
 
-def _min_examples(config) -> int:
-    if config.min_client_examples is None:
-        return DEFAULT_MIN_CLIENT_EXAMPLES
-    return int(config.min_client_examples)
-
-
 def prepare(config, min_client_examples: Optional[int] = None) -> str:
     """Parse the plays and write the prepared dataset; returns its directory."""
-    k = _min_examples(config) if min_client_examples is None else int(min_client_examples)
+    k = prepared.min_client_examples(config, DEFAULT_MIN_CLIENT_EXAMPLES) if min_client_examples is None else int(min_client_examples)
     source = _source(config)
     clients = [c for c in build_roles(source) if len(c["text"]) - WINDOW >= k]
     if not clients:
@@ -212,7 +206,7 @@ def prepare(config, min_client_examples: Optional[int] = None) -> str:
 
 def load(config) -> FederatedDataset:
     """Load (preparing on first use) and split 50/50 by role with `config.data_seed`."""
-    k = _min_examples(config)
+    k = prepared.min_client_examples(config, DEFAULT_MIN_CLIENT_EXAMPLES)
     data_dir = config.resolved_data_dir
     source = _source(config)
     info = prepared.open_or_prepare(data_dir, NAME, k, lambda: prepare(config, k), source)

@@ -18,8 +18,6 @@ convolution gradients are fast (GPU cuDNN, TPU).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
