@@ -10,6 +10,20 @@ from deltafl_jax.data import split_clients  # noqa: E402
 from deltafl_jax.datasets.synthetic import synthetic_clients  # noqa: E402
 
 
+def run_runner(argv, capsys):
+    """Runs experiments.run in-process; returns (exit code, stderr, stdout)."""
+    from experiments import run as runner
+    runner.FLAGS.unparse_flags()
+    code = 0
+    try:
+        runner.parse_flags_or_fail(["run"] + list(argv))
+        runner.main(["run"])
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.err, captured.out
+
+
 @pytest.fixture(scope="session")
 def tiny_synthetic():
     """24 synthetic clients of 50..80 examples (12 train / 12 test), 60 features, 10 classes."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import numpy_baselines as nb
-from conftest import tiny_config
+from conftest import run_runner, tiny_config
 from deltafl_jax import build_experiment, load_model, run_experiment
 from deltafl_jax.algorithms.baselines import project_simplex, random_subset
 from experiments import run as runner
@@ -359,16 +359,7 @@ def test_afl_saves_and_evaluates_the_averaged_iterate(tiny_synthetic, tmp_path):
 # ----------------------------------------------------------------------------- runner
 
 
-def cli(argv, capsys):
-    runner.FLAGS.unparse_flags()
-    code = 0
-    try:
-        runner.parse_flags_or_fail(["run"] + list(argv))
-        runner.main(["run"])
-    except SystemExit as e:
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.err, captured.out
+cli = run_runner  # (exit code, stderr, stdout)
 
 
 # The Shakespeare flagfile on a tiny synthetic dataset (its client limits stay in force).

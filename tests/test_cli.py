@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import run as runner
+from conftest import run_runner
 
 HERE = os.path.dirname(__file__)
 TINY = os.path.join(HERE, "tiny.flags")
@@ -17,14 +17,7 @@ REPO = os.path.dirname(HERE)
 
 def cli(argv, capsys):
     """Run experiments.run in-process; returns (exit code, stderr)."""
-    runner.FLAGS.unparse_flags()
-    code = 0
-    try:
-        runner.parse_flags_or_fail(["run"] + list(argv))
-        runner.main(["run"])
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
+    return run_runner(argv, capsys)[:2]
 
 
 def test_tiny_flagfile_end_to_end(tmp_path, capsys):
