@@ -38,14 +38,6 @@ flags.DEFINE_integer("validation_seed", 0, "seed of the split of the training cl
                      "training and validation halves")
 
 
-def _floats(name, values):
-    try:
-        return tuple(float(v) for v in values)
-    except ValueError:
-        raise TuningError(f"--{name} must be a comma-separated list of numbers, got "
-                          f"{','.join(values)!r}") from None
-
-
 def _flag_lines(overrides: Dict[str, str]) -> List[str]:
     """The runner's flags as given (flagfile or command line) with `overrides`."""
     lines = []
@@ -77,10 +69,10 @@ def main(argv):
         if not out_dir:
             raise TuningError("--output_dir is required (where the grids and tuned.flags go)")
         config = dataclasses.replace(runner.config_from_flags(), output_dir=out_dir)
-        lr_grid = _floats("lr_grid", FLAGS.lr_grid) if FLAGS.lr_grid else \
+        lr_grid = runner._floats("lr_grid", FLAGS.lr_grid) if FLAGS.lr_grid else \
             default_lr_grid(config)
-        decay_grid = _floats("lr_decay_grid", FLAGS.lr_decay_grid)
-        l2_grid = _floats("l2_grid", FLAGS.l2_grid)
+        decay_grid = runner._floats("lr_decay_grid", FLAGS.lr_decay_grid)
+        l2_grid = runner._floats("l2_grid", FLAGS.l2_grid)
         tune_l2 = {"yes": True, "no": False}.get(FLAGS.tune_l2, config.model in LINEAR_MODELS)
         if not FLAGS.tune_lr and not tune_l2:
             raise TuningError("nothing to tune: --notune_lr and --tune_l2="
