@@ -16,9 +16,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-
-class DataError(ValueError):
-    """Federated data that cannot be used: wrong shapes, NaN, empty clients, bad files."""
+from deltafl_jax.errors import DataError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,202 @@
+"""What an algorithm is: a factory of pure round functions plus the spec that describes it.
+
+A round of every algorithm here has the same shape (Algorithm 2 of the Delta-FL paper; the
+baselines of the CISS 2021 paper, Table I):
+
+1. the engine computes each sampled client's loss F_k(w_t) on its whole training data;
+2. ``client_weights`` turns (F, n) into aggregation weights a_k >= 0; a_k = 0 means that the
+   client does no local work (the Delta-FL filter, FedAvg-Sub's subset, ...);
+3. the engine runs LocalUpdate (minibatch SGD from w_t on F_k + ``local_penalty``) on every
+   client with a_k > 0 and returns sums over them (:class:`ClientFeedback`);
+4. ``server_update`` forms the new global model.
+
+The functions act on ONE replica; the round vmaps them over replicas. Hyper-parameters that may
+differ between replicas (theta, q, t, mu, ...) arrive in ``hyper``, the algorithm's own typed
+NamedTuple; the rest are captured when the factory builds the algorithm.
+
+An algorithm module exports one :class:`AlgorithmSpec`: its name, its factory, its hyper
+NamedTuple, its swept hyper-parameter (:class:`Sweep`: flag, default grid, how replicas are
+labelled) and any forced local steps or full participation. The registry only collects specs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from deltafl_jax.errors import ConfigError
+from deltafl_jax.replicas import GridPoint, ReplicaGrid, ReplicaLabel
+
+Params = Any
+State = Any
+PAPER_THETAS = (1.0, 0.8, 0.5, 0.1)
+
+
+class ClientFeedback(NamedTuple):
+    """What the server learns from one round, for one replica.
+
+    losses: [m] F_k(w_t) of the sampled clients (with the L2 term when l2 > 0).
+    sizes: [m] their example counts n_k.
+    weights: [m] the a_k that ``client_weights`` returned.
+    delta_sum: pytree, sum over trained clients with a finite update of a_k (w_k - w_t).
+    weight_sum: [] sum of a_k over the same clients.
+    job_sqnorm: [m] ||w_k - w_t||^2 of each trained client.
+    job_finite: [m] the client trained and its update is finite.
+    job_trained: [m] the client trained.
+    learning_rate: [] this round's client learning rate.
+    clients: [m] int32 ids of the sampled clients (indices into the training clients).
+    """
+
+    losses: jax.Array
+    sizes: jax.Array
+    weights: jax.Array
+    delta_sum: Params
+    weight_sum: jax.Array
+    job_sqnorm: jax.Array
+    job_finite: jax.Array
+    job_trained: jax.Array
+    learning_rate: jax.Array
+    clients: Any = None
+
+
+class FederatedAlgorithm(NamedTuple):
+    """The pure functions of one algorithm (optax-style: built by a factory, never jitted here).
+
+    init(params, hyper) -> state;
+    client_weights(state, losses, sizes, hyper, key, clients) -> [m] a_k;
+    server_update(state, params, feedback, hyper) -> (params, state, dict of scalar metrics);
+    eval_params(state, params) -> the parameters to evaluate and save (None: params);
+    local_penalty(params, anchor, hyper) -> scalar added to the local objective of a client
+      (None: plain F_k; FedProx: (mu/2)||w - w_t||^2 with anchor = w_t).
+    """
+
+    name: str
+    init: Callable[[Params, Any], State]
+    client_weights: Callable[..., jax.Array]
+    server_update: Callable[..., Tuple[Params, State, Mapping[str, jax.Array]]]
+    eval_params: Optional[Callable[[State, Params], Params]] = None
+    local_penalty: Optional[Callable[[Params, Params, Any], jax.Array]] = None
+
+
+def average_update(params, feedback: ClientFeedback):
+    """w + sum_k a_k (w_k - w) / sum_k a_k over the trained clients with a finite update
+    (server learning rate 1, as the reference code); w unchanged if there is none."""
+    total = feedback.weight_sum
+    scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    return jax.tree.map(lambda w, d: w + (scale * d).astype(w.dtype), params, feedback.delta_sum)
+
+
+def no_state(params, hyper):
+    del params, hyper
+    return ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """The hyper-parameter that a spec sweeps: one replica per value x seed, in one program.
+
+    flag: the command-line flag that lists the values ("thetas" for theta).
+    field: the field of the spec's hyper NamedTuple that receives the value.
+    default: the default grid.
+    help: the flag's help text (without its default, which absl prints).
+    minimum: values must be >= minimum (None: any finite value).
+    integer: values must be integers.
+    labelled_by_theta: replicas are labelled by theta (label.theta = value); otherwise by
+      param_name = flag and param_value = value.
+    """
+
+    flag: str
+    field: str
+    default: Tuple[float, ...]
+    help: str
+    minimum: Optional[float] = None
+    integer: bool = False
+    labelled_by_theta: bool = False
+
+    def check(self, values) -> Tuple[float, ...]:
+        """The values as floats; ConfigError naming the flag if one is bad."""
+        out = []
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"--{self.flag} must be finite numbers, got {v!r}")
+            if self.integer and float(v) != int(v):
+                raise ConfigError(f"--{self.flag} must be integers, got {v!r}")
+            if self.minimum is not None and v < self.minimum:
+                raise ConfigError(f"--{self.flag} must be >= {self.minimum:g}, got {v!r}")
+            out.append(float(v))
+        if len(set(out)) != len(out):
+            raise ConfigError(f"--{self.flag} lists a value twice: {list(values)}")
+        return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSpec:
+    """Everything the rest of the package needs to know about one algorithm.
+
+    name: registry name (``--algorithm``).
+    help: one line for ``--help`` and the README.
+    make: factory (config, data) -> :class:`FederatedAlgorithm`; data is the
+      FederatedDataset (AFL keeps lambda over its training clients).
+    hyper: the NamedTuple type of the per-replica hyper-parameters.
+    sweep: the swept hyper-parameter.
+    fixed: values of the other hyper fields, the same for every replica.
+    local_steps: force this many local steps (None: the run's --local_epochs/--local_steps).
+    all_clients: every training client takes part in every round (m = N).
+    values: optional (config, swept values from the flag) -> values to train, for specs whose
+      grid depends on other settings (FedAvg is theta = 1; FedAvg-Sub reads --thetas).
+    validate: optional (config) -> None, raising ConfigError, for checks beyond :meth:`Sweep.check`.
+    """
+
+    name: str
+    help: str
+    make: Callable[[Any, Any], FederatedAlgorithm]
+    hyper: type
+    sweep: Sweep
+    fixed: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    local_steps: Optional[int] = None
+    all_clients: bool = False
+    values: Optional[Callable[[Any, Tuple[float, ...]], Tuple[float, ...]]] = None
+    validate: Optional[Callable[[Any], None]] = None
+
+    def __post_init__(self):
+        fields = set(self.hyper._fields)
+        missing = fields - {self.sweep.field} - set(self.fixed)
+        if self.sweep.field not in fields or missing:
+            raise TypeError(f"spec {self.name}: hyper fields {sorted(fields)} must be the swept "
+                            f"field {self.sweep.field!r} and the fixed ones {sorted(self.fixed)}")
+
+    def sweep_values(self, config) -> Tuple[float, ...]:
+        given = self.sweep.check(config.sweep(self.sweep.flag))
+        if self.values is not None:
+            return tuple(self.values(config, given))
+        return given or self.sweep.default
+
+    def check(self, config) -> None:
+        self.sweep_values(config)
+        if self.validate is not None:
+            self.validate(config)
+
+    def label(self, value: float) -> ReplicaLabel:
+        if self.sweep.labelled_by_theta:
+            return ReplicaLabel(self.name, float(value), -1)
+        return ReplicaLabel(self.name, float(self.fixed.get("theta", 1.0)), -1,
+                            param_name=self.sweep.flag, param_value=float(value))
+
+    def hyper_for(self, value: float, **overrides: float):
+        values = {**self.fixed, self.sweep.field: float(value), **overrides}
+        return self.hyper(**{f: float(values[f]) for f in self.hyper._fields})
+
+    def grid(self, config) -> ReplicaGrid:
+        """The sweep values x seeds, with the config's schedule and per-value L2."""
+        values = self.sweep_values(config)
+        l2s = config.l2_for(len(values))
+        points = tuple(
+            GridPoint(label=self.label(v), hyper=self.hyper_for(v), l2=l2,
+                      learning_rate=config.learning_rate, lr_decay=config.lr_decay,
+                      lr_decay_every=config.lr_decay_every)
+            for v, l2 in zip(values, l2s))
+        return ReplicaGrid(points=points, seeds=tuple(config.seeds))

@@ -1,0 +1,217 @@
+"""Replicas: the models that one compiled program trains side by side, and their typed labels.
+
+A replica is one model being trained: a point of a grid (a conformity level theta, or a
+baseline's swept value such as q-FFL's q, or a tuning grid's learning rate / L2) times a
+seed. Replicas are stacked on a leading axis [R] (vmapped, paper Sec. 5: every theta trained at
+once), so each carries its own hyper-parameters, its own L2 weight lambda and its own
+learning-rate schedule gamma_t = gamma_0 c^-floor(t / t_0) (App. C.2.2).
+
+- :class:`ReplicaLabel` names a replica: ``key()`` for file names, ``display()`` for people,
+  ``to_json()`` / ``from_json()`` for ``metrics.jsonl``, ``summary.json`` and ``load_model``.
+- :class:`GridPoint` is one point of a grid, :class:`ReplicaGrid` the points x seeds, and
+  :meth:`ReplicaGrid.build` gives the :class:`Replicas` that the round function consumes.
+
+Replicas are value-major and seed-minor (theta 1.0 seeds 1..S, then theta 0.8, ...); replicas
+that share a seed share the sampled clients and the minibatches (paired comparisons).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+
+def learning_rate_schedule(lr: float, decay: float, every: int):
+    """gamma_t = gamma_0 * c^-(t // t0) (paper, App. C.2.2, with c the divisor), built from
+    optax schedules; constant when c = 1 or t0 = 0."""
+    import optax
+
+    if decay == 1.0 or every <= 0:
+        return optax.constant_schedule(lr)
+    return optax.exponential_decay(init_value=lr, transition_steps=every,
+                                   decay_rate=1.0 / decay, staircase=True)
+
+
+def _fmt(v: float) -> str:
+    return f"{v:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaLabel:
+    """What a replica is, as written to every output.
+
+    algorithm: the algorithm's registry name.
+    theta: its conformity level (1.0 for the baselines that have none).
+    seed: its seed.
+    param_name / param_value: a baseline's swept flag and value (e.g. "qffl_q", 0.1); None for
+      the theta-swept algorithms.
+    extra: further grid coordinates in order, e.g. (("learning_rate", 0.1), ("lr_decay", 2.0))
+      for the tuner's grids.
+    """
+
+    algorithm: str
+    theta: float
+    seed: int
+    param_name: Optional[str] = None
+    param_value: Optional[float] = None
+    extra: Tuple[Tuple[str, float], ...] = ()
+
+    def swept(self) -> Tuple[str, float]:
+        """(name, value) of the swept hyper-parameter: ("theta", 0.5) or ("qffl_q", 0.1)."""
+        if self.param_name is not None:
+            return self.param_name, float(self.param_value)
+        return "theta", float(self.theta)
+
+    def key(self) -> str:
+        """File-name key, e.g. 'theta=0.5_seed=1', 'qffl_q=0.1_seed=1' or
+        'theta=1_learning_rate=0.1_lr_decay=2_seed=1'."""
+        name, value = self.swept()
+        parts = [f"{name}={_fmt(value)}"] + [f"{n}={_fmt(v)}" for n, v in self.extra]
+        return "_".join(parts + [f"seed={self.seed}"])
+
+    def display(self) -> str:
+        """Short text for progress lines and tables, e.g. 'θ=0.5 seed 1'."""
+        name, value = self.swept()
+        head = "θ" if name == "theta" else name
+        parts = [f"{head}={_fmt(value)}"] + [f"{n}={_fmt(v)}" for n, v in self.extra]
+        return " ".join(parts + [f"seed {self.seed}"])
+
+    def group_key(self) -> Tuple:
+        """Everything but the seed: replicas with equal group keys are seeds of one setting."""
+        return (self.algorithm, self.swept(), self.extra)
+
+    def to_json(self) -> Dict[str, Any]:
+        """Ordered dict: algorithm, theta, [param_name, param_value], extra..., seed."""
+        out: Dict[str, Any] = {"algorithm": self.algorithm, "theta": float(self.theta)}
+        if self.param_name is not None:
+            out["param_name"] = self.param_name
+            out["param_value"] = float(self.param_value)
+        for n, v in self.extra:
+            out[n] = float(v)
+        out["seed"] = int(self.seed)
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "ReplicaLabel":
+        known = ("algorithm", "theta", "seed", "param_name", "param_value", "key")
+        extra = tuple((k, float(v)) for k, v in d.items()
+                      if k not in known and isinstance(v, (int, float)) and not isinstance(v, bool))
+        return cls(algorithm=str(d.get("algorithm", "deltafl")), theta=float(d.get("theta", 1.0)),
+                   seed=int(d["seed"]), param_name=d.get("param_name"),
+                   param_value=(None if d.get("param_value") is None
+                                else float(d["param_value"])),
+                   extra=extra)
+
+    def matches(self, theta: Optional[float] = None, seed: Optional[int] = None,
+                **params: float) -> bool:
+        """True when every given coordinate equals this label's (floats compared with
+        math.isclose); e.g. matches(theta=0.5, seed=1) or matches(qffl_q=0.1)."""
+        if theta is not None and not math.isclose(self.theta, theta, rel_tol=1e-6, abs_tol=1e-12):
+            return False
+        if seed is not None and self.seed != int(seed):
+            return False
+        coords = dict(self.extra)
+        if self.param_name is not None:
+            coords[self.param_name] = self.param_value
+        for name, value in params.items():
+            if name not in coords or not math.isclose(coords[name], value, rel_tol=1e-6,
+                                                       abs_tol=1e-12):
+                return False
+        return True
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Replicas:
+    """The R replicas of one program, as the round function consumes them.
+
+    group: [R] int32, index of each replica's seed in the run's seed list (its plan group).
+    hyper: the algorithm's hyper-parameter pytree (a NamedTuple), leaves float32 [R].
+    l2: [R] float32, the L2 weight lambda of each replica.
+    schedules: R optax schedules, round -> client learning rate.
+    labels: R :class:`ReplicaLabel`.
+    """
+
+    group: np.ndarray
+    hyper: Any
+    l2: np.ndarray
+    schedules: Tuple[Callable, ...]
+    labels: Tuple[ReplicaLabel, ...]
+
+    @property
+    def size(self) -> int:
+        return int(self.group.size)
+
+    def keys(self) -> Tuple[str, ...]:
+        return tuple(lab.key() for lab in self.labels)
+
+    def seeds(self) -> Tuple[int, ...]:
+        return tuple(lab.seed for lab in self.labels)
+
+
+@dataclasses.dataclass(frozen=True)
+class GridPoint:
+    """One grid point, trained once per seed.
+
+    label: its label (the seed is filled in per replica).
+    hyper: the algorithm's hyper-parameters, a NamedTuple of Python floats.
+    l2: lambda. learning_rate, lr_decay, lr_decay_every: its schedule.
+    """
+
+    label: ReplicaLabel
+    hyper: Any
+    l2: float
+    learning_rate: float
+    lr_decay: float = 1.0
+    lr_decay_every: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaGrid:
+    """Grid points x seeds, value-major."""
+
+    points: Tuple[GridPoint, ...]
+    seeds: Tuple[int, ...]
+
+    def build(self) -> Replicas:
+        if not self.points:
+            raise ValueError("a replica grid needs at least one point")
+        kinds = {type(p.hyper) for p in self.points}
+        if len(kinds) != 1:
+            raise ValueError(f"grid points mix hyper-parameter types: {sorted(map(str, kinds))}")
+        groups, hypers, l2s, schedules, labels = [], [], [], [], []
+        for point in self.points:
+            schedule = learning_rate_schedule(point.learning_rate, point.lr_decay,
+                                              point.lr_decay_every)
+            for g, seed in enumerate(self.seeds):
+                groups.append(g)
+                hypers.append(point.hyper)
+                l2s.append(point.l2)
+                schedules.append(schedule)
+                labels.append(dataclasses.replace(point.label, seed=int(seed)))
+        hyper_type = type(self.points[0].hyper)
+        hyper = hyper_type(*(np.asarray([h[i] for h in hypers], np.float32)
+                             for i in range(len(hyper_type._fields))))
+        return Replicas(group=np.asarray(groups, np.int32), hyper=hyper,
+                        l2=np.asarray(l2s, np.float32), schedules=tuple(schedules),
+                        labels=tuple(labels))
+
+
+def labels_by_group(labels: Iterable[ReplicaLabel]) -> Dict[Tuple, list]:
+    """Replica indices per setting (all seeds of one grid point), in first-seen order."""
+    out: Dict[Tuple, list] = {}
+    for r, lab in enumerate(labels):
+        out.setdefault(lab.group_key(), []).append(r)
+    return out
+
+
+def aligned(values: Sequence[float], count: int, name: str) -> Tuple[float, ...]:
+    """One value per sweep value: a single value is repeated; otherwise the lengths must match."""
+    values = tuple(values)
+    if len(values) == 1:
+        return values * count
+    if len(values) != count:
+        raise ValueError(f"--{name} gives {len(values)} values for {count} swept values")
+    return values
