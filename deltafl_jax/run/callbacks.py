@@ -1,0 +1,69 @@
+"""The hooks of the run loop (:func:`deltafl_jax.run.loop.run_rounds`).
+
+The loop itself only runs rounds and, every ``eval_every`` rounds, evaluates every replica on
+all training and all test clients (paper, App. C.2.3). Everything else plugs in as a
+:class:`Callback`: progress lines, ``metrics.jsonl`` and the other output files, TensorBoard,
+checkpoints, multi-host writing. Callbacks see host (NumPy) values and the latest device state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Evaluation:
+    """One evaluation of every replica, after `round` rounds.
+
+    round: rounds completed (1-based).
+    per_client: "train_loss", "train_error", "test_loss", "test_error" -> [R, N] float64.
+    summary: metric name -> [R] (train_loss_mean, train_loss_p90, test_error_p90, ...).
+    records: one JSON-able dict per replica, as written to metrics.jsonl.
+    elapsed_s: seconds since the first round started.
+    """
+
+    round: int
+    per_client: Dict[str, np.ndarray]
+    summary: Dict[str, np.ndarray]
+    records: List[Dict[str, Any]]
+    elapsed_s: float
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What callbacks may read: the experiment, the rounds, and the latest state.
+
+    experiment: the built :class:`deltafl_jax.run.experiment.Experiment`.
+    num_rounds: T. start_round: rounds already done when this process started (resume).
+    state: the latest ServerState (device arrays; do not keep references across rounds,
+      the round donates its buffers).
+    output_dir: where outputs go (None: nothing is written).
+    stop_requested: a callback sets it to end the run after the current round.
+    """
+
+    experiment: Any
+    num_rounds: int
+    start_round: int = 0
+    state: Any = None
+    output_dir: Optional[str] = None
+    stop_requested: bool = False
+    stop_reason: str = ""
+
+
+class Callback:
+    """Base class: every hook is optional."""
+
+    def on_run_start(self, run: RunContext) -> None:
+        pass
+
+    def on_round_end(self, run: RunContext, round: int, metrics: Dict[str, np.ndarray]) -> None:
+        """After round `round` (1-based); metrics: host arrays [R] or scalars."""
+
+    def on_evaluation(self, run: RunContext, evaluation: Evaluation) -> None:
+        pass
+
+    def on_run_end(self, run: RunContext, result: Any) -> None:
+        pass
