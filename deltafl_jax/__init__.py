@@ -8,17 +8,20 @@ server averages their models. theta = 1 is FedAvg.
 Public entry points:
 
 - :func:`weighted_quantile`, :func:`superquantile`, :func:`tail_weights`: the primitives;
-- :func:`run_experiment` / :class:`ExperimentConfig`: train every theta x seed in one program;
+- :func:`run_experiment` / :class:`ExperimentConfig`: train every theta x seed in one program
+  (:func:`build_experiment` and :func:`run_rounds` with callbacks for finer control);
 - :func:`load_model`: serve the model w_theta of a finished run.
 """
 
 from deltafl_jax.superquantile import (superquantile, superquantile_dual, tail_weights,
                                        threshold_weights, weighted_quantile)
+from deltafl_jax.errors import ConfigError, DataError
 from deltafl_jax.outputs import LoadedModel, load_model
-from deltafl_jax.config import ConfigError, ExperimentConfig
-from deltafl_jax.data import ClientData, DataError, FederatedDataset
+from deltafl_jax.config import ExperimentConfig
+from deltafl_jax.data import ClientData, FederatedDataset
 from deltafl_jax.datasets import DataConfig, load_dataset
-from deltafl_jax.training import build_experiment, run_experiment
+from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.run import Callback, RunResult, build_experiment, run_experiment, run_rounds
 
 __version__ = "0.1.0"
 
@@ -26,5 +29,5 @@ __all__ = [
     "weighted_quantile", "superquantile", "superquantile_dual", "tail_weights",
     "threshold_weights", "load_model", "LoadedModel", "ConfigError", "ExperimentConfig",
     "ClientData", "DataError", "FederatedDataset", "DataConfig", "load_dataset",
-    "build_experiment", "run_experiment",
+    "build_experiment", "run_experiment", "run_rounds", "Callback", "RunResult", "ReplicaLabel",
 ]

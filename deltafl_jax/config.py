@@ -1,34 +1,34 @@
 """The frozen configuration of one experiment, validated once, with one-line error messages.
 
-The runner (experiments/run.py) builds an :class:`ExperimentConfig` from its flags; the library
-never reads flags. Every check names the flag at fault, so the runner can print the message as
-it is and exit with code 2.
+The command line (``experiments/cli.py``) builds an :class:`ExperimentConfig` from its flags;
+the library never reads flags. Every check names the flag at fault, so a command can print the
+message as it is and exit with code 2. The algorithm-specific checks live in each algorithm's
+spec (:mod:`deltafl_jax.algorithms`), which this module calls through the registry.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Tuple
+from typing import Mapping, Optional, Tuple, Union
 
+from deltafl_jax.algorithms import registry
+from deltafl_jax.algorithms.deltafl import FILTERS, check_thetas
 from deltafl_jax.datasets import DataConfig
+from deltafl_jax.errors import ConfigError
+from deltafl_jax.replicas import aligned
 
-PAPER_THETAS = (1.0, 0.8, 0.5, 0.1)
 PERCENTILES = (10, 20, 50, 60, 80, 90, 95)
-
-
-class ConfigError(ValueError):
-    """A bad setting; the message is one line naming the flag."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     """One experiment: a dataset, a model, an algorithm and the replicas to train.
 
-    Replicas are every (sweep value, seed) pair. For Delta-FL the swept value is theta
-    (``thetas``); for the baselines it is their own hyper-parameter (``fedprox_mu``,
-    ``qffl_q``, ``afl_lambda_lr``, ``term_t``, ``fedavg_sub_clients``; () = the defaults of
-    :mod:`deltafl_jax.algorithms.registry`). Each list is read only by its algorithm.
+    Replicas are every (sweep value, seed) pair. Delta-FL sweeps theta (``thetas``); a baseline
+    sweeps the flag of its spec, whose values are in ``sweeps`` (flag name -> values; missing
+    or empty = the spec's default grid). ``l2_reg`` is one lambda for every swept value, or
+    one per swept value, in order.
     """
 
     data: DataConfig
@@ -45,105 +45,98 @@ class ExperimentConfig:
     learning_rate: float = 0.1
     lr_decay: float = 1.0
     lr_decay_every: int = 0
-    l2_reg: float = 0.0
+    l2_reg: Union[float, Tuple[float, ...]] = 0.0
     eval_every: int = 10
-    clients_per_step: Optional[int] = None  # None = the backend's default
-    eval_chunk: Optional[int] = None        # None = chosen from the model
+    clients_per_step: Optional[int] = None  # None = the model's preference on this backend
+    eval_chunk: Optional[int] = None        # None = the model's preference on this backend
     output_dir: Optional[str] = None
     overwrite: bool = False
-    # Baselines (issue 4): the values each one sweeps (() = its default grid).
-    fedavg_sub_clients: Tuple[int, ...] = ()
-    fedprox_mu: Tuple[float, ...] = ()
-    qffl_q: Tuple[float, ...] = ()
-    afl_lambda_lr: Tuple[float, ...] = ()
-    term_t: Tuple[float, ...] = ()
+    sweeps: Mapping[str, Tuple[float, ...]] = dataclasses.field(default_factory=dict)
     conv_impl: Optional[str] = None
     save_models: bool = True
     verbose: bool = True
 
     def __post_init__(self):
+        l2 = self.l2_reg
+        object.__setattr__(self, "l2_reg", tuple(l2) if isinstance(l2, (tuple, list)) else l2)
+        object.__setattr__(self, "sweeps", {k: tuple(v) for k, v in dict(self.sweeps).items()})
         _check(self)
+
+    def sweep(self, flag: str) -> Tuple[float, ...]:
+        """The values given for a swept flag (() = none given)."""
+        if flag == "thetas":
+            return tuple(self.thetas)
+        return tuple(self.sweeps.get(flag, ()))
+
+    def l2_for(self, count: int) -> Tuple[float, ...]:
+        """lambda for each of `count` swept values."""
+        values = self.l2_reg if isinstance(self.l2_reg, tuple) else (self.l2_reg,)
+        try:
+            return aligned(values, count, "l2_reg")
+        except ValueError as e:
+            raise ConfigError(f"{e}; give one value, or one per swept value") from None
 
 
 def _finite(name, value):
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"--{name} must be a finite number, got {value!r}")
 
 
-def _check(c: ExperimentConfig):
-    for name in ("learning_rate", "lr_decay", "l2_reg"):
+_POSITIVE_INTS = (
+    ("batch_size", "a positive integer"), ("num_rounds", "at least 1"),
+    ("clients_per_round", "at least 1"), ("eval_every", "at least 1"))
+_OPTIONAL_POSITIVE_INTS = ("local_steps", "clients_per_step", "eval_chunk")
+
+
+def _check_numbers(c: ExperimentConfig):
+    for name in ("learning_rate", "lr_decay"):
         _finite(name, getattr(c, name))
+    for lam in (c.l2_reg if isinstance(c.l2_reg, tuple) else (c.l2_reg,)):
+        _finite("l2_reg", lam)
+        if lam < 0:
+            raise ConfigError(f"--l2_reg must be >= 0, got {lam}")
     if c.learning_rate <= 0:
         raise ConfigError(f"--learning_rate must be positive, got {c.learning_rate}")
-    if c.batch_size < 1:
-        raise ConfigError(f"--batch_size must be a positive integer, got {c.batch_size}")
-    if c.num_rounds < 1:
-        raise ConfigError(f"--num_rounds must be at least 1, got {c.num_rounds}")
-    if c.clients_per_round < 1:
-        raise ConfigError(f"--clients_per_round must be at least 1, got {c.clients_per_round}")
+    for name, what in _POSITIVE_INTS:
+        if getattr(c, name) < 1:
+            raise ConfigError(f"--{name} must be {what}, got {getattr(c, name)}")
+    for name in _OPTIONAL_POSITIVE_INTS:
+        if getattr(c, name) is not None and getattr(c, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(c, name)}")
     if c.local_steps is None and c.local_epochs < 1:
         raise ConfigError(f"--local_epochs must be at least 1, got {c.local_epochs}")
-    if c.local_steps is not None and c.local_steps < 1:
-        raise ConfigError(f"--local_steps must be at least 1, got {c.local_steps}")
     if c.lr_decay < 1:
         raise ConfigError(
             f"--lr_decay is the divisor c >= 1 of lr_t = lr * c^-(t // lr_decay_every), got "
             f"{c.lr_decay} (to halve the rate pass 2)")
     if c.lr_decay_every < 0:
         raise ConfigError(f"--lr_decay_every must be >= 0 (0: constant), got {c.lr_decay_every}")
-    if c.l2_reg < 0:
-        raise ConfigError(f"--l2_reg must be >= 0, got {c.l2_reg}")
-    if c.eval_every < 1:
-        raise ConfigError(f"--eval_every must be at least 1, got {c.eval_every}")
-    if c.clients_per_step is not None and c.clients_per_step < 1:
-        raise ConfigError(f"--clients_per_step must be at least 1, got {c.clients_per_step}")
-    if c.eval_chunk is not None and c.eval_chunk < 1:
-        raise ConfigError(f"--eval_chunk must be at least 1, got {c.eval_chunk}")
+
+
+def _check_seeds(c: ExperimentConfig):
     if not c.seeds:
         raise ConfigError("--seeds must list at least one seed")
     if len(set(c.seeds)) != len(c.seeds):
         raise ConfigError(f"--seeds lists a seed twice: {list(c.seeds)}")
     for s in c.seeds:
-        if not isinstance(s, int) or s < 0 or s >= 2 ** 31:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0 or s >= 2 ** 31:
             raise ConfigError(f"--seeds must be integers in [0, 2^31), got {s!r}")
-    for t in c.thetas:
-        if not isinstance(t, (int, float)) or not (0.0 < t <= 1.0):
-            raise ConfigError(f"--thetas must lie in (0, 1], got {t!r}")
-    if len(set(c.thetas)) != len(c.thetas):
-        raise ConfigError(f"--thetas lists a value twice: {list(c.thetas)}")
-    _check_sweep("fedprox_mu", c.fedprox_mu, lambda v: v >= 0, "must be >= 0")
-    _check_sweep("qffl_q", c.qffl_q, lambda v: v >= 0, "must be >= 0")
-    _check_sweep("afl_lambda_lr", c.afl_lambda_lr, lambda v: v >= 0, "must be >= 0")
-    _check_sweep("term_t", c.term_t, lambda v: True, "")
-    for k in c.fedavg_sub_clients:
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= c.clients_per_round:
-            raise ConfigError(f"--fedavg_sub_clients must be integers in [1, "
-                              f"--clients_per_round={c.clients_per_round}], got {k!r}")
-    if len(set(c.fedavg_sub_clients)) != len(c.fedavg_sub_clients):
-        raise ConfigError(f"--fedavg_sub_clients lists a value twice: "
-                          f"{list(c.fedavg_sub_clients)}")
-    from deltafl_jax.algorithms import registry
-    registry.check(c)
+
+
+def _check(c: ExperimentConfig):
+    _check_numbers(c)
+    _check_seeds(c)
+    known = {s.flag for s in registry.sweeps()}
+    unknown = sorted(set(c.sweeps) - known)
+    if unknown:
+        raise ConfigError(f"unknown swept flag(s) {', '.join(unknown)}")
+    for sweep in registry.sweeps():
+        sweep.check(c.sweep(sweep.flag))
+    check_thetas(c)
+    spec = registry.get(c.algorithm)
+    if c.filter not in FILTERS:
+        raise ConfigError(f"unknown --filter={c.filter!r}; choose one of {', '.join(FILTERS)}")
+    spec.check(c)
+    c.l2_for(len(spec.sweep_values(c)))
     if not c.output_dir and c.save_models:
         raise ConfigError("--output_dir is required")
-
-
-def _check_sweep(name, values, ok, requirement):
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ConfigError(f"--{name} must be finite numbers, got {v!r}")
-        if not ok(v):
-            raise ConfigError(f"--{name} {requirement}, got {v!r}")
-    if len(set(values)) != len(values):
-        raise ConfigError(f"--{name} lists a value twice: {list(values)}")
-
-
-def learning_rate_schedule(lr: float, decay: float, every: int):
-    """gamma_t = gamma_0 * c^-(t // t0) (paper, App. C.2.2, with c the divisor), built from
-    optax schedules; constant when c = 1 or t0 = 0."""
-    import optax
-
-    if decay == 1.0 or every <= 0:
-        return optax.constant_schedule(lr)
-    return optax.exponential_decay(init_value=lr, transition_steps=every,
-                                   decay_rate=1.0 / decay, staircase=True)

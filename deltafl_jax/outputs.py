@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from deltafl_jax.data import ClientData, FederatedDataset
+from deltafl_jax.errors import ConfigError
 from deltafl_jax.models import Model, ModelOptions, build_model
 
 RESULT_FILES = ("metrics.jsonl", "summary.json", "rounds.npz", "clients.npz",
@@ -38,6 +39,56 @@ RESULT_FILES = ("metrics.jsonl", "summary.json", "rounds.npz", "clients.npz",
 def has_results(output_dir: str) -> bool:
     return os.path.isdir(output_dir) and any(
         os.path.exists(os.path.join(output_dir, f)) for f in RESULT_FILES)
+
+
+def prepare_dir(path: str, overwrite: bool) -> None:
+    """Refuse a directory that holds results (unless overwrite, which removes them); create it."""
+    import shutil
+    if has_results(path):
+        if not overwrite:
+            raise ConfigError(f"--output_dir={path} already holds results; pass --overwrite or "
+                              f"choose another directory")
+        for f in RESULT_FILES:
+            p = os.path.join(path, f)
+            if os.path.isdir(p):
+                shutil.rmtree(p)
+            elif os.path.exists(p):
+                os.remove(p)
+    os.makedirs(path, exist_ok=True)
+
+
+class RunWriter:
+    """Writes the files of one output directory (temporary stand-in)."""
+
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+
+    def _path(self, name):
+        return os.path.join(self.output_dir, name)
+
+    def append_metrics(self, records):
+        append_jsonl(self._path("metrics.jsonl"), records)
+
+    def write_rounds(self, per_round, labels):
+        np.savez(self._path("rounds.npz"), **per_round,
+                 replica_keys=np.asarray([lab.key() for lab in labels]))
+
+    def write_clients(self, per_client, data, labels):
+        np.savez(self._path("clients.npz"), **per_client,
+                 train_sizes=data.train.sizes, test_sizes=data.test.sizes,
+                 train_client_ids=np.asarray(data.train.client_ids).astype(str),
+                 test_client_ids=np.asarray(data.test.client_ids).astype(str),
+                 replica_keys=np.asarray([lab.key() for lab in labels]))
+
+    def write_clients_history(self, history):
+        np.savez(self._path("clients_history.npz"), **history)
+
+    def save_models(self, params, labels, model, options, data):
+        save_models(self.output_dir, params, [lab.to_json() for lab in labels], model, options,
+                    data)
+
+    def write_summary(self, summary):
+        write_json(self._path("summary.json"), summary)
 
 
 def replica_key(labels: Dict[str, Any]) -> str:

@@ -20,8 +20,7 @@ group g = their seed), which makes theta-to-theta comparisons paired.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Dict, NamedTuple, Sequence, Tuple
+from typing import Any, Dict, NamedTuple, Sequence, Tuple
 
 import flax.struct
 import jax
@@ -29,9 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax import engine
-from deltafl_jax.algorithms.base import ClientFeedback, FederatedAlgorithm
+from deltafl_jax.algorithms.spec import ClientFeedback, FederatedAlgorithm
 from deltafl_jax.models import Model
 from deltafl_jax.plan import RoundPlan
+from deltafl_jax.replicas import Replicas
 
 
 class ServerState(flax.struct.PyTreeNode):
@@ -56,33 +56,13 @@ class RoundData(NamedTuple):
     plan: RoundPlan
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Replicas:
-    """Static description of the R replicas.
-
-    group: [R] index of each replica's seed in the run's seed list.
-    hyper: name -> [R] float32 per-replica hyper-parameters ("theta", "l2", "mu", ...).
-    schedules: R optax schedules, round -> client learning rate.
-    labels: R dicts naming each replica for outputs (theta, seed, param_name, param_value).
-    """
-
-    group: np.ndarray
-    hyper: Dict[str, np.ndarray]
-    schedules: Tuple[Callable, ...]
-    labels: Tuple[Dict[str, Any], ...]
-
-    @property
-    def size(self) -> int:
-        return int(self.group.size)
-
-
 def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                seeds: Sequence[int]) -> ServerState:
     """w_0 of each replica from its seed (replicas with one seed start from one w_0)."""
     keys = jax.vmap(jax.random.key)(
         jnp.asarray([int(seeds[g]) for g in replicas.group], jnp.uint32))
     params = jax.jit(jax.vmap(model.init))(keys)
-    hyper = {k: jnp.asarray(v) for k, v in replicas.hyper.items()}
+    hyper = jax.tree.map(jnp.asarray, replicas.hyper)
     algo_state = jax.vmap(algorithm.init)(params, hyper)
     return ServerState(params=params, algo_state=algo_state, round=jnp.int32(0))
 
@@ -93,6 +73,34 @@ def replica_keys(replicas: Replicas, seeds: Sequence[int]):
     return jax.vmap(jax.random.key)(seeds_r)
 
 
+def _losses(model, state, data, group, l2, m, eval_chunk, eval_lanes):
+    """F_k(w_t) [R, m] of the sampled clients, plus (l2/2)||w_t||^2, and the evaluation."""
+    plan = data.plan
+    ev = engine.evaluate_streams(model, state.params, data.x, data.y, plan.eval_idx,
+                                 plan.eval_seg, plan.eval_len, group, m, eval_chunk, eval_lanes)
+    sizes = plan.sizes[group]                                   # [R, m]
+    sqnorm = jax.vmap(engine.tree_sqnorm)(state.params)         # [R]
+    return ev.loss_sum / sizes + 0.5 * (l2 * sqnorm)[:, None], sizes, ev
+
+
+def _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics):
+    sizes_f = sizes.astype(jnp.float32)
+    return {
+        "num_selected": jnp.sum(weights > 0, axis=1),
+        "num_rejected": jnp.sum(tr.job_trained & ~tr.job_finite, axis=1),
+        "sampled_loss_mean": jnp.sum(sizes_f * losses, 1) / jnp.sum(sizes_f, 1),
+        "kept_examples": jnp.sum(jnp.where(weights > 0, sizes, 0), axis=1),
+        "learning_rate": lr,
+        **algo_metrics,
+        # Work done by the whole program this round (scalars).
+        "eval_real_examples": ev.real_examples,
+        "eval_padded_examples": ev.padded_examples,
+        "train_real_examples": tr.real_examples,
+        "train_padded_examples": tr.padded_examples,
+        "train_trips": tr.trips,
+    }
+
+
 def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                    local: engine.LocalSGDConfig, eval_chunk: int, eval_lanes: int,
                    num_sampled: int):
@@ -100,30 +108,21 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
     group = jnp.asarray(replicas.group, jnp.int32)
     m = num_sampled
     schedules = replicas.schedules
-    hyper_np = {k: np.asarray(v, np.float32) for k, v in replicas.hyper.items()}
-    R = replicas.size
-    zeros = np.zeros((R,), np.float32)
+    hyper_np = jax.tree.map(lambda v: np.asarray(v, np.float32), replicas.hyper)
+    l2_np = np.asarray(replicas.l2, np.float32)
 
     def round_fn(state: ServerState, data: RoundData, key) -> Tuple[ServerState, Dict]:
         t = state.round
-        plan = data.plan
-        hyper = {k: jnp.asarray(v) for k, v in hyper_np.items()}
-        l2 = hyper.get("l2", jnp.asarray(zeros))
+        hyper = jax.tree.map(jnp.asarray, hyper_np)
+        l2 = jnp.asarray(l2_np)
         lr = jnp.stack([jnp.asarray(s(t), jnp.float32) for s in schedules])
-
-        ev = engine.evaluate_streams(model, state.params, data.x, data.y, plan.eval_idx,
-                                     plan.eval_seg, plan.eval_len, group, m, eval_chunk,
-                                     eval_lanes)
-        sizes = plan.sizes[group]                                   # [R, m]
-        sqnorm = jax.vmap(engine._tree_sqnorm)(state.params)        # [R]
-        losses = ev.loss_sum / sizes + 0.5 * (l2 * sqnorm)[:, None]
-
+        losses, sizes, ev = _losses(model, state, data, group, l2, m, eval_chunk, eval_lanes)
         keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(key)
-        clients = plan.clients[group]                               # [R, m] client ids
+        clients = data.plan.clients[group]                          # [R, m] client ids
         weights = jax.vmap(algorithm.client_weights)(state.algo_state, losses, sizes, hyper,
                                                      keys, clients)
-        tr = engine.train_jobs(model, state.params, data.x, data.y, plan, group, weights, lr,
-                               l2, hyper.get("mu", jnp.asarray(zeros)), local)
+        tr = engine.train_jobs(model, state.params, data.x, data.y, data.plan, group, weights,
+                               lr, l2, hyper, local)
         feedback = ClientFeedback(losses=losses, sizes=sizes, weights=weights,
                                   delta_sum=tr.delta_sum, weight_sum=tr.weight_sum,
                                   job_sqnorm=tr.job_sqnorm, job_finite=tr.job_finite,
@@ -131,22 +130,7 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
                                   clients=clients)
         params, algo_state, algo_metrics = jax.vmap(algorithm.server_update)(
             state.algo_state, state.params, feedback, hyper)
-
-        sizes_f = sizes.astype(jnp.float32)
-        metrics = {
-            "num_selected": jnp.sum(weights > 0, axis=1),
-            "num_rejected": jnp.sum(tr.job_trained & ~tr.job_finite, axis=1),
-            "sampled_loss_mean": jnp.sum(sizes_f * losses, 1) / jnp.sum(sizes_f, 1),
-            "kept_examples": jnp.sum(jnp.where(weights > 0, sizes, 0), axis=1),
-            "learning_rate": lr,
-            **algo_metrics,
-            # Work done by the whole program this round (scalars).
-            "eval_real_examples": ev.real_examples,
-            "eval_padded_examples": ev.padded_examples,
-            "train_real_examples": tr.real_examples,
-            "train_padded_examples": tr.padded_examples,
-            "train_trips": tr.trips,
-        }
+        metrics = _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics)
         return ServerState(params=params, algo_state=algo_state, round=t + 1), metrics
 
     return round_fn

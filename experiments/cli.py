@@ -1,10 +1,27 @@
-"""What every command of ``experiments`` shares: one-line errors with exit code 2."""
+"""The command-line layer shared by ``experiments.run``, ``experiments.tune`` and
+``data_prep.prepare``: flag declarations, flags -> frozen configs, one-line errors (exit 2).
+
+Library code never reads flags: each command calls :func:`define_data_flags` /
+:func:`define_experiment_flags`, parses with :func:`parse_flags_or_fail`, and turns the flags
+into a :class:`deltafl_jax.ExperimentConfig` with :func:`config_from_flags`. The flags of an
+algorithm's swept hyper-parameter come from its spec (:mod:`deltafl_jax.algorithms.registry`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
+from typing import List, Sequence, Tuple
 
 from absl import flags
+
+FLAGS = flags.FLAGS
+HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
+class UsageError(ValueError):
+    """A malformed flag value; the message is one line naming the flag."""
 
 
 def fail(message: str) -> None:
@@ -14,8 +31,185 @@ def fail(message: str) -> None:
 
 
 def parse_flags_or_fail(argv):
-    """absl's flag parsing, with a bad flag reported by :func:`fail`."""
+    """absl's flag parsing; --help prints the flags and exits 0, a bad flag or a missing
+    flagfile is one line and exit code 2."""
+    if any(a in HELP_FLAGS for a in argv[1:]):
+        print(FLAGS.main_module_help() or FLAGS.get_help(), flush=True)
+        sys.exit(0)
     try:
-        return flags.FLAGS(argv)
+        return FLAGS(argv)
     except flags.Error as e:
-        fail(str(e).splitlines()[0] if str(e) else "bad flags")
+        text = str(e).splitlines()[0] if str(e) else "bad flags"
+        fail(text.replace("ERROR:: ", "").strip())
+
+
+def _define(kind, name, default, help, **kw):
+    if name not in FLAGS:
+        kind(name, default, help, **kw)
+
+
+def define_data_flags() -> None:
+    """The flags of :class:`deltafl_jax.DataConfig` (idempotent)."""
+    _define(flags.DEFINE_string, "dataset", "synthetic", "synthetic | gaussian_toy | npz | "
+            "shakespeare | sent140 | femnist")
+    _define(flags.DEFINE_string, "data_path", None, "npz file, or the raw source of a real "
+            "dataset")
+    _define(flags.DEFINE_string, "data_dir", None, "prepared-dataset cache; unset: "
+            "$DELTAFL_DATA or ~/.cache/deltafl_jax")
+    _define(flags.DEFINE_integer, "data_seed", 0, "seed of data generation and of the "
+            "train/test split")
+    _define(flags.DEFINE_integer, "min_client_examples", None, "keep clients with at least "
+            "this many examples; unset: the dataset's paper value")
+    _define(flags.DEFINE_integer, "max_examples_per_client", None, "keep each client's first N "
+            "examples")
+    _define(flags.DEFINE_integer, "max_train_clients", None, "keep a seeded subset of the "
+            "train clients")
+    _define(flags.DEFINE_integer, "max_test_clients", None, "keep a seeded subset of the test "
+            "clients")
+    _define(flags.DEFINE_float, "synthetic_alpha", 1.0, "Synthetic(alpha, beta): model "
+            "heterogeneity")
+    _define(flags.DEFINE_float, "synthetic_beta", 1.0, "Synthetic(alpha, beta): feature "
+            "heterogeneity")
+    _define(flags.DEFINE_integer, "synthetic_num_clients", 100, "Synthetic: clients, half "
+            "train half test")
+    _define(flags.DEFINE_integer, "synthetic_max_examples", 1000, "Synthetic: cap of the "
+            "client sizes")
+    _define(flags.DEFINE_float, "synthetic_shared", 0.0, "Synthetic: weight in [0, 1) of the "
+            "labelling model shared by all clients (0 = the original benchmark)")
+    _define(flags.DEFINE_string, "toy_means", "0,0;4,0;1,1", "gaussian_toy: means "
+            "'x,y;x,y;...'")
+    _define(flags.DEFINE_integer, "toy_examples_per_client", 500, "gaussian_toy: samples per "
+            "client")
+
+
+def _define_sweep_flags() -> None:
+    from deltafl_jax.algorithms import registry
+    for sweep in registry.sweeps():
+        grid = ",".join(f"{v:g}" for v in sweep.default)
+        _define(flags.DEFINE_list, sweep.flag, [],
+                f"{sweep.help}; empty: the algorithm's grid" + (f" {grid}" if grid else ""))
+
+
+def define_experiment_flags() -> None:
+    """Every flag of :class:`deltafl_jax.ExperimentConfig` (idempotent)."""
+    from deltafl_jax.algorithms import registry
+    define_data_flags()
+    _define(flags.DEFINE_string, "model", "linear", "linear | cnn | mlp | mean | gru | lstm | "
+            "sent140_linear")
+    _define(flags.DEFINE_string, "conv_impl", None, "cnn convolutions: im2col_wgrad (CPU) | "
+            "xla; unset: by backend")
+    _define(flags.DEFINE_list, "algorithm", ["deltafl"], "one or more of "
+            f"{', '.join(registry.names())}; several run one after another into "
+            "<output_dir>/<algorithm>/")
+    _define(flags.DEFINE_string, "filter", "exact", "exact: tail weights of the superquantile "
+            "(fractional boundary client) | reference: every client with F_k >= eta, full weight")
+    _define(flags.DEFINE_list, "seeds", ["1"], "seeds; each seeds sampling, shuffling and "
+            "initialisation")
+    _define_sweep_flags()
+    _define(flags.DEFINE_integer, "num_rounds", 100, "communication rounds")
+    _define(flags.DEFINE_integer, "clients_per_round", 10, "m, clients sampled per round")
+    _define(flags.DEFINE_integer, "local_epochs", 1, "local epochs of minibatch SGD per kept "
+            "client")
+    _define(flags.DEFINE_integer, "local_steps", None, "local SGD steps instead of epochs")
+    _define(flags.DEFINE_integer, "batch_size", 10, "local minibatch size")
+    _define(flags.DEFINE_float, "learning_rate", 0.1, "client learning rate gamma_0")
+    _define(flags.DEFINE_float, "lr_decay", 1.0, "divide the learning rate by this every "
+            "lr_decay_every rounds (>= 1)")
+    _define(flags.DEFINE_integer, "lr_decay_every", 0, "rounds between learning-rate decays "
+            "(0: constant)")
+    _define(flags.DEFINE_list, "l2_reg", ["0"], "lambda: local steps w <- (1 - lr lambda) w - "
+            "lr grad, and F_k includes (lambda/2)||w||^2; one value, or one per swept value "
+            "(e.g. per theta of --thetas)")
+    _define(flags.DEFINE_integer, "clients_per_step", None, "client lanes trained at once "
+            "(1: one client at a time; m: all sampled clients vmapped); unset: by model and "
+            "backend")
+    _define(flags.DEFINE_integer, "eval_chunk", None, "examples per evaluation work item; "
+            "unset: by model and backend")
+    _define(flags.DEFINE_integer, "eval_every", 10, "evaluate on all train and test clients "
+            "every N rounds")
+    _define(flags.DEFINE_string, "output_dir", None, "where metrics.jsonl, summary.json and "
+            "models/ go")
+    _define(flags.DEFINE_bool, "overwrite", False, "replace results already in --output_dir")
+    _define(flags.DEFINE_bool, "save_models", True, "save the final model of every replica")
+
+
+def floats(name: str, values: Sequence[str]) -> Tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in values)
+    except ValueError:
+        raise UsageError(f"--{name} must be a comma-separated list of numbers, got "
+                         f"{','.join(values)!r}") from None
+
+
+def ints(name: str, values: Sequence[str]) -> Tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in values)
+    except ValueError:
+        raise UsageError(f"--{name} must be a comma-separated list of integers, got "
+                         f"{','.join(values)!r}") from None
+
+
+def _toy_means(text):
+    try:
+        means = tuple(tuple(float(v) for v in pair.split(",")) for pair in text.split(";")
+                      if pair.strip())
+    except ValueError:
+        raise UsageError(f"--toy_means must look like '0,0;4,0;1,1', got {text!r}") from None
+    if len(means) < 2 or any(len(m) != 2 for m in means):
+        raise UsageError(f"--toy_means must list at least two x,y pairs, got {text!r}")
+    return means
+
+
+DATA_FIELDS = ("dataset", "data_path", "data_dir", "data_seed", "min_client_examples",
+               "max_examples_per_client", "max_train_clients", "max_test_clients",
+               "synthetic_alpha", "synthetic_beta", "synthetic_num_clients",
+               "synthetic_max_examples", "synthetic_shared", "toy_examples_per_client")
+SCALAR_FIELDS = ("model", "filter", "num_rounds", "clients_per_round", "local_epochs",
+                 "local_steps", "batch_size", "learning_rate", "lr_decay", "lr_decay_every",
+                 "eval_every", "clients_per_step", "eval_chunk", "output_dir", "overwrite",
+                 "conv_impl", "save_models")
+
+
+def data_config_from_flags():
+    from deltafl_jax import DataConfig
+    return DataConfig(**{f: FLAGS[f].value for f in DATA_FIELDS},
+                      toy_means=_toy_means(FLAGS.toy_means))
+
+
+def config_from_flags(algorithm: str = None):
+    """The frozen experiment configuration described by the flags (for `algorithm`, default
+    the first of --algorithm)."""
+    from deltafl_jax import ExperimentConfig
+    from deltafl_jax.algorithms import registry
+    sweeps = {s.flag: (ints if s.integer else floats)(s.flag, FLAGS[s.flag].value)
+              for s in registry.sweeps() if s.flag != "thetas"}
+    l2 = floats("l2_reg", FLAGS.l2_reg)
+    return ExperimentConfig(
+        data=data_config_from_flags(), **{f: FLAGS[f].value for f in SCALAR_FIELDS},
+        algorithm=algorithm if algorithm is not None else (FLAGS.algorithm or [""])[0],
+        thetas=floats("thetas", FLAGS.thetas), seeds=ints("seeds", FLAGS.seeds),
+        l2_reg=l2[0] if len(l2) == 1 else l2, sweeps=sweeps)
+
+
+def configs_from_flags() -> List:
+    """One configuration per method of --algorithm. With several methods, each writes into
+    <output_dir>/<algorithm>/, and fedavg ignores --thetas (which then sets Delta-FL's levels
+    and FedAvg-Sub's client counts)."""
+    names = [a.strip() for a in FLAGS.algorithm]
+    if not names or any(not a for a in names):
+        raise UsageError(f"--algorithm must name at least one method, got "
+                         f"{','.join(FLAGS.algorithm)!r}")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--algorithm lists a method twice: {','.join(names)}")
+    if len(names) == 1:
+        return [config_from_flags(names[0])]
+    configs = []
+    for name in names:
+        config = config_from_flags("deltafl" if name == "fedavg" else name)
+        changes = {"algorithm": name}
+        if config.output_dir:
+            changes["output_dir"] = os.path.join(config.output_dir, name)
+        if name == "fedavg":
+            changes["thetas"] = ()
+        configs.append(dataclasses.replace(config, **changes))
+    return configs

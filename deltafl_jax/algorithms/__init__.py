@@ -1,7 +1,9 @@
-"""Federated algorithms, each a factory returning a :class:`FederatedAlgorithm`."""
+"""Federated algorithms: one module per algorithm, each exporting one :class:`AlgorithmSpec`
+(:mod:`deltafl_jax.algorithms.spec`), collected by :mod:`deltafl_jax.algorithms.registry`."""
 
-from deltafl_jax.algorithms.base import ClientFeedback, FederatedAlgorithm, average_update
-from deltafl_jax.algorithms.deltafl import FILTERS, deltafl
+from deltafl_jax.algorithms.spec import (AlgorithmSpec, ClientFeedback, FederatedAlgorithm, Sweep,
+                                         average_update)
 from deltafl_jax.algorithms import registry
 
-__all__ = ["ClientFeedback", "FederatedAlgorithm", "average_update", "deltafl", "FILTERS", "registry"]
+__all__ = ["AlgorithmSpec", "ClientFeedback", "FederatedAlgorithm", "Sweep", "average_update",
+           "registry"]

@@ -149,6 +149,10 @@ class AlgorithmSpec:
     values: optional (config, swept values from the flag) -> values to train, for specs whose
       grid depends on other settings (FedAvg is theta = 1; FedAvg-Sub reads --thetas).
     validate: optional (config) -> None, raising ConfigError, for checks beyond :meth:`Sweep.check`.
+    alt_sweep: optional second sweep, used instead of `sweep` when its flag lists values
+      (FedAvg-Sub: fixed client counts instead of the counts Delta-FL keeps at theta).
+
+    Hyper fields that the active sweep does not set take their value from `fixed`.
     """
 
     name: str
@@ -161,41 +165,56 @@ class AlgorithmSpec:
     all_clients: bool = False
     values: Optional[Callable[[Any, Tuple[float, ...]], Tuple[float, ...]]] = None
     validate: Optional[Callable[[Any], None]] = None
+    alt_sweep: Optional[Sweep] = None
 
     def __post_init__(self):
         fields = set(self.hyper._fields)
-        missing = fields - {self.sweep.field} - set(self.fixed)
-        if self.sweep.field not in fields or missing:
-            raise TypeError(f"spec {self.name}: hyper fields {sorted(fields)} must be the swept "
-                            f"field {self.sweep.field!r} and the fixed ones {sorted(self.fixed)}")
+        for sweep in self.sweeps():
+            missing = fields - {sweep.field} - set(self.fixed)
+            if sweep.field not in fields or missing:
+                raise TypeError(f"spec {self.name}: hyper fields {sorted(fields)} must be the "
+                                f"swept field {sweep.field!r} and the fixed ones "
+                                f"{sorted(self.fixed)}")
+
+    def sweeps(self) -> Tuple[Sweep, ...]:
+        """Every sweep whose flag this spec reads (for the command line)."""
+        return (self.sweep,) + ((self.alt_sweep,) if self.alt_sweep is not None else ())
+
+    def active_sweep(self, config) -> Sweep:
+        alt = self.alt_sweep
+        return alt if alt is not None and config.sweep(alt.flag) else self.sweep
 
     def sweep_values(self, config) -> Tuple[float, ...]:
-        given = self.sweep.check(config.sweep(self.sweep.flag))
-        if self.values is not None:
+        sweep = self.active_sweep(config)
+        given = sweep.check(config.sweep(sweep.flag))
+        if self.values is not None and sweep is self.sweep:
             return tuple(self.values(config, given))
-        return given or self.sweep.default
+        return given or sweep.default
 
     def check(self, config) -> None:
         self.sweep_values(config)
         if self.validate is not None:
             self.validate(config)
 
-    def label(self, value: float) -> ReplicaLabel:
-        if self.sweep.labelled_by_theta:
+    def label(self, value: float, sweep: Optional[Sweep] = None) -> ReplicaLabel:
+        sweep = sweep or self.sweep
+        if sweep.labelled_by_theta:
             return ReplicaLabel(self.name, float(value), -1)
         return ReplicaLabel(self.name, float(self.fixed.get("theta", 1.0)), -1,
-                            param_name=self.sweep.flag, param_value=float(value))
+                            param_name=sweep.flag, param_value=float(value))
 
-    def hyper_for(self, value: float, **overrides: float):
-        values = {**self.fixed, self.sweep.field: float(value), **overrides}
+    def hyper_for(self, value: float, sweep: Optional[Sweep] = None, **overrides: float):
+        sweep = sweep or self.sweep
+        values = {**self.fixed, sweep.field: float(value), **overrides}
         return self.hyper(**{f: float(values[f]) for f in self.hyper._fields})
 
     def grid(self, config) -> ReplicaGrid:
         """The sweep values x seeds, with the config's schedule and per-value L2."""
+        sweep = self.active_sweep(config)
         values = self.sweep_values(config)
         l2s = config.l2_for(len(values))
         points = tuple(
-            GridPoint(label=self.label(v), hyper=self.hyper_for(v), l2=l2,
+            GridPoint(label=self.label(v, sweep), hyper=self.hyper_for(v, sweep), l2=l2,
                       learning_rate=config.learning_rate, lr_decay=config.lr_decay,
                       lr_decay_every=config.lr_decay_every)
             for v, l2 in zip(values, l2s))

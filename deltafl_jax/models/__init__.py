@@ -32,6 +32,33 @@ LOSS_KINDS = ("softmax", "sigmoid", "squared")
 
 
 @dataclasses.dataclass(frozen=True)
+class LanePreferences:
+    """How the engine runs this model's client work, per backend (measured on a 2-core CPU,
+    bench/README.md; on accelerators every sampled client gets a lane).
+
+    cpu_lanes: client lanes per step on CPU.
+    cpu_lane_mode: "vmap" (one batched step) or "unroll" (independent unbatched copies, for
+      convolutions: a vmap over per-client weights is a grouped convolution, ~5x slower on
+      XLA:CPU).
+    cpu_eval_chunk / accelerator_eval_chunk: examples per evaluation work item.
+    """
+
+    cpu_lanes: int = 2
+    cpu_lane_mode: str = "vmap"
+    cpu_eval_chunk: int = 2048
+    accelerator_eval_chunk: int = 1024
+
+    def lanes(self, m: int, backend: str) -> int:
+        return m if backend != "cpu" else min(m, self.cpu_lanes)
+
+    def lane_mode(self, backend: str) -> str:
+        return self.cpu_lane_mode if backend == "cpu" else "vmap"
+
+    def eval_chunk(self, backend: str) -> int:
+        return self.cpu_eval_chunk if backend == "cpu" else self.accelerator_eval_chunk
+
+
+@dataclasses.dataclass(frozen=True)
 class Model:
     """A model as the engine sees it.
 
@@ -43,6 +70,7 @@ class Model:
       zero_init: initialise every parameter to zero (the reference code's linear models).
       example_shape: shape of one input, for initialisation.
       input_dtype: dtype of one input as stored on the host.
+      lanes: how the engine should run its client work (:class:`LanePreferences`).
     """
 
     name: str
@@ -52,6 +80,7 @@ class Model:
     input_dtype: Any = np.float32
     input_scale: Optional[float] = None
     zero_init: bool = False
+    lanes: LanePreferences = LanePreferences()
 
     def __post_init__(self):
         if self.loss_kind not in LOSS_KINDS:
@@ -186,7 +215,8 @@ def _linear(data, opts):
 def _cnn(data, opts):
     impl = opts.conv_impl or default_conv_impl()
     return Model("cnn", ConvNet(_classes(data, "cnn"), impl, opts.cnn_hidden), "softmax",
-                 data.feature_shape, data.train.x.dtype, data.x_scale)
+                 data.feature_shape, data.train.x.dtype, data.x_scale,
+                 lanes=LanePreferences(cpu_lane_mode="unroll", cpu_eval_chunk=128))
 
 
 def _mlp(data, opts):

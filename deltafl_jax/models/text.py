@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax.data import FederatedDataset
-from deltafl_jax.models import Model, ModelOptions
+from deltafl_jax.models import LanePreferences, Model, ModelOptions
 from deltafl_jax.models.init import orthogonal  # Flax's default would call LAPACK (see init.py)
 
 GRU_EMBED_DIM = 8
@@ -120,13 +120,18 @@ def _check_classes(data: FederatedDataset, name: str, expected: Optional[int] = 
         raise ValueError(f"model {name!r} needs {want}, got {data.num_classes} classes")
 
 
+# Four vmapped lanes on CPU: the recurrent models' small matrix products gain from batching a
+# few clients (measured, bench/README.md).
+RECURRENT_LANES = LanePreferences(cpu_lanes=4)
+
+
 def gru(data: FederatedDataset, options: ModelOptions) -> Model:
     """Shakespeare's GRU (embedding 8, GRU 128, dense to the classes)."""
     del options
     _check_classes(data, "gru")
     vocab = int((data.metadata or {}).get("input_vocab_size", data.num_classes))
     return Model("gru", CharGRU(num_classes=data.num_classes, vocab_size=vocab), "softmax",
-                 data.feature_shape, data.train.x.dtype)
+                 data.feature_shape, data.train.x.dtype, lanes=RECURRENT_LANES)
 
 
 def lstm(data: FederatedDataset, options: ModelOptions) -> Model:
@@ -134,7 +139,7 @@ def lstm(data: FederatedDataset, options: ModelOptions) -> Model:
     del options
     _check_classes(data, "lstm", 2)
     return Model("lstm", GloveLSTM(table=_embeddings(data, "lstm")), "sigmoid",
-                 data.feature_shape, data.train.x.dtype)
+                 data.feature_shape, data.train.x.dtype, lanes=RECURRENT_LANES)
 
 
 def sent140_linear(data: FederatedDataset, options: ModelOptions) -> Model:

@@ -1,0 +1,95 @@
+"""FedAvg-Sub (CISS 2021, Sec. V): FedAvg on a uniformly random subset of the m sampled clients,
+as many as Delta-FL keeps.
+
+The count is either the number of clients that Delta-FL's filter keeps this round at a
+conformity level theta (``--thetas``, replicas labelled by theta), or a fixed count
+(``--fedavg_sub_clients``). The subset is drawn from the replica's round key (replicas of one
+seed share it, so subsets are nested), and its clients are averaged with weights n_k.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from deltafl_jax.algorithms.deltafl import DEFAULT_TIE_RTOL, check_thetas, filter_rule
+from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep,
+                                         average_update, no_state)
+from deltafl_jax.errors import ConfigError
+
+DEFAULT_SUB_THETAS = (0.8, 0.5, 0.1)
+
+
+class FedAvgSubHyper(NamedTuple):
+    """theta: [] the level whose Delta-FL count is matched (count mode: unused);
+    clients: [] the fixed count K (theta mode: unused)."""
+
+    theta: float
+    clients: float
+
+
+def random_subset(key, m: int, count) -> jax.Array:
+    """[m] bool: a uniformly random subset of `count` of m slots, the `count` slots with the
+    smallest of m uniform draws jax.random.uniform(key, (m,)) (stable order on ties)."""
+    draws = jax.random.uniform(key, (m,))
+    rank = jnp.argsort(jnp.argsort(draws, stable=True), stable=True)
+    return rank < count
+
+
+def fedavg_sub(count_from: str = "theta", filter: str = "exact",
+               tie_rtol: float = DEFAULT_TIE_RTOL) -> FederatedAlgorithm:
+    """count_from="theta": K_t = the clients Delta-FL's `filter` keeps at hyper.theta;
+    count_from="count": K = hyper.clients."""
+    if count_from not in ("theta", "count"):
+        raise ValueError(f"count_from must be 'theta' or 'count', got {count_from!r}")
+    rule = filter_rule(filter)
+
+    def client_weights(state, losses, sizes, hyper, key, clients):
+        del state, clients
+        n = sizes.astype(jnp.float32)
+        if count_from == "theta":
+            count = jnp.sum(rule(losses, n, hyper.theta, tie_rtol) > 0)
+        else:
+            count = hyper.clients
+        return jnp.where(random_subset(key, losses.shape[0], count), n, 0.0)
+
+    def server_update(state, params, feedback, hyper):
+        del hyper
+        return average_update(params, feedback), state, {
+            "subset_size": jnp.sum(feedback.weights > 0)}
+
+    return FederatedAlgorithm(name="fedavg_sub", init=no_state, client_weights=client_weights,
+                              server_update=server_update)
+
+
+def _theta_levels(config, given):
+    """The theta < 1 of --thetas (FedAvg-Sub at theta = 1 would be FedAvg)."""
+    return tuple(t for t in (given or config.thetas) if t < 1.0) or DEFAULT_SUB_THETAS
+
+
+def _validate(config) -> None:
+    check_thetas(config)
+    m = config.clients_per_round
+    for k in config.sweep("fedavg_sub_clients"):
+        if not 1 <= k <= m:
+            raise ConfigError(f"--fedavg_sub_clients must be integers in [1, "
+                              f"--clients_per_round={m}], got {k!r}")
+
+
+def _make(config, data):
+    counted = bool(config.sweep("fedavg_sub_clients"))
+    return fedavg_sub("count" if counted else "theta", config.filter)
+
+
+SPEC = AlgorithmSpec(
+    name="fedavg_sub", help="FedAvg on a random subset of the sampled clients, as many as "
+    "Delta-FL keeps", make=_make, hyper=FedAvgSubHyper,
+    sweep=Sweep(flag="thetas", field="theta", default=DEFAULT_SUB_THETAS,
+                help="conformity levels theta in (0, 1], all trained in one program",
+                labelled_by_theta=True),
+    alt_sweep=Sweep(flag="fedavg_sub_clients", field="clients", default=(),
+                    help="fedavg_sub: clients averaged per round, swept (empty: as many as "
+                    "Delta-FL keeps at each theta < 1 of --thetas)", minimum=1, integer=True),
+    fixed={"theta": 1.0, "clients": 0.0}, values=_theta_levels, validate=_validate)

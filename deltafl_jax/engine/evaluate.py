@@ -1,0 +1,99 @@
+"""Client evaluation for many models in one jitted program: F_k(w) (Algorithm 2, line 4) and
+the per-client errors of the papers' metrics (App. C.2.3).
+
+Evaluation items are (replica, chunk of `chunk` examples) over the packed example stream of the
+clients, so clients of ragged sizes share chunks and padding stays below one chunk per
+replica. ``lanes`` items run per trip of a ``lax.while_loop`` whose trip count comes from the
+data. Nothing here is jitted: the caller jits the round once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from deltafl_jax.engine.lanes import ceil_div, per_lane
+from deltafl_jax.engine.trees import gather_rows
+from deltafl_jax.models import Model
+
+
+class EvalResult(NamedTuple):
+    loss_sum: jax.Array   # [R, S] sum of per-example losses per replica and segment (client)
+    error_sum: jax.Array  # [R, S]
+    real_examples: jax.Array    # scalar: examples evaluated
+    padded_examples: jax.Array  # scalar: example slots computed (lanes * chunk * trips)
+
+
+class EvalCarry(NamedTuple):
+    trip: jax.Array      # [] int32
+    loss_acc: jax.Array  # [R, S + 1]
+    err_acc: jax.Array   # [R, S + 1]
+    real: jax.Array      # [] int32
+
+
+def _item_reader(idx, seg, length, stream_of_replica, cum, total_items, chunk, S):
+    """item u -> (replica, example ids [chunk], segments [chunk], valid [chunk])."""
+    R = stream_of_replica.shape[0]
+    offs = jnp.arange(chunk, dtype=jnp.int32)
+
+    def item_io(u):
+        in_range = u < total_items
+        r = jnp.clip(jnp.searchsorted(cum, u, side="right") - 1, 0, R - 1).astype(jnp.int32)
+        q = u - cum[r]
+        g = stream_of_replica[r]
+        start = q * chunk
+        ex = lax.dynamic_slice(idx, (g, start), (1, chunk))[0]
+        sg = lax.dynamic_slice(seg, (g, start), (1, chunk))[0]
+        valid = in_range & (start + offs < length[g])
+        return r, ex, jnp.where(valid, sg, S), valid
+
+    return item_io
+
+
+def evaluate_streams(model: Model, params, X, Y, idx, seg, length, stream_of_replica,
+                     num_segments: int, chunk: int, lanes: int) -> EvalResult:
+    """Sum of losses and errors of each replica's model over the segments of its stream.
+
+    Args:
+      model: the model.
+      params: pytree with leading dim R (one model per replica).
+      X, Y: the device-resident split ([N, ...] inputs, [N] labels).
+      idx: [G, L] example indices (L a multiple of `chunk`); seg: [G, L] segment of each
+        entry (num_segments for padding); length: [G] real entries per stream.
+      stream_of_replica: [R] which stream each replica evaluates.
+      num_segments: S, the number of clients in a stream.
+      chunk: examples per work item; lanes: items processed at once.
+    """
+    R = stream_of_replica.shape[0]
+    S = num_segments
+    n_chunks = ceil_div(length, chunk)[stream_of_replica]            # [R]
+    cum = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_chunks).astype(jnp.int32)])
+    total_items = cum[-1]
+    trips = ceil_div(total_items, lanes)
+    item_io = _item_reader(idx, seg, length, stream_of_replica, cum, total_items, chunk, S)
+
+    def item_sums(p, x, y, sg, valid):
+        loss, err = model.losses_and_errors(p, x, y)
+        loss = jnp.where(valid, loss, 0.0)
+        err = jnp.where(valid, err, 0.0)
+        return (jax.ops.segment_sum(loss, sg, S + 1), jax.ops.segment_sum(err, sg, S + 1))
+
+    run_items = per_lane(item_sums, lanes)
+
+    def body(c: EvalCarry) -> EvalCarry:
+        u = c.trip * lanes + jnp.arange(lanes, dtype=jnp.int32)
+        r, ex, sg, valid = jax.vmap(item_io)(u)
+        x = jnp.take(X, ex, axis=0)
+        y = jnp.take(Y, ex, axis=0)
+        ls, es = run_items(gather_rows(params, r), x, y, sg, valid)
+        return EvalCarry(trip=c.trip + 1, loss_acc=c.loss_acc.at[r].add(ls),
+                         err_acc=c.err_acc.at[r].add(es), real=c.real + jnp.sum(valid))
+
+    zeros = jnp.zeros((R, S + 1), jnp.float32)
+    init = EvalCarry(jnp.int32(0), zeros, zeros, jnp.int32(0))
+    out = lax.while_loop(lambda c: c.trip < trips, body, init)
+    return EvalResult(loss_sum=out.loss_acc[:, :S], error_sum=out.err_acc[:, :S],
+                      real_examples=out.real, padded_examples=trips * lanes * chunk)

@@ -1,0 +1,214 @@
+"""LocalUpdate (Algorithm 2, lines 7-8) for every kept (replica, client) job, in one jitted loop.
+
+Jobs are the (replica, client) pairs whose aggregation weight is positive; a job that the
+filter dropped costs nothing. :func:`deltafl_jax.engine.lanes.deal_jobs` deals the jobs to
+``lanes`` lanes; each lane runs its jobs back to back (resetting to w_t at each job start),
+one minibatch step per trip of a ``lax.while_loop`` that stops when the busiest lane is done.
+Finished jobs add a_j (w_j - w_t) to their replica's sum (if finite), which the server update
+then averages.
+
+The local step is w <- (1 - gamma lambda) w - gamma grad (paper, App. C.2.2), an optax chain
+built ONCE with ``optax.inject_hyperparams``: the learning rate and lambda of the job's replica
+are optimizer state, set when a lane starts a job.
+
+Nothing here is jitted: the caller jits the round once (see :mod:`deltafl_jax.rounds`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from deltafl_jax.engine.lanes import deal_jobs, per_lane
+from deltafl_jax.engine.trees import gather_rows, select_tree, tree_all_finite, tree_sqnorm
+from deltafl_jax.models import Model
+
+Params = Any
+
+
+def sgd_with_weight_decay(learning_rate, l2):
+    """The paper's local step w <- (1 - lr l2) w - lr grad, as an optax transform."""
+    return optax.chain(optax.add_decayed_weights(l2), optax.sgd(learning_rate))
+
+
+class LocalSGDConfig(NamedTuple):
+    """Static choices of LocalUpdate.
+
+    batch_size: B. lanes: c, jobs run side by side. lane_mode: "vmap" or "unroll".
+    local_penalty: the algorithm's term added to the local objective, (params, anchor, hyper)
+      -> scalar (None: plain F_k).
+    """
+
+    batch_size: int
+    lanes: int
+    lane_mode: str = "vmap"
+    local_penalty: Optional[Callable] = None
+
+
+class TrainResult(NamedTuple):
+    delta_sum: Params        # [R, ...] sum over finished, finite jobs of a_j (w_j - w_r)
+    weight_sum: jax.Array    # [R] sum of a_j over the same jobs
+    job_sqnorm: jax.Array    # [R, m] ||w_j - w_r||^2 of each finished job (0 if not trained)
+    job_finite: jax.Array    # [R, m] bool: the job finished and its update is finite
+    job_trained: jax.Array   # [R, m] bool: the job ran
+    real_examples: jax.Array    # scalar: examples that went through local SGD
+    padded_examples: jax.Array  # scalar: example slots computed (trips * lanes * batch)
+    trips: jax.Array            # scalar: loop iterations
+
+
+class Jobs(NamedTuple):
+    """The J = R * m jobs of a round, replica-major."""
+
+    replica: jax.Array  # [J] int32
+    slot: jax.Array     # [J] int32, index among the m sampled clients
+    weight: jax.Array   # [J] a_j
+    steps: jax.Array    # [J] int32 local steps (0: not trained)
+
+
+class LaneCarry(NamedTuple):
+    """The while-loop state; c lanes, R replicas, J jobs."""
+
+    trip: jax.Array        # [] int32
+    slot: jax.Array        # [c] int32, position in the lane's job list
+    step: jax.Array        # [c] int32, step within the current job
+    params: Params         # [c, ...] the lanes' local models
+    opt_state: Any         # [c, ...] their optimizer states
+    anchor: Params         # [c, ...] w_t of the current job's replica
+    delta_sum: Params      # [R, ...]
+    weight_sum: jax.Array  # [R]
+    sqnorm: jax.Array      # [J]
+    finite: jax.Array      # [J] bool
+    real: jax.Array        # [] int32 examples trained
+
+
+def make_jobs(plan, replica_group, job_weight) -> Jobs:
+    R, m = job_weight.shape
+    weight = job_weight.reshape(R * m)
+    replica = jnp.repeat(jnp.arange(R, dtype=jnp.int32), m)
+    slot = jnp.tile(jnp.arange(m, dtype=jnp.int32), R)
+    steps = jnp.where(weight > 0, plan.steps[replica_group[replica], slot], 0).astype(jnp.int32)
+    return Jobs(replica=replica, slot=slot, weight=weight, steps=steps)
+
+
+def _set_hyperparams(opt_state, learning_rate, l2):
+    return opt_state._replace(hyperparams={"learning_rate": learning_rate, "l2": l2})
+
+
+def _lane_step_fn(model: Model, cfg: LocalSGDConfig, optimizer):
+    """One minibatch step of one lane: (p, opt_state, anchor, x, y, valid, hyper) -> (p, st)."""
+    def local_objective(p, anchor, x, y, valid, hyper):
+        loss = model.losses(p, x, y)
+        obj = jnp.sum(jnp.where(valid, loss, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+        if cfg.local_penalty is not None:
+            obj = obj + cfg.local_penalty(p, anchor, hyper)
+        return obj
+
+    def lane_step(p, opt_state, anchor, x, y, valid, hyper):
+        grads = jax.grad(local_objective)(p, anchor, x, y, valid, hyper)
+        updates, opt_state = optimizer.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state
+
+    return per_lane(lane_step, cfg.lanes, cfg.lane_mode)
+
+
+def train_jobs(model: Model, params, X, Y, plan, replica_group, job_weight, learning_rate,
+               l2, hyper, cfg: LocalSGDConfig) -> TrainResult:
+    """LocalUpdate for every job (r, i) with job_weight[r, i] > 0, and the weighted sums.
+
+    Args:
+      params: pytree, leading dim R: w_t of each replica.
+      X, Y: the device-resident training split.
+      plan: the round's :class:`deltafl_jax.plan.RoundPlan` (device arrays, [G, ...]).
+      replica_group: [R] group (seed) of each replica.
+      job_weight: [R, m] aggregation weight a_{r,i}; 0 means the client does not train.
+      learning_rate, l2: [R] per-replica values for this round.
+      hyper: the algorithm's hyper pytree, leaves [R] (for its local penalty).
+      cfg: static choices.
+    """
+    R, m = job_weight.shape
+    J, c, B = R * m, cfg.lanes, cfg.batch_size
+    jobs = make_jobs(plan, replica_group, job_weight)
+    deal = deal_jobs(jobs.steps, c)
+    Q = deal.jobs.shape[1]
+    optimizer = optax.inject_hyperparams(sgd_with_weight_decay)(learning_rate=0.0, l2=0.0)
+    run_step = _lane_step_fn(model, cfg, optimizer)
+    offs = jnp.arange(B, dtype=jnp.int32)
+    lane_ids = jnp.arange(c)
+
+    def fresh_state(w0, r):
+        st = jax.vmap(optimizer.init)(w0)
+        return _set_hyperparams(st, learning_rate[r], l2[r])
+
+    def current(carry):
+        j = deal.jobs[lane_ids, jnp.minimum(carry.slot, Q - 1)]
+        active = carry.slot < deal.length
+        js = jnp.minimum(j, J - 1)
+        return js, jobs.replica[js], active
+
+    def reset(carry, js, r, fresh):
+        w0 = gather_rows(params, r)
+        return carry._replace(params=select_tree(fresh, w0, carry.params),
+                              anchor=select_tree(fresh, w0, carry.anchor),
+                              opt_state=select_tree(fresh, fresh_state(w0, r), carry.opt_state))
+
+    def minibatch(carry, js, r, active):
+        g, i = replica_group[r], jobs.slot[js]
+        s = carry.step
+        nb, sl = plan.batches_per_epoch[g, i], plan.seg_len[g, i]
+        e, b = s // nb, s % nb
+        within = b[:, None] * B + offs[None, :]
+        valid = (within < sl[:, None]) & active[:, None]
+        where_ = plan.train_start[g, i][:, None] + e[:, None] * sl[:, None] + within
+        ex = plan.train_idx[g[:, None], jnp.where(valid, where_, 0)]
+        return jnp.take(X, ex, axis=0), jnp.take(Y, ex, axis=0), valid
+
+    def finish(carry, js, r, done):
+        delta = jax.tree.map(lambda a, w: a - w, carry.params, carry.anchor)
+        ok = jax.vmap(tree_all_finite)(delta) & done
+        coef = jnp.where(ok, jobs.weight[js], 0.0)
+
+        def add(total, d):
+            d = jnp.where(ok.reshape((c,) + (1,) * (d.ndim - 1)), d, 0.0)
+            return total.at[r].add(coef.reshape((c,) + (1,) * (d.ndim - 1)) * d)
+
+        slot = jnp.where(done, js, J)
+        return carry._replace(
+            delta_sum=jax.tree.map(add, carry.delta_sum, delta),
+            weight_sum=carry.weight_sum.at[r].add(coef),
+            sqnorm=carry.sqnorm.at[slot].set(jax.vmap(tree_sqnorm)(delta), mode="drop"),
+            finite=carry.finite.at[slot].set(ok, mode="drop"))
+
+    def body(carry: LaneCarry) -> LaneCarry:
+        js, r, active = current(carry)
+        fresh = active & (carry.step == 0)
+        carry = lax.cond(jnp.any(fresh), lambda cr: reset(cr, js, r, fresh), lambda cr: cr,
+                         carry)
+        x, y, valid = minibatch(carry, js, r, active)
+        new_p, new_opt = run_step(carry.params, carry.opt_state, carry.anchor, x, y, valid,
+                                  gather_rows(hyper, r))
+        carry = carry._replace(params=select_tree(active, new_p, carry.params),
+                               opt_state=select_tree(active, new_opt, carry.opt_state))
+        done = active & (carry.step == jobs.steps[js] - 1)
+        carry = lax.cond(jnp.any(done), lambda cr: finish(cr, js, r, done), lambda cr: cr,
+                         carry)
+        return carry._replace(
+            trip=carry.trip + 1, slot=jnp.where(done, carry.slot + 1, carry.slot),
+            step=jnp.where(done, 0, jnp.where(active, carry.step + 1, carry.step)),
+            real=carry.real + jnp.sum(valid))
+
+    lane_params = jax.tree.map(lambda a: jnp.zeros((c,) + a.shape[1:], a.dtype), params)
+    zero_lane = jnp.zeros((c,), jnp.int32)
+    init = LaneCarry(
+        trip=jnp.int32(0), slot=zero_lane, step=zero_lane, params=lane_params,
+        opt_state=fresh_state(lane_params, zero_lane), anchor=lane_params,
+        delta_sum=jax.tree.map(jnp.zeros_like, params), weight_sum=jnp.zeros((R,), jnp.float32),
+        sqnorm=jnp.zeros((J,), jnp.float32), finite=jnp.zeros((J,), bool), real=jnp.int32(0))
+    out = lax.while_loop(lambda cr: cr.trip < deal.trips, body, init)
+    return TrainResult(delta_sum=out.delta_sum, weight_sum=out.weight_sum,
+                       job_sqnorm=out.sqnorm.reshape(R, m), job_finite=out.finite.reshape(R, m),
+                       job_trained=(jobs.steps > 0).reshape(R, m), real_examples=out.real,
+                       padded_examples=deal.trips * c * B, trips=deal.trips)

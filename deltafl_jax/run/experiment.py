@@ -1,0 +1,205 @@
+"""Build an experiment: the data, the model, the algorithm, the replicas and the jitted round.
+
+:func:`build_experiment` turns a frozen :class:`deltafl_jax.config.ExperimentConfig` into an
+:class:`Experiment`: everything a run needs, built once, with every check that can fail done
+before any output is written. :meth:`Experiment.evaluate` gives the per-client losses and
+errors of every replica on all training and all test clients (paper, App. C.2.3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deltafl_jax import engine, plan as plan_lib, rounds
+from deltafl_jax.algorithms import registry
+from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm
+from deltafl_jax.config import PERCENTILES, ExperimentConfig
+from deltafl_jax.data import FederatedDataset
+from deltafl_jax.datasets import load_dataset
+from deltafl_jax.errors import ConfigError
+from deltafl_jax.metrics import summarize
+from deltafl_jax.models import Model, ModelOptions, build_model
+from deltafl_jax.replicas import Replicas
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How client work runs: lanes per training step and their mode, evaluation chunk and
+    lanes (from the model's preferences on this backend, unless the config sets them)."""
+
+    lanes: int
+    lane_mode: str
+    eval_chunk: int
+    eval_lanes: int
+
+
+def placement(config: ExperimentConfig, model: Model, m: int, num_replicas: int,
+              backend: Optional[str] = None) -> Placement:
+    """Evaluation lanes: one on CPU (a bigger chunk is the better batch there); on
+    accelerators one per replica (up to 16), so a step evaluates all models at once."""
+    backend = backend or jax.default_backend()
+    prefs = model.lanes
+    lanes = min(config.clients_per_step or prefs.lanes(m, backend), m * num_replicas)
+    return Placement(lanes=lanes, lane_mode=prefs.lane_mode(backend),
+                     eval_chunk=config.eval_chunk or prefs.eval_chunk(backend),
+                     eval_lanes=1 if backend == "cpu" else max(1, min(num_replicas, 16)))
+
+
+@dataclasses.dataclass(eq=False)
+class Experiment:
+    """Everything a run needs, built once."""
+
+    config: ExperimentConfig
+    data: FederatedDataset
+    model: Model
+    model_options: ModelOptions
+    spec: AlgorithmSpec
+    algorithm: FederatedAlgorithm
+    replicas: Replicas
+    work: plan_lib.LocalWork
+    caps: plan_lib.Capacities
+    placement: Placement
+    num_sampled: int       # m: clients sampled per round (AFL: all training clients)
+    round_fn: Callable     # jitted round_fn(state, data, keys) -> (state, metrics)
+    device_train: Tuple[jax.Array, jax.Array]
+    device_test: Tuple[jax.Array, jax.Array]
+    split_plans: Dict[str, Any]
+    eval_fn: Callable      # jitted (params, x, y, idx, seg, length) -> (loss_sum, err_sum)
+    served_fn: Optional[Callable] = None  # jitted (algo_state, params) -> served params
+
+    @property
+    def seeds(self):
+        return self.config.seeds
+
+    @property
+    def backend(self) -> str:
+        return jax.default_backend()
+
+    @property
+    def lanes(self) -> int:
+        return self.placement.lanes
+
+    @property
+    def eval_chunk(self) -> int:
+        return self.placement.eval_chunk
+
+    def initial_state(self) -> rounds.ServerState:
+        return rounds.init_state(self.model, self.algorithm, self.replicas, self.seeds)
+
+    def keys(self):
+        return rounds.replica_keys(self.replicas, self.seeds)
+
+    def served_params(self, state):
+        """The models that are evaluated and saved, [R, ...]: w_t, or what the algorithm
+        serves instead (AFL: the averaged iterate)."""
+        if self.served_fn is None:
+            return state.params
+        return self.served_fn(state.algo_state, state.params)
+
+    def round_plan(self, round_idx: int) -> plan_lib.RoundPlan:
+        return plan_lib.make_round_plan(self.seeds, round_idx, self.data.train.offsets,
+                                        self.num_sampled, self.work, self.caps)
+
+    def round_data(self, round_idx: int) -> rounds.RoundData:
+        x, y = self.device_train
+        return rounds.RoundData(x=x, y=y, plan=jax.device_put(self.round_plan(round_idx)))
+
+    def evaluate(self, params) -> Dict[str, np.ndarray]:
+        """Per-client arrays [R, N] (float64) on all training and all test clients: losses
+        (train ones with (l2/2)||w||^2) and errors."""
+        out = {}
+        sqnorm = np.asarray(jax.vmap(engine.tree_sqnorm)(params))
+        for name, split, (x, y) in (("train", self.data.train, self.device_train),
+                                    ("test", self.data.test, self.device_test)):
+            sp = self.split_plans[name]
+            loss_sum, err_sum = self.eval_fn(params, x, y, sp.eval_idx, sp.eval_seg,
+                                             sp.eval_len)
+            k = split.num_clients
+            n = split.sizes.astype(np.float64)
+            loss = np.asarray(np.asarray(loss_sum)[:, :k], np.float64) / n
+            if name == "train":
+                loss = loss + 0.5 * (self.replicas.l2.astype(np.float64) * sqnorm)[:, None]
+            out[f"{name}_loss"] = loss
+            out[f"{name}_error"] = np.asarray(np.asarray(err_sum)[:, :k], np.float64) / n
+        return out
+
+    def summarize(self, per_client, method: str = "lower") -> Dict[str, np.ndarray]:
+        """The papers' metrics per replica (alpha-weighted train losses, unweighted test)."""
+        return summarize(per_client["train_loss"], self.data.train.sizes,
+                         per_client["test_error"], per_client["test_loss"], PERCENTILES,
+                         method)
+
+
+def _device_split(split):
+    y = split.y if split.y is not None else np.zeros((split.num_examples,), np.int32)
+    return jax.device_put(split.x), jax.device_put(y.astype(np.int32))
+
+
+def _model(config: ExperimentConfig, data: FederatedDataset) -> Tuple[Model, ModelOptions]:
+    options = ModelOptions(conv_impl=config.conv_impl)
+    try:
+        return build_model(config.model, data, options), options
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _eval_fn(model: Model, place: Placement, num_segments: int):
+    """One jitted evaluation of R models over a whole split (both splits share it)."""
+    def eval_fn(params, x, y, idx, seg, length):
+        group = jnp.zeros((jax.tree.leaves(params)[0].shape[0],), jnp.int32)
+        res = engine.evaluate_streams(model, params, x, y, idx, seg, length, group,
+                                      num_segments, place.eval_chunk, place.eval_lanes)
+        return res.loss_sum, res.error_sum
+    return jax.jit(eval_fn)
+
+
+def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDataset) -> int:
+    m = config.clients_per_round
+    if m > data.train.num_clients:
+        raise ConfigError(
+            f"--clients_per_round={m} exceeds the {data.train.num_clients} training clients of "
+            f"{data.name}")
+    return int(data.train.num_clients) if spec.all_clients else m
+
+
+def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = None,
+                     replicas: Optional[Replicas] = None) -> Experiment:
+    """Load the data and build the jitted round. Raises ConfigError / DataError on bad input.
+
+    `replicas` may be given to train an arbitrary set of per-replica hyper-parameters (the
+    tuner's learning-rate / l2 grids); by default they are the spec's sweep x seeds.
+    """
+    data = data if data is not None else load_dataset(config.data)
+    model, options = _model(config, data)
+    spec = registry.get(config.algorithm)
+    m = _sampled(config, spec, data)
+    algorithm = spec.make(config, data)
+    replicas = replicas or spec.grid(config).build()
+    local_steps = spec.local_steps if spec.local_steps is not None else config.local_steps
+    work = plan_lib.LocalWork(batch_size=config.batch_size, local_epochs=config.local_epochs,
+                              local_steps=local_steps)
+    place = placement(config, model, m, replicas.size)
+    local = engine.LocalSGDConfig(batch_size=config.batch_size, lanes=place.lanes,
+                                  lane_mode=place.lane_mode,
+                                  local_penalty=algorithm.local_penalty)
+    round_fn = jax.jit(rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
+                                             place.eval_lanes, m), donate_argnums=(0,))
+    # Both splits use one segment count (the larger), so one evaluation program serves both.
+    segments = max(data.train.num_clients, data.test.num_clients)
+    split_plans = {name: jax.device_put(plan_lib.make_split_plan(split.offsets, place.eval_chunk,
+                                                                 segments))
+                   for name, split in (("train", data.train), ("test", data.test))}
+    return Experiment(
+        config=config, data=data, model=model, model_options=options, spec=spec,
+        algorithm=algorithm, replicas=replicas, work=work,
+        caps=plan_lib.capacities(data.train.sizes, m, work, place.eval_chunk), placement=place,
+        num_sampled=m, round_fn=round_fn, device_train=_device_split(data.train),
+        device_test=_device_split(data.test), split_plans=split_plans,
+        eval_fn=_eval_fn(model, place, segments),
+        served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
+                   if algorithm.eval_params is not None else None))

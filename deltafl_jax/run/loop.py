@@ -1,0 +1,85 @@
+"""The run loop: rounds, periodic evaluation, and hooks.
+
+    result = run_rounds(experiment, state, callbacks)
+
+Each round is the jitted ``round_fn(state, data, key)``; the next round's host-side plan is
+built while the device runs the current one. Every ``eval_every`` rounds (and after the last)
+every replica is evaluated on all training and all test clients (paper, App. C.2.3) and the
+callbacks receive an :class:`~deltafl_jax.run.callbacks.Evaluation`. Progress lines, output
+files, TensorBoard and checkpoints are callbacks (:mod:`deltafl_jax.run.callbacks`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import jax
+import numpy as np
+
+from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
+from deltafl_jax.run.recorder import Recorder, RunResult
+
+
+def evaluation_records(exp, t: int, summary: Dict[str, np.ndarray],
+                       metrics: Dict[str, np.ndarray], elapsed: float) -> List[Dict[str, Any]]:
+    """One metrics.jsonl record per replica: round, label, summary metrics, kept and rejected
+    clients of the round, elapsed seconds."""
+    records = []
+    for r, lab in enumerate(exp.replicas.labels):
+        rec = {"round": t, **lab.to_json()}
+        rec.update({k: float(v[r]) for k, v in summary.items()})
+        rec["num_selected"] = int(metrics["num_selected"][r])
+        rec["num_rejected"] = int(metrics["num_rejected"][r])
+        rec["elapsed_s"] = round(elapsed, 3)
+        records.append(rec)
+    return records
+
+
+def evaluate(exp, state, t: int, metrics, elapsed: float) -> Evaluation:
+    per_client = exp.evaluate(exp.served_params(state))
+    summary = exp.summarize(per_client)
+    return Evaluation(round=t, per_client=per_client, summary=summary,
+                      records=evaluation_records(exp, t, summary, metrics, elapsed),
+                      elapsed_s=elapsed)
+
+
+def _emit(callbacks: Sequence[Callback], hook: str, *args) -> None:
+    for cb in callbacks:
+        getattr(cb, hook)(*args)
+
+
+def run_rounds(exp, state, callbacks: Sequence[Callback] = (), start_round: int = 0,
+               output_dir: Optional[str] = None, recorder: Optional[Recorder] = None
+               ) -> RunResult:
+    """Rounds start_round+1 .. T of `exp` from `state`; returns the :class:`RunResult`.
+
+    The `recorder` (a fresh one by default, or one restored from a checkpoint) keeps the
+    histories that make the result; it runs before the other callbacks. A callback may set
+    ``run.stop_requested`` to end the run after the current round.
+    """
+    T = exp.config.num_rounds
+    recorder = recorder if recorder is not None else Recorder()
+    callbacks = [recorder, *callbacks]
+    run = RunContext(experiment=exp, num_rounds=T, start_round=start_round, state=state,
+                     output_dir=output_dir)
+    _emit(callbacks, "on_run_start", run)
+    keys = exp.keys()
+    t_start = time.perf_counter()
+    pending = exp.round_data(start_round) if start_round < T else None
+    for t in range(start_round, T):
+        state, metrics = exp.round_fn(state, pending, keys)
+        if t + 1 < T:
+            pending = exp.round_data(t + 1)   # host work overlaps the device round
+        metrics = jax.device_get(metrics)
+        run.state = state
+        _emit(callbacks, "on_round_end", run, t + 1, metrics)
+        if (t + 1) % exp.config.eval_every == 0 or t + 1 == T:
+            ev = evaluate(exp, state, t + 1, metrics, time.perf_counter() - t_start)
+            _emit(callbacks, "on_evaluation", run, ev)
+        if run.stop_requested:
+            break
+    jax.block_until_ready(state)
+    result = recorder.result(run)
+    _emit(callbacks, "on_run_end", run, result)
+    return result

@@ -1,0 +1,125 @@
+"""Progress output of a run: a line per evaluation, a live bar on a terminal, a closing table.
+
+Each evaluation line names its metrics: the alpha-weighted mean training loss and the
+unweighted mean and 90th percentile of the per-client test error (paper, App. C.2.3), each the
+mean over the seeds of a swept value. On a terminal a bar with rounds done, rounds per second
+and the ETA is redrawn after every round. The run ends with a table of the final test error
+per swept value and the output directory.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable, Dict, List, Optional, TextIO
+
+import numpy as np
+
+from deltafl_jax.replicas import labels_by_group
+from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
+
+
+def _groups(labels):
+    """(display name of a swept value, replica indices of its seeds)."""
+    out = []
+    for _, rs in labels_by_group(labels).items():
+        name, value = labels[rs[0]].swept()
+        head = "θ" if name == "theta" else name
+        extra = "".join(f" {n}={v:g}" for n, v in labels[rs[0]].extra)
+        out.append((f"{head}={value:g}{extra}", rs))
+    return out
+
+
+def evaluation_line(run: RunContext, ev: Evaluation) -> str:
+    exp = run.experiment
+    classify = exp.model.loss_kind != "squared"
+    parts = []
+    for name, rs in _groups(exp.replicas.labels):
+        loss = np.mean(ev.summary["train_loss_mean"][rs])
+        err, p90 = (np.mean(ev.summary[k][rs]) for k in ("test_error_mean", "test_error_p90"))
+        tail = (f"test err mean {100 * err:.1f}% p90 {100 * p90:.1f}%" if classify
+                else f"test loss mean {err:.3f} p90 {p90:.3f}")
+        parts.append(f"{name}: train loss {loss:.3f}, {tail}")
+    T = run.num_rounds
+    done = ev.round - run.start_round
+    eta = ev.elapsed_s / max(done, 1) * (T - ev.round)
+    return (f"[round {ev.round:>{len(str(T))}}/{T}] {ev.elapsed_s:7.1f}s elapsed, ETA "
+            f"{eta:6.0f}s | " + " | ".join(parts))
+
+
+def closing_table(result, labels, classify: bool = True) -> List[str]:
+    """Final test error per swept value (mean over seeds)."""
+    scale, unit = (100.0, "%") if classify else (1.0, "")
+    what = "test error" if classify else "test loss"
+    lines = [f"{'replicas':<28} {what + ' mean':>16} {what + ' p90':>15}  seeds"]
+    for name, rs in _groups(labels):
+        finals = [result.final[labels[r].key()] for r in rs]
+        mean = np.mean([f["test_error_mean"] for f in finals])
+        p90 = np.mean([f["test_error_p90"] for f in finals])
+        lines.append(f"{name:<28} {scale * mean:15.2f}{unit} {scale * p90:14.2f}{unit}  "
+                     f"{len(rs)}")
+    return lines
+
+
+class Progress(Callback):
+    """Progress lines through `log`; a live bar on `stream` when it is a terminal."""
+
+    def __init__(self, log: Callable[[str], None] = print, stream: Optional[TextIO] = None,
+                 bar: Optional[bool] = None):
+        self.log = log
+        self.stream = stream if stream is not None else sys.stderr
+        self.bar = bar if bar is not None else bool(getattr(self.stream, "isatty", lambda: False)())
+        self._t0 = None
+
+    def on_run_start(self, run: RunContext) -> None:
+        self._t0 = time.perf_counter()
+        exp = run.experiment
+        data = exp.data
+        self.log(f"deltafl_jax: {data.name} ({data.train.num_clients} train / "
+                 f"{data.test.num_clients} test clients), model {exp.model.name}, "
+                 f"{exp.config.algorithm}, {exp.replicas.size} replicas "
+                 f"({len(exp.config.seeds)} seeds), m={exp.num_sampled}, {exp.lanes} client "
+                 f"lane(s) per step, backend {exp.backend}")
+        if run.start_round:
+            self.log(f"resuming after round {run.start_round} of {run.num_rounds}")
+
+    def on_round_end(self, run: RunContext, round: int, metrics) -> None:
+        if not self.bar:
+            return
+        T, done = run.num_rounds, round - run.start_round
+        elapsed = time.perf_counter() - self._t0
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (T - round) / rate if rate > 0 else float("nan")
+        width = 24
+        fill = int(width * round / T)
+        self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] round {round}/{T}, "
+                          f"{rate:.2f} rounds/s, ETA {eta:.0f}s ")
+        self.stream.flush()
+
+    def _clear_bar(self):
+        if self.bar:
+            self.stream.write("\r" + " " * 72 + "\r")
+            self.stream.flush()
+
+    def on_evaluation(self, run: RunContext, evaluation: Evaluation) -> None:
+        self._clear_bar()
+        self.log(evaluation_line(run, evaluation))
+        s = evaluation.summary["train_loss_mean"]
+        bad = [r for r in range(s.shape[0]) if not np.isfinite(s[r])]
+        if bad:
+            labels = run.experiment.replicas.labels
+            self.log(f"warning: the training loss of {len(bad)} replica(s) is not finite "
+                     f"({', '.join(labels[r].key() for r in bad)})")
+
+    def on_run_end(self, run: RunContext, result) -> None:
+        self._clear_bar()
+        if result.stopped or not result.final:
+            return
+        exp = run.experiment
+        self.log("\n".join(["Final per-client test error (mean over seeds):"]
+                           + closing_table(result, exp.replicas.labels,
+                                           exp.model.loss_kind != "squared")))
+        if run.output_dir:
+            self.log(f"results in {run.output_dir} (metrics.jsonl, summary.json, rounds.npz, "
+                     f"clients.npz, models/); report: python -m experiments.report "
+                     f"{run.output_dir} --out=DIR")

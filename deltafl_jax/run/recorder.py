@@ -1,0 +1,124 @@
+"""The recorder: the host-side histories of a run, and the result they make.
+
+It is the first callback of every run (:func:`deltafl_jax.run.loop.run_rounds`): it keeps the
+per-round metrics [rounds, R], the per-client arrays of every evaluation [E, R, N] and the
+metrics records, and builds the :class:`RunResult`. Its :meth:`Recorder.host_state` is what a
+checkpoint saves so that a resumed run ends with the same outputs as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Dict, List, Optional
+
+import jax
+import numpy as np
+
+from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a run returns.
+
+    final: replica key -> the last evaluation's metrics.
+    history: every metrics.jsonl record, in order.
+    state: the final ServerState (device arrays).
+    summary: the JSON summary (also summary.json when there is an output dir).
+    per_round: metric -> [rounds, R] (or [rounds]) host arrays of every round.
+    per_client: the last evaluation's per-client arrays [R, N].
+    client_history: "rounds" [E] and the per-client arrays of every evaluation [E, R, N].
+    rounds_done: rounds completed; stopped: the run ended early (reason in stop_reason).
+    """
+
+    final: Dict[str, Dict[str, float]]
+    history: List[Dict[str, Any]]
+    state: Any
+    summary: Dict[str, Any]
+    per_round: Dict[str, np.ndarray]
+    per_client: Optional[Dict[str, np.ndarray]]
+    client_history: Dict[str, np.ndarray]
+    rounds_done: int
+    stopped: bool = False
+    stop_reason: str = ""
+
+
+class Recorder(Callback):
+    """Accumulates a run's histories (host NumPy) and builds its result."""
+
+    def __init__(self):
+        self.per_round: Dict[str, List[np.ndarray]] = {}
+        self.client_history: Dict[str, List[np.ndarray]] = {"rounds": []}
+        self.history: List[Dict[str, Any]] = []
+        self.last: Optional[Evaluation] = None
+        self.rounds_done = 0
+        self.first_round_s: Optional[float] = None
+        self.build_s = 0.0
+        self._t0 = None
+
+    def on_run_start(self, run: RunContext) -> None:
+        self._t0 = time.perf_counter()
+        self.rounds_done = run.start_round
+
+    def on_round_end(self, run: RunContext, round: int, metrics) -> None:
+        if self.first_round_s is None:
+            self.first_round_s = time.perf_counter() - self._t0
+        for k, v in metrics.items():
+            self.per_round.setdefault(k, []).append(np.asarray(v))
+        self.rounds_done = round
+
+    def on_evaluation(self, run: RunContext, evaluation: Evaluation) -> None:
+        self.last = evaluation
+        self.client_history["rounds"].append(evaluation.round)
+        for k, v in evaluation.per_client.items():
+            self.client_history.setdefault(k, []).append(v.astype(np.float32))
+        self.history.extend(evaluation.records)
+
+    def host_state(self) -> Dict[str, Any]:
+        """Everything needed to continue the histories after a restore (NumPy and JSON)."""
+        return {"per_round": {k: np.stack(v) for k, v in self.per_round.items()},
+                "client_history": {k: np.asarray(np.stack(v)) if v else np.zeros((0,))
+                                   for k, v in self.client_history.items()},
+                "history": list(self.history), "rounds_done": self.rounds_done}
+
+    def load_host_state(self, host: Dict[str, Any]) -> None:
+        self.per_round = {k: list(np.asarray(v)) for k, v in host["per_round"].items()}
+        self.client_history = {k: list(np.asarray(v)) for k, v in host["client_history"].items()}
+        self.client_history["rounds"] = [int(t) for t in self.client_history.get("rounds", [])]
+        self.history = list(host["history"])
+        self.rounds_done = int(host["rounds_done"])
+
+    def result(self, run: RunContext) -> RunResult:
+        exp = run.experiment
+        last = self.last
+        final = {} if last is None else {
+            lab.key(): {k: float(v[r]) for k, v in last.summary.items()}
+            for r, lab in enumerate(exp.replicas.labels)}
+        total_s = time.perf_counter() - self._t0 if self._t0 is not None else 0.0
+        return RunResult(
+            final=final, history=self.history, state=run.state,
+            summary=_summary(exp, final, total_s, self.first_round_s, self.build_s),
+            per_round={k: np.stack(v) for k, v in self.per_round.items()},
+            per_client=None if last is None else last.per_client,
+            client_history={k: np.stack(v) if k != "rounds" else np.asarray(v)
+                            for k, v in self.client_history.items()},
+            rounds_done=self.rounds_done, stopped=run.stop_requested,
+            stop_reason=run.stop_reason)
+
+
+def _summary(exp, final, total_s, first_round_s, build_s) -> Dict[str, Any]:
+    data, config = exp.data, exp.config
+    return {
+        "config": dataclasses.asdict(config),
+        "dataset": {"name": data.name, **data.stats()},
+        "model": exp.model.name,
+        "replicas": [lab.to_json() for lab in exp.replicas.labels],
+        "clients_per_round": exp.num_sampled,
+        "clients_per_step": exp.lanes,
+        "eval_chunk": exp.eval_chunk,
+        "backend": jax.default_backend(),
+        "timing": {"total_s": total_s, "first_round_s_incl_compile": first_round_s,
+                   "build_s": build_s},
+        "final": final,
+    }

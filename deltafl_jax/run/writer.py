@@ -1,0 +1,32 @@
+"""The callback that writes a run's output directory through :class:`deltafl_jax.outputs.RunWriter`:
+``metrics.jsonl`` at every evaluation; ``rounds.npz``, ``clients.npz``,
+``clients_history.npz``, the models and ``summary.json`` when the run ends."""
+
+from __future__ import annotations
+
+from deltafl_jax import outputs
+from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
+
+
+class OutputWriter(Callback):
+    """Writes every file of `output_dir` (only on the process that owns the outputs)."""
+
+    def __init__(self, output_dir: str, save_models: bool = True):
+        self.writer = outputs.RunWriter(output_dir)
+        self.save_models = save_models
+
+    def on_evaluation(self, run: RunContext, evaluation: Evaluation) -> None:
+        self.writer.append_metrics(evaluation.records)
+
+    def on_run_end(self, run: RunContext, result) -> None:
+        if result.stopped:
+            return  # an interrupted run leaves metrics.jsonl and its checkpoint only
+        exp = run.experiment
+        labels = exp.replicas.labels
+        self.writer.write_rounds(result.per_round, labels)
+        self.writer.write_clients_history(result.client_history)
+        self.writer.write_clients(result.per_client, exp.data, labels)
+        if self.save_models:
+            self.writer.save_models(exp.served_params(result.state), labels, exp.model,
+                                    exp.model_options, exp.data)
+        self.writer.write_summary(result.summary)
