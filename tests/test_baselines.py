@@ -12,7 +12,8 @@ import pytest
 import numpy_baselines as nb
 from conftest import run_runner, tiny_config
 from deltafl_jax import build_experiment, load_model, run_experiment
-from deltafl_jax.algorithms.baselines import project_simplex, random_subset
+from deltafl_jax.algorithms.afl import project_simplex
+from deltafl_jax.algorithms.fedavg_sub import random_subset
 from experiments import run as runner
 
 HERE = os.path.dirname(__file__)
@@ -87,13 +88,13 @@ def test_fedavg_sub_equals_numpy(tiny_synthetic, mode, filter):
         W, b = zeros()
         for t in range(3):
             if mode == "theta":
-                W, b, k = nb.fedavg_sub_round(W, b, xs, ys, lab["seed"], t, 6, cfg.learning_rate,
-                                              cfg.l2_reg, cfg.batch_size, theta=lab["theta"],
+                W, b, k = nb.fedavg_sub_round(W, b, xs, ys, lab.seed, t, 6, cfg.learning_rate,
+                                              cfg.l2_reg, cfg.batch_size, theta=lab.theta,
                                               filter=filter)
             else:
-                W, b, k = nb.fedavg_sub_round(W, b, xs, ys, lab["seed"], t, 6, cfg.learning_rate,
+                W, b, k = nb.fedavg_sub_round(W, b, xs, ys, lab.seed, t, 6, cfg.learning_rate,
                                               cfg.l2_reg, cfg.batch_size,
-                                              count=int(lab["param_value"]))
+                                              count=int(lab.param_value))
             assert int(hist[t]["num_selected"][r]) == k
             kept.add(k)
         assert_close(state.params, r, W, b)
@@ -115,9 +116,9 @@ def test_fedprox_equals_numpy(tiny_synthetic):
         W, b = zeros()
         W0, b0 = zeros()
         for t in range(3):
-            W, b = nb.fedprox_round(W, b, xs, ys, lab["seed"], t, 6, cfg.learning_rate,
-                                    cfg.l2_reg, lab["param_value"], cfg.batch_size, epochs=2)
-            W0, b0 = nb.fedprox_round(W0, b0, xs, ys, lab["seed"], t, 6, cfg.learning_rate,
+            W, b = nb.fedprox_round(W, b, xs, ys, lab.seed, t, 6, cfg.learning_rate,
+                                    cfg.l2_reg, lab.param_value, cfg.batch_size, epochs=2)
+            W0, b0 = nb.fedprox_round(W0, b0, xs, ys, lab.seed, t, 6, cfg.learning_rate,
                                       cfg.l2_reg, 0.0, cfg.batch_size, epochs=2)
         assert_close(state.params, r, W, b)
         assert np.max(np.abs(W - W0)) > 100 * ATOL  # the proximal term mattered
@@ -149,14 +150,14 @@ def test_qffl_equals_numpy(tiny_synthetic):
     for r, lab in enumerate(exp.replicas.labels):
         W, b = zeros()
         for t in range(3):
-            W, b, _ = nb.qffl_round(W, b, xs, ys, lab["seed"], t, 6, cfg.learning_rate,
-                                    cfg.l2_reg, lab["param_value"], cfg.batch_size)
+            W, b, _ = nb.qffl_round(W, b, xs, ys, lab.seed, t, 6, cfg.learning_rate,
+                                    cfg.l2_reg, lab.param_value, cfg.batch_size)
         assert_close(state.params, r, W, b)
-        finals[(lab["param_value"], lab["seed"])] = W
+        finals[(lab.param_value, lab.seed)] = W
     # q changes the model: the larger q, the smaller the server step.
     assert np.max(np.abs(finals[(10.0, 1)] - finals[(0.1, 1)])) > 100 * ATOL
-    step = {lab["param_value"]: hist[-1]["qffl_step"][r]
-            for r, lab in enumerate(exp.replicas.labels) if lab["seed"] == 1}
+    step = {lab.param_value: hist[-1]["qffl_step"][r]
+            for r, lab in enumerate(exp.replicas.labels) if lab.seed == 1}
     assert step[10.0] < step[1.0] < step[0.1] < 1.0
 
 
@@ -197,7 +198,7 @@ def test_q_sweep_equals_separate_runs(tiny_synthetic):
         ss, _ = run_rounds(single, 3)
         for s, seed in enumerate(seeds):
             r = [i for i, lab in enumerate(joint.replicas.labels)
-                 if lab["param_value"] == q and lab["seed"] == seed]
+                 if lab.param_value == q and lab.seed == seed]
             assert len(r) == 1
             for x, y in zip(jax.tree.leaves(sj.params), jax.tree.leaves(ss.params)):
                 np.testing.assert_allclose(np.asarray(x)[r[0]], np.asarray(y)[s], atol=1e-6)
@@ -237,8 +238,8 @@ def test_afl_equals_numpy(tiny_synthetic):
         lam = n / n.sum()
         iterates = []
         for t in range(4):
-            W, b, lam = nb.afl_round(W, b, lam, xs, ys, lab["seed"], t, cfg.learning_rate,
-                                     cfg.l2_reg, lab["param_value"], cfg.batch_size)
+            W, b, lam = nb.afl_round(W, b, lam, xs, ys, lab.seed, t, cfg.learning_rate,
+                                     cfg.l2_reg, lab.param_value, cfg.batch_size)
             iterates.append((W, b))
         assert_close(state.params, r, W, b)
         np.testing.assert_allclose(lam_state[r], lam, atol=1e-5)
@@ -246,7 +247,7 @@ def test_afl_equals_numpy(tiny_synthetic):
         b_bar = np.mean([v for _, v in iterates], axis=0)
         assert_close(served, r, W_bar, b_bar)           # the averaged iterate is served
         assert np.max(np.abs(W_bar - W)) > 100 * ATOL   # and differs from w_T
-        if lab["param_value"] == 0.2:
+        if lab.param_value == 0.2:
             assert lam.max() > 2 * (n / n.sum()).max()  # lambda moved to the worst clients
 
 
@@ -286,8 +287,8 @@ def test_term_equals_numpy(tiny_synthetic):
         W, b = zeros()
         E = None
         for t in range(4):
-            W, b, E = nb.term_round(W, b, E, t == 0, xs, ys, lab["seed"], t, 6,
-                                    cfg.learning_rate, cfg.l2_reg, lab["param_value"],
+            W, b, E = nb.term_round(W, b, E, t == 0, xs, ys, lab.seed, t, 6,
+                                    cfg.learning_rate, cfg.l2_reg, lab.param_value,
                                     cfg.batch_size)
             assert hist[t]["term_estimate"][r] == pytest.approx(E, rel=1e-4)
         assert_close(state.params, r, W, b)
@@ -305,7 +306,7 @@ def test_term_approaches_fedavg_as_t_goes_to_zero(tiny_synthetic):
     gap = {}
     for r, lab in enumerate(exp.replicas.labels):
         one = jax.tree.map(lambda a: np.asarray(a)[r:r + 1], st.params)
-        gap[lab["param_value"]] = max_abs_diff(one, sa.params)
+        gap[lab.param_value] = max_abs_diff(one, sa.params)
     assert gap[0.0] < 1e-6
     # The gap shrinks like t: each tenfold decrease of t divides it by at least 5, and the
     # weights e_k / E = 1 + t (F_k - mean F) + O(t^2) move the model by at most ~t of its size.
@@ -322,18 +323,19 @@ def test_outputs_are_keyed_by_the_swept_value(tiny_synthetic, tmp_path):
     out = str(tmp_path / "qffl")
     cfg = tiny_config(algorithm="qffl", qffl_q=(0.1, 1.0), seeds=(1, 2), output_dir=out,
                       save_models=True, eval_every=2, num_rounds=2)
-    summary = run_experiment(cfg, tiny_synthetic)
+    result = run_experiment(cfg, tiny_synthetic)
+    summary = result.summary
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert {(r["param_name"], r["param_value"], r["seed"]) for r in records} == {
         ("qffl_q", q, s) for q in (0.1, 1.0) for s in (1, 2)}
-    assert set(summary["final"]) == {f"qffl_q={q}_seed={s}" for q in ("0.1", "1")
-                                     for s in (1, 2)}
+    assert set(result.final) == {f"qffl_q={q}_seed={s}" for q in ("0.1", "1")
+                                 for s in (1, 2)}
     served = load_model(out, qffl_q=1.0, seed=2)
     r = [lab for lab in summary["replicas"]].index(
         {"algorithm": "qffl", "theta": 1.0, "param_name": "qffl_q", "param_value": 1.0,
          "seed": 2})
     assert leaves_equal(served.params, jax.tree.map(lambda a: np.asarray(a)[r],
-                                                    summary["state"].params))
+                                                    result.state.params))
     with pytest.raises(ValueError, match="several models match"):
         load_model(out, seed=2)
 
@@ -342,8 +344,8 @@ def test_afl_saves_and_evaluates_the_averaged_iterate(tiny_synthetic, tmp_path):
     out = str(tmp_path / "afl")
     cfg = tiny_config(algorithm="afl", afl_lambda_lr=(0.1,), seeds=(1,), output_dir=out,
                       save_models=True, eval_every=3, num_rounds=3, learning_rate=0.2)
-    summary = run_experiment(cfg, tiny_synthetic)
-    state = summary["state"]
+    result = run_experiment(cfg, tiny_synthetic)
+    state = result.state
     served = load_model(out, afl_lambda_lr=0.1, seed=1)
     avg = jax.tree.map(lambda a: np.asarray(a)[0], state.algo_state.avg)
     assert leaves_equal(served.params, avg)
@@ -353,7 +355,7 @@ def test_afl_saves_and_evaluates_the_averaged_iterate(tiny_synthetic, tmp_path):
     x, y = tiny_synthetic.test.client(0)
     pred = np.asarray(served.predict(x)).argmax(1)
     assert clients["test_error"][0][0] == pytest.approx(np.mean(pred != y))
-    assert summary["clients_per_round"] == tiny_synthetic.train.num_clients
+    assert result.summary["clients_per_round"] == tiny_synthetic.train.num_clients
 
 
 # ----------------------------------------------------------------------------- runner

@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_config
 from numpy_reference import delta_fl_round
 from deltafl_jax import build_experiment, plan as plan_lib, rounds
-from deltafl_jax.engine import LocalSGDConfig, sgd_with_weight_decay
+from deltafl_jax.engine import LocalSGDConfig
 
 
 def run_rounds(exp, num_rounds):
@@ -45,15 +45,15 @@ def test_round_equals_numpy_loop_over_clients(tiny_synthetic, filter, lanes):
     for r, lab in enumerate(exp.replicas.labels):
         W, b = W0, b0
         for t in range(3):
-            W, b, F, a = delta_fl_round(W, b, xs, ys, lab["seed"], t, cfg.clients_per_round,
-                                        lab["theta"], filter, cfg.learning_rate, cfg.l2_reg,
+            W, b, F, a = delta_fl_round(W, b, xs, ys, lab.seed, t, cfg.clients_per_round,
+                                        lab.theta, filter, cfg.learning_rate, cfg.l2_reg,
                                         cfg.batch_size, epochs=2)
         got_W, got_b = linear_params(state, r)
         np.testing.assert_allclose(got_W, W, atol=2e-5, rtol=1e-4)
         np.testing.assert_allclose(got_b, b, atol=2e-5, rtol=1e-4)
         assert int(metrics["num_selected"][r]) == int(np.sum(a > 0))
         # The last round's filter: theta=1 keeps everyone; smaller theta keeps fewer.
-        if lab["theta"] == 1.0:
+        if lab.theta == 1.0:
             assert int(np.sum(a > 0)) == cfg.clients_per_round
     assert int(metrics["num_rejected"].sum()) == 0
 
@@ -93,7 +93,7 @@ def test_dropped_clients_do_no_local_work(tiny_synthetic):
 def test_theta_one_is_fedavg_bit_for_bit(tiny_synthetic):
     a = build_experiment(tiny_config(algorithm="fedavg", thetas=()), tiny_synthetic)
     b = build_experiment(tiny_config(algorithm="deltafl", thetas=(1.0,)), tiny_synthetic)
-    assert a.replicas.labels[0]["theta"] == 1.0
+    assert a.replicas.labels[0].theta == 1.0
     sa, _ = run_rounds(a, 3)
     sb, _ = run_rounds(b, 3)
     for x, y in zip(jax.tree.leaves(sa.params), jax.tree.leaves(sb.params)):
@@ -107,7 +107,7 @@ def test_replica_vmap_equals_separate_runs(tiny_synthetic):
     sj, _ = run_rounds(joint, 3)
     for r, lab in enumerate(joint.replicas.labels):
         single = build_experiment(
-            tiny_config(thetas=(lab["theta"],), seeds=(lab["seed"],), clients_per_step=1),
+            tiny_config(thetas=(lab.theta,), seeds=(lab.seed,), clients_per_step=1),
             tiny_synthetic)
         ss, _ = run_rounds(single, 3)
         for x, y in zip(jax.tree.leaves(sj.params), jax.tree.leaves(ss.params)):
@@ -137,7 +137,7 @@ def test_padding_changes_nothing(tiny_synthetic):
 def test_jitted_round_equals_unjitted_and_round_two_does_not_recompile(tiny_synthetic):
     cfg = tiny_config(thetas=(1.0, 0.5), seeds=(1, 2), clients_per_step=2)
     exp = build_experiment(cfg, tiny_synthetic)
-    local = LocalSGDConfig(cfg.batch_size, 2, sgd_with_weight_decay)
+    local = LocalSGDConfig(cfg.batch_size, 2)
     raw = rounds.build_round_fn(exp.model, exp.algorithm, exp.replicas, local, exp.eval_chunk,
                                 2, cfg.clients_per_round)
     state, keys = exp.initial_state(), exp.keys()
@@ -158,7 +158,7 @@ def test_unrolled_lanes_equal_vmapped_lanes(tiny_synthetic):
     exp = build_experiment(cfg, tiny_synthetic)
     outs = []
     for mode in ("vmap", "unroll"):
-        local = LocalSGDConfig(cfg.batch_size, 3, sgd_with_weight_decay, lane_mode=mode)
+        local = LocalSGDConfig(cfg.batch_size, 3, lane_mode=mode)
         fn = jax.jit(rounds.build_round_fn(exp.model, exp.algorithm, exp.replicas, local,
                                            exp.eval_chunk, 1, cfg.clients_per_round))
         state, keys = exp.initial_state(), exp.keys()

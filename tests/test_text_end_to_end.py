@@ -25,7 +25,7 @@ def test_gru_on_real_shakespeare_roles_learns_and_is_served(tmp_path):
                       clients_per_round=4, batch_size=16, learning_rate=1.0, eval_every=8,
                       output_dir=str(out), save_models=True)
     summary = run_experiment(cfg, data)
-    for key, final in summary["final"].items():
+    for key, final in summary.final.items():
         # A uniform guess over 53 characters costs log 53 = 3.97 nats; 8 rounds of SGD on the
         # roles' text must do clearly better (spaces and 'e' alone are ~25% of the text).
         assert np.isfinite(final["train_loss_mean"]) and final["train_loss_mean"] < 3.6, key
@@ -45,7 +45,7 @@ def test_lstm_on_sent140_fixture_trains_and_keeps_glove_frozen(tmp_path):
                       clients_per_round=data.train.num_clients, batch_size=4,
                       learning_rate=0.5, eval_every=3, output_dir=str(out), save_models=True)
     summary = run_experiment(cfg, data)
-    final = summary["final"]["theta=1_seed=1"]
+    final = summary.final["theta=1_seed=1"]
     assert np.isfinite(final["train_loss_mean"]) and 0 <= final["test_error_mean"] <= 1
     # The table is a constant of the model, not a parameter: not in the saved parameters.
     served = deltafl_jax.load_model(str(out), theta=1.0, seed=1)

@@ -26,8 +26,8 @@ def test_theta_two_thirds_goes_to_the_longest_side_midpoint_and_fedavg_to_the_ce
                       num_rounds=120, clients_per_round=3, batch_size=400,
                       learning_rate=0.1, eval_every=120, clients_per_step=1)
     out = run_experiment(cfg, data)
-    w = np.asarray(out["state"].params["w"])
-    labels = [lab["theta"] for lab in out["replicas"]]
+    w = np.asarray(out.state.params["w"])
+    labels = [lab["theta"] for lab in out.summary["replicas"]]
     w_fedavg = w[labels.index(1.0)]
     w_delta = w[labels.index(2 / 3)]
     np.testing.assert_allclose(w_fedavg, mu_hat.mean(0), atol=1e-4)

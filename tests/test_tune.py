@@ -48,8 +48,8 @@ def test_lr_grid_in_one_program_equals_separate_runs(tiny_synthetic):
     for lr in lrs:
         for c in decays:
             rs = [r for r, lab in enumerate(replicas.labels)
-                  if lab["learning_rate"] == lr and lab["lr_decay"] == c]
-            assert [replicas.labels[r]["seed"] for r in rs] == [1, 2]
+                  if dict(lab.extra) == {"learning_rate": lr, "lr_decay": c}]
+            assert [replicas.labels[r].seed for r in rs] == [1, 2]
             # The runner's own configuration for this grid value (both seeds).
             single, rates = run_rounds(build_experiment(
                 dataclasses.replace(base, learning_rate=lr, lr_decay=c), tiny_synthetic), 4)
@@ -105,20 +105,20 @@ def test_l2_grid_in_one_program_equals_separate_runs_and_scores_validation_clien
         # The runner's replicas: theta 1.0 seeds 1, 2, then theta 0.5 seeds 1, 2.
         for i, (theta, seed) in enumerate([(1.0, 1), (1.0, 2), (0.5, 1), (0.5, 2)]):
             (r,) = [r for r, lab in enumerate(replicas.labels)
-                    if (lab["theta"], lab["l2_reg"], lab["seed"]) == (theta, lam, seed)]
+                    if (lab.theta, dict(lab.extra)["l2_reg"], lab.seed) == (theta, lam, seed)]
             for x, y in zip(leaves(joint), leaves(single)):
                 np.testing.assert_allclose(x[r], y[i], atol=1e-6)
 
     # The tuner's scores are the p90 of the error on the validation clients.
     summary = tuning.run_grid(base, val, replicas)
-    got = tuning.scores(replicas, summary["final"], "test_error_p90")
-    params = jax.device_get(summary["state"].params)
+    got = tuning.scores(replicas, summary.final, "test_error_p90")
+    params = jax.device_get(summary.state.params)
     assert len(got) == 4
     for s in got:
         want = []
         for seed in (1, 2):
             (r,) = [r for r, lab in enumerate(replicas.labels)
-                    if (lab["theta"], lab["l2_reg"], lab["seed"]) ==
+                    if (lab.theta, dict(lab.extra)["l2_reg"], lab.seed) ==
                     (s.point["theta"], s.point["l2_reg"], seed)]
             one = jax.tree.map(lambda a: a[r], params)
             want.append(lower_p90_unweighted(numpy_linear_errors(one, val.test)))
@@ -166,7 +166,7 @@ def test_cli_picks_the_argmin_and_writes_a_flagfile_the_runner_accepts(tmp_path,
     # Learning rate: the smallest terminal alpha-weighted train loss, mean over seeds.
     lr_means = grid_means(out / "lr_grid", lambda r, z: np.sum(
         z["train_loss"][r] * z["train_sizes"]) / np.sum(z["train_sizes"]))
-    order = [f"lr={lr:g}_decay={c:g}" for lr in (0.02, 0.3) for c in (1, 2)]
+    order = [f"theta=1_learning_rate={lr:g}_lr_decay={c:g}" for lr in (0.02, 0.3) for c in (1, 2)]
     assert sorted(lr_means) == sorted(order)
     best_lr = min(order, key=lambda k: (lr_means[k], order.index(k)))
     # Lambda: the smallest p90 error over the validation clients, per theta.
@@ -176,19 +176,21 @@ def test_cli_picks_the_argmin_and_writes_a_flagfile_the_runner_accepts(tmp_path,
     assert len(z["test_sizes"]) + len(z["train_sizes"]) == 10      # tiny.flags: 10 train
     chosen_l2 = {}
     for theta in ("1", "0.5"):
-        keys = [f"theta={theta}_l2={lam:g}" for lam in (3, 1e-4)]
+        keys = [f"theta={theta}_l2_reg={lam:g}" for lam in (3, 1e-4)]
         chosen_l2[float(theta)] = (3.0, 1e-4)[min(range(2), key=lambda i: (l2_means[keys[i]], i))]
 
     record = json.load(open(out / "tuning.json"))
     # The recorded scores are these means (the argmin rule itself: test_best_... above).
     for sc in record["lr_scores"]:
-        key = f"lr={sc['point']['learning_rate']:g}_decay={sc['point']['lr_decay']:g}"
+        key = (f"theta=1_learning_rate={sc['point']['learning_rate']:g}_"
+               f"lr_decay={sc['point']['lr_decay']:g}")
         assert np.mean(sc["values"]) == pytest.approx(lr_means[key], rel=1e-6)
     for sc in record["l2_scores"]:
-        key = f"theta={sc['point']['theta']:g}_l2={sc['point']['l2_reg']:g}"
+        key = f"theta={sc['point']['theta']:g}_l2_reg={sc['point']['l2_reg']:g}"
         assert np.mean(sc["values"]) == pytest.approx(l2_means[key], rel=1e-6)
     assert len(record["lr_scores"]) == 4 and len(record["l2_scores"]) == 4
-    assert f"lr={record['learning_rate']:g}_decay={record['lr_decay']:g}" == best_lr
+    assert (f"theta=1_learning_rate={record['learning_rate']:g}_"
+            f"lr_decay={record['lr_decay']:g}") == best_lr
     assert {float(k): v for k, v in record["l2"].items()} == chosen_l2
     assert "10th percentile" in open(record["flagfiles"][0]).read()
 
@@ -202,7 +204,7 @@ def test_cli_picks_the_argmin_and_writes_a_flagfile_the_runner_accepts(tmp_path,
         assert flags["lr_decay_every"] == "3" and flags["num_rounds"] == "9"
         thetas = [float(t) for t in flags["thetas"].split(",")]
         runs_thetas += thetas
-        assert all(chosen_l2[t] == float(flags["l2_reg"]) for t in thetas)
+        assert [chosen_l2[t] for t in thetas] == [float(v) for v in flags["l2_reg"].split(",")]
     assert sorted(runs_thetas) == [0.5, 1.0]
     path = record["flagfiles"][0]
     proc = subprocess.run([sys.executable, "-m", "experiments.run", f"--flagfile={path}",
@@ -212,8 +214,9 @@ def test_cli_picks_the_argmin_and_writes_a_flagfile_the_runner_accepts(tmp_path,
     run_dir = [l for l in open(path).read().splitlines() if l.startswith("--output_dir=")][0]
     summary = json.load(open(os.path.join(run_dir.split("=", 1)[1], "summary.json")))
     assert summary["config"]["learning_rate"] == record["learning_rate"]
-    assert summary["config"]["l2_reg"] == float(
-        [l for l in open(path).read().splitlines() if l.startswith("--l2_reg=")][0][9:])
+    want_l2 = [float(v) for v in [l for l in open(path).read().splitlines()
+                                  if l.startswith("--l2_reg=")][0][9:].split(",")]
+    assert np.atleast_1d(summary["config"]["l2_reg"]).tolist() == want_l2
 
     # A second tuning into the same directory is refused.
     code, _, err = cli([f"--flagfile={TINY}", f"--output_dir={out}"], capsys)

@@ -82,8 +82,32 @@ DATASETS: Dict[str, str] = {
 }
 
 
+# The real datasets that are prepared once from a raw source into the cache:
+# name -> "module:function" taking (DataConfig) -> the prepared directory.
+PREPARABLE: Dict[str, str] = {
+    "shakespeare": "deltafl_jax.datasets.shakespeare:prepare",
+    "sent140": "deltafl_jax.datasets.sent140:prepare",
+    "femnist": "deltafl_jax.datasets.femnist:prepare",
+}
+
+
 def dataset_names():
     return sorted(DATASETS)
+
+
+def prepare_dataset(config: "DataConfig", download: bool = False) -> str:
+    """Prepare a real dataset from its raw source (FEMNIST: after downloading it when
+    `download`); returns the prepared directory. DataError for anything else."""
+    if config.dataset not in PREPARABLE:
+        raise DataError(f"--dataset={config.dataset} needs no preparation; prepared datasets: "
+                        f"{', '.join(sorted(PREPARABLE))}")
+    if download:
+        if config.dataset != "femnist":
+            raise DataError(f"--download is for femnist only; {config.dataset} has no download")
+        from deltafl_jax.datasets import femnist
+        return femnist.prepare(config, source=femnist.download(config.resolved_data_dir))
+    module_name, fn_name = PREPARABLE[config.dataset].split(":")
+    return getattr(importlib.import_module(module_name), fn_name)(config)
 
 
 def _loader(name: str) -> Callable[[DataConfig], FederatedDataset]:

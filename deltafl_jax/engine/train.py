@@ -115,6 +115,101 @@ def _lane_step_fn(model: Model, cfg: LocalSGDConfig, optimizer):
     return per_lane(lane_step, cfg.lanes, cfg.lane_mode)
 
 
+class _LaneProgram:
+    """The pieces of one round's training loop, with the round's constants bound."""
+
+    def __init__(self, model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
+                 hyper, cfg):
+        self.params, self.X, self.Y, self.plan = params, X, Y, plan
+        self.group, self.jobs, self.lr, self.l2, self.hyper = (replica_group, jobs,
+                                                               learning_rate, l2, hyper)
+        self.c, self.B, self.J = cfg.lanes, cfg.batch_size, jobs.steps.shape[0]
+        self.deal = deal_jobs(jobs.steps, self.c)
+        self.optimizer = optax.inject_hyperparams(sgd_with_weight_decay)(learning_rate=0.0,
+                                                                         l2=0.0)
+        self.run_step = _lane_step_fn(model, cfg, self.optimizer)
+
+    def fresh_opt_state(self, w0, r):
+        st = jax.vmap(self.optimizer.init)(w0)
+        return _set_hyperparams(st, self.lr[r], self.l2[r])
+
+    def current(self, carry):
+        """Each lane's job (clipped to a valid id), its replica, and whether it is active."""
+        Q = self.deal.jobs.shape[1]
+        j = self.deal.jobs[jnp.arange(self.c), jnp.minimum(carry.slot, Q - 1)]
+        js = jnp.minimum(j, self.J - 1)
+        return js, self.jobs.replica[js], carry.slot < self.deal.length
+
+    def reset(self, carry, r, fresh):
+        """Lanes starting a job restart from w_t of its replica, with a fresh optimizer."""
+        w0 = gather_rows(self.params, r)
+        return carry._replace(
+            params=select_tree(fresh, w0, carry.params),
+            anchor=select_tree(fresh, w0, carry.anchor),
+            opt_state=select_tree(fresh, self.fresh_opt_state(w0, r), carry.opt_state))
+
+    def minibatch(self, carry, js, r, active):
+        """Step s of a job reads epoch e, batch b = divmod(s, batches_per_epoch) of its
+        client's shuffled stream (see :mod:`deltafl_jax.plan`)."""
+        plan, B = self.plan, self.B
+        g, i, s = self.group[r], self.jobs.slot[js], carry.step
+        nb, sl = plan.batches_per_epoch[g, i], plan.seg_len[g, i]
+        e, b = s // nb, s % nb
+        within = b[:, None] * B + jnp.arange(B, dtype=jnp.int32)[None, :]
+        valid = (within < sl[:, None]) & active[:, None]
+        where_ = plan.train_start[g, i][:, None] + e[:, None] * sl[:, None] + within
+        ex = plan.train_idx[g[:, None], jnp.where(valid, where_, 0)]
+        return jnp.take(self.X, ex, axis=0), jnp.take(self.Y, ex, axis=0), valid
+
+    def finish(self, carry, js, r, done):
+        """Finished jobs add a_j (w_j - w_t) to their replica's sum when finite."""
+        c, J = self.c, self.J
+        delta = jax.tree.map(lambda a, w: a - w, carry.params, carry.anchor)
+        ok = jax.vmap(tree_all_finite)(delta) & done
+        coef = jnp.where(ok, self.jobs.weight[js], 0.0)
+
+        def add(total, d):
+            d = jnp.where(ok.reshape((c,) + (1,) * (d.ndim - 1)), d, 0.0)
+            return total.at[r].add(coef.reshape((c,) + (1,) * (d.ndim - 1)) * d)
+
+        slot = jnp.where(done, js, J)
+        return carry._replace(
+            delta_sum=jax.tree.map(add, carry.delta_sum, delta),
+            weight_sum=carry.weight_sum.at[r].add(coef),
+            sqnorm=carry.sqnorm.at[slot].set(jax.vmap(tree_sqnorm)(delta), mode="drop"),
+            finite=carry.finite.at[slot].set(ok, mode="drop"))
+
+    def body(self, carry: LaneCarry) -> LaneCarry:
+        js, r, active = self.current(carry)
+        fresh = active & (carry.step == 0)
+        carry = lax.cond(jnp.any(fresh), lambda cr: self.reset(cr, r, fresh), lambda cr: cr,
+                         carry)
+        x, y, valid = self.minibatch(carry, js, r, active)
+        new_p, new_opt = self.run_step(carry.params, carry.opt_state, carry.anchor, x, y, valid,
+                                       gather_rows(self.hyper, r))
+        carry = carry._replace(params=select_tree(active, new_p, carry.params),
+                               opt_state=select_tree(active, new_opt, carry.opt_state))
+        done = active & (carry.step == self.jobs.steps[js] - 1)
+        carry = lax.cond(jnp.any(done), lambda cr: self.finish(cr, js, r, done), lambda cr: cr,
+                         carry)
+        return carry._replace(
+            trip=carry.trip + 1, slot=jnp.where(done, carry.slot + 1, carry.slot),
+            step=jnp.where(done, 0, jnp.where(active, carry.step + 1, carry.step)),
+            real=carry.real + jnp.sum(valid))
+
+    def init(self) -> LaneCarry:
+        c, R = self.c, self.lr.shape[0]
+        lane_params = jax.tree.map(lambda a: jnp.zeros((c,) + a.shape[1:], a.dtype),
+                                   self.params)
+        zero_lane = jnp.zeros((c,), jnp.int32)
+        return LaneCarry(
+            trip=jnp.int32(0), slot=zero_lane, step=zero_lane, params=lane_params,
+            opt_state=self.fresh_opt_state(lane_params, zero_lane), anchor=lane_params,
+            delta_sum=jax.tree.map(jnp.zeros_like, self.params),
+            weight_sum=jnp.zeros((R,), jnp.float32), sqnorm=jnp.zeros((self.J,), jnp.float32),
+            finite=jnp.zeros((self.J,), bool), real=jnp.int32(0))
+
+
 def train_jobs(model: Model, params, X, Y, plan, replica_group, job_weight, learning_rate,
                l2, hyper, cfg: LocalSGDConfig) -> TrainResult:
     """LocalUpdate for every job (r, i) with job_weight[r, i] > 0, and the weighted sums.
@@ -130,85 +225,12 @@ def train_jobs(model: Model, params, X, Y, plan, replica_group, job_weight, lear
       cfg: static choices.
     """
     R, m = job_weight.shape
-    J, c, B = R * m, cfg.lanes, cfg.batch_size
     jobs = make_jobs(plan, replica_group, job_weight)
-    deal = deal_jobs(jobs.steps, c)
-    Q = deal.jobs.shape[1]
-    optimizer = optax.inject_hyperparams(sgd_with_weight_decay)(learning_rate=0.0, l2=0.0)
-    run_step = _lane_step_fn(model, cfg, optimizer)
-    offs = jnp.arange(B, dtype=jnp.int32)
-    lane_ids = jnp.arange(c)
-
-    def fresh_state(w0, r):
-        st = jax.vmap(optimizer.init)(w0)
-        return _set_hyperparams(st, learning_rate[r], l2[r])
-
-    def current(carry):
-        j = deal.jobs[lane_ids, jnp.minimum(carry.slot, Q - 1)]
-        active = carry.slot < deal.length
-        js = jnp.minimum(j, J - 1)
-        return js, jobs.replica[js], active
-
-    def reset(carry, js, r, fresh):
-        w0 = gather_rows(params, r)
-        return carry._replace(params=select_tree(fresh, w0, carry.params),
-                              anchor=select_tree(fresh, w0, carry.anchor),
-                              opt_state=select_tree(fresh, fresh_state(w0, r), carry.opt_state))
-
-    def minibatch(carry, js, r, active):
-        g, i = replica_group[r], jobs.slot[js]
-        s = carry.step
-        nb, sl = plan.batches_per_epoch[g, i], plan.seg_len[g, i]
-        e, b = s // nb, s % nb
-        within = b[:, None] * B + offs[None, :]
-        valid = (within < sl[:, None]) & active[:, None]
-        where_ = plan.train_start[g, i][:, None] + e[:, None] * sl[:, None] + within
-        ex = plan.train_idx[g[:, None], jnp.where(valid, where_, 0)]
-        return jnp.take(X, ex, axis=0), jnp.take(Y, ex, axis=0), valid
-
-    def finish(carry, js, r, done):
-        delta = jax.tree.map(lambda a, w: a - w, carry.params, carry.anchor)
-        ok = jax.vmap(tree_all_finite)(delta) & done
-        coef = jnp.where(ok, jobs.weight[js], 0.0)
-
-        def add(total, d):
-            d = jnp.where(ok.reshape((c,) + (1,) * (d.ndim - 1)), d, 0.0)
-            return total.at[r].add(coef.reshape((c,) + (1,) * (d.ndim - 1)) * d)
-
-        slot = jnp.where(done, js, J)
-        return carry._replace(
-            delta_sum=jax.tree.map(add, carry.delta_sum, delta),
-            weight_sum=carry.weight_sum.at[r].add(coef),
-            sqnorm=carry.sqnorm.at[slot].set(jax.vmap(tree_sqnorm)(delta), mode="drop"),
-            finite=carry.finite.at[slot].set(ok, mode="drop"))
-
-    def body(carry: LaneCarry) -> LaneCarry:
-        js, r, active = current(carry)
-        fresh = active & (carry.step == 0)
-        carry = lax.cond(jnp.any(fresh), lambda cr: reset(cr, js, r, fresh), lambda cr: cr,
-                         carry)
-        x, y, valid = minibatch(carry, js, r, active)
-        new_p, new_opt = run_step(carry.params, carry.opt_state, carry.anchor, x, y, valid,
-                                  gather_rows(hyper, r))
-        carry = carry._replace(params=select_tree(active, new_p, carry.params),
-                               opt_state=select_tree(active, new_opt, carry.opt_state))
-        done = active & (carry.step == jobs.steps[js] - 1)
-        carry = lax.cond(jnp.any(done), lambda cr: finish(cr, js, r, done), lambda cr: cr,
-                         carry)
-        return carry._replace(
-            trip=carry.trip + 1, slot=jnp.where(done, carry.slot + 1, carry.slot),
-            step=jnp.where(done, 0, jnp.where(active, carry.step + 1, carry.step)),
-            real=carry.real + jnp.sum(valid))
-
-    lane_params = jax.tree.map(lambda a: jnp.zeros((c,) + a.shape[1:], a.dtype), params)
-    zero_lane = jnp.zeros((c,), jnp.int32)
-    init = LaneCarry(
-        trip=jnp.int32(0), slot=zero_lane, step=zero_lane, params=lane_params,
-        opt_state=fresh_state(lane_params, zero_lane), anchor=lane_params,
-        delta_sum=jax.tree.map(jnp.zeros_like, params), weight_sum=jnp.zeros((R,), jnp.float32),
-        sqnorm=jnp.zeros((J,), jnp.float32), finite=jnp.zeros((J,), bool), real=jnp.int32(0))
-    out = lax.while_loop(lambda cr: cr.trip < deal.trips, body, init)
+    prog = _LaneProgram(model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
+                        hyper, cfg)
+    trips = prog.deal.trips
+    out = lax.while_loop(lambda cr: cr.trip < trips, prog.body, prog.init())
     return TrainResult(delta_sum=out.delta_sum, weight_sum=out.weight_sum,
                        job_sqnorm=out.sqnorm.reshape(R, m), job_finite=out.finite.reshape(R, m),
                        job_trained=(jobs.steps > 0).reshape(R, m), real_examples=out.real,
-                       padded_examples=deal.trips * c * B, trips=deal.trips)
+                       padded_examples=trips * cfg.lanes * cfg.batch_size, trips=trips)

@@ -1,0 +1,129 @@
+"""The package's structure, checked from its source: no import cycle (lazy imports inside
+functions count too), no reach into the command line or the benchmarks, short functions, and
+no private name used across modules."""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "deltafl_jax")
+MAX_FUNCTION_LINES = 60
+
+
+def modules():
+    """module name -> parsed source, for every file of deltafl_jax/."""
+    out = {}
+    for dirpath, _, files in os.walk(PACKAGE):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                name = rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+                with open(path) as fh:
+                    out[name] = (path, ast.parse(fh.read(), path))
+    return out
+
+
+MODULES = modules()
+
+
+def imported(tree):
+    """(module, names) of every import statement, at any depth."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, ()
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module, tuple(a.name for a in node.names)
+
+
+def edges(name, tree):
+    """The deltafl_jax modules that `name` imports (a submodule when `from pkg import sub`)."""
+    out = set()
+    for module, names in imported(tree):
+        if not module.startswith("deltafl_jax"):
+            continue
+        subs = [f"{module}.{n}" for n in names if f"{module}.{n}" in MODULES]
+        out.update(subs)
+        if len(subs) < len(names) or not names:
+            out.add(module)
+    out.discard(name)
+    return out
+
+
+def find_cycle(graph):
+    state, stack = {}, []
+
+    def visit(u):
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(graph.get(u, ())):
+            if state.get(v) == 1:
+                return stack[stack.index(v):] + [v]
+            if v not in state:
+                found = visit(v)
+                if found:
+                    return found
+        stack.pop()
+        state[u] = 2
+        return None
+
+    for u in sorted(graph):
+        if u not in state:
+            found = visit(u)
+            if found:
+                return found
+    return None
+
+
+def test_the_checker_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycle():
+    graph = {name: edges(name, tree) for name, (_, tree) in MODULES.items()}
+    # A package's __init__ may import its own submodules: that is how packages re-export.
+    for name in graph:
+        graph[name] = {m for m in graph[name] if not (name + ".").startswith(m + ".")}
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+@pytest.mark.parametrize("forbidden", ["absl", "experiments", "bench"])
+def test_library_never_imports_the_command_line_or_benchmarks(forbidden):
+    bad = [name for name, (_, tree) in MODULES.items()
+           for module, _ in imported(tree) if module.split(".")[0] == forbidden]
+    assert not bad, f"{forbidden} imported by {sorted(set(bad))}"
+
+
+def test_no_function_over_sixty_lines():
+    long = []
+    for name, (path, tree) in MODULES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name} ({n} lines)")
+    assert not long, long
+
+
+def test_no_private_name_used_across_modules():
+    bad = []
+    for name, (_, tree) in MODULES.items():
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("deltafl_jax"):
+                bad += [f"{name}: from {node.module} import {a.name}" for a in node.names
+                        if a.name.startswith("_")]
+                aliases.update(a.asname or a.name for a in node.names)
+            elif isinstance(node, ast.Import):
+                aliases.update(a.asname or a.name.split(".")[0] for a in node.names
+                               if a.name.startswith("deltafl_jax"))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                bad.append(f"{name}: {node.value.id}.{node.attr}")
+    assert not bad, bad
