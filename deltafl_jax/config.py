@@ -55,6 +55,7 @@ class ExperimentConfig:
     conv_impl: Optional[str] = None
     save_models: bool = True
     verbose: bool = True
+    tensorboard: Optional[bool] = None      # None = when tensorboardX is installed
 
     def __post_init__(self):
         l2 = self.l2_reg

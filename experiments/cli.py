@@ -135,6 +135,8 @@ def define_experiment_flags() -> None:
             "models/ go")
     _define(flags.DEFINE_bool, "overwrite", False, "replace results already in --output_dir")
     _define(flags.DEFINE_bool, "save_models", True, "save the final model of every replica")
+    _define(flags.DEFINE_enum, "tensorboard", "auto", ["auto", "yes", "no"], "write TensorBoard "
+            "event files under <output_dir>/tb/ (auto: when tensorboardX is installed)")
 
 
 def floats(name: str, values: Sequence[str]) -> Tuple[float, ...]:
@@ -192,7 +194,8 @@ def config_from_flags(algorithm: str = None):
         data=data_config_from_flags(), **{f: FLAGS[f].value for f in SCALAR_FIELDS},
         algorithm=algorithm if algorithm is not None else (FLAGS.algorithm or [""])[0],
         thetas=floats("thetas", FLAGS.thetas), seeds=ints("seeds", FLAGS.seeds),
-        l2_reg=l2[0] if len(l2) == 1 else l2, sweeps=sweeps)
+        l2_reg=l2[0] if len(l2) == 1 else l2, sweeps=sweeps,
+        tensorboard={"yes": True, "no": False}.get(FLAGS.tensorboard))
 
 
 def configs_from_flags() -> List:

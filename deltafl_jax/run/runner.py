@@ -11,6 +11,7 @@ from deltafl_jax import outputs
 from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.replicas import Replicas
+from deltafl_jax.run import tensorboard
 from deltafl_jax.run.callbacks import Callback
 from deltafl_jax.run.experiment import build_experiment
 from deltafl_jax.run.loop import run_rounds
@@ -47,5 +48,7 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
     if out:
         outputs.prepare_dir(out, config.overwrite)
         standard.append(OutputWriter(out, config.save_models))
+        if config.tensorboard or (config.tensorboard is None and tensorboard.available()):
+            standard.append(tensorboard.TensorBoard(out))
     return run_rounds(exp, exp.initial_state(), [*standard, *callbacks], output_dir=out,
                       recorder=recorder)
