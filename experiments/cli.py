@@ -34,7 +34,8 @@ def parse_flags_or_fail(argv):
     """absl's flag parsing; --help prints the flags and exits 0, a bad flag or a missing
     flagfile is one line and exit code 2."""
     if any(a in HELP_FLAGS for a in argv[1:]):
-        print(FLAGS.main_module_help() or FLAGS.get_help(), flush=True)
+        modules = [m for m in FLAGS.flags_by_module_dict() if not m.startswith("absl")]
+        print("\n\n".join(FLAGS.module_help(m) for m in modules), flush=True)
         sys.exit(0)
     try:
         return FLAGS(argv)
@@ -48,7 +49,7 @@ DEFINED: List[str] = []   # the flags this module declared, in order
 
 def _define(kind, name, default, help, **kw):
     if name not in FLAGS:
-        kind(name, default, help, **kw)
+        kind(name=name, default=default, help=help, **kw)
         DEFINED.append(name)
 
 
@@ -135,8 +136,9 @@ def define_experiment_flags() -> None:
             "models/ go")
     _define(flags.DEFINE_bool, "overwrite", False, "replace results already in --output_dir")
     _define(flags.DEFINE_bool, "save_models", True, "save the final model of every replica")
-    _define(flags.DEFINE_enum, "tensorboard", "auto", ["auto", "yes", "no"], "write TensorBoard "
-            "event files under <output_dir>/tb/ (auto: when tensorboardX is installed)")
+    _define(flags.DEFINE_enum, "tensorboard", "auto", "write TensorBoard event files under "
+            "<output_dir>/tb/ (auto: when tensorboardX is installed)",
+            enum_values=["auto", "yes", "no"])
 
 
 def floats(name: str, values: Sequence[str]) -> Tuple[float, ...]:

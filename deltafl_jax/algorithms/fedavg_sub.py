@@ -91,5 +91,5 @@ SPEC = AlgorithmSpec(
                 labelled_by_theta=True),
     alt_sweep=Sweep(flag="fedavg_sub_clients", field="clients", default=(),
                     help="fedavg_sub: clients averaged per round, swept (empty: as many as "
-                    "Delta-FL keeps at each theta < 1 of --thetas)", minimum=1, integer=True),
+                    "Delta-FL keeps at each theta < 1 of --thetas)", integer=True),
     fixed={"theta": 1.0, "clients": 0.0}, values=_theta_levels, validate=_validate)
