@@ -201,10 +201,34 @@ class ModelOptions:
     cnn_hidden: int = 0
 
 
+def is_token_data(data: FederatedDataset) -> bool:
+    """Inputs are token ids (Shakespeare characters, Sent140 words), not numeric features."""
+    meta = data.metadata or {}
+    return "input_vocab_size" in meta or "embeddings" in meta
+
+
+def numeric_features(data: FederatedDataset, name: str) -> None:
+    """ValueError unless the inputs are numeric features (not token ids)."""
+    if is_token_data(data):
+        raise ValueError(f"model {name!r} needs numeric features, but {data.name} holds token "
+                         f"ids; use gru (shakespeare), or lstm / sent140_linear (sent140)")
+
+
 def _classes(data: FederatedDataset, name: str) -> int:
     if data.num_classes < 2:
-        raise ValueError(f"model {name!r} needs a labelled classification dataset")
+        raise ValueError(f"model {name!r} needs a labelled classification dataset with at least "
+                         f"2 classes, got {data.num_classes}")
+    numeric_features(data, name)
     return data.num_classes
+
+
+def _image_shape(data: FederatedDataset) -> None:
+    """The ConvNet needs square images: [H, W], [H, W, C], or H*W flat pixels."""
+    shape = tuple(data.feature_shape)
+    side = int(round(np.sqrt(shape[0]))) if len(shape) == 1 else 0
+    if not (len(shape) in (2, 3) or (len(shape) == 1 and side * side == shape[0])):
+        raise ValueError(f"model 'cnn' needs image inputs ([H, W], [H, W, C] or H*W flat "
+                         f"pixels), got features of shape {shape} from {data.name}")
 
 
 def _linear(data, opts):
@@ -213,6 +237,7 @@ def _linear(data, opts):
 
 
 def _cnn(data, opts):
+    _image_shape(data)
     impl = opts.conv_impl or default_conv_impl()
     return Model("cnn", ConvNet(_classes(data, "cnn"), impl, opts.cnn_hidden), "softmax",
                  data.feature_shape, data.train.x.dtype, data.x_scale,
@@ -225,6 +250,7 @@ def _mlp(data, opts):
 
 
 def _mean(data, opts):
+    numeric_features(data, "mean")
     dim = int(np.prod(data.feature_shape))
     return Model("mean", Mean(dim), "squared", data.feature_shape, data.train.x.dtype,
                  data.x_scale)

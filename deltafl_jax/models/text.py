@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax.data import FederatedDataset
-from deltafl_jax.models import LanePreferences, Model, ModelOptions
+from deltafl_jax.models import LanePreferences, Model, ModelOptions, is_token_data
 from deltafl_jax.models.init import orthogonal  # Flax's default would call LAPACK (see init.py)
 
 GRU_EMBED_DIM = 8
@@ -110,8 +110,23 @@ class MeanGloveLogistic(nn.Module):
 def _embeddings(data: FederatedDataset, name: str) -> FrozenTable:
     table = data.metadata.get("embeddings") if data.metadata else None
     if table is None:
-        raise ValueError(f"model {name!r} needs a dataset with GloVe token ids (sent140)")
+        raise ValueError(f"model {name!r} needs a dataset with GloVe token ids (sent140), got "
+                         f"{data.name}")
+    _token_ids(data, name, int(np.asarray(table).shape[0]))
     return FrozenTable(table)
+
+
+def _token_ids(data: FederatedDataset, name: str, vocab: int) -> None:
+    """ValueError unless the inputs are integer token ids below `vocab`."""
+    x = data.train.x
+    if not np.issubdtype(x.dtype, np.integer) or not is_token_data(data):
+        raise ValueError(f"model {name!r} needs token ids (shakespeare for gru, sent140 for "
+                         f"lstm / sent140_linear), got {x.dtype} features of shape "
+                         f"{tuple(data.feature_shape)} from {data.name}")
+    for split in (data.train, data.test):
+        if split.x.size and (int(split.x.max()) >= vocab or int(split.x.min()) < 0):
+            raise ValueError(f"model {name!r}: token ids of {data.name} must lie in "
+                             f"[0, {vocab}), got [{int(split.x.min())}, {int(split.x.max())}]")
 
 
 def _check_classes(data: FederatedDataset, name: str, expected: Optional[int] = None):
@@ -130,6 +145,7 @@ def gru(data: FederatedDataset, options: ModelOptions) -> Model:
     del options
     _check_classes(data, "gru")
     vocab = int((data.metadata or {}).get("input_vocab_size", data.num_classes))
+    _token_ids(data, "gru", vocab)
     return Model("gru", CharGRU(num_classes=data.num_classes, vocab_size=vocab), "softmax",
                  data.feature_shape, data.train.x.dtype, lanes=RECURRENT_LANES)
 
