@@ -23,6 +23,21 @@ Small side arrays that are not per client (Sent140's restricted GloVe table) are
 ``<key>.npy`` inside the same directory while tfds prepares it, so they are committed together
 with the records (tfds renames the finished directory into place atomically).
 
+A whole cache (issue 12, item 6). :func:`write` has tfds build the dataset in a private
+temporary ``data_dir`` (``<data_dir>/deltafl_<name>/.incomplete-<config>-<host>-<pid>-<rand>/``),
+then adds ``checksums.json`` (the size and sha256 of every file, and a digest of the content that
+was written) and moves the finished version directory into place with one ``rename``. A rename
+onto a non-empty directory fails, so when two processes prepare the same dataset at once the
+first one installs its copy and the second finds it there: if that copy is whole and holds the
+same content it keeps it and discards its own; otherwise (older source, damaged) it moves the old
+one aside and installs its own. We chose this over an ``fcntl`` lock because it needs no lock file
+that outlives a killed process, works where file locks do not (NFS, some FUSE mounts), and readers
+never see a half-written directory without taking any lock; the cost is that two concurrent
+preparations both do the work. A killed preparation leaves only its ``.incomplete-*`` directory,
+removed by the next :func:`write` on the same host. :func:`open_prepared` verifies the checksums
+before tfds reads anything, and :func:`open_or_prepare` rebuilds a damaged (truncated,
+corrupted, or checksum-less) dataset with a one-line warning on stderr.
+
 Bump :data:`VERSION` whenever a preparation rule changes: older prepared data is then ignored.
 """
 
@@ -30,13 +45,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import glob
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import socket
 import sys
+import uuid
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -46,6 +65,10 @@ from deltafl_jax.data import ClientData, DataError
 VERSION = "1.0.0"
 SPLIT = "clients"
 _INFO_FILE = "dataset_info.json"
+CHECKSUMS_FILE = "checksums.json"
+_INCOMPLETE = ".incomplete-"
+_TRASH = ".trash-"
+_CHUNK = 1 << 22
 
 # A feature spec maps a record field to (shape, dtype); the first dimension of a per-client
 # array is the client's number of examples, so it is None.
@@ -81,6 +104,163 @@ def _quiet():
             yield
     finally:
         logger.setLevel(level)
+
+
+# ----------------------------------------------------------------------------- a whole cache
+
+
+class DamagedDataset(DataError):
+    """A prepared dataset whose files do not match its checksums: truncated, corrupted, missing
+    a file, or written before checksums existed. `path` is its directory, `reason` a few words."""
+
+    def __init__(self, name: str, path: str, reason: str):
+        super().__init__(f"{name}: the prepared dataset at {path} is damaged ({reason}); run "
+                         f"python -m data_prep.prepare --dataset={name} again")
+        self.path = path
+        self.reason = reason
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _content_sha256(name: str, config: str, spec: FeatureSpec, clients: Sequence[Mapping],
+                    metadata: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> str:
+    """A digest of what :func:`write` packages (tfds' array_record files are not byte-for-byte
+    reproducible, so two preparations of the same data are compared by this instead)."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps([name, config, VERSION, dict(metadata)], sort_keys=True,
+                             default=str).encode("utf-8"))
+
+    def add(tag: str, value) -> None:
+        value = np.ascontiguousarray(value)
+        digest.update(f"\0{tag}:{value.dtype.str}:{value.shape}\0".encode("utf-8"))
+        digest.update(value.tobytes())
+
+    for client in clients:
+        digest.update(f"\0client:{client['client_id']}".encode("utf-8"))
+        for key, (_, dtype) in spec.items():
+            add(key, np.asarray(client[key], dtype=dtype))
+    for key in sorted(arrays):
+        add(f"array:{key}", arrays[key])
+    return digest.hexdigest()
+
+
+def _write_checksums(path: str, content_sha256: str) -> None:
+    """Record the size and sha256 of every file of the finished dataset directory `path`."""
+    files = {}
+    for entry in sorted(os.listdir(path)):
+        full = os.path.join(path, entry)
+        if entry != CHECKSUMS_FILE and os.path.isfile(full):
+            files[entry] = {"size": os.path.getsize(full), "sha256": _file_sha256(full)}
+    document = {"format": 1, "content_sha256": content_sha256, "files": files}
+    with open(os.path.join(path, CHECKSUMS_FILE), "w", encoding="utf-8") as f:
+        json.dump(document, f, indent=1, sort_keys=True)
+
+
+def read_checksums(path: str) -> Optional[dict]:
+    """The checksums.json of the dataset directory `path`, or None when absent or unreadable."""
+    try:
+        with open(os.path.join(path, CHECKSUMS_FILE), encoding="utf-8") as f:
+            document = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(document, dict) or not isinstance(document.get("files"), dict):
+        return None
+    return document
+
+
+def damage(path: str) -> Optional[str]:
+    """None when the dataset directory `path` matches its checksums, else why not (a few
+    words). Sizes are compared first (a truncated file costs no hashing), then sha256."""
+    if not os.path.exists(os.path.join(path, CHECKSUMS_FILE)):
+        return f"no {CHECKSUMS_FILE}"
+    document = read_checksums(path)
+    if document is None:
+        return f"{CHECKSUMS_FILE} is unreadable"
+    files = document["files"]
+    if _INFO_FILE not in files:
+        return f"{CHECKSUMS_FILE} does not list {_INFO_FILE}"
+    try:
+        for entry, want in sorted(files.items()):
+            full = os.path.join(path, entry)
+            if not os.path.isfile(full):
+                return f"{entry} is missing"
+            size = os.path.getsize(full)
+            if size != int(want["size"]):
+                return f"{entry} has {size} bytes, not {want['size']}"
+        for entry, want in sorted(files.items()):
+            if _file_sha256(os.path.join(path, entry)) != want["sha256"]:
+                return f"{entry} fails its sha256 check"
+    except (OSError, KeyError, TypeError, ValueError) as err:
+        return f"cannot check it: {err}"
+    return None
+
+
+def _private_name(kind: str, config: str) -> str:
+    """A directory name private to this process: <kind><config>-<rand>-<host>-<pid>."""
+    return f"{kind}{config}-{uuid.uuid4().hex[:8]}-{socket.gethostname()}-{os.getpid()}"
+
+
+_PRIVATE = re.compile(r"^(?:\.incomplete-|\.trash-)[^-]*-[0-9a-f]{8}-(?P<host>.+)-(?P<pid>\d+)$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. EPERM: it exists
+        return True
+    return True
+
+
+def _remove_leftovers(builder_root: str) -> None:
+    """Remove the temporary directories of killed preparations on this host (their process is
+    gone). Other hosts' directories are left alone: their processes cannot be checked here."""
+    host = socket.gethostname()
+    try:
+        entries = os.listdir(builder_root)
+    except OSError:
+        return
+    for entry in entries:
+        match = _PRIVATE.match(entry)
+        if match and match.group("host") == host and not _pid_alive(int(match.group("pid"))):
+            shutil.rmtree(os.path.join(builder_root, entry), ignore_errors=True)
+
+
+def _install(built: str, out_dir: str, builder_root: str, config: str,
+             content_sha256: str) -> bool:
+    """Move the finished directory `built` to `out_dir` with one atomic rename.
+
+    Returns False when a whole copy of the same content was already there (a concurrent
+    preparation finished first): it is kept, as readers may be using it, and `built` is left to
+    be discarded. Any other directory there (another source, damaged) is moved aside first.
+    """
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    for _ in range(20):
+        try:
+            os.rename(built, out_dir)  # fails on a non-empty out_dir: never a mixed directory
+            return True
+        except OSError as err:
+            if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+        existing = read_checksums(out_dir)
+        if (existing is not None and existing.get("content_sha256") == content_sha256
+                and damage(out_dir) is None):
+            return False
+        trash = os.path.join(builder_root, _private_name(_TRASH, config))
+        try:
+            os.rename(out_dir, trash)
+        except FileNotFoundError:  # someone else moved it meanwhile: try again
+            continue
+        shutil.rmtree(trash, ignore_errors=True)
+    raise DataError(f"cannot install the prepared dataset at {out_dir}: other processes keep "
+                    f"replacing it")
 
 
 def builder_name(name: str) -> str:
@@ -216,26 +396,42 @@ def write(data_dir: str, name: str, config: str, spec: FeatureSpec, clients: Seq
     # which needs importlib_resources (no longer installed with etils >= 1.10).
     _ClientRecords.code_path = None
     out_dir = dataset_path(data_dir, name, config)
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.makedirs(data_dir, exist_ok=True)
+    builder_root = os.path.join(data_dir, builder_name(name))
+    os.makedirs(builder_root, exist_ok=True)
+    _remove_leftovers(builder_root)
+    content = _content_sha256(name, config, spec, clients, meta, side)
+    # tfds builds in a private data_dir of ours; the finished directory is then renamed into
+    # place (see the module docstring: "A whole cache").
+    tmp_root = os.path.join(builder_root, _private_name(_INCOMPLETE, config))
     print(f"deltafl_jax: preparing {name} ({len(clients)} clients) in {out_dir}",
           file=sys.stderr, flush=True)
-    with _quiet():
-        builder = _ClientRecords(data_dir=data_dir, config=tfds.core.BuilderConfig(name=config),
-                                 file_format="array_record")
-        builder.download_and_prepare(
-            download_dir=os.path.join(data_dir, "downloads"),
-            download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    try:
+        with _quiet():
+            builder = _ClientRecords(data_dir=tmp_root,
+                                     config=tfds.core.BuilderConfig(name=config),
+                                     file_format="array_record")
+            builder.download_and_prepare(
+                download_dir=os.path.join(tmp_root, "downloads"),
+                download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+        built = dataset_path(tmp_root, name, config)
+        _write_checksums(built, content)
+        _install(built, out_dir, builder_root, config, content)
+    finally:
+        shutil.rmtree(tmp_root, ignore_errors=True)
     return out_dir
 
 
 def open_prepared(data_dir: str, name: str, config: str) -> Prepared:
-    """The metadata and side arrays of a prepared dataset (records are read by :func:`read`)."""
+    """The metadata and side arrays of a prepared dataset (records are read by :func:`read`).
+
+    Raises :class:`DamagedDataset` when its files do not match its checksums."""
     tfds = _tfds()
     path = dataset_path(data_dir, name, config)
     if not is_prepared(data_dir, name, config):
         raise DataError(f"{name}: no prepared dataset at {path}")
+    reason = damage(path)
+    if reason is not None:
+        raise DamagedDataset(name, path, reason)
     with _quiet():
         info = tfds.builder_from_directory(path).info
     metadata = dict(info.metadata or {})
@@ -253,10 +449,17 @@ def open_prepared(data_dir: str, name: str, config: str) -> Prepared:
 def open_or_prepare(data_dir: str, name: str, min_client_examples: int,
                     prepare: Callable[[], Any], source: Optional[str] = None) -> Prepared:
     """The prepared dataset that serves clients of >= `min_client_examples` examples, calling
-    `prepare()` (which writes config min<k>) when there is none, or when `source` is given and
-    the prepared one was built from another source."""
+    `prepare()` (which writes config min<k>) when there is none, when `source` is given and
+    the prepared one was built from another source, or when it is damaged (one warning line on
+    stderr)."""
     config = find_config(data_dir, name, min_client_examples)
-    info = open_prepared(data_dir, name, config) if config else None
+    info = None
+    if config:
+        try:
+            info = open_prepared(data_dir, name, config)
+        except DamagedDataset as err:
+            print(f"deltafl_jax: warning: the prepared {name} at {err.path} is damaged "
+                  f"({err.reason}); rebuilding it", file=sys.stderr, flush=True)
     if info is not None and source is not None and info.metadata.get("source") != source:
         info = None
     if info is None:
