@@ -375,8 +375,9 @@ class RunReader:
 
     def labels(self) -> Tuple[ReplicaLabel, ...]:
         """The replicas' labels, in replica order."""
+        raw = self.label_dicts()
         try:
-            return tuple(ReplicaLabel.from_json(d) for d in self.label_dicts())
+            return tuple(ReplicaLabel.from_json(d) for d in raw)
         except (KeyError, TypeError, ValueError) as e:
             raise RunFormatError(self.output_dir,
                                  f"{SUMMARY} has a bad replica label ({_one_line(e)})") from None
