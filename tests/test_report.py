@@ -183,16 +183,22 @@ def test_bold_marks_the_lowest_mean_of_the_row(runs, tmp_path, capsys):
     assert bold == [m == min(means) for m in means]
 
 
-def test_figures_plot_the_per_client_and_per_round_data(runs):
+@pytest.fixture(scope="module")
+def delta_columns(runs):
+    """(columns of the delta run, its clients.npz, method label -> replica indices)."""
     runs_read, skipped = report.load([runs["delta"]])
     assert skipped == []
     cols = report.columns(runs_read)
     assert [c.label for c in cols] == ["FedAvg", "Δ-FL, θ = 0.5"]
-    z = np.load(os.path.join(runs["delta"], "clients.npz"))
+    z = dict(np.load(os.path.join(runs["delta"], "clients.npz")))
     keys = list(z["replica_keys"])
     reps = {"FedAvg": [keys.index("theta=1_seed=1"), keys.index("theta=1_seed=2")],
             "Δ-FL, θ = 0.5": [keys.index("theta=0.5_seed=1"), keys.index("theta=0.5_seed=2")]}
+    return cols, z, reps
 
+
+def test_histograms_plot_the_seed_averaged_per_client_values(delta_columns):
+    cols, z, reps = delta_columns
     # Fig. 4: bars are the fractions of test clients per bin of the seed-averaged error.
     fig = report.histogram_figure(cols, "test", "error")
     for ax in fig.axes[:2]:
@@ -217,6 +223,9 @@ def test_figures_plot_the_per_client_and_per_round_data(runs):
         np.testing.assert_allclose([b.get_height() for b in bars],
                                    mass / z["train_sizes"].sum(), atol=1e-12)
 
+
+def test_scatter_plots_client_size_against_the_seed_averaged_values(delta_columns):
+    cols, z, reps = delta_columns
     # Fig. 5: scatter of (n_k, value averaged over seeds).
     fig = report.scatter_figure(cols)
     top, bottom = fig.axes[:2], fig.axes[2:4]
@@ -229,6 +238,9 @@ def test_figures_plot_the_per_client_and_per_round_data(runs):
             bottom[j].collections[0].get_offsets(),
             np.column_stack([z["test_sizes"], z["test_error"][r].mean(0)]))
 
+
+def test_curves_and_kept_clients_plot_the_per_round_data(runs, delta_columns):
+    cols, _, _ = delta_columns
     # Figs. 6-11: mean over seeds at every evaluation, as metrics.jsonl logged it.
     records = [json.loads(l) for l in open(os.path.join(runs["delta"], "metrics.jsonl"))]
     fig = report.curves_figure(cols)
