@@ -1,109 +1,83 @@
-"""What a run leaves in its output directory, and how to read it back.
+"""Every file of an output directory: what a run writes (:class:`RunWriter`) and how to read
+it back (:class:`RunReader`, :func:`load_model`). No other module opens these files.
 
 - ``metrics.jsonl``: one JSON object per evaluation and per replica (theta or swept value,
   seed): the round, the alpha-weighted train-loss mean and percentiles, the unweighted
   test-error mean and percentiles, the test-loss mean, the clients kept (num_selected) and
-  the rejected (NaN/Inf) updates of that round.
+  the rejected (NaN/Inf) updates of that round. Append-only.
 - ``rounds.npz``: per-round arrays [num_rounds, R] (num_selected, num_rejected,
-  sampled_loss_mean, learning_rate, ...) and the replica labels.
+  sampled_loss_mean, learning_rate, ...) and the replica keys.
 - ``clients.npz``: the final per-client arrays [R, N] (train loss, train error, test loss,
   test error) with the clients' sizes and ids, for re-plotting.
 - ``clients_history.npz``: the same per-client arrays at every evaluation, float32
   [E, R, N], with ``rounds`` [E], so that any percentile convention can be recomputed.
-- ``summary.json``: the configuration, the dataset's Table 1 row, the timings and the final
-  metrics of every replica.
+- ``summary.json``: the output format's ``schema_version``, the configuration, the dataset's
+  Table 1 row, the timings, the replicas' labels and the final metrics of every replica. It is
+  written last: a directory without it holds a run in progress (or stopped).
 - ``models/``: the final model of every replica and what is needed to rebuild the network;
   ``deltafl_jax.load_model(output_dir, theta=0.5, seed=1)`` serves w_theta (the paper's
   Figure 1: a user picks a conformity level and gets its model).
+
+Every file but ``metrics.jsonl`` is written atomically (to ``NAME.tmp`` in the same directory,
+then renamed), so a reader sees either the whole file or none. Replicas are named by
+:class:`deltafl_jax.replicas.ReplicaLabel`: ``key()`` in file names and npz ``replica_keys``,
+``to_json()`` in ``metrics.jsonl``, ``summary.json`` and ``models/index.json``.
+
+Output format versions (``schema_version`` in summary.json): 0 (no field) and 1 read alike;
+a newer version raises :class:`RunFormatError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-from typing import Any, Dict, List, Optional
+import shutil
+import zipfile
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import flax.serialization
 import jax
 import numpy as np
 
 from deltafl_jax.data import ClientData, FederatedDataset
-from deltafl_jax.errors import ConfigError
+from deltafl_jax.errors import ConfigError, DeltaFLError
 from deltafl_jax.models import Model, ModelOptions, build_model
+from deltafl_jax.replicas import ReplicaLabel
 
-RESULT_FILES = ("metrics.jsonl", "summary.json", "rounds.npz", "clients.npz",
-                "clients_history.npz", "models")
+SCHEMA_VERSION = 1
 
-
-def has_results(output_dir: str) -> bool:
-    return os.path.isdir(output_dir) and any(
-        os.path.exists(os.path.join(output_dir, f)) for f in RESULT_FILES)
-
-
-def prepare_dir(path: str, overwrite: bool) -> None:
-    """Refuse a directory that holds results (unless overwrite, which removes them); create it."""
-    import shutil
-    if has_results(path):
-        if not overwrite:
-            raise ConfigError(f"--output_dir={path} already holds results; pass --overwrite or "
-                              f"choose another directory")
-        for f in RESULT_FILES:
-            p = os.path.join(path, f)
-            if os.path.isdir(p):
-                shutil.rmtree(p)
-            elif os.path.exists(p):
-                os.remove(p)
-    os.makedirs(path, exist_ok=True)
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+ROUNDS = "rounds.npz"
+CLIENTS = "clients.npz"
+CLIENTS_HISTORY = "clients_history.npz"
+MODELS = "models"
+# Everything a run may leave in its directory (files and folders); --overwrite removes these.
+RESULT_FILES = (METRICS, SUMMARY, ROUNDS, CLIENTS, CLIENTS_HISTORY, MODELS, "tb", "checkpoints")
+TMP_SUFFIX = ".tmp"
 
 
-class RunWriter:
-    """Writes the files of one output directory (temporary stand-in)."""
+class RunFormatError(DeltaFLError):
+    """An output directory whose files are missing, unreadable or of a newer format.
 
-    def __init__(self, output_dir: str):
+    ``output_dir`` and ``reason`` are kept apart; the message is "OUTPUT_DIR: reason".
+    """
+
+    def __init__(self, output_dir: str, reason: str):
         self.output_dir = output_dir
-
-    def _path(self, name):
-        return os.path.join(self.output_dir, name)
-
-    def append_metrics(self, records):
-        append_jsonl(self._path("metrics.jsonl"), records)
-
-    def write_rounds(self, per_round, labels):
-        np.savez(self._path("rounds.npz"), **per_round,
-                 replica_keys=np.asarray([lab.key() for lab in labels]))
-
-    def write_clients(self, per_client, data, labels):
-        np.savez(self._path("clients.npz"), **per_client,
-                 train_sizes=data.train.sizes, test_sizes=data.test.sizes,
-                 train_client_ids=np.asarray(data.train.client_ids).astype(str),
-                 test_client_ids=np.asarray(data.test.client_ids).astype(str),
-                 replica_keys=np.asarray([lab.key() for lab in labels]))
-
-    def write_clients_history(self, history):
-        np.savez(self._path("clients_history.npz"), **history)
-
-    def save_models(self, params, labels, model, options, data):
-        save_models(self.output_dir, params, [lab.to_json() for lab in labels], model, options,
-                    data)
-
-    def write_summary(self, summary):
-        write_json(self._path("summary.json"), summary)
+        self.reason = reason
+        super().__init__(f"{output_dir}: {reason}")
 
 
-def replica_key(labels: Dict[str, Any]) -> str:
-    """File-name key of a replica, e.g. 'theta=0.5_seed=1' or 'qffl_q=0.1_seed=1' (or the
-    label "key" when a caller names replicas itself, e.g. a 2-D tuning grid)."""
-    if "key" in labels:
-        return str(labels["key"])
-    if "param_name" in labels and labels["param_name"] != "theta":
-        head = f"{labels['param_name']}={labels['param_value']:g}"
-    else:
-        head = f"theta={labels['theta']:g}"
-    return f"{head}_seed={labels['seed']}"
+# --------------------------------------------------------------------------------------------
+# Writing
 
 
 def _jsonable(value):
+    if isinstance(value, ReplicaLabel):
+        return value.to_json()
     if isinstance(value, (np.floating, float)):
         return float(value)
     if isinstance(value, (np.integer, int)):
@@ -117,36 +91,148 @@ def _jsonable(value):
     return value
 
 
-def write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+def _json_line(record: Mapping[str, Any]) -> str:
+    return json.dumps(_jsonable(record)) + "\n"
+
+
+@contextlib.contextmanager
+def _atomic(path: str, mode: str = "w"):
+    """Open ``path + '.tmp'`` for writing; on success it replaces `path` in one rename."""
+    tmp = path + TMP_SUFFIX
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def _write_json(path: str, obj) -> None:
+    with _atomic(path) as f:
         json.dump(_jsonable(obj), f, indent=2, sort_keys=False)
         f.write("\n")
-    os.replace(tmp, path)
 
 
-def append_jsonl(path: str, records: List[dict]) -> None:
-    with open(path, "a") as f:
-        for r in records:
-            f.write(json.dumps(_jsonable(r)) + "\n")
+def _write_npz(path: str, arrays: Mapping[str, Any]) -> None:
+    with _atomic(path, "wb") as f:
+        np.savez(f, **{k: np.asarray(v) for k, v in arrays.items()})
 
 
-def save_models(output_dir: str, params, labels, model: Model, options: ModelOptions,
-                data: FederatedDataset) -> None:
-    """One msgpack file per replica, plus the model spec that :func:`load_model` rebuilds."""
-    mdir = os.path.join(output_dir, "models")
-    os.makedirs(mdir, exist_ok=True)
-    host = jax.device_get(params)
-    index = []
-    for r, lab in enumerate(labels):
-        one = jax.tree.map(lambda a: np.asarray(a[r]), host)
-        name = replica_key(lab) + ".msgpack"
-        with open(os.path.join(mdir, name), "wb") as f:
-            f.write(flax.serialization.to_bytes(one))
-        index.append({"file": name, **lab})
-    arrays = {k: v for k, v in data.metadata.items() if isinstance(v, np.ndarray)}
+def _label_json(label) -> Dict[str, Any]:
+    return label.to_json() if isinstance(label, ReplicaLabel) else dict(label)
+
+
+def _label_keys(labels) -> np.ndarray:
+    return np.asarray([replica_key(lab) for lab in labels])
+
+
+def has_results(output_dir: str) -> bool:
+    """True when `output_dir` holds any file or folder that a run writes."""
+    return os.path.isdir(output_dir) and any(
+        os.path.lexists(os.path.join(output_dir, f)) for f in RESULT_FILES)
+
+
+def prepare_dir(path: str, overwrite: bool) -> None:
+    """Make `path` ready for a new run.
+
+    Raises ConfigError when it already holds results and `overwrite` is false. With
+    `overwrite`, removes the result files and folders of :data:`RESULT_FILES` (and their
+    leftover ``.tmp`` files), never anything else; then creates the directory.
+    """
+    if has_results(path) and not overwrite:
+        raise ConfigError(f"--output_dir={path} already holds results; pass --overwrite or "
+                          f"choose another directory")
+    if os.path.isdir(path):
+        for name in RESULT_FILES:
+            for target in (os.path.join(path, name), os.path.join(path, name + TMP_SUFFIX)):
+                if os.path.isdir(target) and not os.path.islink(target):
+                    shutil.rmtree(target)
+                elif os.path.lexists(target):
+                    os.remove(target)
+    os.makedirs(path, exist_ok=True)
+
+
+class RunWriter:
+    """Writes the files of one output directory (see the module docstring).
+
+    The run loop calls :meth:`append_metrics` at every evaluation and the other ``write_*``
+    methods once at the end, :meth:`write_summary` last. Call :func:`prepare_dir` first.
+    """
+
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.output_dir, name)
+
+    def append_metrics(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """One JSON line per record, appended to metrics.jsonl and flushed."""
+        with open(self.path(METRICS), "a") as f:
+            f.write("".join(_json_line(r) for r in records))
+            f.flush()
+
+    def truncate_metrics(self, after_round: int) -> None:
+        """Keep only the metrics.jsonl records with ``round <= after_round`` (resuming from a
+        checkpoint of that round); a torn last line is dropped. Kept lines are unchanged."""
+        path = self.path(METRICS)
+        if not os.path.exists(path):
+            return
+        kept = [line for line, rec in _parse_jsonl(path, self.output_dir)
+                if int(rec.get("round", 0)) <= after_round]
+        with _atomic(path) as f:
+            f.write("".join(line + "\n" for line in kept))
+
+    def write_rounds(self, per_round: Mapping[str, np.ndarray],
+                     labels: Sequence[ReplicaLabel]) -> None:
+        """rounds.npz: the per-round arrays [T, R] and ``replica_keys`` [R]."""
+        _write_npz(self.path(ROUNDS), {**per_round, "replica_keys": _label_keys(labels)})
+
+    def write_clients(self, per_client: Mapping[str, np.ndarray], data: FederatedDataset,
+                      labels: Sequence[ReplicaLabel]) -> None:
+        """clients.npz: the final per-client arrays [R, N], the clients' sizes and ids (as
+        strings) of both splits, and ``replica_keys`` [R]."""
+        _write_npz(self.path(CLIENTS), {
+            **per_client, "train_sizes": data.train.sizes, "test_sizes": data.test.sizes,
+            "train_client_ids": np.asarray(data.train.client_ids).astype(str),
+            "test_client_ids": np.asarray(data.test.client_ids).astype(str),
+            "replica_keys": _label_keys(labels)})
+
+    def write_clients_history(self, history: Mapping[str, Any]) -> None:
+        """clients_history.npz: ``rounds`` [E] and the per-client arrays [E, R, N]."""
+        _write_npz(self.path(CLIENTS_HISTORY), history)
+
+    def write_summary(self, summary: Mapping[str, Any]) -> None:
+        """summary.json, with ``schema_version`` first; written last by a run."""
+        _write_json(self.path(SUMMARY), {"schema_version": SCHEMA_VERSION, **summary})
+
+    def save_models(self, params, labels: Sequence[ReplicaLabel], model: Model,
+                    options: ModelOptions, data: FederatedDataset) -> None:
+        """models/: one msgpack file per replica (params [R, ...] on the leading axis), plus
+        index.json, the model spec that :func:`load_model` rebuilds the network from."""
+        mdir = self.path(MODELS)
+        os.makedirs(mdir, exist_ok=True)
+        host = jax.device_get(params)
+        index = []
+        for r, lab in enumerate(labels):
+            one = jax.tree.map(lambda a: np.asarray(a[r]), host)
+            name = replica_key(lab) + ".msgpack"
+            with _atomic(os.path.join(mdir, name), "wb") as f:
+                f.write(flax.serialization.to_bytes(one))
+            index.append({"file": name, **_label_json(lab)})
+        arrays = {k: v for k, v in data.metadata.items() if isinstance(v, np.ndarray)}
+        if arrays:
+            _write_npz(os.path.join(mdir, "metadata_arrays.npz"), arrays)
+        _write_json(os.path.join(mdir, "index.json"), _model_spec(model, options, data, index))
+
+
+def _model_spec(model: Model, options: ModelOptions, data: FederatedDataset,
+                index: List[dict]) -> Dict[str, Any]:
     plain = {k: v for k, v in data.metadata.items() if not isinstance(v, np.ndarray)}
-    spec = {
+    return {
         "model": model.name,
         "options": dataclasses.asdict(options),
         "dataset": data.name,
@@ -157,24 +243,276 @@ def save_models(output_dir: str, params, labels, model: Model, options: ModelOpt
         "metadata": plain,
         "replicas": index,
     }
-    if arrays:
-        np.savez(os.path.join(mdir, "metadata_arrays.npz"), **arrays)
-    write_json(os.path.join(mdir, "index.json"), spec)
+
+
+# Deprecated: use RunWriter. Kept while deltafl_jax.training and deltafl_jax.tuning call them.
+
+
+def replica_key(label) -> str:
+    """File-name key of a replica, e.g. 'theta=0.5_seed=1' or 'qffl_q=0.1_seed=1'.
+
+    Deprecated: use ``ReplicaLabel.key()``. Accepts a ReplicaLabel or a label dict (whose
+    "key", when a caller named replicas itself, wins)."""
+    if isinstance(label, ReplicaLabel):
+        return label.key()
+    if "key" in label:
+        return str(label["key"])
+    if "param_name" in label and label["param_name"] != "theta":
+        head = f"{label['param_name']}={label['param_value']:g}"
+    else:
+        head = f"theta={label['theta']:g}"
+    return f"{head}_seed={label['seed']}"
+
+
+def write_json(path: str, obj) -> None:
+    """Deprecated: use RunWriter.write_summary. One JSON document, written atomically."""
+    _write_json(path, obj)
+
+
+def append_jsonl(path: str, records: List[dict]) -> None:
+    """Deprecated: use RunWriter.append_metrics."""
+    with open(path, "a") as f:
+        f.write("".join(_json_line(r) for r in records))
+
+
+def save_models(output_dir: str, params, labels, model: Model, options: ModelOptions,
+                data: FederatedDataset) -> None:
+    """Deprecated: use RunWriter.save_models."""
+    RunWriter(output_dir).save_models(params, labels, model, options, data)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+def _parse_jsonl(path: str, output_dir: str) -> List[Tuple[str, Dict[str, Any]]]:
+    """(line, record) per line of a JSON-lines file; a last line that does not parse (a run
+    cut off while writing it) is dropped, any other raises RunFormatError."""
+    with open(path) as f:
+        lines = f.read().split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise RunFormatError(output_dir, f"{os.path.basename(path)} line {i + 1} is not "
+                                             f"JSON") from None
+        out.append((line, rec))
+    return out
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+class RunReader:
+    """Reads the files of one output directory (see the module docstring).
+
+    Every method raises :class:`RunFormatError` (one line) when its file is missing or cannot
+    be read; summary.json of a newer output format than :data:`SCHEMA_VERSION` too.
+    """
+
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+        self._summary: Optional[Dict[str, Any]] = None
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.output_dir, name)
+
+    def has(self, name: str) -> bool:
+        """Whether the directory holds `name` (e.g. "summary.json", "models")."""
+        return os.path.exists(self.path(name))
+
+    def is_complete(self) -> bool:
+        """A finished run: summary.json and clients.npz are there."""
+        return self.has(SUMMARY) and self.has(CLIENTS)
+
+    def in_progress(self) -> bool:
+        """metrics.jsonl but no summary.json: a run still going (or stopped)."""
+        return self.has(METRICS) and not self.has(SUMMARY)
+
+    def _require(self, name: str) -> str:
+        if not self.has(name):
+            raise RunFormatError(self.output_dir, f"no {name}")
+        return self.path(name)
+
+    def summary(self) -> Dict[str, Any]:
+        """summary.json (read once). Older runs have no "schema_version" (version 0)."""
+        if self._summary is None:
+            path = self._require(SUMMARY)
+            try:
+                with open(path) as f:
+                    summary = json.load(f)
+            except (OSError, ValueError) as e:
+                raise RunFormatError(self.output_dir,
+                                     f"{SUMMARY} cannot be read ({_one_line(e)})") from None
+            if not isinstance(summary, dict):
+                raise RunFormatError(self.output_dir, f"{SUMMARY} is not a JSON object")
+            version = summary.get("schema_version", 0)
+            if not isinstance(version, int) or version > SCHEMA_VERSION:
+                raise RunFormatError(
+                    self.output_dir, f"{SUMMARY} has output format version {version!r}; this "
+                    f"deltafl_jax reads versions up to {SCHEMA_VERSION} (upgrade it)")
+            self._summary = summary
+        return self._summary
+
+    def schema_version(self) -> int:
+        return int(self.summary().get("schema_version", 0))
+
+    def label_dicts(self) -> List[Dict[str, Any]]:
+        """The replicas' labels as summary.json holds them (dicts)."""
+        raw = self.summary().get("replicas")
+        if not isinstance(raw, list) or not all(isinstance(d, dict) for d in raw):
+            raise RunFormatError(self.output_dir, f"{SUMMARY} has no list of replicas")
+        return raw
+
+    def labels(self) -> Tuple[ReplicaLabel, ...]:
+        """The replicas' labels, in replica order."""
+        raw = self.label_dicts()
+        try:
+            return tuple(ReplicaLabel.from_json(d) for d in raw)
+        except (KeyError, TypeError, ValueError) as e:
+            raise RunFormatError(self.output_dir,
+                                 f"{SUMMARY} has a bad replica label ({_one_line(e)})") from None
+
+    def keys(self) -> Tuple[str, ...]:
+        """The replicas' file keys (npz ``replica_keys``, model files, summary "final"); older
+        runs whose labels carry their own "key" keep it."""
+        return tuple(str(d["key"]) if "key" in d else lab.key()
+                     for d, lab in zip(self.label_dicts(), self.labels()))
+
+    def records(self) -> List[Dict[str, Any]]:
+        """The records of metrics.jsonl, in order; a torn last line is skipped."""
+        return [rec for _, rec in _parse_jsonl(self._require(METRICS), self.output_dir)]
+
+    def record_replicas(self, records: Sequence[Mapping[str, Any]]) -> List[Optional[int]]:
+        """The replica index of each record (matched on every label field), None if none."""
+        by_fields: Dict[Tuple[str, ...], Dict[Tuple, int]] = {}
+        for r, d in enumerate(self.label_dicts()):
+            by_fields.setdefault(tuple(d), {})[tuple(d.values())] = r
+        out = []
+        for rec in records:
+            found = None
+            for fields, index in by_fields.items():
+                found = index.get(tuple(rec.get(k) for k in fields))
+                if found is not None:
+                    break
+            out.append(found)
+        return out
+
+    def _npz(self, name: str) -> Dict[str, np.ndarray]:
+        path = self._require(name)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                return {k: z[k] for k in z.files}
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+            raise RunFormatError(self.output_dir,
+                                 f"{name} cannot be read ({_one_line(e)})") from None
+
+    def rounds(self) -> Dict[str, np.ndarray]:
+        """rounds.npz: per-round arrays [T, R] and ``replica_keys``."""
+        return self._npz(ROUNDS)
+
+    def clients(self) -> Dict[str, np.ndarray]:
+        """clients.npz: final per-client arrays [R, N], sizes, ids and ``replica_keys``."""
+        return self._npz(CLIENTS)
+
+    def clients_history(self) -> Dict[str, np.ndarray]:
+        """clients_history.npz: ``rounds`` [E] and per-client arrays [E, R, N]."""
+        return self._npz(CLIENTS_HISTORY)
+
+    def model_index(self) -> Dict[str, Any]:
+        """models/index.json: the model spec and one entry per saved replica."""
+        if not self.has(os.path.join(MODELS, "index.json")):
+            raise RunFormatError(self.output_dir, "no saved models (missing models/index.json)")
+        try:
+            with open(self.path(os.path.join(MODELS, "index.json"))) as f:
+                spec = json.load(f)
+        except (OSError, ValueError) as e:
+            raise RunFormatError(self.output_dir, f"models/index.json cannot be read "
+                                                  f"({_one_line(e)})") from None
+        if not isinstance(spec, dict) or not isinstance(spec.get("replicas"), list):
+            raise RunFormatError(self.output_dir, "models/index.json has no list of replicas")
+        return spec
+
+    def load_model(self, theta: Optional[float] = None, seed: Optional[int] = None,
+                   **param: float) -> "LoadedModel":
+        """See :func:`load_model`."""
+        spec = self.model_index()
+        entries = [(e, ReplicaLabel.from_json({k: v for k, v in e.items() if k != "file"}))
+                   for e in spec["replicas"]]
+        matches = [(e, lab) for e, lab in entries if lab.matches(theta, seed, **param)]
+        if len(matches) != 1:
+            avail = ", ".join(e["file"][:-len(".msgpack")] for e, _ in entries)
+            what = "no model matches" if not matches else "several models match"
+            asked = " ".join([f"theta={theta}", f"seed={seed}"]
+                             + [f"{k}={v}" for k, v in param.items()])
+            raise DeltaFLError(f"{what} {asked} in {self.output_dir}; available: {avail}")
+        entry, label = matches[0]
+        model = _spec_model(spec, self.path(MODELS))
+        params = self._model_params(model, entry["file"])
+        return LoadedModel(params=params, model=model,
+                           labels={k: v for k, v in entry.items() if k != "file"})
+
+    def _model_params(self, model: Model, file: str):
+        template = model.init(jax.random.key(0))
+        try:
+            with open(self.path(os.path.join(MODELS, file)), "rb") as f:
+                return flax.serialization.from_bytes(template, f.read())
+        except (OSError, ValueError) as e:
+            raise RunFormatError(self.output_dir,
+                                 f"models/{file} cannot be read ({_one_line(e)})") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Serving a saved model
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
-    """A trained model: ``params`` (w_theta) and ``predict(x)``, the network's outputs."""
+    """A trained model w_theta of a finished run.
+
+    params: the network's parameters. model: the network (:class:`deltafl_jax.models.Model`).
+    labels: the replica's label fields (algorithm, theta, [param_name, param_value], seed);
+    ``label`` gives them as a :class:`ReplicaLabel`.
+    """
 
     params: Any
     model: Model
     labels: Dict[str, Any]
 
+    @property
+    def label(self) -> ReplicaLabel:
+        return ReplicaLabel.from_json(self.labels)
+
     def predict(self, x):
+        """The network's outputs (scores) on raw inputs x [B, ...] as the dataset stores them:
+        class scores (logits) [B, C] for softmax models, one logit [B, 1] for sigmoid models,
+        the estimate for the squared-loss mean model. See :meth:`predict_labels` for classes."""
         return self.model.apply(self.params, np.asarray(x))
 
+    def predict_labels(self, x) -> np.ndarray:
+        """Predicted classes [B] (int32) on raw inputs x: the argmax of the scores for softmax
+        models, ``logit > 0`` for sigmoid models (the rule of their error). Raises
+        DeltaFLError for the squared-loss mean model, which predicts no class."""
+        kind = self.model.loss_kind
+        if kind == "squared":
+            raise DeltaFLError(f"model {self.model.name!r} estimates a mean (squared loss) and "
+                               f"predicts no class; use predict(x)")
+        out = np.asarray(self.predict(x))
+        if kind == "sigmoid":
+            return (out.reshape(out.shape[0]) > 0).astype(np.int32)
+        return np.argmax(out, axis=-1).astype(np.int32)
 
-def _spec_dataset(spec, mdir) -> FederatedDataset:
+
+def _spec_dataset(spec: Mapping[str, Any], mdir: str) -> FederatedDataset:
     """A one-example dataset with the run's shapes and metadata, to rebuild the network."""
     metadata = dict(spec.get("metadata") or {})
     arrays_path = os.path.join(mdir, "metadata_arrays.npz")
@@ -189,41 +527,18 @@ def _spec_dataset(spec, mdir) -> FederatedDataset:
                             metadata=metadata)
 
 
-def load_model(output_dir: str, theta: Optional[float] = None, seed: Optional[int] = None,
-               **param) -> LoadedModel:
-    """The final model of the replica with this theta (or swept value, e.g. qffl_q=1.0) and
-    seed. Arguments left out must be unambiguous in the run.
-
-    Example: ``deltafl_jax.load_model("runs/synthetic", theta=0.5, seed=1).predict(x)``.
-    """
-    mdir = os.path.join(output_dir, "models")
-    index_path = os.path.join(mdir, "index.json")
-    if not os.path.exists(index_path):
-        raise FileNotFoundError(f"no saved models in {output_dir} (missing models/index.json)")
-    with open(index_path) as f:
-        spec = json.load(f)
-    matches = []
-    for entry in spec["replicas"]:
-        if theta is not None and not np.isclose(entry.get("theta", np.nan), theta):
-            continue
-        if seed is not None and entry["seed"] != seed:
-            continue
-        if param:
-            (pname, pvalue), = param.items() if len(param) == 1 else (None, None)
-            if entry.get("param_name") != pname or not np.isclose(entry["param_value"], pvalue):
-                continue
-        matches.append(entry)
-    if len(matches) != 1:
-        avail = ", ".join(e["file"][:-len(".msgpack")] for e in spec["replicas"])
-        what = "no model matches" if not matches else "several models match"
-        raise ValueError(f"{what} theta={theta} seed={seed} {param or ''}; available: {avail}")
-    entry = matches[0]
+def _spec_model(spec: Mapping[str, Any], mdir: str) -> Model:
     options = ModelOptions(**{k: tuple(v) if isinstance(v, list) else v
                               for k, v in spec["options"].items()})
-    model = build_model(spec["model"], _spec_dataset(spec, mdir), options)
-    import jax.random
-    template = model.init(jax.random.key(0))
-    with open(os.path.join(mdir, entry["file"]), "rb") as f:
-        params = flax.serialization.from_bytes(template, f.read())
-    labels = {k: v for k, v in entry.items() if k != "file"}
-    return LoadedModel(params=params, model=model, labels=labels)
+    return build_model(spec["model"], _spec_dataset(spec, mdir), options)
+
+
+def load_model(output_dir: str, theta: Optional[float] = None, seed: Optional[int] = None,
+               **param: float) -> LoadedModel:
+    """The final model of the replica with this theta (or swept value, e.g. qffl_q=1.0, or a
+    tuning grid's coordinate) and seed. Arguments left out must be unambiguous in the run;
+    raises DeltaFLError (a ValueError) naming the available replicas otherwise.
+
+    Example: ``deltafl_jax.load_model("runs/synthetic", theta=0.5, seed=1).predict_labels(x)``.
+    """
+    return RunReader(output_dir).load_model(theta, seed, **param)

@@ -7,9 +7,10 @@ test misclassification error in %, mean +- std over seeds, plus the alpha-weight
 mean and 90th percentile; Sec. 5 of the long paper), the PNG figures of Sec. 5 and App. C.3
 (Fig. 4 histograms, Fig. 5 scatter, Figs. 6-11 curves, Fig. 16 clients kept per round) and the
 per-client values as CSV. Several run directories put their methods side by side; a directory
-of runs (e.g. ``runs/``) stands for the runs in it. Runs that are missing or incomplete are
-skipped with one line on stderr. The library is :mod:`deltafl_jax.report`; this file only
-reads flags. Bad input prints one line and exits with code 2.
+of runs (e.g. ``runs/``) stands for the runs in it. Runs that are missing, still in progress
+or incomplete are skipped with one line on stderr. The library is :mod:`deltafl_jax.report`
+(runs read through :class:`deltafl_jax.outputs.RunReader`); this file only reads flags. Bad
+input prints one line and exits with code 2.
 """
 
 from __future__ import annotations
@@ -44,20 +45,20 @@ def main(argv):
         fail(f"--dpi must be at least 10, got {FLAGS.dpi}")
     import matplotlib
     matplotlib.use("Agg")
-    from deltafl_jax import report
+    from deltafl_jax.report import load, write_report
 
     def warn(line):
         print(line, file=sys.stderr, flush=True)
 
-    runs, skipped = report.load(paths, log=warn)
+    runs, skipped = load(paths, log=warn)
     if not runs:
         fail(f"no complete run among {' '.join(paths)} (see the lines above)")
     try:
         os.makedirs(FLAGS.out, exist_ok=True)
     except OSError as e:
         fail(f"--out={FLAGS.out} cannot be created ({e.strerror})")
-    out = report.write_report(runs, FLAGS.out, percentile=FLAGS.percentile, skipped=skipped,
-                              dpi=FLAGS.dpi, log=warn)
+    out = write_report(runs, FLAGS.out, percentile=FLAGS.percentile, skipped=skipped,
+                       dpi=FLAGS.dpi, log=warn)
     print(f"wrote {out['report']} ({len(runs)} run(s), {len(out['figures'])} figure(s), "
           f"{len(out['csv'])} CSV file(s); {len(skipped)} skipped)", flush=True)
 

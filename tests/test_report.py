@@ -15,6 +15,7 @@ import pytest
 
 from deltafl_jax import DataConfig, ExperimentConfig, run_experiment
 from deltafl_jax import report
+from deltafl_jax.replicas import ReplicaLabel
 from experiments import report as report_cli
 
 REPO = os.path.dirname(os.path.dirname(__file__))
@@ -182,16 +183,22 @@ def test_bold_marks_the_lowest_mean_of_the_row(runs, tmp_path, capsys):
     assert bold == [m == min(means) for m in means]
 
 
-def test_figures_plot_the_per_client_and_per_round_data(runs):
+@pytest.fixture(scope="module")
+def delta_columns(runs):
+    """(columns of the delta run, its clients.npz, method label -> replica indices)."""
     runs_read, skipped = report.load([runs["delta"]])
     assert skipped == []
     cols = report.columns(runs_read)
     assert [c.label for c in cols] == ["FedAvg", "Δ-FL, θ = 0.5"]
-    z = np.load(os.path.join(runs["delta"], "clients.npz"))
+    z = dict(np.load(os.path.join(runs["delta"], "clients.npz")))
     keys = list(z["replica_keys"])
     reps = {"FedAvg": [keys.index("theta=1_seed=1"), keys.index("theta=1_seed=2")],
             "Δ-FL, θ = 0.5": [keys.index("theta=0.5_seed=1"), keys.index("theta=0.5_seed=2")]}
+    return cols, z, reps
 
+
+def test_histograms_plot_the_seed_averaged_per_client_values(delta_columns):
+    cols, z, reps = delta_columns
     # Fig. 4: bars are the fractions of test clients per bin of the seed-averaged error.
     fig = report.histogram_figure(cols, "test", "error")
     for ax in fig.axes[:2]:
@@ -216,6 +223,9 @@ def test_figures_plot_the_per_client_and_per_round_data(runs):
         np.testing.assert_allclose([b.get_height() for b in bars],
                                    mass / z["train_sizes"].sum(), atol=1e-12)
 
+
+def test_scatter_plots_client_size_against_the_seed_averaged_values(delta_columns):
+    cols, z, reps = delta_columns
     # Fig. 5: scatter of (n_k, value averaged over seeds).
     fig = report.scatter_figure(cols)
     top, bottom = fig.axes[:2], fig.axes[2:4]
@@ -228,6 +238,9 @@ def test_figures_plot_the_per_client_and_per_round_data(runs):
             bottom[j].collections[0].get_offsets(),
             np.column_stack([z["test_sizes"], z["test_error"][r].mean(0)]))
 
+
+def test_curves_and_kept_clients_plot_the_per_round_data(runs, delta_columns):
+    cols, _, _ = delta_columns
     # Figs. 6-11: mean over seeds at every evaluation, as metrics.jsonl logged it.
     records = [json.loads(l) for l in open(os.path.join(runs["delta"], "metrics.jsonl"))]
     fig = report.curves_figure(cols)
@@ -301,7 +314,7 @@ def test_missing_and_incomplete_runs_are_skipped_with_one_line(runs, tmp_path, c
     lines = [l for l in err.splitlines() if l.startswith("skipped")]
     assert len(lines) == 4
     assert lines[0] == f"skipped {missing}: no such directory"
-    assert lines[1].startswith(f"skipped {cut}: incomplete run: no summary.json")
+    assert lines[1].startswith(f"skipped {cut}: in progress (or stopped): no summary.json yet")
     assert "the last at round 6" in lines[1]
     assert lines[2].startswith(f"skipped {broken}: clients.npz cannot be read")
     assert lines[3].startswith(f"skipped {empty}: not a run directory")
@@ -404,19 +417,33 @@ def test_load_runs_gives_tidy_rows_and_a_dataframe_only_with_pandas(runs, monkey
 
 
 def test_column_names_follow_the_papers_tables():
-    cases = [({"algorithm": "deltafl", "theta": 1.0, "seed": 1}, "exact", "FedAvg"),
-             ({"algorithm": "fedavg", "theta": 1.0, "seed": 2}, "exact", "FedAvg"),
-             ({"algorithm": "deltafl", "theta": 0.8, "seed": 1}, "exact", "Δ-FL, θ = 0.8"),
-             ({"algorithm": "deltafl", "theta": 0.5, "seed": 1}, "reference",
-              "Δ-FL, θ = 0.5 (reference filter)"),
-             ({"algorithm": "qffl", "theta": 1.0, "param_name": "qffl_q", "param_value": 10.0,
-               "seed": 1}, "exact", "q-FFL, q = 10"),
-             ({"algorithm": "fedprox", "theta": 1.0, "param_name": "fedprox_mu",
-               "param_value": 0.01, "seed": 1}, "exact", "FedProx, μ = 0.01"),
-             ({"algorithm": "fedavg_sub", "theta": 0.5, "seed": 3}, "exact",
-              "FedAvg-Sub, θ = 0.5"),
-             ({"algorithm": "fedavg", "theta": 1.0, "learning_rate": 0.1, "lr_decay": 2.0,
-               "seed": 1, "key": "lr=0.1_decay=2_seed=1"}, "exact",
+    L = ReplicaLabel
+    cases = [(L("deltafl", 1.0, 1), "exact", "FedAvg"),
+             (L("fedavg", 1.0, 2), "exact", "FedAvg"),
+             (L("deltafl", 0.8, 1), "exact", "Δ-FL, θ = 0.8"),
+             (L("deltafl", 0.5, 1), "reference", "Δ-FL, θ = 0.5 (reference filter)"),
+             (L("qffl", 1.0, 1, "qffl_q", 10.0), "exact", "q-FFL, q = 10"),
+             (L("fedprox", 1.0, 1, "fedprox_mu", 0.01), "exact", "FedProx, μ = 0.01"),
+             (L("fedavg_sub", 0.5, 3), "exact", "FedAvg-Sub, θ = 0.5"),
+             (L("fedavg", 1.0, 1, extra=(("learning_rate", 0.1), ("lr_decay", 2.0))), "exact",
               "FedAvg, learning_rate = 0.1, lr_decay = 2")]
     for label, filt, want in cases:
         assert report.method_label(label, filt) == want
+        assert report.method_label(label.to_json(), filt) == want
+    # A tuning grid's label dict of older runs, with its own "key".
+    old = {"algorithm": "fedavg", "theta": 1.0, "learning_rate": 0.1, "lr_decay": 2.0,
+           "seed": 1, "key": "lr=0.1_decay=2_seed=1"}
+    assert report.method_label(old) == "FedAvg, learning_rate = 0.1, lr_decay = 2"
+
+
+def test_a_run_of_a_newer_output_format_is_skipped_with_one_line(runs, tmp_path):
+    new = tmp_path / "new"
+    shutil.copytree(runs["delta"], new)
+    summary = json.load(open(new / "summary.json"))
+    summary["schema_version"] = 99
+    json.dump(summary, open(new / "summary.json", "w"))
+    log = []
+    got, skipped = report.load([runs["delta"], str(new)], log=log.append)
+    assert [r.path for r in got] == [runs["delta"]]
+    assert log == skipped and len(skipped) == 1
+    assert skipped[0].startswith(f"skipped {new}: summary.json has output format version 99")

@@ -1,0 +1,157 @@
+"""The report itself: :func:`write_report` puts ``report.md`` (conventions, tables, runs,
+notes, figures), the PNG figures and the CSV files into one directory. This is what
+``python -m experiments.report`` runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from deltafl_jax.metrics import PERCENTILE_METHODS
+from deltafl_jax.report import figures
+from deltafl_jax.report.io import Run, tidy_rows, write_csv
+from deltafl_jax.report.tables import (TABLES, Column, columns, markdown_table, runs_table,
+                                       settings)
+
+CONVENTIONS = {
+    "lower": "the **lower weighted quantile**: the smallest client value whose cumulative "
+             "weight reaches the level (the rule of the filter's η; with weights n_k it is "
+             "the reference code's v[ceil(N p) − 1] on values repeated n_k times)",
+    "linear": "**NumPy's linear interpolation** (`np.percentile`, method 'linear'), "
+              "*unweighted* for the train losses too, as the reference scripts computed it",
+}
+CSV_FILES = (("final", "final.csv"), ("clients", "clients.csv"), ("curves", "curves.csv"),
+             ("kept", "kept_clients.csv"))
+FILES_SECTION = [
+    "## Files", "",
+    "- `final.csv`: one row per replica (method, seed) with the final metrics above.",
+    "- `clients.csv`: one row per replica and client: split, client id, number of "
+    "examples, final loss and error (re-plot Figs. 4–5 from it).",
+    "- `curves.csv`: one row per replica and evaluation round (Figs. 6–11).",
+    "- `kept_clients.csv`: one row per replica and round: clients kept, updates "
+    "rejected (Fig. 16).", ""]
+
+Figure = Tuple[str, str, str]   # (setting, caption, file name)
+
+
+def slug(text: str) -> str:
+    """A file-name fragment: 'synthetic / linear' -> 'synthetic_linear'."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower() or "run"
+
+
+def run_notes(runs: Sequence[Run]) -> List[str]:
+    """'RUN: note' for what each run lacks, and for datasets without classes."""
+    notes: List[str] = []
+    for run in runs:
+        notes.extend(f"{run.name}: {n}" for n in run.notes)
+        if run.summary.get("dataset", {}).get("num_classes", 1) == 0:
+            notes.append(f"{run.name}: the dataset has no classes; its 'error' columns are not "
+                         "misclassification errors")
+    return notes
+
+
+def setting_figures(sc: Sequence[Column], setting: str, percentile: str, notes: List[str]):
+    """(figure, file name, caption) of one setting's figures; notes the missing curves."""
+    name = slug(setting)
+    out = [(figures.histogram_figure(sc, "test", "error", percentile),
+            f"fig4_hist_test_error_{name}.png",
+            "Fig. 4: histogram of the per-client test misclassification error"),
+           (figures.histogram_figure(sc, "train", "loss", percentile),
+            f"fig12_hist_train_loss_{name}.png",
+            "Figs. 12–13: histogram of the per-client train loss (α-weighted)"),
+           (figures.scatter_figure(sc), f"fig5_scatter_{name}.png",
+            "Fig. 5: train loss and test error per client against its number of examples")]
+    no_curves = [c.label for c in sc
+                 if figures.curve_data(c, "train_loss_mean", percentile) is None]
+    if no_curves:
+        why = ("neither clients_history.npz nor metrics.jsonl" if percentile == "lower" else
+               f"no clients_history.npz to recompute {percentile} percentiles from")
+        notes.append(f"{setting}: no curves for {', '.join(no_curves)} ({why})")
+    if len(no_curves) < len(sc):
+        out.append((figures.curves_figure(sc, percentile), f"fig6_curves_{name}.png",
+                    "Figs. 6–11: train loss and test error over rounds"))
+    if any(figures.kept_data(c) is not None for c in sc):
+        out.append((figures.kept_figure(sc), f"fig16_kept_clients_{name}.png",
+                    "Fig. 16: clients kept per round"))
+    return out
+
+
+def save_figures(cols: Sequence[Column], out_dir: str, percentile: str, dpi: int,
+                 notes: List[str]) -> List[Figure]:
+    """Every setting's figures as PNG files in `out_dir`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    saved: List[Figure] = []
+    for setting in settings(cols):
+        sc = [c for c in cols if c.setting == setting]
+        for fig, name, caption in setting_figures(sc, setting, percentile, notes):
+            FigureCanvasAgg(fig)
+            fig.savefig(os.path.join(out_dir, name), dpi=dpi)
+            saved.append((setting, caption, name))
+    return saved
+
+
+def conventions_section(runs: Sequence[Run], cols: Sequence[Column], percentile: str
+                        ) -> List[str]:
+    seeds = sorted({len(c.seeds) for c in cols})
+    return [
+        "# Δ-FL report", "",
+        f"{len(runs)} run(s); {len(cols)} method column(s); "
+        f"{'/'.join(map(str, seeds))} seed(s) per column. Final models (end of each run's "
+        f"round budget).", "",
+        "## Conventions", "",
+        "- **Train losses** F_k are weighted by α_k ∝ n_k over the training clients (mean "
+        "and percentiles); they include (λ/2)‖w‖² when λ > 0.",
+        "- **Test errors** (misclassification rates) are unweighted over the test clients.",
+        f"- **Percentiles** use {CONVENTIONS[percentile]}"
+        + (" (`--percentile=linear` gives NumPy's linear interpolation, as the reference "
+           "scripts)." if percentile == "lower" else "."),
+        "- Every number is recomputed from the per-client arrays (`clients.npz`, "
+        "`clients_history.npz` for the curves), not read from `metrics.jsonl`.",
+        "- Cells are **mean ± std over seeds** (population std, ddof = 0); the lowest mean "
+        "of each row is in bold. Δ-FL at θ = 1 is FedAvg and is labelled so.", ""]
+
+
+def markdown(runs: Sequence[Run], cols: Sequence[Column], percentile: str,
+             skipped: Sequence[str], notes: Sequence[str], saved: Sequence[Figure]) -> str:
+    """The text of report.md."""
+    md = conventions_section(runs, cols, percentile)
+    for spec in TABLES:
+        md += [f"## {spec.title}", "", markdown_table(cols, spec, percentile), ""]
+    md += ["## Runs", "", runs_table(runs), ""]
+    if skipped or notes:
+        md += ["## Skipped runs and notes", ""]
+        md += [f"- {s}" for s in skipped] + [f"- {n}" for n in notes] + [""]
+    md += ["## Figures", ""]
+    for setting, caption, name in saved:
+        md += [f"**{setting}. {caption}.**", "", f"![{caption}]({name})", ""]
+    return "\n".join(md + FILES_SECTION)
+
+
+def write_report(runs: Sequence[Run], out_dir: str, percentile: str = "lower",
+                 skipped: Sequence[str] = (), dpi: int = 110,
+                 log: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
+    """Write report.md, the PNG figures and the CSV files into `out_dir`.
+
+    Returns {"report": path, "figures": [paths], "csv": [paths], "notes": [lines]}.
+    """
+    if percentile not in PERCENTILE_METHODS:
+        raise ValueError(f"percentile must be one of {', '.join(PERCENTILE_METHODS)}")
+    if not runs:
+        raise ValueError("no run to report")
+    log = log or (lambda s: None)
+    os.makedirs(out_dir, exist_ok=True)
+    cols = columns(runs)
+    notes = run_notes(runs)
+    saved = save_figures(cols, out_dir, percentile, dpi, notes)
+    for kind, name in CSV_FILES:
+        write_csv(os.path.join(out_dir, name), tidy_rows(cols, kind, percentile))
+    report_path = os.path.join(out_dir, "report.md")
+    with open(report_path, "w") as f:
+        f.write(markdown(runs, cols, percentile, skipped, notes, saved))
+    for n in notes:
+        log(f"note: {n}")
+    return {"report": report_path, "figures": [os.path.join(out_dir, f[2]) for f in saved],
+            "csv": [os.path.join(out_dir, name) for _, name in CSV_FILES], "notes": notes}

@@ -1,0 +1,440 @@
+"""Reading run directories for reports, and the tidy rows / CSV files made from them.
+
+Runs are read only through :class:`deltafl_jax.outputs.RunReader`. :func:`read_run` gives a
+:class:`Run` or raises :class:`RunError` (one line); :func:`load` reads many and skips, with a
+one-line reason, the runs that are missing, in progress or unreadable. :func:`load_runs` gives
+tidy rows (a pandas DataFrame when pandas is installed) for notebooks; :func:`write_csv`
+writes such rows.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import sys
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from deltafl_jax.config import PERCENTILES
+from deltafl_jax.errors import DeltaFLError
+from deltafl_jax.metrics import PERCENTILE_METHODS, summarize
+from deltafl_jax.outputs import (CLIENTS, CLIENTS_HISTORY, METRICS, ROUNDS, SUMMARY,
+                                 RunFormatError, RunReader)
+from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.report.tables import Column, columns
+
+KINDS = ("final", "curves", "clients", "kept")
+CLIENT_ARRAYS = ("train_loss", "train_error", "test_loss", "test_error", "train_sizes",
+                 "test_sizes", "replica_keys")
+
+
+class RunError(DeltaFLError):
+    """A run directory that cannot be reported; the message is one line."""
+
+
+@dataclasses.dataclass(eq=False)
+class Run:
+    """One run directory, read back.
+
+    labels[r] names replica r (a :class:`ReplicaLabel`) and keys[r] is its file key;
+    ``clients`` holds the final per-client arrays [R, N]; ``history`` the same at every
+    evaluation [E, R, N] (None for runs older than clients_history.npz); ``rounds`` the
+    per-round arrays [T, R] (None if rounds.npz is missing); ``records`` the lines of
+    metrics.jsonl and ``record_replicas`` the replica of each; ``notes`` what is missing but
+    not needed for the tables.
+    """
+
+    path: str
+    name: str
+    summary: Dict[str, Any]
+    labels: List[ReplicaLabel]
+    keys: List[str]
+    clients: Dict[str, np.ndarray]
+    history: Optional[Dict[str, np.ndarray]]
+    rounds: Optional[Dict[str, np.ndarray]]
+    records: List[Dict[str, Any]]
+    record_replicas: List[Optional[int]]
+    notes: List[str]
+    _cache: Dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def config(self) -> Dict[str, Any]:
+        return self.summary.get("config", {})
+
+    @property
+    def dataset(self) -> str:
+        return str(self.summary.get("dataset", {}).get("name", "?"))
+
+    @property
+    def model(self) -> str:
+        return str(self.summary.get("model", self.config.get("model", "?")))
+
+    @property
+    def num_rounds(self) -> int:
+        return int(self.config.get("num_rounds", 0))
+
+    @property
+    def setting_key(self) -> Tuple[str, ...]:
+        """Runs share a table row when their data and model are the same."""
+        data = json.dumps(self.config.get("data", {}), sort_keys=True)
+        stats = json.dumps(self.summary.get("dataset", {}), sort_keys=True)
+        return (self.dataset, self.model, data, stats)
+
+    @property
+    def setting(self) -> str:
+        return f"{self.dataset} / {self.model}"
+
+    def final(self, percentile: str = "lower") -> Dict[str, np.ndarray]:
+        """Metric name -> [R] for the final models, recomputed from clients.npz."""
+        key = ("final", percentile)
+        if key not in self._cache:
+            c = self.clients
+            self._cache[key] = summarize(c["train_loss"], c["train_sizes"], c["test_error"],
+                                         c["test_loss"], PERCENTILES, percentile)
+        return self._cache[key]
+
+    def curves(self, percentile: str = "lower"):
+        """(rounds [E], metric name -> [E, R]) at every evaluation, or None.
+
+        Recomputed from clients_history.npz; a run without it falls back on metrics.jsonl,
+        whose percentiles are the lower quantile (so only for ``percentile="lower"``).
+        """
+        key = ("curves", percentile)
+        if key not in self._cache:
+            out = None
+            if self.history is not None:
+                out = curves_from_history(self.history, self.clients["train_sizes"], percentile)
+            elif percentile == "lower" and self.records:
+                out = curves_from_records(self.records, self.record_replicas, len(self.keys))
+            self._cache[key] = out
+        return self._cache[key]
+
+
+def curves_from_history(history: Dict[str, np.ndarray], train_sizes: np.ndarray,
+                        percentile: str):
+    """(rounds [E], metric -> [E, R]) recomputed from the per-client history."""
+    per_eval = [summarize(history["train_loss"][e], train_sizes, history["test_error"][e],
+                          history["test_loss"][e], PERCENTILES, percentile)
+                for e in range(len(history["rounds"]))]
+    return (np.asarray(history["rounds"], np.int64),
+            {k: np.stack([p[k] for p in per_eval]) for k in per_eval[0]})
+
+
+def curves_from_records(records: Sequence[Dict[str, Any]],
+                        replicas: Sequence[Optional[int]], num_replicas: int):
+    """(rounds [E], metric -> [E, R]) as metrics.jsonl logged them (NaN where missing)."""
+    rounds = sorted({int(r["round"]) for r in records})
+    names = [k for k in records[0] if k.startswith(("train_loss_", "test_error_", "test_loss_"))]
+    out = {n: np.full((len(rounds), num_replicas), np.nan) for n in names}
+    row = {t: i for i, t in enumerate(rounds)}
+    for rec, r in zip(records, replicas):
+        if r is None:
+            continue
+        for n in names:
+            if n in rec:
+                out[n][row[int(rec["round"])], r] = float(rec[n])
+    return np.asarray(rounds, np.int64), out
+
+
+# --------------------------------------------------------------------------------------------
+# Reading one run
+
+
+def open_run(path: str) -> RunReader:
+    """A reader for a finished run at `path`; RunError when it is missing, not a run, or a
+    run in progress (metrics.jsonl but no summary.json yet)."""
+    if not os.path.exists(path):
+        raise RunError("no such directory")
+    if not os.path.isdir(path):
+        raise RunError("not a directory")
+    reader = RunReader(path)
+    if reader.has(SUMMARY):
+        return reader
+    if not reader.has(METRICS):
+        raise RunError("not a run directory (no summary.json, metrics.jsonl or clients.npz)")
+    records = reader.records()
+    last = max((int(r.get("round", 0)) for r in records), default=0)
+    raise RunError(f"in progress (or stopped): no summary.json yet; metrics.jsonl has "
+                   f"{len(records)} record(s), the last at round {last}")
+
+
+def read_clients(reader: RunReader, keys: Sequence[str]) -> Dict[str, np.ndarray]:
+    """clients.npz, checked against the run's replicas and client counts."""
+    if not reader.has(CLIENTS):
+        raise RunError("incomplete run: summary.json but no clients.npz (per-client arrays)")
+    clients = reader.clients()
+    missing = [k for k in CLIENT_ARRAYS if k not in clients]
+    if missing:
+        raise RunError(f"clients.npz lacks {', '.join(missing)}")
+    if [str(k) for k in clients["replica_keys"]] != list(keys):
+        raise RunError("the replicas of summary.json and clients.npz do not match")
+    R = len(keys)
+    n_train, n_test = len(clients["train_sizes"]), len(clients["test_sizes"])
+    for k, n in (("train_loss", n_train), ("train_error", n_train), ("test_loss", n_test),
+                 ("test_error", n_test)):
+        if clients[k].shape != (R, n):
+            raise RunError(f"clients.npz {k} has shape {clients[k].shape}, expected {(R, n)}")
+    if np.any(clients["train_sizes"] <= 0):
+        raise RunError("clients.npz has a training client without examples")
+    return clients
+
+
+def read_history(reader: RunReader, shape: Tuple[int, int, int], notes: List[str]):
+    """clients_history.npz [E, R, N] checked against (R, N_train, N_test), or None (noted)."""
+    if not reader.has(CLIENTS_HISTORY):
+        notes.append("no clients_history.npz; curves come from metrics.jsonl (lower "
+                     "percentiles only)")
+        return None
+    R, n_train, n_test = shape
+    try:
+        history = reader.clients_history()
+        E = len(history.get("rounds", []))
+        for k, n in (("train_loss", n_train), ("test_loss", n_test), ("test_error", n_test)):
+            if k not in history or history[k].shape != (E, R, n):
+                raise RunError(f"clients_history.npz {k} does not have shape {(E, R, n)}")
+    except (RunError, RunFormatError) as e:
+        notes.append(f"{reason(e)}; curves come from metrics.jsonl")
+        return None
+    return history
+
+
+def read_rounds(reader: RunReader, num_replicas: int, notes: List[str]):
+    """rounds.npz with num_selected [T, R], or None (noted)."""
+    if not reader.has(ROUNDS):
+        notes.append("no rounds.npz; no kept-clients figure for this run")
+        return None
+    try:
+        rounds = reader.rounds()
+        selected = rounds.get("num_selected", np.zeros((0, 0)))
+        if selected.ndim != 2 or selected.shape[1] != num_replicas:
+            raise RunError("rounds.npz has no num_selected [rounds, replicas]")
+    except (RunError, RunFormatError) as e:
+        notes.append(f"{reason(e)}; no kept-clients figure for this run")
+        return None
+    return rounds
+
+
+def read_records(reader: RunReader, num_rounds: Optional[int], notes: List[str]
+                 ) -> List[Dict[str, Any]]:
+    """metrics.jsonl's records ([] when it is missing or unreadable, noted)."""
+    if not reader.has(METRICS):
+        notes.append("no metrics.jsonl")
+        return []
+    try:
+        records = reader.records()
+    except RunFormatError as e:
+        notes.append(e.reason)
+        return []
+    last = max((int(r.get("round", 0)) for r in records), default=0)
+    total = last if num_rounds is None else int(num_rounds)
+    if last != total:
+        notes.append(f"metrics.jsonl ends at round {last}, the run had {total} rounds")
+    return records
+
+
+def reason(e: Exception) -> str:
+    """The one-line reason of a RunError or RunFormatError (without the directory)."""
+    return e.reason if isinstance(e, RunFormatError) else str(e)
+
+
+def read_run(path: str, name: Optional[str] = None) -> Run:
+    """Read one run directory. Raises :class:`RunError` (one line) if it cannot be reported:
+    missing, not a run, in progress, incomplete (no summary.json or clients.npz), of a newer
+    output format, or inconsistent."""
+    try:
+        reader = open_run(path)
+        summary = reader.summary()
+        labels, keys = list(reader.labels()), list(reader.keys())
+        clients = read_clients(reader, keys)
+    except RunFormatError as e:
+        raise RunError(e.reason) from None
+    notes: List[str] = []
+    shape = (len(keys), len(clients["train_sizes"]), len(clients["test_sizes"]))
+    history = read_history(reader, shape, notes)
+    rounds = read_rounds(reader, len(keys), notes)
+    records = read_records(reader, summary.get("config", {}).get("num_rounds"), notes)
+    return Run(path=path, name=name or os.path.basename(os.path.normpath(path)),
+               summary=summary, labels=labels, keys=keys, clients=clients, history=history,
+               rounds=rounds, records=records, record_replicas=reader.record_replicas(records),
+               notes=notes)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading many runs
+
+
+def looks_like_run(path: str) -> bool:
+    reader = RunReader(path)
+    return any(reader.has(f) for f in (SUMMARY, METRICS, CLIENTS))
+
+
+def find_run_dirs(paths: Iterable[str]) -> List[str]:
+    """The given directories; a directory that is not itself a run but holds run
+    directories (e.g. ``runs/``) stands for them, sorted by name."""
+    out = []
+    for p in paths:
+        if os.path.isdir(p) and not looks_like_run(p):
+            subs = sorted(os.path.join(p, d) for d in os.listdir(p)
+                          if os.path.isdir(os.path.join(p, d)) and
+                          looks_like_run(os.path.join(p, d)))
+            if subs:
+                out.extend(subs)
+                continue
+        out.append(p)
+    return out
+
+
+def load(paths: Iterable[str], log: Optional[Callable[[str], None]] = None
+         ) -> Tuple[List[Run], List[str]]:
+    """Read the runs under `paths` (see :func:`find_run_dirs`).
+
+    Returns (runs, skipped): the runs that can be reported, and one line per run that cannot
+    ("skipped PATH: reason"). Each skipped line is also passed to `log`.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    dirs = find_run_dirs([os.fspath(p) for p in paths])
+    names = [os.path.basename(os.path.normpath(d)) or d for d in dirs]
+    runs, skipped = [], []
+    for d, n in zip(dirs, names):
+        name = n if names.count(n) == 1 else os.path.normpath(d)
+        try:
+            runs.append(read_run(d, name))
+        except RunError as e:
+            line = f"skipped {d}: {e}"
+            skipped.append(line)
+            if log:
+                log(line)
+    return runs, skipped
+
+
+# --------------------------------------------------------------------------------------------
+# Tidy rows (load_runs, CSV files)
+
+
+def label_fields(col: Column, r: int) -> Dict[str, Any]:
+    """The columns that name replica r of a column's run in every tidy row."""
+    lab = col.run.labels[r]
+    return {"run": col.run.name, "setting": col.setting, "method": col.label,
+            "algorithm": lab.algorithm, "theta": lab.theta,
+            "param_name": lab.param_name if lab.param_name is not None else "",
+            "param_value": lab.param_value if lab.param_value is not None else "",
+            "seed": lab.seed, "replica": col.run.keys[r]}
+
+
+def final_rows(col: Column, percentile: str) -> List[Dict[str, Any]]:
+    fin = col.run.final(percentile)
+    return [{**label_fields(col, r), "round": col.run.num_rounds,
+             **{k: float(v[r]) for k, v in fin.items()}} for r in col.replicas]
+
+
+def curve_rows(col: Column, percentile: str) -> List[Dict[str, Any]]:
+    got = col.run.curves(percentile)
+    if got is None:
+        return []
+    rounds, per = got
+    return [{**label_fields(col, r), "round": int(t),
+             **{k: float(v[e, r]) for k, v in per.items()}}
+            for r in col.replicas for e, t in enumerate(rounds)]
+
+
+def client_rows(col: Column) -> List[Dict[str, Any]]:
+    c, rows = col.run.clients, []
+    for r in col.replicas:
+        base = label_fields(col, r)
+        for split in ("train", "test"):
+            ids = c.get(f"{split}_client_ids", np.arange(len(c[f"{split}_sizes"])))
+            for k in range(len(c[f"{split}_sizes"])):
+                rows.append({**base, "split": split, "client_index": k,
+                             "client_id": str(ids[k]),
+                             "num_examples": int(c[f"{split}_sizes"][k]),
+                             "loss": float(c[f"{split}_loss"][r, k]),
+                             "error": float(c[f"{split}_error"][r, k])})
+    return rows
+
+
+def kept_rows(col: Column) -> List[Dict[str, Any]]:
+    rr, rows = col.run.rounds, []
+    if rr is None:
+        return rows
+    for r in col.replicas:
+        base = label_fields(col, r)
+        for t in range(rr["num_selected"].shape[0]):
+            row = {**base, "round": t + 1, "num_selected": int(rr["num_selected"][t, r])}
+            if "num_rejected" in rr:
+                row["num_rejected"] = int(rr["num_rejected"][t, r])
+            rows.append(row)
+    return rows
+
+
+def tidy_rows(cols: Sequence[Column], kind: str = "final", percentile: str = "lower"
+              ) -> List[Dict[str, Any]]:
+    """Rows for one `kind`:
+
+    - ``final``: one per replica, the final metrics (recomputed under `percentile`);
+    - ``curves``: one per replica and evaluation round;
+    - ``clients``: one per replica and client: split, client id, n_k, final loss and error;
+    - ``kept``: one per replica and round: clients kept, updates rejected.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+    make = {"final": lambda c: final_rows(c, percentile),
+            "curves": lambda c: curve_rows(c, percentile),
+            "clients": client_rows, "kept": kept_rows}[kind]
+    return [row for col in cols for row in make(col)]
+
+
+def load_runs(paths, kind: str = "final", percentile: str = "lower",
+              as_frame: Optional[bool] = None, log: Optional[Callable[[str], None]] = None):
+    """Tidy data of one or more run directories, for notebooks (e.g. Colab).
+
+    Args:
+      paths: a run directory, a directory of runs, or a list of them.
+      kind: ``"final"`` (one row per replica: the final metrics), ``"curves"`` (per replica and
+        evaluation), ``"clients"`` (per replica and client) or ``"kept"`` (per replica and
+        round); see :func:`tidy_rows`.
+      percentile: ``"lower"`` (weighted lower quantile) or ``"linear"`` (NumPy's).
+      as_frame: None gives a pandas DataFrame when pandas can be imported and a list of dicts
+        otherwise; True requires pandas; False always gives the list.
+      log: receives one line per run that is missing or incomplete (default: stderr).
+
+    Example::
+
+        df = deltafl_jax.report.load_runs("runs/synthetic")
+        df.groupby("method")["test_error_p90"].agg(["mean", "std"])
+    """
+    if percentile not in PERCENTILE_METHODS:
+        raise ValueError(f"percentile must be one of {', '.join(PERCENTILE_METHODS)}, got "
+                         f"{percentile!r}")
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+    log = log if log is not None else (lambda s: print(s, file=sys.stderr))
+    runs, _ = load(paths, log=log)
+    rows = tidy_rows(columns(runs), kind, percentile)
+    if as_frame is False:
+        return rows
+    try:
+        import pandas
+    except ImportError:
+        if as_frame:
+            raise ImportError("load_runs(as_frame=True) needs pandas (pip install pandas)") \
+                from None
+        return rows
+    return pandas.DataFrame(rows)
+
+
+def write_csv(path: str, rows: List[Dict[str, Any]]) -> None:
+    """Rows as CSV, columns in first-seen order; floats as repr (unrounded)."""
+    fields: List[str] = []
+    for r in rows:
+        for k in r:
+            if k not in fields:
+                fields.append(k)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in r.items()})

@@ -1,0 +1,230 @@
+"""The report's columns and tables: which replicas form a method, how a method is named in the
+papers' style, and the markdown tables (Tables 2 and 3, the train-loss tables, the runs).
+
+A :class:`Column` is the replicas of one run that differ only by seed; runs on the same data
+and model share a table row (:func:`columns`). Cells are mean +- std (ddof = 0) over seeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Sequence, Tuple, Union
+
+import numpy as np
+
+from deltafl_jax.replicas import ReplicaLabel
+
+if TYPE_CHECKING:
+    from deltafl_jax.report.io import Run
+
+ALGORITHM_NAMES = {"deltafl": "Δ-FL", "fedavg": "FedAvg", "qffl": "q-FFL", "afl": "AFL",
+                   "afl_qffl": "AFL (q-FFL proxy)", "term": "TERM", "fedprox": "FedProx",
+                   "fedavg_sub": "FedAvg-Sub"}
+# How a baseline's swept flag (its replicas' param_name) reads in a column name.
+PARAM_NAMES = {"qffl_q": "q", "fedprox_mu": "μ", "term_t": "t", "afl_lambda_lr": "γ_λ",
+               "fedavg_sub_clients": "clients"}
+
+
+def fmt_value(v) -> str:
+    """A number as '%g' (0.5, 10, 0.01); anything else as str."""
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, (int, float, np.integer, np.floating)):
+        return f"{float(v):g}"
+    return str(v)
+
+
+def method_label(label: Union[ReplicaLabel, Mapping[str, Any]], filter: str = "exact") -> str:
+    """A column name in the paper's style: 'FedAvg', 'Δ-FL, θ = 0.5', 'q-FFL, q = 10'
+    (a baseline's swept flag, e.g. ``qffl_q``, reads as in :data:`PARAM_NAMES`).
+
+    Delta-FL at theta = 1 is FedAvg (bit for bit) and is labelled so. Further grid
+    coordinates (e.g. a tuning grid's learning rate) are appended as 'name = value'. A label
+    dict (``ReplicaLabel.to_json()``) is accepted too.
+    """
+    if not isinstance(label, ReplicaLabel):
+        label = ReplicaLabel.from_json(label)
+    alg = label.algorithm
+    pretty = ALGORITHM_NAMES.get(alg, alg)
+    if label.param_name not in (None, "theta"):
+        pname = PARAM_NAMES.get(label.param_name, label.param_name)
+        head = f"{pretty}, {pname} = {fmt_value(label.param_value)}"
+    elif alg in ("deltafl", "fedavg") and float(label.theta) == 1.0:
+        head = "FedAvg"
+    else:
+        head = f"{pretty}, θ = {fmt_value(label.theta)}"
+        if alg == "deltafl" and filter != "exact":
+            head += f" ({filter} filter)"
+    extras = [f"{k} = {fmt_value(v)}" for k, v in label.extra]
+    return ", ".join([head] + extras)
+
+
+@dataclasses.dataclass(eq=False)
+class Column:
+    """The replicas of one run that differ only by seed: one table cell per setting.
+
+    setting: the row ('dataset / model'); label: the column, unique within the setting;
+    replicas: indices into the run's arrays, in seed order; seeds: their seeds; identity: the
+    replicas' ``ReplicaLabel.group_key()``.
+    """
+
+    run: "Run"
+    setting: str
+    label: str
+    replicas: List[int]
+    seeds: List[int]
+    identity: Tuple
+
+    def values(self, metric: str, percentile: str = "lower") -> np.ndarray:
+        """[S] per-seed final values of `metric` (e.g. 'test_error_p90')."""
+        return np.asarray(self.run.final(percentile)[metric])[self.replicas]
+
+    def client_means(self, split: str, quantity: str) -> Tuple[np.ndarray, np.ndarray]:
+        """(n_k [N], per-client value [N] averaged over seeds) for split 'train'/'test' and
+        quantity 'loss'/'error' (App. C.3: each client's metric averaged over the seeds)."""
+        arr = np.asarray(self.run.clients[f"{split}_{quantity}"], np.float64)[self.replicas]
+        return np.asarray(self.run.clients[f"{split}_sizes"]), arr.mean(axis=0)
+
+
+def run_columns(run: "Run") -> List[Tuple[str, Tuple, List[int], List[int]]]:
+    """(label, identity, replicas, seeds) per method of one run, in replica order."""
+    order: Dict[Tuple, List[int]] = {}
+    for r, lab in enumerate(run.labels):
+        order.setdefault(lab.group_key(), []).append(r)
+    filt = str(run.config.get("filter", "exact"))
+    return [(method_label(run.labels[rs[0]], filt), ident, rs,
+             [run.labels[r].seed for r in rs]) for ident, rs in order.items()]
+
+
+def columns(runs: Sequence["Run"]) -> List[Column]:
+    """Every (setting, method) column over the runs.
+
+    Runs with the same dataset, model and data settings share a row, so that several runs
+    (e.g. FedAvg and Delta-FL, or a baseline) sit side by side. Two columns of one row with the
+    same label (e.g. FedAvg from two runs) get the run's name appended.
+    """
+    # Rows: setting keys; two keys with the same display name get the run name appended.
+    display: Dict[Tuple, str] = {}
+    for run in runs:
+        if run.setting_key not in display:
+            name = run.setting
+            if name in display.values():
+                name = f"{name} ({run.name})"
+            display[run.setting_key] = name
+    cols = [Column(run=run, setting=display[run.setting_key], label=label, replicas=rs,
+                   seeds=seeds, identity=ident)
+            for run in runs for label, ident, rs, seeds in run_columns(run)]
+    by_cell: Dict[Tuple[str, str], List[Column]] = {}
+    for c in cols:
+        by_cell.setdefault((c.setting, c.label), []).append(c)
+    for group in by_cell.values():
+        if len(group) > 1:
+            for c in group:
+                c.label = f"{c.label} [{c.run.name}]"
+    return cols
+
+
+def settings(cols: Sequence[Column]) -> List[str]:
+    """The rows (settings) in first-seen order."""
+    out = []
+    for c in cols:
+        if c.setting not in out:
+            out.append(c.setting)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    metric: str
+    title: str
+    percent: bool
+
+
+TABLES = (
+    TableSpec("test_error_p90", "Table 2: 90th percentile of the misclassification error (in %) "
+              "on the test clients", True),
+    TableSpec("test_error_mean", "Table 3: mean of the misclassification error (in %) on the "
+              "test clients", True),
+    TableSpec("train_loss_mean", "Train loss: alpha-weighted mean over the training clients",
+              False),
+    TableSpec("train_loss_p90", "Train loss: 90th percentile (alpha-weighted) over the "
+              "training clients", False),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    mean: float
+    std: float
+    values: Tuple[float, ...]   # per seed, in the table's unit (% for errors)
+    seeds: Tuple[int, ...]
+
+
+def table(cols: Sequence[Column], metric: str, percentile: str = "lower",
+          percent: bool = False):
+    """(rows, column labels, {(row, label): Cell}); mean and std (ddof=0) over seeds."""
+    rows = settings(cols)
+    labels: List[str] = []
+    cells: Dict[Tuple[str, str], Cell] = {}
+    for c in cols:
+        if c.label not in labels:
+            labels.append(c.label)
+        v = c.values(metric, percentile) * (100.0 if percent else 1.0)
+        cells[(c.setting, c.label)] = Cell(mean=float(np.mean(v)), std=float(np.std(v)),
+                                           values=tuple(float(x) for x in v),
+                                           seeds=tuple(c.seeds))
+    return rows, labels, cells
+
+
+def format_cell(cell: Cell, digits: int) -> str:
+    """'mean ± std' with `digits` decimals; 'nan (diverged)' when not finite."""
+    if not (math.isfinite(cell.mean) and math.isfinite(cell.std)):
+        return "nan (diverged)"
+    return f"{cell.mean:.{digits}f} ± {cell.std:.{digits}f}"
+
+
+def markdown_table(cols: Sequence[Column], spec: TableSpec, percentile: str = "lower") -> str:
+    """The table in the paper's layout; the lowest mean of each row is in bold."""
+    rows, labels, cells = table(cols, spec.metric, percentile, spec.percent)
+    digits = 2 if spec.percent else 4
+    lines = ["| Dataset / model | " + " | ".join(labels) + " |",
+             "|---|" + "---|" * len(labels)]
+    for row in rows:
+        finite = [cells[(row, l)].mean for l in labels
+                  if (row, l) in cells and math.isfinite(cells[(row, l)].mean)]
+        best = min(finite) if finite else None
+        out = []
+        for l in labels:
+            cell = cells.get((row, l))
+            if cell is None:
+                out.append("—")
+                continue
+            text = format_cell(cell, digits)
+            if best is not None and len(finite) > 1 and \
+                    round(cell.mean, digits) == round(best, digits):
+                text = f"**{text}**"
+            out.append(text)
+        lines.append(f"| {row} | " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
+def runs_table(runs: Sequence["Run"]) -> str:
+    """One markdown row per run: data, model, algorithm, rounds, schedule, seeds, time."""
+    lines = ["| run | dataset (train / test clients, median n_k) | model | algorithm | filter | "
+             "rounds | m | γ₀ (÷c every t₀) | λ | seeds | replicas | wall time |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        c, d = run.config, run.summary.get("dataset", {})
+        lr = fmt_value(c.get("learning_rate", "?"))
+        if c.get("lr_decay_every") and c.get("lr_decay", 1) != 1:
+            lr += f" (÷{c['lr_decay']:g} every {c['lr_decay_every']})"
+        seeds = ",".join(str(s) for s in c.get("seeds", []))
+        total = run.summary.get("timing", {}).get("total_s")
+        lines.append(
+            f"| `{run.path}` | {run.dataset} ({d.get('num_train_clients', '?')} / "
+            f"{d.get('num_test_clients', '?')}, {d.get('median_examples', '?')}) | {run.model} | "
+            f"{c.get('algorithm', '?')} | {c.get('filter', '?')} | {run.num_rounds} | "
+            f"{c.get('clients_per_round', '?')} | {lr} | {fmt_value(c.get('l2_reg', 0))} | "
+            f"{seeds} | {len(run.labels)} | {'' if total is None else f'{total:.0f} s'} |")
+    return "\n".join(lines)
