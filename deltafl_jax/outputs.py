@@ -245,40 +245,14 @@ def _model_spec(model: Model, options: ModelOptions, data: FederatedDataset,
     }
 
 
-# Deprecated: use RunWriter. Kept while deltafl_jax.training and deltafl_jax.tuning call them.
-
-
 def replica_key(label) -> str:
-    """File-name key of a replica, e.g. 'theta=0.5_seed=1' or 'qffl_q=0.1_seed=1'.
-
-    Deprecated: use ``ReplicaLabel.key()``. Accepts a ReplicaLabel or a label dict (whose
-    "key", when a caller named replicas itself, wins)."""
+    """File-name key of a replica: ``ReplicaLabel.key()``, or for a label dict of an older run
+    its "key" field when it has one, else the same format from its fields."""
     if isinstance(label, ReplicaLabel):
         return label.key()
     if "key" in label:
         return str(label["key"])
-    if "param_name" in label and label["param_name"] != "theta":
-        head = f"{label['param_name']}={label['param_value']:g}"
-    else:
-        head = f"theta={label['theta']:g}"
-    return f"{head}_seed={label['seed']}"
-
-
-def write_json(path: str, obj) -> None:
-    """Deprecated: use RunWriter.write_summary. One JSON document, written atomically."""
-    _write_json(path, obj)
-
-
-def append_jsonl(path: str, records: List[dict]) -> None:
-    """Deprecated: use RunWriter.append_metrics."""
-    with open(path, "a") as f:
-        f.write("".join(_json_line(r) for r in records))
-
-
-def save_models(output_dir: str, params, labels, model: Model, options: ModelOptions,
-                data: FederatedDataset) -> None:
-    """Deprecated: use RunWriter.save_models."""
-    RunWriter(output_dir).save_models(params, labels, model, options, data)
+    return ReplicaLabel.from_json(label).key()
 
 
 # --------------------------------------------------------------------------------------------

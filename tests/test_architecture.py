@@ -29,9 +29,22 @@ def modules():
 MODULES = modules()
 
 
+def _runtime_nodes(tree):
+    """Every node except those under ``if TYPE_CHECKING:`` (imports for type checkers only)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
 def imported(tree):
-    """(module, names) of every import statement, at any depth."""
-    for node in ast.walk(tree):
+    """(module, names) of every import statement run at import or call time, at any depth."""
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
                 yield a.name, ()

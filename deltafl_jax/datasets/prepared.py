@@ -334,35 +334,10 @@ def _features(spec: FeatureSpec):
     return tfds.features.FeaturesDict(fields)
 
 
-def write(data_dir: str, name: str, config: str, spec: FeatureSpec, clients: Sequence[Mapping],
-          metadata: Mapping[str, Any], arrays: Optional[Mapping[str, np.ndarray]] = None,
-          description: str = "") -> str:
-    """Package `clients` as the tfds dataset deltafl_<name>/<config>, replacing any older one.
-
-    Args:
-      data_dir: root of prepared datasets.
-      name: dataset name ("shakespeare", "sent140", "femnist").
-      config: builder config, e.g. :func:`config_name` (100).
-      spec: the per-client arrays of each record, {field: (shape, dtype)}.
-      clients: one mapping per client with "client_id" and every field of `spec`; written in
-        this order (the record's "index").
-      metadata: json-serialisable facts to keep (rules, source...). The client ids and sizes
-        (length of the first field) are added as "client_ids" and "client_sizes".
-      arrays: side arrays saved as <key>.npy in the dataset directory.
-      description: one paragraph for tfds' dataset_info.json.
-
-    Returns:
-      The dataset's directory.
-    """
+def _builder_class(spec: FeatureSpec, clients: Sequence[Mapping], meta: Mapping[str, Any],
+                   side: Mapping[str, np.ndarray], description: str):
+    """A tfds builder class that writes one record per client, and the side arrays."""
     tfds = _tfds()
-    if not clients:
-        raise DataError(f"{name}: no client to prepare")
-    first = next(iter(spec))
-    meta = dict(metadata)
-    meta["client_ids"] = [str(c["client_id"]) for c in clients]
-    meta["client_sizes"] = [int(len(c[first])) for c in clients]
-    meta["arrays"] = sorted(arrays or {})
-    side = dict(arrays or {})
     features = _features(spec)
     version = VERSION
 
@@ -391,6 +366,39 @@ def write(data_dir: str, name: str, config: str, spec: FeatureSpec, clients: Seq
                     record[key] = np.ascontiguousarray(client[key], dtype=dtype)
                 yield index, record
 
+    return _ClientRecords
+
+
+def write(data_dir: str, name: str, config: str, spec: FeatureSpec, clients: Sequence[Mapping],
+          metadata: Mapping[str, Any], arrays: Optional[Mapping[str, np.ndarray]] = None,
+          description: str = "") -> str:
+    """Package `clients` as the tfds dataset deltafl_<name>/<config>, replacing any older one.
+
+    Args:
+      data_dir: root of prepared datasets.
+      name: dataset name ("shakespeare", "sent140", "femnist").
+      config: builder config, e.g. :func:`config_name` (100).
+      spec: the per-client arrays of each record, {field: (shape, dtype)}.
+      clients: one mapping per client with "client_id" and every field of `spec`; written in
+        this order (the record's "index").
+      metadata: json-serialisable facts to keep (rules, source...). The client ids and sizes
+        (length of the first field) are added as "client_ids" and "client_sizes".
+      arrays: side arrays saved as <key>.npy in the dataset directory.
+      description: one paragraph for tfds' dataset_info.json.
+
+    Returns:
+      The dataset's directory.
+    """
+    if not clients:
+        raise DataError(f"{name}: no client to prepare")
+    first = next(iter(spec))
+    meta = dict(metadata)
+    meta["client_ids"] = [str(c["client_id"]) for c in clients]
+    meta["client_sizes"] = [int(len(c[first])) for c in clients]
+    meta["arrays"] = sorted(arrays or {})
+    side = dict(arrays or {})
+    tfds = _tfds()
+    _ClientRecords = _builder_class(spec, clients, meta, side, description)
     _ClientRecords.name = builder_name(name)
     # No checksums file to look for: tfds 4.9 finds one via the builder module's code_path,
     # which needs importlib_resources (no longer installed with etils >= 1.10).
