@@ -56,6 +56,8 @@ class ExperimentConfig:
     save_models: bool = True
     verbose: bool = True
     tensorboard: Optional[bool] = None      # None = when tensorboardX is installed
+    checkpoint_every: int = 0               # rounds between checkpoints (0: by time only)
+    checkpoint_every_s: float = 120.0       # seconds between checkpoints (0: by rounds only)
 
     def __post_init__(self):
         l2 = self.l2_reg
@@ -110,6 +112,9 @@ def _check_numbers(c: ExperimentConfig):
         raise ConfigError(
             f"--lr_decay is the divisor c >= 1 of lr_t = lr * c^-(t // lr_decay_every), got "
             f"{c.lr_decay} (to halve the rate pass 2)")
+    if c.checkpoint_every < 0 or not c.checkpoint_every_s >= 0:
+        raise ConfigError(f"--checkpoint_every and --checkpoint_every_s must be >= 0, got "
+                          f"{c.checkpoint_every} and {c.checkpoint_every_s}")
     if c.lr_decay_every < 0:
         raise ConfigError(f"--lr_decay_every must be >= 0 (0: constant), got {c.lr_decay_every}")
 

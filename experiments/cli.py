@@ -136,6 +136,11 @@ def define_experiment_flags() -> None:
             "models/ go")
     _define(flags.DEFINE_bool, "overwrite", False, "replace results already in --output_dir")
     _define(flags.DEFINE_bool, "save_models", True, "save the final model of every replica")
+    _define(flags.DEFINE_integer, "checkpoint_every", 0, "save a checkpoint every N rounds "
+            "under <output_dir>/checkpoints/ (0: by time only)")
+    _define(flags.DEFINE_float, "checkpoint_every_s", 120.0, "save a checkpoint when this many "
+            "seconds have passed since the last one (0: by rounds only); a paper run loses at "
+            "most this plus one round when killed")
     _define(flags.DEFINE_enum, "tensorboard", "auto", "write TensorBoard event files under "
             "<output_dir>/tb/ (auto: when tensorboardX is installed)",
             enum_values=["auto", "yes", "no"])
@@ -175,7 +180,7 @@ DATA_FIELDS = ("dataset", "data_path", "data_dir", "data_seed", "min_client_exam
 SCALAR_FIELDS = ("model", "filter", "num_rounds", "clients_per_round", "local_epochs",
                  "local_steps", "batch_size", "learning_rate", "lr_decay", "lr_decay_every",
                  "eval_every", "clients_per_step", "eval_chunk", "output_dir", "overwrite",
-                 "conv_impl", "save_models")
+                 "conv_impl", "save_models", "checkpoint_every", "checkpoint_every_s")
 
 
 def data_config_from_flags():

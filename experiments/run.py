@@ -14,12 +14,15 @@ directory is created.
 
 from __future__ import annotations
 
+import sys
+
 from absl import app, logging
 
 from experiments.cli import (FLAGS, UsageError, configs_from_flags, define_experiment_flags,
                              fail, parse_flags_or_fail)
 
 define_experiment_flags()
+STOP_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}   # 128 + the signal, as shells report it
 
 
 def comparison_lines(results):
@@ -44,16 +47,19 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # keep jax's backend probing out of the output
     if len(argv) > 1:
         fail(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
-    from deltafl_jax import ConfigError, DataError, load_dataset, outputs, run_experiment
+    from deltafl_jax import ConfigError, DataError, load_dataset, run_experiment
+    from deltafl_jax.run import check_output_dir
 
+    results = []
     try:
         configs = configs_from_flags()
         for config in configs:  # refuse before anything runs
-            if (config.output_dir and not config.overwrite
-                    and outputs.has_results(config.output_dir)):
-                outputs.prepare_dir(config.output_dir, overwrite=False)  # the one-line error
+            check_output_dir(config.output_dir, config.overwrite)
         data = load_dataset(configs[0].data)
-        results = [(config.algorithm, run_experiment(config, data)) for config in configs]
+        for config in configs:
+            results.append((config.algorithm, run_experiment(config, data)))
+            if results[-1][1].stopped:
+                sys.exit(STOP_EXIT_CODES.get(results[-1][1].stop_reason, 1))
     except (UsageError, ConfigError, DataError) as e:
         fail(str(e))
     if len(configs) > 1 and configs[0].verbose:

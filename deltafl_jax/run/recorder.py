@@ -77,17 +77,29 @@ class Recorder(Callback):
 
     def host_state(self) -> Dict[str, Any]:
         """Everything needed to continue the histories after a restore (NumPy and JSON)."""
+        last = self.last
         return {"per_round": {k: np.stack(v) for k, v in self.per_round.items()},
-                "client_history": {k: np.asarray(np.stack(v)) if v else np.zeros((0,))
-                                   for k, v in self.client_history.items()},
-                "history": list(self.history), "rounds_done": self.rounds_done}
+                "client_history": {k: np.stack(v) if k != "rounds" else np.asarray(v, np.int64)
+                                   for k, v in self.client_history.items() if len(v)},
+                "history": list(self.history), "rounds_done": self.rounds_done,
+                "last": None if last is None else {
+                    "round": last.round, "per_client": dict(last.per_client),
+                    "summary": dict(last.summary)}}
 
     def load_host_state(self, host: Dict[str, Any]) -> None:
+        """Continue from a checkpoint's :meth:`host_state`."""
         self.per_round = {k: list(np.asarray(v)) for k, v in host["per_round"].items()}
         self.client_history = {k: list(np.asarray(v)) for k, v in host["client_history"].items()}
         self.client_history["rounds"] = [int(t) for t in self.client_history.get("rounds", [])]
         self.history = list(host["history"])
         self.rounds_done = int(host["rounds_done"])
+        last = host.get("last")
+        if last:
+            self.last = Evaluation(round=int(last["round"]),
+                                   per_client={k: np.asarray(v)
+                                               for k, v in last["per_client"].items()},
+                                   summary={k: np.asarray(v) for k, v in last["summary"].items()},
+                                   records=[], elapsed_s=0.0)
 
     def result(self, run: RunContext) -> RunResult:
         exp = run.experiment
@@ -102,7 +114,7 @@ class Recorder(Callback):
             per_round={k: np.stack(v) for k, v in self.per_round.items()},
             per_client=None if last is None else last.per_client,
             client_history={k: np.stack(v) if k != "rounds" else np.asarray(v)
-                            for k, v in self.client_history.items()},
+                            for k, v in self.client_history.items() if len(v) or k == "rounds"},
             rounds_done=self.rounds_done, stopped=run.stop_requested,
             stop_reason=run.stop_reason)
 

@@ -1,20 +1,24 @@
-"""Run an experiment end to end: build it, run its rounds with the standard callbacks, and
-return the result. ``python -m experiments.run`` is a thin front end to :func:`run_experiment`.
+"""Run an experiment end to end: build it, resume it from its newest checkpoint when there is
+one, run its rounds with the standard callbacks, and return the result.
+``python -m experiments.run`` is a thin front end to :func:`run_experiment`.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from deltafl_jax import outputs
 from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import FederatedDataset
+from deltafl_jax.datasets import load_dataset
 from deltafl_jax.replicas import Replicas
-from deltafl_jax.run import tensorboard
+from deltafl_jax.run import checkpoint as ckpt, resume, tensorboard
 from deltafl_jax.run.callbacks import Callback
-from deltafl_jax.run.experiment import build_experiment
+from deltafl_jax.run.experiment import Experiment, build_experiment
 from deltafl_jax.run.loop import run_rounds
+from deltafl_jax.run.preemption import Preemption
 from deltafl_jax.run.progress import Progress
 from deltafl_jax.run.recorder import Recorder, RunResult
 from deltafl_jax.run.writer import OutputWriter
@@ -24,6 +28,60 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
+def check_output_dir(out: Optional[str], overwrite: bool) -> None:
+    """ConfigError for a directory that holds a finished run, or results without a checkpoint
+    to resume from, unless overwrite."""
+    if not out or overwrite or not outputs.has_results(out):
+        return
+    finished = os.path.exists(os.path.join(out, outputs.SUMMARY))
+    if finished or not os.path.isdir(ckpt.checkpoint_dir(out)):
+        outputs.prepare_dir(out, overwrite=False)   # raises the one-line error
+
+
+def _checkpointer(out: Optional[str], overwrite: bool) -> Optional[ckpt.Checkpointer]:
+    """The run's checkpoints (None without an output dir); overwrite starts afresh."""
+    if not out:
+        return None
+    check_output_dir(out, overwrite)
+    if overwrite or not os.path.isdir(ckpt.checkpoint_dir(out)):
+        outputs.prepare_dir(out, overwrite)
+    return ckpt.Checkpointer(ckpt.checkpoint_dir(out))
+
+
+def _standard_callbacks(config, exp, log, recorder, checkpointer, fp) -> List[Callback]:
+    out = config.output_dir
+    cbs: List[Callback] = []
+    if config.verbose:
+        cbs.append(Progress(log))
+    if out:
+        cbs.append(OutputWriter(out, config.save_models))
+        if config.tensorboard or (config.tensorboard is None and tensorboard.available()):
+            cbs.append(tensorboard.TensorBoard(out))
+    if checkpointer is not None:
+        T, every = config.num_rounds, config.eval_every
+        cbs.append(ckpt.CheckpointCallback(
+            checkpointer, recorder.host_state, fp, every=config.checkpoint_every,
+            every_s=config.checkpoint_every_s, evaluated=lambda r: r % every == 0 or r == T))
+        cbs.append(Preemption())
+    return cbs
+
+
+def _resume(exp: Experiment, checkpointer, fp, recorder: Recorder, log):
+    """(start round, state): from the newest checkpoint of the same configuration, or fresh."""
+    state = exp.initial_state()
+    if checkpointer is None or checkpointer.latest_round() is None:
+        return 0, state
+    resume.check_config(checkpointer, fp)
+    found = resume.restore(checkpointer, state)
+    if found is None:
+        return 0, state
+    recorder.load_host_state(found.host)
+    outputs.RunWriter(exp.config.output_dir).truncate_metrics(after_round=found.round)
+    log(f"deltafl_jax: resuming {exp.config.output_dir} from its checkpoint after round "
+        f"{found.round} of {exp.config.num_rounds}")
+    return found.round, found.state
+
+
 def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = None,
                    log: Optional[Callable[[str], None]] = None,
                    replicas: Optional[Replicas] = None,
@@ -31,24 +89,32 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
     """Train every replica of `config` in one program, evaluate every ``eval_every`` rounds,
     write the outputs (when ``config.output_dir`` is set) and return the :class:`RunResult`.
 
-    `replicas` replaces the algorithm's sweep x seeds (the tuner's grids); `callbacks` are
-    added after the standard ones (progress, output files). Raises ConfigError / DataError
-    before anything is written.
+    With an output dir, checkpoints go to ``<output_dir>/checkpoints/`` and a rerun of the same
+    configuration resumes from the newest one; SIGTERM / SIGINT end the run after the current
+    round with a checkpoint (``result.stopped``). `replicas` replaces the algorithm's sweep x
+    seeds (the tuner's grids); `callbacks` are added after the standard ones. Raises
+    ConfigError / DataError before anything is written.
     """
+    log = log or _print
     out = config.output_dir
-    if out and outputs.has_results(out) and not config.overwrite:
-        outputs.prepare_dir(out, overwrite=False)   # raises the one-line error
+    check_output_dir(out, config.overwrite)
     t0 = time.perf_counter()
+    data = data if data is not None else load_dataset(config.data)
     exp = build_experiment(config, data, replicas)
-    recorder = Recorder()
-    recorder.build_s = time.perf_counter() - t0
-    standard = []
-    if config.verbose:
-        standard.append(Progress(log or _print))
-    if out:
-        outputs.prepare_dir(out, config.overwrite)
-        standard.append(OutputWriter(out, config.save_models))
-        if config.tensorboard or (config.tensorboard is None and tensorboard.available()):
-            standard.append(tensorboard.TensorBoard(out))
-    return run_rounds(exp, exp.initial_state(), [*standard, *callbacks], output_dir=out,
-                      recorder=recorder)
+    fp = resume.fingerprint(config, exp.data)
+    checkpointer = _checkpointer(out, config.overwrite)
+    try:
+        recorder = Recorder()
+        start, state = _resume(exp, checkpointer, fp, recorder, log)
+        recorder.build_s = time.perf_counter() - t0
+        cbs = _standard_callbacks(config, exp, log, recorder, checkpointer, fp)
+        result = run_rounds(exp, state, [*cbs, *callbacks], start_round=start, output_dir=out,
+                            recorder=recorder)
+    finally:
+        if checkpointer is not None:
+            checkpointer.close()
+    if result.stopped and checkpointer is not None:
+        log(f"deltafl_jax: stopped by {result.stop_reason or 'request'} after round "
+            f"{result.rounds_done}; checkpoint in {checkpointer.directory}; run the same "
+            f"command again to resume")
+    return result

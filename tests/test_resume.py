@@ -1,0 +1,146 @@
+"""Kill a run and rerun the same command: it resumes from its newest checkpoint and ends with
+outputs bit-identical to an uninterrupted run (issue 12). The runs are real subprocesses of
+``python -m experiments.run``, killed with SIGKILL at a random round or stopped with SIGTERM."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import flax.serialization
+import jax
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = os.path.join(REPO, "tests", "resume.flags")
+
+
+def command(out, *extra):
+    return [sys.executable, "-m", "experiments.run", f"--flagfile={FLAGS}", f"--output_dir={out}",
+            *extra]
+
+
+def run(out, *extra):
+    return subprocess.run(command(out, *extra), cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def saved_rounds(out):
+    d = os.path.join(out, "checkpoints")
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
+
+
+def start_and_kill(out, sig, *extra, after_checkpoint=None):
+    """Start a run; once its checkpoint after round `after_checkpoint` exists (random when
+    None), send `sig`. Returns the finished process."""
+    target = after_checkpoint or random.Random(len(str(out))).choice([2, 4, 6, 8, 10])
+    proc = subprocess.Popen(command(out, *extra), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if saved_rounds(out) and max(saved_rounds(out)) >= target:
+            proc.send_signal(sig)
+            break
+        time.sleep(0.02)
+    proc.stdout_text, proc.stderr_text = proc.communicate(timeout=240)
+    return proc
+
+
+def records(out):
+    recs = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if l.strip()]
+    for r in recs:
+        r.pop("elapsed_s")
+    return recs
+
+
+def assert_same_outputs(a, b):
+    assert records(a) == records(b)
+    for name in ("rounds.npz", "clients.npz", "clients_history.npz"):
+        with np.load(os.path.join(a, name)) as x, np.load(os.path.join(b, name)) as y:
+            assert sorted(x.files) == sorted(y.files)
+            for k in x.files:
+                np.testing.assert_array_equal(x[k], y[k], err_msg=f"{name}:{k}")
+    for f in sorted(os.listdir(os.path.join(a, "models"))):
+        if f.endswith(".msgpack"):
+            ta = flax.serialization.msgpack_restore(open(os.path.join(a, "models", f), "rb").read())
+            tb = flax.serialization.msgpack_restore(open(os.path.join(b, "models", f), "rb").read())
+            jax.tree.map(np.testing.assert_array_equal, ta, tb)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    outs = {}
+    for algo in ("deltafl", "term"):
+        out = str(tmp_path_factory.mktemp("whole") / algo)
+        proc = run(out, f"--algorithm={algo}")
+        assert proc.returncode == 0, proc.stderr
+        outs[algo] = out
+    return outs
+
+
+@pytest.mark.parametrize("algorithm", ["deltafl", "term"])
+def test_sigkill_then_rerun_is_bit_identical(uninterrupted, tmp_path, algorithm):
+    out = str(tmp_path / "run")
+    proc = start_and_kill(out, signal.SIGKILL, f"--algorithm={algorithm}")
+    assert proc.returncode == -signal.SIGKILL
+    assert not os.path.exists(os.path.join(out, "summary.json"))
+    resumed = run(out, f"--algorithm={algorithm}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming" in resumed.stdout
+    assert_same_outputs(out, uninterrupted[algorithm])
+
+
+def test_sigterm_leaves_a_checkpoint_and_a_clean_exit(uninterrupted, tmp_path):
+    out = str(tmp_path / "run")
+    proc = start_and_kill(out, signal.SIGTERM, after_checkpoint=6)
+    assert proc.returncode == 143, proc.stderr_text
+    assert "Traceback" not in proc.stderr_text
+    assert "run the same command again to resume" in proc.stdout_text
+    assert saved_rounds(out) and not os.path.exists(os.path.join(out, "summary.json"))
+    resumed = run(out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_outputs(out, uninterrupted["deltafl"])
+
+
+def test_changed_flag_on_resume_exits_2_naming_it(tmp_path):
+    out = str(tmp_path / "run")
+    proc = start_and_kill(out, signal.SIGKILL, after_checkpoint=4)
+    assert proc.returncode == -signal.SIGKILL
+    before = open(os.path.join(out, "metrics.jsonl")).read()
+    bad = run(out, "--learning_rate=0.1")
+    assert bad.returncode == 2
+    lines = [l for l in bad.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "--learning_rate" in lines[0], bad.stderr
+    assert open(os.path.join(out, "metrics.jsonl")).read() == before
+
+
+def test_corrupted_latest_checkpoint_falls_back_to_the_previous(uninterrupted, tmp_path):
+    out = str(tmp_path / "run")
+    proc = start_and_kill(out, signal.SIGKILL, after_checkpoint=8)
+    assert proc.returncode == -signal.SIGKILL
+    rounds = saved_rounds(out)
+    assert len(rounds) == 2
+    newest = os.path.join(out, "checkpoints", str(rounds[-1]))
+    victims = [os.path.join(d, f) for d, _, fs in os.walk(newest) for f in fs
+               if os.path.getsize(os.path.join(d, f)) > 64]
+    with open(max(victims, key=os.path.getsize), "r+b") as f:
+        f.truncate(16)
+    resumed = run(out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"round {rounds[0]} of" in resumed.stdout
+    assert "warning" in resumed.stderr.lower()
+    assert_same_outputs(out, uninterrupted["deltafl"])
+
+
+def test_overwrite_starts_afresh(tmp_path):
+    out = str(tmp_path / "run")
+    proc = start_and_kill(out, signal.SIGKILL, after_checkpoint=4)
+    again = run(out, "--overwrite", "--num_rounds=4", "--eval_every=2")
+    assert again.returncode == 0, again.stderr
+    assert "resuming" not in again.stdout
+    assert [r["round"] for r in records(out)] == [2, 2, 2, 2, 4, 4, 4, 4]
