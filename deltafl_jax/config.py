@@ -58,6 +58,7 @@ class ExperimentConfig:
     tensorboard: Optional[bool] = None      # None = when tensorboardX is installed
     checkpoint_every: int = 0               # rounds between checkpoints (0: by time only)
     checkpoint_every_s: float = 120.0       # seconds between checkpoints (0: by rounds only)
+    stop_on_divergence: bool = False        # stop a replica whose train loss is NaN or > 3x w_0's
 
     def __post_init__(self):
         l2 = self.l2_reg

@@ -40,11 +40,14 @@ class ServerState(flax.struct.PyTreeNode):
     params: pytree, leaves [R, ...]: the global models w_t.
     algo_state: pytree, leaves [R, ...]: the algorithm's own state (empty for Delta-FL).
     round: [] int32: rounds completed.
+    active: [R] bool: replicas still training (a replica stopped for divergence keeps its
+      model and state, and its clients do no work); None = all.
     """
 
     params: Any
     algo_state: Any
     round: jax.Array
+    active: Any = None
 
 
 class RoundData(NamedTuple):
@@ -64,7 +67,8 @@ def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
     params = jax.jit(jax.vmap(model.init))(keys)
     hyper = jax.tree.map(jnp.asarray, replicas.hyper)
     algo_state = jax.vmap(algorithm.init)(params, hyper)
-    return ServerState(params=params, algo_state=algo_state, round=jnp.int32(0))
+    return ServerState(params=params, algo_state=algo_state, round=jnp.int32(0),
+                       active=jnp.ones((replicas.size,), bool))
 
 
 def replica_keys(replicas: Replicas, seeds: Sequence[int]):
@@ -81,6 +85,11 @@ def _losses(model, state, data, group, l2, m, eval_chunk, eval_lanes):
     sizes = plan.sizes[group]                                   # [R, m]
     sqnorm = jax.vmap(engine.tree_sqnorm)(state.params)         # [R]
     return ev.loss_sum / sizes + 0.5 * (l2 * sqnorm)[:, None], sizes, ev
+
+
+def _per_replica_where(keep, new, old):
+    """new where the replica is kept, else old (keep: [R]; leaves [R, ...])."""
+    return jnp.where(keep.reshape(keep.shape + (1,) * (new.ndim - 1)), new, old)
 
 
 def _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics):
@@ -121,6 +130,9 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         clients = data.plan.clients[group]                          # [R, m] client ids
         weights = jax.vmap(algorithm.client_weights)(state.algo_state, losses, sizes, hyper,
                                                      keys, clients)
+        keep = (state.active if state.active is not None
+                else jnp.ones((weights.shape[0],), bool))
+        weights = jnp.where(keep[:, None], weights, 0.0)
         tr = engine.train_jobs(model, state.params, data.x, data.y, data.plan, group, weights,
                                lr, l2, hyper, local)
         feedback = ClientFeedback(losses=losses, sizes=sizes, weights=weights,
@@ -130,7 +142,10 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
                                   clients=clients)
         params, algo_state, algo_metrics = jax.vmap(algorithm.server_update)(
             state.algo_state, state.params, feedback, hyper)
+        params = jax.tree.map(lambda n, o: _per_replica_where(keep, n, o), params, state.params)
+        algo_state = jax.tree.map(lambda n, o: _per_replica_where(keep, n, o), algo_state,
+                                  state.algo_state)
         metrics = _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics)
-        return ServerState(params=params, algo_state=algo_state, round=t + 1), metrics
+        return state.replace(params=params, algo_state=algo_state, round=t + 1), metrics
 
     return round_fn

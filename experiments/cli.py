@@ -141,6 +141,9 @@ def define_experiment_flags() -> None:
     _define(flags.DEFINE_float, "checkpoint_every_s", 120.0, "save a checkpoint when this many "
             "seconds have passed since the last one (0: by rounds only); a paper run loses at "
             "most this plus one round when killed")
+    _define(flags.DEFINE_bool, "stop_on_divergence", False, "stop a replica whose mean training "
+            "loss is NaN or above 3x its value at w_0 (the reference code's rule); the others "
+            "go on")
     _define(flags.DEFINE_enum, "tensorboard", "auto", "write TensorBoard event files under "
             "<output_dir>/tb/ (auto: when tensorboardX is installed)",
             enum_values=["auto", "yes", "no"])
@@ -180,7 +183,8 @@ DATA_FIELDS = ("dataset", "data_path", "data_dir", "data_seed", "min_client_exam
 SCALAR_FIELDS = ("model", "filter", "num_rounds", "clients_per_round", "local_epochs",
                  "local_steps", "batch_size", "learning_rate", "lr_decay", "lr_decay_every",
                  "eval_every", "clients_per_step", "eval_chunk", "output_dir", "overwrite",
-                 "conv_impl", "save_models", "checkpoint_every", "checkpoint_every_s")
+                 "conv_impl", "save_models", "checkpoint_every", "checkpoint_every_s",
+                 "stop_on_divergence")
 
 
 def data_config_from_flags():

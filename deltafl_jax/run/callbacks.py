@@ -39,7 +39,8 @@ class RunContext:
     experiment: the built :class:`deltafl_jax.run.experiment.Experiment`.
     num_rounds: T. start_round: rounds already done when this process started (resume).
     state: the latest ServerState (device arrays; do not keep references across rounds,
-      the round donates its buffers).
+      the round donates its buffers). A callback may replace it with a ServerState of the
+      same structure; the next round starts from that.
     output_dir: where outputs go (None: nothing is written).
     stop_requested: a callback sets it to end the run after the current round.
     """

@@ -77,6 +77,7 @@ def run_rounds(exp, state, callbacks: Sequence[Callback] = (), start_round: int 
         if (t + 1) % exp.config.eval_every == 0 or t + 1 == T:
             ev = evaluate(exp, state, t + 1, metrics, time.perf_counter() - t_start)
             _emit(callbacks, "on_evaluation", run, ev)
+        state = run.state   # a callback may replace it (e.g. stop a diverged replica)
         if run.stop_requested:
             break
     jax.block_until_ready(state)

@@ -16,6 +16,7 @@ from deltafl_jax.datasets import load_dataset
 from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import checkpoint as ckpt, resume, tensorboard
 from deltafl_jax.run.callbacks import Callback
+from deltafl_jax.run.divergence import StopOnDivergence
 from deltafl_jax.run.experiment import Experiment, build_experiment
 from deltafl_jax.run.loop import run_rounds
 from deltafl_jax.run.preemption import Preemption
@@ -51,6 +52,8 @@ def _checkpointer(out: Optional[str], overwrite: bool) -> Optional[ckpt.Checkpoi
 def _standard_callbacks(config, exp, log, recorder, checkpointer, fp) -> List[Callback]:
     out = config.output_dir
     cbs: List[Callback] = []
+    if config.stop_on_divergence:
+        cbs.append(StopOnDivergence())   # before the writers: it adds to the summary
     if config.verbose:
         cbs.append(Progress(log))
     if out:

@@ -1,0 +1,53 @@
+"""Stopping diverged replicas (``--stop_on_divergence``), as the reference code does: a replica
+whose mean training loss is NaN, infinite, or above 3x its value at w_0 stops training; its
+model and algorithm state stay as they were, its clients do no more work, and the other
+replicas go on. The round at which each replica stopped is recorded in summary.json
+("diverged"). Without the option, a replica with non-finite losses keeps running and its
+non-finite client updates are rejected and counted (``num_rejected``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import jax.numpy as jnp
+import numpy as np
+
+from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
+
+DIVERGENCE_FACTOR = 3.0
+
+
+class StopOnDivergence(Callback):
+    """Marks replicas inactive at the evaluation where their training loss diverged."""
+
+    def __init__(self, factor: float = DIVERGENCE_FACTOR):
+        self.factor = factor
+        self.initial = None
+        self.diverged: Dict[str, int] = {}
+
+    def on_run_start(self, run: RunContext) -> None:
+        exp = run.experiment
+        first = exp.initial_state()   # w_0 from the seeds, also when resuming
+        self.initial = exp.summarize(exp.evaluate(exp.served_params(first)))["train_loss_mean"]
+        active = run.state.active
+        if active is not None:
+            for r in np.flatnonzero(~np.asarray(active)):
+                self.diverged.setdefault(exp.replicas.labels[r].key(), run.start_round)
+
+    def on_evaluation(self, run: RunContext, evaluation: Evaluation) -> None:
+        loss = evaluation.summary["train_loss_mean"]
+        bad = ~np.isfinite(loss) | (loss > self.factor * self.initial)
+        state = run.state
+        active = (np.ones(loss.shape, bool) if state.active is None
+                  else np.asarray(state.active))
+        newly = bad & active
+        if not newly.any():
+            return
+        labels = run.experiment.replicas.labels
+        for r in np.flatnonzero(newly):
+            self.diverged[labels[r].key()] = evaluation.round
+        run.state = state.replace(active=jnp.asarray(active & ~newly))
+
+    def on_run_end(self, run: RunContext, result) -> None:
+        result.summary["diverged"] = dict(self.diverged)
