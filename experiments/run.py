@@ -62,6 +62,8 @@ def main(argv):
                 sys.exit(STOP_EXIT_CODES.get(results[-1][1].stop_reason, 1))
     except (UsageError, ConfigError, DataError) as e:
         fail(str(e))
+    except OSError as e:   # the disk is full, or the output dir cannot be written
+        fail(f"cannot write the results to --output_dir={FLAGS.output_dir}: {e}")
     if len(configs) > 1 and configs[0].verbose:
         print("\n".join(["", "Final test error per method (mean over seeds):"]
                         + comparison_lines(results)), flush=True)

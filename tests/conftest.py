@@ -16,8 +16,8 @@ def run_runner(argv, capsys):
     runner.FLAGS.unparse_flags()
     code = 0
     try:
-        runner.parse_flags_or_fail(["run"] + list(argv))
-        runner.main(["run"])
+        rest = runner.parse_flags_or_fail(["run"] + list(argv))
+        runner.main(rest)
     except SystemExit as e:
         code = e.code
     captured = capsys.readouterr()

@@ -13,6 +13,7 @@ from deltafl_jax import outputs
 from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.datasets import load_dataset
+from deltafl_jax.errors import ConfigError
 from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import checkpoint as ckpt, resume, tensorboard
 from deltafl_jax.run.callbacks import Callback
@@ -32,6 +33,8 @@ def _print(line: str) -> None:
 def check_output_dir(out: Optional[str], overwrite: bool) -> None:
     """ConfigError for a directory that holds a finished run, or results without a checkpoint
     to resume from, unless overwrite."""
+    if out and os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--output_dir={out} exists and is not a directory")
     if not out or overwrite or not outputs.has_results(out):
         return
     finished = os.path.exists(os.path.join(out, outputs.SUMMARY))
