@@ -77,11 +77,12 @@ def replica_keys(replicas: Replicas, seeds: Sequence[int]):
     return jax.vmap(jax.random.key)(seeds_r)
 
 
-def _losses(model, state, data, group, l2, m, eval_chunk, eval_lanes):
+def _losses(model, state, data, group, l2, m, eval_chunk, eval_lanes, axis):
     """F_k(w_t) [R, m] of the sampled clients, plus (l2/2)||w_t||^2, and the evaluation."""
     plan = data.plan
     ev = engine.evaluate_streams(model, state.params, data.x, data.y, plan.eval_idx,
-                                 plan.eval_seg, plan.eval_len, group, m, eval_chunk, eval_lanes)
+                                 plan.eval_seg, plan.eval_len, group, m, eval_chunk, eval_lanes,
+                                 axis)
     sizes = plan.sizes[group]                                   # [R, m]
     sqnorm = jax.vmap(engine.tree_sqnorm)(state.params)         # [R]
     return ev.loss_sum / sizes + 0.5 * (l2 * sqnorm)[:, None], sizes, ev
@@ -107,6 +108,7 @@ def _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics):
         "train_real_examples": tr.real_examples,
         "train_padded_examples": tr.padded_examples,
         "train_trips": tr.trips,
+        "eval_trips": ev.trips,
     }
 
 
@@ -125,7 +127,8 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         hyper = jax.tree.map(jnp.asarray, hyper_np)
         l2 = jnp.asarray(l2_np)
         lr = jnp.stack([jnp.asarray(s(t), jnp.float32) for s in schedules])
-        losses, sizes, ev = _losses(model, state, data, group, l2, m, eval_chunk, eval_lanes)
+        losses, sizes, ev = _losses(model, state, data, group, l2, m, eval_chunk, eval_lanes,
+                                    local.axis)
         keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(key)
         clients = data.plan.clients[group]                          # [R, m] client ids
         weights = jax.vmap(algorithm.client_weights)(state.algo_state, losses, sizes, hyper,

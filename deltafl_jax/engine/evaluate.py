@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from deltafl_jax.engine.lanes import ceil_div, per_lane
+from deltafl_jax.engine.mesh import SINGLE, DeviceAxis
 from deltafl_jax.engine.trees import gather_rows
 from deltafl_jax.models import Model
 
@@ -25,6 +26,7 @@ class EvalResult(NamedTuple):
     error_sum: jax.Array  # [R, S]
     real_examples: jax.Array    # scalar: examples evaluated
     padded_examples: jax.Array  # scalar: example slots computed (lanes * chunk * trips)
+    trips: jax.Array            # scalar: loop iterations (the busiest device's)
 
 
 class EvalCarry(NamedTuple):
@@ -54,7 +56,8 @@ def _item_reader(idx, seg, length, stream_of_replica, cum, total_items, chunk, S
 
 
 def evaluate_streams(model: Model, params, X, Y, idx, seg, length, stream_of_replica,
-                     num_segments: int, chunk: int, lanes: int) -> EvalResult:
+                     num_segments: int, chunk: int, lanes: int,
+                     axis: DeviceAxis = SINGLE) -> EvalResult:
     """Sum of losses and errors of each replica's model over the segments of its stream.
 
     Args:
@@ -65,14 +68,18 @@ def evaluate_streams(model: Model, params, X, Y, idx, seg, length, stream_of_rep
         entry (num_segments for padding); length: [G] real entries per stream.
       stream_of_replica: [R] which stream each replica evaluates.
       num_segments: S, the number of clients in a stream.
-      chunk: examples per work item; lanes: items processed at once.
+      chunk: examples per work item; lanes: items processed at once (per device).
+      axis: the devices sharing the items (round-robin over D x lanes global lanes); the sums
+        are reduced once after the loop.
     """
     R = stream_of_replica.shape[0]
     S = num_segments
     n_chunks = ceil_div(length, chunk)[stream_of_replica]            # [R]
     cum = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_chunks).astype(jnp.int32)])
     total_items = cum[-1]
-    trips = ceil_div(total_items, lanes)
+    first = axis.index() * lanes            # this device's first global lane
+    stride = axis.count * lanes
+    trips = ceil_div(jnp.maximum(total_items - first, 0), stride)
     item_io = _item_reader(idx, seg, length, stream_of_replica, cum, total_items, chunk, S)
 
     def item_sums(p, x, y, sg, valid):
@@ -84,7 +91,7 @@ def evaluate_streams(model: Model, params, X, Y, idx, seg, length, stream_of_rep
     run_items = per_lane(item_sums, lanes)
 
     def body(c: EvalCarry) -> EvalCarry:
-        u = c.trip * lanes + jnp.arange(lanes, dtype=jnp.int32)
+        u = c.trip * stride + first + jnp.arange(lanes, dtype=jnp.int32)
         r, ex, sg, valid = jax.vmap(item_io)(u)
         x = jnp.take(X, ex, axis=0)
         y = jnp.take(Y, ex, axis=0)
@@ -95,5 +102,6 @@ def evaluate_streams(model: Model, params, X, Y, idx, seg, length, stream_of_rep
     zeros = jnp.zeros((R, S + 1), jnp.float32)
     init = EvalCarry(jnp.int32(0), zeros, zeros, jnp.int32(0))
     out = lax.while_loop(lambda c: c.trip < trips, body, init)
-    return EvalResult(loss_sum=out.loss_acc[:, :S], error_sum=out.err_acc[:, :S],
-                      real_examples=out.real, padded_examples=trips * lanes * chunk)
+    return EvalResult(loss_sum=axis.sum(out.loss_acc)[:, :S],
+                      error_sum=axis.sum(out.err_acc)[:, :S], real_examples=axis.sum(out.real),
+                      padded_examples=axis.sum(trips * lanes * chunk), trips=axis.max(trips))

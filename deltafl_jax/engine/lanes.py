@@ -67,3 +67,13 @@ def deal_jobs(steps, lanes: int) -> LaneDeal:
     length = jax.ops.segment_sum(real.astype(jnp.int32), lane, c)
     load = jax.ops.segment_sum(jnp.where(real, steps[order], 0), lane, c)
     return LaneDeal(jobs=jobs, length=length, load=load, trips=jnp.max(load))
+
+
+def device_share(deal: LaneDeal, device, lanes: int) -> LaneDeal:
+    """Device `device`'s lanes [device * lanes, (device + 1) * lanes) of a deal over
+    devices x lanes global lanes, with that device's own trip count."""
+    start = device * lanes
+    jobs = jax.lax.dynamic_slice_in_dim(deal.jobs, start, lanes, axis=0)
+    length = jax.lax.dynamic_slice_in_dim(deal.length, start, lanes)
+    load = jax.lax.dynamic_slice_in_dim(deal.load, start, lanes)
+    return LaneDeal(jobs=jobs, length=length, load=load, trips=jnp.max(load))

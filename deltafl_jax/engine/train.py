@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from deltafl_jax.engine.lanes import deal_jobs, per_lane
+from deltafl_jax.engine.lanes import deal_jobs, device_share, per_lane
+from deltafl_jax.engine.mesh import SINGLE, DeviceAxis
 from deltafl_jax.engine.trees import gather_rows, select_tree, tree_all_finite, tree_sqnorm
 from deltafl_jax.models import Model
 
@@ -47,6 +48,7 @@ class LocalSGDConfig(NamedTuple):
     lanes: int
     lane_mode: str = "vmap"
     local_penalty: Optional[Callable] = None
+    axis: DeviceAxis = SINGLE
 
 
 class TrainResult(NamedTuple):
@@ -124,7 +126,9 @@ class _LaneProgram:
         self.group, self.jobs, self.lr, self.l2, self.hyper = (replica_group, jobs,
                                                                learning_rate, l2, hyper)
         self.c, self.B, self.J = cfg.lanes, cfg.batch_size, jobs.steps.shape[0]
-        self.deal = deal_jobs(jobs.steps, self.c)
+        axis = cfg.axis
+        self.deal = device_share(deal_jobs(jobs.steps, self.c * axis.count), axis.index(),
+                                 self.c) if axis.count > 1 else deal_jobs(jobs.steps, self.c)
         self.optimizer = optax.inject_hyperparams(sgd_with_weight_decay)(learning_rate=0.0,
                                                                          l2=0.0)
         self.run_step = _lane_step_fn(model, cfg, self.optimizer)
@@ -230,7 +234,10 @@ def train_jobs(model: Model, params, X, Y, plan, replica_group, job_weight, lear
                         hyper, cfg)
     trips = prog.deal.trips
     out = lax.while_loop(lambda cr: cr.trip < trips, prog.body, prog.init())
-    return TrainResult(delta_sum=out.delta_sum, weight_sum=out.weight_sum,
-                       job_sqnorm=out.sqnorm.reshape(R, m), job_finite=out.finite.reshape(R, m),
-                       job_trained=(jobs.steps > 0).reshape(R, m), real_examples=out.real,
-                       padded_examples=trips * cfg.lanes * cfg.batch_size, trips=trips)
+    axis = cfg.axis   # one reduction of the devices' partial sums, after the loop
+    return TrainResult(delta_sum=axis.sum(out.delta_sum), weight_sum=axis.sum(out.weight_sum),
+                       job_sqnorm=axis.sum(out.sqnorm).reshape(R, m),
+                       job_finite=axis.sum(out.finite.astype(jnp.int32)).reshape(R, m) > 0,
+                       job_trained=(jobs.steps > 0).reshape(R, m), real_examples=axis.sum(out.real),
+                       padded_examples=axis.sum(trips * cfg.lanes * cfg.batch_size),
+                       trips=axis.max(trips))

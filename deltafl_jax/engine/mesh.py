@@ -1,0 +1,90 @@
+"""The device mesh: one round across every device of one or many machines.
+
+With D > 1 devices the round is ``jit(shard_map(round_fn))`` over a 1-D mesh (axis
+``"devices"``). The state, the training split and the round plan are replicated; the client
+work is dealt across D x c global lanes (:func:`deltafl_jax.engine.lanes.deal_jobs`,
+evaluation items round-robin), each device runs its own while loops to its own trip counts, and
+the partial sums are reduced once after the loops (``psum``; no collective inside a loop body).
+The filter and the server update then run identically on every device. With D = 1 none of
+this is used, and the round is the plain jitted function.
+
+Multi-host: every process holds the same replicated values; :func:`replicate` builds global
+arrays from host values, and :func:`to_host` reads a replicated global array on any process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXIS = "devices"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceAxis:
+    """How many devices share the client work, and the mesh axis name inside shard_map
+    (None when D = 1: no collectives at all)."""
+
+    count: int = 1
+    name: Optional[str] = None
+
+    def index(self):
+        """This device's index on the axis (0 without a mesh)."""
+        return jax.lax.axis_index(self.name) if self.name else 0
+
+    def sum(self, x):
+        return jax.lax.psum(x, self.name) if self.name else x
+
+    def max(self, x):
+        return jax.lax.pmax(x, self.name) if self.name else x
+
+
+SINGLE = DeviceAxis()
+
+
+def make_mesh(devices: int) -> Mesh:
+    """A 1-D mesh over the first `devices` devices of every process (all of them: -1)."""
+    all_devices = jax.devices()
+    count = len(all_devices) if devices in (None, -1, 0) else int(devices)
+    if count > len(all_devices):
+        raise ValueError(f"--devices={count} but only {len(all_devices)} "
+                         f"{jax.default_backend()} device(s) are visible")
+    return Mesh(np.array(all_devices[:count]), (AXIS,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def replicate(tree, mesh: Mesh):
+    """Every leaf as a global array replicated on every device of `mesh` (any process)."""
+    sharding = replicated(mesh)
+
+    def put(x):
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.jit(lambda k: k, out_shardings=sharding)(x)
+        host = to_host(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    return jax.tree.map(put, tree)
+
+
+def to_host(x) -> np.ndarray:
+    """A NumPy copy of a replicated (or single-device) array, on any process."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(x)
+
+
+def tree_to_host(tree) -> Any:
+    return jax.tree.map(to_host, tree)
+
+
+def sharded(fn, mesh: Mesh, num_args: int):
+    """shard_map of `fn` with every argument and output replicated."""
+    specs = tuple(P() for _ in range(num_args))
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
