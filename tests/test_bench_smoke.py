@@ -1,7 +1,9 @@
 """Smoke runs of the benchmark scripts at tiny sizes, so that they keep working. The figures
 themselves are not asserted (machines are noisy); the JSON's shape and its internal
-consistency are."""
+consistency are. The comparison with PyTorch needs the `bench` extra (`pip install -e '.[bench]'`);
+without torch it is skipped, with its reason in pytest's summary."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +13,11 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(__file__))
+
+needs_torch = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None,
+    reason="torch is not installed; bench/compare.py's PyTorch loop needs the bench extra: "
+           "pip install -e '.[bench]'")
 
 
 def run_json(args, tmp_path, name):
@@ -42,6 +49,7 @@ def test_round_speed_smoke(tmp_path):
             assert row["trained_over_kept"] == pytest.approx(1.0)
 
 
+@needs_torch
 @pytest.mark.parametrize("model", ["linear", "cnn"])
 def test_compare_smoke(tmp_path, model):
     res = run_json(["bench.compare", f"--model={model}", "--clients=3", "--num_clients=8",
