@@ -58,6 +58,7 @@ class ExperimentConfig:
     tensorboard: Optional[bool] = None      # None = when tensorboardX is installed
     checkpoint_every: int = 0               # rounds between checkpoints (0: by time only)
     checkpoint_every_s: float = 120.0       # seconds between checkpoints (0: by rounds only)
+    devices: Optional[int] = None           # devices sharing a round (None: all local ones)
     stop_on_divergence: bool = False        # stop a replica whose train loss is NaN or > 3x w_0's
 
     def __post_init__(self):
@@ -113,6 +114,8 @@ def _check_numbers(c: ExperimentConfig):
         raise ConfigError(
             f"--lr_decay is the divisor c >= 1 of lr_t = lr * c^-(t // lr_decay_every), got "
             f"{c.lr_decay} (to halve the rate pass 2)")
+    if c.devices is not None and c.devices < 1:
+        raise ConfigError(f"--devices must be at least 1, got {c.devices}")
     if c.checkpoint_every < 0 or not c.checkpoint_every_s >= 0:
         raise ConfigError(f"--checkpoint_every and --checkpoint_every_s must be >= 0, got "
                           f"{c.checkpoint_every} and {c.checkpoint_every_s}")

@@ -128,6 +128,9 @@ def define_experiment_flags() -> None:
     _define(flags.DEFINE_integer, "clients_per_step", None, "client lanes trained at once "
             "(1: one client at a time; m: all sampled clients vmapped); unset: by model and "
             "backend")
+    _define(flags.DEFINE_integer, "devices", None, "devices that share each round's client "
+            "work (one mesh axis); unset: every local device (and every process's, with "
+            "--distributed); 1: one device, no collectives")
     _define(flags.DEFINE_integer, "eval_chunk", None, "examples per evaluation work item; "
             "unset: by model and backend")
     _define(flags.DEFINE_integer, "eval_every", 10, "evaluate on all train and test clients "
@@ -184,7 +187,7 @@ SCALAR_FIELDS = ("model", "filter", "num_rounds", "clients_per_round", "local_ep
                  "local_steps", "batch_size", "learning_rate", "lr_decay", "lr_decay_every",
                  "eval_every", "clients_per_step", "eval_chunk", "output_dir", "overwrite",
                  "conv_impl", "save_models", "checkpoint_every", "checkpoint_every_s",
-                 "stop_on_divergence")
+                 "stop_on_divergence", "devices")
 
 
 def data_config_from_flags():

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax import engine, plan as plan_lib, rounds
+from deltafl_jax.engine import mesh as mesh_lib
 from deltafl_jax.algorithms import registry
 from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm
 from deltafl_jax.config import PERCENTILES, ExperimentConfig
@@ -29,25 +30,31 @@ from deltafl_jax.replicas import Replicas
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """How client work runs: lanes per training step and their mode, evaluation chunk and
+    """How client work runs: devices, lanes per device and their mode, evaluation chunk and
     lanes (from the model's preferences on this backend, unless the config sets them)."""
 
     lanes: int
     lane_mode: str
     eval_chunk: int
     eval_lanes: int
+    devices: int = 1
 
 
 def placement(config: ExperimentConfig, model: Model, m: int, num_replicas: int,
-              backend: Optional[str] = None) -> Placement:
-    """Evaluation lanes: one on CPU (a bigger chunk is the better batch there); on
-    accelerators one per replica (up to 16), so a step evaluates all models at once."""
+              backend: Optional[str] = None, devices: int = 1) -> Placement:
+    """Lanes per device: on CPU the model's measured preference; on accelerators enough that
+    devices x lanes cover the R x m jobs of a round (every kept client trains in the first
+    trip), capped at m. Evaluation lanes: one on CPU (a bigger chunk is the better batch
+    there); on accelerators one per replica (up to 16), so a step evaluates all models."""
     backend = backend or jax.default_backend()
     prefs = model.lanes
-    lanes = min(config.clients_per_step or prefs.lanes(m, backend), m * num_replicas)
+    jobs = m * num_replicas
+    per_device = prefs.lanes(m, backend) if backend == "cpu" else min(m, -(-jobs // devices))
+    lanes = min(config.clients_per_step or per_device, jobs)
     return Placement(lanes=lanes, lane_mode=prefs.lane_mode(backend),
                      eval_chunk=config.eval_chunk or prefs.eval_chunk(backend),
-                     eval_lanes=1 if backend == "cpu" else max(1, min(num_replicas, 16)))
+                     eval_lanes=1 if backend == "cpu" else max(1, min(num_replicas, 16)),
+                     devices=devices)
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,6 +78,10 @@ class Experiment:
     split_plans: Dict[str, Any]
     eval_fn: Callable      # jitted (params, x, y, idx, seg, length) -> (loss_sum, err_sum)
     served_fn: Optional[Callable] = None  # jitted (algo_state, params) -> served params
+    mesh: Optional[Any] = None            # the device mesh when the round spans D > 1 devices
+
+    def _place(self, tree):
+        return tree if self.mesh is None else mesh_lib.replicate(tree, self.mesh)
 
     @property
     def seeds(self):
@@ -89,10 +100,11 @@ class Experiment:
         return self.placement.eval_chunk
 
     def initial_state(self) -> rounds.ServerState:
-        return rounds.init_state(self.model, self.algorithm, self.replicas, self.seeds)
+        return self._place(rounds.init_state(self.model, self.algorithm, self.replicas,
+                                             self.seeds))
 
     def keys(self):
-        return rounds.replica_keys(self.replicas, self.seeds)
+        return self._place(rounds.replica_keys(self.replicas, self.seeds))
 
     def served_params(self, state):
         """The models that are evaluated and saved, [R, ...]: w_t, or what the algorithm
@@ -107,18 +119,20 @@ class Experiment:
 
     def round_data(self, round_idx: int) -> rounds.RoundData:
         x, y = self.device_train
-        return rounds.RoundData(x=x, y=y, plan=jax.device_put(self.round_plan(round_idx)))
+        plan = self.round_plan(round_idx)
+        plan = jax.device_put(plan) if self.mesh is None else self._place(plan)
+        return rounds.RoundData(x=x, y=y, plan=plan)
 
     def evaluate(self, params) -> Dict[str, np.ndarray]:
         """Per-client arrays [R, N] (float64) on all training and all test clients: losses
         (train ones with (l2/2)||w||^2) and errors."""
         out = {}
-        sqnorm = np.asarray(jax.vmap(engine.tree_sqnorm)(params))
+        sqnorm = mesh_lib.to_host(jax.vmap(engine.tree_sqnorm)(params))
         for name, split, (x, y) in (("train", self.data.train, self.device_train),
                                     ("test", self.data.test, self.device_test)):
             sp = self.split_plans[name]
-            loss_sum, err_sum = self.eval_fn(params, x, y, sp.eval_idx, sp.eval_seg,
-                                             sp.eval_len)
+            loss_sum, err_sum = mesh_lib.tree_to_host(
+                self.eval_fn(params, x, y, sp.eval_idx, sp.eval_seg, sp.eval_len))
             k = split.num_clients
             n = split.sizes.astype(np.float64)
             loss = np.asarray(np.asarray(loss_sum)[:, :k], np.float64) / n
@@ -135,9 +149,11 @@ class Experiment:
                          method)
 
 
-def _device_split(split):
+def _device_split(split, mesh=None):
+    """The split on the device(s), in its stored dtype (uint8 pixels stay uint8)."""
     y = split.y if split.y is not None else np.zeros((split.num_examples,), np.int32)
-    return jax.device_put(split.x), jax.device_put(y.astype(np.int32))
+    pair = (split.x, y.astype(np.int32))
+    return jax.device_put(pair) if mesh is None else mesh_lib.replicate(pair, mesh)
 
 
 def _model(config: ExperimentConfig, data: FederatedDataset) -> Tuple[Model, ModelOptions]:
@@ -148,14 +164,18 @@ def _model(config: ExperimentConfig, data: FederatedDataset) -> Tuple[Model, Mod
         raise ConfigError(str(e)) from None
 
 
-def _eval_fn(model: Model, place: Placement, num_segments: int):
-    """One jitted evaluation of R models over a whole split (both splits share it)."""
+def _eval_fn(model: Model, place: Placement, num_segments: int, mesh=None):
+    """One jitted evaluation of R models over a whole split (both splits share it), its
+    chunks dealt across the devices of `mesh`."""
+    axis = mesh_lib.SINGLE if mesh is None else mesh_lib.DeviceAxis(place.devices,
+                                                                    mesh_lib.AXIS)
+
     def eval_fn(params, x, y, idx, seg, length):
         group = jnp.zeros((jax.tree.leaves(params)[0].shape[0],), jnp.int32)
         res = engine.evaluate_streams(model, params, x, y, idx, seg, length, group,
-                                      num_segments, place.eval_chunk, place.eval_lanes)
+                                      num_segments, place.eval_chunk, place.eval_lanes, axis)
         return res.loss_sum, res.error_sum
-    return jax.jit(eval_fn)
+    return jax.jit(eval_fn if mesh is None else mesh_lib.sharded(eval_fn, mesh, 6))
 
 
 def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDataset) -> int:
@@ -165,6 +185,29 @@ def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDatas
             f"--clients_per_round={m} exceeds the {data.train.num_clients} training clients of "
             f"{data.name}")
     return int(data.train.num_clients) if spec.all_clients else m
+
+
+def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh):
+    """The jitted round: plain for one device, jit(shard_map(...)) over a mesh otherwise."""
+    axis = mesh_lib.SINGLE if mesh is None else mesh_lib.DeviceAxis(place.devices,
+                                                                    mesh_lib.AXIS)
+    local = engine.LocalSGDConfig(batch_size=config.batch_size, lanes=place.lanes,
+                                  lane_mode=place.lane_mode,
+                                  local_penalty=algorithm.local_penalty, axis=axis)
+    raw = rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
+                                place.eval_lanes, m)
+    return jax.jit(raw if mesh is None else mesh_lib.sharded(raw, mesh, 3), donate_argnums=(0,))
+
+
+def _mesh(config: ExperimentConfig):
+    """None for one device (the plain path), else the mesh of --devices devices."""
+    devices = config.devices if config.devices not in (None, 0, -1) else jax.device_count()
+    if devices == 1:
+        return None
+    try:
+        return mesh_lib.make_mesh(devices)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = None,
@@ -183,23 +226,21 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     local_steps = spec.local_steps if spec.local_steps is not None else config.local_steps
     work = plan_lib.LocalWork(batch_size=config.batch_size, local_epochs=config.local_epochs,
                               local_steps=local_steps)
-    place = placement(config, model, m, replicas.size)
-    local = engine.LocalSGDConfig(batch_size=config.batch_size, lanes=place.lanes,
-                                  lane_mode=place.lane_mode,
-                                  local_penalty=algorithm.local_penalty)
-    round_fn = jax.jit(rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
-                                             place.eval_lanes, m), donate_argnums=(0,))
+    mesh = _mesh(config)
+    place = placement(config, model, m, replicas.size,
+                      devices=1 if mesh is None else mesh.devices.size)
+    round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh)
     # Both splits use one segment count (the larger), so one evaluation program serves both.
     segments = max(data.train.num_clients, data.test.num_clients)
-    split_plans = {name: jax.device_put(plan_lib.make_split_plan(split.offsets, place.eval_chunk,
-                                                                 segments))
+    put = jax.device_put if mesh is None else (lambda t: mesh_lib.replicate(t, mesh))
+    split_plans = {name: put(plan_lib.make_split_plan(split.offsets, place.eval_chunk, segments))
                    for name, split in (("train", data.train), ("test", data.test))}
     return Experiment(
         config=config, data=data, model=model, model_options=options, spec=spec,
         algorithm=algorithm, replicas=replicas, work=work,
         caps=plan_lib.capacities(data.train.sizes, m, work, place.eval_chunk), placement=place,
-        num_sampled=m, round_fn=round_fn, device_train=_device_split(data.train),
-        device_test=_device_split(data.test), split_plans=split_plans,
-        eval_fn=_eval_fn(model, place, segments),
+        num_sampled=m, round_fn=round_fn, device_train=_device_split(data.train, mesh),
+        device_test=_device_split(data.test, mesh), split_plans=split_plans,
+        eval_fn=_eval_fn(model, place, segments, mesh),
         served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
-                   if algorithm.eval_params is not None else None))
+                   if algorithm.eval_params is not None else None), mesh=mesh)

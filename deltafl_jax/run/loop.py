@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import jax
 import numpy as np
 
+from deltafl_jax.engine.mesh import tree_to_host
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
 from deltafl_jax.run.recorder import Recorder, RunResult
 
@@ -71,7 +72,7 @@ def run_rounds(exp, state, callbacks: Sequence[Callback] = (), start_round: int 
         state, metrics = exp.round_fn(state, pending, keys)
         if t + 1 < T:
             pending = exp.round_data(t + 1)   # host work overlaps the device round
-        metrics = jax.device_get(metrics)
+        metrics = tree_to_host(metrics)
         run.state = state
         _emit(callbacks, "on_round_end", run, t + 1, metrics)
         if (t + 1) % exp.config.eval_every == 0 or t + 1 == T:

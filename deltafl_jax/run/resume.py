@@ -21,7 +21,7 @@ from deltafl_jax.run import checkpoint as ckpt
 
 # Settings that may change between the run and its resume (they change no result).
 FREE_FIELDS = ("output_dir", "overwrite", "verbose", "tensorboard", "checkpoint_every",
-               "checkpoint_every_s", "save_models")
+               "checkpoint_every_s", "save_models", "devices")
 
 
 def data_digest(data) -> str:

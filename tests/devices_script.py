@@ -1,0 +1,64 @@
+"""Run by tests/test_devices.py in a subprocess with 8 fake CPU devices (the XLA flag must be
+set before JAX starts): trains the same configuration on D = 1, 2, 4, 8 devices and prints one
+JSON line per D with its metrics and final parameters, and the compiled HLO of D = 4."""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import tiny_config  # noqa: E402
+from deltafl_jax import DataConfig, build_experiment, load_dataset  # noqa: E402
+
+
+def run(cfg, data, rounds):
+    exp = build_experiment(cfg, data)
+    state, keys = exp.initial_state(), exp.keys()
+    mets = []
+    for t in range(rounds):
+        state, met = exp.round_fn(state, exp.round_data(t), keys)
+        mets.append(jax.tree.map(lambda a: np.asarray(a).tolist(), met))
+    per_client = exp.evaluate(exp.served_params(state))
+    return exp, state, {
+        "metrics": mets,
+        "params": [np.asarray(x).ravel().tolist() for x in jax.tree.leaves(state.params)],
+        "summary": {k: v.tolist() for k, v in exp.summarize(per_client).items()}}
+
+
+def main(which):
+    if which == "synthetic":
+        data = load_dataset(DataConfig("synthetic", synthetic_num_clients=40,
+                                       synthetic_max_examples=200, synthetic_alpha=1.0,
+                                       synthetic_beta=0.5, synthetic_shared=0.98))
+        cfg = dict(thetas=(1.0, 0.8, 0.5, 0.1), seeds=(1, 2), num_rounds=6,
+                   clients_per_round=8, batch_size=10, learning_rate=0.1)
+        rounds = 6
+    else:  # the ConvNet on small FEMNIST-shaped data
+        rng = np.random.default_rng(0)
+        from deltafl_jax import ClientData, FederatedDataset
+        sizes = rng.integers(8, 30, size=12)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        x = rng.random((offsets[-1], 784)).astype(np.float32)
+        y = rng.integers(0, 10, offsets[-1]).astype(np.int32)
+        split = ClientData(x=x, y=y, offsets=offsets, client_ids=np.arange(12))
+        data = FederatedDataset("images", split, split, num_classes=10)
+        cfg = dict(model="cnn", thetas=(1.0, 0.5), seeds=(1,), clients_per_round=6,
+                   batch_size=8, learning_rate=0.05, eval_chunk=32)
+        rounds = 2
+    for D in (1, 2, 4, 8):
+        exp, state, out = run(tiny_config(devices=D, **cfg), data, rounds)
+        out["devices"] = D
+        if D == 4:
+            data0 = exp.round_data(0)
+            out["hlo"] = exp.round_fn.lower(state, data0, exp.keys()).compile().as_text()
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
