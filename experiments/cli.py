@@ -131,6 +131,17 @@ def define_experiment_flags() -> None:
     _define(flags.DEFINE_integer, "devices", None, "devices that share each round's client "
             "work (one mesh axis); unset: every local device (and every process's, with "
             "--distributed); 1: one device, no collectives")
+    _define(flags.DEFINE_bool, "distributed", False, "join a run of several processes with "
+            "jax.distributed (TPU pods and Slurm are detected; else give the three flags below)")
+    _define(flags.DEFINE_string, "coordinator_address", None, "with --distributed: host:port of "
+            "process 0")
+    _define(flags.DEFINE_integer, "num_processes", None, "with --distributed: processes in all")
+    _define(flags.DEFINE_integer, "process_id", None, "with --distributed: this process, "
+            "0..num_processes-1 (0 writes the outputs)")
+    _define(flags.DEFINE_integer, "distributed_timeout_s", 120, "with --distributed: give up "
+            "joining after this many seconds")
+    _define(flags.DEFINE_bool, "deterministic", False, "bit-reproducible runs on GPU (XLA's "
+            "deterministic scatter-adds; slower); no effect on CPU, which is deterministic")
     _define(flags.DEFINE_integer, "eval_chunk", None, "examples per evaluation work item; "
             "unset: by model and backend")
     _define(flags.DEFINE_integer, "eval_every", 10, "evaluate on all train and test clients "
@@ -150,6 +161,18 @@ def define_experiment_flags() -> None:
     _define(flags.DEFINE_enum, "tensorboard", "auto", "write TensorBoard event files under "
             "<output_dir>/tb/ (auto: when tensorboardX is installed)",
             enum_values=["auto", "yes", "no"])
+
+
+def start_backend() -> None:
+    """What must happen before JAX starts its backend: XLA flags and joining a distributed
+    run. Raises ConfigError when the run cannot be joined."""
+    if FLAGS.deterministic:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_gpu_deterministic_ops=true").strip()
+    if FLAGS.distributed:
+        from deltafl_jax.run import distributed
+        distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
+                               FLAGS.process_id, FLAGS.distributed_timeout_s)
 
 
 def floats(name: str, values: Sequence[str]) -> Tuple[float, ...]:

@@ -19,7 +19,7 @@ import sys
 from absl import app, logging
 
 from experiments.cli import (FLAGS, UsageError, configs_from_flags, define_experiment_flags,
-                             fail, parse_flags_or_fail)
+                             fail, parse_flags_or_fail, start_backend)
 
 define_experiment_flags()
 STOP_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}   # 128 + the signal, as shells report it
@@ -52,6 +52,7 @@ def main(argv):
 
     results = []
     try:
+        start_backend()
         configs = configs_from_flags()
         for config in configs:  # refuse before anything runs
             check_output_dir(config.output_dir, config.overwrite)

@@ -66,7 +66,10 @@ def replicate(tree, mesh: Mesh):
 
     def put(x):
         if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return jax.jit(lambda k: k, out_shardings=sharding)(x)
+            data = put(jax.random.key_data(x))
+            impl = jax.random.key_impl(x)
+            return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl),
+                           out_shardings=sharding)(data)
         host = to_host(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 

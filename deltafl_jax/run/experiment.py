@@ -79,6 +79,7 @@ class Experiment:
     eval_fn: Callable      # jitted (params, x, y, idx, seg, length) -> (loss_sum, err_sum)
     served_fn: Optional[Callable] = None  # jitted (algo_state, params) -> served params
     mesh: Optional[Any] = None            # the device mesh when the round spans D > 1 devices
+    footprint: Optional[Footprint] = None # bytes held on each device
 
     def _place(self, tree):
         return tree if self.mesh is None else mesh_lib.replicate(tree, self.mesh)
@@ -147,6 +148,68 @@ class Experiment:
         return summarize(per_client["train_loss"], self.data.train.sizes,
                          per_client["test_error"], per_client["test_loss"], PERCENTILES,
                          method)
+
+
+def _tree_bytes(tree) -> int:
+    return int(sum(np.asarray(x).nbytes if not hasattr(x, "nbytes") else x.nbytes
+                   for x in jax.tree.leaves(tree)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """Bytes held on EACH device (everything is replicated across the mesh): the two splits,
+    the replicas' state, one round's plan, and the lanes' local models (params, anchor and
+    optimizer state, about 3 copies of one model per lane)."""
+
+    data: int
+    state: int
+    plan: int
+    lanes: int
+
+    @property
+    def total(self) -> int:
+        return self.data + self.state + self.plan + self.lanes
+
+
+def footprint(data: FederatedDataset, model: Model, replicas: Replicas, place: Placement,
+              caps: plan_lib.Capacities, m: int) -> Footprint:
+    one = jax.eval_shape(model.init, jax.random.key(0))
+    model_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(one))
+    G = len(set(int(g) for g in replicas.group))
+    split_bytes = sum(s.x.nbytes + s.num_examples * 4 for s in (data.train, data.test))
+    return Footprint(data=int(split_bytes), state=replicas.size * model_bytes,
+                     plan=4 * G * (2 * caps.eval_len + caps.train_len + 6 * m),
+                     lanes=3 * place.lanes * model_bytes)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2 ** 20:.1f} MB"
+
+
+def placement_line(exp: "Experiment") -> str:
+    """One line: devices, lanes, and the bytes each device holds."""
+    p, f = exp.placement, exp.footprint
+    return (f"placement: {p.devices} {jax.default_backend()} device(s) x {p.lanes} lane(s) "
+            f"({p.lane_mode}); per device: data {_mb(f.data)}, state {_mb(f.state)}, round plan "
+            f"{_mb(f.plan)}, lanes {_mb(f.lanes)}")
+
+
+def check_memory(fp: Footprint, devices) -> None:
+    """ConfigError before compiling when the run cannot fit in a device's memory (backends
+    whose devices report memory_stats(); XLA:CPU does not)."""
+    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+    try:
+        stats = local[0].memory_stats()
+    except Exception:  # pylint: disable=broad-except
+        stats = None
+    limit = (stats or {}).get("bytes_limit")
+    if not limit or fp.total <= 0.9 * limit:
+        return
+    biggest = max(("the data (--max_examples_per_client, --max_train_clients)", fp.data),
+                  ("the replicas (fewer --thetas or --seeds)", fp.state),
+                  ("the lanes (--clients_per_step)", fp.lanes), key=lambda kv: kv[1])[0]
+    raise ConfigError(f"the run needs about {_mb(fp.total)} per device but "
+                      f"{local[0].device_kind} has {_mb(limit)}; reduce {biggest}")
 
 
 def _device_split(split, mesh=None):
@@ -229,6 +292,9 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     mesh = _mesh(config)
     place = placement(config, model, m, replicas.size,
                       devices=1 if mesh is None else mesh.devices.size)
+    caps = plan_lib.capacities(data.train.sizes, m, work, place.eval_chunk)
+    fp = footprint(data, model, replicas, place, caps, m)
+    check_memory(fp, jax.devices() if mesh is None else list(mesh.devices.flat))
     round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh)
     # Both splits use one segment count (the larger), so one evaluation program serves both.
     segments = max(data.train.num_clients, data.test.num_clients)
@@ -238,7 +304,7 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     return Experiment(
         config=config, data=data, model=model, model_options=options, spec=spec,
         algorithm=algorithm, replicas=replicas, work=work,
-        caps=plan_lib.capacities(data.train.sizes, m, work, place.eval_chunk), placement=place,
+        caps=caps, placement=place, footprint=fp,
         num_sampled=m, round_fn=round_fn, device_train=_device_split(data.train, mesh),
         device_test=_device_split(data.test, mesh), split_plans=split_plans,
         eval_fn=_eval_fn(model, place, segments, mesh),

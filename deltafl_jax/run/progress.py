@@ -17,6 +17,7 @@ import numpy as np
 
 from deltafl_jax.replicas import labels_by_group
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
+from deltafl_jax.run.experiment import placement_line
 
 
 def _groups(labels):
@@ -80,6 +81,7 @@ class Progress(Callback):
                  f"{exp.config.algorithm}, {exp.replicas.size} replicas "
                  f"({len(exp.config.seeds)} seeds), m={exp.num_sampled}, {exp.lanes} client "
                  f"lane(s) per step, backend {exp.backend}")
+        self.log(placement_line(exp))
         if run.start_round:
             self.log(f"resuming after round {run.start_round} of {run.num_rounds}")
 

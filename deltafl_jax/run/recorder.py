@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 import jax
 import numpy as np
 
+from deltafl_jax.engine.mesh import tree_to_host
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
 
 
@@ -29,6 +30,7 @@ class RunResult:
     per_round: metric -> [rounds, R] (or [rounds]) host arrays of every round.
     per_client: the last evaluation's per-client arrays [R, N].
     client_history: "rounds" [E] and the per-client arrays of every evaluation [E, R, N].
+    served: the final served models [R, ...] as host NumPy arrays (what models/ holds).
     rounds_done: rounds completed; stopped: the run ended early (reason in stop_reason).
     """
 
@@ -39,6 +41,7 @@ class RunResult:
     per_round: Dict[str, np.ndarray]
     per_client: Optional[Dict[str, np.ndarray]]
     client_history: Dict[str, np.ndarray]
+    served: Any
     rounds_done: int
     stopped: bool = False
     stop_reason: str = ""
@@ -115,6 +118,7 @@ class Recorder(Callback):
             per_client=None if last is None else last.per_client,
             client_history={k: np.stack(v) if k != "rounds" else np.asarray(v)
                             for k, v in self.client_history.items() if len(v) or k == "rounds"},
+            served=tree_to_host(exp.served_params(run.state)),
             rounds_done=self.rounds_done, stopped=run.stop_requested,
             stop_reason=run.stop_reason)
 

@@ -9,13 +9,15 @@ import os
 import time
 from typing import Callable, List, Optional, Sequence
 
+import jax
+
 from deltafl_jax import outputs
 from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.datasets import load_dataset
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.replicas import Replicas
-from deltafl_jax.run import checkpoint as ckpt, resume, tensorboard
+from deltafl_jax.run import checkpoint as ckpt, distributed, resume, tensorboard
 from deltafl_jax.run.callbacks import Callback
 from deltafl_jax.run.divergence import StopOnDivergence
 from deltafl_jax.run.experiment import Experiment, build_experiment
@@ -43,21 +45,25 @@ def check_output_dir(out: Optional[str], overwrite: bool) -> None:
 
 
 def _checkpointer(out: Optional[str], overwrite: bool) -> Optional[ckpt.Checkpointer]:
-    """The run's checkpoints (None without an output dir); overwrite starts afresh."""
+    """The run's checkpoints (None without an output dir, and on runs of several processes,
+    which do not checkpoint yet); overwrite starts afresh."""
     if not out:
         return None
     check_output_dir(out, overwrite)
     if overwrite or not os.path.isdir(ckpt.checkpoint_dir(out)):
         outputs.prepare_dir(out, overwrite)
+    if jax.process_count() > 1:
+        return None
     return ckpt.Checkpointer(ckpt.checkpoint_dir(out))
 
 
 def _standard_callbacks(config, exp, log, recorder, checkpointer, fp) -> List[Callback]:
-    out = config.output_dir
+    """Every process runs the same computations; only the primary one prints and writes."""
+    out = config.output_dir if distributed.is_primary() else None
     cbs: List[Callback] = []
     if config.stop_on_divergence:
         cbs.append(StopOnDivergence())   # before the writers: it adds to the summary
-    if config.verbose:
+    if config.verbose and distributed.is_primary():
         cbs.append(Progress(log))
     if out:
         cbs.append(OutputWriter(out, config.save_models))
@@ -102,20 +108,21 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
     ConfigError / DataError before anything is written.
     """
     log = log or _print
-    out = config.output_dir
+    out = config.output_dir if distributed.is_primary() else None
     check_output_dir(out, config.overwrite)
     t0 = time.perf_counter()
     data = data if data is not None else load_dataset(config.data)
     exp = build_experiment(config, data, replicas)
     fp = resume.fingerprint(config, exp.data)
+    distributed.check_same_plan(exp, fp)
     checkpointer = _checkpointer(out, config.overwrite)
     try:
         recorder = Recorder()
         start, state = _resume(exp, checkpointer, fp, recorder, log)
         recorder.build_s = time.perf_counter() - t0
         cbs = _standard_callbacks(config, exp, log, recorder, checkpointer, fp)
-        result = run_rounds(exp, state, [*cbs, *callbacks], start_round=start, output_dir=out,
-                            recorder=recorder)
+        result = run_rounds(exp, state, [*cbs, *callbacks], start_round=start,
+                            output_dir=out, recorder=recorder)
     finally:
         if checkpointer is not None:
             checkpointer.close()

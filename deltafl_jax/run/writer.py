@@ -27,6 +27,6 @@ class OutputWriter(Callback):
         self.writer.write_clients_history(result.client_history)
         self.writer.write_clients(result.per_client, exp.data, labels)
         if self.save_models:
-            self.writer.save_models(exp.served_params(result.state), labels, exp.model,
+            self.writer.save_models(result.served, labels, exp.model,
                                     exp.model_options, exp.data)
         self.writer.write_summary(result.summary)
