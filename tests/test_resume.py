@@ -124,7 +124,7 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_previous(uninterrupted, t
     proc = start_and_kill(out, signal.SIGKILL, after_checkpoint=8)
     assert proc.returncode == -signal.SIGKILL
     rounds = saved_rounds(out)
-    assert len(rounds) == 2
+    assert len(rounds) >= 2   # 2 kept (3 if killed between a save and the old one's deletion)
     newest = os.path.join(out, "checkpoints", str(rounds[-1]))
     victims = [os.path.join(d, f) for d, _, fs in os.walk(newest) for f in fs
                if os.path.getsize(os.path.join(d, f)) > 64]
@@ -132,7 +132,7 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_previous(uninterrupted, t
         f.truncate(16)
     resumed = run(out)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"round {rounds[0]} of" in resumed.stdout
+    assert f"round {rounds[-2]} of" in resumed.stdout
     assert "warning" in resumed.stderr.lower()
     assert_same_outputs(out, uninterrupted["deltafl"])
 
