@@ -109,6 +109,10 @@ def _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics):
         "train_padded_examples": tr.padded_examples,
         "train_trips": tr.trips,
         "eval_trips": ev.trips,
+        # Per device [D] (one entry without a mesh): the balance of the dealt work.
+        "device_train_trips": tr.device_trips,
+        "device_train_jobs": tr.device_jobs,
+        "device_train_examples": tr.device_examples,
     }
 
 

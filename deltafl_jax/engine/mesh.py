@@ -42,6 +42,14 @@ class DeviceAxis:
     def max(self, x):
         return jax.lax.pmax(x, self.name) if self.name else x
 
+    def spread(self, x):
+        """[D]: every device's value of the scalar x, in device order (one all-reduce)."""
+        x = jax.numpy.asarray(x)
+        if not self.name:
+            return x[None]
+        slot = jax.nn.one_hot(self.index(), self.count, dtype=x.dtype)
+        return jax.lax.psum(slot * x, self.name)
+
 
 SINGLE = DeviceAxis()
 

@@ -59,7 +59,10 @@ class TrainResult(NamedTuple):
     job_trained: jax.Array   # [R, m] bool: the job ran
     real_examples: jax.Array    # scalar: examples that went through local SGD
     padded_examples: jax.Array  # scalar: example slots computed (trips * lanes * batch)
-    trips: jax.Array            # scalar: loop iterations
+    trips: jax.Array            # scalar: loop iterations (the busiest device's)
+    device_trips: jax.Array = None     # [D] each device's loop iterations
+    device_jobs: jax.Array = None      # [D] each device's jobs
+    device_examples: jax.Array = None  # [D] each device's trained examples
 
 
 class Jobs(NamedTuple):
@@ -240,4 +243,6 @@ def train_jobs(model: Model, params, X, Y, plan, replica_group, job_weight, lear
                        job_finite=axis.sum(out.finite.astype(jnp.int32)).reshape(R, m) > 0,
                        job_trained=(jobs.steps > 0).reshape(R, m), real_examples=axis.sum(out.real),
                        padded_examples=axis.sum(trips * cfg.lanes * cfg.batch_size),
-                       trips=axis.max(trips))
+                       trips=axis.max(trips), device_trips=axis.spread(trips),
+                       device_jobs=axis.spread(jnp.sum(prog.deal.length)),
+                       device_examples=axis.spread(out.real))
