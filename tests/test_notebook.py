@@ -1,0 +1,31 @@
+"""notebooks/colab_tpu.ipynb runs end to end on CPU (nbclient), with its parameter cell set to
+the tiny test flagfile and no install step (the package is installed already)."""
+
+import os
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOK = os.path.join(REPO, "notebooks", "colab_tpu.ipynb")
+
+
+def test_colab_notebook_runs_on_cpu(tmp_path):
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    params = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(params) == 1
+    params[0].source = (f"INSTALL = False\nREPO = {REPO!r}\nEXTRA = 'cpu'\n"
+                        f"FLAGFILE = 'tests/tiny.flags'\nEXTRA_FLAGS = ['--tensorboard=no']\n"
+                        f"OUT = {str(tmp_path / 'run')!r}\nTHETA, SEED = 0.5, 1")
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": REPO}})
+    client.execute()
+    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                     for o in c.get("outputs", []) if o.get("output_type") == "stream")
+    assert "cpu" in text and "served theta=0.5, seed=1" in text
+    images = [o for c in nb.cells for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert images, "the report's figures are shown"
+    assert os.path.exists(tmp_path / "run" / "report" / "report.md")
