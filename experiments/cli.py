@@ -85,6 +85,11 @@ def define_data_flags() -> None:
             "'x,y;x,y;...'")
     _define(flags.DEFINE_integer, "toy_examples_per_client", 500, "gaussian_toy: samples per "
             "client")
+    _define(flags.DEFINE_float, "writer_fraction", 0.5, "femnist: fraction of the eligible "
+            "writers kept (the paper: 0.5; 1.0 keeps them all)")
+    _define(flags.DEFINE_bool, "resample_writers_per_seed", False, "redraw the data (femnist's "
+            "writer subsample; every dataset's train/test split) from each seed, as the "
+            "authors do; each seed then runs as its own program into <output_dir>/seed_<s>/")
     _define(flags.DEFINE_enum, "normalize", "none", "float inputs: none | reference (the "
             "authors' code: (x - mu) / mu per feature, mu the mean of each split's own "
             "examples) | standard (z-scores with the training statistics); sent140: of the "
@@ -184,7 +189,7 @@ DATA_FIELDS = ("dataset", "data_path", "data_dir", "data_seed", "min_client_exam
                "max_examples_per_client", "max_train_clients", "max_test_clients",
                "synthetic_alpha", "synthetic_beta", "synthetic_num_clients",
                "synthetic_max_examples", "synthetic_shared", "toy_examples_per_client",
-               "normalize")
+               "normalize", "writer_fraction", "resample_writers_per_seed")
 SCALAR_FIELDS = ("model", "filter", "num_rounds", "clients_per_round", "local_epochs",
                  "local_steps", "batch_size", "learning_rate", "lr_decay", "lr_decay_every",
                  "eval_every", "clients_per_step", "eval_chunk", "output_dir", "overwrite",

@@ -52,6 +52,10 @@ class DataConfig:
       normalize: "none", "reference" (the authors' (x - mu) / mu per feature, mu of each
         split) or "standard" (z-scores with the training statistics); float features only,
         applied after the client limits (:mod:`deltafl_jax.datasets.normalize`).
+      writer_fraction: FEMNIST: the fraction of the eligible writers kept (the paper: 0.5).
+      resample_writers_per_seed: redraw the data (FEMNIST's writer subsample, every dataset's
+        train/test split) for each seed, as the authors do; each seed is then its own dataset
+        and its own program (:mod:`deltafl_jax.seed_groups`).
     """
 
     dataset: str
@@ -70,6 +74,8 @@ class DataConfig:
     toy_means: Tuple[Tuple[float, float], ...] = ((0.0, 0.0), (4.0, 0.0), (1.0, 1.0))
     toy_examples_per_client: int = 500
     normalize: str = "none"
+    writer_fraction: float = 0.5
+    resample_writers_per_seed: bool = False
 
     @property
     def resolved_data_dir(self) -> str:

@@ -105,12 +105,18 @@ CURVE_PANELS = (("train_loss_mean", "train loss: mean"), ("train_loss_p90", "tra
 
 
 def curve_data(col: Column, metric: str, percentile: str = "lower"):
-    """(rounds [E], mean over seeds [E], min [E], max [E]) of `metric`, or None."""
-    got = col.run.curves(percentile)
-    if got is None or metric not in got[1]:
-        return None
-    rounds, per = got
-    v = np.asarray(per[metric])[:, col.replicas]
+    """(rounds [E], mean over seeds [E], min [E], max [E]) of `metric`, or None (also when
+    the column's runs were evaluated at different rounds)."""
+    rounds, parts = None, []
+    for run, reps in col.parts:
+        got = run.curves(percentile)
+        if got is None or metric not in got[1]:
+            return None
+        if rounds is not None and not np.array_equal(rounds, got[0]):
+            return None
+        rounds = got[0]
+        parts.append(np.asarray(got[1][metric])[:, reps])
+    v = np.concatenate(parts, axis=1)
     return rounds, v.mean(axis=1), v.min(axis=1), v.max(axis=1)
 
 
@@ -141,10 +147,14 @@ def curves_figure(cols: Sequence[Column], percentile: str = "lower"):
 
 def kept_data(col: Column):
     """(rounds 1..T, mean [T], min [T], max [T]) of the clients kept per round, or None."""
-    r = col.run.rounds
-    if r is None:
+    parts = []
+    for run, reps in col.parts:
+        if run.rounds is None:
+            return None
+        parts.append(np.asarray(run.rounds["num_selected"], np.float64)[:, reps])
+    if len({p.shape[0] for p in parts}) != 1:
         return None
-    v = np.asarray(r["num_selected"], np.float64)[:, col.replicas]
+    v = np.concatenate(parts, axis=1)
     return np.arange(1, v.shape[0] + 1), v.mean(axis=1), v.min(axis=1), v.max(axis=1)
 
 
