@@ -12,8 +12,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from deltafl_jax.metrics import PERCENTILE_METHODS
 from deltafl_jax.report import figures
 from deltafl_jax.report.io import Run, tidy_rows, write_csv
-from deltafl_jax.report.tables import (TABLES, Column, columns, markdown_table, runs_table,
-                                       settings)
+from deltafl_jax.report.tables import (BEST_NOTE, TABLES, Column, best_columns, columns,
+                                       markdown_table, runs_table, settings)
 
 CONVENTIONS = {
     "lower": "the **lower weighted quantile**: the smallest client value whose cumulative "
@@ -115,9 +115,12 @@ def conventions_section(runs: Sequence[Run], cols: Sequence[Column], percentile:
 
 
 def markdown(runs: Sequence[Run], cols: Sequence[Column], percentile: str,
-             skipped: Sequence[str], notes: Sequence[str], saved: Sequence[Figure]) -> str:
+             skipped: Sequence[str], notes: Sequence[str], saved: Sequence[Figure],
+             best: bool = False) -> str:
     """The text of report.md."""
     md = conventions_section(runs, cols, percentile)
+    if best:
+        md[-1:-1] = [f"- {BEST_NOTE}"]
     for spec in TABLES:
         md += [f"## {spec.title}", "", markdown_table(cols, spec, percentile), ""]
     md += ["## Runs", "", runs_table(runs), ""]
@@ -132,8 +135,11 @@ def markdown(runs: Sequence[Run], cols: Sequence[Column], percentile: str,
 
 def write_report(runs: Sequence[Run], out_dir: str, percentile: str = "lower",
                  skipped: Sequence[str] = (), dpi: int = 110,
-                 log: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
-    """Write report.md, the PNG figures and the CSV files into `out_dir`.
+                 log: Optional[Callable[[str], None]] = None,
+                 best: bool = False) -> Dict[str, Any]:
+    """Write report.md, the PNG figures and the CSV files into `out_dir`. With `best`, the
+    tables and figures show each baseline at its best swept value by test p90, marked
+    (:func:`deltafl_jax.report.tables.best_columns`); the CSV files keep every value.
 
     Returns {"report": path, "figures": [paths], "csv": [paths], "notes": [lines]}.
     """
@@ -143,14 +149,15 @@ def write_report(runs: Sequence[Run], out_dir: str, percentile: str = "lower",
         raise ValueError("no run to report")
     log = log or (lambda s: None)
     os.makedirs(out_dir, exist_ok=True)
-    cols = columns(runs)
+    every = columns(runs)
+    cols = best_columns(every, percentile) if best else every
     notes = run_notes(runs)
     saved = save_figures(cols, out_dir, percentile, dpi, notes)
     for kind, name in CSV_FILES:
-        write_csv(os.path.join(out_dir, name), tidy_rows(cols, kind, percentile))
+        write_csv(os.path.join(out_dir, name), tidy_rows(every, kind, percentile))
     report_path = os.path.join(out_dir, "report.md")
     with open(report_path, "w") as f:
-        f.write(markdown(runs, cols, percentile, skipped, notes, saved))
+        f.write(markdown(runs, cols, percentile, skipped, notes, saved, best))
     for n in notes:
         log(f"note: {n}")
     return {"report": report_path, "figures": [os.path.join(out_dir, f[2]) for f in saved],

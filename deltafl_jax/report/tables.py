@@ -151,6 +151,43 @@ def seed_groups_of_one_column(group: Sequence[Column]) -> bool:
     return (all(c.run.resampled_per_seed for c in group) and len(set(seeds)) == len(seeds))
 
 
+BEST_MARK = "†"
+BEST_NOTE = ("† each baseline at its best swept value (q, μ, t, γ_λ, FedAvg-Sub's clients), "
+             "the one with the smallest mean over seeds of the test 90th percentile, as the "
+             "papers' tables (CISS 2021 Sec. V: \"report q with the smallest 90th percentile of "
+             "misclassification error on test devices\"); Δ-FL's θ are all shown. Every value "
+             "is in final.csv.")
+
+
+def column_algorithm(col: Column) -> str:
+    return col.run.labels[col.replicas[0]].algorithm
+
+
+def best_columns(cols: Sequence[Column], percentile: str = "lower",
+                 metric: str = "test_error_p90") -> List[Column]:
+    """The columns with each baseline's sweep cut to its best value: within a row, the
+    columns of one baseline algorithm (not Δ-FL, whose θ are all kept, nor FedAvg) keep only
+    the one with the smallest mean `metric` over seeds (ties: the first), marked with
+    :data:`BEST_MARK` in its label. A baseline with one value is kept as it is."""
+    groups: Dict[Tuple[str, str], List[Column]] = {}
+    for c in cols:
+        alg = column_algorithm(c)
+        if alg not in ("deltafl", "fedavg"):
+            groups.setdefault((c.setting, alg), []).append(c)
+    dropped = set()
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        means = [float(np.mean(c.values(metric, percentile))) for c in group]
+        finite = [i for i, m in enumerate(means) if math.isfinite(m)]
+        if not finite:
+            continue
+        win = min(finite, key=lambda i: means[i])
+        group[win].label = f"{group[win].label} {BEST_MARK}"
+        dropped.update(id(c) for i, c in enumerate(group) if i != win)
+    return [c for c in cols if id(c) not in dropped]
+
+
 def settings(cols: Sequence[Column]) -> List[str]:
     """The rows (settings) in first-seen order."""
     out = []
