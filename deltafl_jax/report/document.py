@@ -9,6 +9,8 @@ import os
 import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from deltafl_jax.metrics import PERCENTILE_METHODS
 from deltafl_jax.report import figures
 from deltafl_jax.report.io import Run, tidy_rows, write_csv
@@ -75,7 +77,36 @@ def setting_figures(sc: Sequence[Column], setting: str, percentile: str, notes: 
     if any(figures.kept_data(c) is not None for c in sc):
         out.append((figures.kept_figure(sc), f"fig16_kept_clients_{name}.png",
                     "Fig. 16: clients kept per round"))
+    if sc[0].run.dataset == "gaussian_toy":
+        means = sc[0].run.config.get("data", {}).get("toy_means")
+        out.append((figures.mixture_figure(sc, means, {c.label: model_point(c) for c in sc}),
+                    f"fig3_mixtures_{name}.png",
+                    "Fig. 3: the models, the loss over every mixture of the clients and its "
+                    "histogram over mixtures of conformity ≥ θ"))
     return out
+
+
+def model_point(col: Column):
+    """The saved model w of a column (the mean-estimation model's point), mean over seeds,
+    or None when the run saved no models."""
+    from deltafl_jax.errors import DeltaFLError
+    from deltafl_jax.outputs import RunFormatError, RunReader
+
+    points = []
+    for run, reps in col.parts:
+        for r in reps:
+            lab = run.labels[r]
+            extra = {lab.param_name: lab.param_value} if lab.param_name else {}
+            try:
+                served = RunReader(run.path).load_model(
+                    theta=None if extra else lab.theta, seed=lab.seed, **extra)
+            except (DeltaFLError, RunFormatError, OSError, ValueError):
+                return None
+            w = np.asarray(served.params.get("w")) if "w" in served.params else None
+            if w is None or w.shape != (2,):
+                return None
+            points.append(w)
+    return np.mean(points, axis=0) if points else None
 
 
 def save_figures(cols: Sequence[Column], out_dir: str, percentile: str, dpi: int,
