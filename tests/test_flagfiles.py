@@ -32,10 +32,10 @@ def test_femnist_and_sent140_linear_use_the_authors_inputs_and_no_bias():
         for c in plan(name):
             assert c.data.dataset == dataset and c.data.normalize == "reference", name
             assert c.use_bias is False, name
-    for name in ("emnist.flags", "emnist_cpu.flags"):
+    for name in ("emnist.flags", "emnist_cpu.flags", "compare_emnist.flags"):
         assert all(c.data.normalize == "reference" for c in plan(name))
     for name in ("sent140_lstm.flags", "shakespeare.flags", "shakespeare_cpu.flags",
-                 "compare_shakespeare.flags"):
+                 "compare_shakespeare.flags", "compare_sent140_lstm.flags"):
         assert all(c.data.normalize == "none" for c in plan(name))
 
 
@@ -50,6 +50,8 @@ def test_comparisons_run_every_method_of_the_papers_tables():
                   "term"}
     for name, rounds, resampled in (("compare_emnist_linear.flags", 3000, True),
                                     ("compare_sent140_linear.flags", 1000, True),
+                                    ("compare_emnist.flags", 1000, True),
+                                    ("compare_sent140_lstm.flags", 600, True),
                                     ("compare_shakespeare.flags", 600, False)):
         configs = plan(name)
         assert {c.algorithm for c in configs} == table_rows, name
