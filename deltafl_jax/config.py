@@ -16,6 +16,7 @@ from deltafl_jax.algorithms import registry
 from deltafl_jax.algorithms.deltafl import FILTERS, check_thetas
 from deltafl_jax.datasets import DataConfig
 from deltafl_jax.errors import ConfigError
+from deltafl_jax.models import LINEAR_MODELS
 from deltafl_jax.replicas import aligned
 
 PERCENTILES = (10, 20, 50, 60, 80, 90, 95)
@@ -60,6 +61,7 @@ class ExperimentConfig:
     checkpoint_every_s: float = 120.0       # seconds between checkpoints (0: by rounds only)
     devices: Optional[int] = None           # devices sharing a round (None: all local ones)
     stop_on_divergence: bool = False        # stop a replica whose train loss is NaN or > 3x w_0's
+    use_bias: Optional[bool] = None         # linear models; None: none on femnist / sent140
 
     def __post_init__(self):
         l2 = self.l2_reg
@@ -148,5 +150,8 @@ def _check(c: ExperimentConfig):
         raise ConfigError(f"unknown --filter={c.filter!r}; choose one of {', '.join(FILTERS)}")
     spec.check(c)
     c.l2_for(len(spec.sweep_values(c)))
+    if c.use_bias is not None and c.model not in LINEAR_MODELS:
+        raise ConfigError(f"--use_bias applies to the linear models ({', '.join(LINEAR_MODELS)}),"
+                          f" not --model={c.model}")
     if not c.output_dir and c.save_models:
         raise ConfigError("--output_dir is required")

@@ -13,7 +13,13 @@ r"""The papers' tuning protocol (App. C.2.2 of the long paper; Sec. 5, "Hyperpar
    of the misclassification error over the validation clients (unweighted lower quantile,
    mean over seeds). App. C.2.2 says "smallest 10th percentile" where Sec. 5 says the 90th;
    this follows Sec. 5 and issue 5 (the tail is what Delta-FL is about).
-3. The winners are written as ONE flagfile that ``python -m experiments.run`` accepts,
+3. **A baseline's swept parameter** (``--tune_param``; q of q-FFL, mu of FedProx, t of
+   Tilted-ERM, gamma_lambda of AFL, FedAvg-Sub's client counts): the whole sweep x seeds is
+   trained, with the chosen rate, on the same training half, and the value with the smallest
+   90th percentile of the misclassification error on the validation clients wins (mean over
+   seeds), as lambda above; the papers pick it by the test p90 instead, which
+   ``python -m experiments.report --best`` shows.
+4. The winners are written as ONE flagfile that ``python -m experiments.run`` accepts,
    ``DIR/tuned.flags``, with ``--l2_reg`` listing the chosen lambda of each theta in the order
    of ``--thetas`` (every theta still trains in one program); ``DIR/tuning.json`` and
    ``DIR/tuning.md`` hold every grid value's score.
@@ -38,12 +44,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from deltafl_jax.algorithms.spec import PAPER_THETAS
+from deltafl_jax.models import LINEAR_MODELS  # the tuner tunes lambda for these
 from deltafl_jax.replicas import GridPoint, ReplicaGrid, ReplicaLabel
 
 PAPER_DECAYS = (1.0, 2.0, 4.0, 8.0)        # divisors c: the paper's factors 1, 1/2, 1/4, 1/8
 PAPER_L2 = (1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8)
 LR_MULTIPLIERS = (0.25, 0.5, 1.0, 2.0, 4.0)   # default gamma_0 grid around --learning_rate
-LINEAR_MODELS = ("linear", "sent140_linear")
 
 
 class TuningError(ValueError):
@@ -174,6 +180,10 @@ class TuningResult:
     l2: Dict[float, float]             # theta -> lambda
     l2_scores: List[Score]
     notes: List[str]
+    param_flag: Optional[str] = None   # a baseline's swept flag (qffl_q, fedprox_mu, ...)
+    param_value: Optional[float] = None
+    param_l2: Optional[float] = None   # the lambda that went with the chosen value
+    param_scores: List[Score] = dataclasses.field(default_factory=list)
 
 
 def default_lr_grid(config) -> Tuple[float, ...]:
@@ -187,7 +197,21 @@ def l2_thetas(config, per_theta: bool) -> Tuple[float, ...]:
     return tuple(config.thetas) or PAPER_THETAS
 
 
-def check(config, data, lr_grid, decay_grid, l2_grid, tune_lr: bool, tune_l2: bool) -> None:
+def param_sweep(config):
+    """(spec, sweep, values) of the baseline parameter that step 3 tunes (q, mu, t,
+    gamma_lambda, FedAvg-Sub's clients), or None for Delta-FL / FedAvg (theta is the user's
+    choice, not tuned) and for a baseline with a single value."""
+    from deltafl_jax.algorithms import registry
+
+    if config.algorithm in ("deltafl", "fedavg"):
+        return None
+    spec = registry.get(config.algorithm)
+    values = spec.sweep_values(config)
+    return (spec, spec.active_sweep(config), values) if len(values) > 1 else None
+
+
+def check(config, data, lr_grid, decay_grid, l2_grid, tune_lr: bool, tune_l2: bool,
+          tune_param: bool = False) -> None:
     """Everything that can be wrong before training, as one-line TuningErrors."""
     if tune_lr:
         _check_grid("lr_grid", lr_grid, 0.0, False)
@@ -197,73 +221,133 @@ def check(config, data, lr_grid, decay_grid, l2_grid, tune_lr: bool, tune_l2: bo
         if config.algorithm not in ("deltafl", "fedavg"):
             raise TuningError(f"--tune_l2 tunes Delta-FL / FedAvg runs; --algorithm="
                               f"{config.algorithm} would need its own grid (pass --tune_l2=no)")
+    if tune_param and param_sweep(config) is None:
+        raise TuningError(f"--tune_param tunes a baseline's swept parameter over at least two "
+                          f"values; --algorithm={config.algorithm} has none to tune")
+    if tune_l2 or tune_param:
         half = data.train.num_clients // 2
         if config.clients_per_round > half:
             raise TuningError(
                 f"--clients_per_round={config.clients_per_round} exceeds the {half} clients "
-                f"of the half of the training clients that trains while lambda is tuned")
+                f"of the half of the training clients that trains while tuning on validation "
+                f"clients")
+
+
+def tune_lr_step(config, data, lr_grid, decay_grid, out_dir, log, notes):
+    """Step 1: (learning rate, decay, scores) of FedAvg's smallest terminal train loss."""
+    decays = tuple(decay_grid)
+    if config.lr_decay_every <= 0:
+        decays = (1.0,)
+        notes.append("--lr_decay_every=0: constant learning rate (the paper's choice for "
+                     "linear models), only c = 1 tried")
+    grid_config = dataclasses.replace(
+        config, algorithm="fedavg", thetas=(), l2_reg=config.l2_for(1)[0],
+        output_dir=os.path.join(out_dir, "lr_grid") if out_dir else None, save_models=False)
+    replicas = lr_grid_replicas(grid_config, lr_grid, decays)
+    log(f"learning-rate grid: {len(lr_grid)} x {len(decays)} values x "
+        f"{len(config.seeds)} seed(s) = {replicas.size} FedAvg replicas in one program")
+    summary = run_grid(grid_config, data, replicas, log, "lr grid")
+    lr_scores = scores(replicas, summary.final, "train_loss_mean")
+    win = best(lr_scores)
+    if win is None:
+        raise TuningError("every learning rate of the grid diverged (non-finite training "
+                          "loss); try smaller --lr_grid values")
+    lr, decay = win.point["learning_rate"], win.point["lr_decay"]
+    log(f"chosen: --learning_rate={lr:g} --lr_decay={decay:g} (terminal train loss "
+        f"{win.mean:.4f})")
+    return lr, decay, lr_scores
+
+
+def tune_l2_step(config, data, lr, decay, l2_grid, per_theta, validation_seed, out_dir, log):
+    """Step 2: ({theta: lambda}, scores) of the smallest validation p90 per theta."""
+    thetas = l2_thetas(config, per_theta)
+    val_data = validation_split(data, validation_seed)
+    grid_config = dataclasses.replace(
+        config, algorithm="deltafl", thetas=thetas, learning_rate=lr, lr_decay=decay,
+        l2_reg=0.0, output_dir=os.path.join(out_dir, "l2_grid") if out_dir else None,
+        save_models=False)
+    replicas = l2_grid_replicas(grid_config, thetas, l2_grid)
+    log(f"lambda grid: {len(thetas)} theta(s) x {len(l2_grid)} values x "
+        f"{len(config.seeds)} seed(s) = {replicas.size} replicas in one program, on "
+        f"{val_data.train.num_clients} training / {val_data.test.num_clients} validation "
+        f"clients")
+    summary = run_grid(grid_config, val_data, replicas, log, "l2 grid")
+    l2_scores = scores(replicas, summary.final, "test_error_p90")
+    l2: Dict[float, float] = {}
+    for theta in thetas:
+        win = best([s for s in l2_scores if s.point["theta"] == theta])
+        if win is None:
+            raise TuningError(f"every lambda diverged at theta={theta:g}")
+        l2[float(theta)] = float(win.point["l2_reg"])
+        log(f"chosen at theta={theta:g}: --l2_reg={win.point['l2_reg']:g} (validation p90 "
+            f"error {100 * win.mean:.2f}%)")
+    if not per_theta or config.algorithm != "deltafl":
+        for theta in l2_thetas(config, True):
+            l2[float(theta)] = l2[1.0]
+    return l2, l2_scores
+
+
+def swept_scores(replicas, final: Dict[str, Dict[str, float]], metric: str) -> List[Score]:
+    """Like :func:`scores`, with the point named by the swept flag: {flag: value}."""
+    out: Dict[Tuple, Score] = {}
+    for lab in replicas.labels:
+        name, value = lab.swept()
+        s = out.setdefault(lab.group_key(), Score(point={name: value}, seeds=[], values=[]))
+        s.seeds.append(int(lab.seed))
+        s.values.append(float(final[lab.key()][metric]))
+    return list(out.values())
+
+
+def tune_param_step(config, data, lr, decay, validation_seed, out_dir, log):
+    """Step 3 (baselines): (flag, value, its lambda, scores): the swept value (q, mu, t,
+    gamma_lambda, clients) with the smallest 90th percentile of the misclassification error
+    on the validation clients, mean over seeds; the whole sweep x seeds in one program."""
+    spec, sweep, values = param_sweep(config)
+    val_data = validation_split(data, validation_seed)
+    grid_config = dataclasses.replace(
+        config, learning_rate=lr, lr_decay=decay, save_models=False,
+        output_dir=os.path.join(out_dir, "param_grid") if out_dir else None)
+    replicas = spec.grid(grid_config).build()
+    log(f"{sweep.flag} grid: {len(values)} values x {len(config.seeds)} seed(s) = "
+        f"{replicas.size} {config.algorithm} replicas in one program, on "
+        f"{val_data.train.num_clients} training / {val_data.test.num_clients} validation "
+        f"clients")
+    summary = run_grid(grid_config, val_data, replicas, log, f"{sweep.flag} grid")
+    found = swept_scores(replicas, summary.final, "test_error_p90")
+    win = best(found)
+    if win is None:
+        raise TuningError(f"every value of --{sweep.flag} diverged")
+    value = float(next(iter(win.point.values())))
+    lam = config.l2_for(len(values))[list(values).index(value)]
+    log(f"chosen: --{sweep.flag}={value:g} (validation p90 error {100 * win.mean:.2f}%)")
+    return sweep.flag, value, lam, found
 
 
 def tune(config, data, lr_grid: Sequence[float], decay_grid: Sequence[float],
          l2_grid: Sequence[float], tune_lr: bool = True, tune_l2: bool = True,
          per_theta: bool = True, validation_seed: int = 0, out_dir: Optional[str] = None,
-         log: Optional[Callable[[str], None]] = None) -> TuningResult:
+         log: Optional[Callable[[str], None]] = None, tune_param: bool = False
+         ) -> TuningResult:
     """Run the protocol (module docstring). `config` is the experiment's configuration."""
     log = log or (lambda s: None)
-    check(config, data, lr_grid, decay_grid, l2_grid, tune_lr, tune_l2)
+    check(config, data, lr_grid, decay_grid, l2_grid, tune_lr, tune_l2, tune_param)
     notes: List[str] = []
     lr, decay, lr_scores = config.learning_rate, config.lr_decay, []
     if tune_lr:
-        decays = tuple(decay_grid)
-        if config.lr_decay_every <= 0:
-            decays = (1.0,)
-            notes.append("--lr_decay_every=0: constant learning rate (the paper's choice for "
-                         "linear models), only c = 1 tried")
-        grid_config = dataclasses.replace(
-            config, algorithm="fedavg", thetas=(), l2_reg=config.l2_for(1)[0],
-            output_dir=os.path.join(out_dir, "lr_grid") if out_dir else None,
-            save_models=False)
-        replicas = lr_grid_replicas(grid_config, lr_grid, decays)
-        log(f"learning-rate grid: {len(lr_grid)} x {len(decays)} values x "
-            f"{len(config.seeds)} seed(s) = {replicas.size} FedAvg replicas in one program")
-        summary = run_grid(grid_config, data, replicas, log, "lr grid")
-        lr_scores = scores(replicas, summary.final, "train_loss_mean")
-        win = best(lr_scores)
-        if win is None:
-            raise TuningError("every learning rate of the grid diverged (non-finite training "
-                              "loss); try smaller --lr_grid values")
-        lr, decay = win.point["learning_rate"], win.point["lr_decay"]
-        log(f"chosen: --learning_rate={lr:g} --lr_decay={decay:g} (terminal train loss "
-            f"{win.mean:.4f})")
+        lr, decay, lr_scores = tune_lr_step(config, data, lr_grid, decay_grid, out_dir, log,
+                                            notes)
     l2: Dict[float, float] = {}
     l2_scores: List[Score] = []
-    thetas = l2_thetas(config, per_theta)
     if tune_l2:
-        val_data = validation_split(data, validation_seed)
-        grid_config = dataclasses.replace(
-            config, algorithm="deltafl", thetas=thetas, learning_rate=lr, lr_decay=decay,
-            l2_reg=0.0,
-            output_dir=os.path.join(out_dir, "l2_grid") if out_dir else None,
-            save_models=False)
-        replicas = l2_grid_replicas(grid_config, thetas, l2_grid)
-        log(f"lambda grid: {len(thetas)} theta(s) x {len(l2_grid)} values x "
-            f"{len(config.seeds)} seed(s) = {replicas.size} replicas in one program, on "
-            f"{val_data.train.num_clients} training / {val_data.test.num_clients} validation "
-            f"clients")
-        summary = run_grid(grid_config, val_data, replicas, log, "l2 grid")
-        l2_scores = scores(replicas, summary.final, "test_error_p90")
-        for theta in thetas:
-            win = best([s for s in l2_scores if s.point["theta"] == theta])
-            if win is None:
-                raise TuningError(f"every lambda diverged at theta={theta:g}")
-            l2[float(theta)] = float(win.point["l2_reg"])
-            log(f"chosen at theta={theta:g}: --l2_reg={win.point['l2_reg']:g} (validation p90 "
-                f"error {100 * win.mean:.2f}%)")
-        if not per_theta or config.algorithm != "deltafl":
-            for theta in l2_thetas(config, True):
-                l2[float(theta)] = l2[1.0]
-    return TuningResult(learning_rate=float(lr), lr_decay=float(decay), lr_scores=lr_scores,
-                        l2=l2, l2_scores=l2_scores, notes=notes)
+        l2, l2_scores = tune_l2_step(config, data, lr, decay, l2_grid, per_theta,
+                                     validation_seed, out_dir, log)
+    result = TuningResult(learning_rate=float(lr), lr_decay=float(decay), lr_scores=lr_scores,
+                          l2=l2, l2_scores=l2_scores, notes=notes)
+    if tune_param:
+        (result.param_flag, result.param_value, result.param_l2,
+         result.param_scores) = tune_param_step(config, data, lr, decay, validation_seed,
+                                                out_dir, log)
+    return result
 
 
 def l2_per_theta(result: TuningResult, thetas: Sequence[float], default_l2: float

@@ -85,6 +85,15 @@ def define_data_flags() -> None:
             "'x,y;x,y;...'")
     _define(flags.DEFINE_integer, "toy_examples_per_client", 500, "gaussian_toy: samples per "
             "client")
+    _define(flags.DEFINE_float, "writer_fraction", 0.5, "femnist: fraction of the eligible "
+            "writers kept (the paper: 0.5; 1.0 keeps them all)")
+    _define(flags.DEFINE_bool, "resample_writers_per_seed", False, "redraw the data (femnist's "
+            "writer subsample; every dataset's train/test split) from each seed, as the "
+            "authors do; each seed then runs as its own program into <output_dir>/seed_<s>/")
+    _define(flags.DEFINE_enum, "normalize", "none", "float inputs: none | reference (the "
+            "authors' code: (x - mu) / mu per feature, mu the mean of each split's own "
+            "examples) | standard (z-scores with the training statistics); sent140: of the "
+            "mean GloVe vectors (sent140_linear)", enum_values=["none", "reference", "standard"])
 
 
 def _define_sweep_flags() -> None:
@@ -101,6 +110,9 @@ def define_experiment_flags() -> None:
     define_data_flags()
     _define(flags.DEFINE_string, "model", "linear", "linear | cnn | mlp | mean | gru | lstm | "
             "sent140_linear")
+    _define(flags.DEFINE_bool, "use_bias", None, "linear and sent140_linear: add a bias b "
+            "(L2 then applies to it too); unset: no bias on femnist and sent140 (the papers' "
+            "w in R^{62x784}, w in R^50), a bias on every other dataset")
     _define(flags.DEFINE_string, "conv_impl", None, "cnn convolutions: im2col_wgrad (CPU) | "
             "xla; unset: by backend")
     _define(flags.DEFINE_list, "algorithm", ["deltafl"], "one or more of "
@@ -205,12 +217,13 @@ def _toy_means(text):
 DATA_FIELDS = ("dataset", "data_path", "data_dir", "data_seed", "min_client_examples",
                "max_examples_per_client", "max_train_clients", "max_test_clients",
                "synthetic_alpha", "synthetic_beta", "synthetic_num_clients",
-               "synthetic_max_examples", "synthetic_shared", "toy_examples_per_client")
+               "synthetic_max_examples", "synthetic_shared", "toy_examples_per_client",
+               "normalize", "writer_fraction", "resample_writers_per_seed")
 SCALAR_FIELDS = ("model", "filter", "num_rounds", "clients_per_round", "local_epochs",
                  "local_steps", "batch_size", "learning_rate", "lr_decay", "lr_decay_every",
                  "eval_every", "clients_per_step", "eval_chunk", "output_dir", "overwrite",
                  "conv_impl", "save_models", "checkpoint_every", "checkpoint_every_s",
-                 "stop_on_divergence", "devices")
+                 "stop_on_divergence", "devices", "use_bias")
 
 
 def data_config_from_flags():

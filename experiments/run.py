@@ -4,7 +4,9 @@ r"""Train Delta-FL (or a baseline) for every theta x seed in one compiled progra
 
 ``--algorithm`` may list several methods (``--algorithm=deltafl,fedavg,qffl``): they run one
 after another on the same data, each in its own compiled program, into
-``<output_dir>/<algorithm>/``, and a table of the final test errors closes the run.
+``<output_dir>/<algorithm>/``, and a table of the final test errors closes the run. With
+``--resample_writers_per_seed`` each seed is its own dataset and its own program, written to
+``.../seed_<s>/`` (:mod:`deltafl_jax.seed_groups`).
 
 The flags are declared in ``experiments/cli.py``; this file turns them into frozen
 :class:`deltafl_jax.ExperimentConfig`s and calls :func:`deltafl_jax.run_experiment`. Bad input
@@ -27,20 +29,36 @@ STOP_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}   # 128 + the signal, as shell
 
 def comparison_lines(results):
     """Rows 'method, swept value: mean and p90 of the final per-client test error, each the
-    mean over seeds' of a multi-method run. results: [(algorithm, RunResult)]."""
-    from deltafl_jax.replicas import ReplicaLabel, labels_by_group
+    mean over seeds' of a multi-method run. results: [(algorithm, RunResult)]; the results of
+    one method's seed groups (--resample_writers_per_seed) are pooled."""
+    from deltafl_jax.replicas import ReplicaLabel
 
-    lines = [f"{'method':<28} {'test error mean':>16} {'test error p90':>15}  seeds"]
+    finals = {}
     for name, result in results:
-        labels = [ReplicaLabel.from_json(d) for d in result.summary["replicas"]]
-        for rs in labels_by_group(labels).values():
-            what, value = labels[rs[0]].swept()
-            finals = [result.final[labels[r].key()] for r in rs]
-            mean = sum(f["test_error_mean"] for f in finals) / len(finals)
-            p90 = sum(f["test_error_p90"] for f in finals) / len(finals)
-            lines.append(f"{name + f' {what}={value:g}':<28} {100 * mean:15.2f}% "
-                         f"{100 * p90:14.2f}%  {len(finals)}")
+        for d in result.summary["replicas"]:
+            label = ReplicaLabel.from_json(d)
+            what, value = label.swept()
+            finals.setdefault((name, what, value), []).append(result.final[label.key()])
+    lines = [f"{'method':<28} {'test error mean':>16} {'test error p90':>15}  seeds"]
+    for (name, what, value), fs in finals.items():
+        mean = sum(f["test_error_mean"] for f in fs) / len(fs)
+        p90 = sum(f["test_error_p90"] for f in fs) / len(fs)
+        lines.append(f"{name + f' {what}={value:g}':<28} {100 * mean:15.2f}% "
+                     f"{100 * p90:14.2f}%  {len(fs)}")
     return lines
+
+
+def planned_configs():
+    """Every program to run: one per method of --algorithm, and with
+    --resample_writers_per_seed one per seed of each (deltafl_jax.seed_groups), ordered so
+    that programs on the same data run one after another (each dataset is loaded once)."""
+    from deltafl_jax.seed_groups import seed_groups
+
+    configs = [g for c in configs_from_flags() for g in seed_groups(c)]
+    order = {}
+    for c in configs:
+        order.setdefault(c.data, len(order))
+    return sorted(configs, key=lambda c: order[c.data])
 
 
 def main(argv):
@@ -53,11 +71,14 @@ def main(argv):
     results = []
     try:
         start_backend()
-        configs = configs_from_flags()
+        configs = planned_configs()
         for config in configs:  # refuse before anything runs
             check_output_dir(config.output_dir, config.overwrite)
-        data = load_dataset(configs[0].data)
+        data, loaded = None, None
         for config in configs:
+            if config.data != loaded:
+                data, loaded = None, config.data   # free the previous seed's data first
+                data = load_dataset(config.data)
             results.append((config.algorithm, run_experiment(config, data)))
             if results[-1][1].stopped:
                 sys.exit(STOP_EXIT_CODES.get(results[-1][1].stop_reason, 1))

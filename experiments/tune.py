@@ -2,7 +2,8 @@ r"""Command-line front end of the papers' tuning protocol (:mod:`deltafl_jax.tun
 
     python -m experiments.tune --flagfile=experiments/synthetic.flags --output_dir=DIR \
         [--lr_grid=0.05,0.1,0.2] [--lr_decay_grid=1,2,4,8] [--l2_grid=1e-3,...,1e-8] \
-        [--tune_l2=auto|yes|no] [--l2_per_theta] [--validation_seed=0]
+        [--tune_l2=auto|yes|no] [--l2_per_theta] [--tune_param=auto|yes|no]
+        [--validation_seed=0]
 
 Reads the runner's flags (``experiments/cli.py``) plus the grids below, calls
 :func:`deltafl_jax.tuning.tune`, and writes the winners as one flagfile. Bad input prints one
@@ -19,7 +20,8 @@ from typing import Dict, List
 from absl import app, flags, logging
 
 from deltafl_jax.tuning import (LINEAR_MODELS, PAPER_DECAYS, PAPER_L2, TuningError, best, check,
-                                default_lr_grid, l2_per_theta, l2_thetas, scores_markdown, tune)
+                                default_lr_grid, l2_per_theta, l2_thetas, param_sweep,
+                                scores_markdown, tune)
 from experiments import cli
 
 FLAGS = flags.FLAGS
@@ -34,6 +36,11 @@ flags.DEFINE_enum("tune_l2", "auto", ["auto", "yes", "no"],
                   "tune lambda on held-out training clients (auto: linear models only)")
 flags.DEFINE_bool("l2_per_theta", True, "choose lambda separately for each theta (paper); "
                   "else FedAvg's lambda for all")
+flags.DEFINE_enum("tune_param", "auto", ["auto", "yes", "no"],
+                  "tune a baseline's swept parameter (--qffl_q, --fedprox_mu, --term_t, "
+                  "--afl_lambda_lr, FedAvg-Sub's --thetas / --fedavg_sub_clients) on held-out "
+                  "training clients by the 90th percentile (auto: when the first --algorithm "
+                  "is a baseline sweeping at least two values)")
 flags.DEFINE_integer("validation_seed", 0, "seed of the split of the training clients into "
                      "training and validation halves")
 
@@ -42,6 +49,7 @@ HEADER = [
     "# alpha-weighted train loss of FedAvg; lambda = smallest 90th percentile of the test",
     "# misclassification error on held-out training clients (the paper's text also says",
     "# '10th percentile' once; this follows Sec. 5). --l2_reg lists lambda per theta.",
+    "# A baseline's swept parameter (q, mu, t, gamma_lambda): smallest validation p90.",
     "# Scores: tuning.md.",
 ]
 TUNER_FLAGS = ("overwrite",)
@@ -71,16 +79,20 @@ def _inputs():
                else default_lr_grid(config))
     decay_grid = cli.floats("lr_decay_grid", FLAGS.lr_decay_grid)
     l2_grid = cli.floats("l2_grid", FLAGS.l2_grid)
-    tune_l2 = {"yes": True, "no": False}.get(FLAGS.tune_l2, config.model in LINEAR_MODELS)
-    if not FLAGS.tune_lr and not tune_l2:
-        raise TuningError("nothing to tune: --notune_lr and --tune_l2="
-                          f"{FLAGS.tune_l2} (model {config.model})")
-    taken = [p for p in ("lr_grid", "l2_grid", "tuned.flags", "tuning.json")
+    tune_l2 = {"yes": True, "no": False}.get(
+        FLAGS.tune_l2, config.model in LINEAR_MODELS and config.algorithm in ("deltafl", "fedavg"))
+    tune_param = {"yes": True, "no": False}.get(FLAGS.tune_param,
+                                                 param_sweep(config) is not None)
+    if not FLAGS.tune_lr and not tune_l2 and not tune_param:
+        raise TuningError("nothing to tune: --notune_lr, --tune_l2="
+                          f"{FLAGS.tune_l2} and --tune_param={FLAGS.tune_param} (model "
+                          f"{config.model}, algorithm {config.algorithm})")
+    taken = [p for p in ("lr_grid", "l2_grid", "param_grid", "tuned.flags", "tuning.json")
              if os.path.exists(os.path.join(out_dir, p))]
     if taken and not FLAGS.overwrite:
         raise TuningError(f"--output_dir={out_dir} already holds tuning results "
                           f"({', '.join(taken)}); pass --overwrite or choose another directory")
-    return config, lr_grid, decay_grid, l2_grid, tune_l2
+    return config, lr_grid, decay_grid, l2_grid, tune_l2, tune_param
 
 
 def _write_flagfile(config, result, out_dir: str) -> str:
@@ -92,6 +104,11 @@ def _write_flagfile(config, result, out_dir: str) -> str:
     if config.algorithm == "deltafl":
         overrides["thetas"] = ",".join(repr(float(t)) for t in thetas)
     chosen = [f"# theta {t:g}: lambda = {v:g}" for t, v in zip(thetas, lams)]
+    if result.param_flag is not None:
+        overrides[result.param_flag] = repr(result.param_value)
+        overrides["algorithm"] = config.algorithm
+        overrides["l2_reg"] = repr(float(result.param_l2))
+        chosen = [f"# --{result.param_flag} = {result.param_value:g} (smallest validation p90)"]
     path = os.path.join(out_dir, "tuned.flags")
     with open(path, "w") as f:
         f.write("\n".join(HEADER + chosen + _flag_lines(overrides)) + "\n")
@@ -112,6 +129,9 @@ def _write_scores(config, result, out_dir: str, flagfile: str) -> None:
                           chosen_lr, "terminal α-weighted train loss", False)
     md += scores_markdown("Lambda (validation clients)", result.l2_scores, chosen_l2,
                           "p90 test error on validation clients (%)", True)
+    md += scores_markdown(f"--{result.param_flag} (validation clients)", result.param_scores,
+                          [best(result.param_scores)] if result.param_scores else [],
+                          "p90 test error on validation clients (%)", True)
     with open(os.path.join(out_dir, "tuning.md"), "w") as f:
         f.write("\n".join(md))
     record = {
@@ -120,6 +140,9 @@ def _write_scores(config, result, out_dir: str, flagfile: str) -> None:
         "l2": {f"{t:g}": l for t, l in result.l2.items()},
         "lr_scores": [dataclasses.asdict(s) for s in result.lr_scores],
         "l2_scores": [dataclasses.asdict(s) for s in result.l2_scores],
+        "param": ({"flag": result.param_flag, "value": result.param_value,
+                   "l2_reg": result.param_l2} if result.param_flag else None),
+        "param_scores": [dataclasses.asdict(s) for s in result.param_scores],
         "validation_seed": FLAGS.validation_seed, "notes": result.notes,
         "flagfiles": [flagfile],
     }
@@ -134,9 +157,9 @@ def main(argv):
     from deltafl_jax import ConfigError, DataError, load_dataset
 
     try:
-        config, lr_grid, decay_grid, l2_grid, tune_l2 = _inputs()
+        config, lr_grid, decay_grid, l2_grid, tune_l2, tune_param = _inputs()
         data = load_dataset(config.data)
-        check(config, data, lr_grid, decay_grid, l2_grid, FLAGS.tune_lr, tune_l2)
+        check(config, data, lr_grid, decay_grid, l2_grid, FLAGS.tune_lr, tune_l2, tune_param)
         if config.clients_per_round > data.train.num_clients:
             raise TuningError(f"--clients_per_round={config.clients_per_round} exceeds the "
                               f"{data.train.num_clients} training clients of {data.name}")
@@ -144,7 +167,7 @@ def main(argv):
         result = tune(config, data, lr_grid, decay_grid, l2_grid, tune_lr=FLAGS.tune_lr,
                       tune_l2=tune_l2, per_theta=FLAGS.l2_per_theta,
                       validation_seed=FLAGS.validation_seed, out_dir=config.output_dir,
-                      log=lambda s: print(s, flush=True))
+                      log=lambda s: print(s, flush=True), tune_param=tune_param)
     except (TuningError, cli.UsageError, ConfigError, DataError) as e:
         cli.fail(str(e))
         return

@@ -14,25 +14,33 @@ import numpy as np
 from deltafl_jax.plan import client_permutations, sample_clients
 
 
+def scores(W, b, x):
+    """Class scores <w_c, x> (+ b_c). b is None for the paper's linear model (App. C.1.1:
+    w in R^{62 x 784}, score_c = <w_c, x>, no bias)."""
+    return x @ W if b is None else x @ W + b
+
+
 def softmax_xent(W, b, x, y):
-    z = x @ W + b
+    z = scores(W, b, x)
     z = z - z.max(axis=1, keepdims=True)
     logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
     return -logp[np.arange(len(y)), y]
 
 
 def client_loss(W, b, x, y, l2):
-    return softmax_xent(W, b, x, y).mean() + 0.5 * l2 * (np.sum(W * W) + np.sum(b * b))
+    """F_k(w) + (lambda/2)||w||^2, w being every parameter (W, and b when there is one)."""
+    sq = np.sum(W * W) + (0.0 if b is None else np.sum(b * b))
+    return softmax_xent(W, b, x, y).mean() + 0.5 * l2 * sq
 
 
 def grad_mean_xent(W, b, x, y):
-    z = x @ W + b
+    z = scores(W, b, x)
     z = z - z.max(axis=1, keepdims=True)
     p = np.exp(z)
     p /= p.sum(axis=1, keepdims=True)
     p[np.arange(len(y)), y] -= 1.0
     p /= len(y)
-    return x.T @ p, p.sum(axis=0)
+    return x.T @ p, (None if b is None else p.sum(axis=0))
 
 
 TIE_RTOL = 1e-5
@@ -80,18 +88,20 @@ def local_sgd(W, b, x, y, order, lr, l2, batch, epochs=None, steps=None):
     for idx in batches:
         gW, gb = grad_mean_xent(W, b, x[idx], y[idx])
         W = W - lr * (gW + l2 * W)
-        b = b - lr * (gb + l2 * b)
+        if b is not None:
+            b = b - lr * (gb + l2 * b)
     return W, b
 
 
 def delta_fl_round(W, b, xs, ys, seed, t, m, theta, filter, lr, l2, batch, epochs=1,
                    steps=None):
-    """One round; xs/ys: lists of per-client arrays. Returns (W, b, F, weights)."""
+    """One round; xs/ys: lists of per-client arrays; b None = no bias. Returns
+    (W, b, F, weights)."""
     chosen = sample_clients(seed, t, len(xs), m)
     n = np.array([len(ys[k]) for k in chosen], np.float64)
     F = np.array([client_loss(W, b, xs[k], ys[k], l2) for k in chosen])
     a = exact_weights(F, n, theta) if filter == "exact" else reference_weights(F, n, theta)
-    dW, db, total = np.zeros_like(W), np.zeros_like(b), 0.0
+    dW, db, total = np.zeros_like(W), (None if b is None else np.zeros_like(b)), 0.0
     for slot, k in enumerate(chosen):
         if a[slot] <= 0:
             continue
@@ -101,6 +111,7 @@ def delta_fl_round(W, b, xs, ys, seed, t, m, theta, filter, lr, l2, batch, epoch
         Wk, bk = local_sgd(W, b, xs[k], ys[k], order, lr, l2, batch,
                            epochs=epochs if steps is None else None, steps=steps)
         dW += a[slot] * (Wk - W)
-        db += a[slot] * (bk - b)
+        if b is not None:
+            db += a[slot] * (bk - b)
         total += a[slot]
-    return W + dW / total, b + db / total, F, a
+    return W + dW / total, (None if b is None else b + db / total), F, a

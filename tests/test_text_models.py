@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from deltafl_jax.data import ClientData, FederatedDataset
-from deltafl_jax.models import build_model
+from deltafl_jax.models import ModelOptions, build_model
 
 V, L = 12, 30  # token vocabulary (with PAD=0, UNK=1) and stored tweet length
 
@@ -173,9 +173,13 @@ def test_lstm_sgd_lowers_the_loss_and_leaves_the_table():
 
 def test_sent140_linear_is_zero_initialised_logistic_regression():
     data = sent140_like()
+    # The paper's w in R^50 has no bias (App. C.1.2); --use_bias adds one.
     model = build_model("sent140_linear", data)
     params = jax.jit(model.init)(jax.random.key(0))
-    assert {k: v.shape for k, v in params["Dense_0"].items()} == {"kernel": (50, 1),
+    assert {k: v.shape for k, v in params["Dense_0"].items()} == {"kernel": (50, 1)}
+    biased = jax.jit(build_model("sent140_linear", data, ModelOptions(use_bias=True)).init)(
+        jax.random.key(0))
+    assert {k: v.shape for k, v in biased["Dense_0"].items()} == {"kernel": (50, 1),
                                                                    "bias": (1,)}
     assert all(float(jnp.abs(a).max()) == 0.0 for a in jax.tree.leaves(params))
     assert model.loss_kind == "sigmoid"
@@ -187,7 +191,7 @@ def test_sent140_linear_is_zero_initialised_logistic_regression():
 def test_sent140_linear_scores_the_mean_vector_with_unknowns_as_zeros():
     data = sent140_like()
     table = data.metadata["embeddings"]
-    model = build_model("sent140_linear", data)
+    model = build_model("sent140_linear", data, ModelOptions(use_bias=True))
     rng = np.random.default_rng(7)
     w = rng.normal(size=(50, 1)).astype(np.float32)
     params = {"Dense_0": {"kernel": jnp.asarray(w), "bias": jnp.asarray([0.25])}}

@@ -49,6 +49,13 @@ class DataConfig:
         original benchmark, where held-out clients share nothing learnable).
       toy_means: the means of the Figure 3 Gaussians, one (x, y) pair per client.
       toy_examples_per_client: samples per Gaussian.
+      normalize: "none", "reference" (the authors' (x - mu) / mu per feature, mu of each
+        split) or "standard" (z-scores with the training statistics); float features only,
+        applied after the client limits (:mod:`deltafl_jax.datasets.normalize`).
+      writer_fraction: FEMNIST: the fraction of the eligible writers kept (the paper: 0.5).
+      resample_writers_per_seed: redraw the data (FEMNIST's writer subsample, every dataset's
+        train/test split) for each seed, as the authors do; each seed is then its own dataset
+        and its own program (:mod:`deltafl_jax.seed_groups`).
     """
 
     dataset: str
@@ -66,6 +73,9 @@ class DataConfig:
     synthetic_shared: float = 0.0
     toy_means: Tuple[Tuple[float, float], ...] = ((0.0, 0.0), (4.0, 0.0), (1.0, 1.0))
     toy_examples_per_client: int = 500
+    normalize: str = "none"
+    writer_fraction: float = 0.5
+    resample_writers_per_seed: bool = False
 
     @property
     def resolved_data_dir(self) -> str:
@@ -118,8 +128,11 @@ def _loader(name: str) -> Callable[[DataConfig], FederatedDataset]:
 
 
 def load_dataset(config: DataConfig) -> FederatedDataset:
-    """Build or load the dataset named by `config.dataset`, then apply the client limits."""
+    """Build or load the dataset named by `config.dataset`, then apply the client limits and
+    the input normalisation (``config.normalize``)."""
     from deltafl_jax.datasets import limits  # local import: limits imports this module
+    from deltafl_jax.datasets import normalize
 
+    normalize.check_method(config.normalize)
     data = _loader(config.dataset)(config)
-    return limits.apply_limits(data, config)
+    return normalize.normalize(limits.apply_limits(data, config), config.normalize)

@@ -4,8 +4,11 @@ The paper's first task (delta-fl-long.md, Sec. 5 (a), App. C.1.1, Table 1) with 
 reference-notes.md ("Data preparation"):
 
 - one client per writer; writers with >= ``min_client_examples`` images (default 100) are kept;
-- a seeded 50% subsample of those writers (the paper keeps 1730 of them), drawn with
-  ``data_seed`` when loading, then a 50/50 split by writer (865/865) with ``data_seed``;
+- a seeded subsample of ``writer_fraction`` of those writers (default 50%: the paper keeps 1730
+  of them; 1.0 keeps every writer of one's own LEAF subset), drawn with ``data_seed`` when
+  loading, then a 50/50 split by writer (865/865) with ``data_seed``. The authors redraw both
+  for each of their 5 seeds ("a different sampling of train and test devices", CISS Sec. V):
+  ``--resample_writers_per_seed`` does the same (:mod:`deltafl_jax.seed_groups`);
 - x: the 28x28 image as 784 pixels in LEAF's convention (background = 1.0, ink near 0.0), stored
   as uint8 round(255 * pixel) with ``x_scale = 1/255``, so the engine sees pixel/255 in [0, 1];
 - y: 0-61; 0-9 are the digits, 10-35 the upper-case letters, 36-61 the lower-case letters.
@@ -409,11 +412,14 @@ def load(config) -> FederatedDataset:
     eligible = np.flatnonzero(info.sizes >= k)
     if eligible.size < 2:
         raise DataError(f"femnist: only {eligible.size} writer(s) have >= {k} images")
-    chosen = eligible[subsample_writers(eligible.size, config.data_seed)]
+    fraction = float(config.writer_fraction)
+    if not 0.0 < fraction <= 1.0:
+        raise DataError(f"--writer_fraction must lie in (0, 1], got {fraction}")
+    chosen = eligible[subsample_writers(eligible.size, config.data_seed, fraction)]
     data = prepared.to_client_data(prepared.read(info, NAME, chosen))
     train, test = split_clients(data, config.data_seed)
     return FederatedDataset(
         name=NAME, train=train, test=test, num_classes=NUM_CLASSES, x_scale=1.0 / 255.0,
         metadata={"source": info.metadata.get("source"), "prepared": info.path,
-                  "min_client_examples": k, "writer_fraction": WRITER_FRACTION,
+                  "min_client_examples": k, "writer_fraction": fraction,
                   "eligible_writers": int(eligible.size)})

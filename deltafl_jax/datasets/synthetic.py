@@ -1,7 +1,8 @@
 """Generated federated datasets: Synthetic(alpha, beta) and the Figure 3 Gaussians.
 
-**Synthetic(alpha, beta)** is the benchmark of the FedProx and q-FFL papers (also used in the
-CISS paper's Table I). Client k has a model shift u_k ~ N(0, alpha^2) and a feature shift
+**Synthetic(alpha, beta)** is the benchmark of the FedProx and q-FFL papers. None of the Delta-FL
+papers uses it (CISS 2021 Table I is EMNIST and Sent140; the long paper and the 2022 paper add
+the linear models and Shakespeare); here it is a fast stand-in for their comparisons. Client k has a model shift u_k ~ N(0, alpha^2) and a feature shift
 B_k ~ N(0, beta^2); its labelling model W_k in R^{60x10}, b_k in R^10 has entries ~ N(u_k, 1);
 its inputs are x ~ N(v_k, Sigma) with v_k[j] ~ N(B_k, 1) and Sigma = diag(j^{-1.2}); its labels
 are y = argmax softmax(x W_k + b_k). Client sizes follow the power law lognormal(4, 2) + 50,

@@ -129,13 +129,15 @@ class Model:
 
 
 class Linear(nn.Module):
-    """Softmax regression: scores <w_c, x> + b_c (paper, App. C.1.1)."""
+    """Softmax regression: scores <w_c, x> (+ b_c with `use_bias`). The paper's model
+    (App. C.1.1) has w in R^{62 x 784} and no bias."""
 
     num_outputs: int
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x):
-        return nn.Dense(self.num_outputs)(x.reshape(x.shape[0], -1))
+        return nn.Dense(self.num_outputs, use_bias=self.use_bias)(x.reshape(x.shape[0], -1))
 
 
 class ConvNet(nn.Module):
@@ -199,6 +201,20 @@ class ModelOptions:
     conv_impl: Optional[str] = None  # None: chosen for the backend
     mlp_hidden: tuple = (64,)
     cnn_hidden: int = 0
+    use_bias: Optional[bool] = None  # linear models; None: linear_bias_default(dataset)
+
+
+# The papers' datasets, whose linear models have no bias (App. C.1: w in R^{62x784}, w in R^50).
+NO_BIAS_DATASETS = ("femnist", "sent140")
+LINEAR_MODELS = ("linear", "sent140_linear")
+
+
+def linear_bias(data: FederatedDataset, options: "ModelOptions") -> bool:
+    """Whether a linear model has a bias: ``options.use_bias`` when set, else none for the
+    papers' FEMNIST and Sent140 (their w has no bias) and a bias for every other dataset."""
+    if options.use_bias is not None:
+        return bool(options.use_bias)
+    return data.name not in NO_BIAS_DATASETS
 
 
 def is_token_data(data: FederatedDataset) -> bool:
@@ -232,8 +248,8 @@ def _image_shape(data: FederatedDataset) -> None:
 
 
 def _linear(data, opts):
-    return Model("linear", Linear(_classes(data, "linear")), "softmax", data.feature_shape,
-                 data.train.x.dtype, data.x_scale, zero_init=True)
+    return Model("linear", Linear(_classes(data, "linear"), linear_bias(data, opts)), "softmax",
+                 data.feature_shape, data.train.x.dtype, data.x_scale, zero_init=True)
 
 
 def _cnn(data, opts):

@@ -9,9 +9,11 @@ frozen GloVe vectors for Sent140 (delta-fl-long.md, App. C.1.2 and C.1.3; refere
   of 50 units (the embedding size), and a dense layer from the state after the 25th step to one
   logit (binary logistic loss, "sigmoid"). As in the reference code, shorter tweets are padded
   with zero vectors up to 25 steps and the output is read after the last step.
-- ``sent140_linear``: logistic regression, w in R^50 and a bias, on the mean GloVe vector of the
-  tweet's tokens (unknown words count in the mean as zero vectors; padding does not count),
-  zero-initialised like the reference code's linear models.
+- ``sent140_linear``: logistic regression, w in R^50 (no bias on sent140 unless ``--use_bias``,
+  as the paper), on the mean GloVe vector of the tweet's tokens (unknown words count in the
+  mean as zero vectors; padding does not count), zero-initialised like the reference code's
+  linear models. With ``--normalize`` the mean vectors are computed (and normalised) at load
+  time (:mod:`deltafl_jax.datasets.normalize`) and the model reads them directly.
 
 The GloVe table (``FederatedDataset.metadata["embeddings"]`` of :mod:`deltafl_jax.datasets.sent140`)
 is a constant of the model, held by :class:`FrozenTable`, never a parameter: it gets no
@@ -27,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax.data import FederatedDataset
-from deltafl_jax.models import LanePreferences, Model, ModelOptions, is_token_data
+from deltafl_jax.datasets.normalize import MEAN_EMBEDDING
+from deltafl_jax.models import LanePreferences, Model, ModelOptions, is_token_data, linear_bias
 from deltafl_jax.models.init import orthogonal  # Flax's default would call LAPACK (see init.py)
 
 GRU_EMBED_DIM = 8
@@ -92,10 +95,12 @@ class GloveLSTM(nn.Module):
 
 
 class MeanGloveLogistic(nn.Module):
-    """Logistic regression <w, mean GloVe vector> + b; padding ids are left out of the mean."""
+    """Logistic regression <w, mean GloVe vector> (+ b with `use_bias`); padding ids are left
+    out of the mean."""
 
     table: FrozenTable
     pad_id: int = 0
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, ids):
@@ -104,11 +109,26 @@ class MeanGloveLogistic(nn.Module):
         mask = (ids != self.pad_id).astype(vectors.dtype)[..., None]
         count = jnp.maximum(mask.sum(axis=1), 1.0)
         mean = (vectors * mask).sum(axis=1) / count
-        return nn.Dense(1)(mean)
+        return nn.Dense(1, use_bias=self.use_bias)(mean)
+
+
+class FeatureLogistic(nn.Module):
+    """Logistic regression <w, x> (+ b) on float features: Sent140's mean GloVe vectors once
+    ``--normalize`` has computed (and normalised) them at load time."""
+
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1, use_bias=self.use_bias)(x.reshape(x.shape[0], -1))
 
 
 def _embeddings(data: FederatedDataset, name: str) -> FrozenTable:
     table = data.metadata.get("embeddings") if data.metadata else None
+    if table is None and (data.metadata or {}).get("features") == MEAN_EMBEDDING:
+        raise ValueError(f"model {name!r} reads token ids, but --normalize="
+                         f"{data.metadata.get('normalize')} turned {data.name} into mean GloVe "
+                         f"vectors (for sent140_linear); pass --normalize=none")
     if table is None:
         raise ValueError(f"model {name!r} needs a dataset with GloVe token ids (sent140), got "
                          f"{data.name}")
@@ -159,10 +179,15 @@ def lstm(data: FederatedDataset, options: ModelOptions) -> Model:
 
 
 def sent140_linear(data: FederatedDataset, options: ModelOptions) -> Model:
-    """Sent140's logistic regression on the mean GloVe vector (w in R^50, bias; zero init)."""
-    del options
+    """Sent140's logistic regression on the mean GloVe vector (w in R^50; a bias only with
+    --use_bias, see :func:`deltafl_jax.models.linear_bias`; zero init), from the token ids, or
+    from the mean vectors themselves when ``--normalize`` computed them at load time."""
     _check_classes(data, "sent140_linear", 2)
+    bias = linear_bias(data, options)
+    if (data.metadata or {}).get("features") == MEAN_EMBEDDING:
+        return Model("sent140_linear", FeatureLogistic(use_bias=bias), "sigmoid",
+                     data.feature_shape, data.train.x.dtype, zero_init=True)
     pad_id = int(data.metadata.get("pad_id", 0))
     return Model("sent140_linear", MeanGloveLogistic(table=_embeddings(data, "sent140_linear"),
-                                                     pad_id=pad_id), "sigmoid",
+                                                     pad_id=pad_id, use_bias=bias), "sigmoid",
                  data.feature_shape, data.train.x.dtype, zero_init=True)

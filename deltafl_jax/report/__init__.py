@@ -13,7 +13,10 @@ Heterogeneity in Federated Learning: A Superquantile Approach* show:
 - Fig. 5 (and Figs. 14-15): scatter of the train loss and of the test error of each client
   against its number of examples;
 - Figs. 6-11: train-loss mean and p90, test-error mean and p90 over rounds;
-- Fig. 16: clients kept per round by the filter, mean over seeds with a min/max band.
+- Fig. 16: clients kept per round by the filter, mean over seeds with a min/max band;
+- Fig. 3 (Gaussian toy runs): the means and models, the loss of every mixture of the three
+  clients (theta-model minus FedAvg) and the histogram of mixture losses for mixtures drawn
+  uniformly with conformity >= theta.
 
 Conventions (App. C.2.3): train losses are weighted by alpha_k (proportional to n_k) over the
 training clients, test errors are unweighted over the test clients. Percentiles are the lower
@@ -39,20 +42,24 @@ Modules: :mod:`~deltafl_jax.report.io` (reading runs through
 from deltafl_jax.report.io import (KINDS, Run, RunError, curves_from_history,
                                    curves_from_records, find_run_dirs, load, load_runs,
                                    read_run, tidy_rows, write_csv)
-from deltafl_jax.report.tables import (ALGORITHM_NAMES, PARAM_NAMES, TABLES, Cell, Column,
-                                       TableSpec, columns, markdown_table, method_label,
-                                       run_columns, runs_table, settings, table)
+from deltafl_jax.report.tables import (ALGORITHM_NAMES, BEST_MARK, PARAM_NAMES, TABLES, Cell,
+                                       Column, TableSpec, best_columns, columns,
+                                       markdown_table, method_label, run_columns, runs_table,
+                                       settings, table)
 from deltafl_jax.report.figures import (CURVE_PANELS, HISTOGRAM_BINS, curve_data,
                                         curves_figure, histogram_data, histogram_figure,
-                                        kept_data, kept_figure, scatter_figure)
+                                        kept_data, kept_figure, mixture_data,
+                                        mixture_figure, scatter_figure, uniform_mixtures)
 from deltafl_jax.report.document import CONVENTIONS, write_report
 
 __all__ = [
     "KINDS", "Run", "RunError", "curves_from_history", "curves_from_records", "find_run_dirs",
     "load", "load_runs", "read_run", "tidy_rows", "write_csv",
-    "ALGORITHM_NAMES", "PARAM_NAMES", "TABLES", "Cell", "Column", "TableSpec", "columns",
+    "ALGORITHM_NAMES", "BEST_MARK", "PARAM_NAMES", "TABLES", "Cell", "Column", "TableSpec",
+    "best_columns", "columns",
     "markdown_table", "method_label", "run_columns", "runs_table", "settings", "table",
     "CURVE_PANELS", "HISTOGRAM_BINS", "curve_data", "curves_figure", "histogram_data",
-    "histogram_figure", "kept_data", "kept_figure", "scatter_figure",
+    "histogram_figure", "kept_data", "kept_figure", "mixture_data", "mixture_figure",
+    "scatter_figure", "uniform_mixtures",
     "CONVENTIONS", "write_report",
 ]

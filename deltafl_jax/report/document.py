@@ -9,11 +9,13 @@ import os
 import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from deltafl_jax.metrics import PERCENTILE_METHODS
 from deltafl_jax.report import figures
 from deltafl_jax.report.io import Run, tidy_rows, write_csv
-from deltafl_jax.report.tables import (TABLES, Column, columns, markdown_table, runs_table,
-                                       settings)
+from deltafl_jax.report.tables import (BEST_NOTE, TABLES, Column, best_columns, columns,
+                                       markdown_table, runs_table, settings)
 
 CONVENTIONS = {
     "lower": "the **lower weighted quantile**: the smallest client value whose cumulative "
@@ -75,7 +77,36 @@ def setting_figures(sc: Sequence[Column], setting: str, percentile: str, notes: 
     if any(figures.kept_data(c) is not None for c in sc):
         out.append((figures.kept_figure(sc), f"fig16_kept_clients_{name}.png",
                     "Fig. 16: clients kept per round"))
+    if sc[0].run.dataset == "gaussian_toy":
+        means = sc[0].run.config.get("data", {}).get("toy_means")
+        out.append((figures.mixture_figure(sc, means, {c.label: model_point(c) for c in sc}),
+                    f"fig3_mixtures_{name}.png",
+                    "Fig. 3: the models, the loss over every mixture of the clients and its "
+                    "histogram over mixtures of conformity ≥ θ"))
     return out
+
+
+def model_point(col: Column):
+    """The saved model w of a column (the mean-estimation model's point), mean over seeds,
+    or None when the run saved no models."""
+    from deltafl_jax.errors import DeltaFLError
+    from deltafl_jax.outputs import RunFormatError, RunReader
+
+    points = []
+    for run, reps in col.parts:
+        for r in reps:
+            lab = run.labels[r]
+            extra = {lab.param_name: lab.param_value} if lab.param_name else {}
+            try:
+                served = RunReader(run.path).load_model(
+                    theta=None if extra else lab.theta, seed=lab.seed, **extra)
+            except (DeltaFLError, RunFormatError, OSError, ValueError):
+                return None
+            w = np.asarray(served.params.get("w")) if "w" in served.params else None
+            if w is None or w.shape != (2,):
+                return None
+            points.append(w)
+    return np.mean(points, axis=0) if points else None
 
 
 def save_figures(cols: Sequence[Column], out_dir: str, percentile: str, dpi: int,
@@ -115,9 +146,12 @@ def conventions_section(runs: Sequence[Run], cols: Sequence[Column], percentile:
 
 
 def markdown(runs: Sequence[Run], cols: Sequence[Column], percentile: str,
-             skipped: Sequence[str], notes: Sequence[str], saved: Sequence[Figure]) -> str:
+             skipped: Sequence[str], notes: Sequence[str], saved: Sequence[Figure],
+             best: bool = False) -> str:
     """The text of report.md."""
     md = conventions_section(runs, cols, percentile)
+    if best:
+        md[-1:-1] = [f"- {BEST_NOTE}"]
     for spec in TABLES:
         md += [f"## {spec.title}", "", markdown_table(cols, spec, percentile), ""]
     md += ["## Runs", "", runs_table(runs), ""]
@@ -132,8 +166,11 @@ def markdown(runs: Sequence[Run], cols: Sequence[Column], percentile: str,
 
 def write_report(runs: Sequence[Run], out_dir: str, percentile: str = "lower",
                  skipped: Sequence[str] = (), dpi: int = 110,
-                 log: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
-    """Write report.md, the PNG figures and the CSV files into `out_dir`.
+                 log: Optional[Callable[[str], None]] = None,
+                 best: bool = False) -> Dict[str, Any]:
+    """Write report.md, the PNG figures and the CSV files into `out_dir`. With `best`, the
+    tables and figures show each baseline at its best swept value by test p90, marked
+    (:func:`deltafl_jax.report.tables.best_columns`); the CSV files keep every value.
 
     Returns {"report": path, "figures": [paths], "csv": [paths], "notes": [lines]}.
     """
@@ -143,14 +180,15 @@ def write_report(runs: Sequence[Run], out_dir: str, percentile: str = "lower",
         raise ValueError("no run to report")
     log = log or (lambda s: None)
     os.makedirs(out_dir, exist_ok=True)
-    cols = columns(runs)
+    every = columns(runs)
+    cols = best_columns(every, percentile) if best else every
     notes = run_notes(runs)
     saved = save_figures(cols, out_dir, percentile, dpi, notes)
     for kind, name in CSV_FILES:
-        write_csv(os.path.join(out_dir, name), tidy_rows(cols, kind, percentile))
+        write_csv(os.path.join(out_dir, name), tidy_rows(every, kind, percentile))
     report_path = os.path.join(out_dir, "report.md")
     with open(report_path, "w") as f:
-        f.write(markdown(runs, cols, percentile, skipped, notes, saved))
+        f.write(markdown(runs, cols, percentile, skipped, notes, saved, best))
     for n in notes:
         log(f"note: {n}")
     return {"report": report_path, "figures": [os.path.join(out_dir, f[2]) for f in saved],

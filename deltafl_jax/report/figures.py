@@ -105,12 +105,18 @@ CURVE_PANELS = (("train_loss_mean", "train loss: mean"), ("train_loss_p90", "tra
 
 
 def curve_data(col: Column, metric: str, percentile: str = "lower"):
-    """(rounds [E], mean over seeds [E], min [E], max [E]) of `metric`, or None."""
-    got = col.run.curves(percentile)
-    if got is None or metric not in got[1]:
-        return None
-    rounds, per = got
-    v = np.asarray(per[metric])[:, col.replicas]
+    """(rounds [E], mean over seeds [E], min [E], max [E]) of `metric`, or None (also when
+    the column's runs were evaluated at different rounds)."""
+    rounds, parts = None, []
+    for run, reps in col.parts:
+        got = run.curves(percentile)
+        if got is None or metric not in got[1]:
+            return None
+        if rounds is not None and not np.array_equal(rounds, got[0]):
+            return None
+        rounds = got[0]
+        parts.append(np.asarray(got[1][metric])[:, reps])
+    v = np.concatenate(parts, axis=1)
     return rounds, v.mean(axis=1), v.min(axis=1), v.max(axis=1)
 
 
@@ -141,10 +147,14 @@ def curves_figure(cols: Sequence[Column], percentile: str = "lower"):
 
 def kept_data(col: Column):
     """(rounds 1..T, mean [T], min [T], max [T]) of the clients kept per round, or None."""
-    r = col.run.rounds
-    if r is None:
+    parts = []
+    for run, reps in col.parts:
+        if run.rounds is None:
+            return None
+        parts.append(np.asarray(run.rounds["num_selected"], np.float64)[:, reps])
+    if len({p.shape[0] for p in parts}) != 1:
         return None
-    v = np.asarray(r["num_selected"], np.float64)[:, col.replicas]
+    v = np.concatenate(parts, axis=1)
     return np.arange(1, v.shape[0] + 1), v.mean(axis=1), v.min(axis=1), v.max(axis=1)
 
 
@@ -166,4 +176,157 @@ def kept_figure(cols: Sequence[Column]):
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(f"{cols[0].setting}: clients kept per round (band: min/max over seeds)",
                  fontsize=10)
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# Fig. 3: the loss over mixtures of the training distributions (the Gaussian toy)
+
+MIXTURE_SAMPLES = 20000     # mixtures drawn uniformly from P_theta for the histogram
+SIMPLEX_STEPS = 60          # grid of the simplex panel: pi = (i, j, k) / SIMPLEX_STEPS
+
+
+def simplex_grid(steps: int = SIMPLEX_STEPS) -> np.ndarray:
+    """[P, 3] every pi = (i, j, k) / steps with i + j + k = steps."""
+    return np.array([(i, j, steps - i - j) for i in range(steps + 1)
+                     for j in range(steps + 1 - i)], np.float64) / steps
+
+
+def uniform_mixtures(alpha: np.ndarray, theta: float, count: int = MIXTURE_SAMPLES,
+                     seed: int = 0) -> np.ndarray:
+    """[count, N] mixture weights drawn uniformly from P_theta = {pi in the simplex:
+    pi_k <= alpha_k / theta} (the mixtures of conformity >= theta, Definition 1): uniform
+    draws on the simplex (Dirichlet(1, ..., 1)) kept when they satisfy the caps."""
+    rng = np.random.default_rng(seed)
+    caps = np.asarray(alpha, np.float64) / theta
+    kept, total = [], 0
+    for _ in range(1000):
+        pi = rng.dirichlet(np.ones(len(caps)), size=4 * count)
+        pi = pi[np.all(pi <= caps, axis=1)]
+        kept.append(pi)
+        total += len(pi)
+        if total >= count:
+            break
+    return np.concatenate(kept)[:count]
+
+
+def mixture_data(cols: Sequence[Column]):
+    """(alpha [N], theta, {label: F_k(w) [N], mean over seeds}) of a Gaussian-toy setting: the
+    final per-client training losses, from which every mixture loss follows, F(w; p_pi) =
+    sum_k pi_k F_k(w) (pi_k weights the samples of client k). theta: the smallest level < 1
+    among the columns (the paper's 2/3), or 1."""
+    sizes, _ = cols[0].client_means("train", "loss")
+    losses = {c.label: c.client_means("train", "loss")[1] for c in cols}
+    thetas = [c.run.labels[c.replicas[0]].theta for c in cols]
+    below = [float(t) for t in thetas if float(t) < 1.0]
+    return sizes / sizes.sum(), min(below) if below else 1.0, losses
+
+
+def conformity_polygon(caps: np.ndarray) -> np.ndarray:
+    """[V, 3] the vertices, in order around it, of {pi in the 2-simplex: pi_k <= caps_k}: the
+    feasible points with two coordinates at a bound (0 or their cap)."""
+    caps = np.minimum(np.asarray(caps, np.float64), 1.0)
+    found = []
+    for k in range(3):
+        i, j = [a for a in range(3) if a != k]
+        for vi in (0.0, caps[i]):
+            for vj in (0.0, caps[j]):
+                pi = np.zeros(3)
+                pi[i], pi[j], pi[k] = vi, vj, 1.0 - vi - vj
+                if -1e-12 <= pi[k] <= caps[k] + 1e-12:
+                    found.append(np.round(pi, 12))
+    verts = np.unique(np.array(found), axis=0)
+    xy = barycentric_xy(verts)
+    angle = np.arctan2(*(xy - xy.mean(axis=0)).T[::-1])
+    return verts[np.argsort(angle)]
+
+
+def barycentric_xy(pi: np.ndarray) -> np.ndarray:
+    """[P, 2] points of the triangle with corners q1 = (0, 0), q2 = (1, 0), q3 = (1/2, sqrt3/2)."""
+    return np.stack([pi[:, 1] + 0.5 * pi[:, 2], (np.sqrt(3) / 2) * pi[:, 2]], axis=1)
+
+
+def draw_means(ax, means, points) -> None:
+    """Fig. 3, left: the means mu_k and the models w (points: {label: [2] or None})."""
+    ax.scatter(means[:, 0], means[:, 1], marker="o", s=40, color="black", zorder=3)
+    for k, (x, y) in enumerate(means):
+        ax.annotate(f"μ{k + 1}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    closed = np.vstack([means, means[:1]])
+    ax.plot(closed[:, 0], closed[:, 1], color="grey", linewidth=0.8)
+    for (label, w), color in zip(points.items(), colors(len(points))):
+        if w is not None:
+            ax.scatter([w[0]], [w[1]], marker="*", s=120, color=color, label=label, zorder=4)
+    pad = 0.35 * max(float(np.ptp(means[:, 0])), float(np.ptp(means[:, 1])), 1e-6)
+    ax.set_xlim(means[:, 0].min() - pad, means[:, 0].max() + pad)
+    ax.set_ylim(means[:, 1].min() - pad, means[:, 1].max() + pad)
+    ax.set_aspect("equal", adjustable="datalim")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper right")
+    ax.set_title("means μ_k of the clients and the models w", fontsize=9)
+
+
+def draw_simplex(ax, fig, alpha, theta, base, other, names) -> None:
+    """Fig. 3, middle: F(w_theta; p_pi) - F(w_1; p_pi) over the simplex of mixtures; the
+    dashed hexagon is P_theta (pi_k <= alpha_k / theta)."""
+    from matplotlib.colors import TwoSlopeNorm
+    pi = simplex_grid()
+    diff = pi @ other - pi @ base
+    xy = barycentric_xy(pi)
+    bound = max(float(np.abs(diff).max()), 1e-12)
+    art = ax.tripcolor(xy[:, 0], xy[:, 1], diff, cmap="coolwarm", shading="gouraud",
+                       norm=TwoSlopeNorm(0.0, -bound, bound))
+    fig.colorbar(art, ax=ax, shrink=0.8).set_label(
+        f"F(w; p_π): {names[1]} minus {names[0]}", fontsize=8)
+    edge = [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 0, 0)]
+    ax.plot(*barycentric_xy(np.array(edge, float)).T, color="black", linewidth=0.8)
+    if theta < 1.0:
+        poly = barycentric_xy(conformity_polygon(np.asarray(alpha) / theta))
+        ax.fill(poly[:, 0], poly[:, 1], fill=False, linestyle="--", linewidth=1.2,
+                edgecolor="black")
+    for k, (x, y) in enumerate(barycentric_xy(np.eye(3))):
+        ax.annotate(f"q{k + 1}", (x, y), textcoords="offset points", xytext=(-4, 4 if k == 2
+                                                                           else -10), fontsize=8)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(f"loss of every mixture p_π of q1, q2, q3\n(dashed: conformity ≥ {theta:.3g})",
+                 fontsize=9)
+
+
+def draw_histogram(ax, alpha, theta, losses) -> None:
+    """Fig. 3, right: histogram of F(w; p_pi) for pi uniform on P_theta, one per model; the
+    dashed lines are the worst (largest) loss of each."""
+    pi = uniform_mixtures(alpha, theta)
+    values = {label: pi @ f for label, f in losses.items()}
+    lo = min(float(v.min()) for v in values.values())
+    hi = max(float(v.max()) for v in values.values())
+    bins = np.linspace(lo, hi, 41)
+    for (label, v), color in zip(values.items(), colors(len(values))):
+        ax.hist(v, bins=bins, color=color, alpha=0.5, label=label, density=True)
+        ax.axvline(float(v.max()), color=color, linestyle="--", linewidth=1.0)
+    ax.set_xlabel("F(w; p_π)")
+    ax.set_ylabel("density")
+    ax.legend(fontsize=7)
+    ax.set_title(f"mixtures of conformity ≥ {theta:.3g}, uniform\n(dashed: the worst loss)",
+                 fontsize=9)
+
+
+def mixture_figure(cols: Sequence[Column], means=None, points=None):
+    """Fig. 3: left, the Gaussians' means and the models (when `means` is given; `points`:
+    {label: w [2] or None}); middle, the loss of the θ-model minus FedAvg's over every mixture
+    of three clients (barycentric triangle); right, the histogram of the mixture losses for
+    mixtures drawn uniformly with conformity >= θ. Columns: the θ = 1 model first."""
+    cols = sorted(cols, key=lambda c: -float(c.run.labels[c.replicas[0]].theta))
+    alpha, theta, losses = mixture_data(cols)
+    labels = list(losses)
+    panels = (1 if means is not None else 0) + (1 if len(alpha) == 3 else 0) + 1
+    fig, axes = new_figure(1, panels, 4.2 * panels, 3.8)
+    axes = list(axes[0])
+    if means is not None:
+        draw_means(axes.pop(0), np.asarray(means, np.float64), points or {})
+    if len(alpha) == 3:
+        draw_simplex(axes.pop(0), fig, alpha, theta, losses[labels[0]], losses[labels[-1]],
+                     (labels[0], labels[-1]))
+    draw_histogram(axes.pop(0), alpha, theta, losses)
+    fig.suptitle(f"{cols[0].setting}: Fig. 3, losses over mixtures of the training "
+                 f"distributions (final models, mean over seeds)", fontsize=10)
     return fig

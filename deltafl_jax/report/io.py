@@ -77,11 +77,21 @@ class Run:
         return int(self.config.get("num_rounds", 0))
 
     @property
+    def resampled_per_seed(self) -> bool:
+        """Each seed of the experiment was its own dataset (--resample_writers_per_seed)."""
+        return bool(self.config.get("data", {}).get("resample_writers_per_seed", False))
+
+    @property
     def setting_key(self) -> Tuple[str, ...]:
-        """Runs share a table row when their data and model are the same."""
-        data = json.dumps(self.config.get("data", {}), sort_keys=True)
-        stats = json.dumps(self.summary.get("dataset", {}), sort_keys=True)
-        return (self.dataset, self.model, data, stats)
+        """Runs share a table row when their data and model are the same; the seed groups of
+        --resample_writers_per_seed (data drawn from each seed) share one row."""
+        data = dict(self.config.get("data", {}))
+        stats = self.summary.get("dataset", {})
+        if self.resampled_per_seed:
+            data.pop("data_seed", None)
+            stats = {}
+        return (self.dataset, self.model, json.dumps(data, sort_keys=True),
+                json.dumps(stats, sort_keys=True))
 
     @property
     def setting(self) -> str:
@@ -271,15 +281,28 @@ def looks_like_run(path: str) -> bool:
     return any(reader.has(f) for f in (SUMMARY, METRICS, CLIENTS))
 
 
-def find_run_dirs(paths: Iterable[str]) -> List[str]:
+def runs_below(path: str, depth: int) -> List[str]:
+    """The run directories under `path` (not itself a run), up to `depth` levels down, sorted
+    by name (e.g. runs/compare/<algorithm>/seed_<s>/)."""
+    out = []
+    for d in sorted(os.listdir(path)):
+        sub = os.path.join(path, d)
+        if not os.path.isdir(sub):
+            continue
+        if looks_like_run(sub):
+            out.append(sub)
+        elif depth > 1:
+            out.extend(runs_below(sub, depth - 1))
+    return out
+
+
+def find_run_dirs(paths: Iterable[str], depth: int = 3) -> List[str]:
     """The given directories; a directory that is not itself a run but holds run
-    directories (e.g. ``runs/``) stands for them, sorted by name."""
+    directories (e.g. ``runs/``, or a multi-method run with seed groups) stands for them."""
     out = []
     for p in paths:
         if os.path.isdir(p) and not looks_like_run(p):
-            subs = sorted(os.path.join(p, d) for d in os.listdir(p)
-                          if os.path.isdir(os.path.join(p, d)) and
-                          looks_like_run(os.path.join(p, d)))
+            subs = runs_below(p, depth)
             if subs:
                 out.extend(subs)
                 continue
@@ -315,36 +338,48 @@ def load(paths: Iterable[str], log: Optional[Callable[[str], None]] = None
 # Tidy rows (load_runs, CSV files)
 
 
-def label_fields(col: Column, r: int) -> Dict[str, Any]:
-    """The columns that name replica r of a column's run in every tidy row."""
-    lab = col.run.labels[r]
-    return {"run": col.run.name, "setting": col.setting, "method": col.label,
+def label_fields(col: Column, r: int, run: Optional[Run] = None) -> Dict[str, Any]:
+    """The columns that name replica r of `run` (default: the column's run) in every tidy
+    row."""
+    run = run if run is not None else col.run
+    lab = run.labels[r]
+    return {"run": run.name, "setting": col.setting, "method": col.label,
             "algorithm": lab.algorithm, "theta": lab.theta,
             "param_name": lab.param_name if lab.param_name is not None else "",
             "param_value": lab.param_value if lab.param_value is not None else "",
-            "seed": lab.seed, "replica": col.run.keys[r]}
+            "seed": lab.seed, "replica": run.keys[r]}
 
 
 def final_rows(col: Column, percentile: str) -> List[Dict[str, Any]]:
-    fin = col.run.final(percentile)
-    return [{**label_fields(col, r), "round": col.run.num_rounds,
-             **{k: float(v[r]) for k, v in fin.items()}} for r in col.replicas]
+    rows = []
+    for run, reps in col.parts:
+        fin = run.final(percentile)
+        rows += [{**label_fields(col, r, run), "round": run.num_rounds,
+                  **{k: float(v[r]) for k, v in fin.items()}} for r in reps]
+    return rows
 
 
 def curve_rows(col: Column, percentile: str) -> List[Dict[str, Any]]:
-    got = col.run.curves(percentile)
-    if got is None:
-        return []
-    rounds, per = got
-    return [{**label_fields(col, r), "round": int(t),
-             **{k: float(v[e, r]) for k, v in per.items()}}
-            for r in col.replicas for e, t in enumerate(rounds)]
+    rows = []
+    for run, reps in col.parts:
+        got = run.curves(percentile)
+        if got is None:
+            continue
+        rounds, per = got
+        rows += [{**label_fields(col, r, run), "round": int(t),
+                  **{k: float(v[e, r]) for k, v in per.items()}}
+                 for r in reps for e, t in enumerate(rounds)]
+    return rows
 
 
 def client_rows(col: Column) -> List[Dict[str, Any]]:
-    c, rows = col.run.clients, []
-    for r in col.replicas:
-        base = label_fields(col, r)
+    return [row for run, reps in col.parts for row in run_client_rows(col, run, reps)]
+
+
+def run_client_rows(col: Column, run: Run, replicas: Sequence[int]) -> List[Dict[str, Any]]:
+    c, rows = run.clients, []
+    for r in replicas:
+        base = label_fields(col, r, run)
         for split in ("train", "test"):
             ids = c.get(f"{split}_client_ids", np.arange(len(c[f"{split}_sizes"])))
             for k in range(len(c[f"{split}_sizes"])):
@@ -357,11 +392,15 @@ def client_rows(col: Column) -> List[Dict[str, Any]]:
 
 
 def kept_rows(col: Column) -> List[Dict[str, Any]]:
-    rr, rows = col.run.rounds, []
+    return [row for run, reps in col.parts for row in run_kept_rows(col, run, reps)]
+
+
+def run_kept_rows(col: Column, run: Run, replicas: Sequence[int]) -> List[Dict[str, Any]]:
+    rr, rows = run.rounds, []
     if rr is None:
         return rows
-    for r in col.replicas:
-        base = label_fields(col, r)
+    for r in replicas:
+        base = label_fields(col, r, run)
         for t in range(rr["num_selected"].shape[0]):
             row = {**base, "round": t + 1, "num_selected": int(rr["num_selected"][t, r])}
             if "num_rejected" in rr:

@@ -62,11 +62,13 @@ def method_label(label: Union[ReplicaLabel, Mapping[str, Any]], filter: str = "e
 
 @dataclasses.dataclass(eq=False)
 class Column:
-    """The replicas of one run that differ only by seed: one table cell per setting.
+    """The replicas that differ only by seed: one table cell per setting.
 
     setting: the row ('dataset / model'); label: the column, unique within the setting;
-    replicas: indices into the run's arrays, in seed order; seeds: their seeds; identity: the
-    replicas' ``ReplicaLabel.group_key()``.
+    replicas: indices into the run's arrays, in seed order; seeds: their seeds (of every
+    part); identity: the replicas' ``ReplicaLabel.group_key()``. `more` holds further
+    (run, replicas) parts: the other seeds' runs when each seed is its own dataset
+    (``--resample_writers_per_seed``, :mod:`deltafl_jax.seed_groups`).
     """
 
     run: "Run"
@@ -75,16 +77,28 @@ class Column:
     replicas: List[int]
     seeds: List[int]
     identity: Tuple
+    more: List[Tuple["Run", List[int]]] = dataclasses.field(default_factory=list)
+
+    @property
+    def parts(self) -> List[Tuple["Run", List[int]]]:
+        """(run, replica indices) of every run that holds replicas of this column."""
+        return [(self.run, self.replicas)] + list(self.more)
 
     def values(self, metric: str, percentile: str = "lower") -> np.ndarray:
         """[S] per-seed final values of `metric` (e.g. 'test_error_p90')."""
-        return np.asarray(self.run.final(percentile)[metric])[self.replicas]
+        return np.concatenate([np.asarray(run.final(percentile)[metric])[reps]
+                               for run, reps in self.parts])
 
     def client_means(self, split: str, quantity: str) -> Tuple[np.ndarray, np.ndarray]:
         """(n_k [N], per-client value [N] averaged over seeds) for split 'train'/'test' and
-        quantity 'loss'/'error' (App. C.3: each client's metric averaged over the seeds)."""
-        arr = np.asarray(self.run.clients[f"{split}_{quantity}"], np.float64)[self.replicas]
-        return np.asarray(self.run.clients[f"{split}_sizes"]), arr.mean(axis=0)
+        quantity 'loss'/'error' (App. C.3: each client's metric averaged over the seeds).
+        When the seeds are different datasets, every seed's clients are pooled."""
+        sizes, means = [], []
+        for run, reps in self.parts:
+            arr = np.asarray(run.clients[f"{split}_{quantity}"], np.float64)[reps]
+            sizes.append(np.asarray(run.clients[f"{split}_sizes"]))
+            means.append(arr.mean(axis=0))
+        return np.concatenate(sizes), np.concatenate(means)
 
 
 def run_columns(run: "Run") -> List[Tuple[str, Tuple, List[int], List[int]]]:
@@ -118,11 +132,60 @@ def columns(runs: Sequence["Run"]) -> List[Column]:
     by_cell: Dict[Tuple[str, str], List[Column]] = {}
     for c in cols:
         by_cell.setdefault((c.setting, c.label), []).append(c)
+    merged = set()
     for group in by_cell.values():
-        if len(group) > 1:
+        if len(group) > 1 and seed_groups_of_one_column(group):
+            group[0].more = [(c.run, c.replicas) for c in group[1:]]
+            group[0].seeds = [s for c in group for s in c.seeds]
+            merged.update(id(c) for c in group[1:])
+        elif len(group) > 1:
             for c in group:
                 c.label = f"{c.label} [{c.run.name}]"
-    return cols
+    return [c for c in cols if id(c) not in merged]
+
+
+def seed_groups_of_one_column(group: Sequence[Column]) -> bool:
+    """Columns of runs that are the seed groups of one experiment (each seed its own dataset,
+    --resample_writers_per_seed) and hold different seeds: they form one column."""
+    seeds = [s for c in group for s in c.seeds]
+    return (all(c.run.resampled_per_seed for c in group) and len(set(seeds)) == len(seeds))
+
+
+BEST_MARK = "†"
+BEST_NOTE = ("† each baseline at its best swept value (q, μ, t, γ_λ, FedAvg-Sub's clients), "
+             "the one with the smallest mean over seeds of the test 90th percentile, as the "
+             "papers' tables (CISS 2021 Sec. V: \"report q with the smallest 90th percentile of "
+             "misclassification error on test devices\"); Δ-FL's θ are all shown. Every value "
+             "is in final.csv.")
+
+
+def column_algorithm(col: Column) -> str:
+    return col.run.labels[col.replicas[0]].algorithm
+
+
+def best_columns(cols: Sequence[Column], percentile: str = "lower",
+                 metric: str = "test_error_p90") -> List[Column]:
+    """The columns with each baseline's sweep cut to its best value: within a row, the
+    columns of one baseline algorithm (not Δ-FL, whose θ are all kept, nor FedAvg) keep only
+    the one with the smallest mean `metric` over seeds (ties: the first), marked with
+    :data:`BEST_MARK` in its label. A baseline with one value is kept as it is."""
+    groups: Dict[Tuple[str, str], List[Column]] = {}
+    for c in cols:
+        alg = column_algorithm(c)
+        if alg not in ("deltafl", "fedavg"):
+            groups.setdefault((c.setting, alg), []).append(c)
+    dropped = set()
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        means = [float(np.mean(c.values(metric, percentile))) for c in group]
+        finite = [i for i, m in enumerate(means) if math.isfinite(m)]
+        if not finite:
+            continue
+        win = min(finite, key=lambda i: means[i])
+        group[win].label = f"{group[win].label} {BEST_MARK}"
+        dropped.update(id(c) for i, c in enumerate(group) if i != win)
+    return [c for c in cols if id(c) not in dropped]
 
 
 def settings(cols: Sequence[Column]) -> List[str]:

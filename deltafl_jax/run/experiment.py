@@ -220,7 +220,7 @@ def _device_split(split, mesh=None):
 
 
 def _model(config: ExperimentConfig, data: FederatedDataset) -> Tuple[Model, ModelOptions]:
-    options = ModelOptions(conv_impl=config.conv_impl)
+    options = ModelOptions(conv_impl=config.conv_impl, use_bias=config.use_bias)
     try:
         return build_model(config.model, data, options), options
     except ValueError as e:

@@ -1,0 +1,62 @@
+"""Every experiments/*.flags file parses into valid configurations, and the paper flagfiles
+carry the paper's settings (issue 13, items 1-3 and 11)."""
+
+import glob
+import os
+
+import pytest
+
+HERE = os.path.dirname(__file__)
+EXPERIMENTS = os.path.join(os.path.dirname(HERE), "experiments")
+FLAGFILES = sorted(glob.glob(os.path.join(EXPERIMENTS, "*.flags")))
+
+
+def plan(name):
+    from experiments import run as runner
+    runner.FLAGS.unparse_flags()
+    runner.parse_flags_or_fail(["run", f"--flagfile={os.path.join(EXPERIMENTS, name)}"])
+    return runner.planned_configs()
+
+
+@pytest.mark.parametrize("path", FLAGFILES, ids=os.path.basename)
+def test_every_flagfile_gives_valid_configs(path):
+    configs = plan(os.path.basename(path))
+    assert configs and all(c.output_dir for c in configs)
+
+
+def test_femnist_and_sent140_linear_use_the_authors_inputs_and_no_bias():
+    for name, dataset in (("emnist_linear.flags", "femnist"),
+                          ("sent140_linear.flags", "sent140"),
+                          ("compare_emnist_linear.flags", "femnist"),
+                          ("compare_sent140_linear.flags", "sent140")):
+        for c in plan(name):
+            assert c.data.dataset == dataset and c.data.normalize == "reference", name
+            assert c.use_bias is False, name
+    for name in ("emnist.flags", "emnist_cpu.flags", "compare_emnist.flags"):
+        assert all(c.data.normalize == "reference" for c in plan(name))
+    for name in ("sent140_lstm.flags", "shakespeare.flags", "shakespeare_cpu.flags",
+                 "compare_shakespeare.flags", "compare_sent140_lstm.flags"):
+        assert all(c.data.normalize == "none" for c in plan(name))
+
+
+def test_emnist_linear_lambda_per_theta_is_the_reference_codes():
+    (config,) = plan("emnist_linear.flags")
+    assert config.thetas == (1.0, 0.8, 0.5, 0.1)
+    assert config.l2_for(4) == (1e-9, 1e-7, 1e-7, 1e-7)   # FedAvg 1e-9, Delta-FL 1e-7
+
+
+def test_comparisons_run_every_method_of_the_papers_tables():
+    table_rows = {"deltafl", "fedavg", "fedavg_sub", "fedprox", "qffl", "afl_qffl", "afl",
+                  "term"}
+    for name, rounds, resampled in (("compare_emnist_linear.flags", 3000, True),
+                                    ("compare_sent140_linear.flags", 1000, True),
+                                    ("compare_emnist.flags", 1000, True),
+                                    ("compare_sent140_lstm.flags", 600, True),
+                                    ("compare_shakespeare.flags", 600, False)):
+        configs = plan(name)
+        assert {c.algorithm for c in configs} == table_rows, name
+        assert {c.num_rounds for c in configs} == {rounds}
+        assert {c.seeds for c in configs} == ({(s,) for s in range(1, 6)} if resampled
+                                               else {(1, 2, 3, 4, 5)}), name
+        qffl = next(c for c in configs if c.algorithm == "qffl")
+        assert qffl.sweep("qffl_q") == (0.001, 0.01, 0.1, 1.0, 10.0)   # CISS Sec. V
