@@ -144,3 +144,28 @@ def test_overwrite_starts_afresh(tmp_path):
     assert again.returncode == 0, again.stderr
     assert "resuming" not in again.stdout
     assert [r["round"] for r in records(out)] == [2, 2, 2, 2, 4, 4, 4, 4]
+
+
+def test_checkpoint_of_two_devices_resumes_on_one(uninterrupted, tmp_path):
+    out = str(tmp_path / "run")
+    env2 = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.Popen(command(out, "--devices=2"), cwd=REPO, env=env2,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if saved_rounds(out) and max(saved_rounds(out)) >= 6:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    proc.communicate(timeout=240)
+    assert saved_rounds(out)
+    resumed = run(out, "--devices=1")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming" in resumed.stdout
+    # Rounds before the kill ran on 2 devices: equal to the 1-device run up to float rounding.
+    a, b = records(out), records(uninterrupted["deltafl"])
+    assert [(r["round"], r["num_selected"]) for r in a] == [(r["round"], r["num_selected"])
+                                                            for r in b]
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x["test_error_mean"], y["test_error_mean"], rtol=1e-5)
+        np.testing.assert_allclose(x["train_loss_mean"], y["train_loss_mean"], rtol=1e-5)

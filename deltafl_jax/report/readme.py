@@ -1,0 +1,88 @@
+"""The README's result tables, generated from run directories so that they cannot go stale.
+
+A table sits in README.md between ``<!-- table: NAME -->`` and ``<!-- /table -->`` markers;
+:func:`render` builds it from the runs' ``summary.json`` (final per-client metrics of every
+replica): one column per method or theta, rows for the p90 and the mean of the test error (in
+%) and the p90 of the alpha-weighted train loss, each the mean +- std over seeds (ddof = 0), the
+lowest mean of a row in bold. ``python -m experiments.readme_tables`` writes or checks them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from deltafl_jax.outputs import RunReader
+from deltafl_jax.report.tables import method_label
+
+ROWS = (("test error, 90th percentile", "test_error_p90", 100.0, 2),
+        ("test error, mean", "test_error_mean", 100.0, 2),
+        ("train loss, 90th percentile (α-weighted)", "train_loss_p90", 1.0, 3))
+
+
+def _columns(run_dirs: Sequence[str]) -> List[Tuple[str, Dict[str, List[float]]]]:
+    """(label, metric -> values over seeds) per method / swept value, in run order."""
+    cols: Dict[str, Dict[str, List[float]]] = {}
+    for d in run_dirs:
+        reader = RunReader(d)
+        final = reader.summary()["final"]
+        for lab in reader.labels():
+            name = method_label(lab)
+            col = cols.setdefault(name, {})
+            for _, key, _, _ in ROWS:
+                col.setdefault(key, []).append(final[lab.key()][key])
+    return list(cols.items())
+
+
+def _cells(cols, key: str, scale: float, digits: int, multi: bool) -> List[str]:
+    """Mean (+- std over seeds) of one metric per column, the lowest mean in bold."""
+    means = [scale * float(np.mean(c[key])) for _, c in cols]
+    best = min(means)
+    cells = []
+    for (_, c), mean in zip(cols, means):
+        text = f"{mean:.{digits}f}"
+        text = f"**{text}**" if round(mean, digits) == round(best, digits) else text
+        if multi:
+            text += f" ± {scale * float(np.std(c[key])):.{digits}f}"
+        cells.append(text)
+    return cells
+
+
+def render(run_dirs: Sequence[str], max_columns: int = 6) -> str:
+    """The markdown table of the runs in `run_dirs`: one column per method or theta, or, past
+    `max_columns` of them, one row per method and one column per metric."""
+    cols = _columns(run_dirs)
+    multi = any(len(c[1]["test_error_p90"]) > 1 for c in cols)
+    cells = {key: _cells(cols, key, scale, digits, multi) for _, key, scale, digits in ROWS}
+    if len(cols) > max_columns:
+        lines = ["| method | " + " | ".join(t for t, _, _, _ in ROWS) + " |",
+                 "|---|" + "---|" * len(ROWS)]
+        lines += [f"| {name} | " + " | ".join(cells[k][i] for _, k, _, _ in ROWS) + " |"
+                  for i, (name, _) in enumerate(cols)]
+        return "\n".join(lines)
+    lines = ["| | " + " | ".join(name for name, _ in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    lines += [f"| {title} | " + " | ".join(cells[key]) + " |" for title, key, _, _ in ROWS]
+    return "\n".join(lines)
+
+
+def _pattern(name: str):
+    return re.compile(r"(<!-- table: " + re.escape(name) + r" -->\n)(.*?)(\n<!-- /table -->)",
+                      re.S)
+
+
+def replace(readme: str, name: str, table: str) -> str:
+    """`readme` with table `name` replaced; KeyError if its markers are missing."""
+    pattern = _pattern(name)
+    if not pattern.search(readme):
+        raise KeyError(f"README has no '<!-- table: {name} -->' ... '<!-- /table -->' block")
+    return pattern.sub(lambda m: m.group(1) + table + m.group(3), readme)
+
+
+def current(readme: str, name: str) -> str:
+    m = _pattern(name).search(readme)
+    if not m:
+        raise KeyError(f"README has no '<!-- table: {name} -->' block")
+    return m.group(2)

@@ -1,0 +1,49 @@
+"""The README's Synthetic table equals a fresh run of experiments/synthetic.flags (so it cannot
+go stale), and the table renderer's means, stds and bold marks are right on a hand-made run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from deltafl_jax.outputs import RunWriter
+from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.report import readme
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fake_run(path, finals):
+    labels = [ReplicaLabel("deltafl", theta, seed) for theta, seed in finals]
+    os.makedirs(path)
+    RunWriter(str(path)).write_summary({
+        "replicas": [lab.to_json() for lab in labels],
+        "final": {lab.key(): dict(zip(("test_error_p90", "test_error_mean", "train_loss_p90"),
+                                      finals[(lab.theta, lab.seed)]))
+                  for lab in labels}})
+    return str(path)
+
+
+def test_render_means_stds_and_bold(tmp_path):
+    run = fake_run(tmp_path / "r", {(1.0, 1): (0.8, 0.4, 1.0), (1.0, 2): (0.6, 0.2, 3.0),
+                                    (0.5, 1): (0.5, 0.5, 2.0), (0.5, 2): (0.5, 0.5, 2.0)})
+    table = readme.render([run]).splitlines()
+    assert table[0] == "| | FedAvg | Δ-FL, θ = 0.5 |"
+    assert table[2] == "| test error, 90th percentile | 70.00 ± 10.00 | **50.00** ± 0.00 |"
+    assert table[3] == "| test error, mean | **30.00** ± 10.00 | 50.00 ± 0.00 |"
+    assert table[4] == ("| train loss, 90th percentile (α-weighted) | **2.000** ± 1.000 | "
+                        "**2.000** ± 0.000 |")
+    text = "a\n<!-- table: x -->\nold\n<!-- /table -->\nb"
+    assert readme.replace(text, "x", "new") == "a\n<!-- table: x -->\nnew\n<!-- /table -->\nb"
+    with pytest.raises(KeyError):
+        readme.replace(text, "y", "new")
+
+
+@pytest.mark.slow
+def test_readme_synthetic_table_matches_a_fresh_run():
+    proc = subprocess.run([sys.executable, "-m", "experiments.readme_tables",
+                           "--table=synthetic", "--run"], cwd=REPO, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
