@@ -19,5 +19,5 @@ def _theta_one(config, given):
 
 SPEC = AlgorithmSpec(
     name="fedavg", help="FedAvg: Delta-FL at theta = 1, bit for bit",
-    make=lambda config, data: deltafl(config.filter), hyper=DeltaFLHyper, sweep=THETA_SWEEP,
+    make=lambda config, data: deltafl(config.filter, thetas=(1.0,)), hyper=DeltaFLHyper, sweep=THETA_SWEEP,
     values=_theta_one, validate=check_thetas)
