@@ -191,6 +191,70 @@ def threshold_weights(values, weights, theta, tie_rtol=0.0, level=None):
     return jnp.where(values >= eta - _tie_tolerance(eta, tie_rtol), weights, 0.0)
 
 
+# ----------------------------------------------------------------------------- smoothing
+
+
+def smoothing_slope(rho, nu):
+    """g_nu'(rho) of eq. 6: 0 for rho <= 0, rho / nu on (0, nu], 1 above: the weight that the
+    smoothed superquantile gives to a value rho above eta (the derivative of g_nu)."""
+    return jnp.clip(rho / nu, 0.0, 1.0)
+
+
+def smoothing_function(rho, nu):
+    """g_nu(rho) of eq. 6: nu/2 for rho <= 0, rho^2/(2 nu) + nu/2 on (0, nu], rho above."""
+    return jnp.where(rho <= 0, 0.5 * nu,
+                     jnp.where(rho <= nu, rho * rho / (2.0 * nu) + 0.5 * nu, rho))
+
+
+def smoothed_eta(values, weights, theta, nu):
+    """A minimiser eta* of h(eta) = eta + (1/theta) sum_k alpha_k g_nu(v_k - eta) (Property 9).
+
+    h' is continuous, non-decreasing and piecewise linear with breakpoints at v_k and
+    v_k - nu; following the proof of Property 9, a = the smallest breakpoint with h' >= 0 and
+    b = the largest with h' <= 0; eta* = a when h'(a) = 0, else the zero of the linear piece
+    between b and a. alpha_k = w_k / sum(w); entries with weight 0 are ignored.
+    """
+    values = jnp.asarray(values)
+    weights = jnp.asarray(weights, dtype=jnp.result_type(values.dtype, jnp.float32))
+    alpha = weights / jnp.sum(weights)
+
+    def slope(eta):                                       # [S] -> [S] h'(eta)
+        g = smoothing_slope(values[None, :] - eta[:, None], nu)
+        return 1.0 - jnp.sum(alpha[None, :] * g, axis=1) / theta
+
+    points = jnp.concatenate([values, values - nu])
+    d = slope(points)
+    a = jnp.min(jnp.where(d >= 0, points, jnp.inf))
+    has_b = jnp.any(d <= 0)
+    b = jnp.max(jnp.where(d <= 0, points, -jnp.inf))
+    da, db = slope(a[None])[0], slope(jnp.where(has_b, b, a)[None])[0]
+    between = b + (-db) * (a - b) / jnp.where(da > db, da - db, 1.0)
+    return jnp.where((da > 0) & has_b & (da > db), between, a)
+
+
+def smoothed_tail_weights(values, weights, theta, nu):
+    """The aggregation weights of the smoothed superquantile: pi_k proportional to
+    alpha_k g_nu'(v_k - eta*) with eta* of :func:`smoothed_eta`, the gradient weights of
+    F_{theta,nu} (eqs. 5-7: grad = (1/theta) sum_k alpha_k g_nu'(F_k - eta*) grad F_k, whose
+    weights sum to 1 at eta*). When nu is below the gaps between the values these are exactly
+    :func:`tail_weights` (the boundary value's g_nu' is its fraction); nu -> 0 recovers the
+    exact filter. Returns [N] pi, summing to 1."""
+    values = jnp.asarray(values)
+    weights = jnp.asarray(weights, dtype=jnp.result_type(values.dtype, jnp.float32))
+    eta = smoothed_eta(values, weights, theta, nu)
+    pi = jnp.where(weights > 0, weights * smoothing_slope(values - eta, nu), 0.0)
+    return pi / jnp.sum(pi)
+
+
+def smoothed_superquantile(values, weights, theta, nu):
+    """F_{theta,nu} = min_eta eta + (1/theta) sum_k alpha_k g_nu(v_k - eta) (eqs. 5-7)."""
+    values = jnp.asarray(values)
+    weights = jnp.asarray(weights, dtype=jnp.result_type(values.dtype, jnp.float32))
+    alpha = weights / jnp.sum(weights)
+    eta = smoothed_eta(values, weights, theta, nu)
+    return eta + jnp.sum(alpha * smoothing_function(values - eta, nu)) / theta
+
+
 __all__ = [
     "quantile_levels",
     "weighted_quantile",
@@ -198,4 +262,7 @@ __all__ = [
     "superquantile_dual",
     "tail_weights",
     "threshold_weights",
+    "smoothed_eta",
+    "smoothed_tail_weights",
+    "smoothed_superquantile",
 ]
