@@ -24,8 +24,10 @@ x_j, mu_t - x_j shrinks by |2 tau - c_{j-1} - c_j| / alpha_j per step (c: normal
 cumulative weights, alpha_j: x_j's share), and after one step stays on the side of that
 factor's sign: fast when tau lies inside x_j's jump (c_{j-1}, c_j], slow at its edges. In
 float32 a step from mu_t at distance d of some x_k has relative error ~ ulp(x) / d. Since
-Algorithm 3's clients pass when F_k > eta strictly, the boundary client x_j trains while eta
-approaches it from below and not from above. If all losses tie exactly (a zero-initialised
+Algorithm 3's clients pass when F_k > eta strictly, the boundary client x_j trains when eta
+approaches it from below, i.e. when more than half of its weight lies above tau: the kept set
+tends to the exact filter's with x_j's fraction rounded to 0 or 1, until float32 reaches x_j
+itself (then mu stays there and x_j is dropped). If all losses tie exactly (a zero-initialised
 linear model in exact arithmetic) mu_0 equals them, eta stays there and no client passes, so
 w would never move; in float32, summation noise in the losses lets some pass.
 """
