@@ -2,7 +2,8 @@
 client trains and the server averages with weights alpha_k proportional to n_k. It is the same
 round as ``--algorithm=deltafl --thetas=1.0``, bit for bit, labelled ``fedavg``.
 ``--weighting=unweighted`` averages uniformly; Delta-FL's --smoothing and --quantile are not
-used (at theta = 1 they would only reorder the same average, or drop the lowest loss)."""
+used (at theta = 1 smoothing gives the same average, and the strict filter F_k > eta of
+--quantile=secagg_mm would drop the client with the lowest loss)."""
 
 from __future__ import annotations
 
