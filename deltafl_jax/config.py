@@ -13,7 +13,8 @@ import math
 from typing import Mapping, Optional, Tuple, Union
 
 from deltafl_jax.algorithms import registry
-from deltafl_jax.algorithms.deltafl import FILTERS, check_thetas
+from deltafl_jax.algorithms.deltafl import (DEFAULT_MM_ITERS, FILTERS, check_round_options,
+                                            check_thetas)
 from deltafl_jax.datasets import DataConfig
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.models import LINEAR_MODELS
@@ -36,6 +37,10 @@ class ExperimentConfig:
     model: str = "linear"
     algorithm: str = "deltafl"
     filter: str = "exact"
+    weighting: str = "weighted"             # or "unweighted": alpha_k = 1/N (2022 paper)
+    smoothing: float = 0.0                  # nu > 0: smoothed superquantile (eqs. 5-6)
+    quantile: str = "sort"                  # or "secagg_mm": eta by MM over secure sums
+    mm_iters: int = DEFAULT_MM_ITERS        # MM steps of --quantile=secagg_mm
     thetas: Tuple[float, ...] = ()  # () = the algorithm's default
     seeds: Tuple[int, ...] = (1,)
     num_rounds: int = 100
@@ -148,6 +153,7 @@ def _check(c: ExperimentConfig):
     spec = registry.get(c.algorithm)
     if c.filter not in FILTERS:
         raise ConfigError(f"unknown --filter={c.filter!r}; choose one of {', '.join(FILTERS)}")
+    check_round_options(c)
     spec.check(c)
     c.l2_for(len(spec.sweep_values(c)))
     if c.use_bias is not None and c.model not in LINEAR_MODELS:

@@ -104,6 +104,20 @@ def _define_sweep_flags() -> None:
                 f"{sweep.help}; empty: the algorithm's grid" + (f" {grid}" if grid else ""))
 
 
+def _define_round_option_flags() -> None:
+    """Delta-FL's round options (deltafl_jax.algorithms.deltafl.RoundOptions)."""
+    _define(flags.DEFINE_enum, "weighting", "weighted", "weighted: alpha_k proportional to "
+            "n_k | unweighted: alpha_k = 1/N and the tail averaged uniformly (2022 paper)",
+            enum_values=["weighted", "unweighted"])
+    _define(flags.DEFINE_float, "smoothing", 0.0, "nu > 0: Delta-FL weights alpha_k "
+            "g_nu'(F_k - eta) of the smoothed superquantile (eqs. 5-6, Property 9) instead of "
+            "the filter; 0: off")
+    _define(flags.DEFINE_enum, "quantile", "sort", "sort: the server sorts the reported "
+            "losses | secagg_mm: eta from --mm_iters MM steps over secure sums, clients with "
+            "F_k > eta train (Algorithm 3, App. B.1)", enum_values=["sort", "secagg_mm"])
+    _define(flags.DEFINE_integer, "mm_iters", 20, "MM steps of --quantile=secagg_mm")
+
+
 def define_experiment_flags() -> None:
     """Every flag of :class:`deltafl_jax.ExperimentConfig` (idempotent)."""
     from deltafl_jax.algorithms import registry
@@ -120,6 +134,7 @@ def define_experiment_flags() -> None:
             "<output_dir>/<algorithm>/")
     _define(flags.DEFINE_string, "filter", "exact", "exact: tail weights of the superquantile "
             "(fractional boundary client) | reference: every client with F_k >= eta, full weight")
+    _define_round_option_flags()
     _define(flags.DEFINE_list, "seeds", ["1"], "seeds; each seeds sampling, shuffling and "
             "initialisation")
     _define_sweep_flags()
@@ -223,7 +238,8 @@ SCALAR_FIELDS = ("model", "filter", "num_rounds", "clients_per_round", "local_ep
                  "local_steps", "batch_size", "learning_rate", "lr_decay", "lr_decay_every",
                  "eval_every", "clients_per_step", "eval_chunk", "output_dir", "overwrite",
                  "conv_impl", "save_models", "checkpoint_every", "checkpoint_every_s",
-                 "stop_on_divergence", "devices", "use_bias")
+                 "stop_on_divergence", "devices", "use_bias", "weighting", "smoothing",
+                 "quantile", "mm_iters")
 
 
 def data_config_from_flags():

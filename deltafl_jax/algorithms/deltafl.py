@@ -12,26 +12,59 @@ models (line 9). Two filters:
 - ``reference``: the authors' code: every client with F_k >= eta keeps its full alpha_k
   (ties and the boundary client included).
 
+eta's level 1 - theta is computed on the host in float64 from the Python theta of ``--thetas``
+(:func:`deltafl_jax.superquantile.quantile_levels`), so that at exact boundaries of the
+cumulative weights (theta = 0.9 with 10 equal clients, theta = 2/3 with 3) the filter keeps
+the clients that the authors' double-precision rule keeps.
+
 Losses within ``tie_rtol`` (relative, 1e-5 by default) of eta count as tied with it. Losses that
 are equal in exact arithmetic, such as log C for every client at the zero initialisation of the
 linear models, differ in float32 by summation noise of that order; without the tolerance the
 round-0 filter would pick clients by rounding noise, and the result would depend on how the
 evaluation is chunked.
+
+**Round options** (:class:`RoundOptions`; scalar flags, the same for every replica):
+
+- ``weighting``: ``weighted`` (alpha_k proportional to n_k, the long paper) or ``unweighted``
+  (alpha_k = 1/N, the 2022 paper: the quantile of the unweighted losses, and the kept clients
+  averaged uniformly).
+- ``smoothing`` = nu > 0: the smoothed superquantile F_{theta,nu} (eqs. 5-7): weights
+  alpha_k g_nu'(F_k - eta*) with eta* the minimiser of Property 9 (the gradient of
+  F_{theta,nu}, Prop. 4 / Algorithm 1 on the smoothed objective); it replaces the filter, and
+  nu -> 0 gives the exact filter back.
+- ``quantile``: ``sort`` (the server sorts the losses that the clients report, line 5) or
+  ``secagg_mm`` (Algorithm 3): eta from ``mm_iters`` majorisation-minimisation steps whose
+  every input is a secure-aggregation sum (:mod:`deltafl_jax.secagg`, App. B.1); the server
+  never sees a loss, the clients filter themselves (F_k > eta, strictly, as Algorithm 3's
+  LocalUpdate writes it) and keep their full alpha_k; the round metric ``secagg_calls`` counts
+  mm_iters + 1 calls for eta and 1 for the model.
+
+These are options of Delta-FL rather than algorithms of their own: each changes only how one
+round turns the sampled losses into weights, while the sweep over theta, the replica labels,
+FedAvg as theta = 1, the outputs and the reports are Delta-FL's; as options they also combine
+with every --thetas in one compiled program without a second copy of the spec.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import math
+from typing import Callable, NamedTuple, Sequence
 
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.spec import (PAPER_THETAS, AlgorithmSpec, FederatedAlgorithm, Sweep,
                                          average_update, no_state)
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.superquantile import tail_weights, threshold_weights, weighted_quantile
+from deltafl_jax.secagg import mm_quantile
+from deltafl_jax.superquantile import (quantile_levels, smoothed_eta, smoothed_tail_weights,
+                                       tail_weights, threshold_weights, weighted_quantile)
 
 FILTERS = ("exact", "reference")
+WEIGHTINGS = ("weighted", "unweighted")
+QUANTILES = ("sort", "secagg_mm")
 DEFAULT_TIE_RTOL = 1e-5
+DEFAULT_MM_ITERS = 20
 
 
 class DeltaFLHyper(NamedTuple):
@@ -40,25 +73,100 @@ class DeltaFLHyper(NamedTuple):
     theta: float
 
 
+@dataclasses.dataclass(frozen=True)
+class RoundOptions:
+    """How a Delta-FL round weighs clients and finds eta (module docstring)."""
+
+    weighting: str = "weighted"
+    smoothing: float = 0.0
+    quantile: str = "sort"
+    mm_iters: int = DEFAULT_MM_ITERS
+
+    @classmethod
+    def from_config(cls, config) -> "RoundOptions":
+        return cls(weighting=config.weighting, smoothing=config.smoothing,
+                   quantile=config.quantile, mm_iters=config.mm_iters)
+
+    def check(self, filter: str = "exact") -> None:
+        """ConfigError naming the flag at fault."""
+        _choice("weighting", self.weighting, WEIGHTINGS)
+        _choice("quantile", self.quantile, QUANTILES)
+        nu = self.smoothing
+        if isinstance(nu, bool) or not isinstance(nu, (int, float)) or not math.isfinite(nu) \
+                or nu < 0:
+            raise ConfigError(f"--smoothing must be a finite nu >= 0 (0: off), got {nu!r}")
+        if isinstance(self.mm_iters, bool) or not isinstance(self.mm_iters, int) \
+                or self.mm_iters < 1:
+            raise ConfigError(f"--mm_iters must be an integer >= 1, got {self.mm_iters!r}")
+        if nu > 0 and self.quantile != "sort":
+            raise ConfigError("--smoothing and --quantile=secagg_mm each replace the filter; "
+                              "use one of them")
+        if filter != "exact" and (nu > 0 or self.quantile != "sort"):
+            raise ConfigError(f"--filter={filter} cannot apply: --smoothing / "
+                              "--quantile=secagg_mm replace the filter")
+
+
+def _choice(flag, value, choices):
+    if value not in choices:
+        raise ConfigError(f"unknown --{flag}={value!r}; choose one of {', '.join(choices)}")
+
+
+def client_alphas(sizes, weighting: str = "weighted"):
+    """alpha_k up to a constant factor: n_k (weighted) or 1 (unweighted)."""
+    n = sizes.astype(jnp.float32)
+    return n if weighting == "weighted" else jnp.ones_like(n)
+
+
 def filter_rule(filter: str):
     """The weights of the kept clients: tail_weights (exact) or threshold_weights (reference)."""
-    if filter not in FILTERS:
-        raise ConfigError(f"unknown --filter={filter!r}; choose one of {', '.join(FILTERS)}")
+    _choice("filter", filter, FILTERS)
     return tail_weights if filter == "exact" else threshold_weights
 
 
-def deltafl(filter: str = "exact", tie_rtol: float = DEFAULT_TIE_RTOL) -> FederatedAlgorithm:
-    """Delta-FL with hyper.theta in (0, 1]; theta = 1 is FedAvg."""
-    rule = filter_rule(filter)
+def round_rule(filter: str, tie_rtol: float, options: RoundOptions) -> Callable:
+    """rule(losses, alphas, theta, level) -> (weights [m], eta, extra metrics): the
+    aggregation weights a_k (0 = no local work), eta, and what the option adds to the
+    metrics. `level` is 1 - theta in float64."""
+    if options.smoothing > 0:
+        nu = options.smoothing
+
+        def smoothed(losses, alphas, theta, level):
+            return (smoothed_tail_weights(losses, alphas, theta, nu),
+                    smoothed_eta(losses, alphas, theta, nu), {})
+        return smoothed
+    if options.quantile == "secagg_mm":
+        def secagg(losses, alphas, theta, level):
+            eta, calls = mm_quantile(losses, alphas, 1.0 - theta, options.mm_iters)
+            weights = jnp.where((losses > eta) & (alphas > 0), alphas, 0.0)
+            return weights, eta, {"secagg_calls": jnp.int32(calls + 1)}
+        return secagg
+    base = filter_rule(filter)
+
+    def sort(losses, alphas, theta, level):
+        return (base(losses, alphas, theta, tie_rtol, level=level),
+                weighted_quantile(losses, alphas, level), {})
+    return sort
+
+
+def deltafl(filter: str = "exact", tie_rtol: float = DEFAULT_TIE_RTOL,
+            thetas: Sequence[float] = (), options: RoundOptions = RoundOptions()
+            ) -> FederatedAlgorithm:
+    """Delta-FL with hyper.theta in (0, 1]; theta = 1 is FedAvg. `thetas`: the run's levels
+    as Python floats, whose 1 - theta is taken in float64 (others: 1 - float32 theta, in
+    float64)."""
+    options.check(filter)
+    rule = round_rule(filter, tie_rtol, options)
+    level = quantile_levels(thetas)
 
     def client_weights(state, losses, sizes, hyper, key, clients):
         del state, key, clients
-        return rule(losses, sizes.astype(jnp.float32), hyper.theta, tie_rtol)
+        alphas = client_alphas(sizes, options.weighting)
+        return rule(losses, alphas, hyper.theta, level(hyper.theta))[0]
 
     def server_update(state, params, feedback, hyper):
-        eta = weighted_quantile(feedback.losses, feedback.sizes.astype(jnp.float32),
-                                1.0 - hyper.theta)
-        return average_update(params, feedback), state, {"eta": eta}
+        alphas = client_alphas(feedback.sizes, options.weighting)
+        _, eta, extra = rule(feedback.losses, alphas, hyper.theta, level(hyper.theta))
+        return average_update(params, feedback), state, {"eta": eta, **extra}
 
     return FederatedAlgorithm(name="deltafl", init=no_state, client_weights=client_weights,
                               server_update=server_update)
@@ -69,13 +177,23 @@ THETA_SWEEP = Sweep(flag="thetas", field="theta", default=PAPER_THETAS,
                     labelled_by_theta=True)
 
 
+def run_thetas(config) -> Sequence[float]:
+    """The thetas that the run trains, as Python floats (--thetas, else the paper's)."""
+    return tuple(config.thetas) or PAPER_THETAS
+
+
 def check_thetas(config) -> None:
     for t in config.thetas:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0:
             raise ConfigError(f"--thetas must lie in (0, 1], got {t!r}")
 
 
+def check_round_options(config) -> None:
+    RoundOptions.from_config(config).check(config.filter)
+
+
 SPEC = AlgorithmSpec(
     name="deltafl", help="Delta-FL: the clients above the (1 - theta)-quantile train",
-    make=lambda config, data: deltafl(config.filter), hyper=DeltaFLHyper, sweep=THETA_SWEEP,
-    validate=check_thetas)
+    make=lambda config, data: deltafl(config.filter, thetas=run_thetas(config),
+                                      options=RoundOptions.from_config(config)),
+    hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas)

@@ -9,7 +9,7 @@ seed share it, so subsets are nested), and its clients are averaged with weights
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,7 @@ from deltafl_jax.algorithms.deltafl import DEFAULT_TIE_RTOL, check_thetas, filte
 from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep,
                                          average_update, no_state)
 from deltafl_jax.errors import ConfigError
+from deltafl_jax.superquantile import quantile_levels
 
 DEFAULT_SUB_THETAS = (0.8, 0.5, 0.1)
 
@@ -39,18 +40,22 @@ def random_subset(key, m: int, count) -> jax.Array:
 
 
 def fedavg_sub(count_from: str = "theta", filter: str = "exact",
-               tie_rtol: float = DEFAULT_TIE_RTOL) -> FederatedAlgorithm:
-    """count_from="theta": K_t = the clients Delta-FL's `filter` keeps at hyper.theta;
+               tie_rtol: float = DEFAULT_TIE_RTOL,
+               thetas: Sequence[float] = ()) -> FederatedAlgorithm:
+    """count_from="theta": K_t = the clients Delta-FL's `filter` keeps at hyper.theta (its
+    level 1 - theta in float64 for the Python floats `thetas`, as Delta-FL);
     count_from="count": K = hyper.clients."""
     if count_from not in ("theta", "count"):
         raise ValueError(f"count_from must be 'theta' or 'count', got {count_from!r}")
     rule = filter_rule(filter)
+    level = quantile_levels(thetas)
 
     def client_weights(state, losses, sizes, hyper, key, clients):
         del state, clients
         n = sizes.astype(jnp.float32)
         if count_from == "theta":
-            count = jnp.sum(rule(losses, n, hyper.theta, tie_rtol) > 0)
+            count = jnp.sum(rule(losses, n, hyper.theta, tie_rtol,
+                                 level=level(hyper.theta)) > 0)
         else:
             count = hyper.clients
         return jnp.where(random_subset(key, losses.shape[0], count), n, 0.0)
@@ -80,7 +85,8 @@ def _validate(config) -> None:
 
 def _make(config, data):
     counted = bool(config.sweep("fedavg_sub_clients"))
-    return fedavg_sub("count" if counted else "theta", config.filter)
+    return fedavg_sub("count" if counted else "theta", config.filter,
+                      thetas=_theta_levels(config, tuple(config.thetas)))
 
 
 SPEC = AlgorithmSpec(

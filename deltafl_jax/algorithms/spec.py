@@ -151,8 +151,11 @@ class AlgorithmSpec:
     validate: optional (config) -> None, raising ConfigError, for checks beyond :meth:`Sweep.check`.
     alt_sweep: optional second sweep, used instead of `sweep` when its flag lists values
       (FedAvg-Sub: fixed client counts instead of the counts Delta-FL keeps at theta).
+    cross: further sweeps crossed with the active one (deltafl_alt: theta x T_eta); each of
+      their values becomes an extra coordinate of the replica labels (``extra``, as the
+      tuner's grids), e.g. ``theta=0.5_eta_every=5_seed=1``.
 
-    Hyper fields that the active sweep does not set take their value from `fixed`.
+    Hyper fields that the active sweep and `cross` do not set take their value from `fixed`.
     """
 
     name: str
@@ -166,19 +169,35 @@ class AlgorithmSpec:
     values: Optional[Callable[[Any, Tuple[float, ...]], Tuple[float, ...]]] = None
     validate: Optional[Callable[[Any], None]] = None
     alt_sweep: Optional[Sweep] = None
+    cross: Tuple[Sweep, ...] = ()
 
     def __post_init__(self):
         fields = set(self.hyper._fields)
-        for sweep in self.sweeps():
-            missing = fields - {sweep.field} - set(self.fixed)
-            if sweep.field not in fields or missing:
+        crossed = {c.field for c in self.cross}
+        for sweep in self.primary_sweeps():
+            missing = fields - {sweep.field} - set(self.fixed) - crossed
+            if sweep.field not in fields or missing or not crossed <= fields:
                 raise TypeError(f"spec {self.name}: hyper fields {sorted(fields)} must be the "
                                 f"swept field {sweep.field!r} and the fixed ones "
                                 f"{sorted(self.fixed)}")
 
+    def primary_sweeps(self) -> Tuple[Sweep, ...]:
+        """The sweep and the alternative one: the sweeps that name the replicas."""
+        return (self.sweep,) + ((self.alt_sweep,) if self.alt_sweep is not None else ())
+
     def sweeps(self) -> Tuple[Sweep, ...]:
         """Every sweep whose flag this spec reads (for the command line)."""
-        return (self.sweep,) + ((self.alt_sweep,) if self.alt_sweep is not None else ())
+        return self.primary_sweeps() + tuple(self.cross)
+
+    def crossed(self, config) -> Tuple[Tuple[Mapping[str, float], Tuple], ...]:
+        """(hyper overrides, extra label coordinates) for each combination of the `cross`
+        sweeps' values (one empty combination when there are none)."""
+        combos: Tuple[Tuple[Mapping[str, float], Tuple], ...] = (({}, ()),)
+        for c in self.cross:
+            values = c.check(config.sweep(c.flag)) or c.default
+            combos = tuple(({**o, c.field: v}, e + ((c.flag, v),))
+                           for o, e in combos for v in values)
+        return combos
 
     def active_sweep(self, config) -> Sweep:
         alt = self.alt_sweep
@@ -209,13 +228,15 @@ class AlgorithmSpec:
         return self.hyper(**{f: float(values[f]) for f in self.hyper._fields})
 
     def grid(self, config) -> ReplicaGrid:
-        """The sweep values x seeds, with the config's schedule and per-value L2."""
+        """The sweep values (x the `cross` values) x seeds, with the config's schedule and
+        per-value L2."""
         sweep = self.active_sweep(config)
         values = self.sweep_values(config)
         l2s = config.l2_for(len(values))
         points = tuple(
-            GridPoint(label=self.label(v, sweep), hyper=self.hyper_for(v, sweep), l2=l2,
+            GridPoint(label=dataclasses.replace(self.label(v, sweep), extra=extra),
+                      hyper=self.hyper_for(v, sweep, **overrides), l2=l2,
                       learning_rate=config.learning_rate, lr_decay=config.lr_decay,
                       lr_decay_every=config.lr_decay_every)
-            for v, l2 in zip(values, l2s))
+            for v, l2 in zip(values, l2s) for overrides, extra in self.crossed(config))
         return ReplicaGrid(points=points, seeds=tuple(config.seeds))
