@@ -11,6 +11,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow   # subprocess runs: CI's second step (see .ci/run)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

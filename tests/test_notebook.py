@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.slow   # subprocess runs: CI's second step (see .ci/run)
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 

@@ -16,6 +16,8 @@ import jax
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow   # subprocess runs: CI's second step (see .ci/run)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = os.path.join(REPO, "tests", "resume.flags")
 
