@@ -371,6 +371,7 @@ TINY_SYNTHETIC = ["--dataset=synthetic", "--synthetic_num_clients=20",
                   "--batch_size=16", "--learning_rate=0.05"]
 
 
+@pytest.mark.slow
 def test_compare_flagfile_runs_every_method_into_its_own_directory(tmp_path, capsys):
     flagfile = os.path.join(REPO, "experiments", "compare_shakespeare_cpu.flags")
     out = tmp_path / "compare"

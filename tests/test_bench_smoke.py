@@ -35,6 +35,7 @@ def test_femnist_like_sizes_have_femnist_shape():
     assert abs(np.median(sizes) - 179) <= 6
 
 
+@pytest.mark.slow
 def test_round_speed_smoke(tmp_path):
     res = run_json(["bench.round_speed", "--shapes=cnn,linear", "--cnn_lanes=1",
                     "--linear_lanes=1,3", "--clients=3", "--num_clients=8", "--rounds=1"],
@@ -63,6 +64,7 @@ def test_compare_smoke(tmp_path, model):
     assert res["trained_over_kept"] == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_theta_sweep_smoke(tmp_path):
     res = run_json(["bench.theta_sweep", "--r=2", "--clients=3", "--num_clients=8",
                     "--rounds=1"], tmp_path, "theta_sweep")

@@ -88,6 +88,7 @@ def test_seed_groups_redraw_the_writers_from_each_seed(source, cache):
     assert seed_groups(plain) == [plain]
 
 
+@pytest.mark.slow
 def test_runner_writes_one_run_per_seed_and_the_report_pools_them(source, cache, tmp_path,
                                                                   capsys):
     out = tmp_path / "run"

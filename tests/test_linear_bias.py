@@ -68,6 +68,7 @@ def test_use_bias_is_for_linear_models_only(tiny_synthetic):
     tiny_config(model="linear", use_bias=True)
 
 
+@pytest.mark.slow
 def test_the_flag_and_its_default_on_the_command_line(tmp_path, capsys):
     base = ["--dataset=synthetic", "--synthetic_num_clients=8", "--num_rounds=1",
             "--clients_per_round=2", "--thetas=1", "--eval_every=1"]

@@ -5,6 +5,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import tiny_config  # noqa: E402
@@ -13,6 +14,8 @@ from test_datasets_sent140 import USERS  # noqa: E402
 
 import deltafl_jax  # noqa: E402
 from deltafl_jax import DataConfig, load_dataset, run_experiment  # noqa: E402
+
+pytestmark = pytest.mark.slow   # end-to-end runs: CI's second step
 
 
 def test_gru_on_real_shakespeare_roles_learns_and_is_served(tmp_path):

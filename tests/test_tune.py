@@ -155,6 +155,7 @@ def grid_means(run_dir, score):
     return {k: float(np.mean(v)) for k, v in by_point.items()}
 
 
+@pytest.mark.slow
 def test_cli_picks_the_argmin_and_writes_a_flagfile_the_runner_accepts(tmp_path, capsys):
     out = tmp_path / "tune"
     code, stdout, err = cli([f"--flagfile={TINY}", f"--output_dir={out}", "--num_rounds=9",
