@@ -39,12 +39,22 @@ def _run(flagfile: str, out: str) -> None:
         cli.fail(f"the run of {flagfile} failed: {proc.stderr.strip().splitlines()[-1:]}")
 
 
-def _run_dirs(root: str):
-    """The run directory, or its per-algorithm subdirectories (a multi-method flagfile)."""
+def _algorithm_order(flagfile: str):
+    """The methods of the flagfile's --algorithm, in its order."""
+    for line in open(flagfile):
+        if line.startswith("--algorithm="):
+            return [a.strip() for a in line.strip().split("=", 1)[1].split(",")]
+    return []
+
+
+def _run_dirs(root: str, order=()):
+    """The run directory, or its per-algorithm subdirectories (a multi-method flagfile), in
+    the flagfile's order of methods."""
     if os.path.exists(os.path.join(root, "summary.json")):
         return [root]
-    return sorted(os.path.join(root, d) for d in os.listdir(root)
-                  if os.path.exists(os.path.join(root, d, "summary.json")))
+    names = [d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "summary.json"))]
+    rank = {name: i for i, name in enumerate(order)}
+    return [os.path.join(root, d) for d in sorted(names, key=lambda d: (rank.get(d, 99), d))]
 
 
 def main(argv) -> None:
@@ -57,7 +67,7 @@ def main(argv) -> None:
         out = FLAGS.run_dir or os.path.join(tmp, FLAGS.table)
         if FLAGS.run:
             _run(flagfile, out)
-        dirs = _run_dirs(out) if os.path.isdir(out) else []
+        dirs = _run_dirs(out, _algorithm_order(flagfile)) if os.path.isdir(out) else []
         if not dirs:
             cli.fail(f"no finished run in {out}; pass --run or --run_dir")
         table = readme.render(dirs)
