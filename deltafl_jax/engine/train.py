@@ -42,6 +42,10 @@ class LocalSGDConfig(NamedTuple):
     local_penalty: the algorithm's term added to the local objective, (params, anchor, hyper)
       -> scalar (None: plain F_k).
     unroll: K, minibatch steps per loop trip (unrolled in the loop body).
+    branchless: run a lane's restart and a finished job's bookkeeping on every step as
+      masked selects and masked sums, instead of behind a ``lax.cond`` taken only on the
+      steps that need them (a cond costs a device-to-host sync on some accelerators; on
+      XLA:CPU the cond is cheaper, bench/README.md).
     """
 
     batch_size: int
@@ -49,6 +53,7 @@ class LocalSGDConfig(NamedTuple):
     lane_mode: str = "vmap"
     local_penalty: Optional[Callable] = None
     unroll: int = 1
+    branchless: bool = False
 
 
 class TrainResult(NamedTuple):
@@ -158,6 +163,14 @@ class _LaneProgram:
                                                                          l2=0.0)
         self.run_step = _lane_step_fn(model, cfg, self.optimizer)
         self.penalized = cfg.local_penalty is not None
+        self.branchless = cfg.branchless
+
+    def when(self, lanes, fn, operand):
+        """fn(operand) if any lane needs it, else operand; fn is the identity on the other
+        lanes, so the branchless form (always fn) gives the same values."""
+        if self.branchless:
+            return fn(operand)
+        return lax.cond(jnp.any(lanes), fn, lambda op: op, operand)
 
     def fresh_opt_state(self, w0, r):
         st = jax.vmap(self.optimizer.init)(w0)
@@ -213,7 +226,7 @@ class _LaneProgram:
                     finite.at[slot].set(ok, mode="drop"))
 
         acc = (carry.delta_sum, carry.weight_sum, carry.sqnorm, carry.finite)
-        acc = lax.cond(jnp.any(done), taken, lambda a: a, acc)
+        acc = self.when(done, taken, acc)
         return carry._replace(delta_sum=acc[0], weight_sum=acc[1], sqnorm=acc[2],
                               finite=acc[3])
 
@@ -225,8 +238,7 @@ class _LaneProgram:
             return (select_tree(fresh, w0, params),
                     select_tree(fresh, self.fresh_opt_state(w0, r), opt_state))
 
-        params, opt_state = lax.cond(jnp.any(fresh), taken, lambda lane: lane,
-                                     (carry.params, carry.opt_state))
+        params, opt_state = self.when(fresh, taken, (carry.params, carry.opt_state))
         return carry._replace(params=params, opt_state=opt_state)
 
     def step(self, carry, sch: LaneSchedule, x, y, k: int) -> LaneCarry:

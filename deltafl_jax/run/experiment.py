@@ -30,12 +30,16 @@ from deltafl_jax.replicas import Replicas
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """How client work runs: lanes per training step and their mode, evaluation chunk and
-    lanes (from the model's preferences on this backend, unless the config sets them)."""
+    lanes (from the model's preferences on this backend, unless the config sets them), and
+    the local-SGD loop's shape (minibatch steps per while trip, conds or masked selects:
+    :func:`deltafl_jax.engine.loop_shape`)."""
 
     lanes: int
     lane_mode: str
     eval_chunk: int
     eval_lanes: int
+    unroll: int = 1
+    branchless: bool = False
 
 
 def placement(config: ExperimentConfig, model: Model, m: int, num_replicas: int,
@@ -45,9 +49,11 @@ def placement(config: ExperimentConfig, model: Model, m: int, num_replicas: int,
     backend = backend or jax.default_backend()
     prefs = model.lanes
     lanes = min(config.clients_per_step or prefs.lanes(m, backend), m * num_replicas)
+    loop = engine.loop_shape(backend)
     return Placement(lanes=lanes, lane_mode=prefs.lane_mode(backend),
                      eval_chunk=config.eval_chunk or prefs.eval_chunk(backend),
-                     eval_lanes=1 if backend == "cpu" else max(1, min(num_replicas, 16)))
+                     eval_lanes=1 if backend == "cpu" else max(1, min(num_replicas, 16)),
+                     unroll=loop.unroll, branchless=loop.branchless)
 
 
 @dataclasses.dataclass(eq=False)
@@ -185,7 +191,8 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
                               local_steps=local_steps)
     place = placement(config, model, m, replicas.size)
     local = engine.LocalSGDConfig(batch_size=config.batch_size, lanes=place.lanes,
-                                  lane_mode=place.lane_mode,
+                                  lane_mode=place.lane_mode, unroll=place.unroll,
+                                  branchless=place.branchless,
                                   local_penalty=algorithm.local_penalty)
     round_fn = jax.jit(rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
                                              place.eval_lanes, m), donate_argnums=(0,))
