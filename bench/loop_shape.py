@@ -26,6 +26,7 @@ flags.DEFINE_enum("algorithm", "fedavg", ["fedavg", "deltafl"], "fedavg (theta 1
 flags.DEFINE_list("shapes", ["1", "4", "8", "b1"], "K or bK (branchless)")
 flags.DEFINE_integer("rounds", 9, "rounds, the first untimed")
 flags.DEFINE_integer("clients", 100, "m")
+flags.DEFINE_integer("num_clients", 865, "clients in the population")
 flags.DEFINE_string("out", None, "also write the JSON here")
 FLAGS = flags.FLAGS
 
@@ -61,7 +62,7 @@ def main(argv):
 
     from bench.common import emit, femnist_like_dataset, machine, median
 
-    data = femnist_like_dataset(865, seed=0)
+    data = femnist_like_dataset(FLAGS.num_clients, seed=0)
     runs = {s: build(s, data) for s in FLAGS.shapes}
     loads = []
     for t in range(FLAGS.rounds):

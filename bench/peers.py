@@ -45,6 +45,7 @@ flags.DEFINE_integer("clients", 100, "m, sampled clients per round")
 flags.DEFINE_integer("num_clients", 865, "clients in the population")
 flags.DEFINE_string("cache_dir", None, "where the peers' virtual environments live")
 flags.DEFINE_string("out", "bench/results/peers_cpu.json", "write the JSON here")
+flags.DEFINE_integer("gemm_n", 2048, "matrix size of the GEMM-peak measurement")
 FLAGS = flags.FLAGS
 
 LR = 0.05
@@ -167,22 +168,15 @@ def engine_runner(data, model: str, algorithm: str, theta: float):
 
 
 def trips(run, warmup: int) -> dict:
-    """Mean per round of the engine's sequential steps and loop trips (critical path)."""
+    """The engine's critical path per round (``bench.common.critical_path``) and its work."""
+    from bench.common import critical_path
+
     exp, mets = run.experiment, run.store["metrics"][warmup:]
-    place = exp.placement
 
     def mean(key):
         return float(np.mean([float(np.sum(m[key])) for m in mets]))
 
-    eval_steps = mean("eval_padded_examples") / (place.eval_lanes * place.eval_chunk)
-    train_steps = mean("train_trips")
-    unroll = getattr(place, "unroll", 1) or 1
-    loop_trips = float(np.mean([np.ceil(float(m["train_trips"]) / unroll) for m in mets]))
-    return {"eval_steps": eval_steps, "train_steps": train_steps,
-            "critical_path_steps": eval_steps + train_steps, "unroll": unroll,
-            "train_loop_trips": loop_trips,
-            "critical_path_loop_trips": eval_steps + loop_trips,
-            "clients_trained": mean("num_selected"),
+    return {**critical_path(mets, exp.placement), "clients_trained": mean("num_selected"),
             "train_examples": mean("train_real_examples"),
             "eval_examples": mean("eval_real_examples")}
 
@@ -259,7 +253,7 @@ def main(argv):
               "venv_setup_s_this_run": venv_s, "models": {}}
     for model in FLAGS.models:
         result["models"][model] = time_model(model, data, data_path, venvs)
-    peak = gemm_peak_gflops()
+    peak = gemm_peak_gflops(FLAGS.gemm_n)
     result["gemm_peak_gflops"] = peak
     for res in result["models"].values():
         for k, e in res["engine"].items():
