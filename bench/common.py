@@ -143,3 +143,24 @@ def gemm_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
     jax.block_until_ready(f(a))
     best = min(median_time(lambda: jax.block_until_ready(f(a)), repeats))
     return 2 * n ** 3 / best / 1e9
+
+
+def critical_path(metrics, placement) -> Dict:
+    """Mean per round of the sequential steps of the engine's loops (the critical path that
+    predicts accelerator latency): evaluation trips (chunks of `eval_chunk` examples on
+    `eval_lanes` lanes) plus the local-SGD steps of the busiest lane, and the while-loop
+    trips that run the latter (`unroll` steps per trip). `metrics`: the rounds' metrics."""
+    import numpy as np
+
+    def mean(values):
+        return float(np.mean([float(np.sum(v)) for v in values]))
+
+    unroll = max(1, int(getattr(placement, "unroll", 1)))
+    eval_steps = mean(m["eval_padded_examples"] for m in metrics) / (
+        placement.eval_lanes * placement.eval_chunk)
+    train_steps = mean(m["train_trips"] for m in metrics)
+    loop_trips = mean(-(-int(m["train_trips"]) // unroll) for m in metrics)
+    return {"eval_steps": eval_steps, "train_steps": train_steps,
+            "critical_path_steps": eval_steps + train_steps, "unroll": unroll,
+            "train_loop_trips": loop_trips,
+            "critical_path_loop_trips": eval_steps + loop_trips}

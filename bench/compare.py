@@ -205,8 +205,9 @@ def main(argv):
     del argv
     import jax
 
-    from bench.common import (CompileTimer, emit, femnist_like_dataset, forward_flops_per_example,
-                              gemm_peak_gflops, machine, median, peak_rss_mb)
+    from bench.common import (CompileTimer, critical_path, emit, femnist_like_dataset,
+                              forward_flops_per_example, gemm_peak_gflops, machine, median,
+                              peak_rss_mb)
     from deltafl_jax import DataConfig, ExperimentConfig, build_experiment
     from deltafl_jax.plan import sample_clients
 
@@ -270,7 +271,7 @@ def main(argv):
 
     med = {k: median(v) for k, v in times.items()}
     result = {"model": FLAGS.model, "backend": jax.default_backend(), "machine": machine(),
-              "date": time.strftime("%Y-%m-%d"), "theta": FLAGS.theta, "m": FLAGS.clients,
+              "date": time.strftime("%Y-%m-%d"), "loadavg": os.getloadavg(), "theta": FLAGS.theta, "m": FLAGS.clients,
               "batch_size": batch_size(FLAGS.model), "rounds_timed": FLAGS.rounds,
               "engine_s_per_round": med.get("engine"),
               "torch_loop_s_per_round": med.get("torch"),
@@ -305,6 +306,7 @@ def main(argv):
             "gemm_peak_gflops": peak,
             "engine_fraction_of_gemm_peak": flops / 1e9 / med["engine"] / peak,
             "flop_limit_s_per_round": flops / 1e9 / peak,
+            "critical_path": critical_path(mets, exp.placement),
         })
     result["peak_rss_mb"] = peak_rss_mb()
     emit(result, FLAGS.out)

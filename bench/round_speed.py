@@ -18,6 +18,7 @@ of local training spent on kept clients, and the peak resident memory.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -45,7 +46,8 @@ def run_one(shape: str, lanes: int) -> dict:
     import jax
     import numpy as np
 
-    from bench.common import CompileTimer, femnist_like_dataset, median, peak_rss_mb
+    from bench.common import (CompileTimer, critical_path, femnist_like_dataset, median,
+                              peak_rss_mb)
     from deltafl_jax import DataConfig, ExperimentConfig, build_experiment
 
     spec = SHAPES[shape]
@@ -90,6 +92,8 @@ def run_one(shape: str, lanes: int) -> dict:
         "train_padded_over_real": total("train_padded_examples") / total("train_real_examples"),
         "trained_over_kept": total("train_real_examples") / kept,
         "clients_kept_per_round": total("num_selected"),
+        "critical_path": critical_path(mets, exp.placement),
+        "loadavg": os.getloadavg(),
         "peak_rss_mb": peak_rss_mb(),
     }
 

@@ -72,3 +72,28 @@ def test_theta_sweep_smoke(tmp_path):
     assert set(rows) == {2}
     assert rows[2]["joint_compiles"] == 1 and rows[2]["separate_compiles"] == 2
     assert len(rows[2]["separate_s_per_round_each"]) == 2
+
+
+def test_loop_shape_smoke_trains_identical_models(tmp_path):
+    res = run_json(["bench.loop_shape", "--model=linear", "--shapes=1,3,b1,b2", "--clients=3",
+                    "--num_clients=8", "--rounds=3"], tmp_path, "loop_shape")
+    rows = res["shapes"]
+    assert set(rows) == {"1", "3", "b1", "b2"}
+    assert len({row["params_sha1"] for row in rows.values()}) == 1, rows
+    for row in rows.values():
+        assert row["train_loop_trips"] == pytest.approx(
+            np.ceil(row["train_steps"] / row["unroll"]), abs=1)
+
+
+def test_peers_smoke_engine_side(tmp_path):
+    """The engine half of bench/peers.py (no peer venv: --peers is empty)."""
+    res = run_json(["bench.peers", "--peers=", "--models=linear", "--clients=3",
+                    "--num_clients=8", "--rounds=1", "--gemm_n=256",
+                    f"--cache_dir={tmp_path / 'cache'}"], tmp_path, "peers")
+    row = res["models"]["linear"]
+    assert set(row["s_per_round"]) == {"engine_fedavg", "engine_deltafl_0.5"}
+    for eng in row["engine"].values():
+        assert eng["critical_path_steps"] == pytest.approx(
+            eng["eval_steps"] + eng["train_steps"])
+        assert eng["train_steps"] > 0 and eng["fraction_of_gemm_peak"] > 0
+    assert os.path.exists(tmp_path / "cache" / "data")

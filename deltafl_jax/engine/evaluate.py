@@ -43,7 +43,9 @@ def _item_reader(idx, seg, length, stream_of_replica, cum, total_items, chunk, S
 
     def item_io(u):
         in_range = u < total_items
-        r = jnp.clip(jnp.searchsorted(cum, u, side="right") - 1, 0, R - 1).astype(jnp.int32)
+        # searchsorted(cum, u, side="right") - 1, as one comparison over the R + 1 offsets
+        # (jnp.searchsorted's default is a nested while loop: sequential trips in each trip).
+        r = jnp.clip(jnp.sum(cum <= u) - 1, 0, R - 1).astype(jnp.int32)
         q = u - cum[r]
         g = stream_of_replica[r]
         start = q * chunk

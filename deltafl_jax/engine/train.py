@@ -42,6 +42,11 @@ class LocalSGDConfig(NamedTuple):
     batch_size: B. lanes: c, jobs run side by side. lane_mode: "vmap" or "unroll".
     local_penalty: the algorithm's term added to the local objective, (params, anchor, hyper)
       -> scalar (None: plain F_k).
+    unroll: K, minibatch steps per loop trip (unrolled in the loop body).
+    branchless: run a lane's restart and a finished job's bookkeeping on every step as
+      masked selects and masked sums, instead of behind a ``lax.cond`` taken only on the
+      steps that need them (a cond costs a device-to-host sync on some accelerators; on
+      XLA:CPU the cond is cheaper, bench/README.md).
     """
 
     batch_size: int
@@ -49,6 +54,8 @@ class LocalSGDConfig(NamedTuple):
     lane_mode: str = "vmap"
     local_penalty: Optional[Callable] = None
     axis: DeviceAxis = SINGLE
+    unroll: int = 1
+    branchless: bool = False
 
 
 class TrainResult(NamedTuple):
@@ -75,19 +82,34 @@ class Jobs(NamedTuple):
 
 
 class LaneCarry(NamedTuple):
-    """The while-loop state; c lanes, R replicas, J jobs."""
+    """The while-loop state; c lanes, R replicas, J jobs. Where each lane stands is not in
+    the carry: it follows from the trip number and the lanes' job schedule
+    (:class:`LaneSchedule`)."""
 
-    trip: jax.Array        # [] int32
-    slot: jax.Array        # [c] int32, position in the lane's job list
-    step: jax.Array        # [c] int32, step within the current job
+    trip: jax.Array        # [] int32, loop trips done (each runs `unroll` steps)
     params: Params         # [c, ...] the lanes' local models
     opt_state: Any         # [c, ...] their optimizer states
-    anchor: Params         # [c, ...] w_t of the current job's replica
     delta_sum: Params      # [R, ...]
     weight_sum: jax.Array  # [R]
     sqnorm: jax.Array      # [J]
     finite: jax.Array      # [J] bool
     real: jax.Array        # [] int32 examples trained
+
+
+class LaneSchedule(NamedTuple):
+    """Where every lane stands at steps t0 .. t0 + K - 1 (arrays [c, K], x indices [c, K, B]).
+
+    job: the lane's job (clipped to a valid id); replica: its replica; fresh: the step is the
+    job's first; done: the step is the job's last;
+    ex / valid: the examples the step reads and which of them are real.
+    """
+
+    job: jax.Array
+    replica: jax.Array
+    fresh: jax.Array
+    done: jax.Array
+    ex: jax.Array
+    valid: jax.Array
 
 
 def make_jobs(plan, replica_group, job_weight) -> Jobs:
@@ -121,97 +143,137 @@ def _lane_step_fn(model: Model, cfg: LocalSGDConfig, optimizer):
 
 
 class _LaneProgram:
-    """The pieces of one round's training loop, with the round's constants bound."""
+    """The pieces of one round's training loop, with the round's constants bound.
+
+    Lane l runs its jobs back to back from step 0: job q of the lane covers steps
+    [start[l, q], start[l, q + 1]). A loop trip runs K = ``cfg.unroll`` consecutive steps,
+    unrolled: it first works out the K steps' jobs and example indices at once
+    (:meth:`schedule`), then runs the K SGD steps, each followed by the bookkeeping of lanes
+    that finish a job there (one ``lax.cond``, taken only on those steps).
+    """
 
     def __init__(self, model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
                  hyper, cfg):
         self.params, self.X, self.Y, self.plan = params, X, Y, plan
         self.group, self.jobs, self.lr, self.l2, self.hyper = (replica_group, jobs,
                                                                learning_rate, l2, hyper)
-        self.c, self.B, self.J = cfg.lanes, cfg.batch_size, jobs.steps.shape[0]
-        axis = cfg.axis
+        self.c, self.B, self.J, self.K = (cfg.lanes, cfg.batch_size, jobs.steps.shape[0],
+                                          max(1, cfg.unroll))
+        axis = cfg.axis   # this device's c of the D x c global lanes
         self.deal = device_share(deal_jobs(jobs.steps, self.c * axis.count), axis.index(),
                                  self.c) if axis.count > 1 else deal_jobs(jobs.steps, self.c)
+        lane_steps = jnp.where(self.deal.jobs < self.J,
+                               jobs.steps[jnp.minimum(self.deal.jobs, self.J - 1)], 0)
+        self.start = jnp.concatenate([jnp.zeros((self.c, 1), jnp.int32),
+                                      jnp.cumsum(lane_steps, axis=1, dtype=jnp.int32)], axis=1)
         self.optimizer = optax.inject_hyperparams(sgd_with_weight_decay)(learning_rate=0.0,
                                                                          l2=0.0)
         self.run_step = _lane_step_fn(model, cfg, self.optimizer)
+        self.penalized = cfg.local_penalty is not None
+        self.branchless = cfg.branchless
+
+    def when(self, lanes, fn, operand):
+        """fn(operand) if any lane needs it, else operand; fn is the identity on the other
+        lanes, so the branchless form (always fn) gives the same values."""
+        if self.branchless:
+            return fn(operand)
+        return lax.cond(jnp.any(lanes), fn, lambda op: op, operand)
 
     def fresh_opt_state(self, w0, r):
         st = jax.vmap(self.optimizer.init)(w0)
         return _set_hyperparams(st, self.lr[r], self.l2[r])
 
-    def current(self, carry):
-        """Each lane's job (clipped to a valid id), its replica, and whether it is active."""
+    def _lane_job(self, q):
+        """Job ids [c, ...] of the lanes' q-th jobs (clipped to valid ids) and their replica."""
         Q = self.deal.jobs.shape[1]
-        j = self.deal.jobs[jnp.arange(self.c), jnp.minimum(carry.slot, Q - 1)]
-        js = jnp.minimum(j, self.J - 1)
-        return js, self.jobs.replica[js], carry.slot < self.deal.length
+        lane = jnp.arange(self.c).reshape((self.c,) + (1,) * (q.ndim - 1))
+        js = jnp.minimum(self.deal.jobs[lane, jnp.minimum(q, Q - 1)], self.J - 1)
+        return js, self.jobs.replica[js]
 
-    def reset(self, carry, r, fresh):
-        """Lanes starting a job restart from w_t of its replica, with a fresh optimizer."""
-        w0 = gather_rows(self.params, r)
-        return carry._replace(
-            params=select_tree(fresh, w0, carry.params),
-            anchor=select_tree(fresh, w0, carry.anchor),
-            opt_state=select_tree(fresh, self.fresh_opt_state(w0, r), carry.opt_state))
-
-    def minibatch(self, carry, js, r, active):
-        """Step s of a job reads epoch e, batch b = divmod(s, batches_per_epoch) of its
-        client's shuffled stream (see :mod:`deltafl_jax.plan`)."""
+    def schedule(self, t0) -> LaneSchedule:
+        """The lanes' jobs and minibatches at steps t0 .. t0 + K - 1. Step s of a job reads
+        epoch e, batch b = divmod(s, batches_per_epoch) of its client's shuffled stream
+        (see :mod:`deltafl_jax.plan`)."""
         plan, B = self.plan, self.B
-        g, i, s = self.group[r], self.jobs.slot[js], carry.step
+        t = t0 + jnp.arange(self.K, dtype=jnp.int32)[None, :]                  # [1, K]
+        q = jnp.sum(self.start[:, None, 1:] <= t[..., None], axis=-1)          # [c, K]
+        active = q < self.deal.length[:, None]
+        js, r = self._lane_job(q)
+        s = t - jnp.take_along_axis(self.start, jnp.minimum(q, self.start.shape[1] - 1), 1)
+        done = active & (s == self.jobs.steps[js] - 1)
+        g, i = self.group[r], self.jobs.slot[js]
         nb, sl = plan.batches_per_epoch[g, i], plan.seg_len[g, i]
         e, b = s // nb, s % nb
-        within = b[:, None] * B + jnp.arange(B, dtype=jnp.int32)[None, :]
-        valid = (within < sl[:, None]) & active[:, None]
-        where_ = plan.train_start[g, i][:, None] + e[:, None] * sl[:, None] + within
-        ex = plan.train_idx[g[:, None], jnp.where(valid, where_, 0)]
-        return jnp.take(self.X, ex, axis=0), jnp.take(self.Y, ex, axis=0), valid
+        within = b[..., None] * B + jnp.arange(B, dtype=jnp.int32)
+        valid = (within < sl[..., None]) & active[..., None]
+        where_ = plan.train_start[g, i][..., None] + (e * sl)[..., None] + within
+        ex = plan.train_idx[g[..., None], jnp.where(valid, where_, 0)]
+        return LaneSchedule(job=js, replica=r, fresh=active & (s == 0), done=done, ex=ex,
+                            valid=valid)
 
     def finish(self, carry, js, r, done):
-        """Finished jobs add a_j (w_j - w_t) to their replica's sum when finite."""
+        """Finished jobs add a_j (w_j - w_t) to their replica's sum when finite. Only the sums
+        go through the ``lax.cond``: a lane model passed through it would be copied on every
+        step that the cond skips."""
         c, J = self.c, self.J
-        delta = jax.tree.map(lambda a, w: a - w, carry.params, carry.anchor)
-        ok = jax.vmap(tree_all_finite)(delta) & done
-        coef = jnp.where(ok, self.jobs.weight[js], 0.0)
 
-        def add(total, d):
-            d = jnp.where(ok.reshape((c,) + (1,) * (d.ndim - 1)), d, 0.0)
-            return total.at[r].add(coef.reshape((c,) + (1,) * (d.ndim - 1)) * d)
+        def taken(acc):
+            delta_sum, weight_sum, sqnorm, finite = acc
+            delta = jax.tree.map(lambda a, w: a - w, carry.params, gather_rows(self.params, r))
+            ok = jax.vmap(tree_all_finite)(delta) & done
+            coef = jnp.where(ok, self.jobs.weight[js], 0.0)
 
-        slot = jnp.where(done, js, J)
-        return carry._replace(
-            delta_sum=jax.tree.map(add, carry.delta_sum, delta),
-            weight_sum=carry.weight_sum.at[r].add(coef),
-            sqnorm=carry.sqnorm.at[slot].set(jax.vmap(tree_sqnorm)(delta), mode="drop"),
-            finite=carry.finite.at[slot].set(ok, mode="drop"))
+            def add(total, d):
+                d = jnp.where(ok.reshape((c,) + (1,) * (d.ndim - 1)), d, 0.0)
+                return total.at[r].add(coef.reshape((c,) + (1,) * (d.ndim - 1)) * d)
+
+            slot = jnp.where(done, js, J)
+            return (jax.tree.map(add, delta_sum, delta), weight_sum.at[r].add(coef),
+                    sqnorm.at[slot].set(jax.vmap(tree_sqnorm)(delta), mode="drop"),
+                    finite.at[slot].set(ok, mode="drop"))
+
+        acc = (carry.delta_sum, carry.weight_sum, carry.sqnorm, carry.finite)
+        acc = self.when(done, taken, acc)
+        return carry._replace(delta_sum=acc[0], weight_sum=acc[1], sqnorm=acc[2],
+                              finite=acc[3])
+
+    def restart(self, carry, fresh, r):
+        """Lanes starting a job restart from w_t of its replica, with a fresh optimizer."""
+        def taken(lane):
+            params, opt_state = lane
+            w0 = gather_rows(self.params, r)
+            return (select_tree(fresh, w0, params),
+                    select_tree(fresh, self.fresh_opt_state(w0, r), opt_state))
+
+        params, opt_state = self.when(fresh, taken, (carry.params, carry.opt_state))
+        return carry._replace(params=params, opt_state=opt_state)
+
+    def step(self, carry, sch: LaneSchedule, x, y, k: int) -> LaneCarry:
+        """Step k of the trip. A lane with no job left steps on garbage: its model is never
+        read again (it is restarted before any next job, and it has none)."""
+        r, done = sch.replica[:, k], sch.done[:, k]
+        carry = self.restart(carry, sch.fresh[:, k], r)
+        # w_t of the lane's job, for the algorithm's local penalty (FedProx's anchor).
+        anchor = gather_rows(self.params, r) if self.penalized else carry.params
+        params, opt_state = self.run_step(carry.params, carry.opt_state, anchor, x[:, k],
+                                          y[:, k], sch.valid[:, k], gather_rows(self.hyper, r))
+        return self.finish(carry._replace(params=params, opt_state=opt_state), sch.job[:, k],
+                           r, done)
 
     def body(self, carry: LaneCarry) -> LaneCarry:
-        js, r, active = self.current(carry)
-        fresh = active & (carry.step == 0)
-        carry = lax.cond(jnp.any(fresh), lambda cr: self.reset(cr, r, fresh), lambda cr: cr,
-                         carry)
-        x, y, valid = self.minibatch(carry, js, r, active)
-        new_p, new_opt = self.run_step(carry.params, carry.opt_state, carry.anchor, x, y, valid,
-                                       gather_rows(self.hyper, r))
-        carry = carry._replace(params=select_tree(active, new_p, carry.params),
-                               opt_state=select_tree(active, new_opt, carry.opt_state))
-        done = active & (carry.step == self.jobs.steps[js] - 1)
-        carry = lax.cond(jnp.any(done), lambda cr: self.finish(cr, js, r, done), lambda cr: cr,
-                         carry)
-        return carry._replace(
-            trip=carry.trip + 1, slot=jnp.where(done, carry.slot + 1, carry.slot),
-            step=jnp.where(done, 0, jnp.where(active, carry.step + 1, carry.step)),
-            real=carry.real + jnp.sum(valid))
+        sch = self.schedule(carry.trip * self.K)
+        x, y = jnp.take(self.X, sch.ex, axis=0), jnp.take(self.Y, sch.ex, axis=0)
+        for k in range(self.K):
+            carry = self.step(carry, sch, x, y, k)
+        return carry._replace(trip=carry.trip + 1, real=carry.real + jnp.sum(sch.valid))
 
     def init(self) -> LaneCarry:
-        c, R = self.c, self.lr.shape[0]
-        lane_params = jax.tree.map(lambda a: jnp.zeros((c,) + a.shape[1:], a.dtype),
-                                   self.params)
-        zero_lane = jnp.zeros((c,), jnp.int32)
+        """Every lane starts at w_t of its first job's replica."""
+        R = self.lr.shape[0]
+        r0 = self._lane_job(jnp.zeros((self.c,), jnp.int32))[1]
+        w0 = gather_rows(self.params, r0)
         return LaneCarry(
-            trip=jnp.int32(0), slot=zero_lane, step=zero_lane, params=lane_params,
-            opt_state=self.fresh_opt_state(lane_params, zero_lane), anchor=lane_params,
+            trip=jnp.int32(0), params=w0, opt_state=self.fresh_opt_state(w0, r0),
             delta_sum=jax.tree.map(jnp.zeros_like, self.params),
             weight_sum=jnp.zeros((R,), jnp.float32), sqnorm=jnp.zeros((self.J,), jnp.float32),
             finite=jnp.zeros((self.J,), bool), real=jnp.int32(0))
@@ -230,18 +292,24 @@ def train_jobs(model: Model, params, X, Y, plan, replica_group, job_weight, lear
       learning_rate, l2: [R] per-replica values for this round.
       hyper: the algorithm's hyper pytree, leaves [R] (for its local penalty).
       cfg: static choices.
+
+    ``trips`` counts minibatch steps of the busiest lane (the critical path); the loop runs
+    ceil(trips / cfg.unroll) trips, and ``padded_examples`` counts trips * lanes * batch (the
+    last loop trip may run up to unroll - 1 more steps with every lane idle).
     """
     R, m = job_weight.shape
     jobs = make_jobs(plan, replica_group, job_weight)
     prog = _LaneProgram(model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
                         hyper, cfg)
     trips = prog.deal.trips
-    out = lax.while_loop(lambda cr: cr.trip < trips, prog.body, prog.init())
+    loop_trips = (trips + prog.K - 1) // prog.K
+    out = lax.while_loop(lambda cr: cr.trip < loop_trips, prog.body, prog.init())
     axis = cfg.axis   # one reduction of the devices' partial sums, after the loop
     return TrainResult(delta_sum=axis.sum(out.delta_sum), weight_sum=axis.sum(out.weight_sum),
                        job_sqnorm=axis.sum(out.sqnorm).reshape(R, m),
                        job_finite=axis.sum(out.finite.astype(jnp.int32)).reshape(R, m) > 0,
-                       job_trained=(jobs.steps > 0).reshape(R, m), real_examples=axis.sum(out.real),
+                       job_trained=(jobs.steps > 0).reshape(R, m),
+                       real_examples=axis.sum(out.real),
                        padded_examples=axis.sum(trips * cfg.lanes * cfg.batch_size),
                        trips=axis.max(trips), device_trips=axis.spread(trips),
                        device_jobs=axis.spread(jnp.sum(prog.deal.length)),

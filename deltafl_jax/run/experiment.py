@@ -31,13 +31,17 @@ from deltafl_jax.replicas import Replicas
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """How client work runs: devices, lanes per device and their mode, evaluation chunk and
-    lanes (from the model's preferences on this backend, unless the config sets them)."""
+    lanes (from the model's preferences on this backend, unless the config sets them), and
+    the local-SGD loop's shape (minibatch steps per while trip, conds or masked selects:
+    :func:`deltafl_jax.engine.loop_shape`)."""
 
     lanes: int
     lane_mode: str
     eval_chunk: int
     eval_lanes: int
     devices: int = 1
+    unroll: int = 1
+    branchless: bool = False
 
 
 def placement(config: ExperimentConfig, model: Model, m: int, num_replicas: int,
@@ -51,10 +55,11 @@ def placement(config: ExperimentConfig, model: Model, m: int, num_replicas: int,
     jobs = m * num_replicas
     per_device = prefs.lanes(m, backend) if backend == "cpu" else min(m, -(-jobs // devices))
     lanes = min(config.clients_per_step or per_device, jobs)
+    loop = engine.loop_shape(backend)
     return Placement(lanes=lanes, lane_mode=prefs.lane_mode(backend),
                      eval_chunk=config.eval_chunk or prefs.eval_chunk(backend),
                      eval_lanes=1 if backend == "cpu" else max(1, min(num_replicas, 16)),
-                     devices=devices)
+                     devices=devices, unroll=loop.unroll, branchless=loop.branchless)
 
 
 @dataclasses.dataclass(eq=False)
@@ -255,7 +260,8 @@ def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh
     axis = mesh_lib.SINGLE if mesh is None else mesh_lib.DeviceAxis(place.devices,
                                                                     mesh_lib.AXIS)
     local = engine.LocalSGDConfig(batch_size=config.batch_size, lanes=place.lanes,
-                                  lane_mode=place.lane_mode,
+                                  lane_mode=place.lane_mode, unroll=place.unroll,
+                                  branchless=place.branchless,
                                   local_penalty=algorithm.local_penalty, axis=axis)
     raw = rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
                                 place.eval_lanes, m)
