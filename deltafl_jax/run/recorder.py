@@ -47,6 +47,9 @@ class RunResult:
     stop_reason: str = ""
 
 
+DEVICE_METRICS = "device_"   # per-device round metrics (bench/scaling.py reads them)
+
+
 class Recorder(Callback):
     """Accumulates a run's histories (host NumPy) and builds its result."""
 
@@ -68,6 +71,8 @@ class Recorder(Callback):
         if self.first_round_s is None:
             self.first_round_s = time.perf_counter() - self._t0
         for k, v in metrics.items():
+            if k.startswith(DEVICE_METRICS):
+                continue   # [D]: a resumed run may have another device count
             self.per_round.setdefault(k, []).append(np.asarray(v))
         self.rounds_done = round
 
