@@ -74,6 +74,7 @@ def test_theta_sweep_smoke(tmp_path):
     assert len(rows[2]["separate_s_per_round_each"]) == 2
 
 
+@pytest.mark.slow
 def test_loop_shape_smoke_trains_identical_models(tmp_path):
     res = run_json(["bench.loop_shape", "--model=linear", "--shapes=1,3,b1,b2", "--clients=3",
                     "--num_clients=8", "--rounds=3"], tmp_path, "loop_shape")
@@ -85,6 +86,7 @@ def test_loop_shape_smoke_trains_identical_models(tmp_path):
             np.ceil(row["train_steps"] / row["unroll"]), abs=1)
 
 
+@pytest.mark.slow
 def test_peers_smoke_engine_side(tmp_path):
     """The engine half of bench/peers.py (no peer venv: --peers is empty)."""
     res = run_json(["bench.peers", "--peers=", "--models=linear", "--clients=3",

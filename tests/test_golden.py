@@ -18,6 +18,8 @@ import pytest
 
 from conftest import run_runner
 
+pytestmark = pytest.mark.slow   # CI's second step (see .ci/run)
+
 HERE = os.path.dirname(__file__)
 GOLDEN = os.path.join(HERE, "golden")
 RECORDED_JAX = "0.10.2"

@@ -47,6 +47,7 @@ def boundary_cases():
                 yield theta, v, np.full(m, n)
 
 
+@pytest.mark.slow
 def test_equal_weights_at_every_boundary_match_the_authors_rule():
     levels = quantile_levels(BOUNDARY_THETAS)
     table = jax.jit(lambda v, w, t: weighted_quantile(v, w, levels(t)))

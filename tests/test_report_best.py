@@ -10,6 +10,8 @@ import pytest
 
 from test_report import cli, parse_tables, table_of, tiny_run
 
+pytestmark = pytest.mark.slow   # CI's second step (see .ci/run)
+
 
 def p90_by_value(run_dir):
     """swept value -> mean over seeds of the unweighted lower 90th percentile of the test

@@ -57,6 +57,7 @@ def equal_sized(data, n):
 # ----------------------------------------------------------------------------- smoothing
 
 
+@pytest.mark.slow
 def test_smoothed_eta_and_value_match_property_9_by_bisection():
     rng = np.random.default_rng(0)
     eta_of = jax.jit(smoothed_eta)
@@ -251,6 +252,7 @@ def test_secagg_round_equals_numpy(tiny_synthetic, weighting):
 # ----------------------------------------------------------------------------- unweighted
 
 
+@pytest.mark.slow
 def test_unweighted_with_equal_sizes_equals_weighted(tiny_synthetic):
     data = equal_sized(tiny_synthetic, 50)
     for filter in ("exact", "reference"):
@@ -308,6 +310,7 @@ def test_bad_round_options_name_the_flag(kw, flag):
         tiny_config(**kw)
 
 
+@pytest.mark.slow
 def test_flags_reach_the_run_and_secagg_calls_are_a_rounds_column(tmp_path, capsys):
     from conftest import run_runner
     tiny = os.path.join(os.path.dirname(__file__), "tiny.flags")

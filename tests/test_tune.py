@@ -37,6 +37,7 @@ def leaves(state):
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
 
 
+@pytest.mark.slow
 def test_lr_grid_in_one_program_equals_separate_runs(tiny_synthetic):
     base = tiny_config(algorithm="fedavg", thetas=(), seeds=(1, 2), num_rounds=4,
                        lr_decay_every=2, clients_per_step=1)
@@ -93,6 +94,7 @@ def lower_p90_unweighted(values):
     return v[-(-len(v) * 9 // 10) - 1]
 
 
+@pytest.mark.slow
 def test_l2_grid_in_one_program_equals_separate_runs_and_scores_validation_clients(
         tiny_synthetic):
     base = tiny_config(thetas=(1.0, 0.5), seeds=(1, 2), num_rounds=3, clients_per_step=1)
