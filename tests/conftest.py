@@ -48,3 +48,13 @@ def tiny_config(**overrides):
 @pytest.fixture
 def make_config():
     return tiny_config
+
+
+def run_rounds_history(exp, rounds):
+    """Run `rounds` rounds of a built experiment; (final state, per-round host metrics)."""
+    import jax
+    state, keys, hist = exp.initial_state(), exp.keys(), []
+    for t in range(rounds):
+        state, metrics = exp.round_fn(state, exp.round_data(t), keys)
+        hist.append(jax.device_get(metrics))
+    return state, hist

@@ -9,19 +9,14 @@ import numpy as np
 import pytest
 
 import numpy_options as no
-from conftest import run_runner, tiny_config
+from conftest import run_runner, tiny_config, run_rounds_history
 from numpy_reference import exact_weights, reference_weights
 from deltafl_jax import build_experiment, load_model
 
 HERE = os.path.dirname(__file__)
 
 
-def run(exp, rounds):
-    state, keys, hist = exp.initial_state(), exp.keys(), []
-    for t in range(rounds):
-        state, metrics = exp.round_fn(state, exp.round_data(t), keys)
-        hist.append(jax.device_get(metrics))
-    return state, hist
+run = run_rounds_history
 
 
 def leaves_equal(a, b):

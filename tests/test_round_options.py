@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import numpy_options as no
-from conftest import tiny_config
+from conftest import tiny_config, run_rounds_history
 from numpy_reference import client_loss, exact_weights, reference_weights
 from deltafl_jax import FederatedDataset, build_experiment
 from deltafl_jax.data import ClientData
@@ -23,12 +23,7 @@ from deltafl_jax.superquantile import (smoothed_eta, smoothed_superquantile,
 ATOL, RTOL = 2e-5, 1e-4
 
 
-def run(exp, rounds):
-    state, keys, hist = exp.initial_state(), exp.keys(), []
-    for t in range(rounds):
-        state, metrics = exp.round_fn(state, exp.round_data(t), keys)
-        hist.append(jax.device_get(metrics))
-    return state, hist
+run = run_rounds_history
 
 
 def linear(state, r):
