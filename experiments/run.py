@@ -16,6 +16,7 @@ directory is created.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from absl import app, logging
@@ -24,7 +25,11 @@ from experiments.cli import (FLAGS, UsageError, configs_from_flags, define_exper
                              fail, parse_flags_or_fail, start_backend)
 
 define_experiment_flags()
-STOP_EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}   # 128 + the signal, as shells report it
+
+
+def stop_exit_code(reason: str) -> int:
+    """128 + the signal that stopped the run, as shells report it (1 for another reason)."""
+    return 128 + signal.Signals[reason].value if reason in signal.Signals.__members__ else 1
 
 
 def comparison_lines(results):
@@ -32,20 +37,15 @@ def comparison_lines(results):
     mean over seeds' of a multi-method run. results: [(algorithm, RunResult)]; the results of
     one method's seed groups (--resample_writers_per_seed) are pooled."""
     from deltafl_jax.replicas import ReplicaLabel
+    from deltafl_jax.run.progress import error_table
 
     finals = {}
     for name, result in results:
         for d in result.summary["replicas"]:
             label = ReplicaLabel.from_json(d)
             what, value = label.swept()
-            finals.setdefault((name, what, value), []).append(result.final[label.key()])
-    lines = [f"{'method':<28} {'test error mean':>16} {'test error p90':>15}  seeds"]
-    for (name, what, value), fs in finals.items():
-        mean = sum(f["test_error_mean"] for f in fs) / len(fs)
-        p90 = sum(f["test_error_p90"] for f in fs) / len(fs)
-        lines.append(f"{name + f' {what}={value:g}':<28} {100 * mean:15.2f}% "
-                     f"{100 * p90:14.2f}%  {len(fs)}")
-    return lines
+            finals.setdefault(f"{name} {what}={value:g}", []).append(result.final[label.key()])
+    return error_table(list(finals.items()), "method")
 
 
 def planned_configs():
@@ -81,7 +81,7 @@ def main(argv):
                 data = load_dataset(config.data)
             results.append((config.algorithm, run_experiment(config, data)))
             if results[-1][1].stopped:
-                sys.exit(STOP_EXIT_CODES.get(results[-1][1].stop_reason, 1))
+                sys.exit(stop_exit_code(results[-1][1].stop_reason))
     except (UsageError, ConfigError, DataError) as e:
         fail(str(e))
     except OSError as e:   # the disk is full, or the output dir cannot be written

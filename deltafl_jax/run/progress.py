@@ -48,18 +48,24 @@ def evaluation_line(run: RunContext, ev: Evaluation) -> str:
             f"{eta:6.0f}s | " + " | ".join(parts))
 
 
-def closing_table(result, labels, classify: bool = True) -> List[str]:
-    """Final test error per swept value (mean over seeds)."""
+def error_table(rows, first: str = "replicas", classify: bool = True) -> List[str]:
+    """Final test error (mean over seeds) per row: rows = [(name, [final metrics of each
+    seed])]."""
     scale, unit = (100.0, "%") if classify else (1.0, "")
     what = "test error" if classify else "test loss"
-    lines = [f"{'replicas':<28} {what + ' mean':>16} {what + ' p90':>15}  seeds"]
-    for name, rs in _groups(labels):
-        finals = [result.final[labels[r].key()] for r in rs]
+    lines = [f"{first:<28} {what + ' mean':>16} {what + ' p90':>15}  seeds"]
+    for name, finals in rows:
         mean = np.mean([f["test_error_mean"] for f in finals])
         p90 = np.mean([f["test_error_p90"] for f in finals])
         lines.append(f"{name:<28} {scale * mean:15.2f}{unit} {scale * p90:14.2f}{unit}  "
-                     f"{len(rs)}")
+                     f"{len(finals)}")
     return lines
+
+
+def closing_table(result, labels, classify: bool = True) -> List[str]:
+    """Final test error per swept value (mean over seeds)."""
+    return error_table([(name, [result.final[labels[r].key()] for r in rs])
+                        for name, rs in _groups(labels)], "replicas", classify)
 
 
 class Progress(Callback):

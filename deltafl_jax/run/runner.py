@@ -46,10 +46,10 @@ def check_output_dir(out: Optional[str], overwrite: bool) -> None:
 
 def _checkpointer(out: Optional[str], overwrite: bool) -> Optional[ckpt.Checkpointer]:
     """The run's checkpoints (None without an output dir, and on runs of several processes,
-    which do not checkpoint yet); overwrite starts afresh."""
+    which do not checkpoint yet); overwrite starts afresh. The directory was checked by
+    :func:`check_output_dir` already."""
     if not out:
         return None
-    check_output_dir(out, overwrite)
     if overwrite or not os.path.isdir(ckpt.checkpoint_dir(out)):
         outputs.prepare_dir(out, overwrite)
     if jax.process_count() > 1:
