@@ -39,6 +39,8 @@ from absl import app, flags
 
 flags.DEFINE_list("models", ["cnn", "linear"], "models to time (cnn, linear)")
 flags.DEFINE_list("peers", ["fedjax"], "peers to time")
+flags.DEFINE_list("engine_devices", ["1", "2"], "run the engine on each of these device "
+                  "counts (on a CPU, D > 1 splits the host into D devices: --devices=D)")
 flags.DEFINE_integer("rounds", 5, "timed rounds per model (median reported)")
 flags.DEFINE_integer("warmup", 1, "untimed rounds first (compilation)")
 flags.DEFINE_integer("clients", 100, "m, sampled clients per round")
@@ -140,8 +142,9 @@ class Peer:
             self.proc.wait(timeout=60)
 
 
-def engine_runner(data, model: str, algorithm: str, theta: float):
-    """A closure running round t of the engine; it keeps the per-round metrics."""
+def engine_runner(data, model: str, algorithm: str, theta: float, devices: int = 1):
+    """A closure running round t of the engine on `devices` devices; it keeps the per-round
+    metrics."""
     import jax
 
     from deltafl_jax import DataConfig, ExperimentConfig, build_experiment
@@ -150,7 +153,7 @@ def engine_runner(data, model: str, algorithm: str, theta: float):
         data=DataConfig("femnist_like"), model=model, algorithm=algorithm, thetas=(theta,),
         seeds=(SEED,), num_rounds=FLAGS.warmup + FLAGS.rounds, clients_per_round=FLAGS.clients,
         batch_size=BATCH[model], learning_rate=LR, output_dir=None, save_models=False,
-        verbose=False)
+        verbose=False, devices=devices)
     exp = build_experiment(cfg, data)
     st = {"state": exp.initial_state(), "keys": exp.keys(), "metrics": []}
 
@@ -190,8 +193,10 @@ def time_model(model: str, data, data_path: str, peer_pythons: dict) -> dict:
     compile_timer = CompileTimer()
     runners = {f"{name}_fedavg": p.round for name, p in peers.items()}
     with compile_timer:
-        runners["engine_fedavg"] = engine_runner(data, model, "fedavg", 1.0)
-        runners["engine_deltafl_0.5"] = engine_runner(data, model, "deltafl", 0.5)
+        for d in engine_device_counts():
+            tag = "" if d == 1 else f"_{d}dev"
+            runners[f"engine_fedavg{tag}"] = engine_runner(data, model, "fedavg", 1.0, d)
+            runners[f"engine_deltafl_0.5{tag}"] = engine_runner(data, model, "deltafl", 0.5, d)
     names = list(runners)
     times = {k: [] for k in names}
     loads = []
@@ -220,8 +225,9 @@ def time_model(model: str, data, data_path: str, peer_pythons: dict) -> dict:
         peer = med[f"{name}_fedavg"]
         out[f"speedup_vs_{name}"] = {k: peer / med[k] for k in med if k.startswith("engine")}
     out["engine"] = {}
-    fwd = forward_flops_per_example(runners["engine_fedavg"].experiment.model)
-    for k in ("engine_fedavg", "engine_deltafl_0.5"):
+    engines = [k for k in runners if k.startswith("engine")]
+    fwd = forward_flops_per_example(runners[engines[0]].experiment.model)
+    for k in engines:
         tr = trips(runners[k], FLAGS.warmup)
         gflop = fwd * (tr["eval_examples"] + 3 * tr["train_examples"]) / 1e9
         out["engine"][k] = {**tr, "round_gflop": gflop, "gflops": gflop / med[k],
@@ -230,8 +236,21 @@ def time_model(model: str, data, data_path: str, peer_pythons: dict) -> dict:
     return out
 
 
+def engine_device_counts():
+    try:
+        counts = [int(d) for d in FLAGS.engine_devices]
+    except ValueError:
+        raise app.UsageError(f"--engine_devices must be integers, got {FLAGS.engine_devices}")
+    if not counts or min(counts) < 1:
+        raise app.UsageError(f"--engine_devices must be >= 1, got {FLAGS.engine_devices}")
+    return counts
+
+
 def main(argv):
     del argv
+    from deltafl_jax.engine.mesh import host_device_flags   # before JAX starts its backend
+    os.environ["XLA_FLAGS"] = host_device_flags(os.environ.get("XLA_FLAGS", ""),
+                                                max(engine_device_counts()))
     from bench.common import emit, femnist_like_dataset, gemm_peak_gflops, machine
 
     t0 = time.perf_counter()

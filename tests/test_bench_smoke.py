@@ -93,7 +93,10 @@ def test_peers_smoke_engine_side(tmp_path):
                     "--num_clients=8", "--rounds=1", "--gemm_n=256",
                     f"--cache_dir={tmp_path / 'cache'}"], tmp_path, "peers")
     row = res["models"]["linear"]
-    assert set(row["s_per_round"]) == {"engine_fedavg", "engine_deltafl_0.5"}
+    assert set(row["s_per_round"]) == {"engine_fedavg", "engine_deltafl_0.5",
+                                       "engine_fedavg_2dev", "engine_deltafl_0.5_2dev"}
+    for key, devices in (("engine_fedavg", 1), ("engine_fedavg_2dev", 2)):
+        assert row["engine"][key]["placement"]["devices"] == devices
     for eng in row["engine"].values():
         assert eng["critical_path_steps"] == pytest.approx(
             eng["eval_steps"] + eng["train_steps"])

@@ -85,3 +85,54 @@ def test_no_collective_inside_a_loop_and_no_all_gather(runs):
         assert not re.search(r"all-reduce|all-gather|collective-permute|all-to-all", text), name
     assert "all-gather" not in hlo
     assert re.search(r"all-reduce", hlo), "the partial sums are reduced after the loops"
+
+
+def test_host_device_flags_hand_cases():
+    from deltafl_jax.engine.mesh import host_device_flags
+    assert host_device_flags("", None) == ""
+    assert host_device_flags("", 1) == ""
+    assert host_device_flags("", 3) == "--xla_force_host_platform_device_count=3"
+    assert (host_device_flags("--xla_cpu_foo=1", 2)
+            == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2")
+    # A count the user chose is kept.
+    chosen = "--xla_force_host_platform_device_count=8"
+    assert host_device_flags(chosen, 2) == chosen
+
+
+def _cli_run(tmp_path, name, devices):
+    out = tmp_path / name
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "experiments.run",
+                           f"--flagfile={os.path.join(HERE, 'tiny.flags')}",
+                           f"--devices={devices}", f"--output_dir={out}"],
+                          capture_output=True, text=True, timeout=600, env=env,
+                          cwd=os.path.dirname(HERE))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, np.load(out / "rounds.npz"), [
+        json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_devices_flag_splits_a_cpu_host_without_xla_flags(tmp_path):
+    """--devices=2 on a 1-device CPU asks XLA for 2 host devices; the run matches D = 1."""
+    out1, r1, m1 = _cli_run(tmp_path, "d1", 1)
+    out2, r2, m2 = _cli_run(tmp_path, "d2", 2)
+    assert "placement: 2 cpu device(s)" in out2, out2
+    assert "placement: 1 cpu device(s)" in out1, out1
+    assert sorted(r1.files) == sorted(r2.files)
+    for k in r1.files:
+        if r1[k].dtype.kind in "USO":   # labels
+            np.testing.assert_array_equal(r2[k], r1[k], err_msg=k)
+        elif r1[k].dtype.kind in "biu":
+            if k.startswith("device_"):
+                continue   # per-device work: one entry per device
+            if k.endswith("_trips"):   # the critical path: shorter on 2 devices
+                assert np.all(r2[k] <= r1[k]) and np.any(r2[k] < r1[k]), k
+                continue
+            if k.endswith("padded_examples"):   # slots computed: depend on the lane layout
+                continue
+            np.testing.assert_array_equal(r2[k], r1[k], err_msg=k)
+        else:
+            np.testing.assert_allclose(r2[k], r1[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    assert len(m1) == len(m2)
+    for a, b in zip(m1, m2):
+        np.testing.assert_allclose(b["test_error_mean"], a["test_error_mean"], rtol=1e-5)

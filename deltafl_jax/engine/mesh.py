@@ -8,6 +8,11 @@ the partial sums are reduced once after the loops (``psum``; no collective insid
 The filter and the server update then run identically on every device. With D = 1 none of
 this is used, and the round is the plain jitted function.
 
+On a CPU, JAX shows one device for the whole host. :func:`host_device_flags` asks XLA for
+D host devices instead (before the backend starts); each then runs its share of the lanes on
+its own thread, so the cores work on different clients at once (``--devices=D``; measured in
+bench/README.md).
+
 Multi-host: every process holds the same replicated values; :func:`replicate` builds global
 arrays from host values, and :func:`to_host` reads a replicated global array on any process.
 """
@@ -52,6 +57,18 @@ class DeviceAxis:
 
 
 SINGLE = DeviceAxis()
+
+HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def host_device_flags(xla_flags: str, devices: Optional[int]) -> str:
+    """XLA_FLAGS with the host (CPU) platform split into `devices` devices, when more than one
+    is asked for and the flags do not already choose a count. Only the CPU platform reads the
+    flag: on a GPU or TPU machine it adds unused host devices and changes nothing else. Must be
+    applied before JAX starts its backend."""
+    if devices is None or devices <= 1 or HOST_DEVICES_FLAG in xla_flags:
+        return xla_flags
+    return f"{xla_flags} {HOST_DEVICES_FLAG}={int(devices)}".strip()
 
 
 def make_mesh(devices: int) -> Mesh:
