@@ -7,7 +7,8 @@ hyper-parameter, seed) pair. ``state.params`` and ``state.algo_state`` carry a l
 replica axis [R, ...]. The round (Algorithm 2):
 
 1. F_k(w_t) of every sampled client for every replica (:func:`engine.evaluate_streams`),
-   plus (l2/2)||w_t||^2 when l2 > 0, as the reference code does;
+   plus (l2/2)||w_t||^2 when l2 > 0, as the reference code does; skipped for an algorithm
+   that does not use the losses (``uses_losses=False``: FedAvg, FedProx), which then sees NaN;
 2. ``algorithm.client_weights``, vmapped over replicas: the filter (eta, tail weights), or a
    baseline's weights; it gets the replica's round key (the seed's key folded with the round)
    and the sampled clients' ids;
@@ -88,17 +89,28 @@ def _losses(model, state, data, group, l2, m, eval_chunk, eval_lanes, axis):
     return ev.loss_sum / sizes + 0.5 * (l2 * sqnorm)[:, None], sizes, ev
 
 
+def _no_losses(data, group):
+    """For an algorithm that does not use F_k(w_t): NaN losses, and no evaluation work."""
+    sizes = data.plan.sizes[group]
+    zero = jnp.int32(0)
+    ev = engine.EvalResult(loss_sum=None, error_sum=None, real_examples=zero,
+                           padded_examples=zero, trips=zero)
+    return jnp.full(sizes.shape, jnp.nan, jnp.float32), sizes, ev
+
+
 def _per_replica_where(keep, new, old):
     """new where the replica is kept, else old (keep: [R]; leaves [R, ...])."""
     return jnp.where(keep.reshape(keep.shape + (1,) * (new.ndim - 1)), new, old)
 
 
-def _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics):
+def _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics, uses_losses):
     sizes_f = sizes.astype(jnp.float32)
+    sampled = ({"sampled_loss_mean": jnp.sum(sizes_f * losses, 1) / jnp.sum(sizes_f, 1)}
+               if uses_losses else {})
     return {
         "num_selected": jnp.sum(weights > 0, axis=1),
         "num_rejected": jnp.sum(tr.job_trained & ~tr.job_finite, axis=1),
-        "sampled_loss_mean": jnp.sum(sizes_f * losses, 1) / jnp.sum(sizes_f, 1),
+        **sampled,
         "kept_examples": jnp.sum(jnp.where(weights > 0, sizes, 0), axis=1),
         "learning_rate": lr,
         **algo_metrics,
@@ -131,8 +143,11 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         hyper = jax.tree.map(jnp.asarray, hyper_np)
         l2 = jnp.asarray(l2_np)
         lr = jnp.stack([jnp.asarray(s(t), jnp.float32) for s in schedules])
-        losses, sizes, ev = _losses(model, state, data, group, l2, m, eval_chunk, eval_lanes,
-                                    local.axis)
+        if algorithm.uses_losses:
+            losses, sizes, ev = _losses(model, state, data, group, l2, m, eval_chunk,
+                                        eval_lanes, local.axis)
+        else:
+            losses, sizes, ev = _no_losses(data, group)
         keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(key)
         clients = data.plan.clients[group]                          # [R, m] client ids
         weights = jax.vmap(algorithm.client_weights)(state.algo_state, losses, sizes, hyper,
@@ -152,7 +167,8 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         params = jax.tree.map(lambda n, o: _per_replica_where(keep, n, o), params, state.params)
         algo_state = jax.tree.map(lambda n, o: _per_replica_where(keep, n, o), algo_state,
                                   state.algo_state)
-        metrics = _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics)
+        metrics = _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics,
+                                 algorithm.uses_losses)
         return state.replace(params=params, algo_state=algo_state, round=t + 1), metrics
 
     return round_fn

@@ -1,16 +1,45 @@
-"""FedAvg (McMahan et al., 2017) as the theta = 1 case of Delta-FL (Algorithm 2): every sampled
-client trains and the server averages with weights alpha_k proportional to n_k. It is the same
-round as ``--algorithm=deltafl --thetas=1.0``, bit for bit, labelled ``fedavg``.
-``--weighting=unweighted`` averages uniformly; Delta-FL's --smoothing and --quantile are not
+"""FedAvg (McMahan et al., 2017), the theta = 1 case of Delta-FL (Algorithm 2): every sampled
+client trains and the server averages with weights alpha_k proportional to n_k
+(``--weighting=unweighted``: uniformly).
+
+At theta = 1 the filter keeps every client whatever the losses, so FedAvg does not compute them:
+it declares ``uses_losses=False`` and the round skips the evaluation of the sampled clients at
+w_t (no ``eta`` or ``sampled_loss_mean`` in its round metrics). Its weights alpha / sum(alpha)
+are the ones Delta-FL's exact filter gives at theta = 1 (integer n_k sum exactly in float32), so
+its models equal ``--algorithm=deltafl --thetas=1.0`` bit for bit whenever every sampled loss
+is finite (Delta-FL drops a client whose F_k(w_t) is NaN; FedAvg trains it, and the engine
+discards its update if that is not finite). Delta-FL's --smoothing and --quantile are not
 used (at theta = 1 smoothing gives the same average, and the strict filter F_k > eta of
 --quantile=secagg_mm would drop the client with the lowest loss)."""
 
 from __future__ import annotations
 
-from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, DeltaFLHyper, RoundOptions,
-                                            check_thetas, deltafl)
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+import jax.numpy as jnp
+
+from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTINGS, DeltaFLHyper, check_thetas,
+                                            client_alphas)
+from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, average_update,
+                                         no_state)
 from deltafl_jax.errors import ConfigError
+
+
+def fedavg(weighting: str = "weighted") -> FederatedAlgorithm:
+    """FedAvg: a_k = alpha_k / sum(alpha) for every sampled client; the losses are not used."""
+    if weighting not in WEIGHTINGS:
+        raise ConfigError(f"unknown --weighting={weighting!r}; choose one of "
+                          f"{', '.join(WEIGHTINGS)}")
+
+    def client_weights(state, losses, sizes, hyper, key, clients):
+        del state, losses, hyper, key, clients
+        alphas = client_alphas(sizes, weighting)
+        return alphas / jnp.sum(alphas)
+
+    def server_update(state, params, feedback, hyper):
+        del hyper
+        return average_update(params, feedback), state, {}
+
+    return FederatedAlgorithm(name="fedavg", init=no_state, client_weights=client_weights,
+                              server_update=server_update, uses_losses=False)
 
 
 def _theta_one(config, given):
@@ -22,7 +51,6 @@ def _theta_one(config, given):
 
 
 SPEC = AlgorithmSpec(
-    name="fedavg", help="FedAvg: Delta-FL at theta = 1, bit for bit",
-    make=lambda config, data: deltafl(config.filter, thetas=(1.0,), options=RoundOptions(
-        weighting=config.weighting)), hyper=DeltaFLHyper, sweep=THETA_SWEEP,
+    name="fedavg", help="FedAvg: Delta-FL at theta = 1 without the evaluation at w_t",
+    make=lambda config, data: fedavg(config.weighting), hyper=DeltaFLHyper, sweep=THETA_SWEEP,
     values=_theta_one, validate=check_thetas)

@@ -1,7 +1,7 @@
 """FedProx (Li et al., MLSys 2020): FedAvg whose local objective is F_k(w) + (mu/2)||w - w_t||^2.
 
-The round is Delta-FL's at theta = 1 (every sampled client trains, weights n_k / n); the
-proximal term is the spec's ``local_penalty``, added by the engine to each local minibatch
+The round is FedAvg's (every sampled client trains, weights n_k / n, no evaluation at w_t:
+:mod:`deltafl_jax.algorithms.fedavg`); the proximal term is the spec's ``local_penalty``, added by the engine to each local minibatch
 objective with anchor w_t. With mu = 0 the local gradients gain an exact +0, so the run is
 FedAvg bit for bit.
 """
@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from deltafl_jax.algorithms.deltafl import deltafl
+from deltafl_jax.algorithms.fedavg import fedavg
 from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep
 
 DEFAULT_MU = (0.001, 0.01, 0.1, 1.0)   # the FedProx paper's grid
@@ -33,13 +33,13 @@ def proximal_term(params, anchor, hyper):
         zip(jax.tree.leaves(params), jax.tree.leaves(anchor)))
 
 
-def fedprox(filter: str = "exact") -> FederatedAlgorithm:
-    return deltafl(filter)._replace(name="fedprox", local_penalty=proximal_term)
+def fedprox() -> FederatedAlgorithm:
+    return fedavg()._replace(name="fedprox", local_penalty=proximal_term)
 
 
 SPEC = AlgorithmSpec(
     name="fedprox", help="FedProx: FedAvg with the proximal term (mu/2)||w - w_t||^2",
-    make=lambda config, data: fedprox(config.filter), hyper=FedProxHyper,
+    make=lambda config, data: fedprox(), hyper=FedProxHyper,
     sweep=Sweep(flag="fedprox_mu", field="mu", default=DEFAULT_MU, minimum=0.0,
                 help="fedprox: proximal weights mu >= 0, swept"),
     fixed={"theta": 1.0})

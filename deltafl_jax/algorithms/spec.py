@@ -3,7 +3,8 @@
 A round of every algorithm here has the same shape (Algorithm 2 of the Delta-FL paper; the
 baselines of the CISS 2021 paper, Table I):
 
-1. the engine computes each sampled client's loss F_k(w_t) on its whole training data;
+1. the engine computes each sampled client's loss F_k(w_t) on its whole training data (unless
+   the algorithm declares that it does not use them: ``uses_losses=False``);
 2. ``client_weights`` turns (F, n) into aggregation weights a_k >= 0; a_k = 0 means that the
    client does no local work (the Delta-FL filter, FedAvg-Sub's subset, ...);
 3. the engine runs LocalUpdate (minibatch SGD from w_t on F_k + ``local_penalty``) on every
@@ -72,6 +73,9 @@ class FederatedAlgorithm(NamedTuple):
     eval_params(state, params) -> the parameters to evaluate and save (None: params);
     local_penalty(params, anchor, hyper) -> scalar added to the local objective of a client
       (None: plain F_k; FedProx: (mu/2)||w - w_t||^2 with anchor = w_t).
+    uses_losses: client_weights or server_update read the losses F_k(w_t). False (FedAvg,
+      FedProx): the round skips step 1, the evaluation of the sampled clients at w_t, and
+      their losses arrive as NaN.
     """
 
     name: str
@@ -80,6 +84,7 @@ class FederatedAlgorithm(NamedTuple):
     server_update: Callable[..., Tuple[Params, State, Mapping[str, jax.Array]]]
     eval_params: Optional[Callable[[State, Params], Params]] = None
     local_penalty: Optional[Callable[[Params, Params, Any], jax.Array]] = None
+    uses_losses: bool = True
 
 
 def average_update(params, feedback: ClientFeedback):
