@@ -36,3 +36,14 @@ def test_deal_jobs_matches_the_definition(lanes, seed):
 def test_snake_dealing_balances_equal_jobs():
     deal = deal_jobs(np.full((12,), 5, np.int32), 4)
     assert list(np.asarray(deal.load)) == [15, 15, 15, 15] and int(deal.trips) == 15
+
+
+def test_cpu_lanes_per_device_hand_cases():
+    from deltafl_jax.models import LanePreferences
+    unrolled = LanePreferences(cpu_lanes=2, cpu_lane_mode="unroll")
+    assert [unrolled.lanes(100, "cpu", d) for d in (1, 2, 4)] == [2, 1, 1]
+    assert unrolled.lanes(1, "cpu", 1) == 1
+    assert LanePreferences(cpu_lanes=4, cpu_lane_mode="unroll").lanes(100, "cpu", 2) == 2
+    vmapped = LanePreferences(cpu_lanes=2)
+    assert [vmapped.lanes(100, "cpu", d) for d in (1, 2, 4)] == [2, 2, 2]
+    assert vmapped.lanes(100, "gpu", 2) == 100   # accelerators: the placement decides

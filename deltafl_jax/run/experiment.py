@@ -53,7 +53,8 @@ def placement(config: ExperimentConfig, model: Model, m: int, num_replicas: int,
     backend = backend or jax.default_backend()
     prefs = model.lanes
     jobs = m * num_replicas
-    per_device = prefs.lanes(m, backend) if backend == "cpu" else min(m, -(-jobs // devices))
+    per_device = (prefs.lanes(m, backend, devices) if backend == "cpu"
+                  else min(m, -(-jobs // devices)))
     lanes = min(config.clients_per_step or per_device, jobs)
     loop = engine.loop_shape(backend)
     return Placement(lanes=lanes, lane_mode=prefs.lane_mode(backend),
