@@ -156,8 +156,11 @@ def critical_path(metrics, placement) -> Dict:
         return float(np.mean([float(np.sum(v)) for v in values]))
 
     unroll = max(1, int(getattr(placement, "unroll", 1)))
-    eval_steps = mean(m["eval_padded_examples"] for m in metrics) / (
-        placement.eval_lanes * placement.eval_chunk)
+    if all("eval_trips" in m for m in metrics):   # the busiest device's trips
+        eval_steps = mean(m["eval_trips"] for m in metrics)
+    else:
+        eval_steps = mean(m["eval_padded_examples"] for m in metrics) / (
+            placement.eval_lanes * placement.eval_chunk)
     train_steps = mean(m["train_trips"] for m in metrics)
     loop_trips = mean(-(-int(m["train_trips"]) // unroll) for m in metrics)
     return {"eval_steps": eval_steps, "train_steps": train_steps,

@@ -97,6 +97,9 @@ def test_peers_smoke_engine_side(tmp_path):
                                        "engine_fedavg_2dev", "engine_deltafl_0.5_2dev"}
     for key, devices in (("engine_fedavg", 1), ("engine_fedavg_2dev", 2)):
         assert row["engine"][key]["placement"]["devices"] == devices
+    one, two = row["engine"]["engine_deltafl_0.5"], row["engine"]["engine_deltafl_0.5_2dev"]
+    assert 0 < two["eval_steps"] <= one["eval_steps"]   # the busiest device's trips
+    assert row["engine"]["engine_fedavg"]["eval_steps"] == 0   # FedAvg does not evaluate
     for eng in row["engine"].values():
         assert eng["critical_path_steps"] == pytest.approx(
             eng["eval_steps"] + eng["train_steps"])
