@@ -196,14 +196,14 @@ def start_backend() -> None:
     if FLAGS.deterministic:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + " --xla_gpu_deterministic_ops=true").strip()
-    if not FLAGS.distributed:   # --devices=D > 1 on a CPU: D host devices
-        from deltafl_jax.engine.mesh import host_device_flags
-        os.environ["XLA_FLAGS"] = host_device_flags(os.environ.get("XLA_FLAGS", ""),
-                                                    FLAGS.devices)
     if FLAGS.distributed:
         from deltafl_jax.run import distributed
         distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
                                FLAGS.process_id, FLAGS.distributed_timeout_s)
+    else:   # --devices=D > 1 on a CPU: D host devices
+        from deltafl_jax.engine.mesh import host_device_flags
+        os.environ["XLA_FLAGS"] = host_device_flags(os.environ.get("XLA_FLAGS", ""),
+                                                    FLAGS.devices)
 
 
 def floats(name: str, values: Sequence[str]) -> Tuple[float, ...]:

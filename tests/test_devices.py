@@ -136,3 +136,16 @@ def test_devices_flag_splits_a_cpu_host_without_xla_flags(tmp_path):
     assert len(m1) == len(m2)
     for a, b in zip(m1, m2):
         np.testing.assert_allclose(b["test_error_mean"], a["test_error_mean"], rtol=1e-5)
+
+
+def test_tune_accepts_devices_on_a_cpu(tmp_path):
+    """experiments.tune starts the backend like the runner: --devices=2 splits the host."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "experiments.tune",
+                           f"--flagfile={os.path.join(HERE, 'tiny.flags')}", "--num_rounds=3",
+                           "--lr_grid=0.02,0.3", "--devices=2",
+                           f"--output_dir={tmp_path / 'tune'}"],
+                          capture_output=True, text=True, timeout=600, env=env,
+                          cwd=os.path.dirname(HERE))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "tune" / "tuned.flags").exists()

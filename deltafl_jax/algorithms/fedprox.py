@@ -1,9 +1,9 @@
 """FedProx (Li et al., MLSys 2020): FedAvg whose local objective is F_k(w) + (mu/2)||w - w_t||^2.
 
 The round is FedAvg's (every sampled client trains, weights n_k / n, no evaluation at w_t:
-:mod:`deltafl_jax.algorithms.fedavg`); the proximal term is the spec's ``local_penalty``, added by the engine to each local minibatch
-objective with anchor w_t. With mu = 0 the local gradients gain an exact +0, so the run is
-FedAvg bit for bit.
+:mod:`deltafl_jax.algorithms.fedavg`); the proximal term is the spec's ``local_penalty``,
+added by the engine to each local minibatch objective with anchor w_t. With mu = 0 the local
+gradients gain an exact +0, so the run is FedAvg bit for bit.
 """
 
 from __future__ import annotations
