@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTINGS, DeltaFLHyper, check_thetas,
-                                            client_alphas)
+from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, DeltaFLHyper, RoundOptions,
+                                            check_thetas, client_alphas)
 from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, average_update,
                                          no_state)
 from deltafl_jax.errors import ConfigError
@@ -25,9 +25,7 @@ from deltafl_jax.errors import ConfigError
 
 def fedavg(weighting: str = "weighted") -> FederatedAlgorithm:
     """FedAvg: a_k = alpha_k / sum(alpha) for every sampled client; the losses are not used."""
-    if weighting not in WEIGHTINGS:
-        raise ConfigError(f"unknown --weighting={weighting!r}; choose one of "
-                          f"{', '.join(WEIGHTINGS)}")
+    RoundOptions(weighting=weighting).check()   # Delta-FL's own check of --weighting
 
     def client_weights(state, losses, sizes, hyper, key, clients):
         del state, losses, hyper, key, clients
