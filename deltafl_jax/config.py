@@ -19,6 +19,7 @@ from deltafl_jax.datasets import DataConfig
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.models import LINEAR_MODELS
 from deltafl_jax.replicas import aligned
+from deltafl_jax.server_optimizer import ServerOptimizer
 
 PERCENTILES = (10, 20, 50, 60, 80, 90, 95)
 
@@ -67,11 +68,21 @@ class ExperimentConfig:
     devices: Optional[int] = None           # devices sharing a round (None: all local ones)
     stop_on_divergence: bool = False        # stop a replica whose train loss is NaN or > 3x w_0's
     use_bias: Optional[bool] = None         # linear models; None: none on femnist / sent140
+    # The server step (deltafl_jax.server_optimizer; Reddi et al. 2021, Algorithm 2).
+    server_optimizer: str = "sgd"           # sgd | momentum | adam | yogi | adagrad
+    server_lr: Tuple[float, ...] = (1.0,)   # eta; several values train as replicas
+    server_momentum: float = 0.9            # beta of momentum (FedAvgM)
+    server_beta1: float = 0.9               # adaptive: beta1
+    server_beta2: float = 0.99              # adaptive: beta2
+    server_eps: float = 1e-3                # adaptive: tau
 
     def __post_init__(self):
         l2 = self.l2_reg
         object.__setattr__(self, "l2_reg", tuple(l2) if isinstance(l2, (tuple, list)) else l2)
         object.__setattr__(self, "sweeps", {k: tuple(v) for k, v in dict(self.sweeps).items()})
+        lrs = self.server_lr
+        object.__setattr__(self, "server_lr",
+                           tuple(lrs) if isinstance(lrs, (tuple, list)) else (lrs,))
         _check(self)
 
     def sweep(self, flag: str) -> Tuple[float, ...]:
@@ -79,6 +90,13 @@ class ExperimentConfig:
         if flag == "thetas":
             return tuple(self.thetas)
         return tuple(self.sweeps.get(flag, ()))
+
+    @property
+    def server(self) -> ServerOptimizer:
+        """The server optimizer (the ``server_*`` fields)."""
+        return ServerOptimizer(name=self.server_optimizer, learning_rates=self.server_lr,
+                               momentum=self.server_momentum, beta1=self.server_beta1,
+                               beta2=self.server_beta2, eps=self.server_eps)
 
     def l2_for(self, count: int) -> Tuple[float, ...]:
         """lambda for each of `count` swept values."""
@@ -154,6 +172,7 @@ def _check(c: ExperimentConfig):
     if c.filter not in FILTERS:
         raise ConfigError(f"unknown --filter={c.filter!r}; choose one of {', '.join(FILTERS)}")
     check_round_options(c)
+    c.server.check()
     spec.check(c)
     c.l2_for(len(spec.sweep_values(c)))
     if c.use_bias is not None and c.model not in LINEAR_MODELS:

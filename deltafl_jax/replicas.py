@@ -132,6 +132,7 @@ class Replicas:
     l2: [R] float32, the L2 weight lambda of each replica.
     schedules: R optax schedules, round -> client learning rate.
     labels: R :class:`ReplicaLabel`.
+    server_lr: [R] float32, the server optimizer's learning rate eta of each replica.
     """
 
     group: np.ndarray
@@ -139,6 +140,11 @@ class Replicas:
     l2: np.ndarray
     schedules: Tuple[Callable, ...]
     labels: Tuple[ReplicaLabel, ...]
+    server_lr: Optional[np.ndarray] = None
+
+    def __post_init__(self):
+        if self.server_lr is None:
+            object.__setattr__(self, "server_lr", np.ones(self.group.shape, np.float32))
 
     @property
     def size(self) -> int:
@@ -158,6 +164,7 @@ class GridPoint:
     label: its label (the seed is filled in per replica).
     hyper: the algorithm's hyper-parameters, a NamedTuple of Python floats.
     l2: lambda. learning_rate, lr_decay, lr_decay_every: its schedule.
+    server_lr: the server optimizer's learning rate eta.
     """
 
     label: ReplicaLabel
@@ -166,6 +173,7 @@ class GridPoint:
     learning_rate: float
     lr_decay: float = 1.0
     lr_decay_every: int = 0
+    server_lr: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +189,7 @@ class ReplicaGrid:
         kinds = {type(p.hyper) for p in self.points}
         if len(kinds) != 1:
             raise ValueError(f"grid points mix hyper-parameter types: {sorted(map(str, kinds))}")
-        groups, hypers, l2s, schedules, labels = [], [], [], [], []
+        groups, hypers, l2s, schedules, labels, server_lrs = [], [], [], [], [], []
         for point in self.points:
             schedule = learning_rate_schedule(point.learning_rate, point.lr_decay,
                                               point.lr_decay_every)
@@ -190,13 +198,14 @@ class ReplicaGrid:
                 hypers.append(point.hyper)
                 l2s.append(point.l2)
                 schedules.append(schedule)
+                server_lrs.append(point.server_lr)
                 labels.append(dataclasses.replace(point.label, seed=int(seed)))
         hyper_type = type(self.points[0].hyper)
         hyper = hyper_type(*(np.asarray([h[i] for h in hypers], np.float32)
                              for i in range(len(hyper_type._fields))))
         return Replicas(group=np.asarray(groups, np.int32), hyper=hyper,
                         l2=np.asarray(l2s, np.float32), schedules=tuple(schedules),
-                        labels=tuple(labels))
+                        labels=tuple(labels), server_lr=np.asarray(server_lrs, np.float32))
 
 
 def labels_by_group(labels: Iterable[ReplicaLabel]) -> Dict[Tuple, list]:

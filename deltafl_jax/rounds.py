@@ -12,8 +12,13 @@ replica axis [R, ...]. The round (Algorithm 2):
 2. ``algorithm.client_weights``, vmapped over replicas: the filter (eta, tail weights), or a
    baseline's weights; it gets the replica's round key (the seed's key folded with the round)
    and the sampled clients' ids;
-3. LocalUpdate on the kept clients only (:func:`engine.train_jobs`);
-4. ``algorithm.server_update``, vmapped over replicas: the weighted average.
+3. LocalUpdate on the kept clients only (:func:`engine.train_jobs`), with the algorithm's
+   per-client hooks if it has any (its clients' own state is read before and written back
+   after, for the clients whose update is finite);
+4. ``algorithm.server_update``, vmapped over replicas: the aggregate Delta (the weighted average
+   of the updates) and the algorithm's new state;
+5. the server optimizer's step on the pseudo-gradient -Delta
+   (:mod:`deltafl_jax.server_optimizer`; by default w + Delta, the plain average).
 
 Replicas that share a seed share the sampled clients and the minibatch order (the plan of
 group g = their seed), which makes theta-to-theta comparisons paired.
@@ -21,18 +26,20 @@ group g = their seed), which makes theta-to-theta comparisons paired.
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Sequence, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from deltafl_jax import engine
 from deltafl_jax.algorithms.spec import ClientFeedback, FederatedAlgorithm
 from deltafl_jax.models import Model
 from deltafl_jax.plan import RoundPlan
 from deltafl_jax.replicas import Replicas
+from deltafl_jax.server_optimizer import init_states, server_step
 
 
 class ServerState(flax.struct.PyTreeNode):
@@ -43,12 +50,18 @@ class ServerState(flax.struct.PyTreeNode):
     round: [] int32: rounds completed.
     active: [R] bool: replicas still training (a replica stopped for divergence keeps its
       model and state, and its clients do no work); None = all.
+    server_opt_state: the server optimizer's state, leaves [R, ...] (its injected learning
+      rate: hyperparams["learning_rate"] [R]); () for the default step w + Delta.
+    client_state: pytree, leaves [R, N, ...]: every training client's own state, for an
+      algorithm that declares one (SCAFFOLD's c_i); () otherwise.
     """
 
     params: Any
     algo_state: Any
     round: jax.Array
     active: Any = None
+    server_opt_state: Any = ()
+    client_state: Any = ()
 
 
 class RoundData(NamedTuple):
@@ -61,15 +74,28 @@ class RoundData(NamedTuple):
 
 
 def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
-               seeds: Sequence[int]) -> ServerState:
-    """w_0 of each replica from its seed (replicas with one seed start from one w_0)."""
+               seeds: Sequence[int],
+               server_optimizer: Optional[optax.GradientTransformation] = None,
+               num_clients: int = 0) -> ServerState:
+    """w_0 of each replica from its seed (replicas with one seed start from one w_0), the
+    algorithm's state, the server optimizer's state (each replica's own learning rate), and
+    the per-client state of the `num_clients` training clients when the algorithm has one."""
     keys = jax.vmap(jax.random.key)(
         jnp.asarray([int(seeds[g]) for g in replicas.group], jnp.uint32))
     params = jax.jit(jax.vmap(model.init))(keys)
     hyper = jax.tree.map(jnp.asarray, replicas.hyper)
     algo_state = jax.vmap(algorithm.init)(params, hyper)
+    client_state = ()
+    if algorithm.client_state_init is not None:
+        def every_client(p, h):
+            one = algorithm.client_state_init(p, h)
+            return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients,) + a.shape), one)
+        client_state = jax.jit(jax.vmap(every_client))(params, hyper)
     return ServerState(params=params, algo_state=algo_state, round=jnp.int32(0),
-                       active=jnp.ones((replicas.size,), bool))
+                       active=jnp.ones((replicas.size,), bool),
+                       server_opt_state=init_states(server_optimizer, params,
+                                                    replicas.server_lr),
+                       client_state=client_state)
 
 
 def replica_keys(replicas: Replicas, seeds: Sequence[int]):
@@ -128,10 +154,36 @@ def _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics, uses_losses
     }
 
 
+def _write_back(client_state, ids, new, ok):
+    """client_state [N, ...] with rows ids [m] replaced by new [m, ...] where ok [m]."""
+    def put(a, n):
+        keep = ok.reshape(ok.shape + (1,) * (n.ndim - 1))
+        return a.at[ids].set(jnp.where(keep, n.astype(a.dtype), a[ids]))
+    return jax.tree.map(put, client_state, new)
+
+
+def _server(algorithm, server_optimizer, state, feedback, hyper, keep):
+    """Steps 4-5 for every replica: (params, algo_state, server_opt_state, metrics); replicas
+    that are not kept keep theirs."""
+    delta, algo_state, algo_metrics = jax.vmap(algorithm.server_update)(
+        state.algo_state, state.params, feedback, hyper)
+    params, opt_state = server_step(server_optimizer, state.params, delta,
+                                    state.server_opt_state)
+
+    def kept(new, old):
+        return jax.tree.map(lambda n, o: _per_replica_where(keep, n, o), new, old)
+    return (kept(params, state.params), kept(algo_state, state.algo_state),
+            kept(opt_state, state.server_opt_state), algo_metrics)
+
+
 def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                    local: engine.LocalSGDConfig, eval_chunk: int, eval_lanes: int,
-                   num_sampled: int):
-    """The round of `algorithm` for `replicas`. Returns an unjitted pure function."""
+                   num_sampled: int,
+                   server_optimizer: Optional[optax.GradientTransformation] = None):
+    """The round of `algorithm` for `replicas`, with `server_optimizer` (None: the default
+    step w + Delta). Returns an unjitted pure function."""
+    hooks = algorithm.client_hooks()
+    local = local._replace(client_hooks=hooks)
     group = jnp.asarray(replicas.group, jnp.int32)
     m = num_sampled
     schedules = replicas.schedules
@@ -155,20 +207,24 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         keep = (state.active if state.active is not None
                 else jnp.ones((weights.shape[0],), bool))
         weights = jnp.where(keep[:, None], weights, 0.0)
+        inputs = (engine.ClientInputs(state.algo_state, state.client_state, clients)
+                  if hooks is not None else None)
         tr = engine.train_jobs(model, state.params, data.x, data.y, data.plan, group, weights,
-                               lr, l2, hyper, local)
+                               lr, l2, hyper, local, inputs)
         feedback = ClientFeedback(losses=losses, sizes=sizes, weights=weights,
                                   delta_sum=tr.delta_sum, weight_sum=tr.weight_sum,
                                   job_sqnorm=tr.job_sqnorm, job_finite=tr.job_finite,
                                   job_trained=tr.job_trained, learning_rate=lr,
-                                  clients=clients)
-        params, algo_state, algo_metrics = jax.vmap(algorithm.server_update)(
-            state.algo_state, state.params, feedback, hyper)
-        params = jax.tree.map(lambda n, o: _per_replica_where(keep, n, o), params, state.params)
-        algo_state = jax.tree.map(lambda n, o: _per_replica_where(keep, n, o), algo_state,
-                                  state.algo_state)
+                                  clients=clients, client_outputs=tr.job_output)
+        params, algo_state, opt_state, algo_metrics = _server(
+            algorithm, server_optimizer, state, feedback, hyper, keep)
+        client_state = state.client_state
+        if tr.job_state is not None and jax.tree.leaves(client_state):
+            client_state = jax.vmap(_write_back)(client_state, clients, tr.job_state,
+                                                 tr.job_finite)
         metrics = _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics,
                                  algorithm.uses_losses)
-        return state.replace(params=params, algo_state=algo_state, round=t + 1), metrics
+        return state.replace(params=params, algo_state=algo_state, round=t + 1,
+                             server_opt_state=opt_state, client_state=client_state), metrics
 
     return round_fn

@@ -2,8 +2,8 @@
 (:mod:`deltafl_jax.algorithms.spec`), collected by :mod:`deltafl_jax.algorithms.registry`."""
 
 from deltafl_jax.algorithms.spec import (AlgorithmSpec, ClientFeedback, FederatedAlgorithm, Sweep,
-                                         average_update)
+                                         average_delta)
 from deltafl_jax.algorithms import registry
 
-__all__ = ["AlgorithmSpec", "ClientFeedback", "FederatedAlgorithm", "Sweep", "average_update",
+__all__ = ["AlgorithmSpec", "ClientFeedback", "FederatedAlgorithm", "Sweep", "average_delta",
            "registry"]

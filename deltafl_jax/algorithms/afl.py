@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep, average_update
+from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep, apply_delta,
+                                         average_delta)
 
 DEFAULT_LAMBDA_LR = (0.01,)
 
@@ -64,13 +65,14 @@ def afl(train_sizes) -> FederatedAlgorithm:
         return state.lam[clients]
 
     def server_update(state, params, feedback, hyper):
-        new = average_update(params, feedback)
+        delta = average_delta(params, feedback)
+        new = apply_delta(params, delta)   # the round's step (AFL takes no server optimizer)
         losses = jnp.zeros((N,), jnp.float32).at[feedback.clients].set(feedback.losses)
         lam = project_simplex(state.lam + hyper.lambda_lr * losses)
         count = state.count + 1
         inv = 1.0 / count.astype(jnp.float32)
         avg = jax.tree.map(lambda a, w: a + ((w - a) * inv).astype(a.dtype), state.avg, new)
-        return new, AFLState(lam=lam, avg=avg, count=count), {
+        return delta, AFLState(lam=lam, avg=avg, count=count), {
             "afl_lambda_max": jnp.max(lam), "afl_lambda_support": jnp.sum(lam > 0)}
 
     def eval_params(state, params):
@@ -86,4 +88,7 @@ SPEC = AlgorithmSpec(
     sweep=Sweep(flag="afl_lambda_lr", field="lambda_lr", default=DEFAULT_LAMBDA_LR,
                 minimum=0.0, help="afl: step sizes >= 0 of the projected ascent on lambda, "
                 "swept"),
-    local_steps=1, all_clients=True)
+    local_steps=1, all_clients=True,
+    own_server_step="AFL's w-step is one SGD step w - gamma sum_k lambda_k g_k of its "
+    "saddle-point problem, coupled with the projected ascent on lambda and served as the "
+    "average of its iterates")

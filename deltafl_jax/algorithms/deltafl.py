@@ -54,7 +54,7 @@ from typing import Callable, NamedTuple, Sequence
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.spec import (PAPER_THETAS, AlgorithmSpec, FederatedAlgorithm, Sweep,
-                                         average_update, no_state)
+                                         average_delta, no_state)
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.secagg import mm_quantile
 from deltafl_jax.superquantile import (quantile_levels, smoothed_eta, smoothed_tail_weights,
@@ -166,7 +166,7 @@ def deltafl(filter: str = "exact", tie_rtol: float = DEFAULT_TIE_RTOL,
     def server_update(state, params, feedback, hyper):
         alphas = client_alphas(feedback.sizes, options.weighting)
         _, eta, extra = rule(feedback.losses, alphas, hyper.theta, level(hyper.theta))
-        return average_update(params, feedback), state, {"eta": eta, **extra}
+        return average_delta(params, feedback), state, {"eta": eta, **extra}
 
     return FederatedAlgorithm(name="deltafl", init=no_state, client_weights=client_weights,
                               server_update=server_update)

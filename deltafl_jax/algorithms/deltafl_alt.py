@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import (DEFAULT_TIE_RTOL, THETA_SWEEP, RoundOptions,
                                             check_thetas, client_alphas, round_rule, run_thetas)
-from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep, average_update
+from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep, average_delta
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.superquantile import quantile_levels
 
@@ -80,7 +80,7 @@ def deltafl_alt(filter: str = "exact", tie_rtol: float = DEFAULT_TIE_RTOL,
         _, eta_now, _ = rule(feedback.losses, alphas, hyper.theta, level(hyper.theta))
         eta = jnp.where(refresh, eta_now, state.eta)
         empty = jnp.sum(feedback.weights > 0) == 0
-        return (average_update(params, feedback),
+        return (average_delta(params, feedback),
                 DeltaFLAltState(eta=eta, rounds=state.rounds + 1),
                 {"eta": eta, "eta_refreshed": refresh.astype(jnp.int32),
                  "empty_round": empty.astype(jnp.int32)})

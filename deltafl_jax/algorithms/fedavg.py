@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, DeltaFLHyper, RoundOptions,
                                             check_thetas, client_alphas)
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, average_update,
+from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, average_delta,
                                          no_state)
 from deltafl_jax.errors import ConfigError
 
@@ -34,7 +34,7 @@ def fedavg(weighting: str = "weighted") -> FederatedAlgorithm:
 
     def server_update(state, params, feedback, hyper):
         del hyper
-        return average_update(params, feedback), state, {}
+        return average_delta(params, feedback), state, {}
 
     return FederatedAlgorithm(name="fedavg", init=no_state, client_weights=client_weights,
                               server_update=server_update, uses_losses=False)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import DEFAULT_TIE_RTOL, check_thetas, filter_rule
 from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep,
-                                         average_update, no_state)
+                                         average_delta, no_state)
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.superquantile import quantile_levels
 
@@ -62,7 +62,7 @@ def fedavg_sub(count_from: str = "theta", filter: str = "exact",
 
     def server_update(state, params, feedback, hyper):
         del hyper
-        return average_update(params, feedback), state, {
+        return average_delta(params, feedback), state, {
             "subset_size": jnp.sum(feedback.weights > 0)}
 
     return FederatedAlgorithm(name="fedavg_sub", init=no_state, client_weights=client_weights,

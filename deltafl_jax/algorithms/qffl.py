@@ -61,11 +61,11 @@ def qffl() -> FederatedAlgorithm:
         h = ratio * (q * (L * L) * sq / f + L)
         denom = jnp.sum(jnp.where(ok, n * h, 0.0))
         scale = jnp.where(denom > 0, L / jnp.where(denom > 0, denom, 1.0), 0.0)
-        new = jax.tree.map(lambda w, d: w + (scale * d).astype(w.dtype), params,
-                           feedback.delta_sum)
+        delta = jax.tree.map(lambda w, d: (scale * d).astype(w.dtype), params,
+                             feedback.delta_sum)
         # The server step relative to plain averaging of the same updates (1 at q = 0).
         step = scale * jnp.sum(jnp.where(ok, feedback.weights, 0.0))
-        return new, state, {"qffl_step": step}
+        return delta, state, {"qffl_step": step}
 
     return FederatedAlgorithm(name="qffl", init=no_state, client_weights=client_weights,
                               server_update=server_update)

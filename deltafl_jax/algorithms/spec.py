@@ -28,7 +28,9 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
+from deltafl_jax.engine import ClientHooks
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.replicas import GridPoint, ReplicaGrid, ReplicaLabel
 
@@ -50,6 +52,8 @@ class ClientFeedback(NamedTuple):
     job_trained: [m] the client trained.
     learning_rate: [] this round's client learning rate.
     clients: [m] int32 ids of the sampled clients (indices into the training clients).
+    client_outputs: pytree, leaves [m, ...]: what ``client_final`` returned as each trained
+      client's output (None for an algorithm without it; zeros for clients that did not train).
     """
 
     losses: jax.Array
@@ -62,6 +66,7 @@ class ClientFeedback(NamedTuple):
     job_trained: jax.Array
     learning_rate: jax.Array
     clients: Any = None
+    client_outputs: Any = None
 
 
 class FederatedAlgorithm(NamedTuple):
@@ -69,13 +74,25 @@ class FederatedAlgorithm(NamedTuple):
 
     init(params, hyper) -> state;
     client_weights(state, losses, sizes, hyper, key, clients) -> [m] a_k;
-    server_update(state, params, feedback, hyper) -> (params, state, dict of scalar metrics);
+    server_update(state, params, feedback, hyper) -> (Delta, state, dict of scalar metrics):
+      Delta, a pytree like params, is the aggregate that the round's server optimizer applies
+      (w + Delta by default: :func:`average_delta` gives the weighted average of the updates);
     eval_params(state, params) -> the parameters to evaluate and save (None: params);
     local_penalty(params, anchor, hyper) -> scalar added to the local objective of a client
       (None: plain F_k; FedProx: (mu/2)||w - w_t||^2 with anchor = w_t).
     uses_losses: client_weights or server_update read the losses F_k(w_t). False (FedAvg,
       FedProx): the round skips step 1, the evaluation of the sampled clients at w_t, and
       their losses arrive as NaN.
+
+    Per-client work (fedjax's ``for_each_client``; all None for the algorithms of the papers,
+    whose round then is the plain program):
+    client_state_init(params, hyper) -> ONE client's initial state; every training client of
+      every replica starts from it (leaves [R, N, ...] in the round state).
+    client_init(state, client_state, hyper) -> ctx: when a client starts local training.
+    client_step(grads, params, ctx, hyper) -> grads: every local step (a gradient correction).
+    client_final(ctx, client_state, delta, steps, learning_rate, hyper) -> (client_state',
+      output): when it ends; delta = w_k - w_t. The new state is written back for the clients
+      whose update is finite; the outputs reach server_update as feedback.client_outputs.
     """
 
     name: str
@@ -85,14 +102,37 @@ class FederatedAlgorithm(NamedTuple):
     eval_params: Optional[Callable[[State, Params], Params]] = None
     local_penalty: Optional[Callable[[Params, Params, Any], jax.Array]] = None
     uses_losses: bool = True
+    client_state_init: Optional[Callable[[Params, Any], Any]] = None
+    client_init: Optional[Callable[..., Any]] = None
+    client_step: Optional[Callable[..., Params]] = None
+    client_final: Optional[Callable[..., Tuple[Any, Any]]] = None
+
+    def client_hooks(self):
+        """The engine's :class:`~deltafl_jax.engine.ClientHooks`, or None without client_init."""
+        if self.client_init is None:
+            if self.client_step is not None or self.client_final is not None:
+                raise TypeError(f"{self.name}: client_step / client_final need client_init")
+            return None
+        return ClientHooks(init=self.client_init, step=self.client_step,
+                           final=self.client_final)
 
 
-def average_update(params, feedback: ClientFeedback):
-    """w + sum_k a_k (w_k - w) / sum_k a_k over the trained clients with a finite update
-    (server learning rate 1, as the reference code); w unchanged if there is none."""
-    total = feedback.weight_sum
+def scaled_delta(params, delta_sum, total):
+    """delta_sum / total in the dtype of params (zero when total is 0)."""
     scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
-    return jax.tree.map(lambda w, d: w + (scale * d).astype(w.dtype), params, feedback.delta_sum)
+    return jax.tree.map(lambda w, d: (scale * d).astype(w.dtype), params, delta_sum)
+
+
+def average_delta(params, feedback: ClientFeedback):
+    """Delta = sum_k a_k (w_k - w) / sum_k a_k over the trained clients with a finite update;
+    zero if there is none. The round's server step w + Delta (server optimizer ``sgd`` at
+    learning rate 1) is the reference code's plain average of the local models."""
+    return scaled_delta(params, feedback.delta_sum, feedback.weight_sum)
+
+
+def apply_delta(params, delta):
+    """w + Delta, as the round's default server step computes it (``optax.apply_updates``)."""
+    return optax.apply_updates(params, delta)
 
 
 def no_state(params, hyper):
@@ -159,6 +199,10 @@ class AlgorithmSpec:
     cross: further sweeps crossed with the active one (deltafl_alt: theta x T_eta); each of
       their values becomes an extra coordinate of the replica labels (``extra``, as the
       tuner's grids), e.g. ``theta=0.5_eta_every=5_seed=1``.
+    own_server_step: why the server step is the algorithm's own (non-empty: it refuses a
+      server optimizer other than the default w + Delta); empty: the round's server optimizer
+      applies to its Delta. A list of --server_lr values is crossed like `cross`, after it
+      (``theta=0.5_server_lr=0.03_seed=1``).
 
     Hyper fields that the active sweep and `cross` do not set take their value from `fixed`.
     """
@@ -175,6 +219,7 @@ class AlgorithmSpec:
     validate: Optional[Callable[[Any], None]] = None
     alt_sweep: Optional[Sweep] = None
     cross: Tuple[Sweep, ...] = ()
+    own_server_step: str = ""
 
     def __post_init__(self):
         fields = set(self.hyper._fields)
@@ -204,6 +249,13 @@ class AlgorithmSpec:
                            for o, e in combos for v in values)
         return combos
 
+    @staticmethod
+    def server_lrs(config) -> Tuple[Tuple[float, Tuple], ...]:
+        """(eta, extra label coordinates) for each --server_lr value; the label names eta
+        only when several are trained."""
+        lrs = tuple(config.server_lr)
+        return tuple((v, (("server_lr", v),) if len(lrs) > 1 else ()) for v in lrs)
+
     def active_sweep(self, config) -> Sweep:
         alt = self.alt_sweep
         return alt if alt is not None and config.sweep(alt.flag) else self.sweep
@@ -217,6 +269,9 @@ class AlgorithmSpec:
 
     def check(self, config) -> None:
         self.sweep_values(config)
+        if self.own_server_step and not config.server.is_default:
+            raise ConfigError(f"--algorithm={self.name} takes no --server_optimizer or "
+                              f"--server_lr: {self.own_server_step}")
         if self.validate is not None:
             self.validate(config)
 
@@ -233,15 +288,16 @@ class AlgorithmSpec:
         return self.hyper(**{f: float(values[f]) for f in self.hyper._fields})
 
     def grid(self, config) -> ReplicaGrid:
-        """The sweep values (x the `cross` values) x seeds, with the config's schedule and
-        per-value L2."""
+        """The sweep values (x the `cross` values x the --server_lr values) x seeds, with the
+        config's schedule and per-value L2."""
         sweep = self.active_sweep(config)
         values = self.sweep_values(config)
         l2s = config.l2_for(len(values))
         points = tuple(
-            GridPoint(label=dataclasses.replace(self.label(v, sweep), extra=extra),
+            GridPoint(label=dataclasses.replace(self.label(v, sweep), extra=extra + eta_extra),
                       hyper=self.hyper_for(v, sweep, **overrides), l2=l2,
                       learning_rate=config.learning_rate, lr_decay=config.lr_decay,
-                      lr_decay_every=config.lr_decay_every)
-            for v, l2 in zip(values, l2s) for overrides, extra in self.crossed(config))
+                      lr_decay_every=config.lr_decay_every, server_lr=eta)
+            for v, l2 in zip(values, l2s) for overrides, extra in self.crossed(config)
+            for eta, eta_extra in self.server_lrs(config))
         return ReplicaGrid(points=points, seeds=tuple(config.seeds))

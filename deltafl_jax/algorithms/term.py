@@ -17,7 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep
+from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep, scaled_delta
 
 TERM_EMA = 0.5
 DEFAULT_T = (0.1, 1.0, 10.0)
@@ -64,10 +64,8 @@ def term() -> FederatedAlgorithm:
         _, estimate = _tilt(state, feedback.losses, feedback.sizes, hyper.t)
         rejected = feedback.job_trained & ~feedback.job_finite
         total = jnp.sum(jnp.where(rejected, 0.0, feedback.sizes.astype(jnp.float32)))
-        scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
-        new = jax.tree.map(lambda w, d: w + (scale * d).astype(w.dtype), params,
-                           feedback.delta_sum)
-        return new, TERMState(estimate=estimate, rounds=state.rounds + 1), {
+        delta = scaled_delta(params, feedback.delta_sum, total)
+        return delta, TERMState(estimate=estimate, rounds=state.rounds + 1), {
             "term_estimate": estimate}
 
     return FederatedAlgorithm(name="term", init=init, client_weights=client_weights,

@@ -11,11 +11,11 @@ run inside ``lax.while_loop``s whose trip counts come from the data
 from deltafl_jax.engine.evaluate import EvalResult, evaluate_streams
 from deltafl_jax.engine.lanes import (LANE_MODES, LaneDeal, LoopShape, deal_jobs, loop_shape,
                                       per_lane)
-from deltafl_jax.engine.train import (LocalSGDConfig, TrainResult, sgd_with_weight_decay,
-                                      train_jobs)
+from deltafl_jax.engine.train import (ClientHooks, ClientInputs, LocalSGDConfig, TrainResult,
+                                      sgd_with_weight_decay, train_jobs)
 from deltafl_jax.engine.trees import tree_all_finite, tree_sqnorm
 
 __all__ = ["EvalResult", "evaluate_streams", "LANE_MODES", "LaneDeal", "LoopShape", "deal_jobs",
            "loop_shape", "per_lane",
-           "LocalSGDConfig", "TrainResult", "sgd_with_weight_decay", "train_jobs",
+           "ClientHooks", "ClientInputs", "LocalSGDConfig", "TrainResult", "sgd_with_weight_decay", "train_jobs",
            "tree_all_finite", "tree_sqnorm"]

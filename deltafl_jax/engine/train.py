@@ -11,6 +11,13 @@ The local step is w <- (1 - gamma lambda) w - gamma grad (paper, App. C.2.2), an
 built ONCE with ``optax.inject_hyperparams``: the learning rate and lambda of the job's replica
 are optimizer state, set when a lane starts a job.
 
+An algorithm with per-client work (:class:`ClientHooks`, fedjax's ``for_each_client``: SCAFFOLD's
+control variates) gets three hooks: ``init`` when a lane starts a job (from the server state and
+the client's own state, a context the job keeps, e.g. c - c_i), ``step`` on every local step
+(a correction of the minibatch gradient), and ``final`` when the job ends (the client's new
+state and an output, kept per job and returned besides the sums). Without hooks none of this is
+traced, and the program is the plain one.
+
 Nothing here is jitted: the caller jits the round once (see :mod:`deltafl_jax.rounds`).
 """
 
@@ -36,6 +43,35 @@ def sgd_with_weight_decay(learning_rate, l2):
     return optax.chain(optax.add_decayed_weights(l2), optax.sgd(learning_rate))
 
 
+class ClientHooks(NamedTuple):
+    """Per-client work of an algorithm, each function for ONE job (the lanes vmap them).
+
+    init(server_state, client_state, hyper) -> ctx: when a lane starts a job; server_state is
+      the replica's algorithm state, client_state the client's own (() if it has none).
+    step(grads, params, ctx, hyper) -> grads: on every local step, before the optimizer
+      (None: the plain gradient).
+    final(ctx, client_state, delta, steps, learning_rate, hyper) -> (client_state', output):
+      when the job ends; delta = w_k - w_t, steps its local steps (None: nothing kept).
+    """
+
+    init: Callable
+    step: Optional[Callable] = None
+    final: Optional[Callable] = None
+
+
+class ClientInputs(NamedTuple):
+    """What the hooks read, for every replica.
+
+    server_state: pytree, leaves [R, ...]: the algorithm's state.
+    client_state: pytree, leaves [R, N, ...]: every training client's own state (() if none).
+    ids: [R, m] int32: the sampled clients (indices into the N training clients).
+    """
+
+    server_state: Any
+    client_state: Any
+    ids: jax.Array
+
+
 class LocalSGDConfig(NamedTuple):
     """Static choices of LocalUpdate.
 
@@ -56,6 +92,7 @@ class LocalSGDConfig(NamedTuple):
     axis: DeviceAxis = SINGLE
     unroll: int = 1
     branchless: bool = False
+    client_hooks: Optional[ClientHooks] = None
 
 
 class TrainResult(NamedTuple):
@@ -70,6 +107,8 @@ class TrainResult(NamedTuple):
     device_trips: jax.Array = None     # [D] each device's loop iterations
     device_jobs: jax.Array = None      # [D] each device's jobs
     device_examples: jax.Array = None  # [D] each device's trained examples
+    job_state: Any = None              # [R, m, ...] the clients' new states (client hooks)
+    job_output: Any = None             # [R, m, ...] the jobs' outputs (client hooks)
 
 
 class Jobs(NamedTuple):
@@ -94,6 +133,9 @@ class LaneCarry(NamedTuple):
     sqnorm: jax.Array      # [J]
     finite: jax.Array      # [J] bool
     real: jax.Array        # [] int32 examples trained
+    ctx: Any = None        # [c, ...] the lanes' job contexts (client hooks)
+    job_state: Any = None  # [J, ...] finished jobs' new client states (client hooks)
+    job_output: Any = None # [J, ...] finished jobs' outputs (client hooks)
 
 
 class LaneSchedule(NamedTuple):
@@ -126,7 +168,10 @@ def _set_hyperparams(opt_state, learning_rate, l2):
 
 
 def _lane_step_fn(model: Model, cfg: LocalSGDConfig, optimizer):
-    """One minibatch step of one lane: (p, opt_state, anchor, x, y, valid, hyper) -> (p, st)."""
+    """One minibatch step of one lane: (p, opt_state, anchor, ctx, x, y, valid, hyper) ->
+    (p, st)."""
+    correct = cfg.client_hooks.step if cfg.client_hooks is not None else None
+
     def local_objective(p, anchor, x, y, valid, hyper):
         loss = model.losses(p, x, y)
         obj = jnp.sum(jnp.where(valid, loss, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
@@ -134,8 +179,10 @@ def _lane_step_fn(model: Model, cfg: LocalSGDConfig, optimizer):
             obj = obj + cfg.local_penalty(p, anchor, hyper)
         return obj
 
-    def lane_step(p, opt_state, anchor, x, y, valid, hyper):
+    def lane_step(p, opt_state, anchor, ctx, x, y, valid, hyper):
         grads = jax.grad(local_objective)(p, anchor, x, y, valid, hyper)
+        if correct is not None:
+            grads = correct(grads, p, ctx, hyper)
         updates, opt_state = optimizer.update(grads, opt_state, p)
         return optax.apply_updates(p, updates), opt_state
 
@@ -153,7 +200,7 @@ class _LaneProgram:
     """
 
     def __init__(self, model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
-                 hyper, cfg):
+                 hyper, cfg, clients: Optional[ClientInputs] = None):
         self.params, self.X, self.Y, self.plan = params, X, Y, plan
         self.group, self.jobs, self.lr, self.l2, self.hyper = (replica_group, jobs,
                                                                learning_rate, l2, hyper)
@@ -171,6 +218,7 @@ class _LaneProgram:
         self.run_step = _lane_step_fn(model, cfg, self.optimizer)
         self.penalized = cfg.local_penalty is not None
         self.branchless = cfg.branchless
+        self.hooks, self.clients = cfg.client_hooks, clients
 
     def when(self, lanes, fn, operand):
         """fn(operand) if any lane needs it, else operand; fn is the identity on the other
@@ -218,7 +266,7 @@ class _LaneProgram:
         c, J = self.c, self.J
 
         def taken(acc):
-            delta_sum, weight_sum, sqnorm, finite = acc
+            delta_sum, weight_sum, sqnorm, finite, job_state, job_output = acc
             delta = jax.tree.map(lambda a, w: a - w, carry.params, gather_rows(self.params, r))
             ok = jax.vmap(tree_all_finite)(delta) & done
             coef = jnp.where(ok, self.jobs.weight[js], 0.0)
@@ -228,35 +276,76 @@ class _LaneProgram:
                 return total.at[r].add(coef.reshape((c,) + (1,) * (d.ndim - 1)) * d)
 
             slot = jnp.where(done, js, J)
+            if job_state is not None or job_output is not None:
+                job_state, job_output = self.client_final(carry.ctx, js, r, delta, slot,
+                                                          job_state, job_output)
             return (jax.tree.map(add, delta_sum, delta), weight_sum.at[r].add(coef),
                     sqnorm.at[slot].set(jax.vmap(tree_sqnorm)(delta), mode="drop"),
-                    finite.at[slot].set(ok, mode="drop"))
+                    finite.at[slot].set(ok, mode="drop"), job_state, job_output)
 
-        acc = (carry.delta_sum, carry.weight_sum, carry.sqnorm, carry.finite)
+        acc = (carry.delta_sum, carry.weight_sum, carry.sqnorm, carry.finite, carry.job_state,
+               carry.job_output)
         acc = self.when(done, taken, acc)
         return carry._replace(delta_sum=acc[0], weight_sum=acc[1], sqnorm=acc[2],
-                              finite=acc[3])
+                              finite=acc[3], job_state=acc[4], job_output=acc[5])
 
-    def restart(self, carry, fresh, r):
-        """Lanes starting a job restart from w_t of its replica, with a fresh optimizer."""
+    # ---------------------------------------------------------------- per-client work (hooks)
+
+    def client_rows(self, js, r):
+        """The own state [c, ...] of the lanes' jobs' clients."""
+        cid = self.clients.ids[r, self.jobs.slot[js]]
+        return jax.tree.map(lambda a: a[r, cid], self.clients.client_state)
+
+    def contexts(self, js, r):
+        """hooks.init for the lanes' jobs js (replicas r): the contexts [c, ...]."""
+        return jax.vmap(self.hooks.init)(gather_rows(self.clients.server_state, r),
+                                         self.client_rows(js, r), gather_rows(self.hyper, r))
+
+    def final_args(self, ctx, js, r, delta):
+        return (ctx, self.client_rows(js, r), delta, self.jobs.steps[js], self.lr[r],
+                gather_rows(self.hyper, r))
+
+    def client_final(self, ctx, js, r, delta, slot, job_state, job_output):
+        """hooks.final of the lanes whose job ends (slot < J; the others are dropped)."""
+        new_state, output = jax.vmap(self.hooks.final)(*self.final_args(ctx, js, r, delta))
+
+        def put(buf, v):
+            return buf.at[slot].set(v.astype(buf.dtype), mode="drop")
+        return jax.tree.map(put, job_state, new_state), jax.tree.map(put, job_output, output)
+
+    def job_buffers(self, ctx, js, r):
+        """Zeros [J, ...] for hooks.final's two results (None without a final hook)."""
+        if self.hooks is None or self.hooks.final is None:
+            return None, None
+        shapes = jax.eval_shape(jax.vmap(self.hooks.final),
+                                *self.final_args(ctx, js, r, gather_rows(self.params, r)))
+        return jax.tree.map(lambda s: jnp.zeros((self.J,) + s.shape[1:], s.dtype), shapes)
+
+    def restart(self, carry, fresh, js, r):
+        """Lanes starting a job restart from w_t of its replica, with a fresh optimizer (and
+        the job's context, with client hooks)."""
         def taken(lane):
-            params, opt_state = lane
+            params, opt_state, ctx = lane
             w0 = gather_rows(self.params, r)
+            if self.hooks is not None:
+                ctx = select_tree(fresh, self.contexts(js, r), ctx)
             return (select_tree(fresh, w0, params),
-                    select_tree(fresh, self.fresh_opt_state(w0, r), opt_state))
+                    select_tree(fresh, self.fresh_opt_state(w0, r), opt_state), ctx)
 
-        params, opt_state = self.when(fresh, taken, (carry.params, carry.opt_state))
-        return carry._replace(params=params, opt_state=opt_state)
+        params, opt_state, ctx = self.when(fresh, taken,
+                                           (carry.params, carry.opt_state, carry.ctx))
+        return carry._replace(params=params, opt_state=opt_state, ctx=ctx)
 
     def step(self, carry, sch: LaneSchedule, x, y, k: int) -> LaneCarry:
         """Step k of the trip. A lane with no job left steps on garbage: its model is never
         read again (it is restarted before any next job, and it has none)."""
         r, done = sch.replica[:, k], sch.done[:, k]
-        carry = self.restart(carry, sch.fresh[:, k], r)
+        carry = self.restart(carry, sch.fresh[:, k], sch.job[:, k], r)
         # w_t of the lane's job, for the algorithm's local penalty (FedProx's anchor).
         anchor = gather_rows(self.params, r) if self.penalized else carry.params
-        params, opt_state = self.run_step(carry.params, carry.opt_state, anchor, x[:, k],
-                                          y[:, k], sch.valid[:, k], gather_rows(self.hyper, r))
+        params, opt_state = self.run_step(carry.params, carry.opt_state, anchor, carry.ctx,
+                                          x[:, k], y[:, k], sch.valid[:, k],
+                                          gather_rows(self.hyper, r))
         return self.finish(carry._replace(params=params, opt_state=opt_state), sch.job[:, k],
                            r, done)
 
@@ -270,17 +359,21 @@ class _LaneProgram:
     def init(self) -> LaneCarry:
         """Every lane starts at w_t of its first job's replica."""
         R = self.lr.shape[0]
-        r0 = self._lane_job(jnp.zeros((self.c,), jnp.int32))[1]
+        js0, r0 = self._lane_job(jnp.zeros((self.c,), jnp.int32))
         w0 = gather_rows(self.params, r0)
+        ctx = self.contexts(js0, r0) if self.hooks is not None else None
+        job_state, job_output = self.job_buffers(ctx, js0, r0)
         return LaneCarry(
             trip=jnp.int32(0), params=w0, opt_state=self.fresh_opt_state(w0, r0),
             delta_sum=jax.tree.map(jnp.zeros_like, self.params),
             weight_sum=jnp.zeros((R,), jnp.float32), sqnorm=jnp.zeros((self.J,), jnp.float32),
-            finite=jnp.zeros((self.J,), bool), real=jnp.int32(0))
+            finite=jnp.zeros((self.J,), bool), real=jnp.int32(0), ctx=ctx,
+            job_state=job_state, job_output=job_output)
 
 
 def train_jobs(model: Model, params, X, Y, plan, replica_group, job_weight, learning_rate,
-               l2, hyper, cfg: LocalSGDConfig) -> TrainResult:
+               l2, hyper, cfg: LocalSGDConfig, clients: Optional[ClientInputs] = None
+               ) -> TrainResult:
     """LocalUpdate for every job (r, i) with job_weight[r, i] > 0, and the weighted sums.
 
     Args:
@@ -292,6 +385,7 @@ def train_jobs(model: Model, params, X, Y, plan, replica_group, job_weight, lear
       learning_rate, l2: [R] per-replica values for this round.
       hyper: the algorithm's hyper pytree, leaves [R] (for its local penalty).
       cfg: static choices.
+      clients: what ``cfg.client_hooks`` read (required with hooks).
 
     ``trips`` counts minibatch steps of the busiest lane (the critical path); the loop runs
     ceil(trips / cfg.unroll) trips, and ``padded_examples`` counts trips * lanes * batch (the
@@ -299,12 +393,18 @@ def train_jobs(model: Model, params, X, Y, plan, replica_group, job_weight, lear
     """
     R, m = job_weight.shape
     jobs = make_jobs(plan, replica_group, job_weight)
+    if (cfg.client_hooks is None) != (clients is None):
+        raise ValueError("client hooks and their inputs go together")
     prog = _LaneProgram(model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
-                        hyper, cfg)
+                        hyper, cfg, clients)
     trips = prog.deal.trips
     loop_trips = (trips + prog.K - 1) // prog.K
     out = lax.while_loop(lambda cr: cr.trip < loop_trips, prog.body, prog.init())
     axis = cfg.axis   # one reduction of the devices' partial sums, after the loop
+
+    def per_job(tree):   # [J, ...] partial per device -> [R, m, ...]
+        return jax.tree.map(lambda a: a.reshape((R, m) + a.shape[1:]), axis.sum(tree))
+
     return TrainResult(delta_sum=axis.sum(out.delta_sum), weight_sum=axis.sum(out.weight_sum),
                        job_sqnorm=axis.sum(out.sqnorm).reshape(R, m),
                        job_finite=axis.sum(out.finite.astype(jnp.int32)).reshape(R, m) > 0,
@@ -313,4 +413,6 @@ def train_jobs(model: Model, params, X, Y, plan, replica_group, job_weight, lear
                        padded_examples=axis.sum(trips * cfg.lanes * cfg.batch_size),
                        trips=axis.max(trips), device_trips=axis.spread(trips),
                        device_jobs=axis.spread(jnp.sum(prog.deal.length)),
-                       device_examples=axis.spread(out.real))
+                       device_examples=axis.spread(out.real),
+                       job_state=None if out.job_state is None else per_job(out.job_state),
+                       job_output=None if out.job_output is None else per_job(out.job_output))

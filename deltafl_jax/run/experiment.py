@@ -86,6 +86,7 @@ class Experiment:
     served_fn: Optional[Callable] = None  # jitted (algo_state, params) -> served params
     mesh: Optional[Any] = None            # the device mesh when the round spans D > 1 devices
     footprint: Optional[Footprint] = None # bytes held on each device
+    server_optimizer: Optional[Any] = None  # the optax transformation of the server step
 
     def _place(self, tree):
         return tree if self.mesh is None else mesh_lib.replicate(tree, self.mesh)
@@ -108,7 +109,8 @@ class Experiment:
 
     def initial_state(self) -> rounds.ServerState:
         return self._place(rounds.init_state(self.model, self.algorithm, self.replicas,
-                                             self.seeds))
+                                             self.seeds, self.server_optimizer,
+                                             self.data.train.num_clients))
 
     def keys(self):
         return self._place(rounds.replica_keys(self.replicas, self.seeds))
@@ -256,7 +258,8 @@ def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDatas
     return int(data.train.num_clients) if spec.all_clients else m
 
 
-def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh):
+def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh,
+              server_optimizer):
     """The jitted round: plain for one device, jit(shard_map(...)) over a mesh otherwise."""
     axis = mesh_lib.SINGLE if mesh is None else mesh_lib.DeviceAxis(place.devices,
                                                                     mesh_lib.AXIS)
@@ -265,7 +268,7 @@ def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh
                                   branchless=place.branchless,
                                   local_penalty=algorithm.local_penalty, axis=axis)
     raw = rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
-                                place.eval_lanes, m)
+                                place.eval_lanes, m, server_optimizer)
     return jax.jit(raw if mesh is None else mesh_lib.sharded(raw, mesh, 3), donate_argnums=(0,))
 
 
@@ -302,7 +305,8 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     caps = plan_lib.capacities(data.train.sizes, m, work, place.eval_chunk)
     fp = footprint(data, model, replicas, place, caps, m)
     check_memory(fp, jax.devices() if mesh is None else list(mesh.devices.flat))
-    round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh)
+    server_optimizer = config.server.transformation()
+    round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_optimizer)
     # Both splits use one segment count (the larger), so one evaluation program serves both.
     segments = max(data.train.num_clients, data.test.num_clients)
     put = jax.device_put if mesh is None else (lambda t: mesh_lib.replicate(t, mesh))
@@ -316,4 +320,5 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
         device_test=_device_split(data.test, mesh), split_plans=split_plans,
         eval_fn=_eval_fn(model, place, segments, mesh),
         served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
-                   if algorithm.eval_params is not None else None), mesh=mesh)
+                   if algorithm.eval_params is not None else None), mesh=mesh,
+        server_optimizer=server_optimizer)
