@@ -118,6 +118,26 @@ def _define_round_option_flags() -> None:
     _define(flags.DEFINE_integer, "mm_iters", 20, "MM steps of --quantile=secagg_mm")
 
 
+def _define_server_flags() -> None:
+    """The server optimizer (deltafl_jax.server_optimizer; Reddi et al. 2021, Algorithm 2)."""
+    from deltafl_jax.server_optimizer import NAMES, ServerOptimizer
+    d = ServerOptimizer()
+    _define(flags.DEFINE_enum, "server_optimizer", d.name, "the server step on the pseudo-"
+            "gradient -Delta: sgd (w + eta Delta; eta = 1: the plain average) | momentum "
+            "(FedAvgM) | adam (FedAdam) | yogi (FedYogi) | adagrad (FedAdagrad), as Reddi et al. "
+            "2021, Algorithm 2", enum_values=list(NAMES))
+    _define(flags.DEFINE_list, "server_lr", [f"{v:g}" for v in d.learning_rates], "server "
+            "learning rate eta; several values train as replicas of one program")
+    _define(flags.DEFINE_float, "server_momentum", d.momentum, "momentum: beta of v <- beta v + "
+            "Delta")
+    _define(flags.DEFINE_float, "server_beta1", d.beta1, "adam / yogi / adagrad: beta1 of the "
+            "first moment")
+    _define(flags.DEFINE_float, "server_beta2", d.beta2, "adam / yogi: beta2 of the second "
+            "moment")
+    _define(flags.DEFINE_float, "server_eps", d.eps, "adam / yogi / adagrad: tau, added to "
+            "sqrt(v) (and v_{-1} = tau^2)")
+
+
 def define_experiment_flags() -> None:
     """Every flag of :class:`deltafl_jax.ExperimentConfig` (idempotent)."""
     from deltafl_jax.algorithms import registry
@@ -138,6 +158,7 @@ def define_experiment_flags() -> None:
     _define(flags.DEFINE_list, "seeds", ["1"], "seeds; each seeds sampling, shuffling and "
             "initialisation")
     _define_sweep_flags()
+    _define_server_flags()
     _define(flags.DEFINE_integer, "num_rounds", 100, "communication rounds")
     _define(flags.DEFINE_integer, "clients_per_round", 10, "m, clients sampled per round")
     _define(flags.DEFINE_integer, "local_epochs", 1, "local epochs of minibatch SGD per kept "
@@ -243,7 +264,8 @@ SCALAR_FIELDS = ("model", "filter", "num_rounds", "clients_per_round", "local_ep
                  "eval_every", "clients_per_step", "eval_chunk", "output_dir", "overwrite",
                  "conv_impl", "save_models", "checkpoint_every", "checkpoint_every_s",
                  "stop_on_divergence", "devices", "use_bias", "weighting", "smoothing",
-                 "quantile", "mm_iters")
+                 "quantile", "mm_iters", "server_optimizer", "server_momentum", "server_beta1",
+                 "server_beta2", "server_eps")
 
 
 def data_config_from_flags():
@@ -265,6 +287,7 @@ def config_from_flags(algorithm: str = None):
         algorithm=algorithm if algorithm is not None else (FLAGS.algorithm or [""])[0],
         thetas=floats("thetas", FLAGS.thetas), seeds=ints("seeds", FLAGS.seeds),
         l2_reg=l2[0] if len(l2) == 1 else l2, sweeps=sweeps,
+        server_lr=floats("server_lr", FLAGS.server_lr),
         tensorboard={"yes": True, "no": False}.get(FLAGS.tensorboard))
 
 
