@@ -74,27 +74,48 @@ def assert_same_outputs(a, b):
             jax.tree.map(np.testing.assert_array_equal, ta, tb)
 
 
+# The runs that are killed: Delta-FL, Tilted-ERM (algorithm state), Delta-FL with a server
+# optimizer swept over two learning rates (Adam's moments in the state: theta x eta x seeds =
+# 8 replicas), and SCAFFOLD (per-client control variates).
+RUNS = {"deltafl": ("--algorithm=deltafl",), "term": ("--algorithm=term",),
+        "fedadam": ("--algorithm=deltafl", "--server_optimizer=adam", "--server_lr=0.01,0.03"),
+        "scaffold": ("--algorithm=scaffold", "--thetas=1")}
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     outs = {}
-    for algo in ("deltafl", "term"):
-        out = str(tmp_path_factory.mktemp("whole") / algo)
-        proc = run(out, f"--algorithm={algo}")
+    for name, flags in RUNS.items():
+        out = str(tmp_path_factory.mktemp("whole") / name)
+        proc = run(out, *flags)
         assert proc.returncode == 0, proc.stderr
-        outs[algo] = out
+        outs[name] = out
     return outs
 
 
-@pytest.mark.parametrize("algorithm", ["deltafl", "term"])
-def test_sigkill_then_rerun_is_bit_identical(uninterrupted, tmp_path, algorithm):
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_sigkill_then_rerun_is_bit_identical(uninterrupted, tmp_path, name):
     out = str(tmp_path / "run")
-    proc = start_and_kill(out, signal.SIGKILL, f"--algorithm={algorithm}")
+    proc = start_and_kill(out, signal.SIGKILL, *RUNS[name])
     assert proc.returncode == -signal.SIGKILL
     assert not os.path.exists(os.path.join(out, "summary.json"))
-    resumed = run(out, f"--algorithm={algorithm}")
+    resumed = run(out, *RUNS[name])
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming" in resumed.stdout
-    assert_same_outputs(out, uninterrupted[algorithm])
+    assert_same_outputs(out, uninterrupted[name])
+
+
+def test_swept_server_optimizer_run_serves_its_models(uninterrupted):
+    from deltafl_jax import load_model
+    out = uninterrupted["fedadam"]
+    with open(os.path.join(out, "summary.json")) as f:
+        keys = list(json.load(f)["final"])
+    assert len(keys) == 8 and "theta=0.5_server_lr=0.03_seed=1" in keys
+    model = load_model(out, theta=0.5, server_lr=0.03, seed=1)
+    other = load_model(out, theta=0.5, server_lr=0.01, seed=1)
+    assert model.labels["server_lr"] == 0.03
+    assert any(not np.array_equal(a, b) for a, b in
+               zip(jax.tree.leaves(model.params), jax.tree.leaves(other.params)))
 
 
 def test_sigterm_leaves_a_checkpoint_and_a_clean_exit(uninterrupted, tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 from deltafl_jax.algorithms import afl, afl_qffl, deltafl, fedavg, fedavg_sub, fedprox, qffl, term
-from deltafl_jax.algorithms import deltafl_alt
+from deltafl_jax.algorithms import deltafl_alt, scaffold
 from deltafl_jax.algorithms.spec import AlgorithmSpec, Sweep
 from deltafl_jax.errors import ConfigError
 
@@ -25,6 +25,7 @@ SPECS: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
     afl.SPEC,
     term.SPEC,
     deltafl_alt.SPEC,
+    scaffold.SPEC,
 )}
 
 

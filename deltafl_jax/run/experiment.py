@@ -158,36 +158,45 @@ class Experiment:
                          method)
 
 
-def _tree_bytes(tree) -> int:
-    return int(sum(np.asarray(x).nbytes if not hasattr(x, "nbytes") else x.nbytes
-                   for x in jax.tree.leaves(tree)))
-
-
 @dataclasses.dataclass(frozen=True)
 class Footprint:
     """Bytes held on EACH device (everything is replicated across the mesh): the two splits,
-    the replicas' state, one round's plan, and the lanes' local models (params, anchor and
-    optimizer state, about 3 copies of one model per lane)."""
+    the replicas' state (models, the algorithm's and the server optimizer's state), the
+    per-client state of an algorithm that keeps one (SCAFFOLD's c_k: N x |w| per replica, and
+    the round's per-job results), one round's plan, and the lanes' local models (params, anchor
+    and optimizer state, about 3 copies of one model per lane, and a job context each)."""
 
     data: int
     state: int
     plan: int
     lanes: int
+    clients: int = 0
 
     @property
     def total(self) -> int:
-        return self.data + self.state + self.plan + self.lanes
+        return self.data + self.state + self.plan + self.lanes + self.clients
+
+
+def _tree_nbytes(tree) -> int:
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def footprint(data: FederatedDataset, model: Model, replicas: Replicas, place: Placement,
-              caps: plan_lib.Capacities, m: int) -> Footprint:
-    one = jax.eval_shape(model.init, jax.random.key(0))
-    model_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(one))
+              caps: plan_lib.Capacities, m: int, state_shape=None) -> Footprint:
+    """`state_shape`: the round state's shapes (``jax.eval_shape`` of the initial state);
+    None: the models alone."""
+    model_bytes = _tree_nbytes(jax.eval_shape(model.init, jax.random.key(0)))
     G = len(set(int(g) for g in replicas.group))
     split_bytes = sum(s.x.nbytes + s.num_examples * 4 for s in (data.train, data.test))
-    return Footprint(data=int(split_bytes), state=replicas.size * model_bytes,
+    state, clients, per_client = replicas.size * model_bytes, 0, 0
+    if state_shape is not None:
+        clients = _tree_nbytes(state_shape.client_state)
+        state = _tree_nbytes(state_shape) - clients
+        per_client = clients // max(1, replicas.size * data.train.num_clients)
+    return Footprint(data=int(split_bytes), state=state,
                      plan=4 * G * (2 * caps.eval_len + caps.train_len + 6 * m),
-                     lanes=3 * place.lanes * model_bytes)
+                     lanes=place.lanes * (3 * model_bytes + per_client),
+                     clients=clients + 2 * replicas.size * m * per_client)
 
 
 def _mb(n: int) -> str:
@@ -197,9 +206,11 @@ def _mb(n: int) -> str:
 def placement_line(exp: "Experiment") -> str:
     """One line: devices, lanes, and the bytes each device holds."""
     p, f = exp.placement, exp.footprint
+    clients = (f", per-client state {_mb(f.clients)} ({exp.data.train.num_clients} clients x "
+               f"{exp.replicas.size} replicas)" if f.clients else "")
     return (f"placement: {p.devices} {jax.default_backend()} device(s) x {p.lanes} lane(s) "
-            f"({p.lane_mode}); per device: data {_mb(f.data)}, state {_mb(f.state)}, round plan "
-            f"{_mb(f.plan)}, lanes {_mb(f.lanes)}")
+            f"({p.lane_mode}); per device: data {_mb(f.data)}, state {_mb(f.state)}{clients}, "
+            f"round plan {_mb(f.plan)}, lanes {_mb(f.lanes)}")
 
 
 def check_memory(fp: Footprint, devices) -> None:
@@ -215,6 +226,7 @@ def check_memory(fp: Footprint, devices) -> None:
         return
     biggest = max(("the data (--max_examples_per_client, --max_train_clients)", fp.data),
                   ("the replicas (fewer --thetas or --seeds)", fp.state),
+                  ("the per-client state (fewer replicas, or --max_train_clients)", fp.clients),
                   ("the lanes (--clients_per_step)", fp.lanes), key=lambda kv: kv[1])[0]
     raise ConfigError(f"the run needs about {_mb(fp.total)} per device but "
                       f"{local[0].device_kind} has {_mb(limit)}; reduce {biggest}")
@@ -303,9 +315,11 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     place = placement(config, model, m, replicas.size,
                       devices=1 if mesh is None else mesh.devices.size)
     caps = plan_lib.capacities(data.train.sizes, m, work, place.eval_chunk)
-    fp = footprint(data, model, replicas, place, caps, m)
-    check_memory(fp, jax.devices() if mesh is None else list(mesh.devices.flat))
     server_optimizer = config.server.transformation()
+    state_shape = jax.eval_shape(lambda: rounds.init_state(
+        model, algorithm, replicas, config.seeds, server_optimizer, data.train.num_clients))
+    fp = footprint(data, model, replicas, place, caps, m, state_shape)
+    check_memory(fp, jax.devices() if mesh is None else list(mesh.devices.flat))
     round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_optimizer)
     # Both splits use one segment count (the larger), so one evaluation program serves both.
     segments = max(data.train.num_clients, data.test.num_clients)

@@ -82,9 +82,11 @@ class Progress(Callback):
         self._t0 = time.perf_counter()
         exp = run.experiment
         data = exp.data
+        server = ("" if exp.config.server.is_default
+                  else f" with server {exp.config.server.describe()}")
         self.log(f"deltafl_jax: {data.name} ({data.train.num_clients} train / "
                  f"{data.test.num_clients} test clients), model {exp.model.name}, "
-                 f"{exp.config.algorithm}, {exp.replicas.size} replicas "
+                 f"{exp.config.algorithm}{server}, {exp.replicas.size} replicas "
                  f"({len(exp.config.seeds)} seeds), m={exp.num_sampled}, {exp.lanes} client "
                  f"lane(s) per step, backend {exp.backend}")
         self.log(placement_line(exp))

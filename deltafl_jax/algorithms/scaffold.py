@@ -1,0 +1,121 @@
+"""SCAFFOLD (Karimireddy et al., *SCAFFOLD: Stochastic Controlled Averaging for Federated
+Learning*, ICML 2020, Algorithm 1) with option II control variates.
+
+The server keeps a control variate c (``ScaffoldState``, shaped like w) and every training
+client k its own c_k (per-client state: N x |w| per replica, zero at the start). In round t
+each sampled client k:
+
+- trains from w_t with the corrected local step y <- y - gamma (g_k(y) - c_k + c), for its K_k
+  local steps (``client_init`` gives the context c - c_k, ``client_step`` adds it to every
+  minibatch gradient; with ``--l2_reg`` the step also decays y, as every local step here);
+- sets c_k+ = c_k - c + (w_t - y_k) / (K_k gamma) (option II) and sends Delta c_k = c_k+ - c_k
+  (``client_final``: c_k+ becomes its state, Delta c_k its output).
+
+The server then takes Delta = sum_k a_k (y_k - w_t) / sum_k a_k, applied by the round's server
+optimizer: with ``--server_optimizer=sgd`` (default) w <- w + eta_g Delta, eta_g = ``--server_lr``
+(Algorithm 1's global step size; 1 by default), and c <- c + sum_{k in S} alpha_k Delta c_k.
+
+**Weighting** (``--weighting``): the paper's objective is the plain mean (1/N) sum_k f_k, with
+a_k = 1 and c = (1/N) sum_k c_k kept by c <- c + (|S|/N) mean_S Delta c_k: that is
+``--weighting=unweighted``, Algorithm 1 exactly. The default ``weighted`` uses this package's
+objective sum_k alpha_k F_k with alpha_k = n_k / n (the one FedAvg and Delta-FL optimise
+here, so that SCAFFOLD sits beside them in one table): a_k = n_k, and c <- c + sum_{k in S}
+alpha_k Delta c_k, which keeps c = sum_k alpha_k c_k exactly (only the sampled c_k change).
+Either way c stays the alpha-average of the clients' control variates, as option II's
+correction c - c_k needs.
+
+K_k is the client's own number of local steps (the engine's local epochs of its data, or
+``--local_steps``); a client whose update is not finite keeps its c_k and adds nothing.
+In the first round c = c_k = 0, so SCAFFOLD's first round is FedAvg's (bit for bit).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, DeltaFLHyper, RoundOptions, check_thetas,
+                                            client_alphas)
+from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, average_delta
+from deltafl_jax.errors import ConfigError
+
+
+class ScaffoldState(NamedTuple):
+    """c: pytree like the parameters: the server's control variate."""
+
+    c: object
+
+
+def population_weights(train_sizes, weighting: str) -> np.ndarray:
+    """alpha_k over the N training clients: n_k / n (weighted) or 1 / N (unweighted)."""
+    n = np.asarray(train_sizes, np.float64)
+    return (n / n.sum() if weighting == "weighted" else np.full(n.shape, 1.0 / n.size))
+
+
+def scaffold(train_sizes, weighting: str = "weighted") -> FederatedAlgorithm:
+    """SCAFFOLD (option II) over training clients of sizes `train_sizes`."""
+    RoundOptions(weighting=weighting).check()
+    alpha = jnp.asarray(population_weights(train_sizes, weighting), jnp.float32)
+
+    def init(params, hyper):
+        del hyper
+        return ScaffoldState(c=jax.tree.map(jnp.zeros_like, params))
+
+    def client_state_init(params, hyper):
+        del hyper
+        return jax.tree.map(jnp.zeros_like, params)          # c_k = 0
+
+    def client_weights(state, losses, sizes, hyper, key, clients):
+        del state, losses, hyper, key, clients
+        a = client_alphas(sizes, weighting)      # n_k or 1: FedAvg's weights
+        return a / jnp.sum(a)
+
+    def client_init(state, client_state, hyper):
+        del hyper
+        return jax.tree.map(jnp.subtract, state.c, client_state)     # c - c_k
+
+    def client_step(grads, params, ctx, hyper):
+        del params, hyper
+        return jax.tree.map(jnp.add, grads, ctx)                     # g - c_k + c
+
+    def client_final(ctx, client_state, delta, steps, learning_rate, hyper):
+        del hyper
+        inv = 1.0 / (jnp.maximum(steps, 1).astype(jnp.float32) * learning_rate)
+        # c_k+ = c_k - c + (w_t - y_k) / (K gamma), with c_k - c = -ctx and y_k - w_t = delta.
+        new = jax.tree.map(lambda x, d: -x - d * inv, ctx, delta)
+        return new, jax.tree.map(jnp.subtract, new, client_state)   # (c_k+, Delta c_k)
+
+    def server_update(state, params, feedback, hyper):
+        del hyper
+        ok = feedback.job_finite                                                   # [m]
+        coef = jnp.where(ok, alpha[feedback.clients], 0.0)
+
+        def add(c, dc):   # c + sum_k alpha_k Delta c_k over the clients with a finite update
+            dc = jnp.where(ok.reshape(ok.shape + (1,) * (dc.ndim - 1)), dc, 0.0)
+            return c + jnp.tensordot(coef, dc, axes=1).astype(c.dtype)
+        c = jax.tree.map(add, state.c, feedback.client_outputs)
+        norm = jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(c)))
+        return average_delta(params, feedback), ScaffoldState(c=c), {
+            "control_variate_norm": norm}
+
+    return FederatedAlgorithm(name="scaffold", init=init, client_weights=client_weights,
+                              server_update=server_update, uses_losses=False,
+                              client_state_init=client_state_init, client_init=client_init,
+                              client_step=client_step, client_final=client_final)
+
+
+def _theta_one(config, given):
+    if given and tuple(given) != (1.0,):
+        raise ConfigError(f"--algorithm=scaffold trains every sampled client (theta = 1); got "
+                          f"--thetas={list(given)}")
+    return (1.0,)
+
+
+SPEC = AlgorithmSpec(
+    name="scaffold", help="SCAFFOLD (option II control variates; --server_lr is its global "
+    "step size eta_g)",
+    make=lambda config, data: scaffold(data.train.sizes, config.weighting),
+    hyper=DeltaFLHyper, sweep=THETA_SWEEP, values=_theta_one, validate=check_thetas)

@@ -1,0 +1,114 @@
+"""SCAFFOLD (option II) against a NumPy loop written from Algorithm 1 of Karimireddy et al.
+(numpy_fedopt.Scaffold): partial participation, several local steps, 3 rounds; the clients'
+control variates written back; its first round is FedAvg's; the lanes change nothing."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import numpy_fedopt as nf
+from conftest import run_runner, tiny_config
+from deltafl_jax import build_experiment
+
+ROUNDS, M, EPOCHS = 3, 6, 2
+
+
+def run_rounds(exp, rounds):
+    state, keys = exp.initial_state(), exp.keys()
+    for t in range(rounds):
+        state, _ = exp.round_fn(state, exp.round_data(t), keys)
+    return state
+
+
+def rows(tree, *index):
+    """[W, b] of a {'Dense_0': {'kernel', 'bias'}} tree at `index` (replica, client)."""
+    p = jax.device_get(tree)["Dense_0"]
+    return [np.asarray(p["kernel"][index], np.float64), np.asarray(p["bias"][index], np.float64)]
+
+
+@pytest.mark.parametrize("weighting,etas", [("weighted", (1.0, 0.7)), ("unweighted", (1.0,))])
+def test_three_rounds_equal_algorithm_1(tiny_synthetic, weighting, etas):
+    cfg = tiny_config(algorithm="scaffold", thetas=(), seeds=(1, 2), l2_reg=1e-3,
+                      clients_per_round=M, local_epochs=EPOCHS, batch_size=8,
+                      clients_per_step=3, weighting=weighting, server_lr=etas)
+    exp = build_experiment(cfg, tiny_synthetic)
+    state = run_rounds(exp, ROUNDS)
+    train = tiny_synthetic.train
+    xs = [train.client(k)[0].astype(np.float64) for k in range(train.num_clients)]
+    ys = [train.client(k)[1] for k in range(train.num_clients)]
+    W0 = np.zeros((xs[0].shape[1], tiny_synthetic.num_classes))
+    assert M < train.num_clients                            # partial participation
+    for r, lab in enumerate(exp.replicas.labels):
+        eta = dict(lab.extra).get("server_lr", 1.0)
+        ref = nf.Scaffold(xs, ys, weighting, W0.shape, W0.shape[1:])
+        params = [W0, np.zeros(W0.shape[1])]
+        for t in range(ROUNDS):
+            params = ref.round(params, lab.seed, t, M, cfg.learning_rate, cfg.l2_reg,
+                               cfg.batch_size, EPOCHS, eta)
+        for got, want in zip(rows(state.params, r), params):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+        for got, want in zip(rows(state.algo_state.c, r), ref.c):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+        for k in range(train.num_clients):
+            for got, want in zip(rows(state.client_state, r, k), ref.ci[k]):
+                np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+        assert np.max(np.abs(ref.c[0])) > 1e-3              # the control variates moved
+
+
+def test_first_round_is_fedavg_and_lanes_change_nothing(tiny_synthetic):
+    kw = dict(thetas=(), seeds=(1, 2), l2_reg=1e-3, local_epochs=EPOCHS)
+    fedavg = run_rounds(build_experiment(tiny_config(algorithm="fedavg", clients_per_step=1,
+                                                     **kw), tiny_synthetic), 1)
+    states = [run_rounds(build_experiment(tiny_config(algorithm="scaffold", clients_per_step=c,
+                                                      **kw), tiny_synthetic), 1)
+              for c in (1, 4)]
+    for a, b in zip(jax.tree.leaves(fedavg.params), jax.tree.leaves(states[0].params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))     # c = c_k = 0
+    later = [run_rounds(build_experiment(tiny_config(algorithm="scaffold", clients_per_step=c,
+                                                     **kw), tiny_synthetic), ROUNDS)
+             for c in (1, 4)]
+    for a, b in zip(jax.tree.leaves(later[0]), jax.tree.leaves(later[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_scaffold_refuses_a_theta_other_than_one(tmp_path, capsys):
+    code, err, _ = run_runner(["--dataset=synthetic", "--algorithm=scaffold", "--thetas=0.5",
+                               f"--output_dir={tmp_path / 'o'}"], capsys)
+    assert code == 2 and "--algorithm=scaffold" in err and len(err.strip().splitlines()) == 1
+
+
+class _Device:
+    """A device whose memory_stats() reports `limit` bytes (as GPUs and TPUs do)."""
+
+    process_index = 0
+    device_kind = "fake accelerator"
+
+    def __init__(self, limit):
+        self.limit = limit
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit}
+
+
+def test_start_up_counts_the_per_client_state_and_refuses_a_run_that_cannot_fit(
+        tiny_synthetic):
+    from deltafl_jax.errors import ConfigError
+    from deltafl_jax.run.experiment import check_memory, placement_line
+    cfg = tiny_config(algorithm="scaffold", thetas=(), seeds=(1, 2), server_optimizer="adam",
+                      server_lr=(0.1,))
+    exp = build_experiment(cfg, tiny_synthetic)
+    fp = exp.footprint
+    w = 60 * 10 + 10                                       # floats of one linear model
+    R, N, m = 2, tiny_synthetic.train.num_clients, cfg.clients_per_round
+    assert fp.clients == 4 * w * (R * N + 2 * R * m)       # c_k of N clients, per-job results
+    # models, SCAFFOLD's c, Adam's m and v; Adam's count and learning rate, the active flags
+    # and the round counter
+    assert fp.state == 4 * R * w * 4 + 8 * R + R + 4
+    assert f"per-client state {fp.clients / 2 ** 20:.1f} MB ({N} clients x {R} replicas)" \
+        in placement_line(exp)
+    check_memory(fp, [_Device(2 * fp.total)])                  # fits: no error
+    with pytest.raises(ConfigError, match="per-client state") as e:
+        check_memory(dataclasses.replace(fp, clients=10 * fp.total), [_Device(2 * fp.total)])
+    assert "\n" not in str(e.value) and "fake accelerator" in str(e.value)
