@@ -27,17 +27,21 @@ def run(cfg, data, rounds):
     per_client = exp.evaluate(exp.served_params(state))
     return exp, state, {
         "metrics": mets,
-        "params": [np.asarray(x).ravel().tolist() for x in jax.tree.leaves(state.params)],
+        "params": [np.asarray(x).ravel().tolist() for x in jax.tree.leaves(
+            (state.params, state.algo_state, state.server_opt_state, state.client_state))],
         "summary": {k: v.tolist() for k, v in exp.summarize(per_client).items()}}
 
 
 def main(which):
-    if which == "synthetic":
+    if which in ("synthetic", "scaffold"):
         data = load_dataset(DataConfig("synthetic", synthetic_num_clients=40,
                                        synthetic_max_examples=200, synthetic_alpha=1.0,
                                        synthetic_beta=0.5, synthetic_shared=0.98))
         cfg = dict(thetas=(1.0, 0.8, 0.5, 0.1), seeds=(1, 2), num_rounds=6,
                    clients_per_round=8, batch_size=10, learning_rate=0.1)
+        if which == "scaffold":   # per-client state and a server optimizer across devices
+            cfg.update(algorithm="scaffold", thetas=(), server_optimizer="adam",
+                       server_lr=(0.05,))
         rounds = 6
     else:  # the ConvNet on small FEMNIST-shaped data
         rng = np.random.default_rng(0)
