@@ -104,7 +104,9 @@ def bad_inputs(tmp_path):
         "unknown dataset": (["--dataset=mnist"], "unknown dataset 'mnist'"),
         "unknown model": (["--model=resnet"], "unknown model 'resnet'"),
         "unknown algorithm": (["--algorithm=sgd"], "unknown algorithm 'sgd'"),
-        "unknown filter": (["--filter=soft"], "unknown --filter='soft'"),
+        # An option with choices is an enum flag (the specs' Option): absl refuses the value.
+        "unknown filter": (["--filter=soft"], "--filter=soft: value should be one of "
+                                              "<exact|reference>"),
         "missing npz": (["--dataset=npz", f"--data_path={tmp_path}/none.npz"], "no such file"),
         "not an npz": (["--dataset=npz", f"--data_path={not_npz}"], "not a readable .npz"),
         "npz missing array": (["--dataset=npz",
@@ -146,3 +148,4 @@ def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: --thetas must lie in (0, 1], got 2.0"
     assert not out.exists()
+
