@@ -273,29 +273,37 @@ def data_config_from_flags():
                       toy_means=_toy_means(FLAGS.toy_means))
 
 
-def config_from_flags(algorithm: str = None):
+def config_from_flags(algorithm: str = None, beside_others: bool = False):
     """The frozen experiment configuration described by the flags (for `algorithm`, default
-    the first of --algorithm), with the options that its spec declares."""
+    the first of --algorithm), with the options that its spec declares. `beside_others`: the
+    method runs with others (several --algorithm), so a spec whose sweep is fixed (FedAvg:
+    theta = 1) does not read the values of that sweep's flag, which are the others' grid."""
     from deltafl_jax import ExperimentConfig
     from deltafl_jax.algorithms import registry
     name = algorithm if algorithm is not None else (FLAGS.algorithm or [""])[0]
     spec = registry.find(name)   # None: ExperimentConfig names the unknown algorithm
     sweeps = {s.flag: (ints if s.integer else floats)(s.flag, FLAGS[s.flag].value)
               for s in registry.sweeps() if s.flag != "thetas"}
+    thetas = floats("thetas", FLAGS.thetas)
+    if beside_others and spec is not None and spec.fixed_sweep:
+        if spec.sweep.flag == "thetas":
+            thetas = ()
+        sweeps.pop(spec.sweep.flag, None)
     options = {f: FLAGS[f].value for f in (spec.option_flags() if spec is not None else ())}
     l2 = floats("l2_reg", FLAGS.l2_reg)
     return ExperimentConfig(
         data=data_config_from_flags(), **{f: FLAGS[f].value for f in SCALAR_FIELDS},
-        algorithm=name, options=options, thetas=floats("thetas", FLAGS.thetas),
-        seeds=ints("seeds", FLAGS.seeds), l2_reg=l2[0] if len(l2) == 1 else l2, sweeps=sweeps,
+        algorithm=name, options=options, thetas=thetas, seeds=ints("seeds", FLAGS.seeds),
+        l2_reg=l2[0] if len(l2) == 1 else l2, sweeps=sweeps,
         server_lr=floats("server_lr", FLAGS.server_lr),
         tensorboard={"yes": True, "no": False}.get(FLAGS.tensorboard))
 
 
 def configs_from_flags() -> List:
     """One configuration per method of --algorithm. With several methods, each writes into
-    <output_dir>/<algorithm>/, and fedavg ignores --thetas (which then sets Delta-FL's levels
-    and FedAvg-Sub's client counts)."""
+    <output_dir>/<algorithm>/, and a method whose sweep is fixed ignores that sweep's flag
+    (FedAvg ignores --thetas, which then sets Delta-FL's levels and FedAvg-Sub's client
+    counts)."""
     names = [a.strip() for a in FLAGS.algorithm]
     if not names or any(not a for a in names):
         raise UsageError(f"--algorithm must name at least one method, got "
@@ -306,11 +314,9 @@ def configs_from_flags() -> List:
         return [config_from_flags(names[0])]
     configs = []
     for name in names:
-        config = config_from_flags("deltafl" if name == "fedavg" else name)
-        changes = {"algorithm": name}
+        config = config_from_flags(name, beside_others=True)
         if config.output_dir:
-            changes["output_dir"] = os.path.join(config.output_dir, name)
-        if name == "fedavg":
-            changes["thetas"] = ()
-        configs.append(dataclasses.replace(config, **changes))
+            config = dataclasses.replace(config, output_dir=os.path.join(config.output_dir,
+                                                                         name))
+        configs.append(config)
     return configs

@@ -449,6 +449,26 @@ def test_column_names_follow_the_papers_tables():
     assert report.method_label(old) == "FedAvg, learning_rate = 0.1, lr_decay = 2"
 
 
+def test_best_cuts_the_tuned_sweeps_and_keeps_every_theta():
+    """--best keeps one column of a sweep marked tuned (q of q-FFL; an algorithm that is not
+    registered counts as a baseline) and every column of Delta-FL's and deltafl_alt's theta
+    and T_eta."""
+    L = ReplicaLabel
+    labels = [L("deltafl", 1.0, 1), L("deltafl", 0.5, 1), L("qffl", 1.0, 1, "qffl_q", 0.1),
+              L("qffl", 1.0, 1, "qffl_q", 1.0),
+              L("deltafl_alt", 0.5, 1, extra=(("eta_every", 1.0),)),
+              L("deltafl_alt", 0.5, 1, extra=(("eta_every", 5.0),)),
+              L("gone", 1.0, 1, "x", 1.0), L("gone", 1.0, 1, "x", 2.0)]
+    p90 = np.array([0.5, 0.4, 0.3, 0.2, 0.6, 0.1, 0.9, 0.8])
+    run = types.SimpleNamespace(labels=labels,
+                                final=lambda percentile: {"test_error_p90": p90})
+    cols = [report.Column(run=run, setting="s", label=f"c{r}", replicas=[r], seeds=[1],
+                          identity=(r,)) for r in range(len(labels))]
+    kept = report.best_columns(cols)
+    assert [c.replicas[0] for c in kept] == [0, 1, 3, 4, 5, 7]
+    assert [c.replicas[0] for c in kept if c.label.endswith(report.BEST_MARK)] == [3, 7]
+
+
 def test_a_run_of_a_newer_output_format_is_skipped_with_one_line(runs, tmp_path):
     new = tmp_path / "new"
     shutil.copytree(runs["delta"], new)

@@ -151,17 +151,27 @@ def column_algorithm(col: Column) -> str:
     return col.run.labels[col.replicas[0]].algorithm
 
 
+def column_is_tuned(col: Column) -> bool:
+    """The column's swept value is a hyper-parameter to tune (``Sweep.tuned``: a baseline's
+    q, mu, t, ...), not a model the user asks for (Delta-FL's theta). A column of an algorithm
+    that is not registered counts as tuned."""
+    label = col.run.labels[col.replicas[0]]
+    spec = registry.find(label.algorithm)
+    sweep = spec.sweep_of(label) if spec is not None else None
+    return sweep is None or sweep.tuned
+
+
 def best_columns(cols: Sequence[Column], percentile: str = "lower",
                  metric: str = "test_error_p90") -> List[Column]:
     """The columns with each baseline's sweep cut to its best value: within a row, the
-    columns of one baseline algorithm (not Δ-FL, whose θ are all kept, nor FedAvg) keep only
-    the one with the smallest mean `metric` over seeds (ties: the first), marked with
-    :data:`BEST_MARK` in its label. A baseline with one value is kept as it is."""
+    columns of one algorithm whose swept value is tuned (:func:`column_is_tuned`: not Δ-FL,
+    whose θ are all kept, nor FedAvg) keep only the one with the smallest mean `metric` over
+    seeds (ties: the first), marked with :data:`BEST_MARK` in its label. A baseline with one
+    value is kept as it is."""
     groups: Dict[Tuple[str, str], List[Column]] = {}
     for c in cols:
-        alg = column_algorithm(c)
-        if alg not in ("deltafl", "fedavg"):
-            groups.setdefault((c.setting, alg), []).append(c)
+        if column_is_tuned(c):
+            groups.setdefault((c.setting, column_algorithm(c)), []).append(c)
     dropped = set()
     for group in groups.values():
         if len(group) < 2:
