@@ -35,10 +35,12 @@ def build(shape: str, data):
     import jax
 
     from deltafl_jax import DataConfig, ExperimentConfig, build_experiment, rounds
+    from deltafl_jax.algorithms import registry
 
+    fixed = registry.get(FLAGS.algorithm).fixed_sweep   # fedavg: theta = 1, its only value
     cfg = ExperimentConfig(
         data=DataConfig("femnist_like"), model=FLAGS.model, algorithm=FLAGS.algorithm,
-        thetas=(1.0 if FLAGS.algorithm == "fedavg" else 0.5,), seeds=(1,),
+        thetas=() if fixed else (0.5,), seeds=(1,),
         num_rounds=FLAGS.rounds, clients_per_round=FLAGS.clients,
         batch_size=16 if FLAGS.model == "cnn" else 10, learning_rate=0.05, output_dir=None,
         save_models=False, verbose=False)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Optional, Tuple, Union
+from typing import Any, Mapping, Optional, Tuple, Union
 
 from deltafl_jax.algorithms import registry
-from deltafl_jax.algorithms.deltafl import (DEFAULT_MM_ITERS, FILTERS, check_round_options,
-                                            check_thetas)
+from deltafl_jax.algorithms.deltafl import check_thetas
 from deltafl_jax.datasets import DataConfig
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.models import LINEAR_MODELS
@@ -31,17 +30,15 @@ class ExperimentConfig:
     Replicas are every (sweep value, seed) pair. Delta-FL sweeps theta (``thetas``); a baseline
     sweeps the flag of its spec, whose values are in ``sweeps`` (flag name -> values; missing
     or empty = the spec's default grid). ``l2_reg`` is one lambda for every swept value, or
-    one per swept value, in order.
+    one per swept value, in order. ``options`` holds the algorithms' scalar options (flag name
+    -> value, e.g. ``{"filter": "reference"}``; missing = the option's default); the spec
+    builds and checks its typed options from it, and ignores those of other algorithms.
     """
 
     data: DataConfig
     model: str = "linear"
     algorithm: str = "deltafl"
-    filter: str = "exact"
-    weighting: str = "weighted"             # or "unweighted": alpha_k = 1/N (2022 paper)
-    smoothing: float = 0.0                  # nu > 0: smoothed superquantile (eqs. 5-6)
-    quantile: str = "sort"                  # or "secagg_mm": eta by MM over secure sums
-    mm_iters: int = DEFAULT_MM_ITERS        # MM steps of --quantile=secagg_mm
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     thetas: Tuple[float, ...] = ()  # () = the algorithm's default
     seeds: Tuple[int, ...] = (1,)
     num_rounds: int = 100
@@ -80,6 +77,7 @@ class ExperimentConfig:
         l2 = self.l2_reg
         object.__setattr__(self, "l2_reg", tuple(l2) if isinstance(l2, (tuple, list)) else l2)
         object.__setattr__(self, "sweeps", {k: tuple(v) for k, v in dict(self.sweeps).items()})
+        object.__setattr__(self, "options", dict(self.options))
         lrs = self.server_lr
         object.__setattr__(self, "server_lr",
                            tuple(lrs) if isinstance(lrs, (tuple, list)) else (lrs,))
@@ -158,6 +156,18 @@ def _check_seeds(c: ExperimentConfig):
             raise ConfigError(f"--seeds must be integers in [0, 2^31), got {s!r}")
 
 
+def _check_options(c: ExperimentConfig):
+    """Every option is some algorithm's, and a value with choices is one of them (the chosen
+    spec checks the rest of its own options in ``spec.check``)."""
+    known = dict(registry.options())
+    unknown = sorted(set(c.options) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown option(s) {', '.join(unknown)}; the algorithms' options are "
+                          f"{', '.join(known)}")
+    for flag, value in c.options.items():
+        known[flag].check(flag, value)
+
+
 def _check(c: ExperimentConfig):
     _check_numbers(c)
     _check_seeds(c)
@@ -169,9 +179,7 @@ def _check(c: ExperimentConfig):
         sweep.check(c.sweep(sweep.flag))
     check_thetas(c)
     spec = registry.get(c.algorithm)
-    if c.filter not in FILTERS:
-        raise ConfigError(f"unknown --filter={c.filter!r}; choose one of {', '.join(FILTERS)}")
-    check_round_options(c)
+    _check_options(c)
     c.server.check()
     spec.check(c)
     c.l2_for(len(spec.sweep_values(c)))

@@ -43,10 +43,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from deltafl_jax.algorithms.spec import PAPER_THETAS
+from deltafl_jax.algorithms import registry
 from deltafl_jax.models import LINEAR_MODELS  # the tuner tunes lambda for these
-from deltafl_jax.replicas import GridPoint, ReplicaGrid, ReplicaLabel
+from deltafl_jax.replicas import GridPoint, ReplicaGrid
 
+LR_ALGORITHM = "fedavg"      # step 1 trains FedAvg
+L2_ALGORITHM = "deltafl"     # step 2 trains Delta-FL at each theta (FedAvg: theta = 1)
 PAPER_DECAYS = (1.0, 2.0, 4.0, 8.0)        # divisors c: the paper's factors 1, 1/2, 1/4, 1/8
 PAPER_L2 = (1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8)
 LR_MULTIPLIERS = (0.25, 0.5, 1.0, 2.0, 4.0)   # default gamma_0 grid around --learning_rate
@@ -78,30 +80,32 @@ def _check_grid(name: str, values: Sequence[float], low: float, low_ok: bool) ->
     return values
 
 
-def lr_grid_replicas(config, learning_rates: Sequence[float], decays: Sequence[float]):
-    """FedAvg replicas for every (gamma_0, c) x seed: per-replica schedules
-    gamma_0 c^-(t // --lr_decay_every), theta = 1, lambda = config.l2_reg."""
-    from deltafl_jax.algorithms.deltafl import DeltaFLHyper
+def _point(spec, value, extra, **schedule) -> GridPoint:
+    """The grid point of `spec` at its swept `value`, with further label coordinates."""
+    label = dataclasses.replace(spec.label(value), extra=tuple(extra))
+    return GridPoint(label=label, hyper=spec.hyper_for(value), **schedule)
 
+
+def lr_grid_replicas(config, learning_rates: Sequence[float], decays: Sequence[float]):
+    """FedAvg replicas (LR_ALGORITHM) for every (gamma_0, c) x seed: per-replica schedules
+    gamma_0 c^-(t // --lr_decay_every), theta = 1, lambda = config.l2_reg."""
+    spec = registry.get(LR_ALGORITHM)
     l2 = config.l2_for(1)[0]
     points = tuple(
-        GridPoint(label=ReplicaLabel("fedavg", 1.0, -1, extra=(("learning_rate", float(lr)),
-                                                               ("lr_decay", float(c)))),
-                  hyper=DeltaFLHyper(theta=1.0), l2=l2, learning_rate=float(lr),
-                  lr_decay=float(c), lr_decay_every=config.lr_decay_every)
+        _point(spec, 1.0, (("learning_rate", float(lr)), ("lr_decay", float(c))), l2=l2,
+               learning_rate=float(lr), lr_decay=float(c), lr_decay_every=config.lr_decay_every)
         for lr in learning_rates for c in decays)
     return ReplicaGrid(points=points, seeds=tuple(config.seeds)).build()
 
 
 def l2_grid_replicas(config, thetas: Sequence[float], l2s: Sequence[float]):
-    """Delta-FL replicas for every (theta, lambda) x seed with the config's learning rate."""
-    from deltafl_jax.algorithms.deltafl import DeltaFLHyper
-
+    """Delta-FL replicas (L2_ALGORITHM) for every (theta, lambda) x seed with the config's
+    learning rate."""
+    spec = registry.get(L2_ALGORITHM)
     points = tuple(
-        GridPoint(label=ReplicaLabel("deltafl", float(theta), -1, extra=(("l2_reg", float(lam)),)),
-                  hyper=DeltaFLHyper(theta=float(theta)), l2=float(lam),
-                  learning_rate=config.learning_rate, lr_decay=config.lr_decay,
-                  lr_decay_every=config.lr_decay_every)
+        _point(spec, float(theta), (("l2_reg", float(lam)),), l2=float(lam),
+               learning_rate=config.learning_rate, lr_decay=config.lr_decay,
+               lr_decay_every=config.lr_decay_every)
         for theta in thetas for lam in l2s)
     return ReplicaGrid(points=points, seeds=tuple(config.seeds)).build()
 
@@ -190,24 +194,29 @@ def default_lr_grid(config) -> Tuple[float, ...]:
     return tuple(config.learning_rate * m for m in LR_MULTIPLIERS)
 
 
+def tunes_l2(config) -> bool:
+    """The lambda step applies to the run's algorithm (``AlgorithmSpec.tunes_l2``: Delta-FL
+    and FedAvg, Delta-FL at the thetas of its sweep)."""
+    return registry.get(config.algorithm).tunes_l2
+
+
 def l2_thetas(config, per_theta: bool) -> Tuple[float, ...]:
     """The thetas whose lambda is tuned: every theta of the run (FedAvg = 1), or only 1."""
-    if config.algorithm != "deltafl" or not per_theta:
+    if not (per_theta and tunes_l2(config)):
         return (1.0,)
-    return tuple(config.thetas) or PAPER_THETAS
+    return registry.get(config.algorithm).sweep_values(config)
 
 
 def param_sweep(config):
     """(spec, sweep, values) of the baseline parameter that step 3 tunes (q, mu, t,
-    gamma_lambda, FedAvg-Sub's clients), or None for Delta-FL / FedAvg (theta is the user's
-    choice, not tuned) and for a baseline with a single value."""
-    from deltafl_jax.algorithms import registry
-
-    if config.algorithm in ("deltafl", "fedavg"):
-        return None
+    gamma_lambda, FedAvg-Sub's clients), or None for a sweep that is not tuned
+    (``Sweep.tuned``: Delta-FL's theta is the user's choice) and for a single value."""
     spec = registry.get(config.algorithm)
+    sweep = spec.active_sweep(config)
+    if not sweep.tuned:
+        return None
     values = spec.sweep_values(config)
-    return (spec, spec.active_sweep(config), values) if len(values) > 1 else None
+    return (spec, sweep, values) if len(values) > 1 else None
 
 
 def check(config, data, lr_grid, decay_grid, l2_grid, tune_lr: bool, tune_l2: bool,
@@ -218,8 +227,9 @@ def check(config, data, lr_grid, decay_grid, l2_grid, tune_lr: bool, tune_l2: bo
         _check_grid("lr_decay_grid", decay_grid, 1.0, True)
     if tune_l2:
         _check_grid("l2_grid", l2_grid, 0.0, True)
-        if config.algorithm not in ("deltafl", "fedavg"):
-            raise TuningError(f"--tune_l2 tunes Delta-FL / FedAvg runs; --algorithm="
+        if not tunes_l2(config):
+            able = ", ".join(n for n in registry.names() if registry.get(n).tunes_l2)
+            raise TuningError(f"--tune_l2 tunes the runs of {able}; --algorithm="
                               f"{config.algorithm} would need its own grid (pass --tune_l2=no)")
     if tune_param and param_sweep(config) is None:
         raise TuningError(f"--tune_param tunes a baseline's swept parameter over at least two "
@@ -241,7 +251,7 @@ def tune_lr_step(config, data, lr_grid, decay_grid, out_dir, log, notes):
         notes.append("--lr_decay_every=0: constant learning rate (the paper's choice for "
                      "linear models), only c = 1 tried")
     grid_config = dataclasses.replace(
-        config, algorithm="fedavg", thetas=(), l2_reg=config.l2_for(1)[0],
+        config, algorithm=LR_ALGORITHM, thetas=(), l2_reg=config.l2_for(1)[0],
         output_dir=os.path.join(out_dir, "lr_grid") if out_dir else None, save_models=False)
     replicas = lr_grid_replicas(grid_config, lr_grid, decays)
     log(f"learning-rate grid: {len(lr_grid)} x {len(decays)} values x "
@@ -263,7 +273,7 @@ def tune_l2_step(config, data, lr, decay, l2_grid, per_theta, validation_seed, o
     thetas = l2_thetas(config, per_theta)
     val_data = validation_split(data, validation_seed)
     grid_config = dataclasses.replace(
-        config, algorithm="deltafl", thetas=thetas, learning_rate=lr, lr_decay=decay,
+        config, algorithm=L2_ALGORITHM, thetas=thetas, learning_rate=lr, lr_decay=decay,
         l2_reg=0.0, output_dir=os.path.join(out_dir, "l2_grid") if out_dir else None,
         save_models=False)
     replicas = l2_grid_replicas(grid_config, thetas, l2_grid)
@@ -281,7 +291,7 @@ def tune_l2_step(config, data, lr, decay, l2_grid, per_theta, validation_seed, o
         l2[float(theta)] = float(win.point["l2_reg"])
         log(f"chosen at theta={theta:g}: --l2_reg={win.point['l2_reg']:g} (validation p90 "
             f"error {100 * win.mean:.2f}%)")
-    if not per_theta or config.algorithm != "deltafl":
+    if not per_theta:
         for theta in l2_thetas(config, True):
             l2[float(theta)] = l2[1.0]
     return l2, l2_scores

@@ -4,7 +4,8 @@
 Library code never reads flags: each command calls :func:`define_data_flags` /
 :func:`define_experiment_flags`, parses with :func:`parse_flags_or_fail`, and turns the flags
 into a :class:`deltafl_jax.ExperimentConfig` with :func:`config_from_flags`. The flags of an
-algorithm's swept hyper-parameter come from its spec (:mod:`deltafl_jax.algorithms.registry`).
+algorithm's swept hyper-parameters and of its options come from its spec
+(:mod:`deltafl_jax.algorithms.registry`).
 """
 
 from __future__ import annotations
@@ -104,18 +105,19 @@ def _define_sweep_flags() -> None:
                 f"{sweep.help}; empty: the algorithm's grid" + (f" {grid}" if grid else ""))
 
 
-def _define_round_option_flags() -> None:
-    """Delta-FL's round options (deltafl_jax.algorithms.deltafl.RoundOptions)."""
-    _define(flags.DEFINE_enum, "weighting", "weighted", "weighted: alpha_k proportional to "
-            "n_k | unweighted: alpha_k = 1/N and the tail averaged uniformly (2022 paper)",
-            enum_values=["weighted", "unweighted"])
-    _define(flags.DEFINE_float, "smoothing", 0.0, "nu > 0: Delta-FL weights alpha_k "
-            "g_nu'(F_k - eta) of the smoothed superquantile (eqs. 5-6, Property 9) instead of "
-            "the filter; 0: off")
-    _define(flags.DEFINE_enum, "quantile", "sort", "sort: the server sorts the reported "
-            "losses | secagg_mm: eta from --mm_iters MM steps over secure sums, clients with "
-            "F_k > eta train (Algorithm 3, App. B.1)", enum_values=["sort", "secagg_mm"])
-    _define(flags.DEFINE_integer, "mm_iters", 20, "MM steps of --quantile=secagg_mm")
+_OPTION_FLAG_KINDS = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer,
+                      float: flags.DEFINE_float, str: flags.DEFINE_string}
+
+
+def _define_option_flags() -> None:
+    """The algorithms' options, one flag each (an enum when it has choices), from the specs."""
+    from deltafl_jax.algorithms import registry
+    for name, option in registry.options():
+        if option.choices:
+            _define(flags.DEFINE_enum, name, option.default, option.help,
+                    enum_values=list(option.choices))
+        else:
+            _define(_OPTION_FLAG_KINDS[type(option.default)], name, option.default, option.help)
 
 
 def _define_server_flags() -> None:
@@ -152,9 +154,7 @@ def define_experiment_flags() -> None:
     _define(flags.DEFINE_list, "algorithm", ["deltafl"], "one or more of "
             f"{', '.join(registry.names())}; several run one after another into "
             "<output_dir>/<algorithm>/")
-    _define(flags.DEFINE_string, "filter", "exact", "exact: tail weights of the superquantile "
-            "(fractional boundary client) | reference: every client with F_k >= eta, full weight")
-    _define_round_option_flags()
+    _define_option_flags()
     _define(flags.DEFINE_list, "seeds", ["1"], "seeds; each seeds sampling, shuffling and "
             "initialisation")
     _define_sweep_flags()
@@ -259,13 +259,12 @@ DATA_FIELDS = ("dataset", "data_path", "data_dir", "data_seed", "min_client_exam
                "synthetic_alpha", "synthetic_beta", "synthetic_num_clients",
                "synthetic_max_examples", "synthetic_shared", "toy_examples_per_client",
                "normalize", "writer_fraction", "resample_writers_per_seed")
-SCALAR_FIELDS = ("model", "filter", "num_rounds", "clients_per_round", "local_epochs",
+SCALAR_FIELDS = ("model", "num_rounds", "clients_per_round", "local_epochs",
                  "local_steps", "batch_size", "learning_rate", "lr_decay", "lr_decay_every",
                  "eval_every", "clients_per_step", "eval_chunk", "output_dir", "overwrite",
                  "conv_impl", "save_models", "checkpoint_every", "checkpoint_every_s",
-                 "stop_on_divergence", "devices", "use_bias", "weighting", "smoothing",
-                 "quantile", "mm_iters", "server_optimizer", "server_momentum", "server_beta1",
-                 "server_beta2", "server_eps")
+                 "stop_on_divergence", "devices", "use_bias", "server_optimizer",
+                 "server_momentum", "server_beta1", "server_beta2", "server_eps")
 
 
 def data_config_from_flags():
@@ -274,18 +273,27 @@ def data_config_from_flags():
                       toy_means=_toy_means(FLAGS.toy_means))
 
 
-def config_from_flags(algorithm: str = None):
+def config_from_flags(algorithm: str = None, beside_others: bool = False):
     """The frozen experiment configuration described by the flags (for `algorithm`, default
-    the first of --algorithm)."""
+    the first of --algorithm), with the options that its spec declares. `beside_others`: the
+    method runs with others (several --algorithm), so a spec whose sweep is fixed (FedAvg:
+    theta = 1) does not read the values of that sweep's flag, which are the others' grid."""
     from deltafl_jax import ExperimentConfig
     from deltafl_jax.algorithms import registry
+    name = algorithm if algorithm is not None else (FLAGS.algorithm or [""])[0]
+    spec = registry.find(name)   # None: ExperimentConfig names the unknown algorithm
     sweeps = {s.flag: (ints if s.integer else floats)(s.flag, FLAGS[s.flag].value)
               for s in registry.sweeps() if s.flag != "thetas"}
+    thetas = floats("thetas", FLAGS.thetas)
+    if beside_others and spec is not None and spec.fixed_sweep:
+        if spec.sweep.flag == "thetas":
+            thetas = ()
+        sweeps.pop(spec.sweep.flag, None)
+    options = {f: FLAGS[f].value for f in (spec.option_flags() if spec is not None else ())}
     l2 = floats("l2_reg", FLAGS.l2_reg)
     return ExperimentConfig(
         data=data_config_from_flags(), **{f: FLAGS[f].value for f in SCALAR_FIELDS},
-        algorithm=algorithm if algorithm is not None else (FLAGS.algorithm or [""])[0],
-        thetas=floats("thetas", FLAGS.thetas), seeds=ints("seeds", FLAGS.seeds),
+        algorithm=name, options=options, thetas=thetas, seeds=ints("seeds", FLAGS.seeds),
         l2_reg=l2[0] if len(l2) == 1 else l2, sweeps=sweeps,
         server_lr=floats("server_lr", FLAGS.server_lr),
         tensorboard={"yes": True, "no": False}.get(FLAGS.tensorboard))
@@ -293,8 +301,9 @@ def config_from_flags(algorithm: str = None):
 
 def configs_from_flags() -> List:
     """One configuration per method of --algorithm. With several methods, each writes into
-    <output_dir>/<algorithm>/, and fedavg ignores --thetas (which then sets Delta-FL's levels
-    and FedAvg-Sub's client counts)."""
+    <output_dir>/<algorithm>/, and a method whose sweep is fixed ignores that sweep's flag
+    (FedAvg ignores --thetas, which then sets Delta-FL's levels and FedAvg-Sub's client
+    counts)."""
     names = [a.strip() for a in FLAGS.algorithm]
     if not names or any(not a for a in names):
         raise UsageError(f"--algorithm must name at least one method, got "
@@ -305,11 +314,9 @@ def configs_from_flags() -> List:
         return [config_from_flags(names[0])]
     configs = []
     for name in names:
-        config = config_from_flags("deltafl" if name == "fedavg" else name)
-        changes = {"algorithm": name}
+        config = config_from_flags(name, beside_others=True)
         if config.output_dir:
-            changes["output_dir"] = os.path.join(config.output_dir, name)
-        if name == "fedavg":
-            changes["thetas"] = ()
-        configs.append(dataclasses.replace(config, **changes))
+            config = dataclasses.replace(config, output_dir=os.path.join(config.output_dir,
+                                                                         name))
+        configs.append(config)
     return configs

@@ -19,9 +19,10 @@ from typing import Dict, List
 
 from absl import app, flags, logging
 
+from deltafl_jax.algorithms import registry
 from deltafl_jax.tuning import (LINEAR_MODELS, PAPER_DECAYS, PAPER_L2, TuningError, best, check,
                                 default_lr_grid, l2_per_theta, l2_thetas, param_sweep,
-                                scores_markdown, tune)
+                                scores_markdown, tune, tunes_l2)
 from experiments import cli
 
 FLAGS = flags.FLAGS
@@ -80,7 +81,7 @@ def _inputs():
     decay_grid = cli.floats("lr_decay_grid", FLAGS.lr_decay_grid)
     l2_grid = cli.floats("l2_grid", FLAGS.l2_grid)
     tune_l2 = {"yes": True, "no": False}.get(
-        FLAGS.tune_l2, config.model in LINEAR_MODELS and config.algorithm in ("deltafl", "fedavg"))
+        FLAGS.tune_l2, config.model in LINEAR_MODELS and tunes_l2(config))
     tune_param = {"yes": True, "no": False}.get(FLAGS.tune_param,
                                                  param_sweep(config) is not None)
     if not FLAGS.tune_lr and not tune_l2 and not tune_param:
@@ -101,8 +102,9 @@ def _write_flagfile(config, result, out_dir: str) -> str:
     overrides = {"learning_rate": repr(result.learning_rate), "lr_decay": repr(result.lr_decay),
                  "l2_reg": ",".join(repr(float(v)) for v in lams),
                  "output_dir": os.path.join(out_dir, "run")}
-    if config.algorithm == "deltafl":
-        overrides["thetas"] = ",".join(repr(float(t)) for t in thetas)
+    spec = registry.get(config.algorithm)
+    if spec.tunes_l2 and not spec.fixed_sweep:   # --l2_reg lists lambda per value of the sweep
+        overrides[spec.sweep.flag] = ",".join(repr(float(t)) for t in thetas)
     chosen = [f"# theta {t:g}: lambda = {v:g}" for t, v in zip(thetas, lams)]
     if result.param_flag is not None:
         overrides[result.param_flag] = repr(result.param_value)

@@ -34,15 +34,18 @@ def tiny_synthetic():
 
 def tiny_config(**overrides):
     """A small configuration; a swept flag of a baseline (fedprox_mu=..., qffl_q=...) may be
-    passed as a keyword and goes into ``sweeps``."""
+    passed as a keyword and goes into ``sweeps``, an algorithm's option (filter=...,
+    weighting=...) into ``options``."""
     from deltafl_jax.algorithms import registry
     base = dict(data=DataConfig("synthetic"), model="linear", thetas=(1.0, 0.5), seeds=(1,),
                 num_rounds=3, clients_per_round=6, batch_size=8, learning_rate=0.05,
                 eval_every=3, output_dir=None, save_models=False, verbose=False)
     flags = {s.flag for s in registry.sweeps()} - {"thetas"}
     sweeps = {k: tuple(overrides.pop(k)) for k in list(overrides) if k in flags}
+    option_flags = {name for name, _ in registry.options()}
+    options = {k: overrides.pop(k) for k in list(overrides) if k in option_flags}
     base.update(overrides)
-    return ExperimentConfig(**base, sweeps=sweeps)
+    return ExperimentConfig(**base, sweeps=sweeps, options=options)
 
 
 @pytest.fixture

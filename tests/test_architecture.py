@@ -140,3 +140,90 @@ def test_no_private_name_used_across_modules():
                     and not node.attr.startswith("__")):
                 bad.append(f"{name}: {node.value.id}.{node.attr}")
     assert not bad, bad
+
+
+# --------------------------------------------------------------------------------------------
+# Every algorithm whole in its spec: nothing outside deltafl_jax/algorithms/ tests a name.
+
+NAME_CHECKED = [os.path.join(ROOT, d) for d in ("deltafl_jax", "experiments", "bench")]
+NAME_FREE = os.path.join(PACKAGE, "algorithms")
+COMPARISONS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn)
+
+
+def algorithm_names():
+    from deltafl_jax.algorithms import registry
+    return set(registry.names())
+
+
+def _literals(node):
+    """The string constants of a literal: itself, or the items of a tuple, list or set."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [e.value for e in node.elts
+                if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return []
+
+
+def name_tests(source: str, names, where: str = "<source>"):
+    """'where:line: code' for every ==, !=, in or not in that has an algorithm's name (a string
+    literal, or a tuple, list or set of literals holding one) on either side."""
+    found = []
+    for node in ast.walk(ast.parse(source, where)):
+        if not isinstance(node, ast.Compare):
+            continue
+        if not any(isinstance(op, COMPARISONS) for op in node.ops):
+            continue
+        if any(v in names for side in [node.left] + node.comparators for v in _literals(side)):
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def name_checked_files():
+    for top in NAME_CHECKED:
+        for dirpath, _, files in os.walk(top):
+            if dirpath == NAME_FREE or dirpath.startswith(NAME_FREE + os.sep):
+                continue
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    yield os.path.join(dirpath, f)
+
+
+def test_the_name_checker_finds_tests_of_a_name():
+    names = {"deltafl", "fedavg"}
+    bad = ('if alg == "deltafl": pass\n'
+           'x = alg not in ("deltafl", "fedavg")\n'
+           'y = "fedavg" != alg\n'
+           'z = name in {"fedavg"} or name in ["other", "deltafl"]\n')
+    assert [h.split(":")[1] for h in name_tests(bad, names)] == ["1", "2", "3", "4", "4"]
+    fine = ('spec = get("fedavg")\n'
+            'x = alg == "other"\n'
+            'y = {"deltafl": 1}\n'
+            'z = ReplicaLabel("deltafl", 1.0, -1) < w\n')
+    assert name_tests(fine, names) == []
+
+
+def test_the_name_checker_catches_the_code_before_the_specs_were_whole():
+    """Commit d05e485 (before this rule) tested names in tuning, the report, the CLI and a
+    benchmark: the checker finds them there."""
+    import subprocess
+    old = "d05e485"
+    names = algorithm_names()
+    for path in ("deltafl_jax/tuning.py", "deltafl_jax/report/tables.py", "experiments/cli.py",
+                 "bench/loop_shape.py"):
+        try:
+            source = subprocess.run(["git", "show", f"{old}:{path}"], cwd=ROOT, check=True,
+                                    capture_output=True, text=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            pytest.skip("no git history here")
+        assert name_tests(source, names, path), path
+
+
+def test_nothing_outside_the_algorithms_tests_an_algorithm_name():
+    names = algorithm_names()
+    found = []
+    for path in name_checked_files():
+        with open(path) as f:
+            found += name_tests(f.read(), names, os.path.relpath(path, ROOT))
+    assert not found, ("an algorithm's name is tested outside deltafl_jax/algorithms/; make "
+                       "the decision an attribute of its spec:\n" + "\n".join(found))

@@ -104,7 +104,9 @@ def bad_inputs(tmp_path):
         "unknown dataset": (["--dataset=mnist"], "unknown dataset 'mnist'"),
         "unknown model": (["--model=resnet"], "unknown model 'resnet'"),
         "unknown algorithm": (["--algorithm=sgd"], "unknown algorithm 'sgd'"),
-        "unknown filter": (["--filter=soft"], "unknown --filter='soft'"),
+        # An option with choices is an enum flag (the specs' Option): absl refuses the value.
+        "unknown filter": (["--filter=soft"], "--filter=soft: value should be one of "
+                                              "<exact|reference>"),
         "missing npz": (["--dataset=npz", f"--data_path={tmp_path}/none.npz"], "no such file"),
         "not an npz": (["--dataset=npz", f"--data_path={not_npz}"], "not a readable .npz"),
         "npz missing array": (["--dataset=npz",
@@ -146,3 +148,34 @@ def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: --thetas must lie in (0, 1], got 2.0"
     assert not out.exists()
+
+
+def test_option_flags_come_from_the_specs_and_each_method_gets_its_own(tmp_path):
+    """--filter & co. are generated from the specs' Options (an enum for choices); with
+    several methods each config holds the options its spec declares, and FedAvg (a fixed
+    sweep) does not take Delta-FL's --thetas."""
+    from deltafl_jax.algorithms import registry
+    from experiments import cli as cli_lib
+    from experiments import run as runner
+
+    options = dict(registry.options())
+    assert runner.FLAGS["filter"].default == options["filter"].default == "exact"
+    assert runner.FLAGS["filter"].help.endswith(options["filter"].help)
+    assert list(runner.FLAGS["weighting"].parser.enum_values) == ["weighted", "unweighted"]
+    assert runner.FLAGS["mm_iters"].value == 20
+    runner.FLAGS.unparse_flags()
+    try:
+        runner.parse_flags_or_fail(["run", f"--flagfile={TINY}", f"--output_dir={tmp_path}",
+                                    "--algorithm=deltafl,fedavg,fedavg_sub,qffl",
+                                    "--filter=reference", "--weighting=unweighted"])
+        configs = {c.algorithm: c for c in cli_lib.configs_from_flags()}
+    finally:
+        runner.FLAGS.unparse_flags()
+    assert configs["deltafl"].options == {"filter": "reference", "weighting": "unweighted",
+                                          "smoothing": 0.0, "quantile": "sort", "mm_iters": 20}
+    assert configs["fedavg"].options == {"weighting": "unweighted"}
+    assert configs["fedavg_sub"].options == {"filter": "reference"}
+    assert configs["qffl"].options == {}
+    assert configs["deltafl"].thetas == (1.0, 0.5) and configs["fedavg"].thetas == ()
+    assert configs["fedavg_sub"].thetas == (1.0, 0.5)
+    assert configs["qffl"].output_dir == os.path.join(str(tmp_path), "qffl")

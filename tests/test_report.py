@@ -419,21 +419,54 @@ def test_load_runs_gives_tidy_rows_and_a_dataframe_only_with_pandas(runs, monkey
 def test_column_names_follow_the_papers_tables():
     L = ReplicaLabel
     cases = [(L("deltafl", 1.0, 1), "exact", "FedAvg"),
+             (L("deltafl", 1.0, 1), "reference", "FedAvg"),
              (L("fedavg", 1.0, 2), "exact", "FedAvg"),
              (L("deltafl", 0.8, 1), "exact", "Δ-FL, θ = 0.8"),
              (L("deltafl", 0.5, 1), "reference", "Δ-FL, θ = 0.5 (reference filter)"),
              (L("qffl", 1.0, 1, "qffl_q", 10.0), "exact", "q-FFL, q = 10"),
+             (L("afl_qffl", 1.0, 1, "qffl_q", 10.0), "exact", "AFL (q-FFL proxy), q = 10"),
+             (L("afl", 1.0, 1, "afl_lambda_lr", 0.01), "exact", "AFL, γ_λ = 0.01"),
+             (L("term", 1.0, 1, "term_t", 0.1), "exact", "TERM, t = 0.1"),
              (L("fedprox", 1.0, 1, "fedprox_mu", 0.01), "exact", "FedProx, μ = 0.01"),
-             (L("fedavg_sub", 0.5, 3), "exact", "FedAvg-Sub, θ = 0.5"),
+             (L("fedavg_sub", 0.5, 3), "reference", "FedAvg-Sub, θ = 0.5"),
+             (L("fedavg_sub", 1.0, 3, "fedavg_sub_clients", 4.0), "exact",
+              "FedAvg-Sub, clients = 4"),
+             (L("deltafl_alt", 0.5, 1, extra=(("eta_every", 5.0),)), "reference",
+              "Δ-FL (alternating), θ = 0.5 (reference filter), T_η = 5"),
              (L("fedavg", 1.0, 1, extra=(("learning_rate", 0.1), ("lr_decay", 2.0))), "exact",
-              "FedAvg, learning_rate = 0.1, lr_decay = 2")]
+              "FedAvg, learning_rate = 0.1, lr_decay = 2"),
+             (L("gone", 0.5, 1, extra=(("x", 2.0),)), "exact", "gone, θ = 0.5, x = 2")]
     for label, filt, want in cases:
-        assert report.method_label(label, filt) == want
-        assert report.method_label(label.to_json(), filt) == want
+        # summary.json's config: the options mapping, or (older runs) the top level.
+        for run_config in ({"options": {"filter": filt}}, {"filter": filt}):
+            assert report.method_label(label, run_config) == want
+            assert report.method_label(label.to_json(), run_config) == want
+        if filt == "exact":
+            assert report.method_label(label) == want
     # A tuning grid's label dict of older runs, with its own "key".
     old = {"algorithm": "fedavg", "theta": 1.0, "learning_rate": 0.1, "lr_decay": 2.0,
            "seed": 1, "key": "lr=0.1_decay=2_seed=1"}
     assert report.method_label(old) == "FedAvg, learning_rate = 0.1, lr_decay = 2"
+
+
+def test_best_cuts_the_tuned_sweeps_and_keeps_every_theta():
+    """--best keeps one column of a sweep marked tuned (q of q-FFL; an algorithm that is not
+    registered counts as a baseline) and every column of Delta-FL's and deltafl_alt's theta
+    and T_eta."""
+    L = ReplicaLabel
+    labels = [L("deltafl", 1.0, 1), L("deltafl", 0.5, 1), L("qffl", 1.0, 1, "qffl_q", 0.1),
+              L("qffl", 1.0, 1, "qffl_q", 1.0),
+              L("deltafl_alt", 0.5, 1, extra=(("eta_every", 1.0),)),
+              L("deltafl_alt", 0.5, 1, extra=(("eta_every", 5.0),)),
+              L("gone", 1.0, 1, "x", 1.0), L("gone", 1.0, 1, "x", 2.0)]
+    p90 = np.array([0.5, 0.4, 0.3, 0.2, 0.6, 0.1, 0.9, 0.8])
+    run = types.SimpleNamespace(labels=labels,
+                                final=lambda percentile: {"test_error_p90": p90})
+    cols = [report.Column(run=run, setting="s", label=f"c{r}", replicas=[r], seeds=[1],
+                          identity=(r,)) for r in range(len(labels))]
+    kept = report.best_columns(cols)
+    assert [c.replicas[0] for c in kept] == [0, 1, 3, 4, 5, 7]
+    assert [c.replicas[0] for c in kept if c.label.endswith(report.BEST_MARK)] == [3, 7]
 
 
 def test_a_run_of_a_newer_output_format_is_skipped_with_one_line(runs, tmp_path):

@@ -316,8 +316,8 @@ def test_flags_reach_the_run_and_secagg_calls_are_a_rounds_column(tmp_path, caps
     assert code == 0, err
     with open(out / "summary.json") as f:
         config = json.load(f)["config"]
-    assert (config["quantile"], config["mm_iters"], config["weighting"]) == (
-        "secagg_mm", 7, "unweighted")
+    assert (config["options"]["quantile"], config["options"]["mm_iters"],
+            config["options"]["weighting"]) == ("secagg_mm", 7, "unweighted")
     with np.load(out / "rounds.npz") as r:
         assert (r["secagg_calls"] == 9).all() and r["secagg_calls"].shape[0] == 6
     code, err, _ = run_runner([f"--flagfile={tiny}", f"--output_dir={tmp_path / 'smooth'}",
@@ -326,3 +326,84 @@ def test_flags_reach_the_run_and_secagg_calls_are_a_rounds_column(tmp_path, caps
     code, err, _ = run_runner([f"--flagfile={tiny}", f"--output_dir={tmp_path / 'bad'}",
                                "--smoothing=0.05", "--filter=reference"], capsys)
     assert code == 2 and "--filter" in err
+
+
+# ----------------------------------------------------------------------------- declared in the specs
+
+
+def test_each_option_is_declared_once_and_shared_by_the_specs_that_read_it():
+    import dataclasses
+    from deltafl_jax.algorithms import registry
+    from deltafl_jax.algorithms.spec import declared_options
+
+    declared = {name: dict(declared_options(registry.get(name).options))
+                for name in registry.names()}
+    assert list(declared["deltafl"]) == ["filter", "weighting", "smoothing", "quantile",
+                                         "mm_iters"]
+    assert list(declared["fedavg"]) == ["weighting"]
+    assert list(declared["fedavg_sub"]) == ["filter"]
+    assert list(declared["deltafl_alt"]) == ["filter", "weighting"]
+    assert declared["qffl"] == declared["term"] == declared["afl"] == declared["fedprox"] == {}
+    # One Option object per flag, the one the registry hands to the command line.
+    options = dict(registry.options())
+    for name, opts in declared.items():
+        for flag, option in opts.items():
+            assert option is options[flag], (name, flag)
+    # Its default is the options dataclass's default.
+    for name in ("deltafl", "fedavg", "fedavg_sub", "deltafl_alt"):
+        made = registry.get(name).options()
+        for f in dataclasses.fields(made):
+            assert getattr(made, f.name) == options[f.name].default
+
+
+def test_two_specs_declaring_one_flag_differently_is_a_type_error():
+    import dataclasses
+    from deltafl_jax.algorithms import registry
+    from deltafl_jax.algorithms.deltafl import FILTER
+
+    other = dataclasses.replace(FILTER, default="reference")
+
+    @dataclasses.dataclass(frozen=True)
+    class Clash:
+        filter: str = other.field()
+
+    spec = dataclasses.replace(registry.get("fedavg_sub"), name="clash", options=Clash)
+    with pytest.raises(TypeError, match="--filter differently"):
+        registry.collect_options(list(registry.SPECS.values()) + [spec])
+    same = dataclasses.replace(registry.get("fedavg_sub"), name="same")
+    assert registry.collect_options(list(registry.SPECS.values()) + [same]) == \
+        registry.options()
+
+    @dataclasses.dataclass(frozen=True)
+    class Plain:
+        filter: str = "exact"            # not an Option field
+
+    with pytest.raises(TypeError, match="Option.field"):
+        dataclasses.replace(registry.get("fedavg_sub"), name="plain", options=Plain)
+
+
+def test_an_option_no_spec_declares_is_one_line_and_other_specs_options_are_ignored():
+    from deltafl_jax import ExperimentConfig
+    with pytest.raises(ConfigError, match="unknown option.*colour"):
+        ExperimentConfig(data=tiny_config().data, options={"colour": "red"}, output_dir="x")
+    with pytest.raises(ConfigError, match="unknown --filter='soft'"):
+        tiny_config(filter="soft")
+    # FedProx declares no option: Delta-FL's are accepted (a shared flagfile) and not read.
+    cfg = tiny_config(algorithm="fedprox", thetas=(), smoothing=0.1, filter="reference")
+    assert cfg.options == {"smoothing": 0.1, "filter": "reference"}
+
+
+def test_the_resume_fingerprint_names_a_changed_option_by_its_flag(tiny_synthetic):
+    from deltafl_jax.run.checkpoint import fingerprint_diff
+    from deltafl_jax.run.resume import fingerprint
+
+    plain = fingerprint(tiny_config(), tiny_synthetic)
+    assert plain["filter"] == "exact" and "options" not in plain
+    assert fingerprint_diff(plain, fingerprint(tiny_config(filter="exact"), tiny_synthetic)) == []
+    changed = fingerprint(tiny_config(filter="reference", mm_iters=5), tiny_synthetic)
+    assert fingerprint_diff(plain, changed) == ["filter", "mm_iters"]
+    # Only the run's algorithm's options count: FedAvg reads --weighting alone.
+    fedavg = dict(algorithm="fedavg", thetas=())
+    assert fingerprint_diff(fingerprint(tiny_config(**fedavg), tiny_synthetic),
+                            fingerprint(tiny_config(filter="reference", **fedavg),
+                                        tiny_synthetic)) == []

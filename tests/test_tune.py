@@ -157,6 +157,30 @@ def grid_means(run_dir, score):
     return {k: float(np.mean(v)) for k, v in by_point.items()}
 
 
+def test_what_each_step_tunes_is_the_specs_decision():
+    """Step 2 tunes lambda of the specs whose replicas are Delta-FL at their theta (per theta
+    of the run, FedAvg at 1); step 3 tunes a swept value marked tuned (a baseline's q, mu, t,
+    ...), never Delta-FL's theta."""
+    delta = tiny_config(thetas=(1.0, 0.5))
+    assert tuning.l2_thetas(delta, True) == (1.0, 0.5)
+    assert tuning.l2_thetas(delta, False) == (1.0,)
+    assert tuning.l2_thetas(tiny_config(thetas=()), True) == (1.0, 0.8, 0.5, 0.1)
+    fedavg = tiny_config(algorithm="fedavg", thetas=())
+    qffl = tiny_config(algorithm="qffl", thetas=(), qffl_q=(0.1, 1.0))
+    assert tuning.tunes_l2(delta) and tuning.tunes_l2(fedavg) and not tuning.tunes_l2(qffl)
+    assert tuning.l2_thetas(fedavg, True) == (1.0,) and tuning.l2_thetas(qffl, True) == (1.0,)
+    for config in (delta, fedavg, tiny_config(algorithm="deltafl_alt", eta_every=(1, 2))):
+        assert tuning.param_sweep(config) is None, config.algorithm
+    spec, sweep, values = tuning.param_sweep(qffl)
+    assert (spec.name, sweep.flag, values) == ("qffl", "qffl_q", (0.1, 1.0))
+    assert tuning.param_sweep(tiny_config(algorithm="qffl", thetas=(), qffl_q=(1.0,))) is None
+    spec, sweep, values = tuning.param_sweep(tiny_config(algorithm="fedavg_sub",
+                                                         thetas=(1.0, 0.5, 0.2)))
+    assert (sweep.flag, values) == ("thetas", (0.5, 0.2))      # FedAvg-Sub's count levels
+    with pytest.raises(tuning.TuningError, match="--tune_l2 tunes the runs of deltafl, fedavg"):
+        tuning.check(qffl, None, (), (), (1e-3,), tune_lr=False, tune_l2=True)
+
+
 @pytest.mark.slow
 def test_cli_picks_the_argmin_and_writes_a_flagfile_the_runner_accepts(tmp_path, capsys):
     out = tmp_path / "tune"

@@ -83,11 +83,12 @@ def afl(train_sizes) -> FederatedAlgorithm:
 
 
 SPEC = AlgorithmSpec(
-    name="afl", help="AFL: all training clients, one step each, projected ascent on lambda",
-    make=lambda config, data: afl(data.train.sizes), hyper=AFLHyper,
+    name="afl", display_name="AFL",
+    help="AFL: all training clients, one step each, projected ascent on lambda",
+    factory=lambda config, data, options: afl(data.train.sizes), hyper=AFLHyper,
     sweep=Sweep(flag="afl_lambda_lr", field="lambda_lr", default=DEFAULT_LAMBDA_LR,
                 minimum=0.0, help="afl: step sizes >= 0 of the projected ascent on lambda, "
-                "swept"),
+                "swept", symbol="γ_λ"),
     local_steps=1, all_clients=True,
     own_server_step="AFL's w-step is one SGD step w - gamma sum_k lambda_k g_k of its "
     "saddle-point problem, coupled with the projected ascent on lambda and served as the "

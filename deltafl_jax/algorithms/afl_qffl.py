@@ -9,6 +9,7 @@ from deltafl_jax.algorithms.spec import AlgorithmSpec
 AFL_QFFL_Q = 10.0
 
 SPEC = AlgorithmSpec(
-    name="afl_qffl", help="q-FFL at q = 10, the papers' stand-in for AFL",
-    make=lambda config, data: qffl(), hyper=QFFLHyper, sweep=Q_SWEEP,
-    values=lambda config, given: (AFL_QFFL_Q,))
+    name="afl_qffl", display_name="AFL (q-FFL proxy)",
+    help="q-FFL at q = 10, the papers' stand-in for AFL",
+    factory=lambda config, data, options: qffl(), hyper=QFFLHyper, sweep=Q_SWEEP,
+    values=lambda config, given: (AFL_QFFL_Q,), fixed_sweep=True)

@@ -23,8 +23,9 @@ linear models, differ in float32 by summation noise of that order; without the t
 round-0 filter would pick clients by rounding noise, and the result would depend on how the
 evaluation is chunked.
 
-**Round options** (:class:`RoundOptions`; scalar flags, the same for every replica):
+**Options** (:class:`DeltaFLOptions`; scalar flags, the same for every replica):
 
+- ``filter``: ``exact`` or ``reference`` (above).
 - ``weighting``: ``weighted`` (alpha_k proportional to n_k, the long paper) or ``unweighted``
   (alpha_k = 1/N, the 2022 paper: the quantile of the unweighted losses, and the kept clients
   averaged uniformly).
@@ -38,6 +39,10 @@ evaluation is chunked.
   never sees a loss, the clients filter themselves (F_k > eta, strictly, as Algorithm 3's
   LocalUpdate writes it) and keep their full alpha_k; the round metric ``secagg_calls`` counts
   mm_iters + 1 calls for eta and 1 for the model.
+
+Each is an :class:`~deltafl_jax.algorithms.spec.Option` declared once here (``FILTER``,
+``WEIGHTING``, ...) and shared with the specs that read it (FedAvg: ``weighting``; FedAvg-Sub:
+``filter``; deltafl_alt: both).
 
 These are options of Delta-FL rather than algorithms of their own: each changes only how one
 round turns the sampled losses into weights, while the sweep over theta, the replica labels,
@@ -53,8 +58,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import jax.numpy as jnp
 
-from deltafl_jax.algorithms.spec import (PAPER_THETAS, AlgorithmSpec, FederatedAlgorithm, Sweep,
-                                         average_delta, no_state)
+from deltafl_jax.algorithms.spec import (PAPER_THETAS, AlgorithmSpec, FederatedAlgorithm, Option,
+                                         Sweep, average_delta, check_options, no_state)
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.secagg import mm_quantile
 from deltafl_jax.superquantile import (quantile_levels, smoothed_eta, smoothed_tail_weights,
@@ -64,7 +69,23 @@ FILTERS = ("exact", "reference")
 WEIGHTINGS = ("weighted", "unweighted")
 QUANTILES = ("sort", "secagg_mm")
 DEFAULT_TIE_RTOL = 1e-5
-DEFAULT_MM_ITERS = 20
+
+FILTER = Option(
+    default="exact", choices=FILTERS,
+    help="exact: tail weights of the superquantile (fractional boundary client) | reference: "
+    "every client with F_k >= eta, full weight")
+WEIGHTING = Option(
+    default="weighted", choices=WEIGHTINGS,
+    help="weighted: alpha_k proportional to n_k | unweighted: alpha_k = 1/N and the tail "
+    "averaged uniformly (2022 paper)")
+SMOOTHING = Option(
+    default=0.0, help="nu > 0: Delta-FL weights alpha_k g_nu'(F_k - eta) of the smoothed "
+    "superquantile (eqs. 5-6, Property 9) instead of the filter; 0: off")
+QUANTILE = Option(
+    default="sort", choices=QUANTILES,
+    help="sort: the server sorts the reported losses | secagg_mm: eta from --mm_iters MM steps "
+    "over secure sums, clients with F_k > eta train (Algorithm 3, App. B.1)")
+MM_ITERS = Option(default=20, help="MM steps of --quantile=secagg_mm")
 
 
 class DeltaFLHyper(NamedTuple):
@@ -74,23 +95,17 @@ class DeltaFLHyper(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class RoundOptions:
+class DeltaFLOptions:
     """How a Delta-FL round weighs clients and finds eta (module docstring)."""
 
-    weighting: str = "weighted"
-    smoothing: float = 0.0
-    quantile: str = "sort"
-    mm_iters: int = DEFAULT_MM_ITERS
+    filter: str = FILTER.field()
+    weighting: str = WEIGHTING.field()
+    smoothing: float = SMOOTHING.field()
+    quantile: str = QUANTILE.field()
+    mm_iters: int = MM_ITERS.field()
 
-    @classmethod
-    def from_config(cls, config) -> "RoundOptions":
-        return cls(weighting=config.weighting, smoothing=config.smoothing,
-                   quantile=config.quantile, mm_iters=config.mm_iters)
-
-    def check(self, filter: str = "exact") -> None:
-        """ConfigError naming the flag at fault."""
-        _choice("weighting", self.weighting, WEIGHTINGS)
-        _choice("quantile", self.quantile, QUANTILES)
+    def check(self) -> None:
+        """ConfigError naming the flag at fault (the choices are checked before)."""
         nu = self.smoothing
         if isinstance(nu, bool) or not isinstance(nu, (int, float)) or not math.isfinite(nu) \
                 or nu < 0:
@@ -101,17 +116,12 @@ class RoundOptions:
         if nu > 0 and self.quantile != "sort":
             raise ConfigError("--smoothing and --quantile=secagg_mm each replace the filter; "
                               "use one of them")
-        if filter != "exact" and (nu > 0 or self.quantile != "sort"):
-            raise ConfigError(f"--filter={filter} cannot apply: --smoothing / "
+        if self.filter != "exact" and (nu > 0 or self.quantile != "sort"):
+            raise ConfigError(f"--filter={self.filter} cannot apply: --smoothing / "
                               "--quantile=secagg_mm replace the filter")
 
 
-def _choice(flag, value, choices):
-    if value not in choices:
-        raise ConfigError(f"unknown --{flag}={value!r}; choose one of {', '.join(choices)}")
-
-
-def client_alphas(sizes, weighting: str = "weighted"):
+def client_alphas(sizes, weighting: str):
     """alpha_k up to a constant factor: n_k (weighted) or 1 (unweighted)."""
     n = sizes.astype(jnp.float32)
     return n if weighting == "weighted" else jnp.ones_like(n)
@@ -119,11 +129,11 @@ def client_alphas(sizes, weighting: str = "weighted"):
 
 def filter_rule(filter: str):
     """The weights of the kept clients: tail_weights (exact) or threshold_weights (reference)."""
-    _choice("filter", filter, FILTERS)
+    FILTER.check("filter", filter)
     return tail_weights if filter == "exact" else threshold_weights
 
 
-def round_rule(filter: str, tie_rtol: float, options: RoundOptions) -> Callable:
+def round_rule(options: DeltaFLOptions, tie_rtol: float) -> Callable:
     """rule(losses, alphas, theta, level) -> (weights [m], eta, extra metrics): the
     aggregation weights a_k (0 = no local work), eta, and what the option adds to the
     metrics. `level` is 1 - theta in float64."""
@@ -140,7 +150,7 @@ def round_rule(filter: str, tie_rtol: float, options: RoundOptions) -> Callable:
             weights = jnp.where((losses > eta) & (alphas > 0), alphas, 0.0)
             return weights, eta, {"secagg_calls": jnp.int32(calls + 1)}
         return secagg
-    base = filter_rule(filter)
+    base = filter_rule(options.filter)
 
     def sort(losses, alphas, theta, level):
         return (base(losses, alphas, theta, tie_rtol, level=level),
@@ -148,14 +158,13 @@ def round_rule(filter: str, tie_rtol: float, options: RoundOptions) -> Callable:
     return sort
 
 
-def deltafl(filter: str = "exact", tie_rtol: float = DEFAULT_TIE_RTOL,
-            thetas: Sequence[float] = (), options: RoundOptions = RoundOptions()
-            ) -> FederatedAlgorithm:
+def deltafl(options: DeltaFLOptions = DeltaFLOptions(), tie_rtol: float = DEFAULT_TIE_RTOL,
+            thetas: Sequence[float] = ()) -> FederatedAlgorithm:
     """Delta-FL with hyper.theta in (0, 1]; theta = 1 is FedAvg. `thetas`: the run's levels
     as Python floats, whose 1 - theta is taken in float64 (others: 1 - float32 theta, in
     float64)."""
-    options.check(filter)
-    rule = round_rule(filter, tie_rtol, options)
+    check_options(options)
+    rule = round_rule(options, tie_rtol)
     level = quantile_levels(thetas)
 
     def client_weights(state, losses, sizes, hyper, key, clients):
@@ -174,7 +183,7 @@ def deltafl(filter: str = "exact", tie_rtol: float = DEFAULT_TIE_RTOL,
 
 THETA_SWEEP = Sweep(flag="thetas", field="theta", default=PAPER_THETAS,
                     help="conformity levels theta in (0, 1], all trained in one program",
-                    labelled_by_theta=True)
+                    labelled_by_theta=True, symbol="θ", tuned=False)
 
 
 def run_thetas(config) -> Sequence[float]:
@@ -188,12 +197,22 @@ def check_thetas(config) -> None:
             raise ConfigError(f"--thetas must lie in (0, 1], got {t!r}")
 
 
-def check_round_options(config) -> None:
-    RoundOptions.from_config(config).check(config.filter)
+def name_the_filter(head: str, filter: str) -> str:
+    """A column name that says when the filter is not the exact one: '... (reference filter)'."""
+    return head if filter == "exact" else f"{head} ({filter} filter)"
+
+
+def column_name(label, options: DeltaFLOptions, head: str) -> str:
+    """Delta-FL at theta = 1 is FedAvg (bit for bit) and is named so; the reference filter is
+    named."""
+    if float(label.theta) == 1.0:
+        return "FedAvg"
+    return name_the_filter(head, options.filter)
 
 
 SPEC = AlgorithmSpec(
-    name="deltafl", help="Delta-FL: the clients above the (1 - theta)-quantile train",
-    make=lambda config, data: deltafl(config.filter, thetas=run_thetas(config),
-                                      options=RoundOptions.from_config(config)),
-    hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas)
+    name="deltafl", display_name="Δ-FL",
+    help="Delta-FL: the clients above the (1 - theta)-quantile train",
+    factory=lambda config, data, options: deltafl(options, thetas=run_thetas(config)),
+    hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options=DeltaFLOptions,
+    column_name=column_name, tunes_l2=True)

@@ -17,24 +17,34 @@ T_eta rounds, and T_eta w-steps of one FedAvg round each in between. T_eta = 1 i
   refresh rounds, and ``eta`` is the eta in force.
 
 Replicas are theta (``--thetas``) x T_eta (``--eta_every``) x seeds, labelled
-``theta=0.5_eta_every=5_seed=1``; ``--weighting`` applies, Delta-FL's --smoothing and
---quantile=secagg_mm do not.
+``theta=0.5_eta_every=5_seed=1``. Its options are Delta-FL's ``--filter`` and ``--weighting``
+(:class:`DeltaFLAltOptions`); Delta-FL's --smoothing and --quantile are not read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from deltafl_jax.algorithms.deltafl import (DEFAULT_TIE_RTOL, THETA_SWEEP, RoundOptions,
-                                            check_thetas, client_alphas, round_rule, run_thetas)
-from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep, average_delta
-from deltafl_jax.errors import ConfigError
+from deltafl_jax.algorithms.deltafl import (DEFAULT_TIE_RTOL, FILTER, THETA_SWEEP, WEIGHTING,
+                                            DeltaFLOptions, check_thetas, client_alphas,
+                                            name_the_filter, round_rule, run_thetas)
+from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep, average_delta,
+                                         check_options)
 from deltafl_jax.superquantile import quantile_levels
 
 DEFAULT_ETA_EVERY = (1.0, 5.0, 20.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaFLAltOptions:
+    """Delta-FL's ``filter`` (of the refresh rounds) and ``weighting``."""
+
+    filter: str = FILTER.field()
+    weighting: str = WEIGHTING.field()
 
 
 class DeltaFLAltHyper(NamedTuple):
@@ -56,11 +66,13 @@ def _refresh(state, hyper):
     return state.rounds % period == 0
 
 
-def deltafl_alt(filter: str = "exact", tie_rtol: float = DEFAULT_TIE_RTOL,
-                thetas: Sequence[float] = (), weighting: str = "weighted"
+def deltafl_alt(options: DeltaFLAltOptions = DeltaFLAltOptions(),
+                tie_rtol: float = DEFAULT_TIE_RTOL, thetas: Sequence[float] = ()
                 ) -> FederatedAlgorithm:
     """Delta-FL with eta refreshed every hyper.eta_every rounds (module docstring)."""
-    rule = round_rule(filter, tie_rtol, RoundOptions(weighting=weighting))
+    check_options(options)
+    weighting = options.weighting
+    rule = round_rule(DeltaFLOptions(filter=options.filter, weighting=weighting), tie_rtol)
     level = quantile_levels(thetas)
 
     def init(params, hyper):
@@ -89,19 +101,16 @@ def deltafl_alt(filter: str = "exact", tie_rtol: float = DEFAULT_TIE_RTOL,
                               server_update=server_update)
 
 
-def _validate(config) -> None:
-    check_thetas(config)
-    if config.smoothing > 0 or config.quantile != "sort":
-        raise ConfigError("--algorithm=deltafl_alt takes --filter and --weighting; "
-                          "--smoothing and --quantile=secagg_mm are Delta-FL's")
+def _column_name(label, options: DeltaFLAltOptions, head: str) -> str:
+    return name_the_filter(head, options.filter)
 
 
 SPEC = AlgorithmSpec(
-    name="deltafl_alt", help="Delta-FL with eta refreshed every T_eta rounds (Algorithm 1; "
-    "App. C.3, Figs. 17-18)",
-    make=lambda config, data: deltafl_alt(config.filter, thetas=run_thetas(config),
-                                          weighting=config.weighting),
-    hyper=DeltaFLAltHyper, sweep=THETA_SWEEP, validate=_validate,
+    name="deltafl_alt", display_name="Δ-FL (alternating)",
+    help="Delta-FL with eta refreshed every T_eta rounds (Algorithm 1; App. C.3, Figs. 17-18)",
+    factory=lambda config, data, options: deltafl_alt(options, thetas=run_thetas(config)),
+    hyper=DeltaFLAltHyper, sweep=THETA_SWEEP, validate=check_thetas, options=DeltaFLAltOptions,
+    column_name=_column_name,
     cross=(Sweep(flag="eta_every", field="eta_every", default=DEFAULT_ETA_EVERY, minimum=1.0,
                  integer=True, help="deltafl_alt: T_eta, rounds between refreshes of eta, "
-                 "crossed with --thetas (1 = Delta-FL)"),))
+                 "crossed with --thetas (1 = Delta-FL)", symbol="T_η"),))

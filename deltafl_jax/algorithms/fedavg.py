@@ -14,18 +14,28 @@ used (at theta = 1 smoothing gives the same average, and the strict filter F_k >
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
-from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, DeltaFLHyper, RoundOptions,
-                                            check_thetas, client_alphas)
+from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
+                                            client_alphas)
 from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, average_delta,
-                                         no_state)
+                                         check_options, no_state)
 from deltafl_jax.errors import ConfigError
 
 
-def fedavg(weighting: str = "weighted") -> FederatedAlgorithm:
+@dataclasses.dataclass(frozen=True)
+class FedAvgOptions:
+    """``weighting``: Delta-FL's option (the same flag, default and check)."""
+
+    weighting: str = WEIGHTING.field()
+
+
+def fedavg(options: FedAvgOptions = FedAvgOptions()) -> FederatedAlgorithm:
     """FedAvg: a_k = alpha_k / sum(alpha) for every sampled client; the losses are not used."""
-    RoundOptions(weighting=weighting).check()   # Delta-FL's own check of --weighting
+    check_options(options)
+    weighting = options.weighting
 
     def client_weights(state, losses, sizes, hyper, key, clients):
         del state, losses, hyper, key, clients
@@ -48,7 +58,14 @@ def _theta_one(config, given):
     return (1.0,)
 
 
+def _column_name(label, options, head):
+    """FedAvg has no theta to name: its one model is theta = 1."""
+    return "FedAvg"
+
+
 SPEC = AlgorithmSpec(
-    name="fedavg", help="FedAvg: Delta-FL at theta = 1 without the evaluation at w_t",
-    make=lambda config, data: fedavg(config.weighting), hyper=DeltaFLHyper, sweep=THETA_SWEEP,
-    values=_theta_one, validate=check_thetas)
+    name="fedavg", display_name="FedAvg",
+    help="FedAvg: Delta-FL at theta = 1 without the evaluation at w_t",
+    factory=lambda config, data, options: fedavg(options), hyper=DeltaFLHyper,
+    sweep=THETA_SWEEP, values=_theta_one, validate=check_thetas, options=FedAvgOptions,
+    column_name=_column_name, fixed_sweep=True, tunes_l2=True)

@@ -9,14 +9,15 @@ seed share it, so subsets are nested), and its clients are averaged with weights
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from deltafl_jax.algorithms.deltafl import DEFAULT_TIE_RTOL, check_thetas, filter_rule
+from deltafl_jax.algorithms.deltafl import DEFAULT_TIE_RTOL, FILTER, check_thetas, filter_rule
 from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep,
-                                         average_delta, no_state)
+                                         average_delta, check_options, no_state)
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.superquantile import quantile_levels
 
@@ -31,6 +32,13 @@ class FedAvgSubHyper(NamedTuple):
     clients: float
 
 
+@dataclasses.dataclass(frozen=True)
+class FedAvgSubOptions:
+    """``filter``: Delta-FL's option, the filter whose kept clients are counted."""
+
+    filter: str = FILTER.field()
+
+
 def random_subset(key, m: int, count) -> jax.Array:
     """[m] bool: a uniformly random subset of `count` of m slots, the `count` slots with the
     smallest of m uniform draws jax.random.uniform(key, (m,)) (stable order on ties)."""
@@ -39,15 +47,16 @@ def random_subset(key, m: int, count) -> jax.Array:
     return rank < count
 
 
-def fedavg_sub(count_from: str = "theta", filter: str = "exact",
+def fedavg_sub(count_from: str = "theta", options: FedAvgSubOptions = FedAvgSubOptions(),
                tie_rtol: float = DEFAULT_TIE_RTOL,
                thetas: Sequence[float] = ()) -> FederatedAlgorithm:
-    """count_from="theta": K_t = the clients Delta-FL's `filter` keeps at hyper.theta (its
-    level 1 - theta in float64 for the Python floats `thetas`, as Delta-FL);
+    """count_from="theta": K_t = the clients Delta-FL's filter (``options.filter``) keeps at
+    hyper.theta (its level 1 - theta in float64 for the Python floats `thetas`, as Delta-FL);
     count_from="count": K = hyper.clients."""
     if count_from not in ("theta", "count"):
         raise ValueError(f"count_from must be 'theta' or 'count', got {count_from!r}")
-    rule = filter_rule(filter)
+    check_options(options)
+    rule = filter_rule(options.filter)
     level = quantile_levels(thetas)
 
     def client_weights(state, losses, sizes, hyper, key, clients):
@@ -83,19 +92,21 @@ def _validate(config) -> None:
                               f"--clients_per_round={m}], got {k!r}")
 
 
-def _make(config, data):
+def _make(config, data, options):
     counted = bool(config.sweep("fedavg_sub_clients"))
-    return fedavg_sub("count" if counted else "theta", config.filter,
+    return fedavg_sub("count" if counted else "theta", options,
                       thetas=_theta_levels(config, tuple(config.thetas)))
 
 
 SPEC = AlgorithmSpec(
-    name="fedavg_sub", help="FedAvg on a random subset of the sampled clients, as many as "
-    "Delta-FL keeps", make=_make, hyper=FedAvgSubHyper,
+    name="fedavg_sub", display_name="FedAvg-Sub",
+    help="FedAvg on a random subset of the sampled clients, as many as Delta-FL keeps",
+    factory=_make, hyper=FedAvgSubHyper, options=FedAvgSubOptions,
     sweep=Sweep(flag="thetas", field="theta", default=DEFAULT_SUB_THETAS,
                 help="conformity levels theta in (0, 1], all trained in one program",
-                labelled_by_theta=True),
+                labelled_by_theta=True, symbol="θ"),
     alt_sweep=Sweep(flag="fedavg_sub_clients", field="clients", default=(),
                     help="fedavg_sub: clients averaged per round, swept (empty: as many as "
-                    "Delta-FL keeps at each theta < 1 of --thetas)", integer=True),
+                    "Delta-FL keeps at each theta < 1 of --thetas)", integer=True,
+                    symbol="clients"),
     fixed={"theta": 1.0, "clients": 0.0}, values=_theta_levels, validate=_validate)

@@ -38,8 +38,9 @@ def fedprox() -> FederatedAlgorithm:
 
 
 SPEC = AlgorithmSpec(
-    name="fedprox", help="FedProx: FedAvg with the proximal term (mu/2)||w - w_t||^2",
-    make=lambda config, data: fedprox(), hyper=FedProxHyper,
+    name="fedprox", display_name="FedProx",
+    help="FedProx: FedAvg with the proximal term (mu/2)||w - w_t||^2",
+    factory=lambda config, data, options: fedprox(), hyper=FedProxHyper,
     sweep=Sweep(flag="fedprox_mu", field="mu", default=DEFAULT_MU, minimum=0.0,
-                help="fedprox: proximal weights mu >= 0, swept"),
+                help="fedprox: proximal weights mu >= 0, swept", symbol="μ"),
     fixed={"theta": 1.0})

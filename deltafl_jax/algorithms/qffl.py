@@ -72,7 +72,8 @@ def qffl() -> FederatedAlgorithm:
 
 
 Q_SWEEP = Sweep(flag="qffl_q", field="q", default=DEFAULT_Q, minimum=0.0,
-                help="qffl: fairness exponents q >= 0, swept")
+                help="qffl: fairness exponents q >= 0, swept", symbol="q")
 
-SPEC = AlgorithmSpec(name="qffl", help="q-FFL (q-FedAvg)", make=lambda config, data: qffl(),
-                     hyper=QFFLHyper, sweep=Q_SWEEP)
+SPEC = AlgorithmSpec(name="qffl", display_name="q-FFL", help="q-FFL (q-FedAvg)",
+                     factory=lambda config, data, options: qffl(), hyper=QFFLHyper,
+                     sweep=Q_SWEEP)

@@ -31,16 +31,25 @@ In the first round c = c_k = 0, so SCAFFOLD's first round is FedAvg's (bit for b
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, DeltaFLHyper, RoundOptions, check_thetas,
+from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
                                             client_alphas)
-from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, average_delta
+from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, average_delta,
+                                         check_options)
 from deltafl_jax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaffoldOptions:
+    """``weighting``: Delta-FL's option (the same flag, default and check; module docstring)."""
+
+    weighting: str = WEIGHTING.field()
 
 
 class ScaffoldState(NamedTuple):
@@ -55,9 +64,10 @@ def population_weights(train_sizes, weighting: str) -> np.ndarray:
     return (n / n.sum() if weighting == "weighted" else np.full(n.shape, 1.0 / n.size))
 
 
-def scaffold(train_sizes, weighting: str = "weighted") -> FederatedAlgorithm:
+def scaffold(train_sizes, options: ScaffoldOptions = ScaffoldOptions()) -> FederatedAlgorithm:
     """SCAFFOLD (option II) over training clients of sizes `train_sizes`."""
-    RoundOptions(weighting=weighting).check()
+    check_options(options)
+    weighting = options.weighting
     alpha = jnp.asarray(population_weights(train_sizes, weighting), jnp.float32)
 
     def init(params, hyper):
@@ -114,8 +124,14 @@ def _theta_one(config, given):
     return (1.0,)
 
 
+def _column_name(label, options, head):
+    """SCAFFOLD trains every sampled client: no theta to name."""
+    return "SCAFFOLD"
+
+
 SPEC = AlgorithmSpec(
-    name="scaffold", help="SCAFFOLD (option II control variates; --server_lr is its global "
-    "step size eta_g)",
-    make=lambda config, data: scaffold(data.train.sizes, config.weighting),
-    hyper=DeltaFLHyper, sweep=THETA_SWEEP, values=_theta_one, validate=check_thetas)
+    name="scaffold", display_name="SCAFFOLD",
+    help="SCAFFOLD (option II control variates; --server_lr is its global step size eta_g)",
+    factory=lambda config, data, options: scaffold(data.train.sizes, options),
+    hyper=DeltaFLHyper, sweep=THETA_SWEEP, values=_theta_one, validate=check_thetas,
+    options=ScaffoldOptions, column_name=_column_name, fixed_sweep=True)

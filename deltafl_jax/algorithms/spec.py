@@ -15,16 +15,18 @@ The functions act on ONE replica; the round vmaps them over replicas. Hyper-para
 differ between replicas (theta, q, t, mu, ...) arrive in ``hyper``, the algorithm's own typed
 NamedTuple; the rest are captured when the factory builds the algorithm.
 
-An algorithm module exports one :class:`AlgorithmSpec`: its name, its factory, its hyper
-NamedTuple, its swept hyper-parameter (:class:`Sweep`: flag, default grid, how replicas are
-labelled) and any forced local steps or full participation. The registry only collects specs.
+An algorithm module exports one :class:`AlgorithmSpec`: its name and display name, its factory,
+its hyper NamedTuple, its swept hyper-parameter (:class:`Sweep`: flag, default grid, symbol, how
+replicas are labelled), its options (a frozen dataclass of :class:`Option` fields: one scalar
+flag each, the same for every replica), how the report names its columns, and any forced local
+steps or full participation. The registry only collects specs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -140,6 +142,92 @@ def no_state(params, hyper):
     return ()
 
 
+OPTION = "deltafl_jax.option"   # the metadata key of an options field's Option
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One scalar option of an algorithm: a flag whose value is the same for every replica.
+
+    An algorithm declares its options as a frozen dataclass whose fields are made by
+    :meth:`field`; the field's name is the flag. Specs that read the same option share one
+    Option object (Delta-FL, FedAvg and deltafl_alt: ``weighting``), so that its default, help
+    and choices are written once; the registry refuses two different Options under one flag.
+
+    default: the value when the flag is not given (its type is the flag's type).
+    help: the flag's help text.
+    choices: the values allowed (an enum flag); () for a number or a free string.
+    """
+
+    default: Any
+    help: str
+    choices: Tuple[str, ...] = ()
+
+    def field(self) -> Any:
+        """A dataclass field with this default that carries this Option."""
+        return dataclasses.field(default=self.default, metadata={OPTION: self})
+
+    def check(self, flag: str, value) -> None:
+        """ConfigError naming --flag when the value is not one of the choices."""
+        if self.choices and value not in self.choices:
+            raise ConfigError(f"unknown --{flag}={value!r}; choose one of "
+                              f"{', '.join(self.choices)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """The options of an algorithm that has none."""
+
+
+def declared_options(options_type: type) -> Tuple[Tuple[str, Option], ...]:
+    """(flag, Option) of each field of an options dataclass, in order; TypeError when it is not
+    a frozen dataclass or a field was not made by :meth:`Option.field`."""
+    params = getattr(options_type, "__dataclass_params__", None)
+    if params is None or not params.frozen:
+        raise TypeError(f"options {options_type!r} must be a frozen dataclass")
+    out = []
+    for f in dataclasses.fields(options_type):
+        option = f.metadata.get(OPTION)
+        if not isinstance(option, Option):
+            raise TypeError(f"{options_type.__name__}.{f.name} must be made by Option.field()")
+        out.append((f.name, option))
+    return tuple(out)
+
+
+def check_options(options) -> None:
+    """ConfigError naming the flag at fault: each field's choices, then the options' own
+    ``check()`` (checks across fields, ranges), when they have one."""
+    for flag, option in declared_options(type(options)):
+        option.check(flag, getattr(options, flag))
+    own = getattr(options, "check", None)
+    if own is not None:
+        own()
+
+
+def build_options(options_type: type, given: Mapping[str, Any]):
+    """The options of type `options_type` from a mapping flag -> value (a flag it lacks takes
+    its default; flags of other algorithms are not read), checked."""
+    names = [flag for flag, _ in declared_options(options_type)]
+    options = options_type(**{k: given[k] for k in names if k in given})
+    check_options(options)
+    return options
+
+
+def _g(v) -> str:
+    return f"{float(v):g}"
+
+
+def label_parts(display_name: str, label: ReplicaLabel,
+                symbols: Optional[Mapping[str, str]] = None) -> List[str]:
+    """A report column name in parts: 'display_name, symbol = value' of the swept coordinate,
+    then 'symbol = value' for each further coordinate (``label.extra``). `symbols` maps a
+    coordinate (``theta``, a flag) to its symbol; theta reads as θ, any other name as itself."""
+    symbols = {"theta": "θ", **dict(symbols or {})}
+    name, value = label.swept()
+    return ([f"{display_name}, {symbols.get(name, name)} = {_g(value)}"]
+            + [f"{symbols.get(k, k)} = {_g(v)}" for k, v in label.extra])
+
+
 @dataclasses.dataclass(frozen=True)
 class Sweep:
     """The hyper-parameter that a spec sweeps: one replica per value x seed, in one program.
@@ -152,6 +240,10 @@ class Sweep:
     integer: values must be integers.
     labelled_by_theta: replicas are labelled by theta (label.theta = value); otherwise by
       param_name = flag and param_value = value.
+    symbol: how the value reads in a report column ("θ", "q", "μ"; empty: the flag).
+    tuned: the value is a hyper-parameter to tune (a baseline's q, mu, t, ...: the tuner's
+      --tune_param picks one, the report's --best keeps the best column); False: every value
+      is a model the user asks for (Delta-FL's theta).
     """
 
     flag: str
@@ -161,6 +253,13 @@ class Sweep:
     minimum: Optional[float] = None
     integer: bool = False
     labelled_by_theta: bool = False
+    symbol: str = ""
+    tuned: bool = True
+
+    @property
+    def coordinate(self) -> str:
+        """The name of its value in a replica label: "theta" or the flag."""
+        return "theta" if self.labelled_by_theta else self.flag
 
     def check(self, values) -> Tuple[float, ...]:
         """The values as floats; ConfigError naming the flag if one is bad."""
@@ -183,11 +282,16 @@ class AlgorithmSpec:
     """Everything the rest of the package needs to know about one algorithm.
 
     name: registry name (``--algorithm``).
+    display_name: how reports name it ("Δ-FL", "q-FFL").
     help: one line for ``--help`` and the README.
-    make: factory (config, data) -> :class:`FederatedAlgorithm`; data is the
-      FederatedDataset (AFL keeps lambda over its training clients).
+    factory: (config, data, options) -> :class:`FederatedAlgorithm`; data is the
+      FederatedDataset (AFL keeps lambda over its training clients), options the spec's
+      typed options (:meth:`options_for`). :meth:`make` calls it.
     hyper: the NamedTuple type of the per-replica hyper-parameters.
     sweep: the swept hyper-parameter.
+    options: the frozen dataclass of its options (:class:`Option` fields; the field names
+      are the flags, e.g. ``--filter``), built from ``config.options``; :class:`NoOptions`
+      for none. An options class may define ``check()`` (ConfigError naming the flag).
     fixed: values of the other hyper fields, the same for every replica.
     local_steps: force this many local steps (None: the run's --local_epochs/--local_steps).
     all_clients: every training client takes part in every round (m = N).
@@ -203,13 +307,22 @@ class AlgorithmSpec:
       server optimizer other than the default w + Delta); empty: the round's server optimizer
       applies to its Delta. A list of --server_lr values is crossed like `cross`, after it
       (``theta=0.5_server_lr=0.03_seed=1``).
+    column_name: optional (label, options, name) -> the report's name of a column, given the
+      default name ('display_name, symbol = value') and the run's options (Delta-FL at
+      theta = 1 is "FedAvg"; its reference filter is named).
+    fixed_sweep: the spec trains one value of its sweep whatever the flag lists (FedAvg:
+      theta = 1); beside other methods in one run it does not read that flag's values, which
+      are the others' grid.
+    tunes_l2: the tuner's lambda step applies: the spec's replicas are Delta-FL at the
+      theta of its sweep (FedAvg: 1), and the lambda grid trains Delta-FL at each of them.
 
     Hyper fields that the active sweep and `cross` do not set take their value from `fixed`.
     """
 
     name: str
+    display_name: str
     help: str
-    make: Callable[[Any, Any], FederatedAlgorithm]
+    factory: Callable[[Any, Any, Any], FederatedAlgorithm]
     hyper: type
     sweep: Sweep
     fixed: Mapping[str, float] = dataclasses.field(default_factory=dict)
@@ -220,8 +333,13 @@ class AlgorithmSpec:
     alt_sweep: Optional[Sweep] = None
     cross: Tuple[Sweep, ...] = ()
     own_server_step: str = ""
+    options: type = NoOptions
+    column_name: Optional[Callable[[ReplicaLabel, Any, str], str]] = None
+    fixed_sweep: bool = False
+    tunes_l2: bool = False
 
     def __post_init__(self):
+        declared_options(self.options)   # TypeError unless a frozen dataclass of Options
         fields = set(self.hyper._fields)
         crossed = {c.field for c in self.cross}
         for sweep in self.primary_sweeps():
@@ -267,8 +385,47 @@ class AlgorithmSpec:
             return tuple(self.values(config, given))
         return given or sweep.default
 
+    def option_flags(self) -> Tuple[str, ...]:
+        """The flags of its options, in order."""
+        return tuple(flag for flag, _ in declared_options(self.options))
+
+    def options_for(self, config):
+        """Its typed options from ``config.options`` (defaults for the flags not given),
+        checked: ConfigError naming the flag at fault."""
+        return build_options(self.options, config.options)
+
+    def stored_options(self, run_config: Optional[Mapping[str, Any]]):
+        """Its typed options as a finished run's configuration holds them (summary.json's
+        ``config``: ``options``; runs written before options had their own mapping hold them
+        at the top level), unchecked."""
+        run_config = dict(run_config or {})
+        given = {**run_config, **dict(run_config.get("options") or {})}
+        names = self.option_flags()
+        return self.options(**{k: given[k] for k in names if k in given})
+
+    def make(self, config, data) -> FederatedAlgorithm:
+        """The algorithm of a run: the factory with the config's typed options."""
+        return self.factory(config, data, self.options_for(config))
+
+    def sweep_of(self, label: ReplicaLabel) -> Optional[Sweep]:
+        """The primary sweep whose value names the label (None: a label it does not make)."""
+        name, _ = label.swept()
+        return next((s for s in self.primary_sweeps() if s.coordinate == name), None)
+
+    def method_name(self, label: ReplicaLabel,
+                    run_config: Optional[Mapping[str, Any]] = None) -> str:
+        """The report's column name of a replica label, in the papers' style ('q-FFL, q = 10',
+        'Δ-FL, θ = 0.5'); further coordinates follow as 'symbol = value'. `run_config`: the
+        run's configuration as summary.json stores it (its options may name the column)."""
+        symbols = {s.coordinate: s.symbol for s in self.sweeps() if s.symbol}
+        parts = label_parts(self.display_name, label, symbols)
+        if self.column_name is not None:
+            parts[0] = self.column_name(label, self.stored_options(run_config), parts[0])
+        return ", ".join(parts)
+
     def check(self, config) -> None:
         self.sweep_values(config)
+        self.options_for(config)
         if self.own_server_step and not config.server.is_default:
             raise ConfigError(f"--algorithm={self.name} takes no --server_optimizer or "
                               f"--server_lr: {self.own_server_step}")

@@ -73,5 +73,7 @@ def term() -> FederatedAlgorithm:
 
 
 SPEC = AlgorithmSpec(
-    name="term", help="Tilted-ERM", make=lambda config, data: term(), hyper=TERMHyper,
-    sweep=Sweep(flag="term_t", field="t", default=DEFAULT_T, help="term: tilts t, swept"))
+    name="term", display_name="TERM", help="Tilted-ERM",
+    factory=lambda config, data, options: term(), hyper=TERMHyper,
+    sweep=Sweep(flag="term_t", field="t", default=DEFAULT_T, help="term: tilts t, swept",
+                symbol="t"))

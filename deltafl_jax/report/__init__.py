@@ -42,10 +42,9 @@ Modules: :mod:`~deltafl_jax.report.io` (reading runs through
 from deltafl_jax.report.io import (KINDS, Run, RunError, curves_from_history,
                                    curves_from_records, find_run_dirs, load, load_runs,
                                    read_run, tidy_rows, write_csv)
-from deltafl_jax.report.tables import (ALGORITHM_NAMES, BEST_MARK, PARAM_NAMES, TABLES, Cell,
-                                       Column, TableSpec, best_columns, columns,
-                                       markdown_table, method_label, run_columns, runs_table,
-                                       settings, table)
+from deltafl_jax.report.tables import (BEST_MARK, TABLES, Cell, Column, TableSpec, best_columns,
+                                       columns, markdown_table, method_label, run_columns,
+                                       runs_table, settings, table)
 from deltafl_jax.report.figures import (CURVE_PANELS, HISTOGRAM_BINS, curve_data,
                                         curves_figure, histogram_data, histogram_figure,
                                         kept_data, kept_figure, mixture_data,
@@ -55,7 +54,7 @@ from deltafl_jax.report.document import CONVENTIONS, write_report
 __all__ = [
     "KINDS", "Run", "RunError", "curves_from_history", "curves_from_records", "find_run_dirs",
     "load", "load_runs", "read_run", "tidy_rows", "write_csv",
-    "ALGORITHM_NAMES", "BEST_MARK", "PARAM_NAMES", "TABLES", "Cell", "Column", "TableSpec",
+    "BEST_MARK", "TABLES", "Cell", "Column", "TableSpec",
     "best_columns", "columns",
     "markdown_table", "method_label", "run_columns", "runs_table", "settings", "table",
     "CURVE_PANELS", "HISTOGRAM_BINS", "curve_data", "curves_figure", "histogram_data",

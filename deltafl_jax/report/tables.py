@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from deltafl_jax.algorithms import registry
+from deltafl_jax.algorithms.spec import label_parts
 from deltafl_jax.replicas import ReplicaLabel
 
 if TYPE_CHECKING:
     from deltafl_jax.report.io import Run
-
-ALGORITHM_NAMES = {"deltafl": "Δ-FL", "fedavg": "FedAvg", "qffl": "q-FFL", "afl": "AFL",
-                   "afl_qffl": "AFL (q-FFL proxy)", "term": "TERM", "fedprox": "FedProx",
-                   "fedavg_sub": "FedAvg-Sub"}
-# How a baseline's swept flag (its replicas' param_name) reads in a column name.
-PARAM_NAMES = {"qffl_q": "q", "fedprox_mu": "μ", "term_t": "t", "afl_lambda_lr": "γ_λ",
-               "fedavg_sub_clients": "clients"}
 
 
 def fmt_value(v) -> str:
@@ -35,29 +30,23 @@ def fmt_value(v) -> str:
     return str(v)
 
 
-def method_label(label: Union[ReplicaLabel, Mapping[str, Any]], filter: str = "exact") -> str:
-    """A column name in the paper's style: 'FedAvg', 'Δ-FL, θ = 0.5', 'q-FFL, q = 10'
-    (a baseline's swept flag, e.g. ``qffl_q``, reads as in :data:`PARAM_NAMES`).
+def method_label(label: Union[ReplicaLabel, Mapping[str, Any]],
+                 run_config: Optional[Mapping[str, Any]] = None) -> str:
+    """A column name in the paper's style: 'FedAvg', 'Δ-FL, θ = 0.5', 'q-FFL, q = 10', from
+    the algorithm's spec (``AlgorithmSpec.method_name``: its display name, its sweep's symbol,
+    and what its options name, e.g. Delta-FL's reference filter). Further grid coordinates
+    (e.g. a tuning grid's learning rate) are appended as 'name = value'.
 
-    Delta-FL at theta = 1 is FedAvg (bit for bit) and is labelled so. Further grid
-    coordinates (e.g. a tuning grid's learning rate) are appended as 'name = value'. A label
-    dict (``ReplicaLabel.to_json()``) is accepted too.
+    A label dict (``ReplicaLabel.to_json()``) is accepted too. `run_config` is the run's
+    configuration as summary.json stores it; an algorithm that is not registered is named
+    by its registry name.
     """
     if not isinstance(label, ReplicaLabel):
         label = ReplicaLabel.from_json(label)
-    alg = label.algorithm
-    pretty = ALGORITHM_NAMES.get(alg, alg)
-    if label.param_name not in (None, "theta"):
-        pname = PARAM_NAMES.get(label.param_name, label.param_name)
-        head = f"{pretty}, {pname} = {fmt_value(label.param_value)}"
-    elif alg in ("deltafl", "fedavg") and float(label.theta) == 1.0:
-        head = "FedAvg"
-    else:
-        head = f"{pretty}, θ = {fmt_value(label.theta)}"
-        if alg == "deltafl" and filter != "exact":
-            head += f" ({filter} filter)"
-    extras = [f"{k} = {fmt_value(v)}" for k, v in label.extra]
-    return ", ".join([head] + extras)
+    spec = registry.find(label.algorithm)
+    if spec is None:
+        return ", ".join(label_parts(label.algorithm, label))
+    return spec.method_name(label, run_config)
 
 
 @dataclasses.dataclass(eq=False)
@@ -106,8 +95,7 @@ def run_columns(run: "Run") -> List[Tuple[str, Tuple, List[int], List[int]]]:
     order: Dict[Tuple, List[int]] = {}
     for r, lab in enumerate(run.labels):
         order.setdefault(lab.group_key(), []).append(r)
-    filt = str(run.config.get("filter", "exact"))
-    return [(method_label(run.labels[rs[0]], filt), ident, rs,
+    return [(method_label(run.labels[rs[0]], run.config), ident, rs,
              [run.labels[r].seed for r in rs]) for ident, rs in order.items()]
 
 
@@ -163,17 +151,27 @@ def column_algorithm(col: Column) -> str:
     return col.run.labels[col.replicas[0]].algorithm
 
 
+def column_is_tuned(col: Column) -> bool:
+    """The column's swept value is a hyper-parameter to tune (``Sweep.tuned``: a baseline's
+    q, mu, t, ...), not a model the user asks for (Delta-FL's theta). A column of an algorithm
+    that is not registered counts as tuned."""
+    label = col.run.labels[col.replicas[0]]
+    spec = registry.find(label.algorithm)
+    sweep = spec.sweep_of(label) if spec is not None else None
+    return sweep is None or sweep.tuned
+
+
 def best_columns(cols: Sequence[Column], percentile: str = "lower",
                  metric: str = "test_error_p90") -> List[Column]:
     """The columns with each baseline's sweep cut to its best value: within a row, the
-    columns of one baseline algorithm (not Δ-FL, whose θ are all kept, nor FedAvg) keep only
-    the one with the smallest mean `metric` over seeds (ties: the first), marked with
-    :data:`BEST_MARK` in its label. A baseline with one value is kept as it is."""
+    columns of one algorithm whose swept value is tuned (:func:`column_is_tuned`: not Δ-FL,
+    whose θ are all kept, nor FedAvg) keep only the one with the smallest mean `metric` over
+    seeds (ties: the first), marked with :data:`BEST_MARK` in its label. A baseline with one
+    value is kept as it is."""
     groups: Dict[Tuple[str, str], List[Column]] = {}
     for c in cols:
-        alg = column_algorithm(c)
-        if alg not in ("deltafl", "fedavg"):
-            groups.setdefault((c.setting, alg), []).append(c)
+        if column_is_tuned(c):
+            groups.setdefault((c.setting, column_algorithm(c)), []).append(c)
     dropped = set()
     for group in groups.values():
         if len(group) < 2:
@@ -272,9 +270,23 @@ def markdown_table(cols: Sequence[Column], spec: TableSpec, percentile: str = "l
     return "\n".join(lines)
 
 
+def run_options(run_config: Mapping[str, Any]) -> str:
+    """The options of a run that differ from their defaults, e.g. 'filter=reference' ('—'
+    when none; '?' for an algorithm that is not registered)."""
+    spec = registry.find(str(run_config.get("algorithm", "")))
+    if spec is None:
+        return "?"
+    given, default = spec.stored_options(run_config), spec.options()
+    changed = [f"{f.name}={fmt_value(getattr(given, f.name))}"
+               for f in dataclasses.fields(given)
+               if getattr(given, f.name) != getattr(default, f.name)]
+    return ", ".join(changed) or "—"
+
+
 def runs_table(runs: Sequence["Run"]) -> str:
-    """One markdown row per run: data, model, algorithm, rounds, schedule, seeds, time."""
-    lines = ["| run | dataset (train / test clients, median n_k) | model | algorithm | filter | "
+    """One markdown row per run: data, model, algorithm and its options, rounds, schedule,
+    seeds, time."""
+    lines = ["| run | dataset (train / test clients, median n_k) | model | algorithm | options | "
              "rounds | m | γ₀ (÷c every t₀) | λ | seeds | replicas | wall time |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
@@ -287,7 +299,7 @@ def runs_table(runs: Sequence["Run"]) -> str:
         lines.append(
             f"| `{run.path}` | {run.dataset} ({d.get('num_train_clients', '?')} / "
             f"{d.get('num_test_clients', '?')}, {d.get('median_examples', '?')}) | {run.model} | "
-            f"{c.get('algorithm', '?')} | {c.get('filter', '?')} | {run.num_rounds} | "
+            f"{c.get('algorithm', '?')} | {run_options(c)} | {run.num_rounds} | "
             f"{c.get('clients_per_round', '?')} | {lr} | {fmt_value(c.get('l2_reg', 0))} | "
             f"{seeds} | {len(run.labels)} | {'' if total is None else f'{total:.0f} s'} |")
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional
 import jax
 import numpy as np
 
+from deltafl_jax.algorithms import registry
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.run import checkpoint as ckpt
 
@@ -37,10 +38,15 @@ def data_digest(data) -> str:
 
 
 def fingerprint(config, data) -> Dict[str, Any]:
-    """The settings (flag name -> value) and the data that a resume must match."""
+    """The settings (flag name -> value) and the data that a resume must match. The data
+    settings and the algorithm's options (with their defaults filled in) are flattened, so
+    that a difference names the flag (``--filter``)."""
     out = {k: v for k, v in dataclasses.asdict(config).items() if k not in FREE_FIELDS}
     data_fields = out.pop("data")
     out.update({k: v for k, v in data_fields.items()})
+    del out["options"]
+    options = registry.get(config.algorithm).options_for(config)
+    out.update(dataclasses.asdict(options))
     out["data_sha256"] = data_digest(data)
     out["jax_version"] = jax.__version__
     return out
