@@ -96,6 +96,13 @@ class ExperimentConfig:
                                momentum=self.server_momentum, beta1=self.server_beta1,
                                beta2=self.server_beta2, eps=self.server_eps)
 
+    @property
+    def method(self) -> str:
+        """The algorithm, with its server optimizer when that is not the plain step
+        (``fedavg+adam``; the --algorithm entry that names it)."""
+        return self.algorithm if self.server.is_default else \
+            f"{self.algorithm}+{self.server_optimizer}"
+
     def l2_for(self, count: int) -> Tuple[float, ...]:
         """lambda for each of `count` swept values."""
         values = self.l2_reg if isinstance(self.l2_reg, tuple) else (self.l2_reg,)

@@ -44,8 +44,8 @@ from deltafl_jax.errors import ConfigError
 
 NAMES = ("sgd", "momentum", "adam", "yogi", "adagrad")
 ADAPTIVE = ("adam", "yogi", "adagrad")
-DISPLAY = {"sgd": "SGD", "momentum": "momentum (FedAvgM)", "adam": "Adam (FedAdam)",
-           "yogi": "Yogi (FedYogi)", "adagrad": "Adagrad (FedAdagrad)"}
+DISPLAY = {"sgd": "SGD", "momentum": "momentum", "adam": "Adam", "yogi": "Yogi",
+           "adagrad": "Adagrad"}
 
 
 class FedOptState(NamedTuple):

@@ -88,12 +88,14 @@ def _point(spec, value, extra, **schedule) -> GridPoint:
 
 def lr_grid_replicas(config, learning_rates: Sequence[float], decays: Sequence[float]):
     """FedAvg replicas (LR_ALGORITHM) for every (gamma_0, c) x seed: per-replica schedules
-    gamma_0 c^-(t // --lr_decay_every), theta = 1, lambda = config.l2_reg."""
+    gamma_0 c^-(t // --lr_decay_every), theta = 1, lambda = config.l2_reg, the config's server
+    step (one --server_lr)."""
     spec = registry.get(LR_ALGORITHM)
     l2 = config.l2_for(1)[0]
     points = tuple(
         _point(spec, 1.0, (("learning_rate", float(lr)), ("lr_decay", float(c))), l2=l2,
-               learning_rate=float(lr), lr_decay=float(c), lr_decay_every=config.lr_decay_every)
+               learning_rate=float(lr), lr_decay=float(c), lr_decay_every=config.lr_decay_every,
+               server_lr=config.server_lr[0])
         for lr in learning_rates for c in decays)
     return ReplicaGrid(points=points, seeds=tuple(config.seeds)).build()
 
@@ -105,7 +107,7 @@ def l2_grid_replicas(config, thetas: Sequence[float], l2s: Sequence[float]):
     points = tuple(
         _point(spec, float(theta), (("l2_reg", float(lam)),), l2=float(lam),
                learning_rate=config.learning_rate, lr_decay=config.lr_decay,
-               lr_decay_every=config.lr_decay_every)
+               lr_decay_every=config.lr_decay_every, server_lr=config.server_lr[0])
         for theta in thetas for lam in l2s)
     return ReplicaGrid(points=points, seeds=tuple(config.seeds)).build()
 
@@ -222,6 +224,9 @@ def param_sweep(config):
 def check(config, data, lr_grid, decay_grid, l2_grid, tune_lr: bool, tune_l2: bool,
           tune_param: bool = False) -> None:
     """Everything that can be wrong before training, as one-line TuningErrors."""
+    if len(config.server_lr) > 1:
+        raise TuningError(f"--server_lr lists {len(config.server_lr)} values; the tuner trains "
+                          f"every grid with one server step: give one --server_lr")
     if tune_lr:
         _check_grid("lr_grid", lr_grid, 0.0, False)
         _check_grid("lr_decay_grid", decay_grid, 1.0, True)

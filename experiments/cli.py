@@ -153,7 +153,9 @@ def define_experiment_flags() -> None:
             "xla; unset: by backend")
     _define(flags.DEFINE_list, "algorithm", ["deltafl"], "one or more of "
             f"{', '.join(registry.names())}; several run one after another into "
-            "<output_dir>/<algorithm>/")
+            "<output_dir>/<algorithm>/; an entry NAME+OPTIMIZER (fedavg+adam) runs NAME with "
+            "that server optimizer at --server_lr, and then the entries without one take the "
+            "plain step (sgd, learning rate 1)")
     _define_option_flags()
     _define(flags.DEFINE_list, "seeds", ["1"], "seeds; each seeds sampling, shuffling and "
             "initialisation")
@@ -273,14 +275,20 @@ def data_config_from_flags():
                       toy_means=_toy_means(FLAGS.toy_means))
 
 
-def config_from_flags(algorithm: str = None, beside_others: bool = False):
+def config_from_flags(algorithm: str = None, beside_others: bool = False,
+                      server_optimizer: str = None):
     """The frozen experiment configuration described by the flags (for `algorithm`, default
     the first of --algorithm), with the options that its spec declares. `beside_others`: the
     method runs with others (several --algorithm), so a spec whose sweep is fixed (FedAvg:
-    theta = 1) does not read the values of that sweep's flag, which are the others' grid."""
+    theta = 1) does not read the values of that sweep's flag, which are the others' grid.
+    `server_optimizer`: this method's own (an entry NAME+OPTIMIZER), at --server_lr; "" for the
+    plain step (sgd at learning rate 1); None: --server_optimizer and --server_lr."""
     from deltafl_jax import ExperimentConfig
     from deltafl_jax.algorithms import registry
-    name = algorithm if algorithm is not None else (FLAGS.algorithm or [""])[0]
+    if algorithm is None:   # the first entry of --algorithm (NAME or NAME+OPTIMIZER)
+        _, algorithm, named = method_entries(FLAGS.algorithm)[0]
+        server_optimizer = named or server_optimizer
+    name = algorithm
     spec = registry.find(name)   # None: ExperimentConfig names the unknown algorithm
     sweeps = {s.flag: (ints if s.integer else floats)(s.flag, FLAGS[s.flag].value)
               for s in registry.sweeps() if s.flag != "thetas"}
@@ -291,32 +299,62 @@ def config_from_flags(algorithm: str = None, beside_others: bool = False):
         sweeps.pop(spec.sweep.flag, None)
     options = {f: FLAGS[f].value for f in (spec.option_flags() if spec is not None else ())}
     l2 = floats("l2_reg", FLAGS.l2_reg)
+    scalars = {f: FLAGS[f].value for f in SCALAR_FIELDS}
+    server_lr = floats("server_lr", FLAGS.server_lr)
+    if server_optimizer is not None:
+        scalars["server_optimizer"] = server_optimizer or "sgd"
+        server_lr = server_lr if server_optimizer else (1.0,)
     return ExperimentConfig(
-        data=data_config_from_flags(), **{f: FLAGS[f].value for f in SCALAR_FIELDS},
+        data=data_config_from_flags(), **scalars,
         algorithm=name, options=options, thetas=thetas, seeds=ints("seeds", FLAGS.seeds),
-        l2_reg=l2[0] if len(l2) == 1 else l2, sweeps=sweeps,
-        server_lr=floats("server_lr", FLAGS.server_lr),
+        l2_reg=l2[0] if len(l2) == 1 else l2, sweeps=sweeps, server_lr=server_lr,
         tensorboard={"yes": True, "no": False}.get(FLAGS.tensorboard))
 
 
-def configs_from_flags() -> List:
-    """One configuration per method of --algorithm. With several methods, each writes into
-    <output_dir>/<algorithm>/, and a method whose sweep is fixed ignores that sweep's flag
-    (FedAvg ignores --thetas, which then sets Delta-FL's levels and FedAvg-Sub's client
-    counts)."""
-    names = [a.strip() for a in FLAGS.algorithm]
+def method_entries(entries: Sequence[str]) -> List[Tuple[str, str, str]]:
+    """(entry, algorithm, server optimizer) of each --algorithm entry NAME or NAME+OPTIMIZER
+    ("" when the entry names none); UsageError for an empty, repeated or malformed entry."""
+    from deltafl_jax.server_optimizer import NAMES
+    names = [a.strip() for a in entries]
     if not names or any(not a for a in names):
         raise UsageError(f"--algorithm must name at least one method, got "
-                         f"{','.join(FLAGS.algorithm)!r}")
+                         f"{','.join(entries)!r}")
     if len(set(names)) != len(names):
         raise UsageError(f"--algorithm lists a method twice: {','.join(names)}")
-    if len(names) == 1:
-        return [config_from_flags(names[0])]
+    out = []
+    for entry in names:
+        name, plus, optimizer = entry.partition("+")
+        if plus and optimizer not in NAMES:
+            raise UsageError(f"--algorithm entry {entry!r}: after '+' comes a server optimizer, "
+                             f"one of {', '.join(NAMES)}")
+        out.append((entry, name, optimizer))
+    return out
+
+
+def configs_from_flags() -> List:
+    """One configuration per entry of --algorithm. With several, each writes into
+    <output_dir>/<entry>/, and a method whose sweep is fixed ignores that sweep's flag
+    (FedAvg ignores --thetas, which then sets Delta-FL's levels and FedAvg-Sub's client
+    counts).
+
+    An entry NAME+OPTIMIZER (``fedavg+adam``) trains NAME with that server optimizer at
+    --server_lr; when the list has such entries, the entries without one take the plain step
+    (sgd at learning rate 1), so that one command compares FedAvg with FedAdam, and
+    --server_optimizer is not given."""
+    entries = method_entries(FLAGS.algorithm)
+    named = any(opt for _, _, opt in entries)
+    if named and FLAGS["server_optimizer"].present:
+        raise UsageError("--server_optimizer cannot be combined with --algorithm entries that "
+                         "name their server optimizer (NAME+OPTIMIZER); name it in each entry")
+    if len(entries) == 1:
+        _, name, optimizer = entries[0]
+        return [config_from_flags(name, server_optimizer=optimizer or None)]
     configs = []
-    for name in names:
-        config = config_from_flags(name, beside_others=True)
+    for entry, name, optimizer in entries:
+        config = config_from_flags(name, beside_others=True,
+                                   server_optimizer=optimizer if named else None)
         if config.output_dir:
             config = dataclasses.replace(config, output_dir=os.path.join(config.output_dir,
-                                                                         name))
+                                                                         entry))
         configs.append(config)
     return configs

@@ -4,7 +4,8 @@ r"""Train Delta-FL (or a baseline) for every theta x seed in one compiled progra
 
 ``--algorithm`` may list several methods (``--algorithm=deltafl,fedavg,qffl``): they run one
 after another on the same data, each in its own compiled program, into
-``<output_dir>/<algorithm>/``, and a table of the final test errors closes the run. With
+``<output_dir>/<algorithm>/``, and a table of the final test errors closes the run. An entry
+``NAME+OPTIMIZER`` (``fedavg+adam``) runs NAME with that server optimizer at ``--server_lr``. With
 ``--resample_writers_per_seed`` each seed is its own dataset and its own program, written to
 ``.../seed_<s>/`` (:mod:`deltafl_jax.seed_groups`).
 
@@ -33,8 +34,8 @@ def stop_exit_code(reason: str) -> int:
 
 
 def comparison_lines(results):
-    """Rows 'method, swept value: mean and p90 of the final per-client test error, each the
-    mean over seeds' of a multi-method run. results: [(algorithm, RunResult)]; the results of
+    """Rows 'method, swept value (and further coordinates, e.g. server_lr): mean and p90 of
+    the final per-client test error, each the mean over seeds' of a multi-method run. results: [(algorithm, RunResult)]; the results of
     one method's seed groups (--resample_writers_per_seed) are pooled."""
     from deltafl_jax.replicas import ReplicaLabel
     from deltafl_jax.run.progress import error_table
@@ -43,8 +44,8 @@ def comparison_lines(results):
     for name, result in results:
         for d in result.summary["replicas"]:
             label = ReplicaLabel.from_json(d)
-            what, value = label.swept()
-            finals.setdefault(f"{name} {what}={value:g}", []).append(result.final[label.key()])
+            coords = " ".join(f"{n}={v:g}" for n, v in (label.swept(),) + label.extra)
+            finals.setdefault(f"{name} {coords}", []).append(result.final[label.key()])
     return error_table(list(finals.items()), "method")
 
 
@@ -79,7 +80,7 @@ def main(argv):
             if config.data != loaded:
                 data, loaded = None, config.data   # free the previous seed's data first
                 data = load_dataset(config.data)
-            results.append((config.algorithm, run_experiment(config, data)))
+            results.append((config.method, run_experiment(config, data)))
             if results[-1][1].stopped:
                 sys.exit(stop_exit_code(results[-1][1].stop_reason))
     except (UsageError, ConfigError, DataError) as e:

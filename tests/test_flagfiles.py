@@ -60,3 +60,15 @@ def test_comparisons_run_every_method_of_the_papers_tables():
                                                else {(1, 2, 3, 4, 5)}), name
         qffl = next(c for c in configs if c.algorithm == "qffl")
         assert qffl.sweep("qffl_q") == (0.001, 0.01, 0.1, 1.0, 10.0)   # CISS Sec. V
+
+
+def test_the_fedopt_comparison_runs_its_five_methods():
+    configs = {c.method: c for c in plan("compare_fedopt_synthetic.flags")}
+    assert list(configs) == ["fedavg", "fedavg+adam", "deltafl", "deltafl+adam", "scaffold"]
+    for name, c in configs.items():
+        plain = "+" not in name
+        assert c.server.is_default == plain, name
+        assert c.server_lr == ((1.0,) if plain else (0.01, 0.03, 0.1)), name
+        assert c.output_dir.endswith(os.path.join("compare_fedopt_synthetic", name))
+    assert configs["deltafl"].thetas == configs["deltafl+adam"].thetas == (0.5,)
+    assert {c.seeds for c in configs.values()} == {(1, 2, 3)}

@@ -1,5 +1,5 @@
-"""The README's Synthetic table equals a fresh run of experiments/synthetic.flags (so it cannot
-go stale), and the table renderer's means, stds and bold marks are right on a hand-made run."""
+"""The README's Synthetic table and the server-optimizer comparison equal fresh runs of their
+flagfiles (so they cannot go stale), and the table renderer's means, stds and bold marks are right on a hand-made run."""
 
 import json
 import os
@@ -39,11 +39,17 @@ def test_render_means_stds_and_bold(tmp_path):
     assert readme.replace(text, "x", "new") == "a\n<!-- table: x -->\nnew\n<!-- /table -->\nb"
     with pytest.raises(KeyError):
         readme.replace(text, "y", "new")
+    # A new, empty block is filled without reaching into the next table's block.
+    two = "<!-- table: e -->\n<!-- /table -->\nmid\n<!-- table: x -->\nold\n<!-- /table -->"
+    assert readme.replace(two, "e", "t") == (
+        "<!-- table: e -->\nt\n<!-- /table -->\nmid\n<!-- table: x -->\nold\n<!-- /table -->")
+    assert readme.current(two, "e") == "" and readme.current(two, "x") == "old"
 
 
 @pytest.mark.slow
-def test_readme_synthetic_table_matches_a_fresh_run():
+@pytest.mark.parametrize("table", ["synthetic", "compare_fedopt_synthetic"])
+def test_readme_table_matches_a_fresh_run(table):
     proc = subprocess.run([sys.executable, "-m", "experiments.readme_tables",
-                           "--table=synthetic", "--run"], cwd=REPO, capture_output=True,
+                           f"--table={table}", "--run"], cwd=REPO, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -169,4 +169,54 @@ def test_the_start_line_names_the_server_optimizer(tiny_synthetic, capsys):
     cfg = tiny_config(thetas=(0.5,), server_optimizer="yogi", server_lr=(0.02,), num_rounds=1,
                       eval_every=1, verbose=True)
     run_experiment(cfg, tiny_synthetic, log=lines.append)
-    assert "with server Yogi (FedYogi), eta=0.02, beta1=0.9, beta2=0.99, tau=0.001" in lines[0]
+    assert "with server Yogi, eta=0.02, beta1=0.9, beta2=0.99, tau=0.001" in lines[0]
+
+
+TINY_RUN = ["--dataset=synthetic", "--synthetic_num_clients=20", "--synthetic_max_examples=60",
+            "--num_rounds=3", "--eval_every=3", "--clients_per_round=4", "--seeds=1,2",
+            "--tensorboard=no"]
+
+
+def test_method_entries_name_their_server_optimizer(tmp_path, capsys):
+    """--algorithm=fedavg,fedavg+adam,deltafl+yogi: the entry with a '+' runs with that
+    optimizer at --server_lr (as the single-method run with --server_optimizer does, bit for
+    bit), the plain entry with the plain step; the report names them FedAvg, FedAdam and
+    'Δ-FL, θ = 0.5, server Yogi'."""
+    import json
+    from deltafl_jax.outputs import RunReader
+    from deltafl_jax.report import method_label
+    out = tmp_path / "multi"
+    code, err, _ = run_runner([*TINY_RUN, "--algorithm=fedavg,fedavg+adam,deltafl+yogi",
+                               "--thetas=0.5", "--server_lr=0.03", f"--output_dir={out}"],
+                              capsys)
+    assert code == 0, err
+    alone = tmp_path / "alone"
+    code, err, _ = run_runner([*TINY_RUN, "--algorithm=fedavg", "--server_optimizer=adam",
+                               "--server_lr=0.03", f"--output_dir={alone}"], capsys)
+    assert code == 0, err
+    names = {}
+    for entry, (opt, lrs) in {"fedavg": ("sgd", [1.0]), "fedavg+adam": ("adam", [0.03]),
+                              "deltafl+yogi": ("yogi", [0.03])}.items():
+        summary = json.load(open(out / entry / "summary.json"))
+        assert (summary["config"]["server_optimizer"], summary["config"]["server_lr"]) == \
+            (opt, lrs)
+        names[entry] = {method_label(r, summary["config"]) for r in summary["replicas"]}
+    assert names == {"fedavg": {"FedAvg"}, "fedavg+adam": {"FedAdam, η = 0.03"},
+                     "deltafl+yogi": {"Δ-FL, θ = 0.5, server Yogi, η = 0.03"}}
+    a, b = RunReader(str(out / "fedavg+adam")), RunReader(str(alone))
+    for seed in (1, 2):
+        ma, mb = a.load_model(seed=seed), b.load_model(seed=seed)
+        jax.tree.map(np.testing.assert_array_equal, ma.params, mb.params)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--algorithm=fedavg+lamb"], "after '+' comes a server optimizer"),
+    (["--algorithm=fedavg,fedavg+adam", "--server_optimizer=adam"],
+     "--server_optimizer cannot be combined"),
+    (["--algorithm=afl+adam"], "--algorithm=afl takes no"),
+])
+def test_bad_method_entries_exit_2(tmp_path, capsys, flags, needle):
+    code, err, _ = run_runner([*TINY_RUN, f"--output_dir={tmp_path / 'o'}", *flags], capsys)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert code == 2 and len(lines) == 1 and needle in lines[0], err
+    assert not (tmp_path / "o").exists()

@@ -63,6 +63,22 @@ def test_lr_grid_in_one_program_equals_separate_runs(tiny_synthetic):
     assert not np.allclose(finals[(0.1, 1.0)], finals[(0.1, 4.0)], atol=1e-4)
 
 
+def test_grids_train_with_the_runs_server_optimizer(tiny_synthetic):
+    """The grids' replicas take the run's server step: FedAdam's lr grid at --server_lr=0.02
+    equals the runner's FedAdam at each learning rate."""
+    base = tiny_config(algorithm="fedavg", thetas=(), seeds=(1,), num_rounds=2,
+                       server_optimizer="adam", server_lr=(0.02,), clients_per_step=1)
+    replicas = tuning.lr_grid_replicas(base, (0.02, 0.1), (1.0,))
+    np.testing.assert_allclose(replicas.server_lr, 0.02)
+    joint, _ = run_rounds(build_experiment(base, tiny_synthetic, replicas), 2)
+    single, _ = run_rounds(build_experiment(dataclasses.replace(base, learning_rate=0.1),
+                                            tiny_synthetic), 2)
+    for x, y in zip(leaves(joint), leaves(single)):
+        np.testing.assert_allclose(x[1:], y, atol=1e-6)
+    l2 = tuning.l2_grid_replicas(base, (1.0, 0.5), (1e-3,))
+    np.testing.assert_allclose(l2.server_lr, 0.02)
+
+
 def test_validation_split_holds_out_half_the_training_clients(tiny_synthetic):
     val = tuning.validation_split(tiny_synthetic, seed=0)
     train_ids, val_ids = list(val.train.client_ids), list(val.test.client_ids)
@@ -260,6 +276,7 @@ def test_cli_picks_the_argmin_and_writes_a_flagfile_the_runner_accepts(tmp_path,
     (["--tune_l2=maybe"], "--tune_l2"),
     (["--thetas=1.5"], "--thetas must lie in (0, 1]"),
     (["--notune_lr", "--tune_l2=no"], "nothing to tune"),
+    (["--server_optimizer=adam", "--server_lr=0.01,0.1"], "give one --server_lr"),
 ])
 def test_bad_input_exits_2_with_one_line_and_trains_nothing(tmp_path, capsys, args, message):
     out = tmp_path / "tune"

@@ -68,4 +68,7 @@ SPEC = AlgorithmSpec(
     help="FedAvg: Delta-FL at theta = 1 without the evaluation at w_t",
     factory=lambda config, data, options: fedavg(options), hyper=DeltaFLHyper,
     sweep=THETA_SWEEP, values=_theta_one, validate=check_thetas, options=FedAvgOptions,
-    column_name=_column_name, fixed_sweep=True, tunes_l2=True)
+    column_name=_column_name, fixed_sweep=True, tunes_l2=True,
+    # Hsu et al. 2019; Reddi et al. 2021 (FedAvg's Delta into each server optimizer).
+    server_names={"momentum": "FedAvgM", "adam": "FedAdam", "yogi": "FedYogi",
+                  "adagrad": "FedAdagrad"})

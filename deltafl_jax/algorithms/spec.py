@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from deltafl_jax.engine import ClientHooks
+from deltafl_jax.server_optimizer import DISPLAY as SERVER_DISPLAY
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.replicas import GridPoint, ReplicaGrid, ReplicaLabel
 
@@ -315,6 +316,10 @@ class AlgorithmSpec:
       are the others' grid.
     tunes_l2: the tuner's lambda step applies: the spec's replicas are Delta-FL at the
       theta of its sweep (FedAvg: 1), and the lambda grid trains Delta-FL at each of them.
+    server_names: the names the literature gives the algorithm with a server optimizer
+      (FedAvg: {"adam": "FedAdam", ...}); a report column of such a run is named so. Other
+      server optimizers are named after the swept value ("Δ-FL, θ = 0.5, server Adam,
+      η = 0.03").
 
     Hyper fields that the active sweep and `cross` do not set take their value from `fixed`.
     """
@@ -337,6 +342,7 @@ class AlgorithmSpec:
     column_name: Optional[Callable[[ReplicaLabel, Any, str], str]] = None
     fixed_sweep: bool = False
     tunes_l2: bool = False
+    server_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         declared_options(self.options)   # TypeError unless a frozen dataclass of Options
@@ -418,10 +424,23 @@ class AlgorithmSpec:
         'Δ-FL, θ = 0.5'); further coordinates follow as 'symbol = value'. `run_config`: the
         run's configuration as summary.json stores it (its options may name the column)."""
         symbols = {s.coordinate: s.symbol for s in self.sweeps() if s.symbol}
-        parts = label_parts(self.display_name, label, symbols)
+        parts = label_parts(self.display_name, label, {**symbols, "server_lr": "η"})
         if self.column_name is not None:
             parts[0] = self.column_name(label, self.stored_options(run_config), parts[0])
-        return ", ".join(parts)
+        return ", ".join(self._server_parts(parts, run_config))
+
+    def _server_parts(self, parts: List[str], run_config) -> List[str]:
+        """The column's parts with the run's server optimizer named (none for the plain
+        step w + Delta); its learning rate is named unless the label names it (a sweep)."""
+        config = dict(run_config or {})
+        name = str(config.get("server_optimizer") or "sgd")
+        lrs = tuple(config.get("server_lr") or (1.0,))
+        if name == "sgd" and lrs == (1.0,):
+            return parts
+        head = [self.server_names.get(name, parts[0])]
+        if name != "sgd" and name not in self.server_names:
+            head.append(f"server {SERVER_DISPLAY.get(name, name)}")
+        return head + ([f"η = {_g(lrs[0])}"] if len(lrs) == 1 else []) + parts[1:]
 
     def check(self, config) -> None:
         self.sweep_values(config)

@@ -27,9 +27,10 @@ def _columns(run_dirs: Sequence[str]) -> List[Tuple[str, Dict[str, List[float]]]
     cols: Dict[str, Dict[str, List[float]]] = {}
     for d in run_dirs:
         reader = RunReader(d)
-        final = reader.summary()["final"]
+        summary = reader.summary()
+        final = summary["final"]
         for lab in reader.labels():
-            name = method_label(lab)
+            name = method_label(lab, summary.get("config"))
             col = cols.setdefault(name, {})
             for _, key, _, _ in ROWS:
                 col.setdefault(key, []).append(final[lab.key()][key])
@@ -69,7 +70,8 @@ def render(run_dirs: Sequence[str], max_columns: int = 6) -> str:
 
 
 def _pattern(name: str):
-    return re.compile(r"(<!-- table: " + re.escape(name) + r" -->\n)(.*?)(\n<!-- /table -->)",
+    """The block of table `name`; an empty block (the markers on consecutive lines) too."""
+    return re.compile(r"(<!-- table: " + re.escape(name) + r" -->\n)(.*?)\n?(<!-- /table -->)",
                       re.S)
 
 
@@ -78,7 +80,7 @@ def replace(readme: str, name: str, table: str) -> str:
     pattern = _pattern(name)
     if not pattern.search(readme):
         raise KeyError(f"README has no '<!-- table: {name} -->' ... '<!-- /table -->' block")
-    return pattern.sub(lambda m: m.group(1) + table + m.group(3), readme)
+    return pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(3), readme)
 
 
 def current(readme: str, name: str) -> str:
