@@ -45,6 +45,7 @@ def run_script(args, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow   # two worker processes compile the engine: CI's second step
 def test_before_after_smoke(before_tree, tmp_path):
     out = tmp_path / "before_after.json"
     proc = run_script([f"--before={before_tree}", "--models=linear", "--algorithms=deltafl",

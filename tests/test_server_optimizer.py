@@ -96,11 +96,11 @@ def test_server_lr_list_crossed_with_theta_equals_separate_runs(tiny_synthetic):
     assert keys[:3] == ["theta=1_server_lr=0.01_seed=1", "theta=1_server_lr=0.01_seed=2",
                         "theta=1_server_lr=0.03_seed=1"]
     assert len(keys) == 8
-    sj = run_rounds(joint, 3)
+    sj = run_rounds(joint, 2)
     for eta in (0.01, 0.03):
         alone = build_experiment(tiny_config(server_lr=(eta,), **kw), tiny_synthetic)
         assert all("server_lr" not in lab.key() for lab in alone.replicas.labels)
-        sa = run_rounds(alone, 3)
+        sa = run_rounds(alone, 2)
         rows = [i for i, lab in enumerate(joint.replicas.labels)
                 if dict(lab.extra)["server_lr"] == eta]
         for a, b in zip(jax.tree.leaves(sa.params), jax.tree.leaves(sj.params)):
@@ -151,6 +151,7 @@ def test_server_optimizer_check_names_the_flag():
     assert not ServerOptimizer(learning_rates=(0.5,)).is_default
 
 
+@pytest.mark.slow
 def test_swept_run_serves_each_model_by_its_server_lr(tiny_synthetic, tmp_path):
     out = str(tmp_path / "run")
     cfg = tiny_config(thetas=(1.0, 0.5), seeds=(1, 2), server_optimizer="adam",
@@ -164,11 +165,13 @@ def test_swept_run_serves_each_model_by_its_server_lr(tiny_synthetic, tmp_path):
         load_model(out, theta=0.5, seed=1)
 
 
-def test_the_start_line_names_the_server_optimizer(tiny_synthetic, capsys):
+def test_the_start_line_names_the_server_optimizer(tiny_synthetic):
+    from deltafl_jax.run.callbacks import RunContext
+    from deltafl_jax.run.progress import Progress
     lines = []
-    cfg = tiny_config(thetas=(0.5,), server_optimizer="yogi", server_lr=(0.02,), num_rounds=1,
-                      eval_every=1, verbose=True)
-    run_experiment(cfg, tiny_synthetic, log=lines.append)
+    cfg = tiny_config(thetas=(0.5,), server_optimizer="yogi", server_lr=(0.02,))
+    exp = build_experiment(cfg, tiny_synthetic)
+    Progress(lines.append, bar=False).on_run_start(RunContext(experiment=exp, num_rounds=1))
     assert "with server Yogi, eta=0.02, beta1=0.9, beta2=0.99, tau=0.001" in lines[0]
 
 
@@ -177,6 +180,7 @@ TINY_RUN = ["--dataset=synthetic", "--synthetic_num_clients=20", "--synthetic_ma
             "--tensorboard=no"]
 
 
+@pytest.mark.slow
 def test_method_entries_name_their_server_optimizer(tmp_path, capsys):
     """--algorithm=fedavg,fedavg+adam,deltafl+yogi: the entry with a '+' runs with that
     optimizer at --server_lr (as the single-method run with --server_optimizer does, bit for
