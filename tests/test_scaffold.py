@@ -106,12 +106,12 @@ def test_three_rounds_equal_algorithm_1(tiny_synthetic, weighting, etas):
             params = ref.round(params, lab.seed, t, M, cfg.learning_rate, cfg.l2_reg,
                                cfg.batch_size, EPOCHS, eta)
         for got, want in zip(rows(state.params, r), params):
-            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
         for got, want in zip(rows(state.algo_state.c, r), ref.c):
-            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
         for k in range(train.num_clients):
             for got, want in zip(rows(state.client_state, r, k), ref.ci[k]):
-                np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+                np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
         assert np.max(np.abs(ref.c[0])) > 1e-3              # the control variates moved
 
 
