@@ -75,7 +75,7 @@ class RoundData(NamedTuple):
 
 def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                seeds: Sequence[int],
-               server_optimizer: Optional[optax.GradientTransformation] = None,
+               server_tx: Optional[optax.GradientTransformation] = None,
                num_clients: int = 0) -> ServerState:
     """w_0 of each replica from its seed (replicas with one seed start from one w_0), the
     algorithm's state, the server optimizer's state (each replica's own learning rate), and
@@ -87,13 +87,15 @@ def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
     algo_state = jax.vmap(algorithm.init)(params, hyper)
     client_state = ()
     if algorithm.client_state_init is not None:
+        if num_clients < 1:
+            raise ValueError(f"{algorithm.name} keeps a state per client: give num_clients")
         def every_client(p, h):
             one = algorithm.client_state_init(p, h)
             return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients,) + a.shape), one)
         client_state = jax.jit(jax.vmap(every_client))(params, hyper)
     return ServerState(params=params, algo_state=algo_state, round=jnp.int32(0),
                        active=jnp.ones((replicas.size,), bool),
-                       server_opt_state=init_states(server_optimizer, params,
+                       server_opt_state=init_states(server_tx, params,
                                                     replicas.server_lr),
                        client_state=client_state)
 
@@ -162,26 +164,34 @@ def _write_back(client_state, ids, new, ok):
     return jax.tree.map(put, client_state, new)
 
 
-def _server(algorithm, server_optimizer, state, feedback, hyper, keep):
+def _server(algorithm, server_tx, state, feedback, hyper, keep):
     """Steps 4-5 for every replica: (params, algo_state, server_opt_state, metrics); replicas
-    that are not kept keep theirs."""
+    that are not kept keep theirs. With a server optimizer, a replica whose aggregate no
+    client reached (weight_sum = 0: every update dropped or not finite, or nobody kept) keeps
+    its model and the optimizer's state too: its momentum is not applied to a Delta of
+    zeros. (The plain step adds that zero Delta, as before.)"""
     delta, algo_state, algo_metrics = jax.vmap(algorithm.server_update)(
         state.algo_state, state.params, feedback, hyper)
-    params, opt_state = server_step(server_optimizer, state.params, delta,
-                                    state.server_opt_state)
+    params, opt_state = server_step(server_tx, state.params, delta, state.server_opt_state)
+    moved = keep if server_tx is None else keep & (feedback.weight_sum > 0)
 
-    def kept(new, old):
-        return jax.tree.map(lambda n, o: _per_replica_where(keep, n, o), new, old)
-    return (kept(params, state.params), kept(algo_state, state.algo_state),
-            kept(opt_state, state.server_opt_state), algo_metrics)
+    def kept(new, old, which=keep):
+        return jax.tree.map(lambda n, o: _per_replica_where(which, n, o), new, old)
+    params = kept(params, state.params, moved)
+    metrics = dict(algo_metrics)
+    if server_tx is not None:   # how far the server step moved each model
+        metrics["server_step_norm"] = jnp.sqrt(jax.vmap(engine.tree_sqnorm)(
+            jax.tree.map(jnp.subtract, params, state.params)))
+    return (params, kept(algo_state, state.algo_state),
+            kept(opt_state, state.server_opt_state, moved), metrics)
 
 
 def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                    local: engine.LocalSGDConfig, eval_chunk: int, eval_lanes: int,
                    num_sampled: int,
-                   server_optimizer: Optional[optax.GradientTransformation] = None):
-    """The round of `algorithm` for `replicas`, with `server_optimizer` (None: the default
-    step w + Delta). Returns an unjitted pure function."""
+                   server_tx: Optional[optax.GradientTransformation] = None):
+    """The round of `algorithm` for `replicas`, with the server optimizer's transformation
+    `server_tx` (None: the plain step w + Delta). Returns an unjitted pure function."""
     hooks = algorithm.client_hooks()
     local = local._replace(client_hooks=hooks)
     group = jnp.asarray(replicas.group, jnp.int32)
@@ -217,7 +227,7 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
                                   job_trained=tr.job_trained, learning_rate=lr,
                                   clients=clients, client_outputs=tr.job_output)
         params, algo_state, opt_state, algo_metrics = _server(
-            algorithm, server_optimizer, state, feedback, hyper, keep)
+            algorithm, server_tx, state, feedback, hyper, keep)
         client_state = state.client_state
         if tr.job_state is not None and jax.tree.leaves(client_state):
             client_state = jax.vmap(_write_back)(client_state, clients, tr.job_state,

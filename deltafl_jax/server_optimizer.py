@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Mapping, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -43,9 +43,17 @@ import optax
 from deltafl_jax.errors import ConfigError
 
 NAMES = ("sgd", "momentum", "adam", "yogi", "adagrad")
-ADAPTIVE = ("adam", "yogi", "adagrad")
 DISPLAY = {"sgd": "SGD", "momentum": "momentum", "adam": "Adam", "yogi": "Yogi",
            "adagrad": "Adagrad"}
+# The --server_* flags beside --server_lr that each optimizer reads, the ServerOptimizer field
+# of each, and how reports write it.
+READS = {"sgd": (), "momentum": ("server_momentum",), "adagrad": ("server_beta1", "server_eps"),
+         "adam": ("server_beta1", "server_beta2", "server_eps"),
+         "yogi": ("server_beta1", "server_beta2", "server_eps")}
+FIELDS = {"server_momentum": "momentum", "server_beta1": "beta1", "server_beta2": "beta2",
+          "server_eps": "eps"}
+SYMBOLS = {"server_momentum": "β", "server_beta1": "β₁", "server_beta2": "β₂",
+           "server_eps": "τ"}
 
 
 class FedOptState(NamedTuple):
@@ -126,16 +134,19 @@ class ServerOptimizer:
         describes, and what an algorithm without a server optimizer accepts."""
         return self.name == "sgd" and tuple(self.learning_rates) == (1.0,)
 
-    @property
-    def swept(self) -> bool:
-        return len(self.learning_rates) > 1
+    def reads(self) -> Tuple[str, ...]:
+        """The --server_* flags that this optimizer reads beside --server_lr."""
+        return READS[self.name]
+
+    def settings(self) -> Tuple[Tuple[str, float], ...]:
+        """(flag, value) of each flag it reads beside --server_lr."""
+        return tuple((flag, float(getattr(self, FIELDS[flag]))) for flag in self.reads())
 
     def describe(self) -> str:
+        """One line for the start of a run: 'Adam, server_lr=0.01,0.03, server_beta1=0.9, ...'."""
         lrs = ",".join(f"{v:g}" for v in self.learning_rates)
-        extra = {"momentum": f", beta={self.momentum:g}",
-                 "sgd": ""}.get(self.name, f", beta1={self.beta1:g}, beta2={self.beta2:g}, "
-                                           f"tau={self.eps:g}")
-        return f"{DISPLAY[self.name]}, eta={lrs}{extra}"
+        return ", ".join([f"{DISPLAY[self.name]}, server_lr={lrs}"]
+                         + [f"{flag}={v:g}" for flag, v in self.settings()])
 
     def transformation(self) -> Optional[optax.GradientTransformation]:
         """The transformation of g = -Delta, with its learning rate injected (state field
@@ -155,6 +166,18 @@ class ServerOptimizer:
                                optax.scale_by_learning_rate(learning_rate))
 
         return optax.inject_hyperparams(make)(learning_rate=1.0)
+
+
+def from_run_config(config: Mapping[str, Any]) -> ServerOptimizer:
+    """The server optimizer of a finished run, from its stored configuration (summary.json's
+    ``config``); runs written before server optimizers existed took the plain step."""
+    d = ServerOptimizer()
+    lrs = config.get("server_lr") or d.learning_rates
+    return ServerOptimizer(
+        name=str(config.get("server_optimizer") or d.name),
+        learning_rates=tuple(float(v) for v in (lrs if isinstance(lrs, (list, tuple))
+                                                else (lrs,))),
+        **{field: float(config.get(flag, getattr(d, field))) for flag, field in FIELDS.items()})
 
 
 def _number(flag, v, low, low_ok, high=None):

@@ -31,9 +31,14 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+COMMAND_LINE: set = set()   # the flags given on the command line itself (not by a flagfile)
+
+
 def parse_flags_or_fail(argv):
     """absl's flag parsing; --help prints the flags and exits 0, a bad flag or a missing
     flagfile is one line and exit code 2."""
+    COMMAND_LINE.clear()
+    COMMAND_LINE.update(a.lstrip("-").split("=", 1)[0] for a in argv[1:] if a.startswith("--"))
     if any(a in HELP_FLAGS for a in argv[1:]):
         modules = [m for m in FLAGS.flags_by_module_dict() if not m.startswith("absl")]
         print("\n\n".join(FLAGS.module_help(m) for m in modules), flush=True)
@@ -140,6 +145,24 @@ def _define_server_flags() -> None:
             "sqrt(v) (and v_{-1} = tau^2)")
 
 
+def _define_device_flags() -> None:
+    """Where the rounds run: devices, processes, determinism."""
+    _define(flags.DEFINE_integer, "devices", None, "devices that share each round's client "
+            "work (one mesh axis); unset: every local device (and every process's, with "
+            "--distributed); 1: one device, no collectives")
+    _define(flags.DEFINE_bool, "distributed", False, "join a run of several processes with "
+            "jax.distributed (TPU pods and Slurm are detected; else give the three flags below)")
+    _define(flags.DEFINE_string, "coordinator_address", None, "with --distributed: host:port of "
+            "process 0")
+    _define(flags.DEFINE_integer, "num_processes", None, "with --distributed: processes in all")
+    _define(flags.DEFINE_integer, "process_id", None, "with --distributed: this process, "
+            "0..num_processes-1 (0 writes the outputs)")
+    _define(flags.DEFINE_integer, "distributed_timeout_s", 120, "with --distributed: give up "
+            "joining after this many seconds")
+    _define(flags.DEFINE_bool, "deterministic", False, "bit-reproducible runs on GPU (XLA's "
+            "deterministic scatter-adds; slower); no effect on CPU, which is deterministic")
+
+
 def define_experiment_flags() -> None:
     """Every flag of :class:`deltafl_jax.ExperimentConfig` (idempotent)."""
     from deltafl_jax.algorithms import registry
@@ -178,20 +201,7 @@ def define_experiment_flags() -> None:
     _define(flags.DEFINE_integer, "clients_per_step", None, "client lanes trained at once "
             "(1: one client at a time; m: all sampled clients vmapped); unset: by model and "
             "backend")
-    _define(flags.DEFINE_integer, "devices", None, "devices that share each round's client "
-            "work (one mesh axis); unset: every local device (and every process's, with "
-            "--distributed); 1: one device, no collectives")
-    _define(flags.DEFINE_bool, "distributed", False, "join a run of several processes with "
-            "jax.distributed (TPU pods and Slurm are detected; else give the three flags below)")
-    _define(flags.DEFINE_string, "coordinator_address", None, "with --distributed: host:port of "
-            "process 0")
-    _define(flags.DEFINE_integer, "num_processes", None, "with --distributed: processes in all")
-    _define(flags.DEFINE_integer, "process_id", None, "with --distributed: this process, "
-            "0..num_processes-1 (0 writes the outputs)")
-    _define(flags.DEFINE_integer, "distributed_timeout_s", 120, "with --distributed: give up "
-            "joining after this many seconds")
-    _define(flags.DEFINE_bool, "deterministic", False, "bit-reproducible runs on GPU (XLA's "
-            "deterministic scatter-adds; slower); no effect on CPU, which is deterministic")
+    _define_device_flags()
     _define(flags.DEFINE_integer, "eval_chunk", None, "examples per evaluation work item; "
             "unset: by model and backend")
     _define(flags.DEFINE_integer, "eval_every", 10, "evaluate on all train and test clients "
@@ -348,7 +358,9 @@ def configs_from_flags() -> List:
                          "name their server optimizer (NAME+OPTIMIZER); name it in each entry")
     if len(entries) == 1:
         _, name, optimizer = entries[0]
-        return [config_from_flags(name, server_optimizer=optimizer or None)]
+        configs = [config_from_flags(name, server_optimizer=optimizer or None)]
+        check_flags_read(configs)
+        return configs
     configs = []
     for entry, name, optimizer in entries:
         config = config_from_flags(name, beside_others=True,
@@ -357,4 +369,28 @@ def configs_from_flags() -> List:
             config = dataclasses.replace(config, output_dir=os.path.join(config.output_dir,
                                                                          entry))
         configs.append(config)
+    check_flags_read(configs)
     return configs
+
+
+def check_flags_read(configs) -> None:
+    """UsageError naming a flag given on the command line that no method of the run reads: an
+    option or a swept value of another algorithm, or a server optimizer's setting that none of
+    the run's server optimizers reads. A flagfile may set flags for other methods (it is often
+    run with another --algorithm)."""
+    from deltafl_jax.algorithms import registry
+    from deltafl_jax.server_optimizer import READS
+    methods = ", ".join(c.method for c in configs)
+    read = {f for c in configs for f in registry.get(c.algorithm).reads()}
+    own = sorted({f for name in registry.names() for f in registry.get(name).reads()})
+    for flag in own:
+        if flag in COMMAND_LINE and flag not in read:
+            users = [n for n in registry.names() if flag in registry.get(n).reads()]
+            raise UsageError(f"--{flag} is read by --algorithm={','.join(users)}, not by "
+                             f"{methods}")
+    used = {f for c in configs for f in c.server.reads()}
+    for flag in sorted({f for reads in READS.values() for f in reads}):
+        if flag in COMMAND_LINE and flag not in used:
+            users = [n for n, reads in READS.items() if flag in reads]
+            raise UsageError(f"--{flag} is read by --server_optimizer={','.join(users)}, not by "
+                             f"the server step of {methods}")

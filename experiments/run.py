@@ -4,8 +4,9 @@ r"""Train Delta-FL (or a baseline) for every theta x seed in one compiled progra
 
 ``--algorithm`` may list several methods (``--algorithm=deltafl,fedavg,qffl``): they run one
 after another on the same data, each in its own compiled program, into
-``<output_dir>/<algorithm>/``, and a table of the final test errors closes the run. An entry
-``NAME+OPTIMIZER`` (``fedavg+adam``) runs NAME with that server optimizer at ``--server_lr``. With
+``<output_dir>/<entry>/``, and a table of the final test errors closes the run. An entry
+``NAME+OPTIMIZER`` (``fedavg+adam``) runs NAME with that server optimizer at ``--server_lr``
+into ``<output_dir>/NAME+OPTIMIZER/``. With
 ``--resample_writers_per_seed`` each seed is its own dataset and its own program, written to
 ``.../seed_<s>/`` (:mod:`deltafl_jax.seed_groups`).
 
@@ -35,8 +36,9 @@ def stop_exit_code(reason: str) -> int:
 
 def comparison_lines(results):
     """Rows 'method, swept value (and further coordinates, e.g. server_lr): mean and p90 of
-    the final per-client test error, each the mean over seeds' of a multi-method run. results: [(algorithm, RunResult)]; the results of
-    one method's seed groups (--resample_writers_per_seed) are pooled."""
+    the final per-client test error, each the mean over seeds' of a multi-method run.
+    results: [(method, RunResult)], the method being the --algorithm entry (``fedavg+adam``);
+    the results of one method's seed groups (--resample_writers_per_seed) are pooled."""
     from deltafl_jax.replicas import ReplicaLabel
     from deltafl_jax.run.progress import error_table
 

@@ -76,6 +76,7 @@ def _inputs():
     if not out_dir:
         raise TuningError("--output_dir is required (where the grids and tuned.flags go)")
     config = dataclasses.replace(cli.config_from_flags(), output_dir=out_dir)
+    cli.check_flags_read([config])
     lr_grid = (cli.floats("lr_grid", FLAGS.lr_grid) if FLAGS.lr_grid
                else default_lr_grid(config))
     decay_grid = cli.floats("lr_decay_grid", FLAGS.lr_decay_grid)

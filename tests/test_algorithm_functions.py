@@ -382,3 +382,59 @@ def test_deltafl_alt_holds_eta_between_refreshes():
     _, _, state, met = round_(state, np.array([2.0, 4.0, 1.0, 0.5], np.float32))
     assert met == {"eta": 1.0, "eta_refreshed": 1.0, "empty_round": 0.0}
     assert int(state.rounds) == 4
+
+
+# ----------------------------------------------------------------------------- SCAFFOLD
+
+
+def test_scaffold_client_hooks_are_option_two():
+    """client_init gives c - c_k; client_step adds it to the gradient; client_final gives
+    c_k+ = c_k - c + (w_t - y_k) / (K gamma) and Delta c_k = c_k+ - c_k (Algorithm 1,
+    option II), here with K = 4 steps at gamma = 0.1 and numbers chosen by hand."""
+    from deltafl_jax.algorithms.scaffold import ScaffoldState, scaffold
+    alg = scaffold(SIZES)
+    c = {"w": np.full((2, 2), 0.5, np.float32), "b": np.array([1.0, -1.0], np.float32)}
+    ck = {"w": np.array([[0.1, 0.2], [0.3, 0.4]], np.float32), "b": np.zeros(2, np.float32)}
+    ctx = alg.client_init(ScaffoldState(c=c), ck, None)
+    np.testing.assert_allclose(ctx["w"], [[0.4, 0.3], [0.2, 0.1]], rtol=1e-6)
+    grads = {"w": np.ones((2, 2), np.float32), "b": np.array([2.0, 3.0], np.float32)}
+    g = alg.client_step(grads, PARAMS, ctx, None)
+    np.testing.assert_allclose(g["b"], [3.0, 2.0])
+    delta = update(1)                                # y_k - w_t
+    new, out = alg.client_final(ctx, ck, delta, np.int32(4), np.float32(0.1), None)
+    for n in PARAMS:                                 # (w_t - y_k) / (K gamma) = -delta / 0.4
+        want = ck[n] - c[n] - delta[n] / 0.4
+        np.testing.assert_allclose(new[n], want, rtol=1e-6)
+        np.testing.assert_allclose(out[n], want - ck[n], rtol=1e-6)
+
+
+@pytest.mark.parametrize("weighting", ["weighted", "unweighted"])
+def test_scaffold_server_update_skips_a_client_with_a_non_finite_update(weighting):
+    """Clients 0, 1, 3 trained, client 1's update was not finite (its Delta c_k is NaN): Delta
+    is the average of clients 0 and 3, and c <- c + sum over them of alpha_k Delta c_k, with
+    alpha_k = n_k / n over all N training clients (weighted) or 1 / N (unweighted)."""
+    from deltafl_jax.algorithms.scaffold import ScaffoldOptions, ScaffoldState, scaffold
+    train_sizes = np.array([10, 20, 30, 40, 100], np.int32)        # N = 5 training clients
+    alg = scaffold(train_sizes, ScaffoldOptions(weighting=weighting))
+    clients = np.array([4, 0, 2, 1], np.int32)                     # the m = 4 sampled ones
+    a = np.asarray(alg.client_weights((), LOSSES, train_sizes[clients], None, KEY, clients))
+    n = train_sizes[clients].astype(np.float64)
+    np.testing.assert_allclose(a, (n if weighting == "weighted" else np.ones(4)) /
+                               (n.sum() if weighting == "weighted" else 4), rtol=1e-6)
+    a = a * np.array([1, 1, 0, 1])                                 # client slot 2 did not train
+    finite = np.array([True, False, True, True])
+    fb = feedback(a, sizes=train_sizes[clients], finite=finite, clients=clients)
+    dc = [update(k + 5) for k in range(4)]
+    dc[1] = {n_: np.full_like(v, np.nan) for n_, v in dc[1].items()}
+    outputs = {n_: np.stack([d[n_] for d in dc]) for n_ in PARAMS}
+    c0 = {n_: np.full_like(v, 0.5) for n_, v in PARAMS.items()}
+    delta, state, metrics = alg.server_update(ScaffoldState(c=c0), PARAMS,
+                                              fb._replace(client_outputs=outputs), None)
+    want = average(a, finite)
+    alpha = (train_sizes / train_sizes.sum() if weighting == "weighted"
+             else np.full(5, 0.2))[clients]
+    for n_ in PARAMS:
+        np.testing.assert_allclose(delta[n_], want[n_], rtol=1e-5)
+        c_want = c0[n_] + alpha[0] * dc[0][n_] + alpha[3] * dc[3][n_]
+        np.testing.assert_allclose(state.c[n_], c_want, rtol=1e-5)
+    assert np.isfinite(float(metrics["control_variate_norm"]))

@@ -127,6 +127,19 @@ def bad_inputs(tmp_path):
         "unknown flag": (["--lr=0.1"], "Unknown command line flag 'lr'"),
         "fedavg with thetas": (["--algorithm=fedavg", "--thetas=0.5"], "fedavg is Delta-FL at"),
         "bad seeds": (["--seeds=1,x"], "--seeds must be a comma-separated list of integers"),
+        # A flag given on the command line that no method of the run reads.
+        "option of another algorithm": (["--algorithm=deltafl_alt", "--quantile=secagg_mm"],
+                                        "--quantile is read by --algorithm=deltafl, not by "
+                                        "deltafl_alt"),
+        "sweep of another algorithm": (["--qffl_q=0.1"], "--qffl_q is read by "
+                                       "--algorithm=afl_qffl,qffl, not by deltafl"),
+        "server setting not read": (["--server_optimizer=adam", "--server_lr=0.1",
+                                     "--server_momentum=0.5"],
+                                    "--server_momentum is read by --server_optimizer=momentum, "
+                                    "not by the server step of deltafl+adam"),
+        "adagrad has no beta2": (["--server_optimizer=adagrad", "--server_lr=0.1",
+                                  "--server_beta2=0.9"], "--server_beta2 is read by "
+                                 "--server_optimizer=adam,yogi"),
     }
 
 
@@ -138,6 +151,16 @@ def test_every_bad_input_exits_2_with_one_line_and_no_output(tmp_path, capsys):
         lines = [l for l in err.splitlines() if l.strip()]
         assert len(lines) == 1 and message in lines[0], (name, err)
         assert not out.exists(), name
+
+
+def test_a_flagfile_may_set_flags_of_other_methods():
+    """tiny.flags sets --thetas; run with --algorithm=qffl (which does not read it) it plans,
+    and a flag that no method reads is refused only when given on the command line."""
+    from experiments import run as runner
+    runner.FLAGS.unparse_flags()
+    runner.parse_flags_or_fail(["run", f"--flagfile={TINY}", "--algorithm=qffl",
+                                "--output_dir=/tmp/unused"])
+    assert [c.method for c in runner.planned_configs()] == ["qffl"]
 
 
 def test_bad_input_from_the_shell_has_no_traceback(tmp_path):

@@ -1,5 +1,6 @@
 """The README's Synthetic table and the server-optimizer comparison equal fresh runs of their
-flagfiles (so they cannot go stale), and the table renderer's means, stds and bold marks are right on a hand-made run."""
+flagfiles (so they cannot go stale), and the table renderer's means, stds and bold marks are
+right on a hand-made run."""
 
 import json
 import os

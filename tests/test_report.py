@@ -3,6 +3,7 @@ way (percentiles by repeating each loss n_k times), the figures' plotted arrays,
 and runs that are missing or incomplete (skipped with one line, never a crash)."""
 
 import csv
+import dataclasses
 import json
 import os
 import shutil
@@ -460,13 +461,36 @@ def test_best_cuts_the_tuned_sweeps_and_keeps_every_theta():
               L("deltafl_alt", 0.5, 1, extra=(("eta_every", 5.0),)),
               L("gone", 1.0, 1, "x", 1.0), L("gone", 1.0, 1, "x", 2.0)]
     p90 = np.array([0.5, 0.4, 0.3, 0.2, 0.6, 0.1, 0.9, 0.8])
-    run = types.SimpleNamespace(labels=labels,
+    run = types.SimpleNamespace(labels=labels, config={},
                                 final=lambda percentile: {"test_error_p90": p90})
     cols = [report.Column(run=run, setting="s", label=f"c{r}", replicas=[r], seeds=[1],
                           identity=(r,)) for r in range(len(labels))]
     kept = report.best_columns(cols)
     assert [c.replicas[0] for c in kept] == [0, 1, 3, 4, 5, 7]
     assert [c.replicas[0] for c in kept if c.label.endswith(report.BEST_MARK)] == [3, 7]
+
+
+def test_best_keeps_each_server_step_of_a_baseline():
+    """q-FFL with the plain step and q-FFL with Adam's (--algorithm=qffl,qffl+adam) are two
+    methods: --best keeps the best q of each; within a run that sweeps the server learning
+    rate, the best (q, eta) pair."""
+    L = ReplicaLabel
+    qs = [L("qffl", 1.0, 1, "qffl_q", 0.1), L("qffl", 1.0, 1, "qffl_q", 1.0)]
+
+    def run(config, p90, labels=qs):
+        return types.SimpleNamespace(labels=labels, config=config,
+                                     final=lambda percentile: {"test_error_p90": np.array(p90)})
+    plain = run({"server_optimizer": "sgd", "server_lr": [1.0]}, [0.5, 0.4])
+    adam = run({"server_optimizer": "adam", "server_lr": [0.03]}, [0.2, 0.3])
+    swept = run({"server_optimizer": "adam", "server_lr": [0.01, 0.03]}, [0.6, 0.1, 0.7, 0.2],
+                [dataclasses.replace(q, extra=(("server_lr", eta),)) for q in qs
+                 for eta in (0.01, 0.03)])
+    cols = [report.Column(run=r, setting="s", label=f"{i}{k}", replicas=[k], seeds=[1],
+                          identity=(i, k))
+            for i, r in enumerate((plain, adam, swept)) for k in range(len(r.labels))]
+    kept = report.best_columns(cols)
+    assert [(c.label.split()[0], c.label.endswith(report.BEST_MARK)) for c in kept] == [
+        ("01", True), ("10", True), ("21", True)]
 
 
 def test_a_run_of_a_newer_output_format_is_skipped_with_one_line(runs, tmp_path):

@@ -336,7 +336,7 @@ def test_each_option_is_declared_once_and_shared_by_the_specs_that_read_it():
     from deltafl_jax.algorithms import registry
     from deltafl_jax.algorithms.spec import declared_options
 
-    declared = {name: dict(declared_options(registry.get(name).options))
+    declared = {name: dict(declared_options(registry.get(name).options_type))
                 for name in registry.names()}
     assert list(declared["deltafl"]) == ["filter", "weighting", "smoothing", "quantile",
                                          "mm_iters"]
@@ -351,7 +351,7 @@ def test_each_option_is_declared_once_and_shared_by_the_specs_that_read_it():
             assert option is options[flag], (name, flag)
     # Its default is the options dataclass's default.
     for name in ("deltafl", "fedavg", "fedavg_sub", "deltafl_alt"):
-        made = registry.get(name).options()
+        made = registry.get(name).options_type()
         for f in dataclasses.fields(made):
             assert getattr(made, f.name) == options[f.name].default
 
@@ -367,7 +367,7 @@ def test_two_specs_declaring_one_flag_differently_is_a_type_error():
     class Clash:
         filter: str = other.field()
 
-    spec = dataclasses.replace(registry.get("fedavg_sub"), name="clash", options=Clash)
+    spec = dataclasses.replace(registry.get("fedavg_sub"), name="clash", options_type=Clash)
     with pytest.raises(TypeError, match="--filter differently"):
         registry.collect_options(list(registry.SPECS.values()) + [spec])
     same = dataclasses.replace(registry.get("fedavg_sub"), name="same")
@@ -379,7 +379,7 @@ def test_two_specs_declaring_one_flag_differently_is_a_type_error():
         filter: str = "exact"            # not an Option field
 
     with pytest.raises(TypeError, match="Option.field"):
-        dataclasses.replace(registry.get("fedavg_sub"), name="plain", options=Plain)
+        dataclasses.replace(registry.get("fedavg_sub"), name="plain", options_type=Plain)
 
 
 def test_an_option_no_spec_declares_is_one_line_and_other_specs_options_are_ignored():

@@ -191,6 +191,16 @@ def run_thetas(config) -> Sequence[float]:
     return tuple(config.thetas) or PAPER_THETAS
 
 
+def theta_one(algorithm: str, why: str) -> Callable:
+    """The ``values`` of a spec that trains theta = 1 alone (FedAvg, SCAFFOLD): (1.0,), and a
+    ConfigError saying `why` when --thetas lists another level."""
+    def values(config, given):
+        if given and tuple(given) != (1.0,):
+            raise ConfigError(f"--algorithm={algorithm} {why}; got --thetas={list(given)}")
+        return (1.0,)
+    return values
+
+
 def check_thetas(config) -> None:
     for t in config.thetas:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0:
@@ -214,5 +224,5 @@ SPEC = AlgorithmSpec(
     name="deltafl", display_name="Δ-FL",
     help="Delta-FL: the clients above the (1 - theta)-quantile train",
     factory=lambda config, data, options: deltafl(options, thetas=run_thetas(config)),
-    hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options=DeltaFLOptions,
+    hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=DeltaFLOptions,
     column_name=column_name, tunes_l2=True)

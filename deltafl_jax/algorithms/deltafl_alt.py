@@ -109,7 +109,7 @@ SPEC = AlgorithmSpec(
     name="deltafl_alt", display_name="Δ-FL (alternating)",
     help="Delta-FL with eta refreshed every T_eta rounds (Algorithm 1; App. C.3, Figs. 17-18)",
     factory=lambda config, data, options: deltafl_alt(options, thetas=run_thetas(config)),
-    hyper=DeltaFLAltHyper, sweep=THETA_SWEEP, validate=check_thetas, options=DeltaFLAltOptions,
+    hyper=DeltaFLAltHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=DeltaFLAltOptions,
     column_name=_column_name,
     cross=(Sweep(flag="eta_every", field="eta_every", default=DEFAULT_ETA_EVERY, minimum=1.0,
                  integer=True, help="deltafl_alt: T_eta, rounds between refreshes of eta, "

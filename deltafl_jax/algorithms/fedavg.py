@@ -19,10 +19,9 @@ import dataclasses
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
-                                            client_alphas)
+                                            client_alphas, theta_one)
 from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, average_delta,
                                          check_options, no_state)
-from deltafl_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,25 +49,10 @@ def fedavg(options: FedAvgOptions = FedAvgOptions()) -> FederatedAlgorithm:
                               server_update=server_update, uses_losses=False)
 
 
-def _theta_one(config, given):
-    if given and tuple(given) != (1.0,):
-        raise ConfigError(
-            f"--algorithm=fedavg is Delta-FL at theta=1; got --thetas={list(given)} "
-            "(use --algorithm=deltafl to sweep theta)")
-    return (1.0,)
-
-
-def _column_name(label, options, head):
-    """FedAvg has no theta to name: its one model is theta = 1."""
-    return "FedAvg"
-
-
 SPEC = AlgorithmSpec(
     name="fedavg", display_name="FedAvg",
     help="FedAvg: Delta-FL at theta = 1 without the evaluation at w_t",
     factory=lambda config, data, options: fedavg(options), hyper=DeltaFLHyper,
-    sweep=THETA_SWEEP, values=_theta_one, validate=check_thetas, options=FedAvgOptions,
-    column_name=_column_name, fixed_sweep=True, tunes_l2=True,
-    # Hsu et al. 2019; Reddi et al. 2021 (FedAvg's Delta into each server optimizer).
-    server_names={"momentum": "FedAvgM", "adam": "FedAdam", "yogi": "FedYogi",
-                  "adagrad": "FedAdagrad"})
+    sweep=THETA_SWEEP, validate=check_thetas, options_type=FedAvgOptions,
+    values=theta_one("fedavg", "is Delta-FL at theta=1 (use --algorithm=deltafl to sweep "
+                     "theta)"), names_value=False, fixed_sweep=True, tunes_l2=True)

@@ -101,7 +101,7 @@ def _make(config, data, options):
 SPEC = AlgorithmSpec(
     name="fedavg_sub", display_name="FedAvg-Sub",
     help="FedAvg on a random subset of the sampled clients, as many as Delta-FL keeps",
-    factory=_make, hyper=FedAvgSubHyper, options=FedAvgSubOptions,
+    factory=_make, hyper=FedAvgSubHyper, options_type=FedAvgSubOptions,
     sweep=Sweep(flag="thetas", field="theta", default=DEFAULT_SUB_THETAS,
                 help="conformity levels theta in (0, 1], all trained in one program",
                 labelled_by_theta=True, symbol="θ"),

@@ -62,7 +62,7 @@ def collect_options(specs: Iterable[AlgorithmSpec]) -> Tuple[Tuple[str, Option],
     swept = {s.flag for spec in specs for s in spec.sweeps()}
     seen: Dict[str, Option] = {}
     for spec in specs:
-        for flag, option in declared_options(spec.options):
+        for flag, option in declared_options(spec.options_type):
             if flag in swept:
                 raise TypeError(f"spec {spec.name}: option --{flag} is also a swept flag")
             if seen.setdefault(flag, option) != option:

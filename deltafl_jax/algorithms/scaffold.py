@@ -39,10 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
-                                            client_alphas)
+                                            client_alphas, theta_one)
 from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, average_delta,
                                          check_options)
-from deltafl_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,21 +116,10 @@ def scaffold(train_sizes, options: ScaffoldOptions = ScaffoldOptions()) -> Feder
                               client_step=client_step, client_final=client_final)
 
 
-def _theta_one(config, given):
-    if given and tuple(given) != (1.0,):
-        raise ConfigError(f"--algorithm=scaffold trains every sampled client (theta = 1); got "
-                          f"--thetas={list(given)}")
-    return (1.0,)
-
-
-def _column_name(label, options, head):
-    """SCAFFOLD trains every sampled client: no theta to name."""
-    return "SCAFFOLD"
-
-
 SPEC = AlgorithmSpec(
     name="scaffold", display_name="SCAFFOLD",
     help="SCAFFOLD (option II control variates; --server_lr is its global step size eta_g)",
     factory=lambda config, data, options: scaffold(data.train.sizes, options),
-    hyper=DeltaFLHyper, sweep=THETA_SWEEP, values=_theta_one, validate=check_thetas,
-    options=ScaffoldOptions, column_name=_column_name, fixed_sweep=True)
+    hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=ScaffoldOptions,
+    values=theta_one("scaffold", "trains every sampled client (theta = 1)"), names_value=False,
+    fixed_sweep=True)

@@ -7,9 +7,13 @@ baselines of the CISS 2021 paper, Table I):
    the algorithm declares that it does not use them: ``uses_losses=False``);
 2. ``client_weights`` turns (F, n) into aggregation weights a_k >= 0; a_k = 0 means that the
    client does no local work (the Delta-FL filter, FedAvg-Sub's subset, ...);
-3. the engine runs LocalUpdate (minibatch SGD from w_t on F_k + ``local_penalty``) on every
-   client with a_k > 0 and returns sums over them (:class:`ClientFeedback`);
-4. ``server_update`` forms the new global model.
+3. the engine runs LocalUpdate (minibatch SGD from w_t on F_k + ``local_penalty``, with the
+   per-client hooks ``client_init`` / ``client_step`` / ``client_final`` of an algorithm that
+   has them) on every client with a_k > 0 and returns sums over them, and each job's own
+   results (:class:`ClientFeedback`);
+4. ``server_update`` returns the aggregate Delta (and the algorithm's new state);
+5. the round's server optimizer turns Delta into the new global model
+   (:mod:`deltafl_jax.server_optimizer`: w + Delta by default).
 
 The functions act on ONE replica; the round vmaps them over replicas. Hyper-parameters that may
 differ between replicas (theta, q, t, mu, ...) arrive in ``hyper``, the algorithm's own typed
@@ -34,6 +38,8 @@ import optax
 
 from deltafl_jax.engine import ClientHooks
 from deltafl_jax.server_optimizer import DISPLAY as SERVER_DISPLAY
+from deltafl_jax.server_optimizer import SYMBOLS as SERVER_SYMBOLS
+from deltafl_jax.server_optimizer import ServerOptimizer, from_run_config
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.replicas import GridPoint, ReplicaGrid, ReplicaLabel
 
@@ -56,7 +62,8 @@ class ClientFeedback(NamedTuple):
     learning_rate: [] this round's client learning rate.
     clients: [m] int32 ids of the sampled clients (indices into the training clients).
     client_outputs: pytree, leaves [m, ...]: what ``client_final`` returned as each trained
-      client's output (None for an algorithm without it; zeros for clients that did not train).
+      client's output (None for an algorithm without it; zeros for clients that did not train;
+      possibly NaN for a client whose update was not finite: mask with ``job_finite``).
     """
 
     losses: jax.Array
@@ -91,7 +98,8 @@ class FederatedAlgorithm(NamedTuple):
     whose round then is the plain program):
     client_state_init(params, hyper) -> ONE client's initial state; every training client of
       every replica starts from it (leaves [R, N, ...] in the round state).
-    client_init(state, client_state, hyper) -> ctx: when a client starts local training.
+    client_init(state, client_state, hyper) -> ctx: when a client starts local training (None:
+      the context is None).
     client_step(grads, params, ctx, hyper) -> grads: every local step (a gradient correction).
     client_final(ctx, client_state, delta, steps, learning_rate, hyper) -> (client_state',
       output): when it ends; delta = w_k - w_t. The new state is written back for the clients
@@ -111,10 +119,9 @@ class FederatedAlgorithm(NamedTuple):
     client_final: Optional[Callable[..., Tuple[Any, Any]]] = None
 
     def client_hooks(self):
-        """The engine's :class:`~deltafl_jax.engine.ClientHooks`, or None without client_init."""
-        if self.client_init is None:
-            if self.client_step is not None or self.client_final is not None:
-                raise TypeError(f"{self.name}: client_step / client_final need client_init")
+        """The engine's :class:`~deltafl_jax.engine.ClientHooks`, or None when the algorithm
+        has no per-client work (client_init, client_step and client_final all None)."""
+        if self.client_init is None and self.client_step is None and self.client_final is None:
             return None
         return ClientHooks(init=self.client_init, step=self.client_step,
                            final=self.client_final)
@@ -144,6 +151,12 @@ def no_state(params, hyper):
 
 
 OPTION = "deltafl_jax.option"   # the metadata key of an options field's Option
+
+# How the literature names a method with a server optimizer, by the method's report column:
+# FedAvg (and Delta-FL at theta = 1, which is FedAvg) with momentum is Hsu et al.'s FedAvgM,
+# with the adaptive steps Reddi et al.'s FedAdam, FedYogi, FedAdagrad.
+SERVER_NAMES = {"FedAvg": {"momentum": "FedAvgM", "adam": "FedAdam", "yogi": "FedYogi",
+                           "adagrad": "FedAdagrad"}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +303,7 @@ class AlgorithmSpec:
       typed options (:meth:`options_for`). :meth:`make` calls it.
     hyper: the NamedTuple type of the per-replica hyper-parameters.
     sweep: the swept hyper-parameter.
-    options: the frozen dataclass of its options (:class:`Option` fields; the field names
+    options_type: the frozen dataclass of its options (:class:`Option` fields; the field names
       are the flags, e.g. ``--filter``), built from ``config.options``; :class:`NoOptions`
       for none. An options class may define ``check()`` (ConfigError naming the flag).
     fixed: values of the other hyper fields, the same for every replica.
@@ -311,15 +324,13 @@ class AlgorithmSpec:
     column_name: optional (label, options, name) -> the report's name of a column, given the
       default name ('display_name, symbol = value') and the run's options (Delta-FL at
       theta = 1 is "FedAvg"; its reference filter is named).
+    names_value: a report column names the swept value ('q-FFL, q = 10'); False: the spec
+      trains one model, named by its display name alone (FedAvg, SCAFFOLD: theta = 1).
     fixed_sweep: the spec trains one value of its sweep whatever the flag lists (FedAvg:
       theta = 1); beside other methods in one run it does not read that flag's values, which
       are the others' grid.
     tunes_l2: the tuner's lambda step applies: the spec's replicas are Delta-FL at the
       theta of its sweep (FedAvg: 1), and the lambda grid trains Delta-FL at each of them.
-    server_names: the names the literature gives the algorithm with a server optimizer
-      (FedAvg: {"adam": "FedAdam", ...}); a report column of such a run is named so. Other
-      server optimizers are named after the swept value ("Δ-FL, θ = 0.5, server Adam,
-      η = 0.03").
 
     Hyper fields that the active sweep and `cross` do not set take their value from `fixed`.
     """
@@ -338,14 +349,14 @@ class AlgorithmSpec:
     alt_sweep: Optional[Sweep] = None
     cross: Tuple[Sweep, ...] = ()
     own_server_step: str = ""
-    options: type = NoOptions
+    options_type: type = NoOptions
     column_name: Optional[Callable[[ReplicaLabel, Any, str], str]] = None
+    names_value: bool = True
     fixed_sweep: bool = False
     tunes_l2: bool = False
-    server_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        declared_options(self.options)   # TypeError unless a frozen dataclass of Options
+        declared_options(self.options_type)   # TypeError unless a frozen dataclass of Options
         fields = set(self.hyper._fields)
         crossed = {c.field for c in self.cross}
         for sweep in self.primary_sweeps():
@@ -391,14 +402,18 @@ class AlgorithmSpec:
             return tuple(self.values(config, given))
         return given or sweep.default
 
+    def reads(self) -> Tuple[str, ...]:
+        """Every flag of its own: its sweeps' and its options'."""
+        return tuple(s.flag for s in self.sweeps()) + self.option_flags()
+
     def option_flags(self) -> Tuple[str, ...]:
         """The flags of its options, in order."""
-        return tuple(flag for flag, _ in declared_options(self.options))
+        return tuple(flag for flag, _ in declared_options(self.options_type))
 
     def options_for(self, config):
         """Its typed options from ``config.options`` (defaults for the flags not given),
         checked: ConfigError naming the flag at fault."""
-        return build_options(self.options, config.options)
+        return build_options(self.options_type, config.options)
 
     def stored_options(self, run_config: Optional[Mapping[str, Any]]):
         """Its typed options as a finished run's configuration holds them (summary.json's
@@ -407,7 +422,7 @@ class AlgorithmSpec:
         run_config = dict(run_config or {})
         given = {**run_config, **dict(run_config.get("options") or {})}
         names = self.option_flags()
-        return self.options(**{k: given[k] for k in names if k in given})
+        return self.options_type(**{k: given[k] for k in names if k in given})
 
     def make(self, config, data) -> FederatedAlgorithm:
         """The algorithm of a run: the factory with the config's typed options."""
@@ -424,23 +439,33 @@ class AlgorithmSpec:
         'Δ-FL, θ = 0.5'); further coordinates follow as 'symbol = value'. `run_config`: the
         run's configuration as summary.json stores it (its options may name the column)."""
         symbols = {s.coordinate: s.symbol for s in self.sweeps() if s.symbol}
-        parts = label_parts(self.display_name, label, {**symbols, "server_lr": "η"})
+        parts = label_parts(self.display_name, label, {**symbols, "server_lr": "η_s"})
+        if not self.names_value:
+            parts[0] = self.display_name
         if self.column_name is not None:
             parts[0] = self.column_name(label, self.stored_options(run_config), parts[0])
         return ", ".join(self._server_parts(parts, run_config))
 
-    def _server_parts(self, parts: List[str], run_config) -> List[str]:
-        """The column's parts with the run's server optimizer named (none for the plain
-        step w + Delta); its learning rate is named unless the label names it (a sweep)."""
-        config = dict(run_config or {})
-        name = str(config.get("server_optimizer") or "sgd")
-        lrs = tuple(config.get("server_lr") or (1.0,))
-        if name == "sgd" and lrs == (1.0,):
+    @staticmethod
+    def _server_parts(parts: List[str], run_config) -> List[str]:
+        """The column's parts with the run's server step named (nothing for the plain step
+        w + Delta): the optimizer after the swept value ("Δ-FL, θ = 0.5, server Adam"), or
+        the literature's name of the method with it ("FedAdam": :data:`SERVER_NAMES`), then
+        its learning rate η_s unless the label names it (a sweep), and its settings that
+        differ from the defaults ("τ = 0.01")."""
+        server = from_run_config(dict(run_config or {}))
+        if server.is_default:
             return parts
-        head = [self.server_names.get(name, parts[0])]
-        if name != "sgd" and name not in self.server_names:
-            head.append(f"server {SERVER_DISPLAY.get(name, name)}")
-        return head + ([f"η = {_g(lrs[0])}"] if len(lrs) == 1 else []) + parts[1:]
+        named = SERVER_NAMES.get(parts[0], {}).get(server.name)
+        head = [named or parts[0]]
+        if named is None and server.name != "sgd":
+            head.append(f"server {SERVER_DISPLAY[server.name]}")
+        lrs = server.learning_rates
+        defaults = dict(ServerOptimizer(name=server.name).settings())
+        settings = [f"{SERVER_SYMBOLS[f]} = {_g(v)}" for f, v in server.settings()
+                    if v != defaults[f]]
+        return (head + ([f"η_s = {_g(lrs[0])}"] if len(lrs) == 1 else []) + settings
+                + parts[1:])
 
     def check(self, config) -> None:
         self.sweep_values(config)

@@ -17,5 +17,6 @@ from deltafl_jax.engine.trees import tree_all_finite, tree_sqnorm
 
 __all__ = ["EvalResult", "evaluate_streams", "LANE_MODES", "LaneDeal", "LoopShape", "deal_jobs",
            "loop_shape", "per_lane",
-           "ClientHooks", "ClientInputs", "LocalSGDConfig", "TrainResult", "sgd_with_weight_decay", "train_jobs",
+           "ClientHooks", "ClientInputs", "LocalSGDConfig", "TrainResult",
+           "sgd_with_weight_decay", "train_jobs",
            "tree_all_finite", "tree_sqnorm"]

@@ -47,14 +47,15 @@ class ClientHooks(NamedTuple):
     """Per-client work of an algorithm, each function for ONE job (the lanes vmap them).
 
     init(server_state, client_state, hyper) -> ctx: when a lane starts a job; server_state is
-      the replica's algorithm state, client_state the client's own (() if it has none).
+      the replica's algorithm state, client_state the client's own (() if it has none)
+      (None: the context is None).
     step(grads, params, ctx, hyper) -> grads: on every local step, before the optimizer
       (None: the plain gradient).
     final(ctx, client_state, delta, steps, learning_rate, hyper) -> (client_state', output):
       when the job ends; delta = w_k - w_t, steps its local steps (None: nothing kept).
     """
 
-    init: Callable
+    init: Optional[Callable] = None
     step: Optional[Callable] = None
     final: Optional[Callable] = None
 
@@ -327,7 +328,7 @@ class _LaneProgram:
         def taken(lane):
             params, opt_state, ctx = lane
             w0 = gather_rows(self.params, r)
-            if self.hooks is not None:
+            if self.hooks is not None and self.hooks.init is not None:
                 ctx = select_tree(fresh, self.contexts(js, r), ctx)
             return (select_tree(fresh, w0, params),
                     select_tree(fresh, self.fresh_opt_state(w0, r), opt_state), ctx)
@@ -361,7 +362,8 @@ class _LaneProgram:
         R = self.lr.shape[0]
         js0, r0 = self._lane_job(jnp.zeros((self.c,), jnp.int32))
         w0 = gather_rows(self.params, r0)
-        ctx = self.contexts(js0, r0) if self.hooks is not None else None
+        ctx = (self.contexts(js0, r0) if self.hooks is not None and self.hooks.init is not None
+               else None)
         job_state, job_output = self.job_buffers(ctx, js0, r0)
         return LaneCarry(
             trip=jnp.int32(0), params=w0, opt_state=self.fresh_opt_state(w0, r0),

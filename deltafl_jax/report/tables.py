@@ -16,6 +16,7 @@ import numpy as np
 from deltafl_jax.algorithms import registry
 from deltafl_jax.algorithms.spec import label_parts
 from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.server_optimizer import from_run_config
 
 if TYPE_CHECKING:
     from deltafl_jax.report.io import Run
@@ -140,7 +141,8 @@ def seed_groups_of_one_column(group: Sequence[Column]) -> bool:
 
 
 BEST_MARK = "†"
-BEST_NOTE = ("† each baseline at its best swept value (q, μ, t, γ_λ, FedAvg-Sub's clients), "
+BEST_NOTE = ("† each baseline at its best swept value (q, μ, t, γ_λ, FedAvg-Sub's clients; "
+             "with the server learning rate η_s when a run sweeps it), once per server step, "
              "the one with the smallest mean over seeds of the test 90th percentile, as the "
              "papers' tables (CISS 2021 Sec. V: \"report q with the smallest 90th percentile of "
              "misclassification error on test devices\"); Δ-FL's θ are all shown. Every value "
@@ -161,17 +163,27 @@ def column_is_tuned(col: Column) -> bool:
     return sweep is None or sweep.tuned
 
 
+def server_step(run_config) -> Tuple:
+    """What identifies a run's server step: the optimizer, its settings, and its learning rate
+    unless the run sweeps several (its columns then name it, and --best picks among them)."""
+    server = from_run_config(run_config or {})
+    lrs = server.learning_rates
+    return (server.name, server.settings(), lrs if len(lrs) == 1 else "swept")
+
+
 def best_columns(cols: Sequence[Column], percentile: str = "lower",
                  metric: str = "test_error_p90") -> List[Column]:
     """The columns with each baseline's sweep cut to its best value: within a row, the
-    columns of one algorithm whose swept value is tuned (:func:`column_is_tuned`: not Δ-FL,
-    whose θ are all kept, nor FedAvg) keep only the one with the smallest mean `metric` over
-    seeds (ties: the first), marked with :data:`BEST_MARK` in its label. A baseline with one
-    value is kept as it is."""
-    groups: Dict[Tuple[str, str], List[Column]] = {}
+    columns of one algorithm and one server step (:func:`server_step`: FedAdam's q-FFL is
+    not q-FFL) whose swept value is tuned (:func:`column_is_tuned`: not Δ-FL, whose θ are all
+    kept, nor FedAvg) keep only the one with the smallest mean `metric` over seeds (ties: the
+    first; a swept server learning rate is tuned with it), marked with :data:`BEST_MARK` in
+    its label. A baseline with one value is kept as it is."""
+    groups: Dict[Tuple, List[Column]] = {}
     for c in cols:
         if column_is_tuned(c):
-            groups.setdefault((c.setting, column_algorithm(c)), []).append(c)
+            groups.setdefault((c.setting, column_algorithm(c), server_step(c.run.config)),
+                              []).append(c)
     dropped = set()
     for group in groups.values():
         if len(group) < 2:
@@ -276,19 +288,25 @@ def run_options(run_config: Mapping[str, Any]) -> str:
     spec = registry.find(str(run_config.get("algorithm", "")))
     if spec is None:
         return "?"
-    given, default = spec.stored_options(run_config), spec.options()
+    given, default = spec.stored_options(run_config), spec.options_type()
     changed = [f"{f.name}={fmt_value(getattr(given, f.name))}"
                for f in dataclasses.fields(given)
                if getattr(given, f.name) != getattr(default, f.name)]
     return ", ".join(changed) or "—"
 
 
+def server_text(run_config) -> str:
+    """'w + Δ' for the plain step, else the optimizer and its settings."""
+    server = from_run_config(run_config or {})
+    return "w + Δ" if server.is_default else server.describe()
+
+
 def runs_table(runs: Sequence["Run"]) -> str:
     """One markdown row per run: data, model, algorithm and its options, rounds, schedule,
     seeds, time."""
-    lines = ["| run | dataset (train / test clients, median n_k) | model | algorithm | options | "
-             "rounds | m | γ₀ (÷c every t₀) | λ | seeds | replicas | wall time |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | dataset (train / test clients, median n_k) | model | algorithm | options "
+             "| server step | rounds | m | γ₀ (÷c every t₀) | λ | seeds | replicas | wall time |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         c, d = run.config, run.summary.get("dataset", {})
         lr = fmt_value(c.get("learning_rate", "?"))
@@ -299,7 +317,8 @@ def runs_table(runs: Sequence["Run"]) -> str:
         lines.append(
             f"| `{run.path}` | {run.dataset} ({d.get('num_train_clients', '?')} / "
             f"{d.get('num_test_clients', '?')}, {d.get('median_examples', '?')}) | {run.model} | "
-            f"{c.get('algorithm', '?')} | {run_options(c)} | {run.num_rounds} | "
+            f"{c.get('algorithm', '?')} | {run_options(c)} | {server_text(c)} | "
+            f"{run.num_rounds} | "
             f"{c.get('clients_per_round', '?')} | {lr} | {fmt_value(c.get('l2_reg', 0))} | "
             f"{seeds} | {len(run.labels)} | {'' if total is None else f'{total:.0f} s'} |")
     return "\n".join(lines)

@@ -4,8 +4,9 @@ A checkpoint is one orbax step directory ``<output_dir>/checkpoints/<round>/`` w
 saved by one :class:`orbax.checkpoint.CheckpointManager` composite save:
 
 - ``state``: the :class:`deltafl_jax.rounds.ServerState` leaves (params, algorithm state,
-  round) as NumPy arrays in a nested dict keyed by their pytree path (``params/Dense_0/kernel``,
-  ``algo_state/lam``, ``round``); standard (PyTree/OCDBT) handler;
+  round, active flags, the server optimizer's state, the per-client state) as NumPy arrays in
+  a nested dict keyed by their pytree path (``params/Dense_0/kernel``, ``algo_state/lam``,
+  ``round``); standard (PyTree/OCDBT) handler;
 - ``host_arrays``: the NumPy arrays of the host-side histories (standard handler);
 - ``host``: everything else of the histories, as JSON, with references to ``host_arrays``;
 - ``meta``: JSON: the round, the configuration fingerprint, the jax and orbax versions, and the

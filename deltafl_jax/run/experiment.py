@@ -86,7 +86,7 @@ class Experiment:
     served_fn: Optional[Callable] = None  # jitted (algo_state, params) -> served params
     mesh: Optional[Any] = None            # the device mesh when the round spans D > 1 devices
     footprint: Optional[Footprint] = None # bytes held on each device
-    server_optimizer: Optional[Any] = None  # the optax transformation of the server step
+    server_tx: Optional[Any] = None   # the server optimizer's transformation (None: w + Delta)
 
     def _place(self, tree):
         return tree if self.mesh is None else mesh_lib.replicate(tree, self.mesh)
@@ -109,7 +109,7 @@ class Experiment:
 
     def initial_state(self) -> rounds.ServerState:
         return self._place(rounds.init_state(self.model, self.algorithm, self.replicas,
-                                             self.seeds, self.server_optimizer,
+                                             self.seeds, self.server_tx,
                                              self.data.train.num_clients))
 
     def keys(self):
@@ -207,7 +207,8 @@ def placement_line(exp: "Experiment") -> str:
     """One line: devices, lanes, and the bytes each device holds."""
     p, f = exp.placement, exp.footprint
     clients = (f", per-client state {_mb(f.clients)} ({exp.data.train.num_clients} clients x "
-               f"{exp.replicas.size} replicas)" if f.clients else "")
+               f"{exp.replicas.size} replicas, and the round's per-job results)"
+               if f.clients else "")
     return (f"placement: {p.devices} {jax.default_backend()} device(s) x {p.lanes} lane(s) "
             f"({p.lane_mode}); per device: data {_mb(f.data)}, state {_mb(f.state)}{clients}, "
             f"round plan {_mb(f.plan)}, lanes {_mb(f.lanes)}")
@@ -225,7 +226,7 @@ def check_memory(fp: Footprint, devices) -> None:
     if not limit or fp.total <= 0.9 * limit:
         return
     biggest = max(("the data (--max_examples_per_client, --max_train_clients)", fp.data),
-                  ("the replicas (fewer --thetas or --seeds)", fp.state),
+                  ("the replicas (fewer --thetas, --server_lr values or --seeds)", fp.state),
                   ("the per-client state (fewer replicas, or --max_train_clients)", fp.clients),
                   ("the lanes (--clients_per_step)", fp.lanes), key=lambda kv: kv[1])[0]
     raise ConfigError(f"the run needs about {_mb(fp.total)} per device but "
@@ -271,7 +272,7 @@ def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDatas
 
 
 def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh,
-              server_optimizer):
+              server_tx):
     """The jitted round: plain for one device, jit(shard_map(...)) over a mesh otherwise."""
     axis = mesh_lib.SINGLE if mesh is None else mesh_lib.DeviceAxis(place.devices,
                                                                     mesh_lib.AXIS)
@@ -280,7 +281,7 @@ def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh
                                   branchless=place.branchless,
                                   local_penalty=algorithm.local_penalty, axis=axis)
     raw = rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
-                                place.eval_lanes, m, server_optimizer)
+                                place.eval_lanes, m, server_tx)
     return jax.jit(raw if mesh is None else mesh_lib.sharded(raw, mesh, 3), donate_argnums=(0,))
 
 
@@ -315,12 +316,12 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     place = placement(config, model, m, replicas.size,
                       devices=1 if mesh is None else mesh.devices.size)
     caps = plan_lib.capacities(data.train.sizes, m, work, place.eval_chunk)
-    server_optimizer = config.server.transformation()
+    server_tx = config.server.transformation()
     state_shape = jax.eval_shape(lambda: rounds.init_state(
-        model, algorithm, replicas, config.seeds, server_optimizer, data.train.num_clients))
+        model, algorithm, replicas, config.seeds, server_tx, data.train.num_clients))
     fp = footprint(data, model, replicas, place, caps, m, state_shape)
     check_memory(fp, jax.devices() if mesh is None else list(mesh.devices.flat))
-    round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_optimizer)
+    round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx)
     # Both splits use one segment count (the larger), so one evaluation program serves both.
     segments = max(data.train.num_clients, data.test.num_clients)
     put = jax.device_put if mesh is None else (lambda t: mesh_lib.replicate(t, mesh))
@@ -335,4 +336,4 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
         eval_fn=_eval_fn(model, place, segments, mesh),
         served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
                    if algorithm.eval_params is not None else None), mesh=mesh,
-        server_optimizer=server_optimizer)
+        server_tx=server_tx)
