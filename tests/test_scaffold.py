@@ -161,7 +161,7 @@ def test_start_up_counts_the_per_client_state_and_refuses_a_run_that_cannot_fit(
     # models, SCAFFOLD's c, Adam's m and v; Adam's count and learning rate, the active flags
     # and the round counter
     assert fp.state == 4 * R * w * 4 + 8 * R + R + 4
-    assert f"per-client state {fp.clients / 2 ** 20:.1f} MB ({N} clients x {R} replicas)" \
+    assert f"per-client state {fp.clients / 2 ** 20:.1f} MB ({N} clients x {R} replicas, and" \
         in placement_line(exp)
     check_memory(fp, [_Device(2 * fp.total)])                  # fits: no error
     with pytest.raises(ConfigError, match="per-client state") as e:

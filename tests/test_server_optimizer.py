@@ -86,6 +86,7 @@ def test_three_rounds_equal_reddi_algorithm_2(tiny_npz, kind, kw):
         assert np.max(np.abs(x[0])) > 1e-2          # the models moved
 
 
+@pytest.mark.slow
 def test_server_lr_list_crossed_with_theta_equals_separate_runs(tiny_synthetic):
     """--thetas=1,0.5 x --server_lr=0.01,0.03 x 2 seeds: 8 replicas, labelled by server_lr;
     those of eta = 0.03 equal the run of that learning rate alone."""
