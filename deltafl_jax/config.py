@@ -18,6 +18,7 @@ from deltafl_jax.datasets import DataConfig
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.models import LINEAR_MODELS
 from deltafl_jax.replicas import aligned
+from deltafl_jax.privacy import Privacy
 from deltafl_jax.server_optimizer import ServerOptimizer
 
 PERCENTILES = (10, 20, 50, 60, 80, 90, 95)
@@ -72,15 +73,23 @@ class ExperimentConfig:
     server_beta1: float = 0.9               # adaptive: beta1
     server_beta2: float = 0.99              # adaptive: beta2
     server_eps: float = 1e-3                # adaptive: tau
+    # Client-level differential privacy (deltafl_jax.privacy): off while dp_clip is None.
+    dp_clip: Optional[float] = None         # C, the L2 clip of each client's update
+    dp_noise_multiplier: Tuple[float, ...] = (0.0,)   # z; several values train as replicas
+    dp_target_epsilon: Tuple[float, ...] = ()         # epsilon instead of z, calibrated per value
+    dp_delta: Optional[float] = None        # None: 1 / N^1.1
+    dp_quantile_noise_ratio: float = 1.0    # private Delta-FL: z of its secure sums / z
+    dp_loss_bound: float = 10.0             # private Delta-FL: losses clipped to [0, B]
+    dp_mm_floor: float = 0.1                # private Delta-FL: beta_k = 1 / max(|F_k - mu|, xi)
 
     def __post_init__(self):
         l2 = self.l2_reg
         object.__setattr__(self, "l2_reg", tuple(l2) if isinstance(l2, (tuple, list)) else l2)
         object.__setattr__(self, "sweeps", {k: tuple(v) for k, v in dict(self.sweeps).items()})
         object.__setattr__(self, "options", dict(self.options))
-        lrs = self.server_lr
-        object.__setattr__(self, "server_lr",
-                           tuple(lrs) if isinstance(lrs, (tuple, list)) else (lrs,))
+        for name in ("server_lr", "dp_noise_multiplier", "dp_target_epsilon"):
+            v = getattr(self, name)
+            object.__setattr__(self, name, tuple(v) if isinstance(v, (tuple, list)) else (v,))
         _check(self)
 
     def sweep(self, flag: str) -> Tuple[float, ...]:
@@ -95,6 +104,14 @@ class ExperimentConfig:
         return ServerOptimizer(name=self.server_optimizer, learning_rates=self.server_lr,
                                momentum=self.server_momentum, beta1=self.server_beta1,
                                beta2=self.server_beta2, eps=self.server_eps)
+
+    @property
+    def privacy(self) -> Privacy:
+        """The DP settings (the ``dp_*`` fields)."""
+        return Privacy(clip=self.dp_clip, noise_multipliers=self.dp_noise_multiplier,
+                       target_epsilons=self.dp_target_epsilon, delta=self.dp_delta,
+                       quantile_noise_ratio=self.dp_quantile_noise_ratio,
+                       loss_bound=self.dp_loss_bound, mm_floor=self.dp_mm_floor)
 
     @property
     def method(self) -> str:
@@ -188,6 +205,7 @@ def _check(c: ExperimentConfig):
     spec = registry.get(c.algorithm)
     _check_options(c)
     c.server.check()
+    c.privacy.check()
     spec.check(c)
     c.l2_for(len(spec.sweep_values(c)))
     if c.use_bias is not None and c.model not in LINEAR_MODELS:

@@ -133,6 +133,7 @@ class Replicas:
     schedules: R optax schedules, round -> client learning rate.
     labels: R :class:`ReplicaLabel`.
     server_lr: [R] float32, the server optimizer's learning rate eta of each replica.
+    dp_noise: [R] float32, the DP noise multiplier z of each replica (0 without DP).
     """
 
     group: np.ndarray
@@ -141,10 +142,13 @@ class Replicas:
     schedules: Tuple[Callable, ...]
     labels: Tuple[ReplicaLabel, ...]
     server_lr: Optional[np.ndarray] = None
+    dp_noise: Optional[np.ndarray] = None
 
     def __post_init__(self):
         if self.server_lr is None:
             object.__setattr__(self, "server_lr", np.ones(self.group.shape, np.float32))
+        if self.dp_noise is None:
+            object.__setattr__(self, "dp_noise", np.zeros(self.group.shape, np.float32))
 
     @property
     def size(self) -> int:
@@ -165,6 +169,7 @@ class GridPoint:
     hyper: the algorithm's hyper-parameters, a NamedTuple of Python floats.
     l2: lambda. learning_rate, lr_decay, lr_decay_every: its schedule.
     server_lr: the server optimizer's learning rate eta.
+    dp_noise: the DP noise multiplier z (0: none).
     """
 
     label: ReplicaLabel
@@ -174,6 +179,7 @@ class GridPoint:
     lr_decay: float = 1.0
     lr_decay_every: int = 0
     server_lr: float = 1.0
+    dp_noise: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +195,7 @@ class ReplicaGrid:
         kinds = {type(p.hyper) for p in self.points}
         if len(kinds) != 1:
             raise ValueError(f"grid points mix hyper-parameter types: {sorted(map(str, kinds))}")
-        groups, hypers, l2s, schedules, labels, server_lrs = [], [], [], [], [], []
+        groups, hypers, l2s, schedules, labels, server_lrs, noise = [], [], [], [], [], [], []
         for point in self.points:
             schedule = learning_rate_schedule(point.learning_rate, point.lr_decay,
                                               point.lr_decay_every)
@@ -199,13 +205,15 @@ class ReplicaGrid:
                 l2s.append(point.l2)
                 schedules.append(schedule)
                 server_lrs.append(point.server_lr)
+                noise.append(point.dp_noise)
                 labels.append(dataclasses.replace(point.label, seed=int(seed)))
         hyper_type = type(self.points[0].hyper)
         hyper = hyper_type(*(np.asarray([h[i] for h in hypers], np.float32)
                              for i in range(len(hyper_type._fields))))
         return Replicas(group=np.asarray(groups, np.int32), hyper=hyper,
                         l2=np.asarray(l2s, np.float32), schedules=tuple(schedules),
-                        labels=tuple(labels), server_lr=np.asarray(server_lrs, np.float32))
+                        labels=tuple(labels), server_lr=np.asarray(server_lrs, np.float32),
+                        dp_noise=np.asarray(noise, np.float32))
 
 
 def labels_by_group(labels: Iterable[ReplicaLabel]) -> Dict[Tuple, list]:

@@ -26,6 +26,7 @@ group g = their seed), which makes theta-to-theta comparisons paired.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import flax.struct
@@ -39,6 +40,7 @@ from deltafl_jax.algorithms.spec import ClientFeedback, FederatedAlgorithm
 from deltafl_jax.models import Model
 from deltafl_jax.plan import RoundPlan
 from deltafl_jax.replicas import Replicas
+from deltafl_jax.privacy import NOISE_STREAM
 from deltafl_jax.server_optimizer import init_states, server_step
 
 
@@ -153,6 +155,9 @@ def _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics, uses_losses
         "device_train_trips": tr.device_trips,
         "device_train_jobs": tr.device_jobs,
         "device_train_examples": tr.device_examples,
+        # Client-level DP: the updates longer than the clip norm, per replica.
+        **({"dp_clipped": jnp.sum(tr.job_clipped, axis=1)} if tr.job_clipped is not None
+           else {}),
     }
 
 
@@ -186,12 +191,52 @@ def _server(algorithm, server_tx, state, feedback, hyper, keep):
             kept(opt_state, state.server_opt_state, moved), metrics)
 
 
+def _privatize(private, clip: float, m: int, feedback: ClientFeedback, hyper, key, z):
+    """One replica's feedback made private (:mod:`deltafl_jax.privacy`): N(0, (z C a_max)^2 I)
+    added to the sum of the clipped updates (clipped by the engine), and the weight it is
+    divided by replaced by the algorithm's fixed denominator, or by the kept weight with noise
+    N(0, (z a_max)^2), floored at a_max. The noise comes from the replica's round key."""
+    a_max = jnp.asarray(private.max_weight(hyper, m), jnp.float32)
+    leaves, treedef = jax.tree.flatten(feedback.delta_sum)
+    keys = jax.random.split(jax.random.fold_in(key, NOISE_STREAM), len(leaves) + 1)
+    noisy = [x + (z * clip * a_max * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+             for x, k in zip(leaves, keys[1:])]
+    if private.denominator is None:
+        drawn = z * a_max * jax.random.normal(keys[0], (), jnp.float32)
+        total = jnp.maximum(feedback.weight_sum + drawn, a_max)
+    else:
+        total = jnp.asarray(private.denominator(hyper, m), jnp.float32)
+    return feedback._replace(delta_sum=jax.tree.unflatten(treedef, noisy), weight_sum=total)
+
+
+def _private(algorithm, clip, m):
+    """(the algorithm's private version, the vmapped feedback transform) with a clip, else
+    (None, None); ValueError for an algorithm without one."""
+    if clip is None:
+        return None, None
+    if algorithm.private is None:
+        raise ValueError(f"{algorithm.name} has no private version (FederatedAlgorithm.private)")
+    return algorithm.private, jax.vmap(functools.partial(_privatize, algorithm.private, clip, m))
+
+
+def _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z):
+    """Step 2 for every replica: the algorithm's client_weights, or its private version."""
+    if private is not None and private.client_weights is not None:
+        return jax.vmap(private.client_weights)(state.algo_state, losses, sizes, hyper, keys,
+                                                clients, z)
+    return jax.vmap(algorithm.client_weights)(state.algo_state, losses, sizes, hyper, keys,
+                                              clients)
+
+
 def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                    local: engine.LocalSGDConfig, eval_chunk: int, eval_lanes: int,
                    num_sampled: int,
                    server_tx: Optional[optax.GradientTransformation] = None):
     """The round of `algorithm` for `replicas`, with the server optimizer's transformation
-    `server_tx` (None: the plain step w + Delta). Returns an unjitted pure function."""
+    `server_tx` (None: the plain step w + Delta), client-level DP when ``local.clip`` is set
+    (each replica's noise multiplier ``replicas.dp_noise``). An unjitted pure function."""
+    private, privatize = _private(algorithm, local.clip, num_sampled)
+    z_np = np.asarray(replicas.dp_noise, np.float32)
     hooks = algorithm.client_hooks()
     local = local._replace(client_hooks=hooks)
     group = jnp.asarray(replicas.group, jnp.int32)
@@ -212,8 +257,8 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
             losses, sizes, ev = _no_losses(data, group)
         keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(key)
         clients = data.plan.clients[group]                          # [R, m] client ids
-        weights = jax.vmap(algorithm.client_weights)(state.algo_state, losses, sizes, hyper,
-                                                     keys, clients)
+        z = jnp.asarray(z_np)
+        weights = _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z)
         keep = (state.active if state.active is not None
                 else jnp.ones((weights.shape[0],), bool))
         weights = jnp.where(keep[:, None], weights, 0.0)
@@ -226,6 +271,8 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
                                   job_sqnorm=tr.job_sqnorm, job_finite=tr.job_finite,
                                   job_trained=tr.job_trained, learning_rate=lr,
                                   clients=clients, client_outputs=tr.job_output)
+        if private is not None:
+            feedback = privatize(feedback, hyper, keys, z)
         params, algo_state, opt_state, algo_metrics = _server(
             algorithm, server_tx, state, feedback, hyper, keep)
         client_state = state.client_state

@@ -34,7 +34,8 @@ w would never move; in float32, summation noise in the losses lets some pass.
 
 from __future__ import annotations
 
-from typing import Tuple
+import math
+from typing import NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -46,24 +47,60 @@ def secure_sum(contributions: jax.Array) -> jax.Array:
     return jnp.sum(contributions, axis=0)
 
 
-def mm_quantile(values, weights, tau, iters: int) -> Tuple[jax.Array, int]:
+class SumNoise(NamedTuple):
+    """Gaussian noise on every secure sum of :func:`mm_quantile`, for differential privacy
+    (:mod:`deltafl_jax.privacy`; weights must be at most 1).
+
+    key: the replica's round key (each call folds in its index). multiplier: z_q, the noise
+    std in units of each call's L2 sensitivity. bound: B, the values are clipped to [0, B].
+    floor: xi > 0, beta_k = w_k / max(|x_k - mu|, xi) (0 only without noise: the plain MM).
+    A client moves the first call's sum (w x, w) by at most sqrt(B^2 + 1) and each step's
+    (beta x, beta) by at most sqrt(B^2 + 1) / xi.
+    """
+
+    key: jax.Array
+    multiplier: jax.Array
+    bound: float
+    floor: float
+
+
+def _noised(s, noise: Optional[SumNoise], call: int, sensitivity: float):
+    """s [2+] with N(0, (z_q sensitivity)^2) added to its first two entries."""
+    if noise is None:
+        return s
+    std = noise.multiplier * sensitivity if math.isfinite(sensitivity) else 0.0
+    draw = jax.random.normal(jax.random.fold_in(noise.key, call), (2,), s.dtype)
+    return s.at[:2].add(std * draw)
+
+
+def mm_quantile(values, weights, tau, iters: int, noise: Optional[SumNoise] = None
+                ) -> Tuple[jax.Array, int]:
     """(eta, calls): the tau-quantile of `values` with `weights` (>= 0; 0 = padding) after
     `iters` MM steps of eq. 17 from the weighted mean, and the number of secure-aggregation
-    calls it made (iters + 1)."""
+    calls it made (iters + 1). With `noise`, every call's sum is noised (:class:`SumNoise`);
+    with zero noise, a bound above every value and floor 0 it is the plain MM, bit for bit."""
     x = jnp.asarray(values, jnp.float32)
     w = jnp.asarray(weights, jnp.float32)
     tau = jnp.asarray(tau, jnp.float32)
-    first = secure_sum(jnp.stack([w * x, w], axis=1))
+    floor, sens = 0.0, math.inf
+    if noise is not None:
+        x = jnp.clip(x, 0.0, noise.bound)
+        floor, reach = float(noise.floor), math.sqrt(noise.bound ** 2 + 1.0)
+        sens = reach / floor if floor > 0 else math.inf
+    first = _noised(secure_sum(jnp.stack([w * x, w], axis=1)), noise, 0, reach
+                    if noise is not None else 0.0)
     total = first[1]
     mu0 = first[0] / total
 
-    def step(mu, _):
+    def step(mu, i):
         diff = jnp.abs(x - mu)
-        hit = (diff == 0) & (w > 0)
-        beta = jnp.where(hit | (w <= 0), 0.0, w / jnp.where(diff > 0, diff, 1.0))
+        hit = (diff == 0) & (w > 0) if floor == 0 else jnp.zeros_like(w, bool)
+        scale = jnp.maximum(diff, floor) if floor > 0 else jnp.where(diff > 0, diff, 1.0)
+        beta = jnp.where(hit | (w <= 0), 0.0, w / scale)
         s = secure_sum(jnp.stack([beta * x, beta, hit.astype(jnp.float32)], axis=1))
+        s = _noised(s, noise, i + 1, sens)
         new = (s[0] + (2.0 * tau - 1.0) * total) / s[1]
         return jnp.where(s[2] > 0, mu, new), None
 
-    mu, _ = jax.lax.scan(step, mu0, None, length=iters)
+    mu, _ = jax.lax.scan(step, mu0, jnp.arange(iters))
     return mu, iters + 1

@@ -224,6 +224,9 @@ def param_sweep(config):
 def check(config, data, lr_grid, decay_grid, l2_grid, tune_lr: bool, tune_l2: bool,
           tune_param: bool = False) -> None:
     """Everything that can be wrong before training, as one-line TuningErrors."""
+    if config.privacy.enabled:
+        raise TuningError("the tuner trains without client-level DP: tune without --dp_clip, "
+                          "then add the --dp_* flags to tuned.flags")
     if len(config.server_lr) > 1:
         raise TuningError(f"--server_lr lists {len(config.server_lr)} values; the tuner trains "
                           f"every grid with one server step: give one --server_lr")

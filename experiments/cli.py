@@ -125,6 +125,28 @@ def _define_option_flags() -> None:
             _define(_OPTION_FLAG_KINDS[type(option.default)], name, option.default, option.help)
 
 
+def _define_privacy_flags() -> None:
+    """Client-level differential privacy (deltafl_jax.privacy; README, "Differential
+    privacy")."""
+    from deltafl_jax.privacy import Privacy
+    d = Privacy()
+    _define(flags.DEFINE_float, "dp_clip", None, "client-level DP (DP-FedAvg): clip each "
+            "client's update to this L2 norm C; unset: not private")
+    _define(flags.DEFINE_list, "dp_noise_multiplier", ["0"], "z: the server adds N(0, (z C "
+            "a_max)^2) to the sum of the clipped updates; several values train as replicas")
+    _define(flags.DEFINE_list, "dp_target_epsilon", [], "epsilon at --dp_delta after the run's "
+            "rounds, each value calibrated to a z before the run (inf: no noise); several "
+            "values train as replicas; instead of --dp_noise_multiplier")
+    _define(flags.DEFINE_float, "dp_delta", None, "delta of the accounting; unset: 1 / N^1.1 "
+            "with N the training clients")
+    _define(flags.DEFINE_float, "dp_quantile_noise_ratio", d.quantile_noise_ratio, "private "
+            "Delta-FL: the noise multiplier of each secure sum of its quantile, relative to z")
+    _define(flags.DEFINE_float, "dp_loss_bound", d.loss_bound, "private Delta-FL: the losses "
+            "are clipped to [0, B] for the quantile's secure sums")
+    _define(flags.DEFINE_float, "dp_mm_floor", d.mm_floor, "private Delta-FL: the MM weights "
+            "are 1 / max(|F_k - mu|, xi), which bounds their sensitivity")
+
+
 def _define_server_flags() -> None:
     """The server optimizer (deltafl_jax.server_optimizer; Reddi et al. 2021, Algorithm 2)."""
     from deltafl_jax.server_optimizer import NAMES, ServerOptimizer
@@ -184,6 +206,7 @@ def define_experiment_flags() -> None:
             "initialisation")
     _define_sweep_flags()
     _define_server_flags()
+    _define_privacy_flags()
     _define(flags.DEFINE_integer, "num_rounds", 100, "communication rounds")
     _define(flags.DEFINE_integer, "clients_per_round", 10, "m, clients sampled per round")
     _define(flags.DEFINE_integer, "local_epochs", 1, "local epochs of minibatch SGD per kept "
@@ -276,7 +299,8 @@ SCALAR_FIELDS = ("model", "num_rounds", "clients_per_round", "local_epochs",
                  "eval_every", "clients_per_step", "eval_chunk", "output_dir", "overwrite",
                  "conv_impl", "save_models", "checkpoint_every", "checkpoint_every_s",
                  "stop_on_divergence", "devices", "use_bias", "server_optimizer",
-                 "server_momentum", "server_beta1", "server_beta2", "server_eps")
+                 "server_momentum", "server_beta1", "server_beta2", "server_eps", "dp_clip",
+                 "dp_delta", "dp_quantile_noise_ratio", "dp_loss_bound", "dp_mm_floor")
 
 
 def data_config_from_flags():
@@ -318,6 +342,8 @@ def config_from_flags(algorithm: str = None, beside_others: bool = False,
         data=data_config_from_flags(), **scalars,
         algorithm=name, options=options, thetas=thetas, seeds=ints("seeds", FLAGS.seeds),
         l2_reg=l2[0] if len(l2) == 1 else l2, sweeps=sweeps, server_lr=server_lr,
+        dp_noise_multiplier=floats("dp_noise_multiplier", FLAGS.dp_noise_multiplier),
+        dp_target_epsilon=floats("dp_target_epsilon", FLAGS.dp_target_epsilon),
         tensorboard={"yes": True, "no": False}.get(FLAGS.tensorboard))
 
 

@@ -76,10 +76,14 @@ def assert_same_outputs(a, b):
 
 # The runs that are killed: Delta-FL, Tilted-ERM (algorithm state), Delta-FL with a server
 # optimizer swept over two learning rates (Adam's moments in the state: theta x eta x seeds =
-# 8 replicas), and SCAFFOLD (per-client control variates).
+# 8 replicas), SCAFFOLD (per-client control variates), and private Delta-FL (noise).
 RUNS = {"deltafl": ("--algorithm=deltafl",), "term": ("--algorithm=term",),
         "fedadam": ("--algorithm=deltafl", "--server_optimizer=adam", "--server_lr=0.01,0.03"),
-        "scaffold": ("--algorithm=scaffold", "--thetas=1")}
+        "scaffold": ("--algorithm=scaffold", "--thetas=1"),
+        # Private Delta-FL: the noise of the update and of the quantile's sums from the round
+        # keys, two noise multipliers as replicas.
+        "private": ("--algorithm=deltafl", "--weighting=unweighted", "--quantile=secagg_mm",
+                    "--mm_iters=3", "--dp_clip=0.5", "--dp_noise_multiplier=0.5,2")}
 
 
 @pytest.fixture(scope="module")

@@ -343,7 +343,8 @@ def test_each_option_is_declared_once_and_shared_by_the_specs_that_read_it():
     assert list(declared["fedavg"]) == ["weighting"]
     assert list(declared["fedavg_sub"]) == ["filter"]
     assert list(declared["deltafl_alt"]) == ["filter", "weighting"]
-    assert declared["qffl"] == declared["term"] == declared["afl"] == declared["fedprox"] == {}
+    assert list(declared["fedprox"]) == list(declared["scaffold"]) == ["weighting"]
+    assert declared["qffl"] == declared["term"] == declared["afl"] == {}
     # One Option object per flag, the one the registry hands to the command line.
     options = dict(registry.options())
     for name, opts in declared.items():

@@ -277,6 +277,8 @@ def test_cli_picks_the_argmin_and_writes_a_flagfile_the_runner_accepts(tmp_path,
     (["--thetas=1.5"], "--thetas must lie in (0, 1]"),
     (["--notune_lr", "--tune_l2=no"], "nothing to tune"),
     (["--server_optimizer=adam", "--server_lr=0.01,0.1"], "give one --server_lr"),
+    (["--weighting=unweighted", "--quantile=secagg_mm", "--dp_clip=1"],
+     "the tuner trains without client-level DP"),
 ])
 def test_bad_input_exits_2_with_one_line_and_trains_nothing(tmp_path, capsys, args, message):
     out = tmp_path / "tune"

@@ -54,14 +54,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.spec import (PAPER_THETAS, AlgorithmSpec, FederatedAlgorithm, Option,
-                                         Sweep, average_delta, check_options, no_state)
+                                         PrivateAggregate, Sweep, average_delta, check_options,
+                                         no_state)
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.secagg import mm_quantile
+from deltafl_jax.secagg import SumNoise, mm_quantile
 from deltafl_jax.superquantile import (quantile_levels, smoothed_eta, smoothed_tail_weights,
                                        tail_weights, threshold_weights, weighted_quantile)
 
@@ -158,12 +160,41 @@ def round_rule(options: DeltaFLOptions, tie_rtol: float) -> Callable:
     return sort
 
 
+QUANTILE_STREAM = 0x9A1   # folded into a replica's round key for the quantile's noise
+
+
+def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggregate]:
+    """Private Delta-FL (Algorithm 3 with noised secure sums, :mod:`deltafl_jax.privacy`):
+    eta from the mm_iters + 1 secure sums, each with noise z_q = privacy.quantile_noise_ratio
+    x z in units of its sensitivity; the clients with F_k > eta train at weight 1, and the
+    kept weight is released with noise too (denominator None). None unless --quantile=secagg_mm
+    and --weighting=unweighted (weights n_k would make one client's share unbounded)."""
+    if not (privacy is not None and privacy.enabled and options.quantile == "secagg_mm"
+            and options.weighting == "unweighted"):
+        return None
+    ratio, iters = float(privacy.quantile_noise_ratio), options.mm_iters
+
+    def client_weights(state, losses, sizes, hyper, key, clients, z):
+        del state, clients
+        alphas = client_alphas(sizes, "unweighted")
+        noise = SumNoise(jax.random.fold_in(key, QUANTILE_STREAM), z * ratio,
+                         privacy.loss_bound, privacy.mm_floor)
+        eta, _ = mm_quantile(losses, alphas, 1.0 - hyper.theta, iters, noise)
+        return jnp.where((losses > eta) & (alphas > 0), alphas, 0.0)
+
+    return PrivateAggregate(max_weight=lambda hyper, m: 1.0, denominator=None,
+                            releases=(1.0,) + (ratio,) * (iters + 1),
+                            client_weights=client_weights)
+
+
 def deltafl(options: DeltaFLOptions = DeltaFLOptions(), tie_rtol: float = DEFAULT_TIE_RTOL,
-            thetas: Sequence[float] = ()) -> FederatedAlgorithm:
+            thetas: Sequence[float] = (), privacy=None) -> FederatedAlgorithm:
     """Delta-FL with hyper.theta in (0, 1]; theta = 1 is FedAvg. `thetas`: the run's levels
     as Python floats, whose 1 - theta is taken in float64 (others: 1 - float32 theta, in
-    float64)."""
+    float64). `privacy`: the run's :class:`deltafl_jax.privacy.Privacy` (its private version,
+    :func:`private_deltafl`)."""
     check_options(options)
+    private = private_deltafl(options, privacy)
     rule = round_rule(options, tie_rtol)
     level = quantile_levels(thetas)
 
@@ -173,12 +204,15 @@ def deltafl(options: DeltaFLOptions = DeltaFLOptions(), tie_rtol: float = DEFAUL
         return rule(losses, alphas, hyper.theta, level(hyper.theta))[0]
 
     def server_update(state, params, feedback, hyper):
+        if private is not None:   # eta was noised in client_weights; the server never saw it
+            return average_delta(params, feedback), state, {      # (the kept weight goes
+                "secagg_calls": jnp.int32(options.mm_iters + 2)}  # with the model's call)
         alphas = client_alphas(feedback.sizes, options.weighting)
         _, eta, extra = rule(feedback.losses, alphas, hyper.theta, level(hyper.theta))
         return average_delta(params, feedback), state, {"eta": eta, **extra}
 
     return FederatedAlgorithm(name="deltafl", init=no_state, client_weights=client_weights,
-                              server_update=server_update)
+                              server_update=server_update, private=private)
 
 
 THETA_SWEEP = Sweep(flag="thetas", field="theta", default=PAPER_THETAS,
@@ -223,6 +257,9 @@ def column_name(label, options: DeltaFLOptions, head: str) -> str:
 SPEC = AlgorithmSpec(
     name="deltafl", display_name="Δ-FL",
     help="Delta-FL: the clients above the (1 - theta)-quantile train",
-    factory=lambda config, data, options: deltafl(options, thetas=run_thetas(config)),
+    factory=lambda config, data, options: deltafl(options, thetas=run_thetas(config),
+                                                  privacy=config.privacy),
     hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=DeltaFLOptions,
-    column_name=column_name, tunes_l2=True)
+    column_name=column_name, tunes_l2=True,
+    dp_requires="--quantile=secagg_mm --weighting=unweighted (private Delta-FL: eta from "
+    "Algorithm 3's noised secure sums, the clients filtering themselves at weight 1)")

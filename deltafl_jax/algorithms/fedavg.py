@@ -15,13 +15,14 @@ used (at theta = 1 smoothing gives the same average, and the strict filter F_k >
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
                                             client_alphas, theta_one)
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, average_delta,
-                                         check_options, no_state)
+from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, PrivateAggregate,
+                                         average_delta, check_options, no_state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,20 @@ class FedAvgOptions:
     """``weighting``: Delta-FL's option (the same flag, default and check)."""
 
     weighting: str = WEIGHTING.field()
+
+
+# What FedAvg and FedProx need for their private version (--dp_clip).
+DP_REQUIRES = ("--weighting=unweighted (each sampled client's clipped update then weighs 1/m "
+               "of the average; with weights n_k one client's share has no useful bound)")
+
+
+def private_fedavg(weighting: str) -> Optional[PrivateAggregate]:
+    """DP-FedAvg with uniform weights a_k = 1/m: sensitivity C / m, the fixed denominator
+    1 (every round draws m clients); None for weights n_k."""
+    if weighting != "unweighted":
+        return None
+    return PrivateAggregate(max_weight=lambda hyper, m: 1.0 / m,
+                            denominator=lambda hyper, m: 1.0)
 
 
 def fedavg(options: FedAvgOptions = FedAvgOptions()) -> FederatedAlgorithm:
@@ -46,7 +61,8 @@ def fedavg(options: FedAvgOptions = FedAvgOptions()) -> FederatedAlgorithm:
         return average_delta(params, feedback), state, {}
 
     return FederatedAlgorithm(name="fedavg", init=no_state, client_weights=client_weights,
-                              server_update=server_update, uses_losses=False)
+                              server_update=server_update, uses_losses=False,
+                              private=private_fedavg(weighting))
 
 
 SPEC = AlgorithmSpec(
@@ -55,4 +71,5 @@ SPEC = AlgorithmSpec(
     factory=lambda config, data, options: fedavg(options), hyper=DeltaFLHyper,
     sweep=THETA_SWEEP, validate=check_thetas, options_type=FedAvgOptions,
     values=theta_one("fedavg", "is Delta-FL at theta=1 (use --algorithm=deltafl to sweep "
-                     "theta)"), names_value=False, fixed_sweep=True, tunes_l2=True)
+                     "theta)"), names_value=False, fixed_sweep=True, tunes_l2=True,
+    dp_requires=DP_REQUIRES)

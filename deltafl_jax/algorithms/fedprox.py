@@ -1,19 +1,22 @@
 """FedProx (Li et al., MLSys 2020): FedAvg whose local objective is F_k(w) + (mu/2)||w - w_t||^2.
 
-The round is FedAvg's (every sampled client trains, weights n_k / n, no evaluation at w_t:
-:mod:`deltafl_jax.algorithms.fedavg`); the proximal term is the spec's ``local_penalty``,
+The round is FedAvg's (every sampled client trains, weights n_k / n, or uniform with
+``--weighting=unweighted``, no evaluation at w_t: :mod:`deltafl_jax.algorithms.fedavg`, whose
+private version it shares); the proximal term is the spec's ``local_penalty``,
 added by the engine to each local minibatch objective with anchor w_t. With mu = 0 the local
 gradients gain an exact +0, so the run is FedAvg bit for bit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from deltafl_jax.algorithms.fedavg import fedavg
+from deltafl_jax.algorithms.deltafl import WEIGHTING
+from deltafl_jax.algorithms.fedavg import DP_REQUIRES, FedAvgOptions, fedavg
 from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep
 
 DEFAULT_MU = (0.001, 0.01, 0.1, 1.0)   # the FedProx paper's grid
@@ -33,14 +36,23 @@ def proximal_term(params, anchor, hyper):
         zip(jax.tree.leaves(params), jax.tree.leaves(anchor)))
 
 
-def fedprox() -> FederatedAlgorithm:
-    return fedavg()._replace(name="fedprox", local_penalty=proximal_term)
+@dataclasses.dataclass(frozen=True)
+class FedProxOptions:
+    """``weighting``: FedAvg's (Delta-FL's option: the same flag, default and check)."""
+
+    weighting: str = WEIGHTING.field()
+
+
+def fedprox(options: FedProxOptions = FedProxOptions()) -> FederatedAlgorithm:
+    return fedavg(FedAvgOptions(weighting=options.weighting))._replace(
+        name="fedprox", local_penalty=proximal_term)
 
 
 SPEC = AlgorithmSpec(
     name="fedprox", display_name="FedProx",
     help="FedProx: FedAvg with the proximal term (mu/2)||w - w_t||^2",
-    factory=lambda config, data, options: fedprox(), hyper=FedProxHyper,
+    factory=lambda config, data, options: fedprox(options), hyper=FedProxHyper,
+    options_type=FedProxOptions, dp_requires=DP_REQUIRES,
     sweep=Sweep(flag="fedprox_mu", field="mu", default=DEFAULT_MU, minimum=0.0,
                 help="fedprox: proximal weights mu >= 0, swept", symbol="μ"),
     fixed={"theta": 1.0})

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +79,27 @@ class ClientFeedback(NamedTuple):
     client_outputs: Any = None
 
 
+class PrivateAggregate(NamedTuple):
+    """How an algorithm's average of the updates is made differentially private
+    (:mod:`deltafl_jax.privacy`); the engine clips each update to --dp_clip C first.
+
+    max_weight(hyper, m) -> a_max: the largest weight a_k one client can get (the sum's
+      sensitivity is C a_max; the noise N(0, (z C a_max)^2 I) is added to it).
+    denominator(hyper, m) -> D: the fixed denominator (DP-FedAvg's expected weight of a
+      round); None: the kept weight sum_k a_k, released with noise N(0, (z a_max)^2) and
+      floored at a_max.
+    releases: the noise multipliers, relative to z, of the round's further Gaussian releases
+      (the model update's is 1 and not listed): what the accountant composes.
+    client_weights: (state, losses, sizes, hyper, key, clients, z) -> [m] a_k under DP (None:
+      the algorithm's own, which must not read the losses).
+    """
+
+    max_weight: Callable[[Any, int], Any]
+    denominator: Optional[Callable[[Any, int], Any]] = None
+    releases: Tuple[float, ...] = ()
+    client_weights: Optional[Callable[..., jax.Array]] = None
+
+
 class FederatedAlgorithm(NamedTuple):
     """The pure functions of one algorithm (optax-style: built by a factory, never jitted here).
 
@@ -104,6 +125,9 @@ class FederatedAlgorithm(NamedTuple):
     client_final(ctx, client_state, delta, steps, learning_rate, hyper) -> (client_state',
       output): when it ends; delta = w_k - w_t. The new state is written back for the clients
       whose update is finite; the outputs reach server_update as feedback.client_outputs.
+
+    private: how its average is made differentially private (:class:`PrivateAggregate`);
+      None: it has no private version (with its options), and --dp_clip is refused.
     """
 
     name: str
@@ -117,6 +141,7 @@ class FederatedAlgorithm(NamedTuple):
     client_init: Optional[Callable[..., Any]] = None
     client_step: Optional[Callable[..., Params]] = None
     client_final: Optional[Callable[..., Tuple[Any, Any]]] = None
+    private: Optional[PrivateAggregate] = None
 
     def client_hooks(self):
         """The engine's :class:`~deltafl_jax.engine.ClientHooks`, or None when the algorithm
@@ -151,6 +176,22 @@ def no_state(params, hyper):
 
 
 OPTION = "deltafl_jax.option"   # the metadata key of an options field's Option
+
+# How the platform's replica coordinates read in a report column.
+PLATFORM_SYMBOLS = {"server_lr": "η_s", "dp_target_epsilon": "ε", "dp_noise_multiplier": "z"}
+
+
+def _dp_parts(label: ReplicaLabel, run_config) -> List[str]:
+    """A private run's DP value when its label does not name it (one value): 'ε = 8' (the
+    target) or 'z = 1.1'."""
+    config = dict(run_config or {})
+    if config.get("dp_clip") is None:
+        return []
+    flag = "dp_target_epsilon" if config.get("dp_target_epsilon") else "dp_noise_multiplier"
+    values = config.get(flag) or (0.0,)
+    if len(values) == 1 and flag not in dict(label.extra):
+        return [f"{PLATFORM_SYMBOLS[flag]} = {_g(values[0])}"]
+    return []
 
 # How the literature names a method with a server optimizer, by the method's report column:
 # FedAvg (and Delta-FL at theta = 1, which is FedAvg) with momentum is Hsu et al.'s FedAvgM,
@@ -228,7 +269,7 @@ def build_options(options_type: type, given: Mapping[str, Any]):
 
 
 def _g(v) -> str:
-    return f"{float(v):g}"
+    return "∞" if float(v) == math.inf else f"{float(v):g}"
 
 
 def label_parts(display_name: str, label: ReplicaLabel,
@@ -317,6 +358,8 @@ class AlgorithmSpec:
     cross: further sweeps crossed with the active one (deltafl_alt: theta x T_eta); each of
       their values becomes an extra coordinate of the replica labels (``extra``, as the
       tuner's grids), e.g. ``theta=0.5_eta_every=5_seed=1``.
+    dp_requires: for an algorithm with a private version (--dp_clip), what its options must
+      be for it (the one line of the refusal otherwise); empty: it has none.
     own_server_step: why the server step is the algorithm's own (non-empty: it refuses a
       server optimizer other than the default w + Delta); empty: the round's server optimizer
       applies to its Delta. A list of --server_lr values is crossed like `cross`, after it
@@ -349,6 +392,7 @@ class AlgorithmSpec:
     alt_sweep: Optional[Sweep] = None
     cross: Tuple[Sweep, ...] = ()
     own_server_step: str = ""
+    dp_requires: str = ""
     options_type: type = NoOptions
     column_name: Optional[Callable[[ReplicaLabel, Any, str], str]] = None
     names_value: bool = True
@@ -385,11 +429,19 @@ class AlgorithmSpec:
         return combos
 
     @staticmethod
-    def server_lrs(config) -> Tuple[Tuple[float, Tuple], ...]:
-        """(eta, extra label coordinates) for each --server_lr value; the label names eta
-        only when several are trained."""
+    def platform_values(config, dp_noise: Sequence[float] = (0.0,)
+                        ) -> Tuple[Tuple[float, float, Tuple], ...]:
+        """(eta, z, extra label coordinates) for each --server_lr value x each DP value
+        (`dp_noise`: the noise multiplier of each value of the config's DP sweep, calibrated
+        already); the label names the server learning rate and the DP value only when
+        several are trained."""
         lrs = tuple(config.server_lr)
-        return tuple((v, (("server_lr", v),) if len(lrs) > 1 else ()) for v in lrs)
+        (flag, given), = config.privacy.swept
+        if len(given) != len(dp_noise):
+            raise ValueError(f"{len(dp_noise)} noise multipliers for {len(given)} --{flag} values")
+        return tuple((eta, z, ((("server_lr", eta),) if len(lrs) > 1 else ())
+                      + (((flag, g),) if len(given) > 1 else ()))
+                     for eta in lrs for g, z in zip(given, dp_noise))
 
     def active_sweep(self, config) -> Sweep:
         alt = self.alt_sweep
@@ -439,12 +491,12 @@ class AlgorithmSpec:
         'Δ-FL, θ = 0.5'); further coordinates follow as 'symbol = value'. `run_config`: the
         run's configuration as summary.json stores it (its options may name the column)."""
         symbols = {s.coordinate: s.symbol for s in self.sweeps() if s.symbol}
-        parts = label_parts(self.display_name, label, {**symbols, "server_lr": "η_s"})
+        parts = label_parts(self.display_name, label, {**symbols, **PLATFORM_SYMBOLS})
         if not self.names_value:
             parts[0] = self.display_name
         if self.column_name is not None:
             parts[0] = self.column_name(label, self.stored_options(run_config), parts[0])
-        return ", ".join(self._server_parts(parts, run_config))
+        return ", ".join(self._server_parts(parts, run_config) + _dp_parts(label, run_config))
 
     @staticmethod
     def _server_parts(parts: List[str], run_config) -> List[str]:
@@ -470,6 +522,9 @@ class AlgorithmSpec:
     def check(self, config) -> None:
         self.sweep_values(config)
         self.options_for(config)
+        if config.privacy.enabled and not self.dp_requires:
+            raise ConfigError(f"--algorithm={self.name} has no private version (--dp_clip): "
+                              "its server step is not a bounded-weight average of the updates")
         if self.own_server_step and not config.server.is_default:
             raise ConfigError(f"--algorithm={self.name} takes no --server_optimizer or "
                               f"--server_lr: {self.own_server_step}")
@@ -488,17 +543,18 @@ class AlgorithmSpec:
         values = {**self.fixed, sweep.field: float(value), **overrides}
         return self.hyper(**{f: float(values[f]) for f in self.hyper._fields})
 
-    def grid(self, config) -> ReplicaGrid:
-        """The sweep values (x the `cross` values x the --server_lr values) x seeds, with the
-        config's schedule and per-value L2."""
+    def grid(self, config, dp_noise: Sequence[float] = (0.0,)) -> ReplicaGrid:
+        """The sweep values (x the `cross` values x the --server_lr values x the DP values,
+        whose noise multipliers `dp_noise` are) x seeds, with the config's schedule and
+        per-value L2."""
         sweep = self.active_sweep(config)
         values = self.sweep_values(config)
         l2s = config.l2_for(len(values))
         points = tuple(
-            GridPoint(label=dataclasses.replace(self.label(v, sweep), extra=extra + eta_extra),
+            GridPoint(label=dataclasses.replace(self.label(v, sweep), extra=extra + more),
                       hyper=self.hyper_for(v, sweep, **overrides), l2=l2,
                       learning_rate=config.learning_rate, lr_decay=config.lr_decay,
-                      lr_decay_every=config.lr_decay_every, server_lr=eta)
+                      lr_decay_every=config.lr_decay_every, server_lr=eta, dp_noise=z)
             for v, l2 in zip(values, l2s) for overrides, extra in self.crossed(config)
-            for eta, eta_extra in self.server_lrs(config))
+            for eta, z, more in self.platform_values(config, dp_noise))
         return ReplicaGrid(points=points, seeds=tuple(config.seeds))

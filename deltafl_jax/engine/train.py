@@ -34,6 +34,7 @@ from deltafl_jax.engine.lanes import deal_jobs, device_share, per_lane
 from deltafl_jax.engine.mesh import SINGLE, DeviceAxis
 from deltafl_jax.engine.trees import gather_rows, select_tree, tree_all_finite, tree_sqnorm
 from deltafl_jax.models import Model
+from deltafl_jax.privacy import clip_factor
 
 Params = Any
 
@@ -94,6 +95,7 @@ class LocalSGDConfig(NamedTuple):
     unroll: int = 1
     branchless: bool = False
     client_hooks: Optional[ClientHooks] = None
+    clip: Optional[float] = None   # C: each job's update clipped to L2 norm C (client-level DP)
 
 
 class TrainResult(NamedTuple):
@@ -110,6 +112,7 @@ class TrainResult(NamedTuple):
     device_examples: jax.Array = None  # [D] each device's trained examples
     job_state: Any = None              # [R, m, ...] the clients' new states (client hooks)
     job_output: Any = None             # [R, m, ...] the jobs' outputs (client hooks)
+    job_clipped: Any = None            # [R, m] bool: the update was clipped (cfg.clip)
 
 
 class Jobs(NamedTuple):
@@ -137,6 +140,7 @@ class LaneCarry(NamedTuple):
     ctx: Any = None        # [c, ...] the lanes' job contexts (client hooks)
     job_state: Any = None  # [J, ...] finished jobs' new client states (client hooks)
     job_output: Any = None # [J, ...] finished jobs' outputs (client hooks)
+    clipped: Any = None    # [J] bool: the job's update was longer than cfg.clip
 
 
 class LaneSchedule(NamedTuple):
@@ -220,6 +224,7 @@ class _LaneProgram:
         self.penalized = cfg.local_penalty is not None
         self.branchless = cfg.branchless
         self.hooks, self.clients = cfg.client_hooks, clients
+        self.clip = cfg.clip
 
     def when(self, lanes, fn, operand):
         """fn(operand) if any lane needs it, else operand; fn is the identity on the other
@@ -267,8 +272,12 @@ class _LaneProgram:
         c, J = self.c, self.J
 
         def taken(acc):
-            delta_sum, weight_sum, sqnorm, finite, job_state, job_output = acc
+            delta_sum, weight_sum, sqnorm, finite, job_state, job_output, clipped = acc
             delta = jax.tree.map(lambda a, w: a - w, carry.params, gather_rows(self.params, r))
+            slot = jnp.where(done, js, J)
+            if self.clip is not None:   # client-level DP: clip before the update is summed
+                delta, long_ = self.clipped_updates(delta)
+                clipped = clipped.at[slot].set(long_, mode="drop")
             ok = jax.vmap(tree_all_finite)(delta) & done
             coef = jnp.where(ok, self.jobs.weight[js], 0.0)
 
@@ -276,19 +285,27 @@ class _LaneProgram:
                 d = jnp.where(ok.reshape((c,) + (1,) * (d.ndim - 1)), d, 0.0)
                 return total.at[r].add(coef.reshape((c,) + (1,) * (d.ndim - 1)) * d)
 
-            slot = jnp.where(done, js, J)
             if job_state is not None or job_output is not None:
                 job_state, job_output = self.client_final(carry.ctx, js, r, delta, slot,
                                                           job_state, job_output)
             return (jax.tree.map(add, delta_sum, delta), weight_sum.at[r].add(coef),
                     sqnorm.at[slot].set(jax.vmap(tree_sqnorm)(delta), mode="drop"),
-                    finite.at[slot].set(ok, mode="drop"), job_state, job_output)
+                    finite.at[slot].set(ok, mode="drop"), job_state, job_output, clipped)
 
         acc = (carry.delta_sum, carry.weight_sum, carry.sqnorm, carry.finite, carry.job_state,
-               carry.job_output)
+               carry.job_output, carry.clipped)
         acc = self.when(done, taken, acc)
         return carry._replace(delta_sum=acc[0], weight_sum=acc[1], sqnorm=acc[2],
-                              finite=acc[3], job_state=acc[4], job_output=acc[5])
+                              finite=acc[3], job_state=acc[4], job_output=acc[5],
+                              clipped=acc[6])
+
+    def clipped_updates(self, delta):
+        """The lanes' updates scaled to L2 norm <= C, and which were longer ([c] bool)."""
+        sq = jax.vmap(tree_sqnorm)(delta)
+        f = clip_factor(sq, self.clip)
+        scaled = jax.tree.map(
+            lambda d: d * f.reshape((self.c,) + (1,) * (d.ndim - 1)).astype(d.dtype), delta)
+        return scaled, sq > self.clip * self.clip
 
     # ---------------------------------------------------------------- per-client work (hooks)
 
@@ -370,7 +387,8 @@ class _LaneProgram:
             delta_sum=jax.tree.map(jnp.zeros_like, self.params),
             weight_sum=jnp.zeros((R,), jnp.float32), sqnorm=jnp.zeros((self.J,), jnp.float32),
             finite=jnp.zeros((self.J,), bool), real=jnp.int32(0), ctx=ctx,
-            job_state=job_state, job_output=job_output)
+            job_state=job_state, job_output=job_output,
+            clipped=jnp.zeros((self.J,), bool) if self.clip is not None else None)
 
 
 def train_jobs(model: Model, params, X, Y, plan, replica_group, job_weight, learning_rate,
@@ -417,4 +435,6 @@ def train_jobs(model: Model, params, X, Y, plan, replica_group, job_weight, lear
                        device_jobs=axis.spread(jnp.sum(prog.deal.length)),
                        device_examples=axis.spread(out.real),
                        job_state=None if out.job_state is None else per_job(out.job_state),
-                       job_output=None if out.job_output is None else per_job(out.job_output))
+                       job_output=None if out.job_output is None else per_job(out.job_output),
+                       job_clipped=None if out.clipped is None else
+                       per_job(out.clipped.astype(jnp.int32)) > 0)

@@ -25,6 +25,7 @@ from deltafl_jax.datasets import load_dataset
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.metrics import summarize
 from deltafl_jax.models import Model, ModelOptions, build_model
+from deltafl_jax.privacy import Accounting
 from deltafl_jax.replicas import Replicas
 
 
@@ -87,6 +88,7 @@ class Experiment:
     mesh: Optional[Any] = None            # the device mesh when the round spans D > 1 devices
     footprint: Optional[Footprint] = None # bytes held on each device
     server_tx: Optional[Any] = None   # the server optimizer's transformation (None: w + Delta)
+    accounting: Optional[Accounting] = None   # client-level DP: epsilon of each replica
 
     def _place(self, tree):
         return tree if self.mesh is None else mesh_lib.replicate(tree, self.mesh)
@@ -279,7 +281,8 @@ def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh
     local = engine.LocalSGDConfig(batch_size=config.batch_size, lanes=place.lanes,
                                   lane_mode=place.lane_mode, unroll=place.unroll,
                                   branchless=place.branchless,
-                                  local_penalty=algorithm.local_penalty, axis=axis)
+                                  local_penalty=algorithm.local_penalty, axis=axis,
+                                  clip=config.dp_clip)
     raw = rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
                                 place.eval_lanes, m, server_tx)
     return jax.jit(raw if mesh is None else mesh_lib.sharded(raw, mesh, 3), donate_argnums=(0,))
@@ -296,6 +299,27 @@ def _mesh(config: ExperimentConfig):
         raise ConfigError(str(e)) from None
 
 
+def _accounting(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: FederatedAlgorithm,
+                m: int, num_clients: int, replicas) -> Optional[Accounting]:
+    """The privacy ledger of a private run (None otherwise), its noise multipliers those of
+    the config's DP values (calibrated to each --dp_target_epsilon); ConfigError when the
+    algorithm, with its options, has no private version."""
+    privacy = config.privacy
+    if not privacy.enabled:
+        return None
+    if algorithm.private is None:
+        raise ConfigError(f"--dp_clip: --algorithm={spec.name} has a private version only with "
+                          f"{spec.dp_requires}")
+    if replicas is not None:
+        raise ConfigError("--dp_clip applies to the replicas of the algorithm's own sweep, not "
+                          "to a grid given with them (the tuner's)")
+    q = m / num_clients
+    releases = (1.0,) + tuple(algorithm.private.releases)
+    noise = privacy.noise_multipliers_for(q, config.num_rounds, num_clients, releases)
+    return Accounting(q=q, releases=releases, delta=privacy.delta_for(num_clients),
+                      noise=noise)
+
+
 def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = None,
                      replicas: Optional[Replicas] = None) -> Experiment:
     """Load the data and build the jitted round. Raises ConfigError / DataError on bad input.
@@ -308,7 +332,12 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     spec = registry.get(config.algorithm)
     m = _sampled(config, spec, data)
     algorithm = spec.make(config, data)
-    replicas = replicas or spec.grid(config).build()
+    accounting = _accounting(config, spec, algorithm, m, data.train.num_clients, replicas)
+    replicas = replicas or spec.grid(
+        config, accounting.noise if accounting is not None else (0.0,)).build()
+    if accounting is not None:   # each replica's own z, in replica order
+        accounting = dataclasses.replace(accounting,
+                                         noise=tuple(float(z) for z in replicas.dp_noise))
     local_steps = spec.local_steps if spec.local_steps is not None else config.local_steps
     work = plan_lib.LocalWork(batch_size=config.batch_size, local_epochs=config.local_epochs,
                               local_steps=local_steps)
@@ -336,4 +365,4 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
         eval_fn=_eval_fn(model, place, segments, mesh),
         served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
                    if algorithm.eval_params is not None else None), mesh=mesh,
-        server_tx=server_tx)
+        server_tx=server_tx, accounting=accounting)

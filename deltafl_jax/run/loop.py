@@ -40,6 +40,8 @@ def evaluation_records(exp, t: int, summary: Dict[str, np.ndarray],
 def evaluate(exp, state, t: int, metrics, elapsed: float) -> Evaluation:
     per_client = exp.evaluate(exp.served_params(state))
     summary = exp.summarize(per_client)
+    if exp.accounting is not None:   # client-level DP: epsilon of each replica so far
+        summary = {**summary, "dp_epsilon": exp.accounting.epsilons(t)}
     return Evaluation(round=t, per_client=per_client, summary=summary,
                       records=evaluation_records(exp, t, summary, metrics, elapsed),
                       elapsed_s=elapsed)

@@ -40,6 +40,8 @@ def evaluation_line(run: RunContext, ev: Evaluation) -> str:
         err, p90 = (np.mean(ev.summary[k][rs]) for k in ("test_error_mean", "test_error_p90"))
         tail = (f"test err mean {100 * err:.1f}% p90 {100 * p90:.1f}%" if classify
                 else f"test loss mean {err:.3f} p90 {p90:.3f}")
+        if "dp_epsilon" in ev.summary:   # client-level DP: the privacy spent so far
+            tail += f", ε {float(np.max(ev.summary['dp_epsilon'][rs])):.3g}"
         parts.append(f"{name}: train loss {loss:.3f}, {tail}")
     T = run.num_rounds
     done = ev.round - run.start_round
@@ -53,11 +55,12 @@ def error_table(rows, first: str = "replicas", classify: bool = True) -> List[st
     seed])]."""
     scale, unit = (100.0, "%") if classify else (1.0, "")
     what = "test error" if classify else "test loss"
-    lines = [f"{first:<28} {what + ' mean':>16} {what + ' p90':>15}  seeds"]
+    width = max([28] + [len(name) for name, _ in rows])
+    lines = [f"{first:<{width}} {what + ' mean':>16} {what + ' p90':>15}  seeds"]
     for name, finals in rows:
         mean = np.mean([f["test_error_mean"] for f in finals])
         p90 = np.mean([f["test_error_p90"] for f in finals])
-        lines.append(f"{name:<28} {scale * mean:15.2f}{unit} {scale * p90:14.2f}{unit}  "
+        lines.append(f"{name:<{width}} {scale * mean:15.2f}{unit} {scale * p90:14.2f}{unit}  "
                      f"{len(finals)}")
     return lines
 

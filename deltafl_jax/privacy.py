@@ -1,0 +1,228 @@
+"""Client-level differential privacy: DP-FedAvg (McMahan et al., *Learning Differentially
+Private Recurrent Language Models*, ICLR 2018) for every algorithm whose server step averages
+updates, a private Delta-FL (the long paper's Algorithm 3 with noised secure sums), and their
+accounting with Google's ``dp-accounting`` library.
+
+The mechanism, per round and replica, with clip C (``--dp_clip``) and noise multiplier z
+(``--dp_noise_multiplier``, or calibrated from ``--dp_target_epsilon``):
+
+1. each trained client's update Delta_k = w_k - w_t is clipped in the engine, before it enters
+   the sum: Delta_k min(1, C / ||Delta_k||) (:func:`clip_factor`);
+2. the server receives S = sum_k a_k clip(Delta_k) + N(0, (z C a_max)^2 I), a_max the largest
+   weight one client can have, so that adding or removing one client moves S by at most
+   C a_max in L2 before the noise (its sensitivity);
+3. Delta = S / D with D a denominator that does not depend on who took part: for FedAvg and
+   FedProx (a_k = 1/m, m clients drawn each round) the expected weight of a round, D = 1
+   (DP-FedAvg's fixed-denominator estimator); for private Delta-FL, whose kept weight is
+   random, D = max(sum_k a_k + N(0, z^2), 1), the kept weight released with its own noise
+   (a_k = 1, sensitivity 1).
+
+Private Delta-FL (``--algorithm=deltafl --quantile=secagg_mm --weighting=unweighted`` with
+``--dp_clip``): eta comes from the mm_iters + 1 secure sums of Algorithm 3, each noised
+(:func:`deltafl_jax.secagg.mm_quantile`): losses clipped to [0, B] (``--dp_loss_bound``) and
+beta_k = 1 / max(|F_k - mu|, xi) (``--dp_mm_floor``), so that one client moves the first sum
+(F_k, 1) by at most sqrt(B^2 + 1) and every later one (beta_k F_k, beta_k) by at most
+sqrt(B^2 + 1) / xi; each gets Gaussian noise of z_q times that sensitivity, with
+z_q = ``--dp_quantile_noise_ratio`` x z. The clients then filter themselves (F_k > eta).
+
+Accounting: one round is, on the clients sampled with rate q = m / N, the composition of
+Gaussian mechanisms with noise multipliers z (the update), z (Delta-FL's kept weight) and
+z_q (each quantile sum); the replica's epsilon after t rounds at ``--dp_delta`` (default
+1 / N^1.1) is the RDP accountant's for t self-compositions of that Poisson-subsampled event.
+The simulator draws exactly m clients without replacement; like DP-FedAvg's analysis, the
+accounting takes Poisson sampling at q = m / N (:func:`round_event`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence, Tuple
+
+from deltafl_jax.errors import ConfigError
+
+NOISE_STREAM = 0x5EC   # folded into a replica's round key for the server's noise
+
+
+@dataclasses.dataclass(frozen=True)
+class Privacy:
+    """The DP settings of a run (module docstring); ``clip`` None = not private.
+
+    clip: C. noise_multipliers: z, one per value (several: swept as replicas).
+    target_epsilons: epsilon per value instead of z, each calibrated to a z for the run's
+      rounds (inf: z = 0). delta: None = 1 / N^1.1. quantile_noise_ratio: z_q / z for private
+    Delta-FL's secure sums. loss_bound: B. mm_floor: xi.
+    """
+
+    clip: Optional[float] = None
+    noise_multipliers: Tuple[float, ...] = (0.0,)
+    target_epsilons: Tuple[float, ...] = ()
+    delta: Optional[float] = None
+    quantile_noise_ratio: float = 1.0
+    loss_bound: float = 10.0
+    mm_floor: float = 0.1
+
+    @property
+    def enabled(self) -> bool:
+        return self.clip is not None
+
+    def check(self) -> None:
+        """ConfigError naming the flag at fault."""
+        if not self.enabled:
+            given = [f for f, on in (("dp_target_epsilon", bool(self.target_epsilons)),
+                                     ("dp_noise_multiplier",
+                                      tuple(self.noise_multipliers) != (0.0,)),
+                                     ("dp_delta", self.delta is not None)) if on]
+            if given:
+                raise ConfigError(f"--{given[0]} needs --dp_clip (the clip norm C of the "
+                                  f"clients' updates)")
+            return
+        _positive("dp_clip", self.clip)
+        for z in self.noise_multipliers:
+            _number("dp_noise_multiplier", z, 0.0)
+        for e in self.target_epsilons:
+            if isinstance(e, bool) or not isinstance(e, (int, float)) or not e > 0:
+                raise ConfigError(f"--dp_target_epsilon must be > 0 (inf: no noise), got {e!r}")
+        if self.target_epsilons and tuple(self.noise_multipliers) != (0.0,):
+            raise ConfigError("give --dp_noise_multiplier or --dp_target_epsilon, not both")
+        for flag, values in (("dp_noise_multiplier", self.noise_multipliers),
+                             ("dp_target_epsilon", self.target_epsilons)):
+            if len(set(values)) != len(values):
+                raise ConfigError(f"--{flag} lists a value twice: {list(values)}")
+        if self.delta is not None and not 0.0 < self.delta < 1.0:
+            raise ConfigError(f"--dp_delta must lie in (0, 1), got {self.delta!r}")
+        _number("dp_quantile_noise_ratio", self.quantile_noise_ratio, 0.0)
+        _positive("dp_loss_bound", self.loss_bound)
+        _number("dp_mm_floor", self.mm_floor, 0.0)
+        noisy = any(z > 0 for z in self.noise_multipliers) or any(
+            math.isfinite(e) for e in self.target_epsilons)
+        if noisy and self.mm_floor == 0:
+            raise ConfigError("--dp_mm_floor must be > 0 with noise: 1/|F_k - mu| has no bound")
+
+    @property
+    def swept(self) -> Tuple[Tuple[str, Tuple[float, ...]], ...]:
+        """The values that name replicas when several are trained: (flag, values)."""
+        if self.target_epsilons:
+            return (("dp_target_epsilon", tuple(self.target_epsilons)),)
+        return (("dp_noise_multiplier", tuple(self.noise_multipliers)),)
+
+    def delta_for(self, num_clients: int) -> float:
+        return self.delta if self.delta is not None else float(num_clients) ** -1.1
+
+    def noise_multipliers_for(self, q: float, rounds: int, num_clients: int,
+                              releases: Sequence[float]) -> Tuple[float, ...]:
+        """z for each swept value: as given, or calibrated to each target epsilon; each a
+        float32 number (the round's), rounded up so that the accounted z is the applied one
+        and a calibrated epsilon stays within its target."""
+        if not self.target_epsilons:
+            zs = tuple(float(z) for z in self.noise_multipliers)
+        else:
+            delta = self.delta_for(num_clients)
+            zs = tuple(calibrate(e, q, rounds, delta, releases) for e in self.target_epsilons)
+        return tuple(float32_at_least(z) for z in zs)
+
+
+def float32_at_least(x: float) -> float:
+    """The smallest float32 number >= x, as a Python float."""
+    import numpy as np
+    y = np.float32(x)
+    return float(y if float(y) >= x else np.nextafter(y, np.float32(np.inf)))
+
+
+class _QuietAccountant:
+    """dp-accounting logs (through absl) each Renyi order it drops for not converging, which
+    is routine at small z; those lines are held back while it computes."""
+
+    def __enter__(self):
+        import logging
+        self.logger = logging.getLogger("absl")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc):
+        self.logger.setLevel(self.level)
+
+
+def _number(flag, v, low):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or v < low:
+        raise ConfigError(f"--{flag} must be a finite number >= {low:g}, got {v!r}")
+
+
+def _positive(flag, v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ConfigError(f"--{flag} must be a finite number > 0, got {v!r}")
+
+
+def round_event(q: float, z: float, releases: Sequence[float]):
+    """One round as a ``dp_accounting`` event: the Poisson-subsampled (rate q) composition of
+    Gaussian mechanisms with noise multipliers z r for each relative multiplier r of
+    `releases` (1.0 for the model update)."""
+    import dp_accounting
+
+    gaussians = [dp_accounting.GaussianDpEvent(z * r) for r in releases]
+    inner = gaussians[0] if len(gaussians) == 1 else dp_accounting.ComposedDpEvent(gaussians)
+    return dp_accounting.PoissonSampledDpEvent(q, inner)
+
+
+def epsilon(q: float, z: float, releases: Sequence[float], rounds: int, delta: float) -> float:
+    """epsilon at `delta` after `rounds` rounds (RDP accountant); inf without noise, 0 before
+    the first round."""
+    if rounds <= 0:
+        return 0.0
+    if z <= 0 or q <= 0:
+        return math.inf if q > 0 else 0.0
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    with _QuietAccountant():
+        accountant = RdpAccountant()
+        accountant.compose(dp_accounting.SelfComposedDpEvent(round_event(q, z, releases),
+                                                             rounds))
+        return float(accountant.get_epsilon(delta))
+
+
+def calibrate(target: float, q: float, rounds: int, delta: float,
+              releases: Sequence[float]) -> float:
+    """The smallest z whose epsilon after `rounds` rounds is at most `target` (0 for inf)."""
+    if math.isinf(target):
+        return 0.0
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    try:
+        with _QuietAccountant():
+            return float(dp_accounting.calibrate_dp_mechanism(
+                RdpAccountant,
+                lambda z: dp_accounting.SelfComposedDpEvent(round_event(q, z, releases),
+                                                            rounds),
+                target, delta,
+                bracket_interval=dp_accounting.LowerEndpointAndGuess(1e-3, 1.0)))
+    except Exception as e:   # pylint: disable=broad-except
+        raise ConfigError(f"--dp_target_epsilon={target:g} cannot be calibrated for q = {q:g}, "
+                          f"{rounds} rounds, delta = {delta:g}: {e}") from None
+
+
+def clip_factor(sqnorm, clip: float):
+    """min(1, C / ||Delta||) from ||Delta||^2 (1 for a zero update)."""
+    import jax.numpy as jnp
+    norm = jnp.sqrt(sqnorm)
+    return jnp.where(norm > clip, clip / jnp.where(norm > 0, norm, 1.0), 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Accounting:
+    """The privacy ledger of a run: sampling rate q = m / N, the round's releases (relative
+    noise multipliers, the update's first), delta, and each replica's z."""
+
+    q: float
+    releases: Tuple[float, ...]
+    delta: float
+    noise: Tuple[float, ...]
+
+    def epsilons(self, rounds: int):
+        """[R] epsilon of each replica after `rounds` rounds (float64; inf without noise)."""
+        import numpy as np
+        per_z = {z: epsilon(self.q, z, self.releases, rounds, self.delta)
+                 for z in set(self.noise)}
+        return np.asarray([per_z[z] for z in self.noise], np.float64)

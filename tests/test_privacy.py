@@ -1,0 +1,226 @@
+"""Client-level differential privacy (deltafl_jax.privacy): the per-job clip, the server's
+noise against a chi-square bound, the accounting against dp-accounting called here and
+against a published figure, z = 0 against the non-private runs bit for bit, private Delta-FL,
+the calibration, and the refusals."""
+
+import math
+
+import dp_accounting
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from dp_accounting.rdp import RdpAccountant
+from scipy import stats
+
+from conftest import run_runner, tiny_config
+from deltafl_jax import build_experiment, engine, privacy, rounds
+from deltafl_jax.algorithms import ClientFeedback
+
+M = 4   # clients per round: 1/4 sums to 1 exactly in float32 (FedAvg's fixed denominator)
+
+
+def run_rounds(exp, rounds_):
+    state, keys, hist = exp.initial_state(), exp.keys(), []
+    for t in range(rounds_):
+        state, met = exp.round_fn(state, exp.round_data(t), keys)
+        hist.append(jax.device_get(met))
+    return state, hist
+
+
+def same(a, b):
+    return all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_zero_noise_and_a_loose_clip_is_the_non_private_run_bit_for_bit(tiny_synthetic):
+    """FedAvg (uniform weights, m = 4) with --dp_clip above every update's norm and z = 0:
+    the clip scales by exactly 1, the noise adds exact zeros, and the fixed denominator 1 is
+    the weight sum 4 x 1/4."""
+    kw = dict(algorithm="fedavg", thetas=(), seeds=(1, 2), weighting="unweighted",
+              clients_per_round=M, l2_reg=1e-3)
+    plain, _ = run_rounds(build_experiment(tiny_config(**kw), tiny_synthetic), 3)
+    private, hist = run_rounds(build_experiment(tiny_config(dp_clip=1e6, **kw),
+                                                tiny_synthetic), 3)
+    assert same(plain.params, private.params)
+    assert all(np.all(h["dp_clipped"] == 0) for h in hist)
+
+
+def job_norms(exp, clip, rounds_=2):
+    """The per-job update norms that entered the sum in each round (the engine's job_sqnorm,
+    passed through the server update's metrics)."""
+    base = exp.algorithm
+
+    def server_update(state, params, feedback, hyper):
+        delta, state, metrics = base.server_update(state, params, feedback, hyper)
+        return delta, state, {**metrics, "norm": jnp.sqrt(feedback.job_sqnorm),
+                              "trained": feedback.job_trained}
+
+    alg = base._replace(server_update=server_update)
+    local = engine.LocalSGDConfig(batch_size=exp.config.batch_size, lanes=exp.lanes, clip=clip)
+    round_fn = jax.jit(rounds.build_round_fn(exp.model, alg, exp.replicas, local,
+                                             exp.eval_chunk, 1, exp.num_sampled))
+    state, out = exp.initial_state(), []
+    for t in range(rounds_):
+        state, met = round_fn(state, exp.round_data(t), exp.keys())
+        met = jax.device_get(met)
+        out.append((met["norm"][met["trained"]], met.get("dp_clipped")))
+    return out
+
+
+def test_every_clipped_update_has_norm_at_most_the_clip(tiny_synthetic):
+    exp = build_experiment(tiny_config(algorithm="fedavg", thetas=(), weighting="unweighted",
+                                       dp_clip=0.05, learning_rate=0.2), tiny_synthetic)
+    loose = job_norms(exp, None)
+    clipped = job_norms(exp, 0.05)
+    assert max(float(n.max()) for n, _ in loose[:1]) > 0.05      # the clip is active
+    for norms, count in clipped:
+        assert np.all(norms <= 0.05 * (1 + 1e-6)), norms
+        assert int(count.sum()) == int(np.sum(norms > 0.05 * (1 - 1e-4)))
+
+
+def test_the_server_noise_has_the_stated_standard_deviation():
+    """(z C a_max)^2 per coordinate: over 200 keys x 500 coordinates the sum of squares,
+    divided by the variance, lies inside chi-square's 99.9% interval (and z = 0 adds
+    nothing)."""
+    fedavg = __import__("deltafl_jax.algorithms.fedavg", fromlist=["x"])
+    private = fedavg.private_fedavg("unweighted")
+    m, clip, z, d = 8, 0.3, 1.7, 500
+    fb = ClientFeedback(losses=jnp.zeros(m), sizes=jnp.ones(m, jnp.int32),
+                        weights=jnp.full(m, 1 / m), delta_sum={"w": jnp.zeros((d,))},
+                        weight_sum=jnp.float32(1.0), job_sqnorm=jnp.zeros(m),
+                        job_finite=jnp.ones(m, bool), job_trained=jnp.ones(m, bool),
+                        learning_rate=jnp.float32(0.1), clients=jnp.arange(m))
+    keys = jax.random.split(jax.random.key(0), 200)
+    noisy = jax.vmap(lambda k: rounds._privatize(private, clip, m, fb, None, k, z))(keys)
+    draws = np.asarray(noisy.delta_sum["w"], np.float64).ravel()
+    sigma = z * clip / m
+    n = draws.size
+    statistic = float(np.sum(draws ** 2) / sigma ** 2)
+    assert stats.chi2.ppf(0.0005, n) < statistic < stats.chi2.ppf(0.9995, n)
+    assert np.all(np.asarray(noisy.weight_sum) == 1.0)          # the fixed denominator
+    zero = rounds._privatize(private, clip, m, fb, None, keys[0], 0.0)
+    assert np.all(np.asarray(zero.delta_sum["w"]) == 0.0)
+
+
+def independent_epsilon(q, zs, rounds_, delta):
+    """dp-accounting, called here: the Poisson-subsampled composition of Gaussians."""
+    inner = dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z) for z in zs])
+    acc = RdpAccountant()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, inner), rounds_)
+    return acc.get_epsilon(delta)
+
+
+def test_the_runs_epsilon_is_dp_accountings(tiny_synthetic, tmp_path):
+    from deltafl_jax import run_experiment
+    cfg = tiny_config(algorithm="fedavg", thetas=(), seeds=(1,), weighting="unweighted",
+                      dp_clip=0.5, dp_noise_multiplier=(1.1, 2.0), num_rounds=4, eval_every=2,
+                      clients_per_round=M)
+    result = run_experiment(cfg, tiny_synthetic, log=lambda s: None)
+    N = tiny_synthetic.train.num_clients
+    q, delta = M / N, N ** -1.1
+    for key, z in (("theta=1_dp_noise_multiplier=1.1_seed=1", 1.1),
+                   ("theta=1_dp_noise_multiplier=2_seed=1", 2.0)):
+        applied = np.float32(z)          # the round's z: float32, rounded up
+        if float(applied) < z:
+            applied = np.nextafter(applied, np.float32(np.inf))
+        want = independent_epsilon(q, [float(applied)], 4, delta)
+        assert result.final[key]["dp_epsilon"] == pytest.approx(want, rel=1e-12)
+    halfway = [r["dp_epsilon"] for r in result.history if r["round"] == 2]
+    assert all(0 < e < result.final[k]["dp_epsilon"] for e, k in zip(halfway, result.final))
+
+
+def classic_epsilon(event, delta):
+    """epsilon = min over orders of RDP(order) + log(1/delta) / (order - 1): the conversion
+    of the moments accountant (Abadi et al. 2016) and of TensorFlow Privacy's tutorials, from
+    dp-accounting's RDP of each order (recovered from its single-order epsilon)."""
+    orders = [1 + x / 10 for x in range(1, 100)] + list(range(12, 64))
+    best = math.inf
+    for a in orders:
+        if a <= 1.01:
+            continue
+        acc = RdpAccountant([a])
+        acc.compose(event)
+        e = acc.get_epsilon(delta)
+        if e > 0:
+            rdp = e - math.log1p(-1 / a) + math.log(delta * a) / (a - 1)
+            best = min(best, rdp - math.log(delta) / (a - 1))
+    return best
+
+
+@pytest.mark.parametrize("z,epochs,published", [(1.12, 60, 2.92), (1.2, 10, 1.20)])
+def test_a_published_figure(z, epochs, published):
+    """TensorFlow Privacy's MNIST DP-SGD tutorial (tutorials/README.md, 'Select Parameters'):
+    60,000 examples, batches of 256 sampled at q = 256/60000, noise multiplier z: epsilon at
+    delta = 1e-5 after 60 epochs with z = 1.12 is 2.92, after 10 epochs with z = 1.2 is 1.20
+    (RDP accountant, with the conversion of Abadi et al.'s moments accountant). One round
+    here is that sampled Gaussian mechanism (privacy.round_event)."""
+    steps = epochs * 60000 // 256
+    event = dp_accounting.SelfComposedDpEvent(privacy.round_event(256 / 60000, z, (1.0,)),
+                                              steps)
+    assert round(classic_epsilon(event, 1e-5), 2) == published
+    # The library's tighter conversion (Canonne et al. 2020) gives less.
+    assert privacy.epsilon(256 / 60000, z, (1.0,), steps, 1e-5) < published
+
+
+def test_calibration_meets_the_target_epsilon():
+    for target in (8.0, 2.0, 0.5):
+        z = privacy.calibrate(target, 0.05, 300, 1e-5, (1.0,))
+        assert 0.99 * target < privacy.epsilon(0.05, z, (1.0,), 300, 1e-5) <= target
+    assert privacy.calibrate(math.inf, 0.05, 300, 1e-5, (1.0,)) == 0.0
+    # Private Delta-FL's round releases more: it needs more noise for the same epsilon.
+    assert privacy.calibrate(2.0, 0.05, 300, 1e-5, (1.0,) * 6) > \
+        privacy.calibrate(2.0, 0.05, 300, 1e-5, (1.0,))
+
+
+def private_deltafl_config(**kw):
+    return tiny_config(algorithm="deltafl", thetas=(1.0, 0.5), seeds=(1, 2),
+                       weighting="unweighted", quantile="secagg_mm", mm_iters=5,
+                       l2_reg=1e-3, **kw)
+
+
+def test_private_deltafl_at_zero_noise_is_secagg_mm_bit_for_bit(tiny_synthetic):
+    """z = 0 for the update and the quantile's sums, xi = 0, B and C above every loss and
+    update: the noised secure sums and the kept weight are the plain ones."""
+    plain, ph = run_rounds(build_experiment(private_deltafl_config(), tiny_synthetic), 3)
+    private, qh = run_rounds(build_experiment(private_deltafl_config(
+        dp_clip=1e6, dp_loss_bound=1e6, dp_mm_floor=0.0), tiny_synthetic), 3)
+    assert same(plain.params, private.params)
+    assert [h["num_selected"].tolist() for h in ph] == [h["num_selected"].tolist() for h in qh]
+
+
+def test_private_deltafl_accounts_its_quantiles_releases(tiny_synthetic):
+    """One round of private Delta-FL releases the update, the kept weight and the mm_iters + 1
+    secure sums of the quantile (noise ratio r): the run's epsilon composes them all."""
+    exp = build_experiment(private_deltafl_config(dp_clip=0.5, dp_noise_multiplier=(3.0,),
+                                                  dp_quantile_noise_ratio=2.0), tiny_synthetic)
+    N = tiny_synthetic.train.num_clients
+    q = exp.num_sampled / N
+    want = independent_epsilon(q, [3.0, 3.0] + [6.0] * 6, 10, N ** -1.1)
+    assert exp.accounting.epsilons(10) == pytest.approx([want] * 4, rel=1e-12)
+    _, hist = run_rounds(exp, 2)       # noisy: it runs and the filter still keeps clients
+    assert all(h["num_selected"].sum() > 0 for h in hist)
+    assert "eta" not in hist[0]        # the server never sees eta
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--algorithm=qffl", "--dp_clip=1"], "--algorithm=qffl has no private version"),
+    (["--algorithm=fedavg", "--dp_clip=1"],
+     "has a private version only with --weighting=unweighted"),
+    (["--algorithm=deltafl", "--dp_clip=1", "--weighting=unweighted"],
+     "only with --quantile=secagg_mm --weighting=unweighted"),
+    (["--dp_target_epsilon=2"], "--dp_target_epsilon needs --dp_clip"),
+    (["--algorithm=fedavg", "--weighting=unweighted", "--dp_clip=1",
+      "--dp_noise_multiplier=1", "--dp_target_epsilon=2"], "not both"),
+    (["--algorithm=fedavg", "--weighting=unweighted", "--dp_clip=0"], "--dp_clip must be"),
+    (["--algorithm=deltafl", "--weighting=unweighted", "--quantile=secagg_mm", "--dp_clip=1",
+      "--dp_noise_multiplier=1", "--dp_mm_floor=0"], "--dp_mm_floor must be > 0"),
+])
+def test_bad_privacy_flags_exit_2_with_one_line(tmp_path, capsys, flags, needle):
+    out = tmp_path / "o"
+    code, err, _ = run_runner(["--dataset=synthetic", "--synthetic_num_clients=20",
+                               "--synthetic_max_examples=60", "--clients_per_round=4",
+                               f"--output_dir={out}", *flags], capsys)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert code == 2 and len(lines) == 1 and needle in lines[0], err
+    assert not out.exists()
