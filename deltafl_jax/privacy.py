@@ -14,8 +14,9 @@ The mechanism, per round and replica, with clip C (``--dp_clip``) and noise mult
 3. Delta = S / D with D a denominator that does not depend on who took part: for FedAvg and
    FedProx (a_k = 1/m, m clients drawn each round) the expected weight of a round, D = 1
    (DP-FedAvg's fixed-denominator estimator); for private Delta-FL, whose kept weight is
-   random, D = max(sum_k a_k + N(0, z^2), 1), the kept weight released with its own noise
-   (a_k = 1, sensitivity 1).
+   random, D = max(sum_k a_k + N(0, z^2), theta m / 2), the kept weight released with its own
+   noise (a_k = 1, sensitivity 1) and floored, as DP-FedAvg's clipped-denominator estimator
+   is, at half its expected value (at 1 without noise: the plain average).
 
 Private Delta-FL (``--algorithm=deltafl --quantile=secagg_mm --weighting=unweighted`` with
 ``--dp_clip``): eta comes from the mm_iters + 1 secure sums of Algorithm 3, each noised

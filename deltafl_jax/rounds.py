@@ -195,7 +195,8 @@ def _privatize(private, clip: float, m: int, feedback: ClientFeedback, hyper, ke
     """One replica's feedback made private (:mod:`deltafl_jax.privacy`): N(0, (z C a_max)^2 I)
     added to the sum of the clipped updates (clipped by the engine), and the weight it is
     divided by replaced by the algorithm's fixed denominator, or by the kept weight with noise
-    N(0, (z a_max)^2), floored at a_max. The noise comes from the replica's round key."""
+    N(0, (z a_max)^2), floored (:class:`PrivateAggregate`). The noise comes from the replica's
+    round key."""
     a_max = jnp.asarray(private.max_weight(hyper, m), jnp.float32)
     leaves, treedef = jax.tree.flatten(feedback.delta_sum)
     keys = jax.random.split(jax.random.fold_in(key, NOISE_STREAM), len(leaves) + 1)
@@ -203,7 +204,8 @@ def _privatize(private, clip: float, m: int, feedback: ClientFeedback, hyper, ke
              for x, k in zip(leaves, keys[1:])]
     if private.denominator is None:
         drawn = z * a_max * jax.random.normal(keys[0], (), jnp.float32)
-        total = jnp.maximum(feedback.weight_sum + drawn, a_max)
+        floor = jnp.where(z > 0, jnp.asarray(private.floor(hyper, m), jnp.float32), a_max)
+        total = jnp.maximum(feedback.weight_sum + drawn, floor)
     else:
         total = jnp.asarray(private.denominator(hyper, m), jnp.float32)
     return feedback._replace(delta_sum=jax.tree.unflatten(treedef, noisy), weight_sum=total)

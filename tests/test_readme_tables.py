@@ -1,5 +1,5 @@
-"""The README's Synthetic table and the server-optimizer comparison equal fresh runs of their
-flagfiles (so they cannot go stale), and the table renderer's means, stds and bold marks are
+"""The README's Synthetic table, the server-optimizer comparison and the DP table equal fresh
+runs of their flagfiles (so they cannot go stale), and the table renderer's means, stds and bold marks are
 right on a hand-made run."""
 
 import json
@@ -48,7 +48,7 @@ def test_render_means_stds_and_bold(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("table", ["synthetic", "compare_fedopt_synthetic"])
+@pytest.mark.parametrize("table", ["synthetic", "compare_fedopt_synthetic", "dp_synthetic"])
 def test_readme_table_matches_a_fresh_run(table):
     proc = subprocess.run([sys.executable, "-m", "experiments.readme_tables",
                            f"--table={table}", "--run"], cwd=REPO, capture_output=True,

@@ -167,8 +167,9 @@ def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggrega
     """Private Delta-FL (Algorithm 3 with noised secure sums, :mod:`deltafl_jax.privacy`):
     eta from the mm_iters + 1 secure sums, each with noise z_q = privacy.quantile_noise_ratio
     x z in units of its sensitivity; the clients with F_k > eta train at weight 1, and the
-    kept weight is released with noise too (denominator None). None unless --quantile=secagg_mm
-    and --weighting=unweighted (weights n_k would make one client's share unbounded)."""
+    kept weight is released with noise too (denominator None), floored at half its expected
+    value theta m / 2. None unless --quantile=secagg_mm and --weighting=unweighted (weights
+    n_k would make one client's share unbounded)."""
     if not (privacy is not None and privacy.enabled and options.quantile == "secagg_mm"
             and options.weighting == "unweighted"):
         return None
@@ -184,7 +185,8 @@ def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggrega
 
     return PrivateAggregate(max_weight=lambda hyper, m: 1.0, denominator=None,
                             releases=(1.0,) + (ratio,) * (iters + 1),
-                            client_weights=client_weights)
+                            client_weights=client_weights,
+                            floor=lambda hyper, m: 0.5 * hyper.theta * m)
 
 
 def deltafl(options: DeltaFLOptions = DeltaFLOptions(), tie_rtol: float = DEFAULT_TIE_RTOL,

@@ -87,7 +87,8 @@ class PrivateAggregate(NamedTuple):
       sensitivity is C a_max; the noise N(0, (z C a_max)^2 I) is added to it).
     denominator(hyper, m) -> D: the fixed denominator (DP-FedAvg's expected weight of a
       round); None: the kept weight sum_k a_k, released with noise N(0, (z a_max)^2) and
-      floored at a_max.
+      floored at floor(hyper, m) when z > 0 (so that a round that keeps few clients does not
+      divide the noise by a small number), at a_max without noise (the plain average).
     releases: the noise multipliers, relative to z, of the round's further Gaussian releases
       (the model update's is 1 and not listed): what the accountant composes.
     client_weights: (state, losses, sizes, hyper, key, clients, z) -> [m] a_k under DP (None:
@@ -98,6 +99,7 @@ class PrivateAggregate(NamedTuple):
     denominator: Optional[Callable[[Any, int], Any]] = None
     releases: Tuple[float, ...] = ()
     client_weights: Optional[Callable[..., jax.Array]] = None
+    floor: Optional[Callable[[Any, int], Any]] = None
 
 
 class FederatedAlgorithm(NamedTuple):
