@@ -9,8 +9,8 @@ The mechanism, per round and replica, with clip C (``--dp_clip``) and noise mult
 1. each trained client's update Delta_k = w_k - w_t is clipped in the engine, before it enters
    the sum: Delta_k min(1, C / ||Delta_k||) (:func:`clip_factor`);
 2. the server receives S = sum_k a_k clip(Delta_k) + N(0, (z C a_max)^2 I), a_max the largest
-   weight one client can have, so that adding or removing one client moves S by at most
-   C a_max in L2 before the noise (its sensitivity);
+   weight one client can have: one client's term is at most C a_max long, and replacing one
+   client by another moves S by at most 2 C a_max in L2 (its sensitivity);
 3. Delta = S / D with D a denominator that does not depend on who took part: for FedAvg and
    FedProx (a_k = 1/m, m clients drawn each round) the expected weight of a round, D = 1
    (DP-FedAvg's fixed-denominator estimator); for private Delta-FL, whose kept weight is
@@ -21,17 +21,24 @@ The mechanism, per round and replica, with clip C (``--dp_clip``) and noise mult
 Private Delta-FL (``--algorithm=deltafl --quantile=secagg_mm --weighting=unweighted`` with
 ``--dp_clip``): eta comes from the mm_iters + 1 secure sums of Algorithm 3, each noised
 (:func:`deltafl_jax.secagg.mm_quantile`): losses clipped to [0, B] (``--dp_loss_bound``) and
-beta_k = 1 / max(|F_k - mu|, xi) (``--dp_mm_floor``), so that one client moves the first sum
-(F_k, 1) by at most sqrt(B^2 + 1) and every later one (beta_k F_k, beta_k) by at most
-sqrt(B^2 + 1) / xi; each gets Gaussian noise of z_q times that sensitivity, with
-z_q = ``--dp_quantile_noise_ratio`` x z. The clients then filter themselves (F_k > eta).
+beta_k = 1 / max(|F_k - mu|, xi) (``--dp_mm_floor``), with Gaussian noise of z_q
+sqrt(B^2 + 1) on the first sum (F_k, 1) and z_q sqrt(B^2 + 1) / xi on every later one
+(beta_k F_k, beta_k), z_q = ``--dp_quantile_noise_ratio`` x z. The clients then filter
+themselves (F_k > eta).
 
-Accounting: one round is, on the clients sampled with rate q = m / N, the composition of
-Gaussian mechanisms with noise multipliers z (the update), z (Delta-FL's kept weight) and
-z_q (each quantile sum); the replica's epsilon after t rounds at ``--dp_delta`` (default
-1 / N^1.1) is the RDP accountant's for t self-compositions of that Poisson-subsampled event.
-The simulator draws exactly m clients without replacement; like DP-FedAvg's analysis, the
-accounting takes Poisson sampling at q = m / N (:func:`round_event`).
+Accounting (:class:`Accounting`). The simulator draws exactly m of the N training clients
+without replacement each round, so two neighbouring populations differ by one client replaced
+by another (with a fixed m, adding one would not add a term). Under that relation each release
+of a round is a Gaussian mechanism whose noise multiplier (noise std / sensitivity) is z / 2
+for the update (sensitivity 2 C a_max), z for Delta-FL's kept weight (each client adds 0 or
+1), z_q sqrt(B^2 + 1) / B for the first quantile sum (replacing a client changes its F_k by at
+most B, its 1 not at all) and z_q for every later one (its two entries lie in [0, B / xi] and
+[0, 1 / xi]). A round is their composition on a sample of m of N without replacement, and the
+replica's epsilon after t rounds at ``--dp_delta`` (default 1 / N^1.1) is dp-accounting's RDP
+accountant's (replace-one relation) for t self-compositions of that event
+(:func:`round_event`). DP-FedAvg's own analysis (and DP-SGD's) samples each client
+independently with probability q and takes add-or-remove neighbours: :func:`poisson_event`,
+which the tests use to reproduce a published figure.
 """
 
 from __future__ import annotations
@@ -43,6 +50,11 @@ from typing import Optional, Sequence, Tuple
 from deltafl_jax.errors import ConfigError
 
 NOISE_STREAM = 0x5EC   # folded into a replica's round key for the server's noise
+# The model update's noise multiplier relative to z under the replace-one relation: its noise
+# std is z C a_max and replacing one client moves the sum by up to 2 C a_max.
+UPDATE_RELEASE = 0.5
+ACCOUNTANT = ("dp-accounting RDP, replace-one neighbours, m of N sampled without replacement "
+              "each round")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +82,15 @@ class Privacy:
     def check(self) -> None:
         """ConfigError naming the flag at fault."""
         if not self.enabled:
+            d = Privacy()
             given = [f for f, on in (("dp_target_epsilon", bool(self.target_epsilons)),
                                      ("dp_noise_multiplier",
                                       tuple(self.noise_multipliers) != (0.0,)),
-                                     ("dp_delta", self.delta is not None)) if on]
+                                     ("dp_delta", self.delta is not None),
+                                     ("dp_quantile_noise_ratio",
+                                      self.quantile_noise_ratio != d.quantile_noise_ratio),
+                                     ("dp_loss_bound", self.loss_bound != d.loss_bound),
+                                     ("dp_mm_floor", self.mm_floor != d.mm_floor)) if on]
             if given:
                 raise ConfigError(f"--{given[0]} needs --dp_clip (the clip norm C of the "
                                   f"clients' updates)")
@@ -99,6 +116,9 @@ class Privacy:
             math.isfinite(e) for e in self.target_epsilons)
         if noisy and self.mm_floor == 0:
             raise ConfigError("--dp_mm_floor must be > 0 with noise: 1/|F_k - mu| has no bound")
+        if noisy and self.quantile_noise_ratio == 0:
+            raise ConfigError("--dp_quantile_noise_ratio must be > 0 with noise: a quantile "
+                              "released without noise has no finite epsilon")
 
     @property
     def swept(self) -> Tuple[Tuple[str, Tuple[float, ...]], ...]:
@@ -110,7 +130,7 @@ class Privacy:
     def delta_for(self, num_clients: int) -> float:
         return self.delta if self.delta is not None else float(num_clients) ** -1.1
 
-    def noise_multipliers_for(self, q: float, rounds: int, num_clients: int,
+    def noise_multipliers_for(self, m: int, rounds: int, num_clients: int,
                               releases: Sequence[float]) -> Tuple[float, ...]:
         """z for each swept value: as given, or calibrated to each target epsilon; each a
         float32 number (the round's), rounded up so that the accounted z is the applied one
@@ -119,7 +139,8 @@ class Privacy:
             zs = tuple(float(z) for z in self.noise_multipliers)
         else:
             delta = self.delta_for(num_clients)
-            zs = tuple(calibrate(e, q, rounds, delta, releases) for e in self.target_epsilons)
+            zs = tuple(calibrate(e, num_clients, m, rounds, delta, releases)
+                       for e in self.target_epsilons)
         return tuple(float32_at_least(z) for z in zs)
 
 
@@ -155,68 +176,101 @@ def _positive(flag, v):
         raise ConfigError(f"--{flag} must be a finite number > 0, got {v!r}")
 
 
-def round_event(q: float, z: float, releases: Sequence[float]):
-    """One round as a ``dp_accounting`` event: the Poisson-subsampled (rate q) composition of
-    Gaussian mechanisms with noise multipliers z r for each relative multiplier r of
-    `releases` (1.0 for the model update)."""
+def _gaussians(z: float, releases: Sequence[float]):
+    """The composition of Gaussian mechanisms with noise multipliers z r, r in `releases`."""
     import dp_accounting
-
     gaussians = [dp_accounting.GaussianDpEvent(z * r) for r in releases]
-    inner = gaussians[0] if len(gaussians) == 1 else dp_accounting.ComposedDpEvent(gaussians)
-    return dp_accounting.PoissonSampledDpEvent(q, inner)
+    return gaussians[0] if len(gaussians) == 1 else dp_accounting.ComposedDpEvent(gaussians)
 
 
-def epsilon(q: float, z: float, releases: Sequence[float], rounds: int, delta: float) -> float:
-    """epsilon at `delta` after `rounds` rounds (RDP accountant); inf without noise, 0 before
-    the first round."""
+def round_event(population: int, m: int, z: float, releases: Sequence[float]):
+    """One round as a ``dp_accounting`` event: the releases (noise multipliers z r) on m of
+    `population` clients sampled without replacement (replace-one relation)."""
+    import dp_accounting
+    return dp_accounting.SampledWithoutReplacementDpEvent(population, m, _gaussians(z, releases))
+
+
+def poisson_event(q: float, z: float, releases: Sequence[float]):
+    """The same releases on clients sampled independently with probability q (DP-SGD's and
+    DP-FedAvg's analyses; add-or-remove relation)."""
+    import dp_accounting
+    return dp_accounting.PoissonSampledDpEvent(q, _gaussians(z, releases))
+
+
+def _replace_one():
+    from dp_accounting import NeighboringRelation
+    from dp_accounting.rdp import RdpAccountant
+    return RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+
+
+def epsilon(population: int, m: int, z: float, releases: Sequence[float], rounds: int,
+            delta: float) -> float:
+    """epsilon at `delta` after `rounds` rounds (:data:`ACCOUNTANT`); inf without noise, 0
+    before the first round."""
     if rounds <= 0:
         return 0.0
-    if z <= 0 or q <= 0:
-        return math.inf if q > 0 else 0.0
+    if z <= 0:
+        return math.inf
     import dp_accounting
-    from dp_accounting.rdp import RdpAccountant
 
     with _QuietAccountant():
-        accountant = RdpAccountant()
-        accountant.compose(dp_accounting.SelfComposedDpEvent(round_event(q, z, releases),
-                                                             rounds))
+        accountant = _replace_one()
+        accountant.compose(dp_accounting.SelfComposedDpEvent(
+            round_event(population, m, z, releases), rounds))
         return float(accountant.get_epsilon(delta))
 
 
-def calibrate(target: float, q: float, rounds: int, delta: float,
+def calibrate(target: float, population: int, m: int, rounds: int, delta: float,
               releases: Sequence[float]) -> float:
     """The smallest z whose epsilon after `rounds` rounds is at most `target` (0 for inf)."""
     if math.isinf(target):
         return 0.0
     import dp_accounting
-    from dp_accounting.rdp import RdpAccountant
 
     try:
         with _QuietAccountant():
             return float(dp_accounting.calibrate_dp_mechanism(
-                RdpAccountant,
-                lambda z: dp_accounting.SelfComposedDpEvent(round_event(q, z, releases),
-                                                            rounds),
+                _replace_one,
+                lambda z: dp_accounting.SelfComposedDpEvent(
+                    round_event(population, m, z, releases), rounds),
                 target, delta,
                 bracket_interval=dp_accounting.LowerEndpointAndGuess(1e-3, 1.0)))
     except Exception as e:   # pylint: disable=broad-except
-        raise ConfigError(f"--dp_target_epsilon={target:g} cannot be calibrated for q = {q:g}, "
-                          f"{rounds} rounds, delta = {delta:g}: {e}") from None
+        raise ConfigError(f"--dp_target_epsilon={target:g} cannot be calibrated for m = {m} of "
+                          f"{population} clients, {rounds} rounds, delta = {delta:g}: "
+                          f"{e}") from None
+
+
+def library_version() -> str:
+    """dp-accounting's version (a resume must account with the same one)."""
+    from importlib import metadata
+    try:
+        return metadata.version("dp-accounting")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+# The clip scales to C (1 - 2^-20): float32 rounding of the scaled update's norm, about 2e-7
+# relative, then stays within C.
+CLIP_MARGIN = 1.0 - 2.0 ** -20
 
 
 def clip_factor(sqnorm, clip: float):
-    """min(1, C / ||Delta||) from ||Delta||^2 (1 for a zero update)."""
+    """min(1, C / ||Delta||) from ||Delta||^2 (1 for a zero update), to C (1 - 2^-20)."""
     import jax.numpy as jnp
     norm = jnp.sqrt(sqnorm)
-    return jnp.where(norm > clip, clip / jnp.where(norm > 0, norm, 1.0), 1.0)
+    inside = clip * CLIP_MARGIN
+    return jnp.where(norm > inside, inside / jnp.where(norm > 0, norm, 1.0), 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class Accounting:
-    """The privacy ledger of a run: sampling rate q = m / N, the round's releases (relative
-    noise multipliers, the update's first), delta, and each replica's z."""
+    """The privacy ledger of a run: m of `population` clients sampled per round, the round's
+    releases (noise multipliers relative to z, the update's first), delta, and each replica's
+    z (the float32 number the round applies)."""
 
-    q: float
+    population: int
+    m: int
     releases: Tuple[float, ...]
     delta: float
     noise: Tuple[float, ...]
@@ -224,6 +278,13 @@ class Accounting:
     def epsilons(self, rounds: int):
         """[R] epsilon of each replica after `rounds` rounds (float64; inf without noise)."""
         import numpy as np
-        per_z = {z: epsilon(self.q, z, self.releases, rounds, self.delta)
+        per_z = {z: epsilon(self.population, self.m, z, self.releases, rounds, self.delta)
                  for z in set(self.noise)}
         return np.asarray([per_z[z] for z in self.noise], np.float64)
+
+    def describe(self, labels) -> dict:
+        """What summary.json records: the accountant, its inputs and each replica's z."""
+        return {"accountant": ACCOUNTANT, "dp_accounting_version": library_version(),
+                "population": self.population, "clients_per_round": self.m,
+                "delta": self.delta, "releases": list(self.releases),
+                "noise_multiplier": {lab.key(): z for lab, z in zip(labels, self.noise)}}

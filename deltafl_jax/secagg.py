@@ -83,8 +83,9 @@ def mm_quantile(values, weights, tau, iters: int, noise: Optional[SumNoise] = No
     w = jnp.asarray(weights, jnp.float32)
     tau = jnp.asarray(tau, jnp.float32)
     floor, sens = 0.0, math.inf
-    if noise is not None:
-        x = jnp.clip(x, 0.0, noise.bound)
+    if noise is not None:   # a NaN or infinite loss counts as B
+        x = jnp.clip(jnp.nan_to_num(x, nan=noise.bound, posinf=noise.bound, neginf=0.0), 0.0,
+                     noise.bound)
         floor, reach = float(noise.floor), math.sqrt(noise.bound ** 2 + 1.0)
         sens = reach / floor if floor > 0 else math.inf
     first = _noised(secure_sum(jnp.stack([w * x, w], axis=1)), noise, 0, reach

@@ -174,6 +174,8 @@ def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggrega
             and options.weighting == "unweighted"):
         return None
     ratio, iters = float(privacy.quantile_noise_ratio), options.mm_iters
+    bound = float(privacy.loss_bound)
+    first = ratio * math.sqrt(bound ** 2 + 1.0) / bound   # replacing a client moves F_k only
 
     def client_weights(state, losses, sizes, hyper, key, clients, z):
         del state, clients
@@ -184,7 +186,7 @@ def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggrega
         return jnp.where((losses > eta) & (alphas > 0), alphas, 0.0)
 
     return PrivateAggregate(max_weight=lambda hyper, m: 1.0, denominator=None,
-                            releases=(1.0,) + (ratio,) * (iters + 1),
+                            releases=(1.0, first) + (ratio,) * iters,
                             client_weights=client_weights,
                             floor=lambda hyper, m: 0.5 * hyper.theta * m)
 

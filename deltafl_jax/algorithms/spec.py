@@ -89,8 +89,9 @@ class PrivateAggregate(NamedTuple):
       round); None: the kept weight sum_k a_k, released with noise N(0, (z a_max)^2) and
       floored at floor(hyper, m) when z > 0 (so that a round that keeps few clients does not
       divide the noise by a small number), at a_max without noise (the plain average).
-    releases: the noise multipliers, relative to z, of the round's further Gaussian releases
-      (the model update's is 1 and not listed): what the accountant composes.
+    releases: the noise multipliers (noise std over the replace-one sensitivity), relative to
+      z, of the round's further Gaussian releases (the model update's, 1/2, is not listed):
+      what the accountant composes.
     client_weights: (state, losses, sizes, hyper, key, clients, z) -> [m] a_k under DP (None:
       the algorithm's own, which must not read the losses).
     """

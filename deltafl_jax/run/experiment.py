@@ -25,7 +25,7 @@ from deltafl_jax.datasets import load_dataset
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.metrics import summarize
 from deltafl_jax.models import Model, ModelOptions, build_model
-from deltafl_jax.privacy import Accounting
+from deltafl_jax.privacy import UPDATE_RELEASE, Accounting
 from deltafl_jax.replicas import Replicas
 
 
@@ -313,11 +313,10 @@ def _accounting(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: Federa
     if replicas is not None:
         raise ConfigError("--dp_clip applies to the replicas of the algorithm's own sweep, not "
                           "to a grid given with them (the tuner's)")
-    q = m / num_clients
-    releases = (1.0,) + tuple(algorithm.private.releases)
-    noise = privacy.noise_multipliers_for(q, config.num_rounds, num_clients, releases)
-    return Accounting(q=q, releases=releases, delta=privacy.delta_for(num_clients),
-                      noise=noise)
+    releases = (UPDATE_RELEASE,) + tuple(algorithm.private.releases)
+    noise = privacy.noise_multipliers_for(m, config.num_rounds, num_clients, releases)
+    return Accounting(population=num_clients, m=m, releases=releases,
+                      delta=privacy.delta_for(num_clients), noise=noise)
 
 
 def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = None,

@@ -93,6 +93,12 @@ class Progress(Callback):
                  f"({len(exp.config.seeds)} seeds), m={exp.num_sampled}, {exp.lanes} client "
                  f"lane(s) per step, backend {exp.backend}")
         self.log(placement_line(exp))
+        if getattr(exp, "accounting", None) is not None:
+            acc = exp.accounting
+            zs = ", ".join(f"{z:.4g}" for z in dict.fromkeys(acc.noise))
+            self.log(f"privacy: clip C={exp.config.dp_clip:g}, noise multiplier z = {zs}; "
+                     f"epsilon at delta={acc.delta:.3g} for m={acc.m} of {acc.population} "
+                     f"clients a round (sampled without replacement, replace-one)")
         if run.start_round:
             self.log(f"resuming after round {run.start_round} of {run.num_rounds}")
 

@@ -142,4 +142,6 @@ def _summary(exp, final, total_s, first_round_s, build_s) -> Dict[str, Any]:
         "timing": {"total_s": total_s, "first_round_s_incl_compile": first_round_s,
                    "build_s": build_s},
         "final": final,
+        **({"privacy": exp.accounting.describe(exp.replicas.labels)}
+           if getattr(exp, "accounting", None) is not None else {}),
     }

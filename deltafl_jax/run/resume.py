@@ -49,6 +49,9 @@ def fingerprint(config, data) -> Dict[str, Any]:
     out.update(dataclasses.asdict(options))
     out["data_sha256"] = data_digest(data)
     out["jax_version"] = jax.__version__
+    if config.dp_clip is not None:   # a calibrated z and the epsilon depend on the accountant
+        from deltafl_jax.privacy import library_version
+        out["dp_accounting_version"] = library_version()
     return out
 
 
