@@ -58,6 +58,10 @@ class ExperimentConfig:
     overwrite: bool = False
     sweeps: Mapping[str, Tuple[float, ...]] = dataclasses.field(default_factory=dict)
     conv_impl: Optional[str] = None
+    # Lanes, lane mode, evaluation chunk and lanes, loop shape and convolutions chosen as on
+    # this backend (None: the one running); "gpu" runs an accelerator's program on the CPU.
+    placement_backend: Optional[str] = None
+    branchless: Optional[bool] = None       # the local-SGD loop body; None: engine.loop_shape
     save_models: bool = True
     verbose: bool = True
     tensorboard: Optional[bool] = None      # None = when tensorboardX is installed
@@ -138,6 +142,7 @@ _POSITIVE_INTS = (
     ("batch_size", "a positive integer"), ("num_rounds", "at least 1"),
     ("clients_per_round", "at least 1"), ("eval_every", "at least 1"))
 _OPTIONAL_POSITIVE_INTS = ("local_steps", "clients_per_step", "eval_chunk")
+PLACEMENT_BACKENDS = ("cpu", "gpu", "tpu")
 
 
 def _check_numbers(c: ExperimentConfig):
@@ -168,6 +173,9 @@ def _check_numbers(c: ExperimentConfig):
                           f"{c.checkpoint_every} and {c.checkpoint_every_s}")
     if c.lr_decay_every < 0:
         raise ConfigError(f"--lr_decay_every must be >= 0 (0: constant), got {c.lr_decay_every}")
+    if c.placement_backend is not None and c.placement_backend not in PLACEMENT_BACKENDS:
+        raise ConfigError(f"--placement_backend must be one of {', '.join(PLACEMENT_BACKENDS)} "
+                          f"(unset: the backend running), got {c.placement_backend!r}")
 
 
 def _check_seeds(c: ExperimentConfig):

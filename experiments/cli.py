@@ -227,6 +227,12 @@ def define_experiment_flags() -> None:
     _define_device_flags()
     _define(flags.DEFINE_integer, "eval_chunk", None, "examples per evaluation work item; "
             "unset: by model and backend")
+    _define(flags.DEFINE_string, "placement_backend", None, "cpu | gpu | tpu: choose the "
+            "lanes, lane mode, evaluation chunk and lanes, loop body and convolutions as on this "
+            "backend (gpu on a CPU runs the accelerator's program); unset: the backend running")
+    _define(flags.DEFINE_bool, "branchless", None, "local SGD: a lane's restart and a job's "
+            "bookkeeping as masked selects on every step instead of behind a lax.cond; unset: "
+            "by backend")
     _define(flags.DEFINE_integer, "eval_every", 10, "evaluate on all train and test clients "
             "every N rounds")
     _define(flags.DEFINE_string, "output_dir", None, "where metrics.jsonl, summary.json and "
@@ -296,8 +302,8 @@ DATA_FIELDS = ("dataset", "data_path", "data_dir", "data_seed", "min_client_exam
                "normalize", "writer_fraction", "resample_writers_per_seed")
 SCALAR_FIELDS = ("model", "num_rounds", "clients_per_round", "local_epochs",
                  "local_steps", "batch_size", "learning_rate", "lr_decay", "lr_decay_every",
-                 "eval_every", "clients_per_step", "eval_chunk", "output_dir", "overwrite",
-                 "conv_impl", "save_models", "checkpoint_every", "checkpoint_every_s",
+                 "eval_every", "clients_per_step", "eval_chunk", "placement_backend",
+                 "branchless", "output_dir", "overwrite", "conv_impl", "save_models", "checkpoint_every", "checkpoint_every_s",
                  "stop_on_divergence", "devices", "use_bias", "server_optimizer",
                  "server_momentum", "server_beta1", "server_beta2", "server_eps", "dp_clip",
                  "dp_delta", "dp_quantile_noise_ratio", "dp_loss_bound", "dp_mm_floor")

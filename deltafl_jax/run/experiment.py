@@ -24,7 +24,7 @@ from deltafl_jax.data import FederatedDataset
 from deltafl_jax.datasets import load_dataset
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.metrics import summarize
-from deltafl_jax.models import Model, ModelOptions, build_model
+from deltafl_jax.models import Model, ModelOptions, build_model, default_conv_impl
 from deltafl_jax.privacy import UPDATE_RELEASE, Accounting
 from deltafl_jax.replicas import Replicas
 
@@ -50,8 +50,10 @@ def placement(config: ExperimentConfig, model: Model, m: int, num_replicas: int,
     """Lanes per device: on CPU the model's measured preference; on accelerators enough that
     devices x lanes cover the R x m jobs of a round (every kept client trains in the first
     trip), capped at m. Evaluation lanes: one on CPU (a bigger chunk is the better batch
-    there); on accelerators one per replica (up to 16), so a step evaluates all models."""
-    backend = backend or jax.default_backend()
+    there); on accelerators one per replica (up to 16), so a step evaluates all models.
+    `config.placement_backend` plans as on that backend instead of the running one, and
+    `config.branchless` overrides the loop shape's body."""
+    backend = backend or config.placement_backend or jax.default_backend()
     prefs = model.lanes
     jobs = m * num_replicas
     per_device = (prefs.lanes(m, backend, devices) if backend == "cpu"
@@ -61,7 +63,9 @@ def placement(config: ExperimentConfig, model: Model, m: int, num_replicas: int,
     return Placement(lanes=lanes, lane_mode=prefs.lane_mode(backend),
                      eval_chunk=config.eval_chunk or prefs.eval_chunk(backend),
                      eval_lanes=1 if backend == "cpu" else max(1, min(num_replicas, 16)),
-                     devices=devices, unroll=loop.unroll, branchless=loop.branchless)
+                     devices=devices, unroll=loop.unroll,
+                     branchless=loop.branchless if config.branchless is None
+                     else config.branchless)
 
 
 @dataclasses.dataclass(eq=False)
@@ -211,8 +215,10 @@ def placement_line(exp: "Experiment") -> str:
     clients = (f", per-client state {_mb(f.clients)} ({exp.data.train.num_clients} clients x "
                f"{exp.replicas.size} replicas, and the round's per-job results)"
                if f.clients else "")
-    return (f"placement: {p.devices} {jax.default_backend()} device(s) x {p.lanes} lane(s) "
-            f"({p.lane_mode}); per device: data {_mb(f.data)}, state {_mb(f.state)}{clients}, "
+    running, planned = jax.default_backend(), exp.config.placement_backend
+    as_on = f", as on {planned}" if planned and planned != running else ""
+    return (f"placement: {p.devices} {running} device(s) x {p.lanes} lane(s) "
+            f"({p.lane_mode}{as_on}); per device: data {_mb(f.data)}, state {_mb(f.state)}{clients}, "
             f"round plan {_mb(f.plan)}, lanes {_mb(f.lanes)}")
 
 
@@ -243,7 +249,9 @@ def _device_split(split, mesh=None):
 
 
 def _model(config: ExperimentConfig, data: FederatedDataset) -> Tuple[Model, ModelOptions]:
-    options = ModelOptions(conv_impl=config.conv_impl, use_bias=config.use_bias)
+    conv_impl = config.conv_impl or (default_conv_impl(config.placement_backend)
+                                     if config.placement_backend else None)
+    options = ModelOptions(conv_impl=conv_impl, use_bias=config.use_bias)
     try:
         return build_model(config.model, data, options), options
     except ValueError as e:
