@@ -211,3 +211,32 @@ def test_estimate_of_several_methods_sums_them(tmp_path, capsys):
                             stdout).group(1))
     assert total == pytest.approx(sum(b["projected"] for b in blocks), abs=2e-3)
     assert not out.exists()
+
+
+def test_measure_runs_the_callbacks_in_the_timed_rounds(tiny_synthetic, tmp_path):
+    """The run's callbacks' host work is part of the timed rounds and evaluation: every timed
+    round reaches on_round_end (rounds 1..k, with the host metrics), both evaluations (the
+    compiling one and the timed one) reach on_evaluation."""
+    from deltafl_jax.run import Callback, build_experiment
+    from deltafl_jax.run.estimate import measure
+
+    class Count(Callback):
+        def __init__(self):
+            self.started, self.rounds, self.evals = 0, [], []
+
+        def on_run_start(self, run):
+            self.started += 1
+
+        def on_round_end(self, run, round, metrics):
+            self.rounds.append((round, int(metrics["train_trips"])))
+
+        def on_evaluation(self, run, evaluation):
+            self.evals.append(evaluation.round)
+
+    exp = build_experiment(tiny_config(num_rounds=5, eval_every=5), tiny_synthetic)
+    count = Count()
+    est = measure(exp, timed_rounds=2, min_seconds=0.0, callbacks=[count],
+                  output_dir=str(tmp_path))
+    assert count.started == 1
+    assert count.rounds == [(i + 1, t) for i, t in enumerate(est.train_trips)]
+    assert count.evals == [5, 5]

@@ -24,15 +24,20 @@ the largest over the run's devices) where it reports one; on XLA:CPU, which does
 start-up footprint the engine computes for its memory check
 (:func:`deltafl_jax.run.experiment.footprint`).
 
-Nothing is written: no output directory is created or read. The timed rounds run on a scratch
-state; the measurements are wall-clock seconds of this process on this machine.
+Nothing is written to the run's output directory: it is neither created nor read. The timed
+rounds run on a scratch state, with the run's own callbacks (the recorder, metrics.jsonl,
+TensorBoard's scalars: host work of every round and evaluation, e.g. 12 replicas' scalars cost
+about 5 ms a round) writing into a temporary directory that is removed afterwards; checkpoints
+(written in the background every ``--checkpoint_every_s``) are not modelled. The measurements
+are wall-clock seconds of this process on this machine.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import jax
 import numpy as np
@@ -42,7 +47,10 @@ from deltafl_jax.data import FederatedDataset
 from deltafl_jax.datasets import load_dataset
 from deltafl_jax.engine.mesh import tree_to_host
 from deltafl_jax.run import loop, resume
+from deltafl_jax.run.callbacks import Callback, RunContext
 from deltafl_jax.run.experiment import Experiment, build_experiment
+from deltafl_jax.run.recorder import Recorder
+from deltafl_jax.run.runner import standard_callbacks
 
 DEFAULT_TIMED_ROUNDS = 5
 DEFAULT_MIN_SECONDS = 5.0
@@ -186,9 +194,10 @@ def round_indices(num_rounds: int, count: int) -> List[int]:
 
 
 def _time_rounds(exp, compiled, state, keys, indices, least: int, most: int,
-                 min_seconds: float):
+                 min_seconds: float, run: RunContext, callbacks: Sequence[Callback]):
     """The loop's round body (:func:`deltafl_jax.run.loop.run_rounds`: the round, the next
-    plan while it runs, the metrics to the host) on the plans of indices[1:], at least `least`
+    plan while it runs, the metrics to the host, the callbacks' hooks) on the plans of
+    indices[1:], at least `least`
     and `min_seconds`, at most `most` rounds: (state, last metrics, train trips of each round,
     work metrics of each round, mean seconds per round)."""
     pending = exp.round_data(indices[1])
@@ -201,19 +210,34 @@ def _time_rounds(exp, compiled, state, keys, indices, least: int, most: int,
         if not last:
             pending = exp.round_data(indices[done + 1])
         metrics = tree_to_host(metrics)
+        run.state = state
+        for cb in callbacks:
+            cb.on_round_end(run, done, metrics)
         trips.append(int(metrics["train_trips"]))
         work.append({k: float(np.sum(metrics[k])) for k in WORK_METRICS if k in metrics})
         if last:
             return state, metrics, trips, work, (time.perf_counter() - t0) / len(trips)
 
 
+def _time_evaluation(exp, state, T, metrics, run, callbacks) -> float:
+    t0 = time.perf_counter()
+    ev = loop.evaluate(exp, state, T, metrics, 0.0)
+    for cb in callbacks:
+        cb.on_evaluation(run, ev)
+    return time.perf_counter() - t0
+
+
 def measure(exp: Experiment, build_s: float = 0.0, timed_rounds: int = DEFAULT_TIMED_ROUNDS,
             log: Optional[Callable[[str], None]] = None, name: Optional[str] = None,
-            min_seconds: float = DEFAULT_MIN_SECONDS) -> Estimate:
+            min_seconds: float = DEFAULT_MIN_SECONDS, callbacks: Sequence[Callback] = (),
+            output_dir: Optional[str] = None) -> Estimate:
     """Compile `exp`'s round, time at least `timed_rounds` rounds (and more, up to the run's
     T, until `min_seconds` have passed: a mean over a few milliseconds-long rounds is noise on
     a shared machine) and one evaluation, and return the :class:`Estimate` (`build_s`: the
-    seconds it took to build `exp`; the initial state's are added)."""
+    seconds it took to build `exp`; the initial state's are added). `callbacks` (writing into
+    `output_dir`, a scratch directory) run in the timed rounds and evaluation as in the run:
+    the host work of the run's own callbacks (TensorBoard's scalars, metrics.jsonl) is part of
+    its rounds."""
     log = log or (lambda line: None)
     if timed_rounds < 1:
         raise ValueError(f"timed_rounds must be at least 1, got {timed_rounds}")
@@ -234,16 +258,16 @@ def measure(exp: Experiment, build_s: float = 0.0, timed_rounds: int = DEFAULT_T
     tree_to_host(metrics)
     log(f"estimate: round compiled in {compile_round:.1f} s; timing at least {timed_rounds} "
         f"rounds ({min_seconds:g} s) ...")
+    run = RunContext(experiment=exp, num_rounds=T, state=state, output_dir=output_dir)
+    for cb in callbacks:
+        cb.on_run_start(run)
     state, metrics, trips, work, round_s = _time_rounds(exp, compiled, state, keys, indices,
-                                                        timed_rounds, most, min_seconds)
+                                                        timed_rounds, most, min_seconds, run,
+                                                        callbacks)
     log(f"estimate: {round_s:.4f} s per round ({len(trips)} rounds); compiling and timing one "
         f"evaluation ...")
-    t0 = time.perf_counter()
-    loop.evaluate(exp, state, T, metrics, 0.0)
-    first_eval = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    loop.evaluate(exp, state, T, metrics, 0.0)
-    eval_s = time.perf_counter() - t0
+    first_eval = _time_evaluation(exp, state, T, metrics, run, callbacks)   # compiles
+    eval_s = _time_evaluation(exp, state, T, metrics, run, callbacks)
     jax.block_until_ready(state)
     memory, source = device_memory(exp)
     return Estimate(
@@ -270,9 +294,16 @@ def estimate_run(config: ExperimentConfig, data: Optional[FederatedDataset] = No
     t0 = time.perf_counter()
     data = data if data is not None else load_dataset(config.data)
     exp = build_experiment(config, data, replicas)
-    resume.fingerprint(config, exp.data)   # the runner hashes the data before its rounds
+    fp = resume.fingerprint(config, exp.data)   # the runner hashes the data before its rounds
     build_s = time.perf_counter() - t0 + load_s
-    return measure(exp, build_s, timed_rounds, log, min_seconds=min_seconds)
+    with tempfile.TemporaryDirectory(prefix="deltafl_estimate_") as scratch:
+        # The run's own callbacks but the progress lines, writing into a scratch directory
+        # (never config.output_dir); no checkpoints (they are written in the background).
+        recorder = Recorder()
+        cbs = standard_callbacks(dataclasses.replace(config, output_dir=scratch, verbose=False),
+                                 exp, lambda line: None, recorder, None, fp)
+        return measure(exp, build_s, timed_rounds, log, min_seconds=min_seconds,
+                       callbacks=[recorder, *cbs], output_dir=scratch)
 
 
 __all__ = ["Estimate", "WORK_METRICS", "DEFAULT_TIMED_ROUNDS", "DEFAULT_MIN_SECONDS",
