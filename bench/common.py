@@ -1,9 +1,16 @@
-"""Shared pieces of the benchmarks: FEMNIST-like clients, timing, memory, JSON output.
+"""Shared pieces of the benchmarks: FEMNIST-, Shakespeare- and Sent140-like clients, timing,
+memory, JSON output.
 
 FEMNIST after the paper's preprocessing has 865 training writers with median 179, min 101 and
 max 447 images (Table 1). :func:`femnist_like_sizes` draws sizes with that shape: a lognormal
 around 179 truncated to [101, 447] (writers below 100 images are dropped in LEAF). The pixels
 are synthetic uint8 images, so the benchmarks need no download.
+
+Shakespeare (544 train / 545 test roles, median 1288, min 101, max 66963 windows) and Sent140
+(438 / 439 users, median 69, min 51, max 549 tweets) get sizes of the same median, min and max
+(:func:`table1_sizes`), and inputs of the shapes and dtypes their loaders produce (the window
+of :mod:`deltafl_jax.datasets.shakespeare`, the GloVe ids and table of
+:mod:`deltafl_jax.datasets.sent140`), with random ids: same work, no download.
 """
 
 from __future__ import annotations
@@ -56,6 +63,77 @@ def femnist_like_dataset(num_clients: int = 865, seed: int = 0, flat: bool = Fal
     return FederatedDataset("femnist_like", split(num_clients, seed),
                             split(num_test_clients, seed + 1), num_classes=62,
                             x_scale=1 / 255)
+
+
+SHAKESPEARE_TABLE1 = dict(train=544, test=545, median=1288, lo=101, hi=66963)
+SENT140_TABLE1 = dict(train=438, test=439, median=69, lo=51, hi=549)
+SENT140_VOCABULARY = 20000   # GloVe rows kept for the users' words (an assumed size)
+
+
+def table1_sizes(num_clients: int, median: int, lo: int, hi: int, seed: int = 0) -> np.ndarray:
+    """Client sizes of a given median, min and max: lo + (median - lo) * lognormal(0, s), the
+    spread s putting hi three deviations out (the largest of a few hundred draws), draws
+    above hi redrawn, then the smallest and largest pinned to lo and hi."""
+    rng = np.random.default_rng(seed)
+    sigma = np.log((hi - lo) / (median - lo)) / 3.0
+    out = []
+    while len(out) < num_clients:
+        s = np.round(lo + (median - lo) * rng.lognormal(0.0, sigma, size=4 * num_clients))
+        out.extend(s[s <= hi].astype(int).tolist())
+    sizes = np.asarray(out[:num_clients])
+    if num_clients >= 2:
+        sizes[np.argmin(sizes)] = lo
+        sizes[np.argmax(sizes)] = hi
+    return sizes
+
+
+def _split(sizes, x_fn, y_fn):
+    total = int(sizes.sum())
+    return ClientData(x=x_fn(total), y=y_fn(total),
+                      offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+                      client_ids=np.arange(len(sizes)))
+
+
+def shakespeare_like_dataset(num_clients: int = 544, num_test_clients: int = 545,
+                             seed: int = 0) -> FederatedDataset:
+    """Windows of WINDOW character ids (uint8, as the loader's) -> the next character, in
+    clients of Shakespeare's Table 1 sizes."""
+    from deltafl_jax.datasets import shakespeare as sh
+    rng = np.random.default_rng(seed)
+    t = SHAKESPEARE_TABLE1
+    x = lambda n: rng.integers(0, sh.NUM_CLASSES, size=(n, sh.WINDOW), dtype=np.uint8)
+    y = lambda n: rng.integers(0, sh.NUM_CLASSES, size=n).astype(np.int32)
+    splits = [_split(table1_sizes(n, t["median"], t["lo"], t["hi"], seed + i), x, y)
+              for i, n in enumerate((num_clients, num_test_clients))]
+    return FederatedDataset("shakespeare_like", *splits, num_classes=sh.NUM_CLASSES,
+                            metadata={"input_vocab_size": sh.NUM_CLASSES})
+
+
+def sent140_like_dataset(num_clients: int = 438, num_test_clients: int = 439, seed: int = 0,
+                         vocabulary: int = SENT140_VOCABULARY) -> FederatedDataset:
+    """Tweets as int32 GloVe ids (PAD after a random length, as the loader's) of the tokens the
+    LSTM reads, a random float32 table of EMBED_DIM columns, binary labels, in clients of
+    Sent140's Table 1 sizes."""
+    from deltafl_jax.datasets import sent140 as s140
+    from deltafl_jax.models.text import LSTM_MAX_TOKENS
+    rng = np.random.default_rng(seed)
+    t = SENT140_TABLE1
+
+    def x(n):
+        ids = rng.integers(s140.UNK_ID, vocabulary, size=(n, LSTM_MAX_TOKENS)).astype(np.int32)
+        length = rng.integers(1, LSTM_MAX_TOKENS + 1, size=n)
+        ids[np.arange(LSTM_MAX_TOKENS)[None, :] >= length[:, None]] = s140.PAD_ID
+        return ids
+
+    y = lambda n: rng.integers(0, s140.NUM_CLASSES, size=n).astype(np.int32)
+    splits = [_split(table1_sizes(n, t["median"], t["lo"], t["hi"], seed + i), x, y)
+              for i, n in enumerate((num_clients, num_test_clients))]
+    table = rng.normal(0, 0.4, size=(vocabulary, s140.EMBED_DIM)).astype(np.float32)
+    table[[s140.PAD_ID, s140.UNK_ID]] = 0.0
+    return FederatedDataset("sent140_like", *splits, num_classes=s140.NUM_CLASSES,
+                            metadata={"embeddings": table, "pad_id": s140.PAD_ID,
+                                      "unk_id": s140.UNK_ID, "max_tokens": LSTM_MAX_TOKENS,
+                                      "vocabulary_size": vocabulary})
 
 
 def peak_rss_mb() -> float:

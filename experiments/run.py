@@ -2,6 +2,10 @@ r"""Train Delta-FL (or a baseline) for every theta x seed in one compiled progra
 
     python -m experiments.run --flagfile=experiments/synthetic.flags [--flag=value ...]
 
+With ``--estimate`` the run is built, compiled and timed for a few rounds and one
+evaluation, and one block with its projected wall-clock, compile time and device memory is
+printed (:mod:`deltafl_jax.run.estimate`); nothing is written to ``--output_dir``.
+
 ``--algorithm`` may list several methods (``--algorithm=deltafl,fedavg,qffl``): they run one
 after another on the same data, each in its own compiled program, into
 ``<output_dir>/<entry>/``, and a table of the final test errors closes the run. An entry
@@ -18,15 +22,23 @@ directory is created.
 
 from __future__ import annotations
 
-import signal
-import sys
+import time
 
-from absl import app, logging
+STARTED = time.perf_counter()   # --estimate counts the process's start-up in its build time
+
+import signal  # noqa: E402
+import sys  # noqa: E402
+
+from absl import app, flags, logging  # noqa: E402
 
 from experiments.cli import (FLAGS, UsageError, configs_from_flags, define_experiment_flags,
                              fail, parse_flags_or_fail, start_backend)
 
 define_experiment_flags()
+flags.DEFINE_bool("estimate", False, "build the run, compile it, time a few rounds and one "
+                  "evaluation, print the projected wall-clock of the whole run, the compile time "
+                  "and the device memory, and exit without writing anything")
+flags.DEFINE_integer("estimate_rounds", 5, "--estimate: rounds timed after compiling")
 
 
 def stop_exit_code(reason: str) -> int:
@@ -64,6 +76,33 @@ def planned_configs():
     return sorted(configs, key=lambda c: order[c.data])
 
 
+def estimate(configs) -> None:
+    """--estimate: each program built and timed as it would run (the data loaded once per
+    dataset, as the run does), one block each, and their sum for several; nothing written."""
+    from deltafl_jax import load_dataset
+    from deltafl_jax.run.estimate import estimate_run, total_lines
+
+    if FLAGS.estimate_rounds < 1:
+        raise UsageError(f"--estimate_rounds must be at least 1, got {FLAGS.estimate_rounds}")
+    estimates, data, loaded = [], None, None
+    t0 = STARTED   # the first program's build includes the start-up (imports, backend)
+    for config in configs:
+        if config.data != loaded:
+            data, loaded = None, config.data   # free the previous seed's data first
+            data = load_dataset(config.data)
+        estimates.append(estimate_run(config, data, FLAGS.estimate_rounds, log=_log,
+                                      load_s=time.perf_counter() - t0))
+        t0 = time.perf_counter()
+    lines = [line for e in estimates for line in e.lines()]
+    if len(estimates) > 1:
+        lines += total_lines(estimates)
+    print("\n".join(lines), flush=True)
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def main(argv):
     logging.set_verbosity(logging.WARNING)  # keep jax's backend probing out of the output
     if len(argv) > 1:
@@ -75,6 +114,9 @@ def main(argv):
     try:
         start_backend()
         configs = planned_configs()
+        if FLAGS.estimate:
+            estimate(configs)
+            return
         for config in configs:  # refuse before anything runs
             check_output_dir(config.output_dir, config.overwrite)
         data, loaded = None, None

@@ -105,3 +105,69 @@ def test_peers_smoke_engine_side(tmp_path):
             eng["eval_steps"] + eng["train_steps"])
         assert eng["train_steps"] > 0 and eng["fraction_of_gemm_peak"] > 0
     assert os.path.exists(tmp_path / "cache" / "data")
+
+
+def test_paper_grid_toy_json_adds_up(tmp_path):
+    """bench.paper_grid at toy size: the flagfile's workload shrunk (emnist_linear.flags: 4
+    thetas x 5 seeds, m = 100, 3000 rounds, every 50), its JSON's fields, and its whole-run
+    projection equal to its own parts."""
+    res = run_json(["bench.paper_grid", "--model=linear", "--scale=0.01", "--rounds=1",
+                    "--min_seconds=0"], tmp_path, "paper_grid")
+    c = res["config"]
+    assert res["model"] == "linear" and res["flagfile"] == "experiments/emnist_linear.flags"
+    assert c["thetas"] == [1.0, 0.8, 0.5, 0.1] and c["seeds"] == [1]
+    assert c["replicas"] == 4 and c["clients_per_round"] == 1 and c["num_rounds"] == 30
+    assert c["train_clients"] == 9 and c["test_clients"] == 9 and c["eval_every"] == 30
+    assert c["batch_size"] == 10 and c["local_epochs"] == 1
+    p = res["whole_run_parts"]
+    assert p["rounds"] == 30 and p["evaluations"] == 1
+    assert res["whole_run_s"] == pytest.approx(
+        p["build_s"] + p["compile_s"] + p["rounds"] * p["s_per_round"]
+        + p["evaluations"] * p["s_per_evaluation"], rel=1e-9)
+    assert res["s_per_round"] == p["s_per_round"] > 0 and res["compile_s"] > 0
+    assert res["device_memory_bytes"] > 0 and res["device_memory_source"]
+    cp = res["critical_path"]
+    assert cp["train_trips"] > 0 and cp["per_round"] == cp["train_trips"] + cp["eval_trips"]
+    ex = res["examples_per_round"]
+    # softmax regression, 784 x 62 (no bias): a forward pass is one 784 x 62 product per
+    # example (XLA counts 2 FLOPs a multiply-add, plus the softmax's few per class)
+    assert 2 * 784 * 62 <= res["forward_flops_per_example"] <= 2 * 784 * 62 + 20 * 62
+    assert res["round_flops"] == pytest.approx(res["forward_flops_per_example"] * (
+        ex["eval_real_examples"] + 3 * ex["train_real_examples"]))
+    assert res["achieved_flop_per_s"] == pytest.approx(res["round_flops"] / res["s_per_round"])
+    if res["machine"]["backend"] == "cpu":
+        assert res["device_peak_flop_per_s"] == "unknown" == res["fraction_of_peak"]
+
+
+def test_paper_grid_device_peaks_and_bad_scale():
+    from bench.paper_grid import Fail, device_peak, parse
+    assert device_peak("NVIDIA H100 80GB HBM3")[0] == 494.7e12
+    assert device_peak("NVIDIA H100 PCIe")[0] == 378e12
+    assert device_peak("TPU v5 lite")[0] == 197e12
+    assert device_peak("cpu") == (None, "unknown")
+    for bad in (["--model=cnn", "--scale=0"], ["--model=cnn", "--scale=1.5"],
+                ["--model=cnn", "--rounds=0"]):
+        with pytest.raises(Fail):
+            parse(bad)
+
+
+def test_table1_shaped_datasets():
+    """Shakespeare- and Sent140-like data: Table 1's median, min and max, the loaders' shapes."""
+    from bench.common import (SENT140_TABLE1, SHAKESPEARE_TABLE1, sent140_like_dataset,
+                              shakespeare_like_dataset, table1_sizes)
+    from deltafl_jax.datasets import sent140, shakespeare
+    for t in (SHAKESPEARE_TABLE1, SENT140_TABLE1):
+        s = table1_sizes(t["train"], t["median"], t["lo"], t["hi"], seed=0)
+        assert s.min() == t["lo"] and s.max() == t["hi"] and len(s) == t["train"]
+        assert abs(np.median(s) - t["median"]) <= 0.1 * t["median"]
+    sh = shakespeare_like_dataset(6, 4)
+    assert sh.train.x.shape[1:] == (shakespeare.WINDOW,) and sh.train.x.dtype == np.uint8
+    assert sh.train.num_clients == 6 and sh.test.num_clients == 4
+    assert sh.train.x.max() < shakespeare.NUM_CLASSES == sh.num_classes
+    se = sent140_like_dataset(5, 3, vocabulary=100)
+    assert se.train.x.dtype == np.int32 and se.metadata["embeddings"].shape == (
+        100, sent140.EMBED_DIM)
+    x = se.train.x   # PAD only after the tweet's last token, at least one token
+    assert np.all(x[:, 0] != sent140.PAD_ID)
+    pad = x == sent140.PAD_ID
+    assert np.all(pad[:, :-1] <= pad[:, 1:])

@@ -57,8 +57,9 @@ def _checkpointer(out: Optional[str], overwrite: bool) -> Optional[ckpt.Checkpoi
     return ckpt.Checkpointer(ckpt.checkpoint_dir(out))
 
 
-def _standard_callbacks(config, exp, log, recorder, checkpointer, fp) -> List[Callback]:
-    """Every process runs the same computations; only the primary one prints and writes."""
+def standard_callbacks(config, exp, log, recorder, checkpointer, fp) -> List[Callback]:
+    """The run's callbacks after the recorder (``--estimate`` times them too). Every process
+    runs the same computations; only the primary one prints and writes."""
     out = config.output_dir if distributed.is_primary() else None
     cbs: List[Callback] = []
     if config.stop_on_divergence:
@@ -120,7 +121,7 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
         recorder = Recorder()
         start, state = _resume(exp, checkpointer, fp, recorder, log)
         recorder.build_s = time.perf_counter() - t0
-        cbs = _standard_callbacks(config, exp, log, recorder, checkpointer, fp)
+        cbs = standard_callbacks(config, exp, log, recorder, checkpointer, fp)
         result = run_rounds(exp, state, [*cbs, *callbacks], start_round=start,
                             output_dir=out, recorder=recorder)
     finally:

@@ -1,0 +1,311 @@
+"""What a run will cost before it runs: build it, compile it, time a few rounds and one
+evaluation, and project the whole run's wall-clock (``python -m experiments.run --estimate``,
+and ``bench.paper_grid``, which report the same figures).
+
+    est = estimate_run(config, data)          # builds, compiles, times; writes nothing
+    print("\\n".join(est.lines()))
+
+The projection models the run as :func:`deltafl_jax.run.runner.run_experiment` does it::
+
+    projected_s = build_s + compile_s + num_rounds * round_s + evaluations * eval_s
+
+``build_s``: loading the data (when :func:`estimate_run` loads it), building the experiment
+(placement, device copies of the splits, the jitted functions) and the resume fingerprint (the
+data's hash), as the runner does before its first round. ``compile_s``: compiling the round and
+the evaluation (both happen once per run). ``round_s``: the mean over ``timed_rounds`` rounds
+of the loop's own round body (the jitted round, the next round's host-side plan, the metrics
+brought to the host) over at least ``timed_rounds`` rounds and ``min_seconds`` seconds, on
+plans of round indices spread over the run, so that the sampled clients (and so the
+local-SGD trips) vary as they do over the whole run. ``eval_s``: one
+evaluation of every replica on all training and test clients, after its compilation.
+
+Device memory: the peak that the backend reports (``memory_stats()['peak_bytes_in_use']``,
+the largest over the run's devices) where it reports one; on XLA:CPU, which does not, the
+start-up footprint the engine computes for its memory check
+(:func:`deltafl_jax.run.experiment.footprint`).
+
+Nothing is written to the run's output directory: it is neither created nor read. The timed
+rounds run on a scratch state, with the run's own callbacks (the recorder, metrics.jsonl,
+TensorBoard's scalars: host work of every round and evaluation, e.g. 12 replicas' scalars cost
+about 5 ms a round) writing into a temporary directory that is removed afterwards; checkpoints
+(written in the background every ``--checkpoint_every_s``) are not modelled. The measurements
+are wall-clock seconds of this process on this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import jax
+import numpy as np
+
+from deltafl_jax.config import ExperimentConfig
+from deltafl_jax.data import FederatedDataset
+from deltafl_jax.datasets import load_dataset
+from deltafl_jax.engine.mesh import tree_to_host
+from deltafl_jax.run import loop, resume
+from deltafl_jax.run.callbacks import Callback, RunContext
+from deltafl_jax.run.experiment import Experiment, build_experiment
+from deltafl_jax.run.recorder import Recorder
+from deltafl_jax.run.runner import standard_callbacks
+
+DEFAULT_TIMED_ROUNDS = 5
+DEFAULT_MIN_SECONDS = 5.0
+WORK_METRICS = ("train_trips", "eval_trips", "train_real_examples", "train_padded_examples",
+                "eval_real_examples", "eval_padded_examples")
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The measured parts of one program's run and the projection they make.
+
+    name: what was estimated (the method of --algorithm, e.g. ``deltafl``).
+    num_rounds, eval_every: the run's T and evaluation period; evaluations: how many the loop
+      does (every eval_every rounds and after the last).
+    build_s, compile_s, round_s, eval_s: seconds (see the module docstring).
+    timed_rounds: rounds timed for round_s.
+    memory_bytes: bytes held on a device; memory_source: where the figure comes from
+      (``peak_bytes_in_use`` or ``start-up footprint``).
+    flops_per_round: the compiled round's FLOPs from XLA's cost analysis (None where the
+      backend gives none; XLA counts a while loop's body once, so this is not the round's
+      work). train_trips: the critical-path local-SGD trips of each timed round. work: the
+      mean per timed round of the round's work metrics (WORK_METRICS: trips on the critical
+      path, real and padded examples evaluated and trained).
+    backend, devices, replicas, lanes: the placement the run gets.
+    """
+
+    name: str
+    num_rounds: int
+    eval_every: int
+    evaluations: int
+    build_s: float
+    compile_s: float
+    round_s: float
+    eval_s: float
+    timed_rounds: int
+    memory_bytes: int
+    memory_source: str
+    flops_per_round: Optional[float]
+    train_trips: List[int]
+    work: Dict[str, float]
+    backend: str
+    devices: int
+    replicas: int
+    lanes: int
+
+    @property
+    def rounds_s(self) -> float:
+        return self.num_rounds * self.round_s
+
+    @property
+    def evaluations_s(self) -> float:
+        return self.evaluations * self.eval_s
+
+    @property
+    def projected_s(self) -> float:
+        """The whole run: build + compile + rounds x s/round + evaluations x s/eval."""
+        return self.build_s + self.compile_s + self.rounds_s + self.evaluations_s
+
+    def to_json(self) -> Dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update(rounds_s=self.rounds_s, evaluations_s=self.evaluations_s,
+                   projected_s=self.projected_s)
+        return out
+
+    def lines(self) -> List[str]:
+        """The printed block (its figures are the fields, so a reader can redo the sum)."""
+        return [
+            f"estimate of {self.name}: {self.replicas} replicas, {self.num_rounds} rounds, "
+            f"{self.evaluations} evaluations (every {self.eval_every}), {self.devices} "
+            f"{self.backend} device(s) x {self.lanes} lane(s)",
+            f"  build          {self.build_s:10.3f} s",
+            f"  compile        {self.compile_s:10.3f} s",
+            f"  rounds         {self.num_rounds} x {self.round_s:.6f} s = {self.rounds_s:.3f} s "
+            f"(mean of {self.timed_rounds} timed rounds)",
+            f"  evaluations    {self.evaluations} x {self.eval_s:.6f} s = "
+            f"{self.evaluations_s:.3f} s",
+            f"  projected run  {self.projected_s:10.3f} s ({_human(self.projected_s)})",
+            f"  device memory  {_mb(self.memory_bytes)} ({self.memory_source})",
+        ]
+
+
+def total_lines(estimates: List[Estimate]) -> List[str]:
+    """The closing lines of several programs (a multi-method run): their sum."""
+    total = sum(e.projected_s for e in estimates)
+    return [f"estimate of all {len(estimates)} programs: projected run {total:.3f} s "
+            f"({_human(total)}), compile {sum(e.compile_s for e in estimates):.3f} s, device "
+            f"memory at most {_mb(max(e.memory_bytes for e in estimates))}"]
+
+
+def _human(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2 ** 20:.1f} MB"
+
+
+def num_evaluations(num_rounds: int, eval_every: int) -> int:
+    """Evaluations of the loop: after every eval_every-th round and after the last."""
+    return num_rounds // eval_every + (1 if num_rounds % eval_every else 0)
+
+
+def device_memory(exp: Experiment) -> "tuple[int, str]":
+    """(bytes, source): the largest reported peak over the run's devices, else the start-up
+    footprint."""
+    devices = jax.devices() if exp.mesh is None else list(exp.mesh.devices.flat)
+    peaks = []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # pylint: disable=broad-except
+            stats = None
+        if stats and stats.get("peak_bytes_in_use"):
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    if peaks:
+        return max(peaks), "peak_bytes_in_use"
+    return int(exp.footprint.total if exp.footprint is not None else 0), (
+        f"start-up footprint; {exp.backend} reports no memory stats")
+
+
+def _flops(compiled) -> Optional[float]:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # pylint: disable=broad-except
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    flops = (cost or {}).get("flops")
+    return float(flops) if flops is not None and flops > 0 else None
+
+
+def round_indices(num_rounds: int, count: int) -> List[int]:
+    """`count` round indices spread over 0..T-1 whatever `count` is (a golden-ratio stride, so
+    that any prefix covers the run evenly; repeating when count > T)."""
+    T = max(int(num_rounds), 1)
+    return [int(((i * 0.6180339887498949) % 1.0) * T) for i in range(count)]
+
+
+def _time_rounds(exp, compiled, state, keys, indices, least: int, most: int,
+                 min_seconds: float, run: RunContext, callbacks: Sequence[Callback]):
+    """The loop's round body (:func:`deltafl_jax.run.loop.run_rounds`: the round, the next
+    plan while it runs, the metrics to the host, the callbacks' hooks) on the plans of
+    indices[1:], at least `least`
+    and `min_seconds`, at most `most` rounds: (state, last metrics, train trips of each round,
+    work metrics of each round, mean seconds per round)."""
+    pending = exp.round_data(indices[1])
+    trips, work = [], []
+    t0 = time.perf_counter()
+    while True:
+        state, metrics = compiled(state, pending, keys)
+        done = len(trips) + 1
+        last = done >= most or (done >= least and time.perf_counter() - t0 >= min_seconds)
+        if not last:
+            pending = exp.round_data(indices[done + 1])
+        metrics = tree_to_host(metrics)
+        run.state = state
+        for cb in callbacks:
+            cb.on_round_end(run, done, metrics)
+        trips.append(int(metrics["train_trips"]))
+        work.append({k: float(np.sum(metrics[k])) for k in WORK_METRICS if k in metrics})
+        if last:
+            return state, metrics, trips, work, (time.perf_counter() - t0) / len(trips)
+
+
+def _time_evaluation(exp, state, T, metrics, run, callbacks) -> float:
+    t0 = time.perf_counter()
+    ev = loop.evaluate(exp, state, T, metrics, 0.0)
+    for cb in callbacks:
+        cb.on_evaluation(run, ev)
+    return time.perf_counter() - t0
+
+
+def measure(exp: Experiment, build_s: float = 0.0, timed_rounds: int = DEFAULT_TIMED_ROUNDS,
+            log: Optional[Callable[[str], None]] = None, name: Optional[str] = None,
+            min_seconds: float = DEFAULT_MIN_SECONDS, callbacks: Sequence[Callback] = (),
+            output_dir: Optional[str] = None) -> Estimate:
+    """Compile `exp`'s round, time at least `timed_rounds` rounds (and more, up to the run's
+    T, until `min_seconds` have passed: a mean over a few milliseconds-long rounds is noise on
+    a shared machine) and one evaluation, and return the :class:`Estimate` (`build_s`: the
+    seconds it took to build `exp`; the initial state's are added). `callbacks` (writing into
+    `output_dir`, a scratch directory) run in the timed rounds and evaluation as in the run:
+    the host work of the run's own callbacks (TensorBoard's scalars, metrics.jsonl) is part of
+    its rounds."""
+    log = log or (lambda line: None)
+    if timed_rounds < 1:
+        raise ValueError(f"timed_rounds must be at least 1, got {timed_rounds}")
+    config = exp.config
+    T = config.num_rounds
+    t0 = time.perf_counter()
+    state, keys = exp.initial_state(), exp.keys()
+    jax.block_until_ready(state)
+    build_s = build_s + time.perf_counter() - t0   # the runner builds the state before round 1
+    most = max(timed_rounds, T)
+    indices = round_indices(T, most + 1)
+    pending = exp.round_data(indices[0])
+    log(f"estimate: compiling the round of {exp.replicas.size} replicas ...")
+    t0 = time.perf_counter()
+    compiled = exp.round_fn.lower(state, pending, keys).compile()
+    compile_round = time.perf_counter() - t0
+    state, metrics = compiled(state, pending, keys)   # a first run (warm-up, not timed)
+    tree_to_host(metrics)
+    log(f"estimate: round compiled in {compile_round:.1f} s; timing at least {timed_rounds} "
+        f"rounds ({min_seconds:g} s) ...")
+    run = RunContext(experiment=exp, num_rounds=T, state=state, output_dir=output_dir)
+    for cb in callbacks:
+        cb.on_run_start(run)
+    state, metrics, trips, work, round_s = _time_rounds(exp, compiled, state, keys, indices,
+                                                        timed_rounds, most, min_seconds, run,
+                                                        callbacks)
+    log(f"estimate: {round_s:.4f} s per round ({len(trips)} rounds); compiling and timing one "
+        f"evaluation ...")
+    first_eval = _time_evaluation(exp, state, T, metrics, run, callbacks)   # compiles
+    eval_s = _time_evaluation(exp, state, T, metrics, run, callbacks)
+    jax.block_until_ready(state)
+    memory, source = device_memory(exp)
+    return Estimate(
+        name=name or config.method, num_rounds=T, eval_every=config.eval_every,
+        evaluations=num_evaluations(T, config.eval_every), build_s=float(build_s),
+        compile_s=compile_round + max(0.0, first_eval - eval_s), round_s=round_s,
+        eval_s=eval_s, timed_rounds=len(trips), memory_bytes=memory, memory_source=source,
+        flops_per_round=_flops(compiled), train_trips=trips,
+        work={k: float(np.mean([w[k] for w in work])) for k in work[0]}, backend=exp.backend,
+        devices=exp.placement.devices, replicas=exp.replicas.size, lanes=exp.lanes)
+
+
+def estimate_run(config: ExperimentConfig, data: Optional[FederatedDataset] = None,
+                 timed_rounds: int = DEFAULT_TIMED_ROUNDS, min_seconds: float = DEFAULT_MIN_SECONDS,
+                 log: Optional[Callable[[str], None]] = None, replicas=None,
+                 load_s: float = 0.0) -> Estimate:
+    """Build `config`'s run as :func:`~deltafl_jax.run.runner.run_experiment` does (loading
+    the data unless given, the experiment, the resume fingerprint) and :func:`measure` it.
+    `load_s`: seconds the caller spent before (starting the process and the backend, loading
+    the `data` it passes), counted in build_s.
+    Nothing is written, whatever ``config.output_dir`` says."""
+    log = log or (lambda line: None)
+    log(f"estimate: building {config.method} ...")
+    t0 = time.perf_counter()
+    data = data if data is not None else load_dataset(config.data)
+    exp = build_experiment(config, data, replicas)
+    fp = resume.fingerprint(config, exp.data)   # the runner hashes the data before its rounds
+    build_s = time.perf_counter() - t0 + load_s
+    with tempfile.TemporaryDirectory(prefix="deltafl_estimate_") as scratch:
+        # The run's own callbacks but the progress lines, writing into a scratch directory
+        # (never config.output_dir); no checkpoints (they are written in the background).
+        recorder = Recorder()
+        cbs = standard_callbacks(dataclasses.replace(config, output_dir=scratch, verbose=False),
+                                 exp, lambda line: None, recorder, None, fp)
+        return measure(exp, build_s, timed_rounds, log, min_seconds=min_seconds,
+                       callbacks=[recorder, *cbs], output_dir=scratch)
+
+
+__all__ = ["Estimate", "WORK_METRICS", "DEFAULT_TIMED_ROUNDS", "DEFAULT_MIN_SECONDS",
+           "round_indices", "measure", "estimate_run", "total_lines", "num_evaluations",
+           "device_memory"]

@@ -1,0 +1,242 @@
+"""--estimate (deltafl_jax.run.estimate): the printed block adds up to its own parts, the
+evaluation count is the loop's, the memory figure says where it comes from, and nothing is
+written to the output directory. No timing is asserted (the figures are wall-clock)."""
+
+import os
+import re
+import types
+
+import numpy as np
+import pytest
+
+from conftest import run_runner, tiny_config
+
+HERE = os.path.dirname(__file__)
+TINY = os.path.join(HERE, "tiny.flags")
+
+
+def parse_blocks(text):
+    """The figures of each printed block: {name, build, compile, rounds, round_s, evals,
+    eval_s, projected, memory}."""
+    blocks = []
+    for line in text.splitlines():
+        if line.startswith("estimate of ") and not line.startswith("estimate of all"):
+            blocks.append({"name": line.split(":")[0][len("estimate of "):]})
+            continue
+        m = re.match(r"\s+(build|compile|projected run)\s+([0-9.]+) s", line)
+        if m:
+            blocks[-1][m.group(1).split()[0]] = float(m.group(2))
+        m = re.match(r"\s+(rounds|evaluations)\s+(\d+) x ([0-9.]+) s = ([0-9.]+) s", line)
+        if m:
+            key = "round" if m.group(1) == "rounds" else "eval"
+            blocks[-1][m.group(1)] = int(m.group(2))
+            blocks[-1][f"{key}_s"] = float(m.group(3))
+        m = re.match(r"\s+device memory\s+([0-9.]+) MB \((.*)\)", line)
+        if m:
+            blocks[-1]["memory"] = (float(m.group(1)), m.group(2))
+    return blocks
+
+
+def loop_evaluations(T, every):
+    """The rounds after which run_rounds evaluates, counted by walking them."""
+    return sum(1 for r in range(1, T + 1) if r % every == 0 or r == T)
+
+
+def assert_adds_up(b, T, every):
+    assert b["rounds"] == T
+    assert b["evaluations"] == loop_evaluations(T, every)
+    for part in ("build", "compile", "round_s", "eval_s"):
+        assert b[part] >= 0
+    # The printed parts are rounded (3 decimals, per-round and per-evaluation 6).
+    parts = b["build"] + b["compile"] + T * b["round_s"] + b["evaluations"] * b["eval_s"]
+    assert b["projected"] == pytest.approx(parts, abs=5e-3)
+
+
+def tree_bytes(path):
+    """Every file under path: relative name -> (bytes, mtime)."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(root, f)
+            out[os.path.relpath(p, path)] = (open(p, "rb").read(), os.stat(p).st_mtime_ns)
+    return out
+
+
+def test_estimate_prints_one_block_that_adds_up_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, err, stdout = run_runner([f"--flagfile={TINY}", f"--output_dir={out}", "--estimate",
+                                    "--estimate_rounds=2"], capsys)
+    assert code == 0, err
+    assert not out.exists()
+    assert "estimate: compiling" in err   # progress while it measures
+    blocks = parse_blocks(stdout)
+    assert len(blocks) == 1 and blocks[0]["name"] == "deltafl"
+    assert_adds_up(blocks[0], T=6, every=3)
+    mb, source = blocks[0]["memory"]
+    assert mb > 0 and ("peak_bytes_in_use" in source or "start-up footprint" in source)
+    assert not out.exists()
+
+
+def test_estimate_leaves_an_existing_output_dir_byte_identical(tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / "models").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"round": 3}\n')
+    (out / "summary.json").write_text('{"final": {}}')
+    (out / "models" / "m.npz").write_bytes(b"\x00\x01")
+    before = tree_bytes(out)
+    code, err, stdout = run_runner([f"--flagfile={TINY}", f"--output_dir={out}", "--estimate",
+                                    "--estimate_rounds=1"], capsys)
+    assert code == 0, err
+    assert len(parse_blocks(stdout)) == 1
+    assert tree_bytes(out) == before
+
+
+def test_estimate_rounds_below_one_is_one_line_and_exit_2(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, err, _ = run_runner([f"--flagfile={TINY}", f"--output_dir={out}", "--estimate",
+                               "--estimate_rounds=0"], capsys)
+    assert code == 2 and "--estimate_rounds" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_synthetic):
+    from deltafl_jax.run import build_experiment
+    from deltafl_jax.run.estimate import measure
+    exp = build_experiment(tiny_config(num_rounds=7, eval_every=3), tiny_synthetic)
+    return exp, measure(exp, build_s=0.25, timed_rounds=3, min_seconds=0.0)
+
+
+def test_measure_parts_and_projection(measured):
+    exp, est = measured
+    assert est.build_s >= 0.25 and est.num_rounds == 7 and est.eval_every == 3
+    assert est.evaluations == loop_evaluations(7, 3) == 3
+    assert est.timed_rounds == 3 and len(est.train_trips) == 3
+    assert all(t > 0 for t in est.train_trips)
+    assert est.work["train_trips"] == pytest.approx(np.mean(est.train_trips))
+    assert est.work["train_padded_examples"] >= est.work["train_real_examples"] > 0
+    assert est.projected_s == pytest.approx(est.build_s + est.compile_s + 7 * est.round_s
+                                            + 3 * est.eval_s, rel=1e-12)
+    j = est.to_json()
+    assert j["projected_s"] == pytest.approx(j["build_s"] + j["compile_s"] + j["rounds_s"]
+                                             + j["evaluations_s"], rel=1e-12)
+    assert j["rounds_s"] == pytest.approx(j["num_rounds"] * j["round_s"], rel=1e-12)
+    assert est.replicas == exp.replicas.size == 2 and est.lanes == exp.lanes
+    if est.backend == "cpu":   # XLA:CPU reports no memory stats: the engine's footprint
+        assert est.memory_bytes == exp.footprint.total
+        assert "start-up footprint" in est.memory_source
+    # The printed block says the same figures.
+    b = parse_blocks("\n".join(est.lines()))[0]
+    assert b["round_s"] == pytest.approx(est.round_s, abs=1e-6)
+    assert_adds_up(b, T=7, every=3)
+
+
+def test_measure_runs_the_rounds_the_run_would(measured, tiny_synthetic):
+    """The timed rounds' critical-path trips are those of the same rounds run by the loop's
+    jitted round (the plans of round_indices)."""
+    import jax
+    from deltafl_jax.run.estimate import round_indices
+    exp, est = measured
+    idx = round_indices(exp.config.num_rounds, 1 + est.timed_rounds)   # a warm-up, then these
+    state, keys = exp.initial_state(), exp.keys()
+    trips, real = [], []
+    for t in idx:
+        state, metrics = exp.round_fn(state, exp.round_data(t), keys)
+        trips.append(int(jax.device_get(metrics["train_trips"])))
+        real.append(float(jax.device_get(metrics["eval_real_examples"])))
+    assert trips[1:] == est.train_trips
+    assert np.mean(real[1:]) == pytest.approx(est.work["eval_real_examples"])
+
+
+def test_round_indices_cover_the_run():
+    from deltafl_jax.run.estimate import round_indices
+    idx = round_indices(100, 10)
+    assert all(0 <= i < 100 for i in idx) and len(set(idx)) == 10
+    # any prefix is spread: the first 5 fall in at least 4 of the 5 fifths of the run
+    assert len({i // 20 for i in idx[:5]}) >= 4
+    assert round_indices(3, 7) == [int(((i * 0.6180339887498949) % 1.0) * 3) for i in range(7)]
+
+
+def test_device_memory_takes_the_largest_reported_peak():
+    from deltafl_jax.run.estimate import device_memory
+
+    class Dev:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            if isinstance(self.stats, Exception):
+                raise self.stats
+            return self.stats
+
+    fp = types.SimpleNamespace(total=123)
+    devs = np.array([Dev({"peak_bytes_in_use": 10, "bytes_limit": 99}),
+                     Dev({"peak_bytes_in_use": 40}), Dev(None)], dtype=object)
+    exp = types.SimpleNamespace(mesh=types.SimpleNamespace(devices=devs), footprint=fp,
+                                backend="gpu")
+    assert device_memory(exp) == (40, "peak_bytes_in_use")
+    exp.mesh.devices = np.array([Dev(None), Dev(RuntimeError("no stats"))], dtype=object)
+    nbytes, source = device_memory(exp)
+    assert nbytes == 123 and "start-up footprint" in source
+
+
+def test_total_of_several_programs_is_their_sum():
+    from deltafl_jax.run.estimate import Estimate, total_lines
+    common = dict(num_rounds=10, eval_every=5, evaluations=2, timed_rounds=3,
+                  memory_source="peak_bytes_in_use", flops_per_round=None, train_trips=[1],
+                  work={},
+                  backend="gpu", devices=1, replicas=4, lanes=2)
+    a = Estimate(name="a", build_s=1.0, compile_s=2.0, round_s=0.5, eval_s=0.25,
+                 memory_bytes=2 ** 20, **common)
+    b = Estimate(name="b", build_s=0.5, compile_s=3.0, round_s=0.125, eval_s=1.0,
+                 memory_bytes=3 * 2 ** 20, **common)
+    assert a.projected_s == 1.0 + 2.0 + 10 * 0.5 + 2 * 0.25
+    line = total_lines([a, b])[0]
+    assert f"projected run {a.projected_s + b.projected_s:.3f} s" in line
+    assert "compile 5.000 s" in line and "at most 3.0 MB" in line
+
+
+@pytest.mark.slow
+def test_estimate_of_several_methods_sums_them(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, err, stdout = run_runner([f"--flagfile={TINY}", f"--output_dir={out}", "--estimate",
+                                    "--estimate_rounds=1", "--algorithm=deltafl,fedavg"],
+                                   capsys)
+    assert code == 0, err
+    blocks = parse_blocks(stdout)
+    assert [b["name"] for b in blocks] == ["deltafl", "fedavg"]
+    for b in blocks:
+        assert_adds_up(b, T=6, every=3)
+    total = float(re.search(r"estimate of all 2 programs: projected run ([0-9.]+) s",
+                            stdout).group(1))
+    assert total == pytest.approx(sum(b["projected"] for b in blocks), abs=2e-3)
+    assert not out.exists()
+
+
+def test_measure_runs_the_callbacks_in_the_timed_rounds(tiny_synthetic, tmp_path):
+    """The run's callbacks' host work is part of the timed rounds and evaluation: every timed
+    round reaches on_round_end (rounds 1..k, with the host metrics), both evaluations (the
+    compiling one and the timed one) reach on_evaluation."""
+    from deltafl_jax.run import Callback, build_experiment
+    from deltafl_jax.run.estimate import measure
+
+    class Count(Callback):
+        def __init__(self):
+            self.started, self.rounds, self.evals = 0, [], []
+
+        def on_run_start(self, run):
+            self.started += 1
+
+        def on_round_end(self, run, round, metrics):
+            self.rounds.append((round, int(metrics["train_trips"])))
+
+        def on_evaluation(self, run, evaluation):
+            self.evals.append(evaluation.round)
+
+    exp = build_experiment(tiny_config(num_rounds=5, eval_every=5), tiny_synthetic)
+    count = Count()
+    est = measure(exp, timed_rounds=2, min_seconds=0.0, callbacks=[count],
+                  output_dir=str(tmp_path))
+    assert count.started == 1
+    assert count.rounds == [(i + 1, t) for i, t in enumerate(est.train_trips)]
+    assert count.evals == [5, 5]
