@@ -27,6 +27,7 @@ def test_colab_notebook_runs_on_cpu(tmp_path):
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                      for o in c.get("outputs", []) if o.get("output_type") == "stream")
     assert "cpu" in text and "served theta=0.5, seed=1" in text
+    assert "projected run" in text          # the --estimate cell's block
     images = [o for c in nb.cells for o in c.get("outputs", [])
               if "image/png" in o.get("data", {})]
     assert images, "the report's figures are shown"
