@@ -17,7 +17,9 @@ and FedJAX's default ``jit`` backend of ``for_each_client``.
 
 Protocol: the script prints ``READY <json>`` (versions), then for each line ``round T`` on
 stdin it runs round T and prints ``DONE <json>`` with the seconds the round took (measured
-here, until the new server parameters are ready); ``quit`` ends it.
+here, until the new server parameters are ready) and the examples the round computed against
+the real ones (FedJAX fills a client's last short batch with more of its examples, so a client
+computes ceil(n_k / B) B); ``quit`` ends it.
 """
 
 from __future__ import annotations
@@ -107,7 +109,11 @@ def main():
         state, _ = algorithm.apply(state, clients)
         jax.block_until_ready(state.params)
         dt = time.perf_counter() - t0
-        print("DONE " + json.dumps({"round": t, "seconds": dt}), flush=True)
+        n = [len(c[1]) for c in clients]   # a last short batch is filled with more examples
+        print("DONE " + json.dumps({"round": t, "seconds": dt, "real_examples": sum(n),
+                                    "padded_examples": sum(-(-k // args.batch_size)
+                                                           * args.batch_size for k in n)}),
+              flush=True)
 
 
 if __name__ == "__main__":

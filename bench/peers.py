@@ -7,7 +7,8 @@ r"""The engine against the simulator a user would pick instead, side by side on 
    package index; the next runs reuse it (a marker file records the pins and ``pip freeze``).
 2. One FEMNIST-shaped dataset (865 clients, sizes 101-447, median ~179, 28x28 pixels, 62
    classes: ``bench.common.femnist_like_dataset``) and the clients sampled in each round are
-   exported to an npz file that the peer's own script reads (``bench/peer_fedjax.py``).
+   exported to an npz file, with the order in which the engine visits each client's examples,
+   that the peer's own script reads (``bench/peer_fedjax.py``, ``bench/peer_drjax.py``).
 3. Per model (the paper's ConvNet, batch 16; softmax regression, batch 10; m = 100, one local
    epoch, lr 0.05), three things are timed round by round, alternating (the order rotates
    every round so no method always runs right after another): the peer's own FedAvg in its
@@ -22,8 +23,16 @@ sequential steps of its loops (evaluation steps + local-SGD steps of the busiest
 latency on an accelerator, where every trip is a launch; and, for the ConvNet, the engine's
 share of this machine's measured GEMM peak.
 
-Peers: FedJAX 0.0.17 (google/fedjax, its last release) on jax 0.4.30 with dm-haiku. Flower and
-pfl-research are not timed; bench/README.md says why.
+Each peer's padded/real example ratio (the examples its round computes against the sampled
+clients' real ones) is in the JSON next to the engine's.
+
+Peers: FedJAX 0.0.17 (google/fedjax, its last release) on jax 0.4.30 with dm-haiku; DrJAX
+0.2.1 (google-research/drjax) on the engine's jax 0.10.2 with Flax 0.12.8 and optax 0.2.8,
+FedAvg as one ``drjax.program`` per round over the m clients padded to the largest client's
+batches. DrJAX trains the engine's own minibatches, so its first round is checked against the
+engine's FedAvg: the largest absolute difference of the two models after round 0 is in the
+JSON (``peer_checks``), and the script exits 2 (after writing the JSON) when it exceeds 1e-5.
+Flower and pfl-research are not timed; bench/README.md says why.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import numpy as np
 from absl import app, flags
 
 flags.DEFINE_list("models", ["cnn", "linear"], "models to time (cnn, linear)")
-flags.DEFINE_list("peers", ["fedjax"], "peers to time")
+flags.DEFINE_list("peers", ["fedjax", "drjax"], "peers to time")
 flags.DEFINE_list("engine_devices", ["1", "2"], "run the engine on each of these device "
                   "counts (on a CPU, D > 1 splits the host into D devices: --devices=D)")
 flags.DEFINE_integer("rounds", 5, "timed rounds per model (median reported)")
@@ -54,6 +63,7 @@ LR = 0.05
 SEED = 1
 BATCH = {"cnn": 16, "linear": 10}
 HERE = os.path.dirname(os.path.abspath(__file__))
+CHECK_TOL = 1e-5   # a checked peer's first-round model against the engine's FedAvg
 
 # Pins: FedJAX 0.0.17 declares no upper bounds; these are the releases of its dependencies
 # that work with jax 0.4.30 (haiku 0.0.12 and optax 0.2.3 predate jax 0.4.31, numpy < 2 as
@@ -63,6 +73,15 @@ PEERS = {
         "pins": ["fedjax==0.0.17", "jax==0.4.30", "jaxlib==0.4.30", "dm-haiku==0.0.12",
                  "optax==0.2.3", "chex==0.1.86", "numpy==1.26.4", "scipy==1.13.1"],
         "script": "peer_fedjax.py",
+    },
+    # DrJAX 0.2.1 asks only jax >= 0.4.24; its venv holds the engine's own jax, jaxlib, flax,
+    # optax and numpy releases, so both sides run the same XLA.
+    "drjax": {
+        "pins": ["drjax==0.2.1", "jax==0.10.2", "jaxlib==0.10.2", "flax==0.12.8",
+                 "optax==0.2.8", "numpy==2.4.6", "absl-py==2.5.1"],
+        "script": "peer_drjax.py",
+        "checked": True,   # trains the engine's minibatches: its round 0 is compared
+        "devices": True,   # also runs on each of --engine_devices host devices (a mesh)
     },
 }
 
@@ -100,29 +119,41 @@ def ensure_venv(name: str) -> dict:
 
 
 def export_dataset(data, model: str, rounds: int, path: str) -> np.ndarray:
-    """The training split as the peer stores it (float32 NHWC pixels in [0, 1]) and the clients
-    sampled in each round; returns those clients [rounds, m]."""
-    from deltafl_jax.plan import sample_clients
+    """The training split as the peer stores it (float32 NHWC pixels in [0, 1]), the clients
+    sampled in each round and the order in which the engine visits their examples (one epoch:
+    ``order[t]`` lays the sampled clients' permutations end to end, -1 after the last; the
+    DrJAX peer trains these minibatches, FedJAX shuffles on its own); returns the clients
+    [rounds, m]."""
+    from deltafl_jax.plan import client_permutations, sample_clients
 
     tr = data.train
     clients = np.stack([sample_clients(SEED, t, tr.num_clients, FLAGS.clients)
                         for t in range(rounds)])
+    sizes = np.diff(tr.offsets)
+    order = np.full((rounds, int(np.sort(sizes)[::-1][:FLAGS.clients].sum())), -1, np.int32)
+    for t in range(rounds):
+        perms = [client_permutations(SEED, t, int(k), int(sizes[k]), 1) for k in clients[t]]
+        flat = np.concatenate(perms)
+        order[t, :len(flat)] = flat
     x = (tr.x.reshape(-1, 28, 28, 1).astype(np.float32) * np.float32(data.x_scale))
     np.savez(path, x=x, y=tr.y.astype(np.int32), offsets=tr.offsets.astype(np.int64),
-             clients=clients.astype(np.int32))
+             clients=clients.astype(np.int32), order=order)
     return clients
 
 
 class Peer:
     """A peer's script in its own process, one round per request."""
 
-    def __init__(self, name: str, python: str, data_path: str, model: str):
+    def __init__(self, name: str, python: str, data_path: str, model: str, devices: int = 1):
         script = os.path.join(HERE, PEERS[name]["script"])
         cmd = [python, script, f"--data={data_path}", f"--model={model}",
                f"--batch_size={BATCH[model]}", f"--learning_rate={LR}"]
+        if devices > 1:
+            cmd.append(f"--devices={devices}")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, bufsize=1)
         self.versions = json.loads(self._expect("READY"))
+        self.rounds = []   # each round's DONE record
 
     def _expect(self, word: str) -> str:
         for line in self.proc.stdout:
@@ -132,7 +163,14 @@ class Peer:
 
     def round(self, t: int) -> float:
         self.proc.stdin.write(f"round {t}\n")
-        return float(json.loads(self._expect("DONE"))["seconds"])
+        done = json.loads(self._expect("DONE"))
+        self.rounds.append(done)
+        return float(done["seconds"])
+
+    def check(self, t: int, start: str, out: str) -> None:
+        """Round t from the model in `start` (npz), the new model written to `out`."""
+        self.proc.stdin.write(f"check {t} {start} {out}\n")
+        self._expect("DONE")
 
     def close(self):
         try:
@@ -179,19 +217,60 @@ def trips(run, warmup: int) -> dict:
     def mean(key):
         return float(np.mean([float(np.sum(m[key])) for m in mets]))
 
+    padded = mean("train_padded_examples") + mean("eval_padded_examples")
+    real = mean("train_real_examples") + mean("eval_real_examples")
     return {**critical_path(mets, exp.placement), "clients_trained": mean("num_selected"),
             "train_examples": mean("train_real_examples"),
-            "eval_examples": mean("eval_real_examples")}
+            "eval_examples": mean("eval_real_examples"),
+            "train_padded_over_real": mean("train_padded_examples") / mean("train_real_examples"),
+            "padded_over_real": padded / real}
+
+
+# The engine's parameter names and the peers' Flax names (``nn.Conv`` layers in order).
+ENGINE_TO_PEER = {"kernel_32": "Conv_0/kernel", "bias_32": "Conv_0/bias",
+                  "kernel_64": "Conv_1/kernel", "bias_64": "Conv_1/bias"}
+
+
+def peer_params(params) -> dict:
+    """One replica's engine parameters as {peer name: array}."""
+    import jax
+
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        out[ENGINE_TO_PEER.get(name, name)] = np.asarray(leaf)
+    return out
+
+
+def check_first_round(peer, name: str, start: dict, engine_after: dict, work_dir: str) -> dict:
+    """The peer's round 0 from the engine's initial model, against the engine's FedAvg model
+    after round 0 (same clients, examples and minibatches): the largest absolute difference."""
+    start_path = os.path.join(work_dir, f"{name}_check_start.npz")
+    out_path = os.path.join(work_dir, f"{name}_check_after.npz")
+    np.savez(start_path, **start)
+    peer.check(0, start_path, out_path)
+    with np.load(out_path) as f:
+        after = {k: f[k] for k in f.files}
+    if set(after) != set(engine_after):
+        raise RuntimeError(f"{name}'s parameters {sorted(after)} are not the engine's "
+                           f"{sorted(engine_after)}")
+    diff = max(float(np.max(np.abs(after[k] - engine_after[k]))) for k in after)
+    update = max(float(np.max(np.abs(engine_after[k] - start[k]))) for k in after)
+    return {"round": 0, "max_abs_diff": diff, "max_abs_engine_update": update,
+            "tolerance": CHECK_TOL, "agrees": diff <= CHECK_TOL}
 
 
 def time_model(model: str, data, data_path: str, peer_pythons: dict) -> dict:
     """Alternate the peers' FedAvg, the engine's FedAvg and Delta-FL 0.5 round by round."""
     from bench.common import CompileTimer, forward_flops_per_example, median
 
-    peers = {name: Peer(name, info["python"], data_path, model)
-             for name, info in peer_pythons.items()}
+    peers = {}
+    for name, info in peer_pythons.items():
+        for d in (engine_device_counts() if PEERS[name].get("devices") else [1]):
+            peers[name if d == 1 else f"{name}_{d}dev"] = Peer(name, info["python"], data_path,
+                                                                model, d)
     compile_timer = CompileTimer()
-    runners = {f"{name}_fedavg": p.round for name, p in peers.items()}
+    runners = {peer_key(name): p.round for name, p in peers.items()}
     with compile_timer:
         for d in engine_device_counts():
             tag = "" if d == 1 else f"_{d}dev"
@@ -200,11 +279,21 @@ def time_model(model: str, data, data_path: str, peer_pythons: dict) -> dict:
     names = list(runners)
     times = {k: [] for k in names}
     loads = []
+    checked = [n for n in peers if PEERS[n.split("_")[0]].get("checked")]
+    reference = next((k for k in names if k.startswith("engine_fedavg")), None)
+    if checked and reference is None:
+        raise app.UsageError("checking a peer needs the engine's FedAvg: --engine_devices")
+    if checked:
+        import jax
+        first = lambda: jax.device_get(runners[reference].store["state"].params)
+        start = peer_params(jax.tree.map(lambda a: a[0], first()))
     for t in range(FLAGS.warmup + FLAGS.rounds):
         order = names[t % len(names):] + names[:t % len(names)]
         for name in order:
             before = os.getloadavg()[0]
             dt = runners[name](t)
+            if name == reference and t == 0 and checked:
+                engine_after = peer_params(jax.tree.map(lambda a: a[0], first()))
             if t >= FLAGS.warmup:
                 times[name].append(dt)
             loads.append({"round": t, "method": name, "load1_before": before,
@@ -212,6 +301,8 @@ def time_model(model: str, data, data_path: str, peer_pythons: dict) -> dict:
         print(f"# {model} round {t}: " + ", ".join(
             f"{k} {times[k][-1] if times[k] else float('nan'):.3f}s" for k in names),
             file=sys.stderr, flush=True)
+    checks = {n: check_first_round(peers[n], n, start, engine_after, os.path.dirname(data_path))
+              for n in checked}
     for p in peers.values():
         p.close()
     med = {k: median(v) for k, v in times.items()}
@@ -220,9 +311,12 @@ def time_model(model: str, data, data_path: str, peer_pythons: dict) -> dict:
            "warmup": FLAGS.warmup, "order": "rotating", "s_per_round": med,
            "round_times_s": times, "load": loads,
            "load1_mean": float(np.mean([l["load1_before"] for l in loads])),
-           "peer_versions": {n: p.versions for n, p in peers.items()}}
+           "peer_versions": {n: p.versions for n, p in peers.items() if n in PEERS},
+           "peer_examples": {n: peer_examples(p.rounds[FLAGS.warmup:])
+                             for n, p in peers.items()},
+           "peer_checks": checks}
     for name in peers:
-        peer = med[f"{name}_fedavg"]
+        peer = med[peer_key(name)]
         out[f"speedup_vs_{name}"] = {k: peer / med[k] for k in med if k.startswith("engine")}
     out["engine"] = {}
     engines = [k for k in runners if k.startswith("engine")]
@@ -233,6 +327,23 @@ def time_model(model: str, data, data_path: str, peer_pythons: dict) -> dict:
         out["engine"][k] = {**tr, "round_gflop": gflop, "gflops": gflop / med[k],
                             "placement": vars(runners[k].experiment.placement)}
     out["forward_flops_per_example"] = fwd
+    return out
+
+
+def peer_key(label: str) -> str:
+    """The timing key of a peer process: 'drjax' -> 'drjax_fedavg', 'drjax_2dev' ->
+    'drjax_fedavg_2dev' (as the engine's 'engine_fedavg_2dev')."""
+    name, _, tag = label.partition("_")
+    return f"{name}_fedavg" + (f"_{tag}" if tag else "")
+
+
+def peer_examples(rounds) -> dict:
+    """Mean examples a peer computed and real ones per timed round, and their ratio."""
+    padded = float(np.mean([r["padded_examples"] for r in rounds]))
+    real = float(np.mean([r["real_examples"] for r in rounds]))
+    out = {"padded_examples": padded, "real_examples": real, "padded_over_real": padded / real}
+    if all("host_s" in r for r in rounds):
+        out["host_prep_s_median"] = float(np.median([r["host_s"] for r in rounds]))
     return out
 
 
@@ -279,6 +390,13 @@ def main(argv):
             e["fraction_of_gemm_peak"] = e["gflops"] / peak
     result["loadavg_end"] = os.getloadavg()
     emit(result, FLAGS.out)
+    bad = [f"{model}: {name}'s model after round 0 differs from the engine's FedAvg by "
+           f"{c['max_abs_diff']:.3g} (tolerance {c['tolerance']:g})"
+           for model, res in result["models"].items()
+           for name, c in res["peer_checks"].items() if not c["agrees"]]
+    if bad:
+        print("; ".join(bad), file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -171,3 +171,39 @@ def test_table1_shaped_datasets():
     assert np.all(x[:, 0] != sent140.PAD_ID)
     pad = x == sent140.PAD_ID
     assert np.all(pad[:, :-1] <= pad[:, 1:])
+
+
+DRJAX_VENV = os.path.join(os.path.expanduser("~"), ".cache", "deltafl_jax", "peers",
+                          f"drjax-py{sys.version_info.major}{sys.version_info.minor}")
+needs_drjax_venv = pytest.mark.skipif(
+    not os.path.exists(os.path.join(DRJAX_VENV, "deltafl_peer.json")),
+    reason=f"the DrJAX peer's venv is not at {DRJAX_VENV}; `python -m bench.peers "
+           "--peers=drjax` creates it (pip, from the package index)")
+
+
+@pytest.mark.slow
+@needs_drjax_venv
+def test_peers_smoke_drjax_agrees_with_engine(tmp_path):
+    """The DrJAX peer's first round equals the engine's FedAvg (checked inside bench/peers.py)
+    and its padded/real ratio is that of clients padded to the largest client's batches."""
+    from bench.common import femnist_like_sizes
+    from deltafl_jax.plan import sample_clients
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.symlink(DRJAX_VENV, cache / os.path.basename(DRJAX_VENV))
+    res = run_json(["bench.peers", "--peers=drjax", "--models=linear", "--clients=3",
+                    "--num_clients=8", "--rounds=1", "--engine_devices=1", "--gemm_n=256",
+                    f"--cache_dir={cache}"], tmp_path, "peers")
+    row = res["models"]["linear"]
+    assert set(row["s_per_round"]) == {"drjax_fedavg", "engine_fedavg", "engine_deltafl_0.5"}
+    check = row["peer_checks"]["drjax"]
+    assert check["agrees"] and check["max_abs_diff"] <= 1e-5
+    assert check["max_abs_engine_update"] > 1e-3   # round 0 moved the model
+    sizes = femnist_like_sizes(8, seed=0)          # bench.common's population, seed 0
+    chosen = sizes[sample_clients(1, 1, 8, 3)]     # the timed round (t = 1, seed 1)
+    steps = -(-sizes.max() // 10)                  # linear: batch 10
+    ex = row["peer_examples"]["drjax"]
+    assert ex["real_examples"] == chosen.sum()
+    assert ex["padded_examples"] == 3 * steps * 10
+    assert row["peer_versions"]["drjax"]["drjax"] == "0.2.1"
