@@ -57,6 +57,8 @@ flags.DEFINE_integer("num_clients", 865, "clients in the population")
 flags.DEFINE_string("cache_dir", None, "where the peers' virtual environments live")
 flags.DEFINE_string("out", "bench/results/peers_cpu.json", "write the JSON here")
 flags.DEFINE_integer("gemm_n", 2048, "matrix size of the GEMM-peak measurement")
+flags.DEFINE_string("peer_jax_extra", "", "install the peers' pinned jax with this extra (cuda12, "
+                    "tpu) so that they run on the accelerator too; empty: CPU jax")
 FLAGS = flags.FLAGS
 
 LR = 0.05
@@ -91,10 +93,19 @@ def cache_dir() -> str:
             or os.path.join(os.path.expanduser("~"), ".cache", "deltafl_jax", "peers"))
 
 
+def peer_pins(name: str, extra: str = "") -> list:
+    """The peer's pins, its jax pin with `extra` (``jax[cuda12]==0.4.30``) when one is given."""
+    pins = PEERS[name]["pins"]
+    if not extra:
+        return list(pins)
+    return [f"jax[{extra}]=={p.split('==', 1)[1]}" if p.startswith("jax==") else p for p in pins]
+
+
 def ensure_venv(name: str) -> dict:
     """The peer's pinned venv (created on first use). Returns its python and what it holds."""
-    pins = PEERS[name]["pins"]
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}"
+    pins = peer_pins(name, FLAGS.peer_jax_extra)
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}" + (
+        f"-{FLAGS.peer_jax_extra}" if FLAGS.peer_jax_extra else "")
     root = os.path.join(cache_dir(), f"{name}-{tag}")
     marker = os.path.join(root, "deltafl_peer.json")
     python = os.path.join(root, "bin", "python")

@@ -207,3 +207,15 @@ def test_peers_smoke_drjax_agrees_with_engine(tmp_path):
     assert ex["real_examples"] == chosen.sum()
     assert ex["padded_examples"] == 3 * steps * 10
     assert row["peer_versions"]["drjax"]["drjax"] == "0.2.1"
+
+
+def test_peer_pins_with_an_accelerator_extra():
+    """--peer_jax_extra puts the extra on the peers' jax pin only (same release)."""
+    from bench.peers import PEERS, peer_pins
+    for name, peer in PEERS.items():
+        assert peer_pins(name) == peer["pins"]
+        with_extra = peer_pins(name, "cuda12")
+        changed = [(a, b) for a, b in zip(peer["pins"], with_extra) if a != b]
+        assert len(with_extra) == len(peer["pins"]) and len(changed) == 1
+        old, new = changed[0]
+        assert old.startswith("jax==") and new == "jax[cuda12]==" + old[len("jax=="):]
