@@ -210,12 +210,15 @@ def test_peers_smoke_drjax_agrees_with_engine(tmp_path):
 
 
 def test_peer_pins_with_an_accelerator_extra():
-    """--peer_jax_extra puts the extra on the peers' jax pin only (same release)."""
-    from bench.peers import PEERS, peer_pins
-    for name, peer in PEERS.items():
-        assert peer_pins(name) == peer["pins"]
-        with_extra = peer_pins(name, "cuda12")
-        changed = [(a, b) for a, b in zip(peer["pins"], with_extra) if a != b]
-        assert len(with_extra) == len(peer["pins"]) and len(changed) == 1
+    """--peer_jax_extra puts the extra on the peers' jax pin only (same release). In a
+    subprocess: bench.peers defines absl flags that other bench modules define too."""
+    code = ("import json; from bench.peers import PEERS, peer_pins; print(json.dumps("
+            "{n: [p['pins'], peer_pins(n), peer_pins(n, 'cuda12')] for n, p in PEERS.items()}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout
+    for name, (pins, plain, with_extra) in json.loads(out).items():
+        assert plain == pins
+        changed = [(a, b) for a, b in zip(pins, with_extra) if a != b]
+        assert len(with_extra) == len(pins) and len(changed) == 1, name
         old, new = changed[0]
         assert old.startswith("jax==") and new == "jax[cuda12]==" + old[len("jax=="):]
