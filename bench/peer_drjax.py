@@ -32,8 +32,8 @@ then for each line ``round T`` on stdin it runs round T from its own server mode
 ``DONE <json>`` with the seconds the jitted round took (until the new model is ready), the
 seconds spent building the round's index arrays on the host and putting them on the device
 (not in ``seconds``, as the engine's host-side plan is not in its figure) and the padded and real example counts.
-``check T IN.npz OUT.npz`` runs the same jitted round T from the model in IN.npz (keys like
-``Conv_0/kernel``) and writes the new model to OUT.npz, leaving the server model alone;
+``check T LR IN.npz OUT.npz`` runs the same jitted round T at the client learning rate LR
+from the model in IN.npz (keys like ``Conv_0/kernel``) and writes the new model to OUT.npz, leaving the server model alone;
 ``quit`` ends it.
 """
 
@@ -65,22 +65,24 @@ def build_module(name: str, num_classes: int):
     return ConvNet() if name == "cnn" else SoftmaxRegression()
 
 
-def build_round(module, m: int, learning_rate: float):
-    """The jitted FedAvg round (server_params, idx [m, S, B], mask [m, S, B], n [m], x, y)."""
+def build_round(module, m: int):
+    """The jitted FedAvg round (server_params, idx [m, S, B], mask [m, S, B], n [m], x, y,
+    learning_rate): the client learning rate is an argument (a float32 scalar), so the
+    ``check`` at another rate reuses the compiled round."""
     import drjax
     import jax
     import jax.numpy as jnp
     import optax
-
-    client_opt = optax.sgd(learning_rate)
 
     def batch_loss(params, xb, yb, mb):
         logits = module.apply({"params": params}, xb)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
         return jnp.sum(jnp.where(mb, losses, 0.0)) / jnp.maximum(jnp.sum(mb), 1)
 
-    def local_update(params, idx, mask, x, y):
+    def local_update(params, idx, mask, x, y, learning_rate):
         """One epoch of SGD over the client's (padded) batches; returns w_k - w."""
+        client_opt = optax.sgd(learning_rate)
+
         def step(carry, batch):
             p, opt_state = carry
             i, mb = batch
@@ -92,9 +94,9 @@ def build_round(module, m: int, learning_rate: float):
         return jax.tree.map(jnp.subtract, trained, params)
 
     @drjax.program(placements={"clients": m})
-    def fedavg_round(server_params, idx, mask, n, x, y):
+    def fedavg_round(server_params, idx, mask, n, x, y, learning_rate):
         at_clients = drjax.broadcast(server_params)
-        updates = drjax.map_fn(lambda p, i, mb: local_update(p, i, mb, x, y),
+        updates = drjax.map_fn(lambda p, i, mb: local_update(p, i, mb, x, y, learning_rate),
                                (at_clients, idx, mask))
         weights = jax.tree.map(lambda _: n, updates)   # one weight per client, every leaf
         mean_update = drjax.reduce_weighted_mean(updates, weights)
@@ -193,7 +195,8 @@ def main():
     x, y = jax.device_put(d["x"]), jax.device_put(d["y"])
     module = build_module(args.model, args.num_classes)
     params = module.init(jax.random.key(0), jnp.zeros((1,) + x.shape[1:], x.dtype))["params"]
-    round_fn = build_round(module, m, args.learning_rate)
+    round_fn = build_round(module, m)
+    timed_lr = jnp.float32(args.learning_rate)
 
     print("READY " + json.dumps(versions()), flush=True)
     for line in sys.stdin:
@@ -208,13 +211,13 @@ def main():
         idx, mask, n = jax.block_until_ready(jax.device_put((idx, mask, n), placed))
         host_s = time.perf_counter() - t0
         if cmd[0] == "check":
-            start = nested({k: jnp.asarray(v) for k, v in np.load(cmd[2]).items()})
-            new = jax.device_get(round_fn(start, idx, mask, n, x, y))
-            np.savez(cmd[3], **flat(new))
-            print("DONE " + json.dumps({"round": t, "check": cmd[3]}), flush=True)
+            start = nested({k: jnp.asarray(v) for k, v in np.load(cmd[3]).items()})
+            new = jax.device_get(round_fn(start, idx, mask, n, x, y, jnp.float32(cmd[2])))
+            np.savez(cmd[4], **flat(new))
+            print("DONE " + json.dumps({"round": t, "check": cmd[4]}), flush=True)
             continue
         t0 = time.perf_counter()
-        params = round_fn(params, idx, mask, n, x, y)
+        params = round_fn(params, idx, mask, n, x, y, timed_lr)
         jax.block_until_ready(params)
         dt = time.perf_counter() - t0
         print("DONE " + json.dumps({"round": t, "seconds": dt, "host_s": host_s,
