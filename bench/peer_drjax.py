@@ -39,11 +39,15 @@ from the model in IN.npz (keys like ``Conv_0/kernel``) and writes the new model 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
+
+from peer_common import arguments, versions
+
+# The packages whose versions go to bench/peers.py.
+PACKAGES = ("drjax", "jax", "jaxlib", "flax", "optax", "numpy")
 
 
 def build_module(name: str, num_classes: int):
@@ -150,24 +154,8 @@ def params_devices(params):
     return set().union(*(leaf.devices() for leaf in jax.tree.leaves(params)))
 
 
-def versions():
-    import importlib.metadata as md
-    out = {"python": sys.version.split()[0]}
-    for pkg in ("drjax", "jax", "jaxlib", "flax", "optax", "numpy"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--model", choices=["cnn", "linear"], required=True)
-    ap.add_argument("--batch_size", type=int, required=True)
-    ap.add_argument("--learning_rate", type=float, default=0.05)
-    ap.add_argument("--num_classes", type=int, default=62)
+    ap = arguments()
     ap.add_argument("--devices", type=int, default=1,
                     help="D > 1: D host devices and a mesh with the axis 'clients'")
     args = ap.parse_args()
@@ -198,7 +186,7 @@ def main():
     round_fn = build_round(module, m)
     timed_lr = jnp.float32(args.learning_rate)
 
-    print("READY " + json.dumps(versions()), flush=True)
+    print("READY " + json.dumps(versions(PACKAGES)), flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] == "quit":

@@ -24,10 +24,14 @@ computes ceil(n_k / B) B); ``quit`` ends it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
+
+from peer_common import arguments, versions
+
+# The packages whose versions go to bench/peers.py.
+PACKAGES = ("fedjax", "jax", "jaxlib", "dm-haiku", "optax", "numpy")
 
 
 def build_model(name: str, num_classes: int):
@@ -55,24 +59,8 @@ def build_model(name: str, num_classes: int):
         eval_metrics={"loss": fedjax.metrics.CrossEntropyLoss()})
 
 
-def versions():
-    import importlib.metadata as md
-    out = {"python": sys.version.split()[0]}
-    for pkg in ("fedjax", "jax", "jaxlib", "dm-haiku", "optax", "numpy"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--model", choices=["cnn", "linear"], required=True)
-    ap.add_argument("--batch_size", type=int, required=True)
-    ap.add_argument("--learning_rate", type=float, default=0.05)
-    ap.add_argument("--num_classes", type=int, default=62)
+    ap = arguments()
     args = ap.parse_args()
 
     import fedjax
@@ -97,7 +85,7 @@ def main():
         a, b = int(offsets[k]), int(offsets[k + 1])
         return fedjax.ClientDataset({"x": x[a:b], "y": y[a:b]})
 
-    print("READY " + json.dumps(versions()), flush=True)
+    print("READY " + json.dumps(versions(PACKAGES)), flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] == "quit":
