@@ -13,19 +13,12 @@ import pytest
 from dp_accounting.rdp import RdpAccountant
 from scipy import stats
 
+from conftest import run_rounds_history as run_rounds
 from conftest import run_runner, tiny_config
 from deltafl_jax import build_experiment, engine, privacy, rounds
 from deltafl_jax.algorithms import ClientFeedback
 
 M = 4   # clients per round: 1/4 sums to 1 exactly in float32 (FedAvg's fixed denominator)
-
-
-def run_rounds(exp, rounds_):
-    state, keys, hist = exp.initial_state(), exp.keys(), []
-    for t in range(rounds_):
-        state, met = exp.round_fn(state, exp.round_data(t), keys)
-        hist.append(jax.device_get(met))
-    return state, hist
 
 
 def same(a, b):
