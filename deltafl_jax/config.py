@@ -62,6 +62,8 @@ class ExperimentConfig:
     # this backend (None: the one running); "gpu" runs an accelerator's program on the CPU.
     placement_backend: Optional[str] = None
     branchless: Optional[bool] = None       # the local-SGD loop body; None: engine.loop_shape
+    client_data: str = "auto"               # device | host | auto (deltafl_jax.run.placement)
+    eval_clients: Optional[int] = None      # K per split per evaluation; 0: all; None: by N
     save_models: bool = True
     verbose: bool = True
     tensorboard: Optional[bool] = None      # None = when tensorboardX is installed
@@ -143,6 +145,7 @@ _POSITIVE_INTS = (
     ("clients_per_round", "at least 1"), ("eval_every", "at least 1"))
 _OPTIONAL_POSITIVE_INTS = ("local_steps", "clients_per_step", "eval_chunk")
 PLACEMENT_BACKENDS = ("cpu", "gpu", "tpu")
+CLIENT_DATA = ("auto", "device", "host")
 
 
 def _check_numbers(c: ExperimentConfig):
@@ -173,6 +176,12 @@ def _check_numbers(c: ExperimentConfig):
                           f"{c.checkpoint_every} and {c.checkpoint_every_s}")
     if c.lr_decay_every < 0:
         raise ConfigError(f"--lr_decay_every must be >= 0 (0: constant), got {c.lr_decay_every}")
+    if c.client_data not in CLIENT_DATA:
+        raise ConfigError(f"--client_data must be one of {', '.join(CLIENT_DATA)}, got "
+                          f"{c.client_data!r}")
+    if c.eval_clients is not None and (isinstance(c.eval_clients, bool) or c.eval_clients < 0):
+        raise ConfigError(f"--eval_clients must be >= 0 (0: every client), got "
+                          f"{c.eval_clients!r}")
     if c.placement_backend is not None and c.placement_backend not in PLACEMENT_BACKENDS:
         raise ConfigError(f"--placement_backend must be one of {', '.join(PLACEMENT_BACKENDS)} "
                           f"(unset: the backend running), got {c.placement_backend!r}")

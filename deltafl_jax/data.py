@@ -12,7 +12,7 @@ its number of examples.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -66,15 +66,50 @@ class ClientData:
     def num_examples(self) -> int:
         return int(self.offsets[-1])
 
+    @property
+    def feature_shape(self) -> Tuple[int, ...]:
+        return tuple(self.x.shape[1:])
+
+    @property
+    def x_dtype(self) -> np.dtype:
+        return self.x.dtype
+
+    @property
+    def has_labels(self) -> bool:
+        return self.y is not None
+
     def client(self, k: int):
         """(x_k, y_k) of client k, as views into the flat arrays."""
         lo, hi = self.offsets[k], self.offsets[k + 1]
         return self.x[lo:hi], (None if self.y is None else self.y[lo:hi])
 
+    def rows(self, clients: Sequence[int]) -> np.ndarray:
+        """[sum n_k] int64: the rows of `clients`, one client after another."""
+        clients = np.asarray(clients, dtype=np.int64)
+        starts, sizes = self.offsets[clients], self.sizes[clients]
+        if sizes.size == 0:
+            return np.zeros((0,), np.int64)
+        within = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        return np.repeat(starts, sizes) + within
+
+    def gather(self, clients: Sequence[int]):
+        """(x, y) of `clients`, one after another (y None without labels): what the device
+        receives when the host keeps the split (``--client_data=host``)."""
+        idx = self.rows(clients)
+        return self.x[idx], (None if self.y is None else self.y[idx])
+
+    def digest(self, h) -> None:
+        """Feed every array of the split to the hashlib object `h` (the resume fingerprint)."""
+        for a in (self.x, self.y, self.offsets):
+            if a is not None:
+                a = np.ascontiguousarray(a)
+                h.update(str((a.dtype, a.shape)).encode())
+                h.update(a.tobytes())
+
     def subset(self, clients: Sequence[int]) -> "ClientData":
         """A new split holding only `clients`, in the given order."""
         clients = np.asarray(clients, dtype=np.int64)
-        idx = np.concatenate([np.arange(self.offsets[k], self.offsets[k + 1]) for k in clients])
+        idx = self.rows(clients)
         sizes = self.sizes[clients]
         return ClientData(
             x=self.x[idx],
@@ -94,6 +129,83 @@ class ClientData:
         y = None if ys is None else np.concatenate(ys, axis=0)
         ids = np.arange(len(xs)) if client_ids is None else np.asarray(client_ids)
         return cls(x=x, y=y, offsets=np.concatenate([[0], np.cumsum(sizes)]), client_ids=ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratedClientData:
+    """A split whose clients are generated when they are read, with the read interface of
+    :class:`ClientData` (sizes, offsets, ids, :meth:`client`, :meth:`gather`, :meth:`subset`)
+    but no flat arrays: client k's examples are a pure function of (the generator, its source
+    id), so a population of 10^6 clients costs its sizes alone on the host. Such a split is
+    kept on the host (``--client_data=host``): each round ships the sampled clients.
+
+    Attributes:
+      offsets: [num_clients + 1] int64, as in :class:`ClientData` (the sizes n_k).
+      client_ids: [num_clients] int64: the generator's id of each client.
+      generate: source id -> (x [n, *feature_shape], y [n] or None); must return exactly
+        n_k examples, the same ones on every call.
+      feature_shape, x_dtype, has_labels: what `generate` returns.
+      recipe: the generator's parameters as text (the resume fingerprint hashes it).
+      limit: keep the first `limit` examples of each client (``--max_examples_per_client``).
+    """
+
+    offsets: np.ndarray
+    client_ids: np.ndarray
+    generate: Callable[[int], Tuple[np.ndarray, Optional[np.ndarray]]]
+    feature_shape: Tuple[int, ...]
+    x_dtype: np.dtype
+    has_labels: bool
+    recipe: str
+    limit: Optional[int] = None
+
+    def __post_init__(self):
+        offsets = np.asarray(self.offsets, np.int64)
+        if offsets.ndim != 1 or offsets.size < 2 or offsets[0] != 0:
+            raise DataError("offsets must be a 1-D array from 0, with at least one client")
+        if np.any(np.diff(offsets) <= 0):
+            raise DataError(f"client {int(np.argmin(np.diff(offsets)))} has no examples")
+        if len(self.client_ids) != offsets.size - 1:
+            raise DataError(f"{len(self.client_ids)} client ids for {offsets.size - 1} clients")
+        object.__setattr__(self, "offsets", offsets)
+        object.__setattr__(self, "client_ids", np.asarray(self.client_ids, np.int64))
+
+    num_clients = ClientData.num_clients
+    sizes = ClientData.sizes
+    num_examples = ClientData.num_examples
+
+    def client(self, k: int):
+        x, y = self.generate(int(self.client_ids[k]))
+        n = int(self.offsets[k + 1] - self.offsets[k])
+        return x[:n], (None if y is None else y[:n])
+
+    def gather(self, clients: Sequence[int]):
+        parts = [self.client(int(k)) for k in np.asarray(clients, np.int64)]
+        if not parts:
+            return (np.zeros((0,) + tuple(self.feature_shape), self.x_dtype),
+                    np.zeros((0,), np.int32) if self.has_labels else None)
+        x = np.concatenate([p[0] for p in parts])
+        return x, (np.concatenate([p[1] for p in parts]) if self.has_labels else None)
+
+    def subset(self, clients: Sequence[int]) -> "GeneratedClientData":
+        clients = np.asarray(clients, dtype=np.int64)
+        return dataclasses.replace(
+            self, offsets=np.concatenate([[0], np.cumsum(self.sizes[clients])]),
+            client_ids=self.client_ids[clients])
+
+    def truncated(self, max_examples: int) -> "GeneratedClientData":
+        """The first `max_examples` examples of each client."""
+        sizes = np.minimum(self.sizes, max_examples)
+        return dataclasses.replace(self, offsets=np.concatenate([[0], np.cumsum(sizes)]))
+
+    def digest(self, h) -> None:
+        h.update(self.recipe.encode())
+        for a in (self.offsets, self.client_ids):
+            h.update(np.ascontiguousarray(a).tobytes())
+
+
+def is_generated(split) -> bool:
+    """True for a split generated on demand (:class:`GeneratedClientData`)."""
+    return isinstance(split, GeneratedClientData)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +229,13 @@ class FederatedDataset:
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        if self.train.x.shape[1:] != self.test.x.shape[1:]:
+        if self.train.feature_shape != self.test.feature_shape:
             raise DataError(
-                f"train inputs have shape {self.train.x.shape[1:]} but test inputs "
-                f"{self.test.x.shape[1:]}")
+                f"train inputs have shape {self.train.feature_shape} but test inputs "
+                f"{self.test.feature_shape}")
         for split_name, split in (("train", self.train), ("test", self.test)):
+            if is_generated(split):
+                continue   # its generator's values are checked by its own tests
             if np.issubdtype(split.x.dtype, np.floating) and not np.all(np.isfinite(split.x)):
                 raise DataError(f"{split_name} inputs hold NaN or Inf")
             if split.y is not None and self.num_classes > 0:
@@ -134,7 +248,7 @@ class FederatedDataset:
 
     @property
     def feature_shape(self):
-        return tuple(self.train.x.shape[1:])
+        return tuple(self.train.feature_shape)
 
     def stats(self) -> dict:
         """The columns of the paper's Table 1 (points per train client)."""

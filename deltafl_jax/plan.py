@@ -20,6 +20,13 @@ Per group g (one per seed) the plan holds:
 - ``seg_len [G, m]``, ``batches_per_epoch [G, m]``, ``steps [G, m]``: how local step s reads
   its batch: epoch e, batch b = divmod(s, batches_per_epoch); positions
   e * seg_len + b * B + j, valid while b * B + j < seg_len.
+
+The indices point into the device-resident split, or, when the host keeps the split
+(``packed``: ``--client_data=host``), into the round's buffer: group g's sampled clients one
+after another from row g * eval_len (:func:`pack_round` fills it). The same examples at other
+rows: the round computes the same numbers. Planning costs O(m + the sampled examples), not
+O(N). Evaluation streams longer than a device buffer are cut into blocks
+(:func:`stream_blocks`) that add up as one stream.
 """
 
 from __future__ import annotations
@@ -107,11 +114,11 @@ def capacities(sizes: np.ndarray, m: int, work: LocalWork, eval_chunk: int) -> C
 
 
 def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m: int,
-                    work: LocalWork, caps: Capacities) -> RoundPlan:
-    """The plan of round `round_idx` for each seed in `seeds` (one group per seed)."""
+                    work: LocalWork, caps: Capacities, packed: bool = False) -> RoundPlan:
+    """The plan of round `round_idx` for each seed in `seeds` (one group per seed); `packed`:
+    indices into the round's buffer (module docstring) instead of the split."""
     offsets = np.asarray(offsets, dtype=np.int64)
-    all_sizes = np.diff(offsets)
-    num_clients = all_sizes.size
+    num_clients = offsets.size - 1
     G = len(seeds)
     clients = np.zeros((G, m), np.int32)
     eval_idx = np.zeros((G, caps.eval_len), np.int32)
@@ -122,8 +129,8 @@ def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m
     for g, seed in enumerate(seeds):
         chosen = sample_clients(seed, round_idx, num_clients, m)
         clients[g] = chosen
-        n = all_sizes[chosen]
-        starts = offsets[chosen]
+        n = offsets[chosen + 1] - offsets[chosen]
+        starts = (g * caps.eval_len + np.cumsum(n) - n) if packed else offsets[chosen]
         total = int(n.sum())
         eval_len[g] = total
         eval_idx[g, :total] = np.concatenate([np.arange(s, s + k) for s, k in zip(starts, n)])
@@ -135,7 +142,7 @@ def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m
             train_start[g, i] = pos
             train_idx[g, pos:pos + perm.size] = start + perm
             pos += perm.size
-    sizes = all_sizes[clients].astype(np.int32)
+    sizes = (offsets[clients + 1] - offsets[clients]).astype(np.int32)
     if work.local_steps is None:
         seg_len = sizes
     else:
@@ -145,6 +152,48 @@ def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m
     return RoundPlan(clients=clients, sizes=sizes, eval_idx=eval_idx, eval_seg=eval_seg,
                      eval_len=eval_len, train_idx=train_idx, train_start=train_start,
                      seg_len=seg_len, batches_per_epoch=batches_per_epoch, steps=steps)
+
+
+def pack_round(split, clients: np.ndarray, caps: Capacities):
+    """The round's buffer (x [G * eval_len, ...], y [G * eval_len] int32) of a packed plan:
+    group g's sampled clients `clients[g]` one after another from row g * eval_len, zeros
+    after them. `split` is any split with ``gather`` (:mod:`deltafl_jax.data`)."""
+    G = clients.shape[0]
+    x = np.zeros((G * caps.eval_len,) + tuple(split.feature_shape), split.x_dtype)
+    y = np.zeros((G * caps.eval_len,), np.int32)
+    for g in range(G):
+        xs, ys = split.gather(clients[g])
+        lo = g * caps.eval_len
+        x[lo:lo + len(xs)] = xs
+        if ys is not None:
+            y[lo:lo + len(ys)] = ys
+    return x, y
+
+
+class StreamBlock(NamedTuple):
+    """One block of an evaluation stream (clients one after another): stream positions
+    [lo, hi), the clients [first, last) of the list that it touches, and its segment array."""
+
+    lo: int
+    hi: int
+    first: int
+    last: int
+    seg: np.ndarray      # [1, block_len] int32: list index of each entry; pad_segment after
+    length: np.ndarray   # [1] int32: hi - lo
+
+
+def stream_blocks(sizes: np.ndarray, block_len: int, pad_segment: int):
+    """The blocks of `block_len` entries of the stream of clients with `sizes` (in order)."""
+    sizes = np.asarray(sizes, np.int64)
+    ends = np.cumsum(sizes)
+    total = int(ends[-1]) if sizes.size else 0
+    for lo in range(0, total, block_len):
+        hi = min(lo + block_len, total)
+        first = int(np.searchsorted(ends, lo, side="right"))
+        last = int(np.searchsorted(ends, hi - 1, side="right")) + 1
+        seg = np.full((1, block_len), pad_segment, np.int32)
+        seg[0, :hi - lo] = np.searchsorted(ends, np.arange(lo, hi), side="right")
+        yield StreamBlock(lo, hi, first, last, seg, np.array([hi - lo], np.int32))
 
 
 class SplitPlan(NamedTuple):

@@ -87,6 +87,9 @@ def define_data_flags() -> None:
             "client sizes")
     _define(flags.DEFINE_float, "synthetic_shared", 0.0, "Synthetic: weight in [0, 1) of the "
             "labelling model shared by all clients (0 = the original benchmark)")
+    _define(flags.DEFINE_bool, "synthetic_on_demand", None, "Synthetic: generate each client "
+            "when a round or an evaluation reads it (its own random stream); unset: above "
+            "100000 clients")
     _define(flags.DEFINE_string, "toy_means", "0,0;4,0;1,1", "gaussian_toy: means "
             "'x,y;x,y;...'")
     _define(flags.DEFINE_integer, "toy_examples_per_client", 500, "gaussian_toy: samples per "
@@ -233,6 +236,12 @@ def define_experiment_flags() -> None:
     _define(flags.DEFINE_bool, "branchless", None, "local SGD: a lane's restart and a job's "
             "bookkeeping as masked selects on every step instead of behind a lax.cond; unset: "
             "by backend")
+    _define(flags.DEFINE_string, "client_data", "auto", "device | host | auto: keep the "
+            "clients' examples on every device, or on the host and ship each round's sampled "
+            "clients; auto: device while both splits fit in a quarter of a device's memory")
+    _define(flags.DEFINE_integer, "eval_clients", None, "evaluate K train and K test clients "
+            "drawn per evaluation, with 95% confidence intervals (0: every client); unset: every "
+            "client up to 100000 clients in all, 1000 beyond")
     _define(flags.DEFINE_integer, "eval_every", 10, "evaluate on all train and test clients "
             "every N rounds")
     _define(flags.DEFINE_string, "output_dir", None, "where metrics.jsonl, summary.json and "
@@ -298,11 +307,13 @@ def _toy_means(text):
 DATA_FIELDS = ("dataset", "data_path", "data_dir", "data_seed", "min_client_examples",
                "max_examples_per_client", "max_train_clients", "max_test_clients",
                "synthetic_alpha", "synthetic_beta", "synthetic_num_clients",
-               "synthetic_max_examples", "synthetic_shared", "toy_examples_per_client",
+               "synthetic_max_examples", "synthetic_shared", "synthetic_on_demand",
+               "toy_examples_per_client",
                "normalize", "writer_fraction", "resample_writers_per_seed")
 SCALAR_FIELDS = ("model", "num_rounds", "clients_per_round", "local_epochs",
                  "local_steps", "batch_size", "learning_rate", "lr_decay", "lr_decay_every",
                  "eval_every", "clients_per_step", "eval_chunk", "placement_backend",
+                 "client_data", "eval_clients",
                  "branchless", "output_dir", "overwrite", "conv_impl", "save_models", "checkpoint_every", "checkpoint_every_s",
                  "stop_on_divergence", "devices", "use_bias", "server_optimizer",
                  "server_momentum", "server_beta1", "server_beta2", "server_eps", "dp_clip",

@@ -47,6 +47,8 @@ class DataConfig:
       synthetic_max_examples: cap of the power-law client sizes.
       synthetic_shared: weight rho of the labelling model common to all clients (0: the
         original benchmark, where held-out clients share nothing learnable).
+      synthetic_on_demand: generate each client when it is read (None: above 10^5 clients;
+        :mod:`deltafl_jax.datasets.synthetic`).
       toy_means: the means of the Figure 3 Gaussians, one (x, y) pair per client.
       toy_examples_per_client: samples per Gaussian.
       normalize: "none", "reference" (the authors' (x - mu) / mu per feature, mu of each
@@ -71,6 +73,7 @@ class DataConfig:
     synthetic_num_clients: int = 100
     synthetic_max_examples: int = 1000
     synthetic_shared: float = 0.0
+    synthetic_on_demand: Optional[bool] = None
     toy_means: Tuple[Tuple[float, float], ...] = ((0.0, 0.0), (4.0, 0.0), (1.0, 1.0))
     toy_examples_per_client: int = 500
     normalize: str = "none"

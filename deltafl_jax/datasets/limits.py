@@ -6,10 +6,12 @@ import dataclasses
 
 import numpy as np
 
-from deltafl_jax.data import ClientData, DataError, FederatedDataset
+from deltafl_jax.data import ClientData, DataError, FederatedDataset, is_generated
 
 
 def _truncate(split: ClientData, max_examples: int) -> ClientData:
+    if is_generated(split):
+        return split.truncated(max_examples)
     sizes = np.minimum(split.sizes, max_examples)
     idx = np.concatenate([np.arange(lo, lo + n) for lo, n in zip(split.offsets[:-1], sizes)])
     return ClientData(x=split.x[idx], y=None if split.y is None else split.y[idx],

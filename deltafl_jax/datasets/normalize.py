@@ -37,7 +37,7 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 
-from deltafl_jax.data import ClientData, DataError, FederatedDataset
+from deltafl_jax.data import ClientData, DataError, FederatedDataset, is_generated
 
 METHODS = ("none", "reference", "standard")
 MEAN_EMBEDDING = "mean_embedding"   # metadata["features"] of Sent140 as mean GloVe vectors
@@ -159,6 +159,9 @@ def normalize(data: FederatedDataset, method: str,
     check_method(method)
     if method == "none":
         return data
+    if is_generated(data.train):
+        raise DataError(f"--normalize={method} needs the whole split in memory, but {data.name}'s "
+                        f"clients are generated on demand; pass --normalize=none")
     to_float, meta = features_of(data)
     mu_train = feature_mean(data.train.x, to_float)
     if method == "reference":

@@ -9,6 +9,16 @@ are y = argmax softmax(x W_k + b_k). Client sizes follow the power law lognormal
 capped at ``synthetic_max_examples``. (As in the original benchmark code, alpha and beta are the
 standard deviations of the shifts.) Half the clients train and half test.
 
+**On demand** (``synthetic_on_demand``; by default above ``ON_DEMAND_CLIENTS`` = 10^5 clients):
+the same distribution, generated client by client. At the default sizes a million clients
+would be over 60 GB, so only the population's draws (sizes n_k, shifts u_k and B_k, W_0, b_0:
+a few numbers per client) are drawn at load, from the stream ``[data_seed, 0]``, and client
+k's own draws (v_k, W_k, b_k, its inputs) from the stream ``[data_seed, 1, k]`` whenever a round
+or an evaluation reads it (:class:`deltafl_jax.data.GeneratedClientData`). These are other
+random streams than the sequential generator's, so the same seed gives another (equally
+distributed) population: below the threshold the sequential generator stays the default, and
+every flagfile and recorded output keeps its data.
+
 Held-out clients of that benchmark share nothing learnable with the training clients (each
 draws its own W_k), so a model trained on one half cannot beat chance on the other half.
 ``synthetic_shared = rho`` in [0, 1) generalises it: W_k = u_k + rho W_0 + sqrt(1 - rho^2) Z_k
@@ -26,14 +36,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from deltafl_jax.data import ClientData, DataError, FederatedDataset, split_clients
+from deltafl_jax.data import (ClientData, DataError, FederatedDataset, GeneratedClientData,
+                              split_clients)
 
 SYNTHETIC_DIM = 60
 SYNTHETIC_CLASSES = 10
+ON_DEMAND_CLIENTS = 100_000   # populations above this are generated on demand by default
 
 
-def synthetic_clients(alpha: float, beta: float, num_clients: int, seed: int,
-                      max_examples: int = 1000, shared: float = 0.0) -> ClientData:
+def _check(alpha, beta, num_clients, max_examples, shared):
     if not 0.0 <= shared < 1.0:
         raise DataError(f"--synthetic_shared must lie in [0, 1), got {shared}")
     if alpha < 0 or beta < 0:
@@ -42,11 +53,20 @@ def synthetic_clients(alpha: float, beta: float, num_clients: int, seed: int,
         raise DataError(f"synthetic needs at least 2 clients, got {num_clients}")
     if max_examples < 50:
         raise DataError(f"--synthetic_max_examples must be at least 50, got {max_examples}")
+
+
+def _feature_std():
+    return np.power(np.arange(1, SYNTHETIC_DIM + 1, dtype=np.float64), -1.2 / 2)
+
+
+def synthetic_clients(alpha: float, beta: float, num_clients: int, seed: int,
+                      max_examples: int = 1000, shared: float = 0.0) -> ClientData:
+    _check(alpha, beta, num_clients, max_examples, shared)
     rng = np.random.default_rng(seed)
     sizes = np.minimum(rng.lognormal(4, 2, num_clients).astype(np.int64) + 50, max_examples)
     u = rng.normal(0.0, alpha, num_clients)
     shift = rng.normal(0.0, beta, num_clients)
-    std = np.power(np.arange(1, SYNTHETIC_DIM + 1, dtype=np.float64), -1.2 / 2)
+    std = _feature_std()
     # Drawn even when shared = 0, so that rho changes the labels and not the other draws.
     W0 = rng.standard_normal((SYNTHETIC_DIM, SYNTHETIC_CLASSES))
     b0 = rng.standard_normal(SYNTHETIC_CLASSES)
@@ -62,10 +82,53 @@ def synthetic_clients(alpha: float, beta: float, num_clients: int, seed: int,
     return ClientData.from_clients(xs, ys)
 
 
+class _OnDemand:
+    """Client k of Synthetic(alpha, beta) from its own stream (module docstring, "On demand")."""
+
+    def __init__(self, alpha, beta, num_clients, seed, max_examples, shared):
+        _check(alpha, beta, num_clients, max_examples, shared)
+        rng = np.random.default_rng([seed, 0])
+        self.sizes = np.minimum(rng.lognormal(4, 2, num_clients).astype(np.int64) + 50,
+                                max_examples)
+        self.u = rng.normal(0.0, alpha, num_clients)
+        self.shift = rng.normal(0.0, beta, num_clients)
+        self.W0 = rng.standard_normal((SYNTHETIC_DIM, SYNTHETIC_CLASSES))
+        self.b0 = rng.standard_normal(SYNTHETIC_CLASSES)
+        self.seed, self.shared, self.std = int(seed), float(shared), _feature_std()
+
+    def __call__(self, k: int):
+        rng = np.random.default_rng([self.seed, 1, int(k)])
+        own = np.sqrt(1.0 - self.shared ** 2)
+        v = rng.normal(self.shift[k], 1.0, SYNTHETIC_DIM)
+        W = self.u[k] + self.shared * self.W0 + own * rng.standard_normal(self.W0.shape)
+        b = self.u[k] + self.shared * self.b0 + own * rng.standard_normal(SYNTHETIC_CLASSES)
+        x = v + rng.standard_normal((int(self.sizes[k]), SYNTHETIC_DIM)) * self.std
+        return x.astype(np.float32), np.argmax(x @ W + b, axis=1).astype(np.int32)
+
+
+def synthetic_on_demand(alpha: float, beta: float, num_clients: int, seed: int,
+                        max_examples: int = 1000, shared: float = 0.0) -> GeneratedClientData:
+    """Every client of Synthetic(alpha, beta), generated when read."""
+    gen = _OnDemand(alpha, beta, num_clients, seed, max_examples, shared)
+    recipe = (f"synthetic_on_demand(alpha={alpha!r}, beta={beta!r}, n={num_clients}, "
+              f"seed={seed}, max={max_examples}, shared={shared!r})")
+    return GeneratedClientData(
+        offsets=np.concatenate([[0], np.cumsum(gen.sizes)]),
+        client_ids=np.arange(num_clients, dtype=np.int64), generate=gen,
+        feature_shape=(SYNTHETIC_DIM,), x_dtype=np.dtype(np.float32), has_labels=True,
+        recipe=recipe)
+
+
+def on_demand(config) -> bool:
+    """Whether `config` generates Synthetic's clients on demand (module docstring)."""
+    flag = getattr(config, "synthetic_on_demand", None)
+    return config.synthetic_num_clients > ON_DEMAND_CLIENTS if flag is None else bool(flag)
+
+
 def load_synthetic(config) -> FederatedDataset:
-    clients = synthetic_clients(config.synthetic_alpha, config.synthetic_beta,
-                                config.synthetic_num_clients, config.data_seed,
-                                config.synthetic_max_examples, config.synthetic_shared)
+    make = synthetic_on_demand if on_demand(config) else synthetic_clients
+    clients = make(config.synthetic_alpha, config.synthetic_beta, config.synthetic_num_clients,
+                   config.data_seed, config.synthetic_max_examples, config.synthetic_shared)
     train, test = split_clients(clients, seed=config.data_seed)
     return FederatedDataset(
         name="synthetic", train=train, test=test, num_classes=SYNTHETIC_CLASSES,

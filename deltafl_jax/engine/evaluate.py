@@ -59,7 +59,7 @@ def _item_reader(idx, seg, length, stream_of_replica, cum, total_items, chunk, S
 
 def evaluate_streams(model: Model, params, X, Y, idx, seg, length, stream_of_replica,
                      num_segments: int, chunk: int, lanes: int,
-                     axis: DeviceAxis = SINGLE) -> EvalResult:
+                     axis: DeviceAxis = SINGLE, init=None) -> EvalResult:
     """Sum of losses and errors of each replica's model over the segments of its stream.
 
     Args:
@@ -73,6 +73,9 @@ def evaluate_streams(model: Model, params, X, Y, idx, seg, length, stream_of_rep
       chunk: examples per work item; lanes: items processed at once (per device).
       axis: the devices sharing the items (round-robin over D x lanes global lanes); the sums
         are reduced once after the loop.
+      init: (loss_sum, error_sum), each [R, S], to continue from (None: zeros): a stream
+        evaluated in blocks one after another (the host-kept split) adds up in the order of one
+        whole stream, so on one device the sums are the same bit for bit.
     """
     R = stream_of_replica.shape[0]
     S = num_segments
@@ -102,8 +105,13 @@ def evaluate_streams(model: Model, params, X, Y, idx, seg, length, stream_of_rep
                          err_acc=c.err_acc.at[r].add(es), real=c.real + jnp.sum(valid))
 
     zeros = jnp.zeros((R, S + 1), jnp.float32)
-    init = EvalCarry(jnp.int32(0), zeros, zeros, jnp.int32(0))
-    out = lax.while_loop(lambda c: c.trip < trips, body, init)
+    loss0, err0 = zeros, zeros
+    if init is not None:   # carried on the first device only, so that the psum counts it once
+        first_device = axis.index() == 0
+        loss0, err0 = (zeros.at[:, :S].set(jnp.where(first_device, a.astype(jnp.float32), 0.0))
+                       for a in init)
+    start = EvalCarry(jnp.int32(0), loss0, err0, jnp.int32(0))
+    out = lax.while_loop(lambda c: c.trip < trips, body, start)
     return EvalResult(loss_sum=axis.sum(out.loss_acc)[:, :S],
                       error_sum=axis.sum(out.err_acc)[:, :S], real_examples=axis.sum(out.real),
                       padded_examples=axis.sum(trips * lanes * chunk), trips=axis.max(trips))

@@ -257,26 +257,26 @@ def _image_shape(data: FederatedDataset) -> None:
 
 def _linear(data, opts):
     return Model("linear", Linear(_classes(data, "linear"), linear_bias(data, opts)), "softmax",
-                 data.feature_shape, data.train.x.dtype, data.x_scale, zero_init=True)
+                 data.feature_shape, data.train.x_dtype, data.x_scale, zero_init=True)
 
 
 def _cnn(data, opts):
     _image_shape(data)
     impl = opts.conv_impl or default_conv_impl()
     return Model("cnn", ConvNet(_classes(data, "cnn"), impl, opts.cnn_hidden), "softmax",
-                 data.feature_shape, data.train.x.dtype, data.x_scale,
+                 data.feature_shape, data.train.x_dtype, data.x_scale,
                  lanes=LanePreferences(cpu_lane_mode="unroll", cpu_eval_chunk=128))
 
 
 def _mlp(data, opts):
     return Model("mlp", MLP(_classes(data, "mlp"), tuple(opts.mlp_hidden)), "softmax",
-                 data.feature_shape, data.train.x.dtype, data.x_scale)
+                 data.feature_shape, data.train.x_dtype, data.x_scale)
 
 
 def _mean(data, opts):
     numeric_features(data, "mean")
     dim = int(np.prod(data.feature_shape))
-    return Model("mean", Mean(dim), "squared", data.feature_shape, data.train.x.dtype,
+    return Model("mean", Mean(dim), "squared", data.feature_shape, data.train.x_dtype,
                  data.x_scale)
 
 

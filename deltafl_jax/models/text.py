@@ -167,7 +167,7 @@ def gru(data: FederatedDataset, options: ModelOptions) -> Model:
     vocab = int((data.metadata or {}).get("input_vocab_size", data.num_classes))
     _token_ids(data, "gru", vocab)
     return Model("gru", CharGRU(num_classes=data.num_classes, vocab_size=vocab), "softmax",
-                 data.feature_shape, data.train.x.dtype, lanes=RECURRENT_LANES)
+                 data.feature_shape, data.train.x_dtype, lanes=RECURRENT_LANES)
 
 
 def lstm(data: FederatedDataset, options: ModelOptions) -> Model:
@@ -175,7 +175,7 @@ def lstm(data: FederatedDataset, options: ModelOptions) -> Model:
     del options
     _check_classes(data, "lstm", 2)
     return Model("lstm", GloveLSTM(table=_embeddings(data, "lstm")), "sigmoid",
-                 data.feature_shape, data.train.x.dtype, lanes=RECURRENT_LANES)
+                 data.feature_shape, data.train.x_dtype, lanes=RECURRENT_LANES)
 
 
 def sent140_linear(data: FederatedDataset, options: ModelOptions) -> Model:
@@ -186,8 +186,8 @@ def sent140_linear(data: FederatedDataset, options: ModelOptions) -> Model:
     bias = linear_bias(data, options)
     if (data.metadata or {}).get("features") == MEAN_EMBEDDING:
         return Model("sent140_linear", FeatureLogistic(use_bias=bias), "sigmoid",
-                     data.feature_shape, data.train.x.dtype, zero_init=True)
+                     data.feature_shape, data.train.x_dtype, zero_init=True)
     pad_id = int(data.metadata.get("pad_id", 0))
     return Model("sent140_linear", MeanGloveLogistic(table=_embeddings(data, "sent140_linear"),
                                                      pad_id=pad_id, use_bias=bias), "sigmoid",
-                 data.feature_shape, data.train.x.dtype, zero_init=True)
+                 data.feature_shape, data.train.x_dtype, zero_init=True)

@@ -14,7 +14,6 @@ import hashlib
 from typing import Any, Dict, Optional
 
 import jax
-import numpy as np
 
 from deltafl_jax.algorithms import registry
 from deltafl_jax.errors import ConfigError
@@ -22,18 +21,14 @@ from deltafl_jax.run import checkpoint as ckpt
 
 # Settings that may change between the run and its resume (they change no result).
 FREE_FIELDS = ("output_dir", "overwrite", "verbose", "tensorboard", "checkpoint_every",
-               "checkpoint_every_s", "save_models", "devices")
+               "checkpoint_every_s", "save_models", "devices", "client_data")
 
 
 def data_digest(data) -> str:
     """sha256 of every array of the dataset's two splits."""
     h = hashlib.sha256()
     for split in (data.train, data.test):
-        for a in (split.x, split.y, split.offsets):
-            if a is not None:
-                a = np.ascontiguousarray(a)
-                h.update(str((a.dtype, a.shape)).encode())
-                h.update(a.tobytes())
+        split.digest(h)
     return h.hexdigest()
 
 

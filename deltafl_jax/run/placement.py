@@ -1,0 +1,215 @@
+"""Where a run's work and data go: devices, lanes, where the clients' examples are kept, and
+the bytes each device holds.
+
+- :func:`placement`: lanes per device, lane mode, evaluation chunk and lanes, the local-SGD
+  loop's shape (from the model's preferences on the backend; :mod:`deltafl_jax.engine.lanes`).
+- :func:`client_data_mode`: ``--client_data=device`` keeps both splits on every device;
+  ``host`` keeps them on the host and ships each round's sampled clients (and each evaluation
+  block) to the devices; ``auto`` is device while the splits fit in
+  ``DEVICE_DATA_SHARE`` of one device's memory, host beyond, and always host for a population
+  generated on demand.
+- :func:`footprint` / :func:`placement_line` / :func:`check_memory`: the bytes each device
+  holds, the start-up line that shows them, and a one-line refusal of a run that cannot fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import jax
+import numpy as np
+
+from deltafl_jax import engine, plan as plan_lib
+from deltafl_jax.config import CLIENT_DATA as CLIENT_DATA_MODES, ExperimentConfig
+from deltafl_jax.data import FederatedDataset, is_generated
+from deltafl_jax.errors import ConfigError
+from deltafl_jax.models import Model
+from deltafl_jax.replicas import Replicas
+
+DEVICE_DATA_SHARE = 0.25   # auto: the splits stay on the device while they fit in this share
+EVAL_BLOCK_EXAMPLES = 1 << 15   # host mode: examples per evaluation block (rounded up)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How client work runs: devices, lanes per device and their mode, evaluation chunk and
+    lanes (from the model's preferences on this backend, unless the config sets them), the
+    local-SGD loop's shape (minibatch steps per while trip, conds or masked selects:
+    :func:`deltafl_jax.engine.loop_shape`), and where the clients' examples are kept
+    (``client_data``: "device" or "host")."""
+
+    lanes: int
+    lane_mode: str
+    eval_chunk: int
+    eval_lanes: int
+    devices: int = 1
+    unroll: int = 1
+    branchless: bool = False
+    client_data: str = "device"
+
+    @property
+    def eval_block(self) -> int:
+        """Examples per evaluation block when the host keeps the split: a multiple of one
+        trip's examples over every device, so blocks add up as one stream does."""
+        stride = self.eval_chunk * self.eval_lanes * self.devices
+        return -(-EVAL_BLOCK_EXAMPLES // stride) * stride
+
+
+def placement(config: ExperimentConfig, model: Model, m: int, num_replicas: int,
+              backend: Optional[str] = None, devices: int = 1,
+              client_data: str = "device") -> Placement:
+    """Lanes per device: on CPU the model's measured preference; on accelerators enough that
+    devices x lanes cover the R x m jobs of a round (every kept client trains in the first
+    trip), capped at m. Evaluation lanes: one on CPU (a bigger chunk is the better batch
+    there); on accelerators one per replica (up to 16), so a step evaluates all models.
+    `config.placement_backend` plans as on that backend instead of the running one, and
+    `config.branchless` overrides the loop shape's body."""
+    backend = backend or config.placement_backend or jax.default_backend()
+    prefs = model.lanes
+    jobs = m * num_replicas
+    per_device = (prefs.lanes(m, backend, devices) if backend == "cpu"
+                  else min(m, -(-jobs // devices)))
+    lanes = min(config.clients_per_step or per_device, jobs)
+    loop = engine.loop_shape(backend)
+    return Placement(lanes=lanes, lane_mode=prefs.lane_mode(backend),
+                     eval_chunk=config.eval_chunk or prefs.eval_chunk(backend),
+                     eval_lanes=1 if backend == "cpu" else max(1, min(num_replicas, 16)),
+                     devices=devices, unroll=loop.unroll,
+                     branchless=loop.branchless if config.branchless is None
+                     else config.branchless, client_data=client_data)
+
+
+def split_bytes(data: FederatedDataset) -> int:
+    """Bytes of both splits' inputs and int32 labels as the device holds them."""
+    row = int(np.prod(data.feature_shape, dtype=np.int64)) * np.dtype(data.train.x_dtype).itemsize
+    return (row + 4) * (data.train.num_examples + data.test.num_examples)
+
+
+def _device_memory(devices) -> Optional[int]:
+    """bytes_limit of one device (accelerators), or this machine's memory over the devices
+    (XLA:CPU reports none); None when neither is known."""
+    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+    try:
+        limit = (local[0].memory_stats() or {}).get("bytes_limit")
+    except Exception:  # pylint: disable=broad-except
+        limit = None
+    if limit:
+        return int(limit)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, len(local))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def client_data_mode(requested: str, data: FederatedDataset, devices) -> str:
+    """"device" or "host" for ``--client_data=requested`` (module docstring)."""
+    if requested not in CLIENT_DATA_MODES:
+        raise ConfigError(f"--client_data must be one of {', '.join(CLIENT_DATA_MODES)}, got "
+                          f"{requested!r}")
+    generated = is_generated(data.train) or is_generated(data.test)
+    if requested == "device" and generated:
+        raise ConfigError(f"--client_data=device: {data.name}'s clients are generated on demand "
+                          f"and are never all in memory; pass --client_data=host (or auto)")
+    if requested != "auto":
+        return requested
+    if generated:
+        return "host"
+    memory = _device_memory(devices)
+    fits = memory is None or split_bytes(data) <= DEVICE_DATA_SHARE * memory
+    return "device" if fits else "host"
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """Bytes held on EACH device (everything is replicated across the mesh): the clients'
+    examples (both splits; with ``--client_data=host`` one round's buffer of the sampled
+    clients and one evaluation block instead), the replicas' state (models, the algorithm's
+    and the server optimizer's state), the per-client state of an algorithm that keeps one
+    (SCAFFOLD's c_k: N x |w| per replica, and the round's per-job results), one round's plan,
+    and the lanes' local models (params, anchor and optimizer state, about 3 copies of one
+    model per lane, and a job context each)."""
+
+    data: int
+    state: int
+    plan: int
+    lanes: int
+    clients: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.data + self.state + self.plan + self.lanes + self.clients
+
+
+def tree_nbytes(tree) -> int:
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def data_bytes(data: FederatedDataset, place: Placement, caps: plan_lib.Capacities,
+               groups: int) -> int:
+    """The clients' examples on each device: both splits, or (host mode) the round buffer of
+    `groups` x m clients and one evaluation block."""
+    if place.client_data == "device":
+        return split_bytes(data)
+    row = int(np.prod(data.feature_shape, dtype=np.int64)) * np.dtype(data.train.x_dtype).itemsize
+    return (row + 4) * (groups * caps.eval_len + place.eval_block)
+
+
+def footprint(data: FederatedDataset, model: Model, replicas: Replicas, place: Placement,
+              caps: plan_lib.Capacities, m: int, state_shape=None) -> Footprint:
+    """`state_shape`: the round state's shapes (``jax.eval_shape`` of the initial state);
+    None: the models alone."""
+    model_bytes = tree_nbytes(jax.eval_shape(model.init, jax.random.key(0)))
+    G = len(set(int(g) for g in replicas.group))
+    state, clients, per_client = replicas.size * model_bytes, 0, 0
+    if state_shape is not None:
+        clients = tree_nbytes(state_shape.client_state)
+        state = tree_nbytes(state_shape) - clients
+        per_client = clients // max(1, replicas.size * data.train.num_clients)
+    return Footprint(data=int(data_bytes(data, place, caps, G)), state=state,
+                     plan=4 * G * (2 * caps.eval_len + caps.train_len + 6 * m),
+                     lanes=place.lanes * (3 * model_bytes + per_client),
+                     clients=clients + 2 * replicas.size * m * per_client)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2 ** 20:.1f} MB"
+
+
+def placement_line(place: Placement, fp: Footprint, data: FederatedDataset, num_replicas: int,
+                   planned_backend: Optional[str] = None) -> str:
+    """One line: devices, lanes, where the clients are kept, and the bytes each device holds."""
+    clients = (f", per-client state {_mb(fp.clients)} ({data.train.num_clients} clients x "
+               f"{num_replicas} replicas, and the round's per-job results)"
+               if fp.clients else "")
+    running = jax.default_backend()
+    as_on = (f", as on {planned_backend}"
+             if planned_backend and planned_backend != running else "")
+    held = (f"data {_mb(fp.data)} (both splits)" if place.client_data == "device" else
+            f"data {_mb(fp.data)} (the round's sampled clients and one evaluation block of "
+            f"{place.eval_block} examples; the host keeps the {data.train.num_clients} + "
+            f"{data.test.num_clients} clients)")
+    return (f"placement: {place.devices} {running} device(s) x {place.lanes} lane(s) "
+            f"({place.lane_mode}{as_on}); per device: {held}, state {_mb(fp.state)}{clients}, "
+            f"round plan {_mb(fp.plan)}, lanes {_mb(fp.lanes)}")
+
+
+def check_memory(fp: Footprint, devices) -> None:
+    """ConfigError before compiling when the run cannot fit in a device's memory (backends
+    whose devices report memory_stats(); XLA:CPU does not)."""
+    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+    try:
+        stats = local[0].memory_stats()
+    except Exception:  # pylint: disable=broad-except
+        stats = None
+    limit = (stats or {}).get("bytes_limit")
+    if not limit or fp.total <= 0.9 * limit:
+        return
+    biggest = max(("the data (--client_data=host, --max_examples_per_client, "
+                   "--max_train_clients)", fp.data),
+                  ("the replicas (fewer --thetas, --server_lr values or --seeds)", fp.state),
+                  ("the per-client state (fewer replicas, or --max_train_clients)", fp.clients),
+                  ("the lanes (--clients_per_step)", fp.lanes), key=lambda kv: kv[1])[0]
+    raise ConfigError(f"the run needs about {_mb(fp.total)} per device but "
+                      f"{local[0].device_kind} has {_mb(limit)}; reduce {biggest}")
