@@ -11,6 +11,12 @@ N, so the client sizes follow one distribution) and kept on the host
 (``--client_data=host``): each round ships the sampled clients' examples. One more row runs
 N = 10^3 as the default does, both splits on the device (the sequential generator).
 
+A second table runs the FEMNIST-shaped bench data (:func:`bench.common.femnist_like_dataset`:
+865 writers of FEMNIST's Table 1 sizes, 28x28 uint8 images, held in memory) with the splits on
+the device and on the host, for softmax regression at m = 100 and the ConvNet at m = 10
+(``--femnist_models``): the cost of shipping each round's clients instead of indexing a
+device-resident split.
+
 Each row runs in its own process, one after another (its peak RSS is its own): build
 (generation of the population's sizes, the experiment, compiles), one warm-up round, then
 ``--rounds`` timed rounds as the run loop does them (round t+1's buffer is built on the host
@@ -39,6 +45,8 @@ def _parse(argv):
     p.add_argument("--evals", type=int, default=2, help="timed evaluations per population")
     p.add_argument("--eval_clients", type=int, default=1000)
     p.add_argument("--clients", type=int, default=100, help="m, clients per round")
+    p.add_argument("--femnist_models", default="linear:100,cnn:10",
+                   help="MODEL:m pairs of the FEMNIST-shaped host/device table ('' to skip)")
     p.add_argument("--no_device_row", action="store_true",
                    help="skip the N = 10^3 row with the splits on the device")
     p.add_argument("--out", default=None)
@@ -55,6 +63,15 @@ def _config(n: int, mode: str, args):
                             seeds=(1,), num_rounds=10 ** 6, clients_per_round=args.clients,
                             batch_size=10, learning_rate=0.02, save_models=False,
                             client_data=mode, eval_clients=args.eval_clients)
+
+
+def _femnist_config(model: str, m: int, mode: str):
+    from deltafl_jax import DataConfig, ExperimentConfig
+    return ExperimentConfig(data=DataConfig("npz"), model=model, algorithm="deltafl",
+                            thetas=(1.0, 0.5), seeds=(1,), num_rounds=10 ** 6,
+                            clients_per_round=m, batch_size=16 if model == "cnn" else 10,
+                            learning_rate=0.02, save_models=False, client_data=mode,
+                            eval_clients=0)
 
 
 def _timed_rounds(exp, state, keys, rounds: int):
@@ -82,8 +99,14 @@ def _row(n: int, mode: str, args) -> dict:
     from deltafl_jax.run.experiment import build_experiment
 
     t0 = time.perf_counter()
-    config = _config(n, mode, args)
-    data = load_dataset(config.data)
+    if isinstance(n, str):   # "femnist-MODEL-m"
+        from bench.common import femnist_like_dataset
+        _, model, m = n.split("-")
+        config = _femnist_config(model, int(m), mode)
+        data = femnist_like_dataset(flat=model == "linear", num_test_clients=100)
+    else:
+        config = _config(n, mode, args)
+        data = load_dataset(config.data)
     exp = build_experiment(config, data)
     state, keys = exp.initial_state(), exp.keys()
     state, _ = exp.round_fn(state, exp.round_data(0), keys)   # compiles
@@ -98,7 +121,8 @@ def _row(n: int, mode: str, args) -> dict:
         exp.summarize(exp.evaluate(params, e + 1))
         eval_times.append(time.perf_counter() - t1)
     fp = exp.footprint
-    return {"clients": n, "client_data": exp.placement.client_data,
+    return {"clients": n, "model": config.model, "m": config.clients_per_round,
+            "client_data": exp.placement.client_data,
             "generated_on_demand": mode == "host", "eval_clients": exp.eval_clients,
             "build_s": round(build_s, 3), "s_per_round": float(np.median(times)),
             "round_s": [round(t, 4) for t in times],
@@ -119,7 +143,7 @@ def main(argv=None):
     args = _parse(argv)
     if args.row:
         n, mode = args.row.split(":")
-        print(json.dumps(_row(int(n), mode, args)))
+        print(json.dumps(_row(int(n) if n.isdigit() else n, mode, args)))
         return
     from bench.common import emit, machine
     passed = [a for a in argv if not a.startswith("--out")]
@@ -132,6 +156,13 @@ def main(argv=None):
         print(f"population: N={n} {mode}: {rows[-1]['s_per_round']:.3f} s/round, "
               f"eval {rows[-1]['eval_s']:.2f} s, build {rows[-1]['build_s']:.1f} s, "
               f"RSS {rows[-1]['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
+    femnist = []
+    for pair in filter(None, args.femnist_models.split(",")):
+        model, m = pair.split(":")
+        for mode in ("device", "host"):
+            femnist.append(_run_row(f"femnist-{model}-{m}", mode, passed))
+            print(f"population: FEMNIST-shaped {model} m={m} {mode}: "
+                  f"{femnist[-1]['s_per_round']:.3f} s/round", file=sys.stderr, flush=True)
     host = [r for r in rows if r["client_data"] == "host"]
     small, large = host[0], host[-1]
     result = {"benchmark": "population", "machine": machine(), "settings": {
@@ -143,7 +174,11 @@ def main(argv=None):
             "s_per_1000_examples_largest_over_smallest":
                 large["s_per_1000_trained_examples"] / small["s_per_1000_trained_examples"],
             "device_bytes_largest_over_smallest": large["device_bytes"] / small["device_bytes"],
-            "largest_peak_rss_gb": large["peak_rss_mb"] / 1024}}
+            "largest_peak_rss_gb": large["peak_rss_mb"] / 1024,
+            "femnist_host_over_device": {
+                f"{d['model']}, m = {d['m']}": h["s_per_round"] / d["s_per_round"]
+                for d, h in zip(femnist[::2], femnist[1::2])}},
+        "femnist_rows": femnist}
     emit(result, args.out or os.path.join(os.path.dirname(__file__), "results",
                                           "population_cpu.json"))
 

@@ -111,9 +111,10 @@ def replica_keys(replicas: Replicas, seeds: Sequence[int]):
 def _losses(model, state, data, group, l2, m, eval_chunk, eval_lanes, axis):
     """F_k(w_t) [R, m] of the sampled clients, plus (l2/2)||w_t||^2, and the evaluation."""
     plan = data.plan
-    ev = engine.evaluate_streams(model, state.params, data.x, data.y, plan.eval_idx,
-                                 plan.eval_seg, plan.eval_len, group, m, eval_chunk, eval_lanes,
-                                 axis)
+    ev = engine.evaluate_streams(model, state.params, X=data.x, Y=data.y, idx=plan.eval_idx,
+                                 seg=plan.eval_seg, length=plan.eval_len,
+                                 stream_of_replica=group, num_segments=m, chunk=eval_chunk,
+                                 lanes=eval_lanes, axis=axis)
     sizes = plan.sizes[group]                                   # [R, m]
     sqnorm = jax.vmap(engine.tree_sqnorm)(state.params)         # [R]
     return ev.loss_sum / sizes + 0.5 * (l2 * sqnorm)[:, None], sizes, ev
@@ -266,8 +267,9 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         weights = jnp.where(keep[:, None], weights, 0.0)
         inputs = (engine.ClientInputs(state.algo_state, state.client_state, clients)
                   if hooks is not None else None)
-        tr = engine.train_jobs(model, state.params, data.x, data.y, data.plan, group, weights,
-                               lr, l2, hyper, local, inputs)
+        tr = engine.train_jobs(model, state.params, X=data.x, Y=data.y, plan=data.plan,
+                               replica_group=group, job_weight=weights, learning_rate=lr,
+                               l2=l2, hyper=hyper, cfg=local, clients=inputs)
         feedback = ClientFeedback(losses=losses, sizes=sizes, weights=weights,
                                   delta_sum=tr.delta_sum, weight_sum=tr.weight_sum,
                                   job_sqnorm=tr.job_sqnorm, job_finite=tr.job_finite,

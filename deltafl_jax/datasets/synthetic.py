@@ -14,7 +14,9 @@ the same distribution, generated client by client. At the default sizes a millio
 would be over 60 GB, so only the population's draws (sizes n_k, shifts u_k and B_k, W_0, b_0:
 a few numbers per client) are drawn at load, from the stream ``[data_seed, 0]``, and client
 k's own draws (v_k, W_k, b_k, its inputs) from the stream ``[data_seed, 1, k]`` whenever a round
-or an evaluation reads it (:class:`deltafl_jax.data.GeneratedClientData`). These are other
+or an evaluation reads it (:class:`deltafl_jax.data.GeneratedClientData`), in float32 (its
+noise, its inputs and the logits that label them: a round's generation then costs less than
+its training). These are other
 random streams than the sequential generator's, so the same seed gives another (equally
 distributed) population: below the threshold the sequential generator stays the default, and
 every flagfile and recorded output keeps its data.
@@ -102,8 +104,10 @@ class _OnDemand:
         v = rng.normal(self.shift[k], 1.0, SYNTHETIC_DIM)
         W = self.u[k] + self.shared * self.W0 + own * rng.standard_normal(self.W0.shape)
         b = self.u[k] + self.shared * self.b0 + own * rng.standard_normal(SYNTHETIC_CLASSES)
-        x = v + rng.standard_normal((int(self.sizes[k]), SYNTHETIC_DIM)) * self.std
-        return x.astype(np.float32), np.argmax(x @ W + b, axis=1).astype(np.int32)
+        z = rng.standard_normal((int(self.sizes[k]), SYNTHETIC_DIM), dtype=np.float32)
+        x = (v + z * self.std).astype(np.float32)
+        logits = x @ W.astype(np.float32) + b.astype(np.float32)
+        return x, np.argmax(logits, axis=1).astype(np.int32)
 
 
 def synthetic_on_demand(alpha: float, beta: float, num_clients: int, seed: int,

@@ -57,7 +57,7 @@ def _item_reader(idx, seg, length, stream_of_replica, cum, total_items, chunk, S
     return item_io
 
 
-def evaluate_streams(model: Model, params, X, Y, idx, seg, length, stream_of_replica,
+def evaluate_streams(model: Model, params, *, X, Y, idx, seg, length, stream_of_replica,
                      num_segments: int, chunk: int, lanes: int,
                      axis: DeviceAxis = SINGLE, init=None) -> EvalResult:
     """Sum of losses and errors of each replica's model over the segments of its stream.

@@ -391,7 +391,7 @@ class _LaneProgram:
             clipped=jnp.zeros((self.J,), bool) if self.clip is not None else None)
 
 
-def train_jobs(model: Model, params, X, Y, plan, replica_group, job_weight, learning_rate,
+def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, learning_rate,
                l2, hyper, cfg: LocalSGDConfig, clients: Optional[ClientInputs] = None
                ) -> TrainResult:
     """LocalUpdate for every job (r, i) with job_weight[r, i] > 0, and the weighted sums.
