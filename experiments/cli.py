@@ -62,7 +62,7 @@ def _define(kind, name, default, help, **kw):
 def define_data_flags() -> None:
     """The flags of :class:`deltafl_jax.DataConfig` (idempotent)."""
     _define(flags.DEFINE_string, "dataset", "synthetic", "synthetic | gaussian_toy | npz | "
-            "shakespeare | sent140 | femnist")
+            "shakespeare | sent140 | femnist | stackoverflow")
     _define(flags.DEFINE_string, "data_path", None, "npz file, or the raw source of a real "
             "dataset")
     _define(flags.DEFINE_string, "data_dir", None, "prepared-dataset cache; unset: "

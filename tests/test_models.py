@@ -118,8 +118,12 @@ def test_no_model_initialisation_calls_lapack():
     from test_text_models import sent140_like, shakespeare_like
     from deltafl_jax.models import model_names
 
+    words = ClientData(x=np.array([[6, 1, 2, 7, 0], [6, 3, 7, 0, 0]], np.int32), y=None,
+                       offsets=np.array([0, 2]), client_ids=np.array(["u"]))
+    next_word = FederatedDataset("stackoverflow", words, words, 8, metadata={
+        "task": "next_word_prediction", "input_vocab_size": 8, "pad_id": 0, "eos_id": 7})
     datasets = {"gru": shakespeare_like(), "lstm": sent140_like(),
-                "sent140_linear": sent140_like(), "mean": None}
+                "sent140_linear": sent140_like(), "mean": None, "lstm_nwp": next_word}
     for name in model_names():
         data = datasets.get(name, image_dataset())
         if name == "mean":

@@ -9,6 +9,8 @@ Every loader takes a :class:`DataConfig` and returns a
 - ``npz``: the user's own federated arrays (:mod:`.npz`; the format is in README.md).
 - ``shakespeare``, ``sent140``, ``femnist``: the papers' real datasets, prepared by
   ``python -m data_prep.prepare`` (modules :mod:`.shakespeare`, :mod:`.sent140`, :mod:`.femnist`).
+- ``stackoverflow``: TFF's StackOverflow next-word prediction (:mod:`.stackoverflow`); its
+  train and test clients are TFF's train and test users (not a split of one set of clients).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ DATASETS: Dict[str, str] = {
     "shakespeare": "deltafl_jax.datasets.shakespeare:load",
     "sent140": "deltafl_jax.datasets.sent140:load",
     "femnist": "deltafl_jax.datasets.femnist:load",
+    "stackoverflow": "deltafl_jax.datasets.stackoverflow:load",
 }
 
 
@@ -101,6 +104,15 @@ PREPARABLE: Dict[str, str] = {
     "shakespeare": "deltafl_jax.datasets.shakespeare:prepare",
     "sent140": "deltafl_jax.datasets.sent140:prepare",
     "femnist": "deltafl_jax.datasets.femnist:prepare",
+    "stackoverflow": "deltafl_jax.datasets.stackoverflow:prepare",
+}
+
+# The prepared datasets that --download can fetch: name -> "module:function" taking the data
+# directory and returning the downloaded source, which the dataset's prepare(config,
+# source=...) reads.
+DOWNLOADABLE: Dict[str, str] = {
+    "femnist": "deltafl_jax.datasets.femnist:download",
+    "stackoverflow": "deltafl_jax.datasets.stackoverflow:download",
 }
 
 
@@ -109,18 +121,21 @@ def dataset_names():
 
 
 def prepare_dataset(config: "DataConfig", download: bool = False) -> str:
-    """Prepare a real dataset from its raw source (FEMNIST: after downloading it when
-    `download`); returns the prepared directory. DataError for anything else."""
+    """Prepare a real dataset from its raw source (FEMNIST, StackOverflow: after downloading
+    it when `download`); returns the prepared directory. DataError for anything else."""
     if config.dataset not in PREPARABLE:
         raise DataError(f"--dataset={config.dataset} needs no preparation; prepared datasets: "
                         f"{', '.join(sorted(PREPARABLE))}")
-    if download:
-        if config.dataset != "femnist":
-            raise DataError(f"--download is for femnist only; {config.dataset} has no download")
-        from deltafl_jax.datasets import femnist
-        return femnist.prepare(config, source=femnist.download(config.resolved_data_dir))
     module_name, fn_name = PREPARABLE[config.dataset].split(":")
-    return getattr(importlib.import_module(module_name), fn_name)(config)
+    prepare = getattr(importlib.import_module(module_name), fn_name)
+    if download:
+        if config.dataset not in DOWNLOADABLE:
+            raise DataError(f"--download is for {' and '.join(sorted(DOWNLOADABLE))} only; "
+                            f"{config.dataset} has no download")
+        module_name, fn_name = DOWNLOADABLE[config.dataset].split(":")
+        fetch = getattr(importlib.import_module(module_name), fn_name)
+        return prepare(config, source=fetch(config.resolved_data_dir))
+    return prepare(config)
 
 
 def _loader(name: str) -> Callable[[DataConfig], FederatedDataset]:

@@ -19,11 +19,19 @@ def _truncate(split: ClientData, max_examples: int) -> ClientData:
                       client_ids=split.client_ids)
 
 
+def choose_clients(num_clients: int, max_clients: int, seed: int) -> np.ndarray:
+    """Sorted positions of the clients kept by a limit of `max_clients` (all when there are no
+    more): the first `max_clients` of a permutation drawn with `seed`. Loaders that can apply
+    the limits before reading (StackOverflow) use this rule, so both ways keep the same ones."""
+    if num_clients <= max_clients:
+        return np.arange(num_clients)
+    return np.sort(np.random.default_rng(seed).permutation(num_clients)[:max_clients])
+
+
 def _subsample(split: ClientData, max_clients: int, seed: int) -> ClientData:
     if split.num_clients <= max_clients:
         return split
-    keep = np.sort(np.random.default_rng(seed).permutation(split.num_clients)[:max_clients])
-    return split.subset(keep)
+    return split.subset(choose_clients(split.num_clients, max_clients, seed))
 
 
 def apply_limits(data: FederatedDataset, config) -> FederatedDataset:

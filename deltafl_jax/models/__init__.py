@@ -6,10 +6,15 @@ definition. Losses (paper, App. C.1):
 
 - "softmax": multinomial logistic loss -log p_y, error = 1[argmax != y];
 - "sigmoid": binary logistic loss on one logit, error = 1[(logit > 0) != y];
-- "squared": ||xi - w(x)||^2 for mean estimation (Fig. 3), error = the same squared loss.
+- "squared": ||xi - w(x)||^2 for mean estimation (Fig. 3), error = the same squared loss;
+- "sequence": next-token prediction on a sequence of ids x (StackOverflow, Reddi et al. 2021):
+  the network reads x[:, :-1] and scores each next token x[:, 1:]; the loss of a sequence is the
+  mean cross-entropy over its targets that are not padding, its error the fraction of wrong
+  argmax predictions among the targets outside ``Model.error_ignore_ids`` (and padding)
+  (:func:`sequence_losses_and_errors`).
 
 Models are looked up by name with :func:`build_model`. The text models (gru, lstm,
-sent140_linear) live in :mod:`deltafl_jax.models.text` and resolve lazily.
+sent140_linear, lstm_nwp) live in :mod:`deltafl_jax.models.text` and resolve lazily.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from deltafl_jax.models.conv import conv2d, default_conv_impl, max_pool_2x2
 
 Params = Any
 
-LOSS_KINDS = ("softmax", "sigmoid", "squared")
+LOSS_KINDS = ("softmax", "sigmoid", "squared", "sequence")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +84,8 @@ class Model:
       example_shape: shape of one input, for initialisation.
       input_dtype: dtype of one input as stored on the host.
       lanes: how the engine should run its client work (:class:`LanePreferences`).
+      pad_id: "sequence" models: the padding id, left out of the loss and the error.
+      error_ignore_ids: "sequence" models: target ids left out of the error (e.g. EOS).
     """
 
     name: str
@@ -89,6 +96,8 @@ class Model:
     input_scale: Optional[float] = None
     zero_init: bool = False
     lanes: LanePreferences = LanePreferences()
+    pad_id: int = 0
+    error_ignore_ids: tuple = ()
 
     def __post_init__(self):
         if self.loss_kind not in LOSS_KINDS:
@@ -123,6 +132,8 @@ class Model:
             # log(1 + e^z) - y z, stable for large |z|.
             loss = jnp.logaddexp(0.0, z) - yf * z
             err = ((z > 0).astype(jnp.float32) != yf).astype(jnp.float32)
+        elif self.loss_kind == "sequence":
+            loss, err = sequence_losses_and_errors(out, x, self.pad_id, self.error_ignore_ids)
         else:  # squared
             target = self.preprocess(x).reshape(x.shape[0], -1)
             loss = jnp.sum(jnp.square(target - out.reshape(x.shape[0], -1)), axis=-1)
@@ -131,6 +142,29 @@ class Model:
 
     def losses(self, params: Params, x, y):
         return self.losses_and_errors(params, x, y)[0]
+
+
+def sequence_losses_and_errors(logits, ids, pad_id: int = 0, error_ignore_ids=()):
+    """Per-sequence (loss [B], error [B]) of next-token scores.
+
+    logits: [B, T, V] scores of the tokens ids[:, 1:T+1]; ids: [B, T+1] the sequences.
+    loss_b = mean over t with target != pad of -log softmax(logits[b, t])[target];
+    error_b = the fraction of wrong argmax predictions over t with target != pad and target
+    not in `error_ignore_ids` (0 when there is no such target). A sequence weighs the same
+    whatever its length (one example = one sentence).
+    """
+    targets = ids[:, 1:].astype(jnp.int32)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    kept = targets != pad_id
+    count = jnp.maximum(kept.sum(axis=1), 1).astype(jnp.float32)
+    loss = jnp.where(kept, nll, 0.0).sum(axis=1) / count
+    scored = kept
+    for token in error_ignore_ids:
+        scored = scored & (targets != token)
+    wrong = (jnp.argmax(logits, axis=-1) != targets) & scored
+    err = wrong.sum(axis=1) / jnp.maximum(scored.sum(axis=1), 1).astype(jnp.float32)
+    return loss, err.astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -292,6 +326,7 @@ LAZY_MODELS: Dict[str, str] = {
     "gru": "deltafl_jax.models.text:gru",
     "lstm": "deltafl_jax.models.text:lstm",
     "sent140_linear": "deltafl_jax.models.text:sent140_linear",
+    "lstm_nwp": "deltafl_jax.models.text:lstm_nwp",
 }
 
 

@@ -1,6 +1,6 @@
 """The papers' text models: a character GRU for Shakespeare, an LSTM and a logistic regression on
 frozen GloVe vectors for Sent140 (delta-fl-long.md, App. C.1.2 and C.1.3; reference-notes.md,
-"Hyper-parameters").
+"Hyper-parameters"), and the word LSTM of StackOverflow next-word prediction (Reddi et al. 2021).
 
 - ``gru``: embedding of the 53 character classes into 8 dimensions, one GRU layer of 128 units
   over the 20-character window, and a dense layer from its last state to the 53 scores
@@ -15,6 +15,21 @@ frozen GloVe vectors for Sent140 (delta-fl-long.md, App. C.1.2 and C.1.3; refere
   linear models. With ``--normalize`` the mean vectors are computed (and normalised) at load
   time (:mod:`deltafl_jax.datasets.normalize`) and the model reads them directly.
 
+- ``lstm_nwp``: StackOverflow next-word prediction (Reddi et al. 2021, App. C; TFF's
+  ``create_recurrent_model``): embedding of the 10,004 ids into 96 dimensions, one LSTM layer of
+  670 units over the 20 input tokens, a dense layer to 96 units and a dense layer to the 10,004
+  scores at every step (4,050,748 parameters with V = 10,000). Loss kind "sequence"
+  (:func:`deltafl_jax.models.sequence_losses_and_errors`): a sentence's loss is the mean
+  cross-entropy over its targets that are not padding; its error is the fraction of wrong
+  predictions over its targets that are neither padding nor EOS. OOV targets count (a
+  prediction of OOV on an OOV target is right): this lies between TFF's
+  ``accuracy_with_oov`` (masks padding only) and ``accuracy_no_oov_or_eos`` (masks padding,
+  EOS and OOV). TFF's Keras loss averages over all unmasked tokens of a batch (the mask of
+  ``mask_zero`` on the inputs, which also keeps the step whose input is EOS and target padding);
+  here padding targets are left out and each sentence weighs the same. Initialisation follows
+  Keras' defaults where Flax allows: embedding uniform in [-0.05, 0.05], Glorot-uniform kernels,
+  orthogonal recurrent kernels, zero biases (Keras' unit forget bias of 1 is not reproduced).
+
 The GloVe table (``FederatedDataset.metadata["embeddings"]`` of :mod:`deltafl_jax.datasets.sent140`)
 is a constant of the model, held by :class:`FrozenTable`, never a parameter: it gets no
 gradient, no SGD step, no L2 penalty and no aggregation.
@@ -25,6 +40,7 @@ from __future__ import annotations
 from typing import Optional
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -37,6 +53,8 @@ GRU_EMBED_DIM = 8
 GRU_HIDDEN = 128
 LSTM_HIDDEN = 50
 LSTM_MAX_TOKENS = 25
+NWP_EMBED_DIM = 96
+NWP_HIDDEN = 670
 
 
 class FrozenTable:
@@ -160,6 +178,32 @@ def _check_classes(data: FederatedDataset, name: str, expected: Optional[int] = 
 RECURRENT_LANES = LanePreferences(cpu_lanes=4)
 
 
+class WordLSTM(nn.Module):
+    """Next-word LSTM: ids [B, T+1] -> scores [B, T, vocab] of ids[:, 1:] from ids[:, :-1]."""
+
+    vocab_size: int
+    embed_dim: int = NWP_EMBED_DIM
+    hidden: int = NWP_HIDDEN
+
+    @nn.compact
+    def __call__(self, ids):
+        inputs = ids[:, :-1].astype(jnp.int32)
+        h = nn.Embed(self.vocab_size, self.embed_dim,
+                     embedding_init=_symmetric_uniform(0.05))(inputs)
+        glorot = nn.initializers.xavier_uniform()
+        cell = nn.OptimizedLSTMCell(self.hidden, kernel_init=glorot,
+                                    recurrent_kernel_init=orthogonal())
+        h = nn.RNN(cell)(h)
+        h = nn.Dense(self.embed_dim, kernel_init=glorot)(h)
+        return nn.Dense(self.vocab_size, kernel_init=glorot)(h)
+
+
+def _symmetric_uniform(limit: float):
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -limit, limit)
+    return init
+
+
 def gru(data: FederatedDataset, options: ModelOptions) -> Model:
     """Shakespeare's GRU (embedding 8, GRU 128, dense to the classes)."""
     del options
@@ -191,3 +235,17 @@ def sent140_linear(data: FederatedDataset, options: ModelOptions) -> Model:
     return Model("sent140_linear", MeanGloveLogistic(table=_embeddings(data, "sent140_linear"),
                                                      pad_id=pad_id, use_bias=bias), "sigmoid",
                  data.feature_shape, data.train.x_dtype, zero_init=True)
+
+
+def lstm_nwp(data: FederatedDataset, options: ModelOptions) -> Model:
+    """StackOverflow's next-word LSTM (embedding 96, LSTM 670, dense 96, dense to the ids)."""
+    del options
+    meta = data.metadata or {}
+    if meta.get("task") != "next_word_prediction":
+        raise ValueError(f"model 'lstm_nwp' needs a next-word prediction dataset "
+                         f"(stackoverflow), got {data.name}")
+    vocab = int(meta["input_vocab_size"])
+    _token_ids(data, "lstm_nwp", vocab)
+    return Model("lstm_nwp", WordLSTM(vocab_size=vocab), "sequence", data.feature_shape,
+                 data.train.x_dtype, lanes=RECURRENT_LANES, pad_id=int(meta["pad_id"]),
+                 error_ignore_ids=(int(meta["eos_id"]),))
