@@ -247,7 +247,8 @@ TABLES = (
 
 INTERVAL_NOTE = ("[lo, hi] after a cell: the run evaluated a sample of clients "
                  "(--eval_clients); the means over the seeds of each seed's confidence "
-                 "interval (95% by default) for the metric (percentiles: distribution-free, from order statistics; means: "
+                 "interval (95% by default) for the metric (percentiles: distribution-free, "
+                 "from order statistics; means: "
                  "normal approximation); ±inf where too few clients were sampled.")
 
 

@@ -6,8 +6,8 @@ mean over the seeds of a swept value. When the evaluation samples its clients
 (``--eval_clients``, :mod:`deltafl_jax.eval_sample`) the summaries carry ``KEY_lo`` /
 ``KEY_hi`` and the 90th percentile is followed by its interval, e.g. ``p90 41.2% [38.0,
 44.9]`` (with several seeds, the means over the seeds of each seed's bounds). On a terminal a
-bar with rounds done, rounds per second and the ETA is redrawn after every round. The run ends with a table of the final test error
-per swept value and the output directory.
+bar with rounds done, rounds per second and the ETA is redrawn after every round. The run
+ends with a table of the final test error per swept value and the output directory.
 """
 
 from __future__ import annotations
