@@ -27,7 +27,9 @@ NumPy ``default_rng([seed, round, 2])`` (streams 0 and 1 are the round plans',
 Point estimates (:func:`summarize_sample`, the keys of :func:`deltafl_jax.metrics.summarize`):
 ``train_loss_mean`` the sample mean of the PPS draws; ``train_loss_p{p}`` and
 ``test_error_p{p}`` the lower sample quantile, the ceil(p K / 100)-th order statistic (the
-lower quantile of the sample with unit weights); ``test_error_mean`` and ``test_loss_mean``
+lower quantile of the sample with unit weights, in exact integer arithmetic: where p K / 100
+is a whole number, :func:`deltafl_jax.metrics.percentiles` compares a float32 level and may
+take the next order statistic); ``test_error_mean`` and ``test_loss_mean``
 sample means.
 
 Intervals, ``KEY_lo`` / ``KEY_hi`` for every percentile key: the distribution-free interval
@@ -233,8 +235,3 @@ def interval_of(summary, key: str):
     if lo in summary and hi in summary:
         return summary[lo], summary[hi]
     return None
-
-
-def is_interval_key(key: str) -> bool:
-    """A ``_lo`` / ``_hi`` companion of a summary metric."""
-    return key.endswith(INTERVAL_SUFFIXES)

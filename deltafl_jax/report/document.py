@@ -14,8 +14,8 @@ import numpy as np
 from deltafl_jax.metrics import PERCENTILE_METHODS
 from deltafl_jax.report import figures
 from deltafl_jax.report.io import Run, tidy_rows, write_csv
-from deltafl_jax.report.tables import (BEST_NOTE, TABLES, Column, best_columns, columns,
-                                       markdown_table, runs_table, settings)
+from deltafl_jax.report.tables import (BEST_NOTE, INTERVAL_NOTE, TABLES, Column, best_columns,
+                                       columns, markdown_table, runs_table, settings)
 
 CONVENTIONS = {
     "lower": "the **lower weighted quantile**: the smallest client value whose cumulative "
@@ -152,6 +152,9 @@ def markdown(runs: Sequence[Run], cols: Sequence[Column], percentile: str,
     md = conventions_section(runs, cols, percentile)
     if best:
         md[-1:-1] = [f"- {BEST_NOTE}"]
+    if percentile == "lower" and any(c.interval(spec.metric) is not None
+                                     for c in cols for spec in TABLES):
+        md[-1:-1] = [f"- {INTERVAL_NOTE}"]
     for spec in TABLES:
         md += [f"## {spec.title}", "", markdown_table(cols, spec, percentile), ""]
     md += ["## Runs", "", runs_table(runs), ""]

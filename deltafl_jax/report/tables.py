@@ -3,6 +3,10 @@ papers' style, and the markdown tables (Tables 2 and 3, the train-loss tables, t
 
 A :class:`Column` is the replicas of one run that differ only by seed; runs on the same data
 and model share a table row (:func:`columns`). Cells are mean +- std (ddof = 0) over seeds.
+A run evaluated on sampled clients (``--eval_clients``, :mod:`deltafl_jax.eval_sample`) keeps
+each metric's confidence interval as ``METRIC_lo`` / ``METRIC_hi`` in summary.json's "final";
+its cells then show ``[lo, hi]`` after mean +- std: the means over the seeds of each seed's
+bounds (:data:`INTERVAL_NOTE`).
 """
 
 from __future__ import annotations
@@ -78,6 +82,21 @@ class Column:
         """[S] per-seed final values of `metric` (e.g. 'test_error_p90')."""
         return np.concatenate([np.asarray(run.final(percentile)[metric])[reps]
                                for run, reps in self.parts])
+
+    def interval(self, metric: str) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """([S] lower, [S] upper) per-seed confidence bounds of `metric`'s final value, from
+        summary.json's "final" (``metric_lo`` / ``metric_hi``, written by runs that sample
+        their evaluation clients); None when a seed has none."""
+        lo, hi = [], []
+        for run, reps in self.parts:
+            final = run.summary.get("final", {})
+            for r in reps:
+                got = final.get(run.keys[r], {})
+                if f"{metric}_lo" not in got or f"{metric}_hi" not in got:
+                    return None
+                lo.append(float(got[f"{metric}_lo"]))
+                hi.append(float(got[f"{metric}_hi"]))
+        return np.asarray(lo), np.asarray(hi)
 
     def client_means(self, split: str, quantity: str) -> Tuple[np.ndarray, np.ndarray]:
         """(n_k [N], per-client value [N] averaged over seeds) for split 'train'/'test' and
@@ -226,35 +245,53 @@ TABLES = (
 )
 
 
+INTERVAL_NOTE = ("[lo, hi] after a cell: the run evaluated a sample of clients "
+                 "(--eval_clients); the means over the seeds of each seed's confidence "
+                 "interval (95% by default) for the metric (percentiles: distribution-free, "
+                 "from order statistics; means: "
+                 "normal approximation); ±inf where too few clients were sampled.")
+
+
 @dataclasses.dataclass(frozen=True)
 class Cell:
     mean: float
     std: float
     values: Tuple[float, ...]   # per seed, in the table's unit (% for errors)
     seeds: Tuple[int, ...]
+    lo: Optional[float] = None  # sampled evaluation: mean over seeds of the lower bounds
+    hi: Optional[float] = None
 
 
 def table(cols: Sequence[Column], metric: str, percentile: str = "lower",
           percent: bool = False):
-    """(rows, column labels, {(row, label): Cell}); mean and std (ddof=0) over seeds."""
+    """(rows, column labels, {(row, label): Cell}); mean and std (ddof=0) over seeds, and
+    the means of the seeds' interval bounds when the runs recorded them (lower percentiles
+    only: the intervals are of the lower quantile)."""
     rows = settings(cols)
     labels: List[str] = []
     cells: Dict[Tuple[str, str], Cell] = {}
+    scale = 100.0 if percent else 1.0
     for c in cols:
         if c.label not in labels:
             labels.append(c.label)
-        v = c.values(metric, percentile) * (100.0 if percent else 1.0)
+        v = c.values(metric, percentile) * scale
+        bounds = c.interval(metric) if percentile == "lower" else None
+        lo, hi = (None, None) if bounds is None else (float(np.mean(b)) * scale for b in bounds)
         cells[(c.setting, c.label)] = Cell(mean=float(np.mean(v)), std=float(np.std(v)),
                                            values=tuple(float(x) for x in v),
-                                           seeds=tuple(c.seeds))
+                                           seeds=tuple(c.seeds), lo=lo, hi=hi)
     return rows, labels, cells
 
 
 def format_cell(cell: Cell, digits: int) -> str:
-    """'mean ± std' with `digits` decimals; 'nan (diverged)' when not finite."""
+    """'mean ± std' with `digits` decimals, then ' [lo, hi]' when the cell has an interval;
+    'nan (diverged)' when not finite."""
     if not (math.isfinite(cell.mean) and math.isfinite(cell.std)):
         return "nan (diverged)"
-    return f"{cell.mean:.{digits}f} ± {cell.std:.{digits}f}"
+    text = f"{cell.mean:.{digits}f} ± {cell.std:.{digits}f}"
+    if cell.lo is not None and cell.hi is not None:
+        text += f" [{cell.lo:.{digits}f}, {cell.hi:.{digits}f}]"
+    return text
 
 
 def markdown_table(cols: Sequence[Column], spec: TableSpec, percentile: str = "lower") -> str:

@@ -2,9 +2,12 @@
 
 Each evaluation line names its metrics: the alpha-weighted mean training loss and the
 unweighted mean and 90th percentile of the per-client test error (paper, App. C.2.3), each the
-mean over the seeds of a swept value. On a terminal a bar with rounds done, rounds per second
-and the ETA is redrawn after every round. The run ends with a table of the final test error
-per swept value and the output directory.
+mean over the seeds of a swept value. When the evaluation samples its clients
+(``--eval_clients``, :mod:`deltafl_jax.eval_sample`) the summaries carry ``KEY_lo`` /
+``KEY_hi`` and the 90th percentile is followed by its interval, e.g. ``p90 41.2% [38.0,
+44.9]`` (with several seeds, the means over the seeds of each seed's bounds). On a terminal a
+bar with rounds done, rounds per second and the ETA is redrawn after every round. The run
+ends with a table of the final test error per swept value and the output directory.
 """
 
 from __future__ import annotations
@@ -31,6 +34,17 @@ def _groups(labels):
     return out
 
 
+def interval_text(summary, key: str, rows, scale: float = 1.0, digits: int = 1) -> str:
+    """' [lo, hi]' of `key` (means over `rows` of each bound, times `scale`), or '' when the
+    summaries carry no interval for it. An infinite bound (too few sampled clients) shows as
+    -inf / inf."""
+    lo, hi = f"{key}_lo", f"{key}_hi"
+    if lo not in summary or hi not in summary:
+        return ""
+    a, b = (scale * float(np.mean(np.asarray(summary[k], np.float64)[rows])) for k in (lo, hi))
+    return f" [{a:.{digits}f}, {b:.{digits}f}]"
+
+
 def evaluation_line(run: RunContext, ev: Evaluation) -> str:
     exp = run.experiment
     classify = exp.model.loss_kind != "squared"
@@ -38,8 +52,10 @@ def evaluation_line(run: RunContext, ev: Evaluation) -> str:
     for name, rs in _groups(exp.replicas.labels):
         loss = np.mean(ev.summary["train_loss_mean"][rs])
         err, p90 = (np.mean(ev.summary[k][rs]) for k in ("test_error_mean", "test_error_p90"))
-        tail = (f"test err mean {100 * err:.1f}% p90 {100 * p90:.1f}%" if classify
-                else f"test loss mean {err:.3f} p90 {p90:.3f}")
+        tail = (f"test err mean {100 * err:.1f}% p90 {100 * p90:.1f}%"
+                f"{interval_text(ev.summary, 'test_error_p90', rs, 100.0, 1)}" if classify
+                else f"test loss mean {err:.3f} p90 {p90:.3f}"
+                f"{interval_text(ev.summary, 'test_error_p90', rs, 1.0, 3)}")
         if "dp_epsilon" in ev.summary:   # client-level DP: the privacy spent so far
             tail += f", ε {float(np.max(ev.summary['dp_epsilon'][rs])):.3g}"
         parts.append(f"{name}: train loss {loss:.3f}, {tail}")
@@ -52,16 +68,24 @@ def evaluation_line(run: RunContext, ev: Evaluation) -> str:
 
 def error_table(rows, first: str = "replicas", classify: bool = True) -> List[str]:
     """Final test error (mean over seeds) per row: rows = [(name, [final metrics of each
-    seed])]."""
+    seed])]. When the metrics carry the p90's interval (sampled evaluation), a last column
+    shows it (means over the seeds of each bound)."""
     scale, unit = (100.0, "%") if classify else (1.0, "")
     what = "test error" if classify else "test loss"
     width = max([28] + [len(name) for name, _ in rows])
-    lines = [f"{first:<{width}} {what + ' mean':>16} {what + ' p90':>15}  seeds"]
+    ci = any("test_error_p90_lo" in f for _, finals in rows for f in finals)
+    lines = [f"{first:<{width}} {what + ' mean':>16} {what + ' p90':>15}  seeds"
+             + ("  p90 interval" if ci else "")]
     for name, finals in rows:
         mean = np.mean([f["test_error_mean"] for f in finals])
         p90 = np.mean([f["test_error_p90"] for f in finals])
+        extra = ""
+        if ci:
+            bounds = {k: np.asarray([f.get(k, np.nan) for f in finals], np.float64)
+                      for k in ("test_error_p90_lo", "test_error_p90_hi")}
+            extra = " " + interval_text(bounds, "test_error_p90", slice(None), scale, 2)
         lines.append(f"{name:<{width}} {scale * mean:15.2f}{unit} {scale * p90:14.2f}{unit}  "
-                     f"{len(finals)}")
+                     + (f"{len(finals):<5}{extra}" if ci else f"{len(finals)}"))
     return lines
 
 
