@@ -142,7 +142,8 @@ class Experiment:
         (:func:`deltafl_jax.eval_sample.summarize_sample`)."""
         if "train_clients" in per_client:
             return summarize_sample(per_client["train_loss"], per_client["test_error"],
-                                    per_client["test_loss"], PERCENTILES)
+                                    per_client["test_loss"], PERCENTILES,
+                                    num_test=self.data.test.num_clients)
         return summarize(per_client["train_loss"], self.data.train.sizes,
                          per_client["test_error"], per_client["test_loss"], PERCENTILES,
                          method)
