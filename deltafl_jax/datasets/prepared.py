@@ -56,7 +56,7 @@ import shutil
 import socket
 import sys
 import uuid
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -519,55 +519,3 @@ def to_client_data(records: Sequence[Mapping], x_key: str = "x", y_key: str = "y
         xs.append(x)
         ys.append(np.asarray(y, dtype=np.int32))
     return ClientData.from_clients(xs, ys, client_ids=[r["client_id"] for r in records])
-
-
-# ----------------------------------------------------------------------------- LEAF json sources
-
-
-def leaf_json_files(path: str) -> List[str]:
-    """The LEAF json files to read from `path` (a file, or a directory searched recursively).
-
-    LEAF's data directory holds the complete data in ``all_data/`` and derived copies in
-    ``sampled_data/``, ``rem_user_data/``, ``train/`` and ``test/``. The complete files are read
-    when present (the papers' rules are applied here, not by LEAF's sampling); otherwise the
-    train files, then the test files, whose per-user examples are concatenated in that order.
-    Derived copies in ``sampled_data/`` and ``rem_user_data/`` are never read.
-    """
-    if os.path.isfile(path):
-        return [path]
-    groups: Dict[str, List[str]] = {"all": [], "train": [], "test": []}
-    for file in sorted(glob.glob(os.path.join(path, "**", "*.json"), recursive=True)):
-        parent = os.path.basename(os.path.dirname(file))
-        base = os.path.basename(file)
-        if parent in ("sampled_data", "rem_user_data"):
-            continue
-        if parent == "train" or "_train_" in base or base.startswith("train"):
-            groups["train"].append(file)
-        elif parent == "test" or "_test_" in base or base.startswith("test"):
-            groups["test"].append(file)
-        else:
-            groups["all"].append(file)
-    return groups["all"] or groups["train"] + groups["test"]
-
-
-def read_leaf_users(files: Sequence[str]):
-    """Yield (user, x rows, y values) for every user of every LEAF json file, in file order.
-
-    A LEAF file is {"users": [...], "num_samples": [...], "user_data": {user: {"x", "y"}}}
-    (possibly with "hierarchies"); a user may appear in several files (train and test).
-    """
-    for file in files:
-        with open(file, encoding="utf-8") as f:
-            try:
-                blob = json.load(f)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{file} is not valid json: {err}") from None
-        if not isinstance(blob, dict) or "user_data" not in blob:
-            raise DataError(f"{file} is not a LEAF json file (no 'user_data' key)")
-        users = blob.get("users") or list(blob["user_data"])
-        for user in users:
-            data = blob["user_data"][user]
-            if len(data["x"]) != len(data["y"]):
-                raise DataError(f"{file}: user {user} has {len(data['x'])} x and "
-                                f"{len(data['y'])} y")
-            yield str(user), data["x"], data["y"]
