@@ -174,31 +174,56 @@ def read_checksums(path: str) -> Optional[dict]:
     return document
 
 
-def damage(path: str) -> Optional[str]:
-    """None when the dataset directory `path` matches its checksums, else why not (a few
-    words). Sizes are compared first (a truncated file costs no hashing), then sha256."""
+def check_files(path: str, full: bool = True) -> List[Tuple[str, Optional[str]]]:
+    """(file, problem) for every file that the checksums of the dataset directory `path` list,
+    problem None when the file matches, else a few words ("has 10 bytes, not 20"). Sizes are
+    always compared; sha256 only when `full`, and only of files of the right size (a size
+    mismatch already settles it). A manifest that is absent, unreadable or incomplete is one
+    entry, (checksums.json, why)."""
     if not os.path.exists(os.path.join(path, CHECKSUMS_FILE)):
-        return f"no {CHECKSUMS_FILE}"
+        return [(CHECKSUMS_FILE, "is missing")]
     document = read_checksums(path)
     if document is None:
-        return f"{CHECKSUMS_FILE} is unreadable"
+        return [(CHECKSUMS_FILE, "is unreadable")]
     files = document["files"]
     if _INFO_FILE not in files:
-        return f"{CHECKSUMS_FILE} does not list {_INFO_FILE}"
+        return [(CHECKSUMS_FILE, f"does not list {_INFO_FILE}")]
+    out: List[Tuple[str, Optional[str]]] = []
     try:
         for entry, want in sorted(files.items()):
-            full = os.path.join(path, entry)
-            if not os.path.isfile(full):
-                return f"{entry} is missing"
-            size = os.path.getsize(full)
+            full_path = os.path.join(path, entry)
+            if not os.path.isfile(full_path):
+                out.append((entry, "is missing"))
+                continue
+            size = os.path.getsize(full_path)
             if size != int(want["size"]):
-                return f"{entry} has {size} bytes, not {want['size']}"
-        for entry, want in sorted(files.items()):
-            if _file_sha256(os.path.join(path, entry)) != want["sha256"]:
-                return f"{entry} fails its sha256 check"
+                out.append((entry, f"has {size} bytes, not {want['size']}"))
+            elif full and _file_sha256(full_path) != want["sha256"]:
+                out.append((entry, "fails its sha256 check"))
+            else:
+                out.append((entry, None))
     except (OSError, KeyError, TypeError, ValueError) as err:
-        return f"cannot check it: {err}"
+        return [(CHECKSUMS_FILE, f"cannot be checked: {err}")]
+    return out
+
+
+def damage(path: str, full: bool = True) -> Optional[str]:
+    """None when the dataset directory `path` matches its checksums, else why not (a few
+    words). `full=False` compares only the files' presence and sizes (no file is read): what
+    :func:`open_prepared` checks; `full=True` also their sha256 (see :func:`check_files`)."""
+    for entry, problem in check_files(path, full):
+        if problem is not None:
+            return f"{entry} {problem}"
     return None
+
+
+def _damaged_or_raise(name: str, path: str, err: BaseException):
+    """After reading `path` failed with `err`: the full sha256 check, then DamagedDataset
+    when a file does not match its checksums, else `err` again (it was not the files)."""
+    reason = damage(path, full=True)
+    if reason is not None:
+        raise DamagedDataset(name, path, reason) from err
+    raise err
 
 
 def _private_name(kind: str, config: str) -> str:
@@ -312,6 +337,18 @@ def prepared_configs(data_dir: str, name: str) -> List[str]:
     pattern = os.path.join(data_dir, builder_name(name), "*", VERSION, _INFO_FILE)
     return sorted(os.path.basename(os.path.dirname(os.path.dirname(p)))
                   for p in glob.glob(pattern))
+
+
+def config_dirs(data_dir: str, name: str) -> List[Tuple[str, str]]:
+    """(config, directory) of every config of `name` under `data_dir` with a directory at the
+    current VERSION, whole or not (unlike :func:`prepared_configs`, which needs its
+    dataset_info.json); temporary directories of preparations are not configs."""
+    pattern = os.path.join(data_dir, builder_name(name), "*", VERSION)
+    out = []
+    for path in sorted(glob.glob(pattern)):  # glob skips the hidden .incomplete-/.trash- ones
+        if os.path.isdir(path):
+            out.append((os.path.basename(os.path.dirname(path)), path))
+    return out
 
 
 def find_config(data_dir: str, name: str, min_client_examples: int) -> Optional[str]:
@@ -432,17 +469,39 @@ def write(data_dir: str, name: str, config: str, spec: FeatureSpec, clients: Seq
 def open_prepared(data_dir: str, name: str, config: str) -> Prepared:
     """The metadata and side arrays of a prepared dataset (records are read by :func:`read`).
 
-    Raises :class:`DamagedDataset` when its files do not match its checksums."""
-    tfds = _tfds()
+    Costs O(metadata): the files' presence and sizes are compared with their checksums, and
+    nothing is hashed. Raises :class:`DamagedDataset` when a size differs, or when reading the
+    metadata fails (or is inconsistent) and the full sha256 check then finds a damaged file."""
     path = dataset_path(data_dir, name, config)
     if not is_prepared(data_dir, name, config):
         raise DataError(f"{name}: no prepared dataset at {path}")
-    reason = damage(path)
+    reason = damage(path, full=False)
     if reason is not None:
         raise DamagedDataset(name, path, reason)
+    try:
+        return _open_checked(path, name, config)
+    except DataError:
+        raise
+    except Exception as err:  # pylint: disable=broad-except  # tfds/numpy parse errors vary
+        _damaged_or_raise(name, path, err)
+
+
+def _open_checked(path: str, name: str, config: str) -> Prepared:
+    """Read the metadata and side arrays of the dataset directory `path`; a side array that is
+    absent, or metadata that do not agree with themselves, is a DataError (after the full
+    check: DamagedDataset when a file does not match its checksums)."""
+    tfds = _tfds()
     with _quiet():
         info = tfds.builder_from_directory(path).info
     metadata = dict(info.metadata or {})
+    num_records = int(info.splits[SPLIT].num_examples)
+    counts = {len(metadata.get("client_ids", ())), len(metadata.get("client_sizes", ())),
+              num_records}
+    if len(counts) != 1:
+        err = DataError(f"{name}: the prepared dataset at {path} is inconsistent ({num_records} "
+                        f"records, {len(metadata.get('client_ids', ()))} client ids); run "
+                        f"python -m data_prep.prepare --dataset={name} again")
+        _damaged_or_raise(name, path, err)
     arrays = {}
     for key in metadata.get("arrays", []):
         file = os.path.join(path, f"{key}.npy")
@@ -451,7 +510,7 @@ def open_prepared(data_dir: str, name: str, config: str) -> Prepared:
                             f"python -m data_prep.prepare --dataset={name} again")
         arrays[key] = np.load(file)
     return Prepared(path=path, config=config, metadata=metadata, arrays=arrays,
-                    num_records=int(info.splits[SPLIT].num_examples))
+                    num_records=num_records)
 
 
 def open_or_prepare(data_dir: str, name: str, min_client_examples: int,
@@ -479,8 +538,31 @@ def open_or_prepare(data_dir: str, name: str, min_client_examples: int,
 def read(prepared: Prepared, name: str, indices: Optional[Sequence[int]] = None) -> List[dict]:
     """The client records at `indices` (all by default), in that order, through tfds.data_source.
 
-    Each record is a dict of numpy arrays plus "client_id" (str) and "index" (int).
+    Each record is a dict of numpy arrays plus "client_id" (str) and "index" (int). When the
+    read fails, the full sha256 check runs: :class:`DamagedDataset` when a file does not match
+    its checksums (e.g. a byte altered in place, which the size check on open cannot see).
     """
+    try:
+        records = _read_records(prepared, name, indices)
+    except DataError:
+        raise
+    except Exception as err:  # pylint: disable=broad-except  # array_record/tfds errors vary
+        _damaged_or_raise(name, prepared.path, err)
+    out = []
+    for want, record in records:
+        record = dict(record)
+        if int(record["index"]) != want:  # shuffling is disabled, so position == index
+            err = DataError(f"{name}: prepared dataset at {prepared.path} is out of order; "
+                            f"run python -m data_prep.prepare --dataset={name} again")
+            _damaged_or_raise(name, prepared.path, err)
+        cid = record["client_id"]
+        record["client_id"] = cid.decode("utf-8") if isinstance(cid, bytes) else str(cid)
+        out.append(record)
+    return out
+
+
+def _read_records(prepared: Prepared, name: str, indices: Optional[Sequence[int]]):
+    """[(index, decoded record)] at `indices` (all by default), through tfds.data_source."""
     tfds = _tfds()
     data_dir = os.path.dirname(os.path.dirname(os.path.dirname(prepared.path)))
     with _quiet():
@@ -490,16 +572,7 @@ def read(prepared: Prepared, name: str, indices: Optional[Sequence[int]] = None)
         indices = range(len(source))
     indices = [int(i) for i in indices]
     records = source.__getitems__(indices) if indices else []
-    out = []
-    for want, record in zip(indices, records):
-        record = dict(record)
-        if int(record["index"]) != want:  # shuffling is disabled, so position == index
-            raise DataError(f"{name}: prepared dataset at {prepared.path} is out of order; "
-                            f"run python -m data_prep.prepare --dataset={name} again")
-        cid = record["client_id"]
-        record["client_id"] = cid.decode("utf-8") if isinstance(cid, bytes) else str(cid)
-        out.append(record)
-    return out
+    return list(zip(indices, records))
 
 
 def to_client_data(records: Sequence[Mapping], x_key: str = "x", y_key: str = "y",
