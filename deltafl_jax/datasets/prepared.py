@@ -34,9 +34,16 @@ one aside and installs its own. We chose this over an ``fcntl`` lock because it 
 that outlives a killed process, works where file locks do not (NFS, some FUSE mounts), and readers
 never see a half-written directory without taking any lock; the cost is that two concurrent
 preparations both do the work. A killed preparation leaves only its ``.incomplete-*`` directory,
-removed by the next :func:`write` on the same host. :func:`open_prepared` verifies the checksums
-before tfds reads anything, and :func:`open_or_prepare` rebuilds a damaged (truncated,
-corrupted, or checksum-less) dataset with a one-line warning on stderr.
+removed by the next :func:`write` on the same host.
+
+Checking it (issue 22). Opening costs O(metadata): :func:`open_prepared` compares the files'
+presence and sizes with ``checksums.json`` before tfds reads anything, and hashes nothing, and
+:func:`open_or_prepare` rebuilds a dataset that fails this (a missing or truncated file, no
+checksums) with a one-line warning on stderr. The full sha256 pass (:func:`check_files`) runs at
+preparation, in ``python -m data_prep.verify``, and when reading the metadata or the records
+fails (or gives inconsistent metadata): a file that then fails its sha256 is a
+:class:`DamagedDataset` telling the user to prepare it again. A byte altered in place that the
+reads survive (array_record's padding) is seen by ``data_prep.verify`` only.
 
 Bump :data:`VERSION` whenever a preparation rule changes: older prepared data is then ignored.
 """
