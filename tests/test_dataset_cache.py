@@ -2,13 +2,17 @@
 
 - Two concurrent ``python -m data_prep.prepare --dataset=shakespeare`` into one empty data dir
   both succeed, leave one whole dataset and no temporary directory, and the dataset loads.
-- A damaged cache (a truncated or altered file, a missing checksums file) is detected by its
-  checksums and rebuilt on the next load with one warning line; the rebuilt data equal the
-  original.
+- A damaged cache (a truncated or missing file, a missing checksums file) is detected on open by
+  the recorded sizes and rebuilt on the next load with one warning line; the rebuilt data equal
+  the original.
+- Opening costs O(metadata) (issue 22): open and read call no sha256. A file altered in place
+  (same size) is caught by ``python -m data_prep.verify`` (exit 2, one line; 0 when whole), and
+  when it breaks a read, by the full check that then runs (DamagedDataset: prepare again).
 - A second preparation of the same content keeps the installed copy; other content replaces it.
 - The temporary directory of a killed preparation on this host is removed by the next one.
 """
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -69,6 +73,35 @@ def _records_file(path):
     return os.path.join(path, name)
 
 
+@contextlib.contextmanager
+def count_hashing(monkeypatch):
+    """The files that prepared's sha256 function hashes inside the block (a list)."""
+    hashed = []
+    real = prepared._file_sha256
+
+    def counting(path):
+        hashed.append(os.path.basename(path))
+        return real(path)
+
+    monkeypatch.setattr(prepared, "_file_sha256", counting)
+    yield hashed
+    monkeypatch.setattr(prepared, "_file_sha256", real)
+
+
+def _flip_byte(file, offset):
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _verify(data_dir, *flags):
+    return subprocess.run([sys.executable, "-m", "data_prep.verify", "--dataset=shakespeare",
+                           f"--data_dir={data_dir}", *flags], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
 def _assert_same(a, b):
     for split in ("train", "test"):
         sa, sb = getattr(a, split), getattr(b, split)
@@ -101,8 +134,9 @@ def test_concurrent_preparations_both_succeed(tmp_path):
     print(f"two concurrent preparations: {elapsed:.1f} s")
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip_byte", "drop_checksums", "drop_info"])
-def test_damaged_cache_is_rebuilt_with_one_warning(tmp_path, tiny_source, capsys, damage):
+@pytest.mark.parametrize("damage", ["truncate", "drop_records", "drop_checksums", "drop_info"])
+def test_damaged_cache_is_rebuilt_with_one_warning(tmp_path, tiny_source, capsys, monkeypatch,
+                                                   damage):
     data_dir = tmp_path / "data"
     original = load_dataset(_config(data_dir, tiny_source))
     path = _dataset_dir(data_dir)
@@ -110,15 +144,12 @@ def test_damaged_cache_is_rebuilt_with_one_warning(tmp_path, tiny_source, capsys
     capsys.readouterr()
 
     records = _records_file(path)
+    size = os.path.getsize(records)
     if damage == "truncate":
         with open(records, "r+b") as f:
             f.truncate(os.path.getsize(records) // 2)
-    elif damage == "flip_byte":
-        with open(records, "r+b") as f:
-            f.seek(100)
-            byte = f.read(1)
-            f.seek(100)
-            f.write(bytes([byte[0] ^ 0xFF]))
+    elif damage == "drop_records":
+        os.remove(records)
     elif damage == "drop_checksums":
         os.remove(os.path.join(path, prepared.CHECKSUMS_FILE))
     else:
@@ -126,8 +157,11 @@ def test_damaged_cache_is_rebuilt_with_one_warning(tmp_path, tiny_source, capsys
         # the config is then no longer listed as prepared: it is simply prepared again
     assert prepared.damage(path) is not None
     expected = prepared.DataError if damage == "drop_info" else prepared.DamagedDataset
-    with pytest.raises(expected):
+    with count_hashing(monkeypatch) as hashed, pytest.raises(expected) as caught:
         prepared.open_prepared(str(data_dir), "shakespeare", prepared.config_name(10))
+    assert hashed == []  # caught by presence and size alone
+    if damage == "truncate":
+        assert f"{os.path.basename(records)} has {size // 2} bytes, not {size}" in str(caught.value)
 
     rebuilt = load_dataset(_config(data_dir, tiny_source))
     err = capsys.readouterr().err
@@ -176,3 +210,97 @@ def test_leftovers_of_dead_preparations_are_removed(tmp_path, tiny_source):
     load_dataset(_config(tmp_path, tiny_source))
     assert not stale.exists()
     assert live.exists() and elsewhere.exists()
+
+
+def test_open_and_read_hash_nothing_verify_hashes_every_file(tmp_path, tiny_source, monkeypatch):
+    data_dir = str(tmp_path / "data")
+    original = load_dataset(_config(data_dir, tiny_source))
+    path = _dataset_dir(data_dir)
+    listed = sorted(prepared.read_checksums(path)["files"])
+    assert listed == sorted(e for e in os.listdir(path) if e != prepared.CHECKSUMS_FILE)
+    with count_hashing(monkeypatch) as hashed:
+        again = load_dataset(_config(data_dir, tiny_source))  # open_or_prepare, open, read
+        info = prepared.open_prepared(data_dir, "shakespeare", prepared.config_name(10))
+        prepared.read(info, "shakespeare")
+    assert hashed == []
+    _assert_same(original, again)
+    with count_hashing(monkeypatch) as hashed:
+        assert prepared.damage(path) is None  # the full check: each listed file once
+    assert sorted(hashed) == listed
+
+
+def test_same_size_corruption_is_caught_by_verify_and_by_a_failed_read(tmp_path, tiny_source,
+                                                                      monkeypatch):
+    data_dir = str(tmp_path / "data")
+    original = load_dataset(_config(data_dir, tiny_source))
+    path = _dataset_dir(data_dir)
+    records = _records_file(path)
+    ok = _verify(data_dir)
+    assert ok.returncode == 0, ok.stderr
+    lines = ok.stdout.splitlines()
+    assert len(lines) == 5 and all(line.startswith("ok ") for line in lines[:4])
+    assert f"({os.path.getsize(records)} bytes)" in ok.stdout
+    assert "every file matches" in lines[-1] and ok.stderr == ""
+
+    # The last byte of the records file (array_record's padding): the data still read back
+    # whole, so only the full check sees it.
+    _flip_byte(records, os.path.getsize(records) - 1)
+    with count_hashing(monkeypatch) as hashed:
+        _assert_same(original, load_dataset(_config(data_dir, tiny_source)))
+    assert hashed == []
+    bad = _verify(data_dir)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "damaged" in bad.stderr and "fails its sha256 check" in bad.stderr
+    assert "python -m data_prep.prepare --dataset=shakespeare" in bad.stderr
+    assert f"DAMAGED  min10/{prepared.VERSION}/{os.path.basename(records)}" in bad.stdout
+    _flip_byte(records, os.path.getsize(records) - 1)  # undo
+
+    # Byte 100 lies in the first chunk's records: the read fails, the full check runs and
+    # names the file and the command that prepares it again.
+    _flip_byte(records, 100)
+    info = prepared.open_prepared(data_dir, "shakespeare", prepared.config_name(10))
+    with count_hashing(monkeypatch) as hashed, pytest.raises(prepared.DamagedDataset) as caught:
+        prepared.read(info, "shakespeare")
+    assert len(hashed) == len(prepared.read_checksums(path)["files"])
+    message = str(caught.value)
+    assert "fails its sha256 check" in message and os.path.basename(records) in message
+    assert "run python -m data_prep.prepare --dataset=shakespeare again" in message
+    assert "\n" not in message
+    with pytest.raises(prepared.DamagedDataset):
+        load_dataset(_config(data_dir, tiny_source))
+
+    # preparing again replaces the damaged copy (same content, but not whole)
+    prepared_again = subprocess.run(
+        [sys.executable, "-m", "data_prep.prepare", "--dataset=shakespeare",
+         f"--source={tiny_source}", f"--data_dir={data_dir}", "--min_client_examples=10"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert prepared_again.returncode == 0, prepared_again.stderr
+    assert _verify(data_dir).returncode == 0
+    _assert_same(original, load_dataset(_config(data_dir, tiny_source)))
+
+
+def test_verify_missing_truncated_and_bad_flags(tmp_path, tiny_source):
+    data_dir = str(tmp_path / "data")
+    nothing = _verify(data_dir)
+    assert nothing.returncode == 2 and nothing.stdout == ""
+    assert nothing.stderr.strip().splitlines() == [
+        f"error: shakespeare: nothing prepared under {data_dir}; run python -m data_prep.prepare "
+        f"--dataset=shakespeare"]
+    load_dataset(_config(data_dir, tiny_source))
+    assert _verify(data_dir, "--min_client_examples=10").returncode == 0
+    assert _verify(data_dir, "--min_client_examples=11").returncode == 2  # not prepared
+    records = _records_file(_dataset_dir(data_dir))
+    size = os.path.getsize(records)
+    with open(records, "r+b") as f:
+        f.truncate(size - 1)
+    bad = _verify(data_dir)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert f"{os.path.basename(records)} has {size - 1} bytes, not {size}" in bad.stderr
+    os.remove(os.path.join(_dataset_dir(data_dir), "features.json"))
+    missing = _verify(data_dir)
+    assert missing.returncode == 2
+    assert f"DAMAGED  min10/{prepared.VERSION}/features.json: is missing" in missing.stdout
+    wrong = subprocess.run([sys.executable, "-m", "data_prep.verify", "--dataset=synthetic"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 2 and "--dataset must be one of" in wrong.stderr

@@ -15,7 +15,7 @@ reference-notes.md ("Data preparation"):
 
 Three source formats are read, and the same writers give identical client arrays in each:
 
-1. LEAF json (a file or a directory, see :func:`deltafl_jax.datasets.prepared.leaf_json_files`):
+1. LEAF json (a file or a directory, see :func:`deltafl_jax.datasets.leaf.json_files`):
    ``user_data[writer] = {"x": [[784 floats], ...], "y": [int, ...]}``.
 2. TFF h5 (older TensorFlow Federated, ``fed_emnist_train.h5`` and ``fed_emnist_test.h5``):
    ``/examples/<writer>/pixels`` float32 [n, 28, 28] (1.0 = background) and
@@ -57,7 +57,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from deltafl_jax.data import DataError, FederatedDataset, split_clients
-from deltafl_jax.datasets import prepared
+from deltafl_jax.datasets import leaf, prepared
 
 NAME = "femnist"
 NUM_CLASSES = 62
@@ -211,7 +211,7 @@ def parse_example(buf: bytes) -> Dict[str, object]:
 
 def read_leaf(files: Sequence[str]) -> Clients:
     writers = _Writers()
-    for writer, x, y in prepared.read_leaf_users(files):
+    for writer, x, y in leaf.read_users(files):
         if len(x):
             writers.add(writer, pixels_to_uint8(np.asarray(x, dtype=np.float32)), _labels(y))
     return writers.result()
@@ -276,7 +276,7 @@ def detect_source(path: str) -> Tuple[str, List[str]]:
             return "h5", _h5_order(found("*.h5", "*.hdf5"))
         if found("*.sqlite.lzma"):
             return "lzma", found("*.sqlite.lzma")[:1]
-        files = prepared.leaf_json_files(path)
+        files = leaf.json_files(path)
         if files:
             return "leaf", files
         raise DataError(f"femnist: no emnist_all.sqlite, fed_emnist_*.h5 or LEAF json in {path}")

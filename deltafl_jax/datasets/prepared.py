@@ -34,9 +34,16 @@ one aside and installs its own. We chose this over an ``fcntl`` lock because it 
 that outlives a killed process, works where file locks do not (NFS, some FUSE mounts), and readers
 never see a half-written directory without taking any lock; the cost is that two concurrent
 preparations both do the work. A killed preparation leaves only its ``.incomplete-*`` directory,
-removed by the next :func:`write` on the same host. :func:`open_prepared` verifies the checksums
-before tfds reads anything, and :func:`open_or_prepare` rebuilds a damaged (truncated,
-corrupted, or checksum-less) dataset with a one-line warning on stderr.
+removed by the next :func:`write` on the same host.
+
+Checking it (issue 22). Opening costs O(metadata): :func:`open_prepared` compares the files'
+presence and sizes with ``checksums.json`` before tfds reads anything, and hashes nothing, and
+:func:`open_or_prepare` rebuilds a dataset that fails this (a missing or truncated file, no
+checksums) with a one-line warning on stderr. The full sha256 pass (:func:`check_files`) runs at
+preparation, in ``python -m data_prep.verify``, and when reading the metadata or the records
+fails (or gives inconsistent metadata): a file that then fails its sha256 is a
+:class:`DamagedDataset` telling the user to prepare it again. A byte altered in place that the
+reads survive (array_record's padding) is seen by ``data_prep.verify`` only.
 
 Bump :data:`VERSION` whenever a preparation rule changes: older prepared data is then ignored.
 """
@@ -56,7 +63,7 @@ import shutil
 import socket
 import sys
 import uuid
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -174,31 +181,56 @@ def read_checksums(path: str) -> Optional[dict]:
     return document
 
 
-def damage(path: str) -> Optional[str]:
-    """None when the dataset directory `path` matches its checksums, else why not (a few
-    words). Sizes are compared first (a truncated file costs no hashing), then sha256."""
+def check_files(path: str, full: bool = True) -> List[Tuple[str, Optional[str]]]:
+    """(file, problem) for every file that the checksums of the dataset directory `path` list,
+    problem None when the file matches, else a few words ("has 10 bytes, not 20"). Sizes are
+    always compared; sha256 only when `full`, and only of files of the right size (a size
+    mismatch already settles it). A manifest that is absent, unreadable or incomplete is one
+    entry, (checksums.json, why)."""
     if not os.path.exists(os.path.join(path, CHECKSUMS_FILE)):
-        return f"no {CHECKSUMS_FILE}"
+        return [(CHECKSUMS_FILE, "is missing")]
     document = read_checksums(path)
     if document is None:
-        return f"{CHECKSUMS_FILE} is unreadable"
+        return [(CHECKSUMS_FILE, "is unreadable")]
     files = document["files"]
     if _INFO_FILE not in files:
-        return f"{CHECKSUMS_FILE} does not list {_INFO_FILE}"
+        return [(CHECKSUMS_FILE, f"does not list {_INFO_FILE}")]
+    out: List[Tuple[str, Optional[str]]] = []
     try:
         for entry, want in sorted(files.items()):
-            full = os.path.join(path, entry)
-            if not os.path.isfile(full):
-                return f"{entry} is missing"
-            size = os.path.getsize(full)
+            full_path = os.path.join(path, entry)
+            if not os.path.isfile(full_path):
+                out.append((entry, "is missing"))
+                continue
+            size = os.path.getsize(full_path)
             if size != int(want["size"]):
-                return f"{entry} has {size} bytes, not {want['size']}"
-        for entry, want in sorted(files.items()):
-            if _file_sha256(os.path.join(path, entry)) != want["sha256"]:
-                return f"{entry} fails its sha256 check"
+                out.append((entry, f"has {size} bytes, not {want['size']}"))
+            elif full and _file_sha256(full_path) != want["sha256"]:
+                out.append((entry, "fails its sha256 check"))
+            else:
+                out.append((entry, None))
     except (OSError, KeyError, TypeError, ValueError) as err:
-        return f"cannot check it: {err}"
+        return [(CHECKSUMS_FILE, f"cannot be checked: {err}")]
+    return out
+
+
+def damage(path: str, full: bool = True) -> Optional[str]:
+    """None when the dataset directory `path` matches its checksums, else why not (a few
+    words). `full=False` compares only the files' presence and sizes (no file is read): what
+    :func:`open_prepared` checks; `full=True` also their sha256 (see :func:`check_files`)."""
+    for entry, problem in check_files(path, full):
+        if problem is not None:
+            return f"{entry} {problem}"
     return None
+
+
+def _damaged_or_raise(name: str, path: str, err: BaseException):
+    """After reading `path` failed with `err`: the full sha256 check, then DamagedDataset
+    when a file does not match its checksums, else `err` again (it was not the files)."""
+    reason = damage(path, full=True)
+    if reason is not None:
+        raise DamagedDataset(name, path, reason) from err
+    raise err
 
 
 def _private_name(kind: str, config: str) -> str:
@@ -312,6 +344,18 @@ def prepared_configs(data_dir: str, name: str) -> List[str]:
     pattern = os.path.join(data_dir, builder_name(name), "*", VERSION, _INFO_FILE)
     return sorted(os.path.basename(os.path.dirname(os.path.dirname(p)))
                   for p in glob.glob(pattern))
+
+
+def config_dirs(data_dir: str, name: str) -> List[Tuple[str, str]]:
+    """(config, directory) of every config of `name` under `data_dir` with a directory at the
+    current VERSION, whole or not (unlike :func:`prepared_configs`, which needs its
+    dataset_info.json); temporary directories of preparations are not configs."""
+    pattern = os.path.join(data_dir, builder_name(name), "*", VERSION)
+    out = []
+    for path in sorted(glob.glob(pattern)):  # glob skips the hidden .incomplete-/.trash- ones
+        if os.path.isdir(path):
+            out.append((os.path.basename(os.path.dirname(path)), path))
+    return out
 
 
 def find_config(data_dir: str, name: str, min_client_examples: int) -> Optional[str]:
@@ -432,17 +476,39 @@ def write(data_dir: str, name: str, config: str, spec: FeatureSpec, clients: Seq
 def open_prepared(data_dir: str, name: str, config: str) -> Prepared:
     """The metadata and side arrays of a prepared dataset (records are read by :func:`read`).
 
-    Raises :class:`DamagedDataset` when its files do not match its checksums."""
-    tfds = _tfds()
+    Costs O(metadata): the files' presence and sizes are compared with their checksums, and
+    nothing is hashed. Raises :class:`DamagedDataset` when a size differs, or when reading the
+    metadata fails (or is inconsistent) and the full sha256 check then finds a damaged file."""
     path = dataset_path(data_dir, name, config)
     if not is_prepared(data_dir, name, config):
         raise DataError(f"{name}: no prepared dataset at {path}")
-    reason = damage(path)
+    reason = damage(path, full=False)
     if reason is not None:
         raise DamagedDataset(name, path, reason)
+    try:
+        return _open_checked(path, name, config)
+    except DataError:
+        raise
+    except Exception as err:  # pylint: disable=broad-except  # tfds/numpy parse errors vary
+        _damaged_or_raise(name, path, err)
+
+
+def _open_checked(path: str, name: str, config: str) -> Prepared:
+    """Read the metadata and side arrays of the dataset directory `path`; a side array that is
+    absent, or metadata that do not agree with themselves, is a DataError (after the full
+    check: DamagedDataset when a file does not match its checksums)."""
+    tfds = _tfds()
     with _quiet():
         info = tfds.builder_from_directory(path).info
     metadata = dict(info.metadata or {})
+    num_records = int(info.splits[SPLIT].num_examples)
+    counts = {len(metadata.get("client_ids", ())), len(metadata.get("client_sizes", ())),
+              num_records}
+    if len(counts) != 1:
+        err = DataError(f"{name}: the prepared dataset at {path} is inconsistent ({num_records} "
+                        f"records, {len(metadata.get('client_ids', ()))} client ids); run "
+                        f"python -m data_prep.prepare --dataset={name} again")
+        _damaged_or_raise(name, path, err)
     arrays = {}
     for key in metadata.get("arrays", []):
         file = os.path.join(path, f"{key}.npy")
@@ -451,7 +517,7 @@ def open_prepared(data_dir: str, name: str, config: str) -> Prepared:
                             f"python -m data_prep.prepare --dataset={name} again")
         arrays[key] = np.load(file)
     return Prepared(path=path, config=config, metadata=metadata, arrays=arrays,
-                    num_records=int(info.splits[SPLIT].num_examples))
+                    num_records=num_records)
 
 
 def open_or_prepare(data_dir: str, name: str, min_client_examples: int,
@@ -479,8 +545,31 @@ def open_or_prepare(data_dir: str, name: str, min_client_examples: int,
 def read(prepared: Prepared, name: str, indices: Optional[Sequence[int]] = None) -> List[dict]:
     """The client records at `indices` (all by default), in that order, through tfds.data_source.
 
-    Each record is a dict of numpy arrays plus "client_id" (str) and "index" (int).
+    Each record is a dict of numpy arrays plus "client_id" (str) and "index" (int). When the
+    read fails, the full sha256 check runs: :class:`DamagedDataset` when a file does not match
+    its checksums (e.g. a byte altered in place, which the size check on open cannot see).
     """
+    try:
+        records = _read_records(prepared, name, indices)
+    except DataError:
+        raise
+    except Exception as err:  # pylint: disable=broad-except  # array_record/tfds errors vary
+        _damaged_or_raise(name, prepared.path, err)
+    out = []
+    for want, record in records:
+        record = dict(record)
+        if int(record["index"]) != want:  # shuffling is disabled, so position == index
+            err = DataError(f"{name}: prepared dataset at {prepared.path} is out of order; "
+                            f"run python -m data_prep.prepare --dataset={name} again")
+            _damaged_or_raise(name, prepared.path, err)
+        cid = record["client_id"]
+        record["client_id"] = cid.decode("utf-8") if isinstance(cid, bytes) else str(cid)
+        out.append(record)
+    return out
+
+
+def _read_records(prepared: Prepared, name: str, indices: Optional[Sequence[int]]):
+    """[(index, decoded record)] at `indices` (all by default), through tfds.data_source."""
     tfds = _tfds()
     data_dir = os.path.dirname(os.path.dirname(os.path.dirname(prepared.path)))
     with _quiet():
@@ -490,16 +579,7 @@ def read(prepared: Prepared, name: str, indices: Optional[Sequence[int]] = None)
         indices = range(len(source))
     indices = [int(i) for i in indices]
     records = source.__getitems__(indices) if indices else []
-    out = []
-    for want, record in zip(indices, records):
-        record = dict(record)
-        if int(record["index"]) != want:  # shuffling is disabled, so position == index
-            raise DataError(f"{name}: prepared dataset at {prepared.path} is out of order; "
-                            f"run python -m data_prep.prepare --dataset={name} again")
-        cid = record["client_id"]
-        record["client_id"] = cid.decode("utf-8") if isinstance(cid, bytes) else str(cid)
-        out.append(record)
-    return out
+    return list(zip(indices, records))
 
 
 def to_client_data(records: Sequence[Mapping], x_key: str = "x", y_key: str = "y",
@@ -519,55 +599,3 @@ def to_client_data(records: Sequence[Mapping], x_key: str = "x", y_key: str = "y
         xs.append(x)
         ys.append(np.asarray(y, dtype=np.int32))
     return ClientData.from_clients(xs, ys, client_ids=[r["client_id"] for r in records])
-
-
-# ----------------------------------------------------------------------------- LEAF json sources
-
-
-def leaf_json_files(path: str) -> List[str]:
-    """The LEAF json files to read from `path` (a file, or a directory searched recursively).
-
-    LEAF's data directory holds the complete data in ``all_data/`` and derived copies in
-    ``sampled_data/``, ``rem_user_data/``, ``train/`` and ``test/``. The complete files are read
-    when present (the papers' rules are applied here, not by LEAF's sampling); otherwise the
-    train files, then the test files, whose per-user examples are concatenated in that order.
-    Derived copies in ``sampled_data/`` and ``rem_user_data/`` are never read.
-    """
-    if os.path.isfile(path):
-        return [path]
-    groups: Dict[str, List[str]] = {"all": [], "train": [], "test": []}
-    for file in sorted(glob.glob(os.path.join(path, "**", "*.json"), recursive=True)):
-        parent = os.path.basename(os.path.dirname(file))
-        base = os.path.basename(file)
-        if parent in ("sampled_data", "rem_user_data"):
-            continue
-        if parent == "train" or "_train_" in base or base.startswith("train"):
-            groups["train"].append(file)
-        elif parent == "test" or "_test_" in base or base.startswith("test"):
-            groups["test"].append(file)
-        else:
-            groups["all"].append(file)
-    return groups["all"] or groups["train"] + groups["test"]
-
-
-def read_leaf_users(files: Sequence[str]):
-    """Yield (user, x rows, y values) for every user of every LEAF json file, in file order.
-
-    A LEAF file is {"users": [...], "num_samples": [...], "user_data": {user: {"x", "y"}}}
-    (possibly with "hierarchies"); a user may appear in several files (train and test).
-    """
-    for file in files:
-        with open(file, encoding="utf-8") as f:
-            try:
-                blob = json.load(f)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{file} is not valid json: {err}") from None
-        if not isinstance(blob, dict) or "user_data" not in blob:
-            raise DataError(f"{file} is not a LEAF json file (no 'user_data' key)")
-        users = blob.get("users") or list(blob["user_data"])
-        for user in users:
-            data = blob["user_data"][user]
-            if len(data["x"]) != len(data["y"]):
-                raise DataError(f"{file}: user {user} has {len(data['x'])} x and "
-                                f"{len(data['y'])} y")
-            yield str(user), data["x"], data["y"]

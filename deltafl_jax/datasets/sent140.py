@@ -3,7 +3,7 @@
 The paper's second task (delta-fl-long.md, Sec. 5 (b), App. C.1.2, Table 1) with the rules of
 reference-notes.md ("Data preparation"):
 
-- LEAF json (a file or a directory, see :func:`deltafl_jax.datasets.prepared.leaf_json_files`);
+- LEAF json (a file or a directory, see :func:`deltafl_jax.datasets.leaf.json_files`);
   each x row is ``[id, date, query, user, text]`` (newer LEAF adds a sixth field), y is 0 or 1;
 - users with >= ``min_client_examples`` tweets (default 50) are kept and split 50/50 by user with
   ``data_seed`` (the paper: 877 users, 438 train / 439 test);
@@ -37,7 +37,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from deltafl_jax.data import DataError, FederatedDataset, split_clients
-from deltafl_jax.datasets import prepared
+from deltafl_jax.datasets import leaf, prepared
 
 NAME = "sent140"
 NUM_CLASSES = 2
@@ -92,11 +92,11 @@ def _label(value) -> int:
 
 def read_users(source: str):
     """{user: (tweets, labels)} of a LEAF source, users sorted; a user's files are joined."""
-    files = prepared.leaf_json_files(source)
+    files = leaf.json_files(source)
     if not files:
         raise DataError(f"sent140: no LEAF json file in {source}")
     users = {}
-    for user, x, y in prepared.read_leaf_users(files):
+    for user, x, y in leaf.read_users(files):
         tweets, labels = users.setdefault(user, ([], []))
         tweets.extend(tweet_text(row) for row in x)
         labels.extend(_label(v) for v in y)
@@ -124,7 +124,7 @@ def missing_source_message(data_dir: str) -> str:
 
 def default_source(data_dir: str) -> Optional[str]:
     raw = os.path.join(data_dir, RAW_SUBDIR)
-    return raw if os.path.isdir(raw) and prepared.leaf_json_files(raw) else None
+    return raw if os.path.isdir(raw) and leaf.json_files(raw) else None
 
 
 def prepare(config, min_client_examples: Optional[int] = None,
