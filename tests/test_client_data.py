@@ -222,3 +222,30 @@ def test_bad_client_data_and_eval_clients_are_one_line_errors(make_config):
     with pytest.raises(DataError, match="--normalize=none"):
         load_dataset(DataConfig("synthetic", synthetic_num_clients=200,
                                 synthetic_on_demand=True, normalize="standard"))
+
+
+@pytest.mark.slow
+def test_a_million_client_run_from_the_command_line_reports_intervals(tmp_path):
+    """The README's population command: a million generated clients, two rounds, a sampled
+    evaluation whose intervals reach metrics.jsonl and the progress line."""
+    import subprocess
+    import sys
+    out = tmp_path / "population"
+    cmd = [sys.executable, "-m", "experiments.run", "--dataset=synthetic",
+           "--synthetic_num_clients=1000000", "--synthetic_shared=0.98", "--model=linear",
+           "--thetas=1.0,0.5", "--num_rounds=2", "--eval_every=2", "--clients_per_round=20",
+           "--eval_clients=200", "--learning_rate=0.02", f"--output_dir={out}",
+           "--tensorboard=no"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "the host keeps the 500000 + 500000 clients" in done.stdout + done.stderr
+    with open(out / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 2
+    for rec in records:
+        assert rec["test_error_p90_lo"] <= rec["test_error_p90"] <= rec["test_error_p90_hi"]
+        assert rec["train_loss_p50_lo"] <= rec["train_loss_p50"] <= rec["train_loss_p50_hi"]
+    with np.load(out / "clients.npz") as z:
+        assert z["train_loss"].shape == (2, 200) and z["train_clients"].shape == (200,)
+        assert np.all(np.diff(z["train_clients"]) >= 0)
