@@ -249,3 +249,28 @@ def test_a_million_client_run_from_the_command_line_reports_intervals(tmp_path):
     with np.load(out / "clients.npz") as z:
         assert z["train_loss"].shape == (2, 200) and z["train_clients"].shape == (200,)
         assert np.all(np.diff(z["train_clients"]) >= 0)
+
+
+def test_the_report_reads_a_sampled_run_as_the_run_summarised_it(tmp_path, make_config):
+    """metrics.jsonl holds the run's own estimates and intervals; the report recomputes them
+    from clients.npz / clients_history.npz with the sample's statistics, not every client's."""
+    from deltafl_jax import run_experiment
+    from deltafl_jax.report.io import read_run
+    data, _ = _small(make_config)
+    out = str(tmp_path / "sampled")
+    run_experiment(_small(make_config, eval_clients=9, output_dir=out, num_rounds=4,
+                          eval_every=2)[1], data)
+    run = read_run(out)
+    final = run.final()
+    rounds, curves = run.curves()
+    np.testing.assert_array_equal(rounds, [2, 4])
+    for r in range(len(run.keys)):
+        last = [rec for rec, i in zip(run.records, run.record_replicas)
+                if rec["round"] == 4 and i == r][0]
+        first = [rec for rec, i in zip(run.records, run.record_replicas)
+                 if rec["round"] == 2 and i == r][0]
+        for name in ("test_error_p90", "test_error_p90_lo", "test_error_p90_hi",
+                     "train_loss_p50", "train_loss_p50_hi", "train_loss_mean"):
+            np.testing.assert_allclose(final[name][r], last[name], rtol=1e-6, err_msg=name)
+            np.testing.assert_allclose(curves[name][0, r], first[name], rtol=1e-6,
+                                       err_msg=name)

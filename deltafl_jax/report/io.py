@@ -20,6 +20,7 @@ import numpy as np
 
 from deltafl_jax.config import PERCENTILES
 from deltafl_jax.errors import DeltaFLError
+from deltafl_jax.eval_sample import summarize_sample
 from deltafl_jax.metrics import PERCENTILE_METHODS, summarize
 from deltafl_jax.outputs import (CLIENTS, CLIENTS_HISTORY, METRICS, ROUNDS, SUMMARY,
                                  RunFormatError, RunReader)
@@ -102,8 +103,9 @@ class Run:
         key = ("final", percentile)
         if key not in self._cache:
             c = self.clients
-            self._cache[key] = summarize(c["train_loss"], c["train_sizes"], c["test_error"],
-                                         c["test_loss"], PERCENTILES, percentile)
+            self._cache[key] = summaries(c["train_loss"], c["train_sizes"], c["test_error"],
+                                         c["test_loss"], percentile, "train_clients" in c,
+                                         len(c["test_sizes"]))
         return self._cache[key]
 
     def curves(self, percentile: str = "lower"):
@@ -116,18 +118,32 @@ class Run:
         if key not in self._cache:
             out = None
             if self.history is not None:
-                out = curves_from_history(self.history, self.clients["train_sizes"], percentile)
+                out = curves_from_history(self.history, self.clients["train_sizes"], percentile,
+                                          len(self.clients["test_sizes"]))
             elif percentile == "lower" and self.records:
                 out = curves_from_records(self.records, self.record_replicas, len(self.keys))
             self._cache[key] = out
         return self._cache[key]
 
 
+def summaries(train_loss, train_sizes, test_error, test_loss, percentile: str,
+              sampled: bool, num_test: int) -> Dict[str, np.ndarray]:
+    """The metrics of one evaluation: :func:`deltafl_jax.metrics.summarize` of every client,
+    or, for a sampled evaluation (``--eval_clients``: its per-client arrays hold the sample),
+    the estimates and intervals of :func:`deltafl_jax.eval_sample.summarize_sample` (whose
+    percentiles are the lower quantile of the sample, whatever `percentile` asks)."""
+    if sampled:
+        return summarize_sample(train_loss, test_error, test_loss, PERCENTILES,
+                                num_test=num_test)
+    return summarize(train_loss, train_sizes, test_error, test_loss, PERCENTILES, percentile)
+
+
 def curves_from_history(history: Dict[str, np.ndarray], train_sizes: np.ndarray,
-                        percentile: str):
+                        percentile: str, num_test: int = 0):
     """(rounds [E], metric -> [E, R]) recomputed from the per-client history."""
-    per_eval = [summarize(history["train_loss"][e], train_sizes, history["test_error"][e],
-                          history["test_loss"][e], PERCENTILES, percentile)
+    sampled = "train_clients" in history
+    per_eval = [summaries(history["train_loss"][e], train_sizes, history["test_error"][e],
+                          history["test_loss"][e], percentile, sampled, num_test)
                 for e in range(len(history["rounds"]))]
     return (np.asarray(history["rounds"], np.int64),
             {k: np.stack([p[k] for p in per_eval]) for k in per_eval[0]})
@@ -183,6 +199,8 @@ def read_clients(reader: RunReader, keys: Sequence[str]) -> Dict[str, np.ndarray
         raise RunError("the replicas of summary.json and clients.npz do not match")
     R = len(keys)
     n_train, n_test = len(clients["train_sizes"]), len(clients["test_sizes"])
+    if "train_clients" in clients:   # a sampled evaluation: its clients' arrays
+        n_train, n_test = len(clients["train_clients"]), len(clients["test_clients"])
     for k, n in (("train_loss", n_train), ("train_error", n_train), ("test_loss", n_test),
                  ("test_error", n_test)):
         if clients[k].shape != (R, n):

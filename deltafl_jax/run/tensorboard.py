@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import Dict
 
+import numpy as np
+
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
 
 ROUND_SCALARS = ("num_selected", "sampled_loss_mean", "learning_rate", "eta")
@@ -46,7 +48,8 @@ class TensorBoard(Callback):
     def on_evaluation(self, run: RunContext, evaluation: Evaluation) -> None:
         for r, w in self.writers.items():
             for name, values in evaluation.summary.items():
-                w.add_scalar(f"eval/{name}", float(values[r]), evaluation.round)
+                if np.isfinite(values[r]):   # an interval's missing bound is +-inf
+                    w.add_scalar(f"eval/{name}", float(values[r]), evaluation.round)
             w.flush()
 
     def on_run_end(self, run: RunContext, result) -> None:
