@@ -15,7 +15,8 @@ A second table runs the FEMNIST-shaped bench data (:func:`bench.common.femnist_l
 865 writers of FEMNIST's Table 1 sizes, 28x28 uint8 images, held in memory) with the splits on
 the device and on the host, for softmax regression at m = 100 and the ConvNet at m = 10
 (``--femnist_models``): the cost of shipping each round's clients instead of indexing a
-device-resident split.
+device-resident split. The two modes run in one process, their rounds interleaved (each with
+its own prefetch), so that the machine's load affects both alike.
 
 Each row runs in its own process, one after another (its peak RSS is its own): build
 (generation of the population's sizes, the experiment, compiles), one warm-up round, then
@@ -99,14 +100,8 @@ def _row(n: int, mode: str, args) -> dict:
     from deltafl_jax.run.experiment import build_experiment
 
     t0 = time.perf_counter()
-    if isinstance(n, str):   # "femnist-MODEL-m"
-        from bench.common import femnist_like_dataset
-        _, model, m = n.split("-")
-        config = _femnist_config(model, int(m), mode)
-        data = femnist_like_dataset(flat=model == "linear", num_test_clients=100)
-    else:
-        config = _config(n, mode, args)
-        data = load_dataset(config.data)
+    config = _config(n, mode, args)
+    data = load_dataset(config.data)
     exp = build_experiment(config, data)
     state, keys = exp.initial_state(), exp.keys()
     state, _ = exp.round_fn(state, exp.round_data(0), keys)   # compiles
@@ -132,7 +127,37 @@ def _row(n: int, mode: str, args) -> dict:
             "device_bytes": int(fp.total), "device_data_bytes": int(fp.data)}
 
 
-def _run_row(n: int, mode: str, argv) -> dict:
+def _femnist_pair(model: str, m: int, rounds: int) -> list:
+    """Device and host modes of one FEMNIST-shaped setting, rounds interleaved."""
+    import jax
+    import numpy as np
+
+    from bench.common import femnist_like_dataset
+    from deltafl_jax.engine.mesh import tree_to_host
+    from deltafl_jax.run.experiment import build_experiment
+
+    data = femnist_like_dataset(flat=model == "linear", num_test_clients=100)
+    modes = ("device", "host")
+    exps = {k: build_experiment(_femnist_config(model, m, k), data) for k in modes}
+    state, keys, pending, times = {}, {}, {}, {k: [] for k in modes}
+    for k, exp in exps.items():
+        keys[k] = exp.keys()
+        state[k], _ = exp.round_fn(exp.initial_state(), exp.round_data(0), keys[k])
+        jax.block_until_ready(state[k])
+        pending[k] = exp.round_data(1)
+    for t in range(1, rounds + 1):
+        for k, exp in exps.items():
+            t0 = time.perf_counter()
+            state[k], metrics = exp.round_fn(state[k], pending[k], keys[k])
+            pending[k] = exp.round_data(t + 1)
+            tree_to_host(metrics)
+            times[k].append(time.perf_counter() - t0)
+    return [{"model": model, "m": m, "client_data": k, "s_per_round": float(np.median(v)),
+             "round_s": [round(x, 4) for x in v], "device_bytes": int(exps[k].footprint.total),
+             "device_data_bytes": int(exps[k].footprint.data)} for k, v in times.items()]
+
+
+def _run_row(n, mode: str, argv):
     cmd = [sys.executable, "-m", "bench.population", *argv, f"--row={n}:{mode}"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -143,7 +168,11 @@ def main(argv=None):
     args = _parse(argv)
     if args.row:
         n, mode = args.row.split(":")
-        print(json.dumps(_row(int(n) if n.isdigit() else n, mode, args)))
+        if n == "femnist":   # MODEL-m: both modes
+            model, m = mode.split("-")
+            print(json.dumps(_femnist_pair(model, int(m), args.rounds)))
+        else:
+            print(json.dumps(_row(int(n), mode, args)))
         return
     from bench.common import emit, machine
     passed = [a for a in argv if not a.startswith("--out")]
@@ -159,10 +188,10 @@ def main(argv=None):
     femnist = []
     for pair in filter(None, args.femnist_models.split(",")):
         model, m = pair.split(":")
-        for mode in ("device", "host"):
-            femnist.append(_run_row(f"femnist-{model}-{m}", mode, passed))
-            print(f"population: FEMNIST-shaped {model} m={m} {mode}: "
-                  f"{femnist[-1]['s_per_round']:.3f} s/round", file=sys.stderr, flush=True)
+        pair = _run_row("femnist", f"{model}-{m}", passed)
+        femnist.extend(pair)
+        print(f"population: FEMNIST-shaped {model} m={m}: device {pair[0]['s_per_round']:.3f}, "
+              f"host {pair[1]['s_per_round']:.3f} s/round", file=sys.stderr, flush=True)
     host = [r for r in rows if r["client_data"] == "host"]
     small, large = host[0], host[-1]
     result = {"benchmark": "population", "machine": machine(), "settings": {

@@ -222,3 +222,21 @@ def test_peer_pins_with_an_accelerator_extra():
         assert len(with_extra) == len(pins) and len(changed) == 1, name
         old, new = changed[0]
         assert old.startswith("jax==") and new == "jax[cuda12]==" + old[len("jax=="):]
+
+
+@pytest.mark.slow
+def test_population_smoke_reports_every_row(tmp_path):
+    """bench.population at toy size: its rows, the host rows' ratios as the rows give them,
+    and device bytes that do not grow with the population once the m largest clients are at
+    the size cap."""
+    res = run_json(["bench.population", "--sizes=2000,200000", "--rounds=2", "--evals=1",
+                    "--clients=10", "--eval_clients=50", "--femnist_models=linear:5"],
+                   tmp_path, "population")
+    rows = res["rows"]
+    assert [(r["clients"], r["client_data"]) for r in rows] == [
+        (2000, "device"), (2000, "host"), (200000, "host")]
+    small, large = rows[1], rows[2]
+    assert res["ratios"]["s_per_round_largest_over_smallest"] == pytest.approx(
+        large["s_per_round"] / small["s_per_round"])
+    assert large["eval_clients"] == 50 and large["device_data_bytes"] == small["device_data_bytes"]
+    assert [r["client_data"] for r in res["femnist_rows"]] == ["device", "host"]
