@@ -124,7 +124,8 @@ def histories(output_dir: str, round: int):
     try:
         per_round = {k: v[:round] for k, v in reader.rounds().items() if k != "replica_keys"}
         clients = reader.clients_history()
-        records = [r for r in reader.records() if int(r.get("round", 0)) <= round]
+        records = [r for r in (reader.records() if reader.has(outputs.METRICS) else [])
+                   if int(r.get("round", 0)) <= round]   # none before the first evaluation
     except outputs.RunFormatError as e:
         raise ConfigError(f"cannot resume {output_dir} from its checkpoint of round {round}: "
                           f"{e.reason}; pass --overwrite to start afresh") from None
