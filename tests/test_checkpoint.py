@@ -323,12 +323,13 @@ def test_first_timed_checkpoint_comes_early_then_every_s(tmp_path, monkeypatch):
         callback = CheckpointCallback(checkpointer, FINGERPRINT, every=0, every_s=60)
         run = RunContext(experiment=None, num_rounds=4)
         callback.on_run_start(run)
-        for r in range(1, 4):
-            if r == 2:
-                time.sleep(0.25)   # past the first interval (0.2 s), far from every_s (60 s)
+        for r in range(1, 5):
+            if r in (1, 3):   # the first round (it compiles), then past the first interval
+                time.sleep(0.25)
             run.state = make_state(r)
             callback.on_round_end(run, r, {})
-        assert checkpointer.rounds() == [2]   # round 1 too early, round 3 waits 60 s
+        # the interval counts from the end of round 1; after round 3's save it is every_s
+        assert checkpointer.rounds() == [3]
 
 
 def test_processes_agree_on_saves_and_stops(tmp_path):

@@ -354,9 +354,9 @@ class CheckpointCallback(Callback):
 
     A checkpoint is saved after round r when any of these holds:
       - `every` > 0 and r is a multiple of `every`;
-      - `every_s` > 0 and at least `every_s` seconds have passed since the last save ended
-        (the first: min(`every_s`, :data:`FIRST_CHECKPOINT_S`) after the run started, so that
-        a run killed early can resume too);
+      - `every_s` > 0 and at least `every_s` seconds have passed since the last save ended;
+        the first one min(`every_s`, :data:`FIRST_CHECKPOINT_S`) after the first round (which
+        includes the compilation) ended, so that a run killed early can resume too;
       - a stop is requested (``run.stop_requested``: SIGTERM/SIGINT, divergence): the save is
         then waited for, so the process may exit right after the round;
       - at the end of the run (:meth:`on_run_end`), when the last round is not saved yet.
@@ -395,13 +395,15 @@ class CheckpointCallback(Callback):
         self._interval = min(self.every_s, FIRST_CHECKPOINT_S)
 
     def on_run_start(self, run: RunContext) -> None:
-        self._since = time.monotonic()
+        self._since = None   # set when the first round ends
         self.saved_round = run.start_round if run.start_round else None
         self._last_round = run.start_round or None
 
     def _due(self, run: RunContext, round: int) -> bool:
+        now = time.monotonic()
+        self._since = now if self._since is None else self._since
         due = bool((self.every and round % self.every == 0)
-                   or (self.every_s and time.monotonic() - self._since >= self._interval))
+                   or (self.every_s and now - self._since >= self._interval))
         if self.agree is not None:   # the same decision on every process
             due, stop = self.agree([due, run.stop_requested])
             if stop and not run.stop_requested:
