@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from deltafl_jax.errors import ConfigError
 from deltafl_jax.rounds import ServerState
 from deltafl_jax.run.callbacks import Evaluation, RunContext
 from deltafl_jax.run import checkpoint as ckpt
@@ -384,3 +385,62 @@ def test_a_signal_before_the_run_starts_is_applied_at_run_start():
         assert run.stop_requested and run.stop_reason == "SIGINT"
         preemption.on_run_end(run, None)
         assert signal.getsignal(signal.SIGINT) is not preemption._handle
+
+
+def test_histories_are_read_back_from_the_output_files_cut_back_to_the_checkpoint(tmp_path):
+    """What a resume continues: rounds.npz rows 1..r, the evaluations of rounds <= r of
+    clients_history.npz and metrics.jsonl (files written at a later round than the checkpoint
+    that is restored, as after a kill during a save, are cut back)."""
+    from deltafl_jax.outputs import RunWriter
+    from deltafl_jax.replicas import ReplicaLabel
+    from deltafl_jax.run.recorder import Recorder
+    from deltafl_jax.run.resume import Resume, histories
+
+    rng = np.random.default_rng(0)
+    labels = [ReplicaLabel(algorithm="deltafl", theta=t, seed=1) for t in (1.0, 0.5)]
+    per_round = {"num_selected": rng.integers(0, 5, (6, 2)).astype(np.int32),
+                 "sampled_loss_mean": rng.standard_normal((6, 2)).astype(np.float32)}
+    evals = np.array([2, 4, 6])
+    clients = {"rounds": evals, "test_error": rng.random((3, 2, 7)).astype(np.float32)}
+    writer = RunWriter(str(tmp_path))
+    writer.write_rounds(per_round, labels)
+    writer.write_clients_history(clients)
+    for t in evals:
+        writer.append_metrics([{"round": int(t), "theta": lab.theta, "x": float(t) / 3}
+                               for lab in labels])
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"round": 8, "th')   # a torn line
+
+    got_rounds, got_clients, records = histories(str(tmp_path), 5)
+    assert sorted(got_rounds) == sorted(per_round)
+    for k, v in per_round.items():
+        assert got_rounds[k].dtype == v.dtype
+        np.testing.assert_array_equal(got_rounds[k], v[:5])
+    np.testing.assert_array_equal(got_clients["rounds"], [2, 4])
+    np.testing.assert_array_equal(got_clients["test_error"], clients["test_error"][:2])
+    assert [(r["round"], r["theta"], r["x"]) for r in records] == [
+        (t, lab.theta, t / 3) for t in (2, 4) for lab in labels]
+
+    recorder = Recorder()
+    recorder.resume(Resume(5, None, got_rounds, got_clients, records))
+    assert recorder.rounds_done == 5 and recorder.client_history["rounds"] == [2, 4]
+    for k, v in per_round.items():
+        np.testing.assert_array_equal(recorder.per_round_arrays()[k], v[:5])
+    np.testing.assert_array_equal(recorder.client_history_arrays()["test_error"],
+                                  clients["test_error"][:2])
+
+    with pytest.raises(ConfigError, match="fewer than 7 rounds"):
+        histories(str(tmp_path), 7)
+    os.remove(tmp_path / "rounds.npz")
+    with pytest.raises(ConfigError, match="no rounds.npz"):
+        histories(str(tmp_path), 4)
+
+
+def test_deferred_preemption_requests_the_stop_at_the_round_end():
+    run = RunContext(experiment=None, num_rounds=3)
+    with Preemption(defer=True) as preemption:
+        preemption.on_run_start(run)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.signum == signal.SIGTERM and not run.stop_requested
+        preemption.on_round_end(run, 1, {})
+        assert run.stop_requested and run.stop_reason == "SIGTERM"
