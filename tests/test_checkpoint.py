@@ -1,8 +1,8 @@
-"""Checkpoints with orbax and preemption handling (issue 12, items 1, 3 and 8).
+"""Checkpoints with orbax and preemption handling (issue 12, items 1, 3 and 8; issues 22-23).
 
-- save/restore is bit-identical: float32/int32 leaves, a NamedTuple or an empty () algorithm
-  state, and host histories (lists of records with NaN, NumPy arrays of several dtypes,
-  scalars, tuples, string arrays, zero-size arrays);
+- save/restore of the state pytree is bit-identical: float32/int32 leaves, a NamedTuple or an
+  empty () algorithm state, a zero-size leaf;
+- the recorder's histories are read back from the output files, cut back to the checkpoint;
 - the last 2 checkpoints are kept;
 - a damaged newest checkpoint (a file deleted, truncated or altered; its metadata deleted)
   falls back to the previous one with one warning line;
@@ -11,7 +11,8 @@
 - a state saved sharded over 2 devices restores on 1;
 - the state is copied before save returns: donating its buffers right after is safe;
 - fingerprint_diff names the differing settings; a state of other shapes is a mismatch;
-- CheckpointCallback saves every N rounds, on a stop request and at the end;
+- CheckpointCallback saves every N rounds, on a stop request and at the end, its first timed
+  checkpoint early, after writing the histories; several processes agree on saves and stops;
 - Preemption turns SIGTERM/SIGINT into run.stop_requested and restores the old handlers.
 """
 
@@ -21,6 +22,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from typing import NamedTuple
 
 import jax
@@ -28,11 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from deltafl_jax.errors import ConfigError
 from deltafl_jax.rounds import ServerState
 from deltafl_jax.run.callbacks import Evaluation, RunContext
-from deltafl_jax.run.checkpoint import (Checkpointer, CheckpointCallback, CheckpointMismatch,
-                                        fingerprint_diff)
+from deltafl_jax.run import checkpoint as ckpt
+from deltafl_jax.run.checkpoint import Checkpointer, CheckpointCallback, CheckpointMismatch
 from deltafl_jax.run.preemption import Preemption
+from deltafl_jax.run.resume import fingerprint_diff
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,23 +52,8 @@ def make_state(round, algo=True, r=3):
                           "bias": jnp.asarray(rng.standard_normal((r, 4), np.float32))}}
     algo_state = (AlgoState(jnp.asarray(rng.random(r, np.float32)),
                             jnp.asarray(rng.integers(0, 9, r, np.int32))) if algo else ())
-    return ServerState(params=params, algo_state=algo_state, round=jnp.int32(round))
-
-
-def make_host(round):
-    return {
-        "round_metrics": {"kept": np.arange(round * 3, dtype=np.int64).reshape(round, 3),
-                          "loss": [float(i) / 3 for i in range(round)] + [float("nan")]},
-        "records": [{"round": round, "replica": k, "theta": 0.5, "test_error_p90": -0.0,
-                     "train_loss_mean": float("inf")} for k in range(3)],
-        "client_history": np.random.default_rng(round).standard_normal((3, round, 7)),
-        "rejected": np.array([True, False, True]),
-        "best": np.float32(0.1),
-        "labels": ("theta", 0.5),
-        "client_ids": np.array(["play/ROMEO", "play/JULIET"]),
-        "nothing": np.zeros((0, 4), np.float32),
-        "by_round": {3: "three"},
-    }
+    return ServerState(params=params, algo_state=algo_state, round=jnp.int32(round),
+                       client_state={"none_yet": jnp.zeros((r, 0), jnp.float32)})
 
 
 FINGERPRINT = {"learning_rate": 0.05, "thetas": (1.0, 0.5), "data": "abc123"}
@@ -78,60 +67,41 @@ def assert_trees_identical(a, b):
         assert x.tobytes() == y.tobytes()
 
 
-def assert_host_identical(a, b):
-    assert type(a) is type(b) or (isinstance(a, np.generic) and type(a) == type(b)), (a, b)
-    if isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            assert_host_identical(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_host_identical(x, y)
-    elif isinstance(a, (np.ndarray, np.generic)):
-        assert a.dtype == b.dtype and np.shape(a) == np.shape(b)
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-    elif isinstance(a, float):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()  # NaN, -0.0, inf
-    else:
-        assert a == b
-
-
 @pytest.mark.parametrize("algo", [True, False], ids=["namedtuple_algo_state", "empty_algo_state"])
 def test_round_trip_is_bit_identical(tmp_path, algo):
-    state, host = make_state(4, algo), make_host(4)
+    state = make_state(4, algo)
     with Checkpointer(str(tmp_path / "checkpoints")) as checkpointer:
         assert checkpointer.restore(state) is None
-        checkpointer.save(4, state, host, FINGERPRINT)
-        restored = checkpointer.restore(make_state(0, algo))
-    assert restored.round == 4
-    assert restored.jax_version == jax.__version__
-    assert restored.fingerprint == {"learning_rate": 0.05, "thetas": [1.0, 0.5], "data": "abc123"}
-    assert fingerprint_diff(restored.fingerprint, FINGERPRINT) == []
-    assert isinstance(restored.state, ServerState)
+        checkpointer.save(4, state, FINGERPRINT)
+        round, restored = checkpointer.restore(make_state(0, algo))
+        saved_round, fingerprint = checkpointer.read_fingerprint()
+    assert round == saved_round == 4
+    assert fingerprint == {"learning_rate": 0.05, "thetas": [1.0, 0.5], "data": "abc123"}
+    assert fingerprint_diff(fingerprint, FINGERPRINT) == []
+    assert isinstance(restored, ServerState)
     if algo:
-        assert isinstance(restored.state.algo_state, AlgoState)
+        assert isinstance(restored.algo_state, AlgoState)
     else:
-        assert restored.state.algo_state == ()
-    assert_trees_identical(restored.state, state)
-    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(restored.state))
-    assert_host_identical(host, restored.host)
+        assert restored.algo_state == ()
+    assert_trees_identical(restored, state)
+    assert restored.client_state["none_yet"].shape == (3, 0)   # zero-size: from the template
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(restored))
 
     # a NumPy template gives NumPy arrays back
     with Checkpointer(str(tmp_path / "checkpoints")) as checkpointer:
-        again = checkpointer.restore(jax.tree.map(np.asarray, state))
-    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(again.state))
-    assert_trees_identical(again.state, state)
+        _, again = checkpointer.restore(jax.tree.map(np.asarray, state))
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(again))
+    assert_trees_identical(again, state)
 
 
 def test_keeps_the_last_two_and_saves_a_round_once(tmp_path):
     with Checkpointer(str(tmp_path)) as checkpointer:
         for r in (1, 2, 3):
-            checkpointer.save(r, make_state(r), make_host(r), FINGERPRINT)
-        checkpointer.save(3, make_state(3), make_host(3), FINGERPRINT)  # already there: kept
+            checkpointer.save(r, make_state(r), FINGERPRINT)
+        checkpointer.save(3, make_state(3), FINGERPRINT)  # already there: kept
         checkpointer.wait()
         assert checkpointer.rounds() == [2, 3]
-        assert_trees_identical(checkpointer.restore(make_state(0)).state, make_state(3))
+        assert_trees_identical(checkpointer.restore(make_state(0))[1], make_state(3))
     assert sorted(os.listdir(tmp_path)) == ["2", "3"]
 
 
@@ -149,8 +119,8 @@ def _damage(step_dir, how):
         big = _largest_file(os.path.join(step_dir, "state"))
         with open(big, "r+b") as f:
             f.truncate(os.path.getsize(big) // 2)
-    elif how == "alter_host_arrays":
-        big = _largest_file(os.path.join(step_dir, "host_arrays"))
+    elif how == "alter_state_data":   # a flipped byte that the file format may not notice
+        big = _largest_file(os.path.join(step_dir, "state"))
         with open(big, "r+b") as f:
             f.seek(os.path.getsize(big) // 2)
             byte = f.read(1)
@@ -162,32 +132,31 @@ def _damage(step_dir, how):
         raise ValueError(how)
 
 
-@pytest.mark.parametrize("how", ["delete_state_data", "truncate_state_data", "alter_host_arrays",
+@pytest.mark.parametrize("how", ["delete_state_data", "truncate_state_data", "alter_state_data",
                                  "delete_meta"])
 def test_damaged_latest_falls_back_to_the_previous_with_one_warning(tmp_path, capsys, how):
     with Checkpointer(str(tmp_path)) as checkpointer:
         for r in (2, 3):
-            checkpointer.save(r, make_state(r), make_host(r), FINGERPRINT)
+            checkpointer.save(r, make_state(r), FINGERPRINT)
     _damage(str(tmp_path / "3"), how)
     capsys.readouterr()
     with Checkpointer(str(tmp_path)) as checkpointer:
-        restored = checkpointer.restore(make_state(0))
+        round, restored = checkpointer.restore(make_state(0))
         err = capsys.readouterr().err
-        assert restored.round == 2
-        assert_trees_identical(restored.state, make_state(2))
-        assert_host_identical(make_host(2), restored.host)
+        assert round == 2
+        assert_trees_identical(restored, make_state(2))
         lines = err.strip().splitlines()
         assert len(lines) == 1, err
         assert "warning" in lines[0] and "round 3" in lines[0] and "round 2" in lines[0]
         assert checkpointer.rounds() == [2]  # the damaged one is gone: round 3 can be saved again
-        checkpointer.save(3, make_state(3), make_host(3), FINGERPRINT)
-        assert checkpointer.restore(make_state(0)).round == 3
+        checkpointer.save(3, make_state(3), FINGERPRINT)
+        assert checkpointer.restore(make_state(0))[0] == 3
 
 
 def test_leftover_of_a_killed_save_is_ignored(tmp_path, capsys):
     with Checkpointer(str(tmp_path)) as checkpointer:
-        checkpointer.save(2, make_state(2), make_host(2), FINGERPRINT)
-        checkpointer.save(3, make_state(3), make_host(3), FINGERPRINT)
+        checkpointer.save(2, make_state(2), FINGERPRINT)
+        checkpointer.save(3, make_state(3), FINGERPRINT)
     # what a save killed midway leaves: orbax's tmp directory, here with a file missing
     leftover = tmp_path / "4.orbax-checkpoint-tmp-1700000000123456"
     shutil.copytree(tmp_path / "3", leftover)
@@ -195,9 +164,9 @@ def test_leftover_of_a_killed_save_is_ignored(tmp_path, capsys):
     capsys.readouterr()
     with Checkpointer(str(tmp_path)) as checkpointer:
         assert checkpointer.rounds() == [2, 3]
-        assert checkpointer.restore(make_state(0)).round == 3
+        assert checkpointer.restore(make_state(0))[0] == 3
         assert capsys.readouterr().err == ""
-        checkpointer.save(4, make_state(4), make_host(4), FINGERPRINT)
+        checkpointer.save(4, make_state(4), FINGERPRINT)
         checkpointer.wait()
         assert checkpointer.rounds() == [3, 4]
     assert not leftover.exists()  # orbax removes it before its next save
@@ -213,7 +182,7 @@ KILLED_SAVER = textwrap.dedent("""
         # 8 MB per state, a function of r alone
         state = ServerState(params={"w": jnp.full((2, 1 << 20), r, jnp.float32)},
                             algo_state=(), round=jnp.int32(r))
-        checkpointer.save(r, state, {"r": r, "h": np.full(1000, r)}, {"x": 1})
+        checkpointer.save(r, state, {"x": 1})
         print(r, flush=True)
 """)
 
@@ -232,12 +201,10 @@ def test_sigkill_during_saves_leaves_a_complete_checkpoint(tmp_path, mode):
     template = ServerState(params={"w": jnp.zeros((2, 1 << 20), jnp.float32)}, algo_state=(),
                            round=jnp.int32(0))
     with Checkpointer(str(tmp_path)) as checkpointer:
-        restored = checkpointer.restore(template)
-    r = restored.round
+        r, restored = checkpointer.restore(template)
     assert r >= 2
-    assert int(restored.state.round) == r and restored.host["r"] == r
-    assert np.all(np.asarray(restored.state.params["w"]) == r)
-    assert np.all(restored.host["h"] == r)
+    assert int(restored.round) == r
+    assert np.all(np.asarray(restored.params["w"]) == r)
 
 
 SHARDED_SAVER = textwrap.dedent("""
@@ -254,7 +221,7 @@ SHARDED_SAVER = textwrap.dedent("""
                        NamedSharding(mesh, P("r")))
     state = ServerState(params={"w": w}, algo_state=(), round=jnp.int32(7))
     with Checkpointer(sys.argv[1]) as checkpointer:
-        checkpointer.save(7, state, {}, {"x": 1})
+        checkpointer.save(7, state, {"x": 1})
 """)
 
 
@@ -264,9 +231,9 @@ def test_state_saved_on_two_devices_restores_on_one(tmp_path):
     template = ServerState(params={"w": jax.ShapeDtypeStruct((4, 6), jnp.float32)},
                            algo_state=(), round=jax.ShapeDtypeStruct((), jnp.int32))
     with Checkpointer(str(tmp_path)) as checkpointer:
-        restored = checkpointer.restore(template)
-    assert restored.round == 7 and restored.host == {}
-    w = restored.state.params["w"]
+        round, restored = checkpointer.restore(template)
+    assert round == 7
+    w = restored.params["w"]
     assert isinstance(w, jax.Array) and len(w.devices()) == 1
     np.testing.assert_array_equal(np.asarray(w), np.arange(24, dtype=np.float32).reshape(4, 6))
 
@@ -276,17 +243,17 @@ def test_donating_the_state_right_after_an_async_save_is_safe(tmp_path):
     expected = jax.tree.map(np.array, state)
     overwrite = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 + 7, s), donate_argnums=0)
     with Checkpointer(str(tmp_path), async_save=True) as checkpointer:
-        checkpointer.save(5, state, {}, FINGERPRINT)
+        checkpointer.save(5, state, FINGERPRINT)
         new = overwrite(state)  # the next round reuses the buffers at once
         jax.block_until_ready(new)
         assert all(x.is_deleted() for x in jax.tree.leaves(state))  # the donation happened
-        restored = checkpointer.restore(make_state(0))
-    assert_trees_identical(restored.state, expected)
+        _, restored = checkpointer.restore(make_state(0))
+    assert_trees_identical(restored, expected)
 
 
 def test_a_state_of_other_shapes_is_a_mismatch(tmp_path):
     with Checkpointer(str(tmp_path)) as checkpointer:
-        checkpointer.save(2, make_state(2, r=3), {}, FINGERPRINT)
+        checkpointer.save(2, make_state(2, r=3), FINGERPRINT)
         with pytest.raises(CheckpointMismatch, match="params/Dense_0/bias"):
             checkpointer.restore(make_state(0, r=4))
         with pytest.raises(CheckpointMismatch, match="algo_state"):
@@ -307,9 +274,9 @@ def test_fingerprint_diff():
 
 def test_checkpoint_callback_saves_every_n_rounds_on_stop_and_at_the_end(tmp_path):
     checkpointer = Checkpointer(str(tmp_path))
-    history = []
-    callback = CheckpointCallback(checkpointer, lambda: {"history": list(history)},
-                                  FINGERPRINT, every=3, every_s=0)
+    history, written = [], []   # written: what before_save saw (the runner writes the files)
+    callback = CheckpointCallback(checkpointer, FINGERPRINT, every=3, every_s=0,
+                                  before_save=lambda r: written.append((r, list(history))))
     run = RunContext(experiment=None, num_rounds=10)
     callback.on_run_start(run)
     for r in range(1, 11):
@@ -322,14 +289,14 @@ def test_checkpoint_callback_saves_every_n_rounds_on_stop_and_at_the_end(tmp_pat
             break
     callback.on_run_end(run, None)
     assert checkpointer.rounds() == [3, 5]
-    restored = checkpointer.restore(make_state(0))
-    assert restored.host == {"history": [1, 2, 3, 4, 5]}
+    assert written == [(3, [1, 2, 3]), (5, [1, 2, 3, 4, 5])]
+    assert_trees_identical(checkpointer.restore(make_state(0))[1], make_state(5))
 
     # resumed: rounds 6..10, an evaluation after round 9 reported after on_round_end(9)
-    history = history[:5]
-    callback = CheckpointCallback(checkpointer, lambda: {"history": list(history)},
-                                  FINGERPRINT, every=3, every_s=0,
-                                  evaluated=lambda r: r % 9 == 0)
+    history, written = history[:5], []
+    callback = CheckpointCallback(checkpointer, FINGERPRINT, every=3, every_s=0,
+                                  evaluated=lambda r: r % 9 == 0,
+                                  before_save=lambda r: written.append((r, list(history))))
     run = RunContext(experiment=None, num_rounds=10, start_round=5)
     callback.on_run_start(run)
     for r in range(6, 11):
@@ -345,10 +312,50 @@ def test_checkpoint_callback_saves_every_n_rounds_on_stop_and_at_the_end(tmp_pat
             assert checkpointer.rounds() == [6, 9]
     callback.on_run_end(run, None)
     assert checkpointer.rounds() == [9, 10]
-    restored = checkpointer.restore(make_state(0))
-    assert restored.round == 10
-    assert restored.host["history"][-3:] == [9, "evaluation 9", 10]
+    assert [r for r, _ in written] == [6, 9, 10]
+    assert written[1][1][-2:] == [9, "evaluation 9"]
+    assert checkpointer.restore(make_state(0))[0] == 10
     checkpointer.close()
+
+
+def test_first_timed_checkpoint_comes_early_then_every_s(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt, "FIRST_CHECKPOINT_S", 0.2)
+    with Checkpointer(str(tmp_path), async_save=False) as checkpointer:
+        callback = CheckpointCallback(checkpointer, FINGERPRINT, every=0, every_s=60)
+        run = RunContext(experiment=None, num_rounds=4)
+        callback.on_run_start(run)
+        for r in range(1, 5):
+            if r in (1, 3):   # the first round (it compiles), then past the first interval
+                time.sleep(0.25)
+            run.state = make_state(r)
+            callback.on_round_end(run, r, {})
+        # the interval counts from the end of round 1; after round 3's save it is every_s
+        assert checkpointer.rounds() == [3]
+
+
+def test_processes_agree_on_saves_and_stops(tmp_path):
+    """With several processes, a save or a stop on any one is made on every one (`agree` here
+    stands for another process that wants a save after round 2 and a stop after round 3)."""
+    other = {2: [True, False], 3: [False, True]}
+    asked = []
+
+    def agree(flags):
+        asked.append(list(flags))
+        mine = other.get(len(asked), [False, False])
+        return [a or b for a, b in zip(flags, mine)]
+
+    with Checkpointer(str(tmp_path), async_save=False) as checkpointer:
+        callback = CheckpointCallback(checkpointer, FINGERPRINT, every=0, every_s=0, agree=agree)
+        run = RunContext(experiment=None, num_rounds=9)
+        callback.on_run_start(run)
+        for r in range(1, 10):
+            run.state = make_state(r)
+            callback.on_round_end(run, r, {})
+            if run.stop_requested:
+                break
+        assert r == 3 and run.stop_reason == "a stop on another process"
+        assert asked == [[False, False]] * 3
+        assert checkpointer.rounds() == [2, 3]
 
 
 def test_preemption_sets_the_stop_flag_and_restores_the_handlers():
@@ -378,3 +385,62 @@ def test_a_signal_before_the_run_starts_is_applied_at_run_start():
         assert run.stop_requested and run.stop_reason == "SIGINT"
         preemption.on_run_end(run, None)
         assert signal.getsignal(signal.SIGINT) is not preemption._handle
+
+
+def test_histories_are_read_back_from_the_output_files_cut_back_to_the_checkpoint(tmp_path):
+    """What a resume continues: rounds.npz rows 1..r, the evaluations of rounds <= r of
+    clients_history.npz and metrics.jsonl (files written at a later round than the checkpoint
+    that is restored, as after a kill during a save, are cut back)."""
+    from deltafl_jax.outputs import RunWriter
+    from deltafl_jax.replicas import ReplicaLabel
+    from deltafl_jax.run.recorder import Recorder
+    from deltafl_jax.run.resume import Resume, histories
+
+    rng = np.random.default_rng(0)
+    labels = [ReplicaLabel(algorithm="deltafl", theta=t, seed=1) for t in (1.0, 0.5)]
+    per_round = {"num_selected": rng.integers(0, 5, (6, 2)).astype(np.int32),
+                 "sampled_loss_mean": rng.standard_normal((6, 2)).astype(np.float32)}
+    evals = np.array([2, 4, 6])
+    clients = {"rounds": evals, "test_error": rng.random((3, 2, 7)).astype(np.float32)}
+    writer = RunWriter(str(tmp_path))
+    writer.write_rounds(per_round, labels)
+    writer.write_clients_history(clients)
+    for t in evals:
+        writer.append_metrics([{"round": int(t), "theta": lab.theta, "x": float(t) / 3}
+                               for lab in labels])
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"round": 8, "th')   # a torn line
+
+    got_rounds, got_clients, records = histories(str(tmp_path), 5)
+    assert sorted(got_rounds) == sorted(per_round)
+    for k, v in per_round.items():
+        assert got_rounds[k].dtype == v.dtype
+        np.testing.assert_array_equal(got_rounds[k], v[:5])
+    np.testing.assert_array_equal(got_clients["rounds"], [2, 4])
+    np.testing.assert_array_equal(got_clients["test_error"], clients["test_error"][:2])
+    assert [(r["round"], r["theta"], r["x"]) for r in records] == [
+        (t, lab.theta, t / 3) for t in (2, 4) for lab in labels]
+
+    recorder = Recorder()
+    recorder.resume(Resume(5, None, got_rounds, got_clients, records))
+    assert recorder.rounds_done == 5 and recorder.client_history["rounds"] == [2, 4]
+    for k, v in per_round.items():
+        np.testing.assert_array_equal(recorder.per_round_arrays()[k], v[:5])
+    np.testing.assert_array_equal(recorder.client_history_arrays()["test_error"],
+                                  clients["test_error"][:2])
+
+    with pytest.raises(ConfigError, match="fewer than 7 rounds"):
+        histories(str(tmp_path), 7)
+    os.remove(tmp_path / "rounds.npz")
+    with pytest.raises(ConfigError, match="no rounds.npz"):
+        histories(str(tmp_path), 4)
+
+
+def test_deferred_preemption_requests_the_stop_at_the_round_end():
+    run = RunContext(experiment=None, num_rounds=3)
+    with Preemption(defer=True) as preemption:
+        preemption.on_run_start(run)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.signum == signal.SIGTERM and not run.stop_requested
+        preemption.on_round_end(run, 1, {})
+        assert run.stop_requested and run.stop_reason == "SIGTERM"

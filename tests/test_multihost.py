@@ -1,11 +1,15 @@
 """Two processes x 2 CPU devices, joined with jax.distributed on localhost, give the same
-metrics as one process x 4 devices, and only process 0 writes outputs (issue 11)."""
+metrics as one process x 4 devices, and only process 0 writes outputs (issue 11); both killed
+with SIGKILL, they resume from their checkpoint and end bit-identical to an uninterrupted
+two-process run (issue 23)."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -73,3 +77,56 @@ def test_unreachable_coordinator_is_an_error_not_a_hang(tmp_path):
     assert proc.returncode != 0
     assert "cannot join the distributed run" in proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+RESUME = [f"--flagfile={os.path.join(REPO, 'tests', 'resume.flags')}", "--num_rounds=12",
+          "--nosave_models"]
+
+
+def start_pair(out, port):
+    """Two processes x 2 CPU devices of one run into one output dir (as on a shared disk)."""
+    return [subprocess.Popen(
+        [sys.executable, "-m", "experiments.run", *RESUME, f"--output_dir={out}",
+         "--distributed", f"--coordinator_address=localhost:{port}", "--num_processes=2",
+         f"--process_id={i}", "--distributed_timeout_s=60"], cwd=REPO, env=env(2),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+def finish(procs):
+    """Wait for both; process 0's stdout."""
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+        outs.append(out)
+    return outs[0]
+
+
+def test_two_processes_killed_resume_bit_identical(tmp_path):
+    """Both processes of a run killed with SIGKILL after its checkpoint of round >= 6 (of 12);
+    the same two commands again resume it from the checkpoint, and the outputs equal those of
+    an uninterrupted two-process run bit for bit."""
+    whole = str(tmp_path / "whole")
+    finish(start_pair(whole, free_port()))
+    out = str(tmp_path / "run")
+    procs = start_pair(out, free_port())
+    ckpts = os.path.join(out, "checkpoints")
+    deadline = time.time() + 300
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        done = [int(n) for n in os.listdir(ckpts) if n.isdigit()] if os.path.isdir(ckpts) else []
+        if done and max(done) >= 6:
+            for p in procs:
+                p.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    for p in procs:
+        p.communicate(timeout=60)
+        assert p.returncode == -signal.SIGKILL
+    assert not os.path.exists(os.path.join(out, "summary.json"))
+    assert "resuming" in finish(start_pair(out, free_port()))
+    assert records(out) == records(whole)
+    for name in ("rounds.npz", "clients.npz", "clients_history.npz"):
+        with np.load(os.path.join(out, name)) as a, np.load(os.path.join(whole, name)) as b:
+            assert sorted(a.files) == sorted(b.files)
+            for k in a.files:
+                np.testing.assert_array_equal(a[k], b[k], err_msg=f"{name}:{k}")

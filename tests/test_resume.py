@@ -196,3 +196,31 @@ def test_checkpoint_of_two_devices_resumes_on_one(uninterrupted, tmp_path):
     for x, y in zip(a, b):
         np.testing.assert_allclose(x["test_error_mean"], y["test_error_mean"], rtol=1e-5)
         np.testing.assert_allclose(x["train_loss_mean"], y["train_loss_mean"], rtol=1e-5)
+
+
+def test_killed_before_its_first_checkpoint_starts_afresh(uninterrupted, tmp_path):
+    """README, Long runs: a run killed with SIGKILL before its first timed checkpoint (the
+    default --checkpoint_every_s) has nothing to resume from; the same command starts it
+    afresh, saying so in one line, and ends as an uninterrupted run. A finished run is never
+    clobbered."""
+    out = str(tmp_path / "run")
+    timed = ("--checkpoint_every=0", "--checkpoint_every_s=120")
+    proc = subprocess.Popen(command(out, *timed), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None and not os.path.exists(metrics):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert os.path.exists(metrics) and saved_rounds(out) == []
+    again = run(out, *timed)
+    assert again.returncode == 0, again.stderr
+    assert "stopped before its first checkpoint; starting it afresh" in again.stdout
+    assert "resuming" not in again.stdout
+    assert_same_outputs(out, uninterrupted["deltafl"])
+    before = open(metrics).read()
+    finished = run(out, *timed)
+    assert finished.returncode == 2 and "already holds results" in finished.stderr
+    assert open(metrics).read() == before

@@ -395,8 +395,7 @@ def test_an_option_no_spec_declares_is_one_line_and_other_specs_options_are_igno
 
 
 def test_the_resume_fingerprint_names_a_changed_option_by_its_flag(tiny_synthetic):
-    from deltafl_jax.run.checkpoint import fingerprint_diff
-    from deltafl_jax.run.resume import fingerprint
+    from deltafl_jax.run.resume import fingerprint, fingerprint_diff
 
     plain = fingerprint(tiny_config(), tiny_synthetic)
     assert plain["filter"] == "exact" and "options" not in plain

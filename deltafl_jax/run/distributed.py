@@ -4,7 +4,9 @@
 this process's id are detected by JAX; elsewhere they are given explicitly. Every process then
 builds the same mesh over all processes' devices, the same data and the same round plans from
 the seeds (:func:`check_same_plan` verifies it at start-up), and runs the same rounds; only
-process 0 writes outputs. A process that cannot reach the coordinator within the timeout, or a
+process 0 writes outputs. Checkpoints are collective: every process saves and restores them in
+process 0's ``<output_dir>/checkpoints`` (:func:`primary_output_dir`; a filesystem they all see),
+and decides when to save, and whether to stop, as the others do (:func:`any_process`). A process that cannot reach the coordinator within the timeout, or a
 peer that dies, ends the run with an error instead of a hang.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import socket
 import time
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import jax
 import numpy as np
@@ -80,3 +82,36 @@ def check_same_plan(exp, fingerprint) -> None:
     if differ:
         raise ConfigError(f"process(es) {differ} built other settings, data or round plans than "
                           f"process 0; run the same command and data on every process")
+
+
+def primary_output_dir(output_dir: Optional[str]) -> Optional[str]:
+    """Process 0's output dir, on every process (collective with several processes)."""
+    if jax.process_count() == 1:
+        return output_dir
+    from jax.experimental import multihost_utils
+    text = (output_dir or "").encode("utf-8")
+    if len(text) > _PATH_BYTES:
+        raise ConfigError(f"--output_dir is longer than {_PATH_BYTES} bytes")
+    buffer = np.zeros(_PATH_BYTES + 1, np.uint8)
+    buffer[:len(text)], buffer[-1] = np.frombuffer(text, np.uint8), len(text) > 0
+    got = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+    return bytes(got[:-1]).rstrip(b"\0").decode("utf-8") if got[-1] else None
+
+
+_PATH_BYTES = 4096
+
+
+def any_process(flags: Sequence[bool]) -> List[bool]:
+    """Each flag, true when it is true on any process (collective)."""
+    if jax.process_count() == 1:
+        return [bool(f) for f in flags]
+    from jax.experimental import multihost_utils
+    every = np.asarray(multihost_utils.process_allgather(np.asarray(flags, np.int32)))
+    return [bool(f) for f in every.reshape(-1, len(flags)).any(axis=0)]
+
+
+def barrier(name: str) -> None:
+    """Wait until every process gets here (nothing to do with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)

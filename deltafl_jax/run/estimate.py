@@ -294,14 +294,14 @@ def estimate_run(config: ExperimentConfig, data: Optional[FederatedDataset] = No
     t0 = time.perf_counter()
     data = data if data is not None else load_dataset(config.data)
     exp = build_experiment(config, data, replicas)
-    fp = resume.fingerprint(config, exp.data)   # the runner hashes the data before its rounds
+    fingerprint = resume.fingerprint(config, exp.data)   # the runner hashes the data before its rounds
     build_s = time.perf_counter() - t0 + load_s
     with tempfile.TemporaryDirectory(prefix="deltafl_estimate_") as scratch:
         # The run's own callbacks but the progress lines, writing into a scratch directory
         # (never config.output_dir); no checkpoints (they are written in the background).
         recorder = Recorder()
         cbs = standard_callbacks(dataclasses.replace(config, output_dir=scratch, verbose=False),
-                                 exp, lambda line: None, recorder, None, fp)
+                                 exp, lambda line: None, recorder, None, fingerprint)
         return measure(exp, build_s, timed_rounds, log, min_seconds=min_seconds,
                        callbacks=[recorder, *cbs], output_dir=scratch)
 

@@ -16,6 +16,10 @@ kept and applied at :meth:`on_run_start`. The previous handlers are restored on 
 :meth:`on_run_end` when used only as a callback). Signal handlers can only be installed from the
 main thread; elsewhere this does nothing.
 
+``defer=True`` (runs of several processes, which must all stop after the same round): the
+handler only records the signal, and :meth:`on_round_end` requests the stop, at a point of the
+round where the checkpoint callback (after this one) makes every process agree on it.
+
 The handler runs in the main thread between two bytecodes, possibly in the middle of a round's
 host code; it touches nothing but two attributes and writes its line with ``os.write``, which
 is safe there (``print`` could re-enter a stream that is being written).
@@ -42,9 +46,11 @@ class Preemption(Callback):
       run: the RunContext it stops (set by :meth:`on_run_start`, or given).
     """
 
-    def __init__(self, run: Optional[RunContext] = None, signals: Sequence[int] = SIGNALS):
+    def __init__(self, run: Optional[RunContext] = None, signals: Sequence[int] = SIGNALS,
+                 defer: bool = False):
         self.run = run
         self.signals = tuple(signals)
+        self.defer = defer
         self.signum: Optional[int] = None
         self._previous = {}
         self._installed = False
@@ -91,7 +97,8 @@ class Preemption(Callback):
                 raise KeyboardInterrupt
             return
         self.signum = signum
-        self._request(self.run)
+        if not self.defer:
+            self._request(self.run)
         name = signal.Signals(signum).name
         more = " (Ctrl-C again to abort at once)" if signal.SIGINT in self.signals else ""
         line = (f"deltafl_jax: {name} received: finishing this round, saving a checkpoint, "
@@ -111,6 +118,9 @@ class Preemption(Callback):
     def on_run_start(self, run: RunContext) -> None:
         self.run = run
         self.install()
+        self._request(run)
+
+    def on_round_end(self, run: RunContext, round: int, metrics) -> None:
         self._request(run)
 
     def on_run_end(self, run: RunContext, result) -> None:

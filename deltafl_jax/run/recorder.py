@@ -2,8 +2,9 @@
 
 It is the first callback of every run (:func:`deltafl_jax.run.loop.run_rounds`): it keeps the
 per-round metrics [rounds, R], the per-client arrays of every evaluation [E, R, N] and the
-metrics records, and builds the :class:`RunResult`. Its :meth:`Recorder.host_state` is what a
-checkpoint saves so that a resumed run ends with the same outputs as an uninterrupted one.
+metrics records, and builds the :class:`RunResult`. A resumed run continues them from the output
+files (:meth:`Recorder.resume`, :mod:`deltafl_jax.run.resume`), so that it ends with the same
+outputs as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -83,31 +84,25 @@ class Recorder(Callback):
             self.client_history.setdefault(k, []).append(v.astype(np.float32))
         self.history.extend(evaluation.records)
 
-    def host_state(self) -> Dict[str, Any]:
-        """Everything needed to continue the histories after a restore (NumPy and JSON)."""
-        last = self.last
-        return {"per_round": {k: np.stack(v) for k, v in self.per_round.items()},
-                "client_history": {k: np.stack(v) if k != "rounds" else np.asarray(v, np.int64)
-                                   for k, v in self.client_history.items() if len(v)},
-                "history": list(self.history), "rounds_done": self.rounds_done,
-                "last": None if last is None else {
-                    "round": last.round, "per_client": dict(last.per_client),
-                    "summary": dict(last.summary)}}
+    def per_round_arrays(self) -> Dict[str, np.ndarray]:
+        """metric -> [rounds, R]: every round so far (what rounds.npz holds)."""
+        return {k: np.stack(v) for k, v in self.per_round.items()}
 
-    def load_host_state(self, host: Dict[str, Any]) -> None:
-        """Continue from a checkpoint's :meth:`host_state`."""
-        self.per_round = {k: list(np.asarray(v)) for k, v in host["per_round"].items()}
-        self.client_history = {k: list(np.asarray(v)) for k, v in host["client_history"].items()}
-        self.client_history["rounds"] = [int(t) for t in self.client_history.get("rounds", [])]
-        self.history = list(host["history"])
-        self.rounds_done = int(host["rounds_done"])
-        last = host.get("last")
-        if last:
-            self.last = Evaluation(round=int(last["round"]),
-                                   per_client={k: np.asarray(v)
-                                               for k, v in last["per_client"].items()},
-                                   summary={k: np.asarray(v) for k, v in last["summary"].items()},
-                                   records=[], elapsed_s=0.0)
+    def client_history_arrays(self) -> Dict[str, np.ndarray]:
+        """"rounds" [E] and the per-client arrays [E, R, N] of every evaluation so far (what
+        clients_history.npz holds)."""
+        return {k: np.stack(v) if k != "rounds" else np.asarray(v)
+                for k, v in self.client_history.items() if len(v) or k == "rounds"}
+
+    def resume(self, found) -> None:
+        """Continue the histories of a :class:`deltafl_jax.run.resume.Resume` (read back from
+        the output files); the last evaluation is set by :meth:`on_evaluation`, when the
+        resumed run has none left to do, by the runner."""
+        self.per_round = {k: list(v) for k, v in found.per_round.items()}
+        self.client_history = {k: list(v) for k, v in found.client_history.items()}
+        self.client_history["rounds"] = [int(t) for t in found.client_history["rounds"]]
+        self.history = list(found.records)
+        self.rounds_done = int(found.round)
 
     def result(self, run: RunContext) -> RunResult:
         exp = run.experiment
@@ -119,10 +114,9 @@ class Recorder(Callback):
         return RunResult(
             final=final, history=self.history, state=run.state,
             summary=_summary(exp, final, total_s, self.first_round_s, self.build_s),
-            per_round={k: np.stack(v) for k, v in self.per_round.items()},
+            per_round=self.per_round_arrays(),
             per_client=None if last is None else last.per_client,
-            client_history={k: np.stack(v) if k != "rounds" else np.asarray(v)
-                            for k, v in self.client_history.items() if len(v) or k == "rounds"},
+            client_history=self.client_history_arrays(),
             served=tree_to_host(exp.served_params(run.state)),
             rounds_done=self.rounds_done, stopped=run.stop_requested,
             stop_reason=run.stop_reason)
