@@ -80,8 +80,9 @@ class Recorder(Callback):
     def on_evaluation(self, run: RunContext, evaluation: Evaluation) -> None:
         self.last = evaluation
         self.client_history["rounds"].append(evaluation.round)
-        for k, v in evaluation.per_client.items():
-            self.client_history.setdefault(k, []).append(v.astype(np.float32))
+        for k, v in evaluation.per_client.items():   # a sample's client ids stay integers
+            kept = v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v
+            self.client_history.setdefault(k, []).append(kept)
         self.history.extend(evaluation.records)
 
     def per_round_arrays(self) -> Dict[str, np.ndarray]:

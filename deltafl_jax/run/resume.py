@@ -19,6 +19,7 @@ import json
 from typing import Any, Dict, List, Mapping, Optional
 
 import jax
+import numpy as np
 
 from deltafl_jax import outputs
 from deltafl_jax.algorithms import registry
