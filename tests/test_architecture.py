@@ -3,9 +3,12 @@ functions count too), no reach into the command line or the benchmarks, short fu
 no private name used across modules."""
 
 import ast
+import dataclasses
 import os
 
 import pytest
+
+from deltafl_jax.run import callbacks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "deltafl_jax")
@@ -227,3 +230,20 @@ def test_nothing_outside_the_algorithms_tests_an_algorithm_name():
             found += name_tests(f.read(), names, os.path.relpath(path, ROOT))
     assert not found, ("an algorithm's name is tested outside deltafl_jax/algorithms/; make "
                        "the decision an attribute of its spec:\n" + "\n".join(found))
+
+
+def _defines_callback(tree):
+    return any(isinstance(n, ast.ClassDef) and any(ast.unparse(b) == "Callback" for b in n.bases)
+               for n in ast.walk(tree))
+
+
+def test_callbacks_see_the_run_view_not_the_experiment():
+    """A module that defines a Callback reads the run through RunContext.view (labels, facts,
+    evaluate, served parameters), never the Experiment itself."""
+    with_callbacks = [name for name, (_, tree) in MODULES.items() if _defines_callback(tree)]
+    assert len(with_callbacks) >= 6   # progress, writer, divergence, tensorboard, ...
+    bad = [name for name in with_callbacks
+           for module, _ in imported(MODULES[name][1]) if module == "deltafl_jax.run.experiment"]
+    assert bad == [], f"callback modules importing the Experiment: {bad}"
+    fields = {f.name for f in dataclasses.fields(callbacks.RunContext)}
+    assert "experiment" not in fields and "view" in fields

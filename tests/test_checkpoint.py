@@ -277,7 +277,7 @@ def test_checkpoint_callback_saves_every_n_rounds_on_stop_and_at_the_end(tmp_pat
     history, written = [], []   # written: what before_save saw (the runner writes the files)
     callback = CheckpointCallback(checkpointer, FINGERPRINT, every=3, every_s=0,
                                   before_save=lambda r: written.append((r, list(history))))
-    run = RunContext(experiment=None, num_rounds=10)
+    run = RunContext(view=None, num_rounds=10)
     callback.on_run_start(run)
     for r in range(1, 11):
         run.state = make_state(r)
@@ -297,7 +297,7 @@ def test_checkpoint_callback_saves_every_n_rounds_on_stop_and_at_the_end(tmp_pat
     callback = CheckpointCallback(checkpointer, FINGERPRINT, every=3, every_s=0,
                                   evaluated=lambda r: r % 9 == 0,
                                   before_save=lambda r: written.append((r, list(history))))
-    run = RunContext(experiment=None, num_rounds=10, start_round=5)
+    run = RunContext(view=None, num_rounds=10, start_round=5)
     callback.on_run_start(run)
     for r in range(6, 11):
         run.state = make_state(r)
@@ -322,7 +322,7 @@ def test_first_timed_checkpoint_comes_early_then_every_s(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt, "FIRST_CHECKPOINT_S", 0.2)
     with Checkpointer(str(tmp_path), async_save=False) as checkpointer:
         callback = CheckpointCallback(checkpointer, FINGERPRINT, every=0, every_s=60)
-        run = RunContext(experiment=None, num_rounds=4)
+        run = RunContext(view=None, num_rounds=4)
         callback.on_run_start(run)
         for r in range(1, 5):
             if r in (1, 3):   # the first round (it compiles), then past the first interval
@@ -346,7 +346,7 @@ def test_processes_agree_on_saves_and_stops(tmp_path):
 
     with Checkpointer(str(tmp_path), async_save=False) as checkpointer:
         callback = CheckpointCallback(checkpointer, FINGERPRINT, every=0, every_s=0, agree=agree)
-        run = RunContext(experiment=None, num_rounds=9)
+        run = RunContext(view=None, num_rounds=9)
         callback.on_run_start(run)
         for r in range(1, 10):
             run.state = make_state(r)
@@ -360,7 +360,7 @@ def test_processes_agree_on_saves_and_stops(tmp_path):
 
 def test_preemption_sets_the_stop_flag_and_restores_the_handlers():
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    run = RunContext(experiment=None, num_rounds=3)
+    run = RunContext(view=None, num_rounds=3)
     with Preemption() as preemption:
         preemption.on_run_start(run)
         assert signal.getsignal(signal.SIGTERM) == preemption._handle
@@ -377,7 +377,7 @@ def test_preemption_sets_the_stop_flag_and_restores_the_handlers():
 
 
 def test_a_signal_before_the_run_starts_is_applied_at_run_start():
-    run = RunContext(experiment=None, num_rounds=3)
+    run = RunContext(view=None, num_rounds=3)
     with Preemption() as preemption:
         os.kill(os.getpid(), signal.SIGINT)
         assert preemption.signum == signal.SIGINT and not run.stop_requested
@@ -437,7 +437,7 @@ def test_histories_are_read_back_from_the_output_files_cut_back_to_the_checkpoin
 
 
 def test_deferred_preemption_requests_the_stop_at_the_round_end():
-    run = RunContext(experiment=None, num_rounds=3)
+    run = RunContext(view=None, num_rounds=3)
     with Preemption(defer=True) as preemption:
         preemption.on_run_start(run)
         os.kill(os.getpid(), signal.SIGTERM)

@@ -32,9 +32,9 @@ def _summary(with_ci=True):
 
 
 def _run_context(loss_kind="cross_entropy"):
-    exp = types.SimpleNamespace(model=types.SimpleNamespace(loss_kind=loss_kind),
-                                replicas=types.SimpleNamespace(labels=LABELS))
-    return RunContext(experiment=exp, num_rounds=10)
+    view = types.SimpleNamespace(facts=types.SimpleNamespace(classify=loss_kind != "squared"),
+                                 labels=LABELS)
+    return RunContext(view=view, num_rounds=10)
 
 
 def test_progress_line_shows_the_p90_interval():

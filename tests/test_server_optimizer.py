@@ -171,7 +171,7 @@ def test_the_start_line_names_the_server_optimizer(tiny_synthetic):
     lines = []
     cfg = tiny_config(thetas=(0.5,), server_optimizer="yogi", server_lr=(0.02,))
     exp = build_experiment(cfg, tiny_synthetic)
-    Progress(lines.append, bar=False).on_run_start(RunContext(experiment=exp, num_rounds=1))
+    Progress(lines.append, bar=False).on_run_start(RunContext(view=exp.view(), num_rounds=1))
     assert ("with server Yogi, server_lr=0.02, server_beta1=0.9, server_beta2=0.99, "
             "server_eps=0.001") in lines[0]
 

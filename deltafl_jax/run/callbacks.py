@@ -9,7 +9,7 @@ checkpoints, multi-host writing. Callbacks see host (NumPy) values and the lates
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -32,11 +32,52 @@ class Evaluation:
     elapsed_s: float
 
 
+@dataclasses.dataclass(frozen=True)
+class RunFacts:
+    """What a run is, in the terms its progress lines and summary.json state: the dataset
+    (name, Table 1 statistics, client counts), the model (name; classify: its errors are
+    misclassification rates, not losses), the settings, m, the lanes and evaluation chunk, the
+    backend, the start-up placement line, and the privacy ledger of a private run."""
+
+    dataset: str
+    dataset_stats: Dict[str, Any]
+    train_clients: int
+    test_clients: int
+    model: str
+    classify: bool
+    config: Any
+    num_sampled: int
+    lanes: int
+    eval_chunk: int
+    backend: str
+    placement_line: str
+    accounting: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunView:
+    """What callbacks see of the experiment: the replicas' labels, the run's facts, and the
+    functions that serve, evaluate and summarise a state's models (and build w_0).
+
+    evaluate(params, round) -> per-client arrays (:class:`Evaluation`); summarize(per_client)
+    -> metric name -> [R]; served_params(state) -> the models evaluated and saved [R, ...];
+    initial_state() -> the round state at w_0.
+    """
+
+    labels: Sequence[Any]
+    facts: RunFacts
+    evaluate: Callable[..., Dict[str, np.ndarray]]
+    summarize: Callable[[Dict[str, np.ndarray]], Dict[str, np.ndarray]]
+    served_params: Callable[[Any], Any]
+    initial_state: Callable[[], Any]
+
+
 @dataclasses.dataclass
 class RunContext:
-    """What callbacks may read: the experiment, the rounds, and the latest state.
+    """What callbacks may read: a narrow view of the experiment, the rounds, and the latest
+    state.
 
-    experiment: the built :class:`deltafl_jax.run.experiment.Experiment`.
+    view: the :class:`RunView` of the experiment.
     num_rounds: T. start_round: rounds already done when this process started (resume).
     state: the latest ServerState (device arrays; do not keep references across rounds,
       the round donates its buffers). A callback may replace it with a ServerState of the
@@ -45,7 +86,7 @@ class RunContext:
     stop_requested: a callback sets it to end the run after the current round.
     """
 
-    experiment: Any
+    view: Optional[RunView]
     num_rounds: int
     start_round: int = 0
     state: Any = None

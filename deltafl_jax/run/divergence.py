@@ -27,13 +27,14 @@ class StopOnDivergence(Callback):
         self.diverged: Dict[str, int] = {}
 
     def on_run_start(self, run: RunContext) -> None:
-        exp = run.experiment
-        first = exp.initial_state()   # w_0 from the seeds, also when resuming
-        self.initial = exp.summarize(exp.evaluate(exp.served_params(first)))["train_loss_mean"]
+        view = run.view
+        first = view.initial_state()   # w_0 from the seeds, also when resuming
+        self.initial = view.summarize(view.evaluate(view.served_params(first), 0))[
+            "train_loss_mean"]
         active = run.state.active
         if active is not None:
             for r in np.flatnonzero(~np.asarray(active)):
-                self.diverged.setdefault(exp.replicas.labels[r].key(), run.start_round)
+                self.diverged.setdefault(view.labels[r].key(), run.start_round)
 
     def on_evaluation(self, run: RunContext, evaluation: Evaluation) -> None:
         loss = evaluation.summary["train_loss_mean"]
@@ -44,7 +45,7 @@ class StopOnDivergence(Callback):
         newly = bad & active
         if not newly.any():
             return
-        labels = run.experiment.replicas.labels
+        labels = run.view.labels
         for r in np.flatnonzero(newly):
             self.diverged[labels[r].key()] = evaluation.round
         run.state = state.replace(active=jnp.asarray(active & ~newly))

@@ -22,7 +22,7 @@ evaluation of every replica on all training and test clients, after its compilat
 Device memory: the peak that the backend reports (``memory_stats()['peak_bytes_in_use']``,
 the largest over the run's devices) where it reports one; on XLA:CPU, which does not, the
 start-up footprint the engine computes for its memory check
-(:func:`deltafl_jax.run.experiment.footprint`).
+(:func:`deltafl_jax.run.placement.footprint`).
 
 Nothing is written to the run's output directory: it is neither created nor read. The timed
 rounds run on a scratch state, with the run's own callbacks (the recorder, metrics.jsonl,
@@ -258,7 +258,7 @@ def measure(exp: Experiment, build_s: float = 0.0, timed_rounds: int = DEFAULT_T
     tree_to_host(metrics)
     log(f"estimate: round compiled in {compile_round:.1f} s; timing at least {timed_rounds} "
         f"rounds ({min_seconds:g} s) ...")
-    run = RunContext(experiment=exp, num_rounds=T, state=state, output_dir=output_dir)
+    run = RunContext(view=exp.view(), num_rounds=T, state=state, output_dir=output_dir)
     for cb in callbacks:
         cb.on_run_start(run)
     state, metrics, trips, work, round_s = _time_rounds(exp, compiled, state, keys, indices,

@@ -33,6 +33,7 @@ from deltafl_jax.models import Model, ModelOptions, build_model, default_conv_im
 from deltafl_jax.privacy import UPDATE_RELEASE, Accounting
 from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import placement as placement_lib
+from deltafl_jax.run.callbacks import RunFacts, RunView
 from deltafl_jax.run.client_store import ClientStore
 from deltafl_jax.run.placement import Footprint, Placement, check_memory, footprint, placement
 
@@ -147,6 +148,20 @@ class Experiment:
         return summarize(per_client["train_loss"], self.data.train.sizes,
                          per_client["test_error"], per_client["test_loss"], PERCENTILES,
                          method)
+
+    def view(self) -> RunView:
+        """The narrow view that callbacks get (:class:`deltafl_jax.run.callbacks.RunView`)."""
+        data = self.data
+        facts = RunFacts(
+            dataset=data.name, dataset_stats=data.stats(),
+            train_clients=data.train.num_clients, test_clients=data.test.num_clients,
+            model=self.model.name, classify=self.model.loss_kind != "squared",
+            config=self.config, num_sampled=self.num_sampled, lanes=self.lanes,
+            eval_chunk=self.eval_chunk, backend=self.backend,
+            placement_line=placement_line(self), accounting=self.accounting)
+        return RunView(labels=tuple(self.replicas.labels), facts=facts, evaluate=self.evaluate,
+                       summarize=self.summarize, served_params=self.served_params,
+                       initial_state=self.initial_state)
 
     @functools.cached_property
     def _sampler(self) -> EvalSampler:

@@ -64,7 +64,7 @@ def run_rounds(exp, state, callbacks: Sequence[Callback] = (), start_round: int 
     T = exp.config.num_rounds
     recorder = recorder if recorder is not None else Recorder()
     callbacks = [recorder, *callbacks]
-    run = RunContext(experiment=exp, num_rounds=T, start_round=start_round, state=state,
+    run = RunContext(view=exp.view(), num_rounds=T, start_round=start_round, state=state,
                      output_dir=output_dir)
     _emit(callbacks, "on_run_start", run)
     keys = exp.keys()

@@ -20,7 +20,6 @@ import numpy as np
 
 from deltafl_jax.replicas import labels_by_group
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
-from deltafl_jax.run.experiment import placement_line
 
 
 def _groups(labels):
@@ -46,10 +45,9 @@ def interval_text(summary, key: str, rows, scale: float = 1.0, digits: int = 1) 
 
 
 def evaluation_line(run: RunContext, ev: Evaluation) -> str:
-    exp = run.experiment
-    classify = exp.model.loss_kind != "squared"
+    classify = run.view.facts.classify
     parts = []
-    for name, rs in _groups(exp.replicas.labels):
+    for name, rs in _groups(run.view.labels):
         loss = np.mean(ev.summary["train_loss_mean"][rs])
         err, p90 = (np.mean(ev.summary[k][rs]) for k in ("test_error_mean", "test_error_p90"))
         tail = (f"test err mean {100 * err:.1f}% p90 {100 * p90:.1f}%"
@@ -107,20 +105,20 @@ class Progress(Callback):
 
     def on_run_start(self, run: RunContext) -> None:
         self._t0 = time.perf_counter()
-        exp = run.experiment
-        data = exp.data
-        server = ("" if exp.config.server.is_default
-                  else f" with server {exp.config.server.describe()}")
-        self.log(f"deltafl_jax: {data.name} ({data.train.num_clients} train / "
-                 f"{data.test.num_clients} test clients), model {exp.model.name}, "
-                 f"{exp.config.algorithm}{server}, {exp.replicas.size} replicas "
-                 f"({len(exp.config.seeds)} seeds), m={exp.num_sampled}, {exp.lanes} client "
-                 f"lane(s) per step, backend {exp.backend}")
-        self.log(placement_line(exp))
-        if getattr(exp, "accounting", None) is not None:
-            acc = exp.accounting
+        facts = run.view.facts
+        config = facts.config
+        server = ("" if config.server.is_default
+                  else f" with server {config.server.describe()}")
+        self.log(f"deltafl_jax: {facts.dataset} ({facts.train_clients} train / "
+                 f"{facts.test_clients} test clients), model {facts.model}, "
+                 f"{config.algorithm}{server}, {len(run.view.labels)} replicas "
+                 f"({len(config.seeds)} seeds), m={facts.num_sampled}, {facts.lanes} client "
+                 f"lane(s) per step, backend {facts.backend}")
+        self.log(facts.placement_line)
+        if facts.accounting is not None:
+            acc = facts.accounting
             zs = ", ".join(f"{z:.4g}" for z in dict.fromkeys(acc.noise))
-            self.log(f"privacy: clip C={exp.config.dp_clip:g}, noise multiplier z = {zs}; "
+            self.log(f"privacy: clip C={config.dp_clip:g}, noise multiplier z = {zs}; "
                      f"epsilon at delta={acc.delta:.3g} for m={acc.m} of {acc.population} "
                      f"clients a round (sampled without replacement, replace-one)")
         if run.start_round:
@@ -150,7 +148,7 @@ class Progress(Callback):
         s = evaluation.summary["train_loss_mean"]
         bad = [r for r in range(s.shape[0]) if not np.isfinite(s[r])]
         if bad:
-            labels = run.experiment.replicas.labels
+            labels = run.view.labels
             self.log(f"warning: the training loss of {len(bad)} replica(s) is not finite "
                      f"({', '.join(labels[r].key() for r in bad)})")
 
@@ -158,10 +156,9 @@ class Progress(Callback):
         self._clear_bar()
         if result.stopped or not result.final:
             return
-        exp = run.experiment
         self.log("\n".join(["Final per-client test error (mean over seeds):"]
-                           + closing_table(result, exp.replicas.labels,
-                                           exp.model.loss_kind != "squared")))
+                           + closing_table(result, run.view.labels,
+                                           run.view.facts.classify)))
         if run.output_dir:
             self.log(f"results in {run.output_dir} (metrics.jsonl, summary.json, rounds.npz, "
                      f"clients.npz, models/); report: python -m experiments.report "

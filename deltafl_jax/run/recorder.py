@@ -106,37 +106,37 @@ class Recorder(Callback):
         self.rounds_done = int(found.round)
 
     def result(self, run: RunContext) -> RunResult:
-        exp = run.experiment
+        view = run.view
         last = self.last
         final = {} if last is None else {
             lab.key(): {k: float(v[r]) for k, v in last.summary.items()}
-            for r, lab in enumerate(exp.replicas.labels)}
+            for r, lab in enumerate(view.labels)}
         total_s = time.perf_counter() - self._t0 if self._t0 is not None else 0.0
         return RunResult(
             final=final, history=self.history, state=run.state,
-            summary=_summary(exp, final, total_s, self.first_round_s, self.build_s),
+            summary=_summary(view, final, total_s, self.first_round_s, self.build_s),
             per_round=self.per_round_arrays(),
             per_client=None if last is None else last.per_client,
             client_history=self.client_history_arrays(),
-            served=tree_to_host(exp.served_params(run.state)),
+            served=tree_to_host(view.served_params(run.state)),
             rounds_done=self.rounds_done, stopped=run.stop_requested,
             stop_reason=run.stop_reason)
 
 
-def _summary(exp, final, total_s, first_round_s, build_s) -> Dict[str, Any]:
-    data, config = exp.data, exp.config
+def _summary(view, final, total_s, first_round_s, build_s) -> Dict[str, Any]:
+    facts = view.facts
     return {
-        "config": dataclasses.asdict(config),
-        "dataset": {"name": data.name, **data.stats()},
-        "model": exp.model.name,
-        "replicas": [lab.to_json() for lab in exp.replicas.labels],
-        "clients_per_round": exp.num_sampled,
-        "clients_per_step": exp.lanes,
-        "eval_chunk": exp.eval_chunk,
+        "config": dataclasses.asdict(facts.config),
+        "dataset": {"name": facts.dataset, **facts.dataset_stats},
+        "model": facts.model,
+        "replicas": [lab.to_json() for lab in view.labels],
+        "clients_per_round": facts.num_sampled,
+        "clients_per_step": facts.lanes,
+        "eval_chunk": facts.eval_chunk,
         "backend": jax.default_backend(),
         "timing": {"total_s": total_s, "first_round_s_incl_compile": first_round_s,
                    "build_s": build_s},
         "final": final,
-        **({"privacy": exp.accounting.describe(exp.replicas.labels)}
-           if getattr(exp, "accounting", None) is not None else {}),
+        **({"privacy": facts.accounting.describe(view.labels)}
+           if facts.accounting is not None else {}),
     }

@@ -81,7 +81,7 @@ def standard_callbacks(config, exp, log, recorder, checkpointer, fingerprint) ->
     if config.verbose and distributed.is_primary():
         cbs.append(Progress(log))
     if out:
-        cbs.append(OutputWriter(out, config.save_models))
+        cbs.append(OutputWriter(out, exp.model, exp.model_options, exp.data, config.save_models))
         if config.tensorboard or (config.tensorboard is None and tensorboard.available()):
             cbs.append(tensorboard.TensorBoard(out))
     if checkpointer is not None:

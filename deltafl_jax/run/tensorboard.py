@@ -36,7 +36,7 @@ class TensorBoard(Callback):
 
     def on_run_start(self, run: RunContext) -> None:
         from tensorboardX import SummaryWriter
-        for r, lab in enumerate(run.experiment.replicas.labels):
+        for r, lab in enumerate(run.view.labels):
             self.writers[r] = SummaryWriter(os.path.join(self.root, lab.key()))
 
     def on_round_end(self, run: RunContext, round: int, metrics) -> None:

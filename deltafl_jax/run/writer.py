@@ -11,8 +11,11 @@ from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
 class OutputWriter(Callback):
     """Writes every file of `output_dir` (only on the process that owns the outputs)."""
 
-    def __init__(self, output_dir: str, save_models: bool = True):
+    def __init__(self, output_dir: str, model, model_options, data, save_models: bool = True):
+        """`model`, `model_options` and `data` describe the saved models (models/index.json)
+        and the clients of clients.npz."""
         self.writer = outputs.RunWriter(output_dir)
+        self.model, self.model_options, self.data = model, model_options, data
         self.save_models = save_models
 
     def on_evaluation(self, run: RunContext, evaluation: Evaluation) -> None:
@@ -21,12 +24,11 @@ class OutputWriter(Callback):
     def on_run_end(self, run: RunContext, result) -> None:
         if result.stopped:
             return  # an interrupted run leaves metrics.jsonl and its checkpoint only
-        exp = run.experiment
-        labels = exp.replicas.labels
+        labels = run.view.labels
         self.writer.write_rounds(result.per_round, labels)
         self.writer.write_clients_history(result.client_history)
-        self.writer.write_clients(result.per_client, exp.data, labels)
+        self.writer.write_clients(result.per_client, self.data, labels)
         if self.save_models:
-            self.writer.save_models(result.served, labels, exp.model,
-                                    exp.model_options, exp.data)
+            self.writer.save_models(result.served, labels, self.model, self.model_options,
+                                    self.data)
         self.writer.write_summary(result.summary)
