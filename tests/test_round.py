@@ -85,9 +85,20 @@ def test_dropped_clients_do_no_local_work(tiny_synthetic):
     kept = int(met["kept_examples"][0])
     assert kept < int(np.sum(sizes))          # the filter dropped someone
     assert int(met["train_real_examples"]) == kept   # and only the kept trained
-    # One lane, one epoch: the only padding is each kept client's last partial batch.
-    steps_kept = int(met["train_trips"])
-    assert int(met["train_padded_examples"]) == steps_kept * cfg.batch_size
+    # One lane, one epoch: each kept client makes ceil(n_k / B) trips, its last batch padded.
+    # The kept set comes from the NumPy round, run independently from the same start.
+    xs, ys = client_lists(tiny_synthetic.train)
+    W, b = np.zeros((60, 10)), np.zeros(10)
+    W, b, _, _ = delta_fl_round(W, b, xs, ys, 1, 0, cfg.clients_per_round, 0.3, "exact",
+                                cfg.learning_rate, 0.0, cfg.batch_size)
+    _, _, _, a = delta_fl_round(W, b, xs, ys, 1, 1, cfg.clients_per_round, 0.3, "exact",
+                                cfg.learning_rate, 0.0, cfg.batch_size)
+    chosen = plan_lib.sample_clients(1, 1, len(xs), cfg.clients_per_round)
+    kept_n = [len(ys[k]) for k, w in zip(chosen, a) if w > 0]
+    assert sum(kept_n) == kept
+    trips = sum(-(-n // cfg.batch_size) for n in kept_n)
+    assert int(met["train_trips"]) == trips
+    assert int(met["train_padded_examples"]) == trips * cfg.batch_size
 
 
 def test_theta_one_is_fedavg_bit_for_bit(tiny_synthetic):
