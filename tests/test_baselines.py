@@ -226,6 +226,21 @@ def test_q_sweep_equals_separate_runs(tiny_synthetic):
                 np.testing.assert_allclose(np.asarray(x)[r[0]], np.asarray(y)[s], atol=1e-6)
 
 
+def test_afl_qffl_is_qffl_at_q_ten_bit_for_bit(tiny_synthetic):
+    """afl_qffl is the papers' stand-in for AFL: q-FFL at q = 10, whatever --qffl_q says."""
+    proxy = build_experiment(tiny_config(algorithm="afl_qffl", thetas=(), seeds=(1, 2),
+                                         qffl_q=(0.5,), clients_per_step=2), tiny_synthetic)
+    q10 = build_experiment(tiny_config(algorithm="qffl", qffl_q=(10.0,), thetas=(), seeds=(1, 2),
+                                       clients_per_step=2), tiny_synthetic)
+    assert [lab.param_value for lab in proxy.replicas.labels] == [10.0, 10.0]
+    sp, hp = run_rounds(proxy, 3)
+    sq, hq = run_rounds(q10, 3)
+    assert leaves_equal(sp.params, sq.params)
+    assert max_abs_diff(sp.params, jax.tree.map(jnp.zeros_like, sp.params)) > 0  # it moved
+    for mp, mq in zip(hp, hq):
+        np.testing.assert_array_equal(mp["qffl_step"], mq["qffl_step"])
+
+
 # ----------------------------------------------------------------------------- AFL
 
 
