@@ -417,6 +417,41 @@ def test_load_runs_gives_tidy_rows_and_a_dataframe_only_with_pandas(runs, monkey
         report.load_runs(runs["delta"], kind="nope")
 
 
+def readme_notebook_snippet():
+    """The README's Python block that calls load_runs, as written."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    found = [b for b in blocks if "load_runs(" in b]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_the_readmes_load_runs_snippet_runs_as_written(runs, tmp_path, monkeypatch):
+    """The snippet needs pandas, which the README's install command (the test extra) brings;
+    it reads runs/synthetic relative to the working directory."""
+    code = readme_notebook_snippet()
+    assert 'load_runs("runs/synthetic")' in code and ".groupby(" in code
+    os.makedirs(tmp_path / "runs")
+    shutil.copytree(runs["delta"], tmp_path / "runs" / "synthetic")
+    monkeypatch.chdir(tmp_path)
+    lines = code.strip().splitlines()
+    scope = {}
+    exec("\n".join(lines[:-1]), scope)
+    got = eval(lines[-1], scope)                        # the cell's displayed value
+    import pandas
+    assert isinstance(scope["df"], pandas.DataFrame)
+    ref = reference_final(runs["delta"], "lower")
+    by_method = {"FedAvg": [], "Δ-FL, θ = 0.5": []}
+    for key, final in ref.items():
+        by_method["FedAvg" if key.startswith("theta=1_") else "Δ-FL, θ = 0.5"].append(
+            final["test_error_p90"])
+    assert sorted(got.index) == sorted(by_method)
+    for method, values in by_method.items():
+        assert got.loc[method, "mean"] == pytest.approx(np.mean(values), rel=1e-6)
+        assert got.loc[method, "std"] == pytest.approx(np.std(values, ddof=1), rel=1e-6)
+
+
 def test_column_names_follow_the_papers_tables():
     L = ReplicaLabel
     cases = [(L("deltafl", 1.0, 1), "exact", "FedAvg"),

@@ -13,7 +13,8 @@ import numpy as np
 
 from deltafl_jax.metrics import PERCENTILE_METHODS
 from deltafl_jax.report import figures
-from deltafl_jax.report.io import Run, tidy_rows, write_csv
+from deltafl_jax.report.io import Run
+from deltafl_jax.report.rows import tidy_rows, write_csv
 from deltafl_jax.report.tables import (BEST_NOTE, TABLES, Column, best_columns, columns,
                                        markdown_table, runs_table, settings)
 
