@@ -118,12 +118,15 @@ def test_runner_writes_one_run_per_seed_and_the_report_pools_them(source, cache,
     assert len(runs) == 4 and not skipped
     cols = columns(runs)
     assert sorted(len(c.seeds) for c in cols) == [2, 2, 2]   # FedAvg, theta 0.5, FedProx
+    # Two experiments share the row: each column names its own (the seeds' common dir).
+    assert sorted(c.label for c in cols) == ["FedAvg [deltafl]", "FedProx, μ = 0.1 [fedprox]",
+                                             "Δ-FL, θ = 0.5 [deltafl]"]
     rows, labels, got = table(cols, "test_error_p90", percent=True)
     assert len(rows) == 1
     for c in cols:
         alg = "fedprox" if c.label.startswith("FedProx") else "deltafl"
         key = "fedprox_mu=0.1" if alg == "fedprox" else (
-            "theta=1" if c.label == "FedAvg" else "theta=0.5")
+            "theta=1" if c.label.startswith("FedAvg ") else "theta=0.5")
         want = cells[(alg, key)]
         assert got[(rows[0], c.label)].mean == pytest.approx(100 * np.mean(want))
         assert got[(rows[0], c.label)].std == pytest.approx(100 * np.std(want))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -104,8 +105,8 @@ def columns(runs: Sequence["Run"]) -> List[Column]:
     """Every (setting, method) column over the runs.
 
     Runs with the same dataset, model and data settings share a row, so that several runs
-    (e.g. FedAvg and Delta-FL, or a baseline) sit side by side. Two columns of one row with the
-    same label (e.g. FedAvg from two runs) get the run's name appended.
+    (e.g. FedAvg and Delta-FL, or a baseline) sit side by side. In a row whose columns come
+    from several runs, every column gets its run's name appended ('Δ-FL, θ = 0.5 [run_a]').
     """
     # Rows: setting keys; two keys with the same display name get the run name appended.
     display: Dict[Tuple, str] = {}
@@ -127,10 +128,25 @@ def columns(runs: Sequence["Run"]) -> List[Column]:
             group[0].more = [(c.run, c.replicas) for c in group[1:]]
             group[0].seeds = [s for c in group for s in c.seeds]
             merged.update(id(c) for c in group[1:])
-        elif len(group) > 1:
-            for c in group:
-                c.label = f"{c.label} [{c.run.name}]"
-    return [c for c in cols if id(c) not in merged]
+    cols = [c for c in cols if id(c) not in merged]
+    # A row whose columns come from several runs names every column's run (the seeds' runs
+    # of one column count as one run, named by their common directory).
+    row_runs: Dict[str, set] = {}
+    for c in cols:
+        row_runs.setdefault(c.setting, set()).add(column_run_name(c))
+    for c in cols:
+        if len(row_runs[c.setting]) > 1:
+            c.label = f"{c.label} [{column_run_name(c)}]"
+    return cols
+
+
+def column_run_name(col: Column) -> str:
+    """The run a column comes from: its run's name, or, when each seed is its own run, the
+    name of the directory that holds them all."""
+    if not col.more:
+        return col.run.name
+    paths = [os.path.abspath(run.path) for run, _ in col.parts]
+    return os.path.basename(os.path.commonpath(paths)) or col.run.name
 
 
 def seed_groups_of_one_column(group: Sequence[Column]) -> bool:
