@@ -20,6 +20,10 @@ from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
 from deltafl_jax.run.experiment import placement_line
 
 
+def count(n: int, word: str) -> str:
+    """'1 seed', '3 seeds'."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
 def _groups(labels):
     """(display name of a swept value, replica indices of its seeds)."""
     out = []
@@ -89,9 +93,9 @@ class Progress(Callback):
                   else f" with server {exp.config.server.describe()}")
         self.log(f"deltafl_jax: {data.name} ({data.train.num_clients} train / "
                  f"{data.test.num_clients} test clients), model {exp.model.name}, "
-                 f"{exp.config.algorithm}{server}, {exp.replicas.size} replicas "
-                 f"({len(exp.config.seeds)} seeds), m={exp.num_sampled}, {exp.lanes} client "
-                 f"lane(s) per step, backend {exp.backend}")
+                 f"{exp.config.algorithm}{server}, {count(exp.replicas.size, 'replica')} "
+                 f"({count(len(exp.config.seeds), 'seed')}), m={exp.num_sampled}, "
+                 f"{count(exp.lanes, 'client lane')} per step, backend {exp.backend}")
         self.log(placement_line(exp))
         if getattr(exp, "accounting", None) is not None:
             acc = exp.accounting
