@@ -188,7 +188,6 @@ def test_method_entries_name_their_server_optimizer(tmp_path, capsys):
     bit), the plain entry with the plain step; the report names them FedAvg, FedAdam and
     'Δ-FL, θ = 0.5, server Yogi'."""
     import json
-    from deltafl_jax.outputs import RunReader
     from deltafl_jax.report import method_label
     out = tmp_path / "multi"
     code, err, _ = run_runner([*TINY_RUN, "--algorithm=fedavg,fedavg+adam,deltafl+yogi",
@@ -208,9 +207,9 @@ def test_method_entries_name_their_server_optimizer(tmp_path, capsys):
         names[entry] = {method_label(r, summary["config"]) for r in summary["replicas"]}
     assert names == {"fedavg": {"FedAvg"}, "fedavg+adam": {"FedAdam, η_s = 0.03"},
                      "deltafl+yogi": {"Δ-FL, θ = 0.5, server Yogi, η_s = 0.03"}}
-    a, b = RunReader(str(out / "fedavg+adam")), RunReader(str(alone))
     for seed in (1, 2):
-        ma, mb = a.load_model(seed=seed), b.load_model(seed=seed)
+        ma = load_model(str(out / "fedavg+adam"), seed=seed)
+        mb = load_model(str(alone), seed=seed)
         jax.tree.map(np.testing.assert_array_equal, ma.params, mb.params)
 
 
