@@ -184,6 +184,36 @@ def test_mm_iterates_are_eq_17():
     assert loose < 15
 
 
+def test_a_smoothing_below_the_losses_float32_resolution_warns_once(tiny_synthetic, capsys):
+    """nu below 8 float32 steps of log C cannot be resolved by losses near log C: the boundary
+    client's fraction is lost there (weights off by percents), while a nu well above it gives
+    the exact filter's weights (NumPy's greedy LP) back. Such a nu warns, one line, at build."""
+    from deltafl_jax.algorithms.deltafl import smoothing_warning
+    scale = np.float32(np.log(10.0))
+    floor = 8 * float(np.nextafter(scale, np.float32(np.inf)) - scale)      # 8 ulps, 1.9e-6
+    assert smoothing_warning(0.0, 10) is None
+    assert smoothing_warning(1.01 * floor, 10) is None
+    line = smoothing_warning(0.99 * floor, 10)
+    assert line is not None and "\n" not in line and "--smoothing" in line
+    rng = np.random.default_rng(0)
+    losses = (2.0 + 0.3 * rng.standard_normal(10)).astype(np.float32)
+    n = rng.integers(20, 80, 10).astype(np.float64)
+    want = exact_weights(losses.astype(np.float64), n, 0.35)
+
+    def smoothed(nu):
+        w = np.asarray(smoothed_tail_weights(jnp.asarray(losses), jnp.asarray(n, jnp.float32),
+                                             0.35, nu), np.float64)
+        return w / w.sum()
+    assert np.abs(smoothed(1e-7) - want).max() > 0.05          # below the floor: lost
+    assert np.abs(smoothed(1e-4) - want).max() < 1e-3          # well above it: the exact LP
+    capsys.readouterr()
+    build_experiment(tiny_config(smoothing=1e-7), tiny_synthetic)
+    err = capsys.readouterr().err
+    assert err.count("--smoothing=1e-07 is below") == 1, err
+    build_experiment(tiny_config(smoothing=1e-4), tiny_synthetic)
+    assert "--smoothing" not in capsys.readouterr().err
+
+
 def test_mm_converges_to_the_weighted_quantile_as_k_grows():
     """Near the quantile x_j, mu - x_j shrinks by |2 tau - c_{j-1} - c_j| / alpha_j per step
     (c: normalised cumulative weights): fast when tau is inside x_j's jump, slow at its
