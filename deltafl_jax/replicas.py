@@ -154,12 +154,6 @@ class Replicas:
     def size(self) -> int:
         return int(self.group.size)
 
-    def keys(self) -> Tuple[str, ...]:
-        return tuple(lab.key() for lab in self.labels)
-
-    def seeds(self) -> Tuple[int, ...]:
-        return tuple(lab.seed for lab in self.labels)
-
 
 @dataclasses.dataclass(frozen=True)
 class GridPoint:
