@@ -150,7 +150,7 @@ def scores(replicas, final: Dict[str, Dict[str, float]], metric: str) -> List[Sc
     out: Dict[Tuple, Score] = {}
     for lab in replicas.labels:
         point = {k: v for k, v in lab.to_json().items() if k not in ("seed", "algorithm")}
-        s = out.setdefault(lab.group_key(), Score(point=point, seeds=[], values=[]))
+        s = out.setdefault(lab.method_key(), Score(point=point, seeds=[], values=[]))
         s.seeds.append(int(lab.seed))
         s.values.append(float(final[lab.key()][metric]))
     return list(out.values())
@@ -310,7 +310,7 @@ def swept_scores(replicas, final: Dict[str, Dict[str, float]], metric: str) -> L
     out: Dict[Tuple, Score] = {}
     for lab in replicas.labels:
         name, value = lab.swept()
-        s = out.setdefault(lab.group_key(), Score(point={name: value}, seeds=[], values=[]))
+        s = out.setdefault(lab.method_key(), Score(point={name: value}, seeds=[], values=[]))
         s.seeds.append(int(lab.seed))
         s.values.append(float(final[lab.key()][metric]))
     return list(out.values())

@@ -20,7 +20,7 @@ from fixtures import federated_files as ff  # noqa: E402
 from deltafl_jax import ExperimentConfig  # noqa: E402
 from deltafl_jax.data import DataError  # noqa: E402
 from deltafl_jax.datasets import DataConfig, load_dataset  # noqa: E402
-from deltafl_jax.seed_groups import seed_groups  # noqa: E402
+from deltafl_jax.seed_programs import seed_programs  # noqa: E402
 
 SIZES = {f"f{i:04d}_{i % 7:02d}": n for i, n in
          enumerate([12, 9, 15, 8, 10, 7, 11, 13, 9, 14, 8, 10, 3, 16])}
@@ -72,7 +72,7 @@ def test_a_fraction_outside_0_1_is_a_data_error(source, cache, fraction):
 def test_seed_groups_redraw_the_writers_from_each_seed(source, cache):
     base = ExperimentConfig(data=config(source, cache, resample_writers_per_seed=True),
                             thetas=(1.0, 0.5), seeds=(1, 2, 3), output_dir="out")
-    groups = seed_groups(base)
+    groups = seed_programs(base)
     assert [g.seeds for g in groups] == [(1,), (2,), (3,)]
     assert [g.output_dir for g in groups] == [os.path.join("out", f"seed_{s}") for s in (1, 2, 3)]
     assert [g.thetas for g in groups] == [(1.0, 0.5)] * 3
@@ -85,7 +85,7 @@ def test_seed_groups_redraw_the_writers_from_each_seed(source, cache):
     assert len({tuple(d.train.client_ids) for d in draws}) > 1
     # Without the flag every seed shares one dataset and one program.
     plain = ExperimentConfig(data=config(source, cache), seeds=(1, 2), output_dir="out")
-    assert seed_groups(plain) == [plain]
+    assert seed_programs(plain) == [plain]
 
 
 @pytest.mark.slow

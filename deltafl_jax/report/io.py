@@ -79,7 +79,7 @@ class Run:
 
     @property
     def setting_key(self) -> Tuple[str, ...]:
-        """Runs share a table row when their data and model are the same; the seed groups of
+        """Runs share a table row when their data and model are the same; the per-seed programs of
         --resample_writers_per_seed (data drawn from each seed) share one row."""
         data = dict(self.config.get("data", {}))
         stats = self.summary.get("dataset", {})
@@ -294,7 +294,7 @@ def runs_below(path: str, depth: int) -> List[str]:
 
 def find_run_dirs(paths: Iterable[str], depth: int = 3) -> List[str]:
     """The given directories; a directory that is not itself a run but holds run
-    directories (e.g. ``runs/``, or a multi-method run with seed groups) stands for them."""
+    directories (e.g. ``runs/``, or a multi-method run with per-seed programs) stands for them."""
     out = []
     for p in paths:
         if os.path.isdir(p) and not looks_like_run(p):

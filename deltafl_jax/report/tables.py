@@ -57,9 +57,9 @@ class Column:
 
     setting: the row ('dataset / model'); label: the column, unique within the setting;
     replicas: indices into the run's arrays, in seed order; seeds: their seeds (of every
-    part); identity: the replicas' ``ReplicaLabel.group_key()``. `more` holds further
+    part); identity: the replicas' ``ReplicaLabel.method_key()``. `more` holds further
     (run, replicas) parts: the other seeds' runs when each seed is its own dataset
-    (``--resample_writers_per_seed``, :mod:`deltafl_jax.seed_groups`).
+    (``--resample_writers_per_seed``, :mod:`deltafl_jax.seed_programs`).
     """
 
     run: "Run"
@@ -96,7 +96,7 @@ def run_columns(run: "Run") -> List[Tuple[str, Tuple, List[int], List[int]]]:
     """(label, identity, replicas, seeds) per method of one run, in replica order."""
     order: Dict[Tuple, List[int]] = {}
     for r, lab in enumerate(run.labels):
-        order.setdefault(lab.group_key(), []).append(r)
+        order.setdefault(lab.method_key(), []).append(r)
     return [(method_label(run.labels[rs[0]], run.config), ident, rs,
              [run.labels[r].seed for r in rs]) for ident, rs in order.items()]
 
@@ -123,11 +123,11 @@ def columns(runs: Sequence["Run"]) -> List[Column]:
     for c in cols:
         by_cell.setdefault((c.setting, c.label), []).append(c)
     merged = set()
-    for group in by_cell.values():
-        if len(group) > 1 and seed_groups_of_one_column(group):
-            group[0].more = [(c.run, c.replicas) for c in group[1:]]
-            group[0].seeds = [s for c in group for s in c.seeds]
-            merged.update(id(c) for c in group[1:])
+    for same_cell in by_cell.values():
+        if len(same_cell) > 1 and seed_programs_of_one_column(same_cell):
+            same_cell[0].more = [(c.run, c.replicas) for c in same_cell[1:]]
+            same_cell[0].seeds = [s for c in same_cell for s in c.seeds]
+            merged.update(id(c) for c in same_cell[1:])
     cols = [c for c in cols if id(c) not in merged]
     # A row whose columns come from several runs names every column's run (the seeds' runs
     # of one column count as one run, named by their common directory).
@@ -149,11 +149,12 @@ def column_run_name(col: Column) -> str:
     return os.path.basename(os.path.commonpath(paths)) or col.run.name
 
 
-def seed_groups_of_one_column(group: Sequence[Column]) -> bool:
-    """Columns of runs that are the seed groups of one experiment (each seed its own dataset,
-    --resample_writers_per_seed) and hold different seeds: they form one column."""
-    seeds = [s for c in group for s in c.seeds]
-    return (all(c.run.resampled_per_seed for c in group) and len(set(seeds)) == len(seeds))
+def seed_programs_of_one_column(same_cell: Sequence[Column]) -> bool:
+    """Columns of runs that are the per-seed programs of one experiment (each seed its own
+    dataset, --resample_writers_per_seed) and hold different seeds: they form one column."""
+    seeds = [s for c in same_cell for s in c.seeds]
+    return (all(c.run.resampled_per_seed for c in same_cell)
+            and len(set(seeds)) == len(seeds))
 
 
 BEST_MARK = "†"

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, TextIO
 
 import numpy as np
 
-from deltafl_jax.replicas import labels_by_group
+from deltafl_jax.replicas import labels_by_method
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
 from deltafl_jax.run.experiment import placement_line
 
@@ -27,7 +27,7 @@ def count(n: int, word: str) -> str:
 def _groups(labels):
     """(display name of a swept value, replica indices of its seeds)."""
     out = []
-    for _, rs in labels_by_group(labels).items():
+    for _, rs in labels_by_method(labels).items():
         name, value = labels[rs[0]].swept()
         head = "θ" if name == "theta" else name
         extra = "".join(f" {n}={v:g}" for n, v in labels[rs[0]].extra)
