@@ -43,7 +43,7 @@ import jax
 import numpy as np
 
 from deltafl_jax.data import FederatedDataset
-from deltafl_jax.errors import ConfigError, DeltaFLError
+from deltafl_jax.errors import ConfigError, RunFormatError
 from deltafl_jax.models import Model, ModelOptions
 from deltafl_jax.replicas import ReplicaLabel
 
@@ -58,18 +58,6 @@ MODELS = "models"
 # Everything a run may leave in its directory (files and folders); --overwrite removes these.
 RESULT_FILES = (METRICS, SUMMARY, ROUNDS, CLIENTS, CLIENTS_HISTORY, MODELS, "tb", "checkpoints")
 TMP_SUFFIX = ".tmp"
-
-
-class RunFormatError(DeltaFLError):
-    """An output directory whose files are missing, unreadable or of a newer format.
-
-    ``output_dir`` and ``reason`` are kept apart; the message is "OUTPUT_DIR: reason".
-    """
-
-    def __init__(self, output_dir: str, reason: str):
-        self.output_dir = output_dir
-        self.reason = reason
-        super().__init__(f"{output_dir}: {reason}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from deltafl_jax.algorithms import registry
+from deltafl_jax.errors import TuningError
 from deltafl_jax.models import LINEAR_MODELS  # the tuner tunes lambda for these
 from deltafl_jax.replicas import GridPoint, ReplicaGrid
 
@@ -52,10 +53,6 @@ L2_ALGORITHM = "deltafl"     # step 2 trains Delta-FL at each theta (FedAvg: the
 PAPER_DECAYS = (1.0, 2.0, 4.0, 8.0)        # divisors c: the paper's factors 1, 1/2, 1/4, 1/8
 PAPER_L2 = (1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8)
 LR_MULTIPLIERS = (0.25, 0.5, 1.0, 2.0, 4.0)   # default gamma_0 grid around --learning_rate
-
-
-class TuningError(ValueError):
-    """Bad tuning input; the message is one line."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,12 +17,10 @@ from typing import List, Sequence, Tuple
 
 from absl import flags
 
+from deltafl_jax.errors import UsageError
+
 FLAGS = flags.FLAGS
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
-
-
-class UsageError(ValueError):
-    """A malformed flag value; the message is one line naming the flag."""
 
 
 def fail(message: str) -> None:

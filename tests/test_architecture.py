@@ -240,3 +240,28 @@ def test_nothing_outside_the_algorithms_tests_an_algorithm_name():
             found += name_tests(f.read(), names, os.path.relpath(path, ROOT))
     assert not found, ("an algorithm's name is tested outside deltafl_jax/algorithms/; make "
                        "the decision an attribute of its spec:\n" + "\n".join(found))
+
+
+# Error classes still defined outside errors.py, in modules being rewritten in parallel; the
+# next change to those modules moves them (CheckpointError and CheckpointMismatch do not
+# derive from DeltaFLError yet).
+ERRORS_TO_MOVE = {"deltafl_jax.run.checkpoint.CheckpointError",
+                  "deltafl_jax.run.checkpoint.CheckpointMismatch",
+                  "deltafl_jax.datasets.prepared.DamagedDataset"}
+
+
+def test_every_error_lives_in_errors_py_and_derives_from_deltafl_error():
+    import importlib
+    import inspect
+    from deltafl_jax.errors import DeltaFLError
+    found = {}
+    for name in MODULES:
+        module = importlib.import_module(name)
+        for cls_name, cls in inspect.getmembers(module, inspect.isclass):
+            if issubclass(cls, BaseException) and cls.__module__ == name:
+                found[f"{name}.{cls_name}"] = cls
+    elsewhere = {k for k in found if not k.startswith("deltafl_jax.errors.")}
+    assert elsewhere <= ERRORS_TO_MOVE, sorted(elsewhere - ERRORS_TO_MOVE)
+    not_ours = {k for k, cls in found.items() if not issubclass(cls, DeltaFLError)}
+    assert not_ours <= ERRORS_TO_MOVE, sorted(not_ours - ERRORS_TO_MOVE)
+    assert len(found) - len(elsewhere) >= 7      # errors.py: the base and its six kinds

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import numpy as np
 
 from deltafl_jax.config import PERCENTILES
-from deltafl_jax.errors import DeltaFLError
+from deltafl_jax.errors import RunError
 from deltafl_jax.metrics import summarize
 from deltafl_jax.outputs import (CLIENTS, CLIENTS_HISTORY, METRICS, ROUNDS, SUMMARY,
                                  RunFormatError, RunReader)
@@ -25,10 +25,6 @@ from deltafl_jax.replicas import ReplicaLabel
 KINDS = ("final", "curves", "clients", "kept")
 CLIENT_ARRAYS = ("train_loss", "train_error", "test_loss", "test_error", "train_sizes",
                  "test_sizes", "replica_keys")
-
-
-class RunError(DeltaFLError):
-    """A run directory that cannot be reported; the message is one line."""
 
 
 @dataclasses.dataclass(eq=False)
