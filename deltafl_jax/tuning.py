@@ -12,7 +12,7 @@ r"""The papers' tuning protocol (App. C.2.2 of the long paper; Sec. 5, "Hyperpar
    each theta of ``--thetas`` (FedAvg = theta 1); the winner has the smallest 90th percentile
    of the misclassification error over the validation clients (unweighted lower quantile,
    mean over seeds). App. C.2.2 says "smallest 10th percentile" where Sec. 5 says the 90th;
-   this follows Sec. 5 and issue 5 (the tail is what Delta-FL is about).
+   this follows Sec. 5 (the tail is what Delta-FL is about).
 3. **A baseline's swept parameter** (``--tune_param``; q of q-FFL, mu of FedProx, t of
    Tilted-ERM, gamma_lambda of AFL, FedAvg-Sub's client counts): the whole sweep x seeds is
    trained, with the chosen rate, on the same training half, and the value with the smallest

@@ -139,7 +139,7 @@ def test_fedprox_mu_zero_is_fedavg_bit_for_bit(tiny_synthetic):
 @pytest.mark.parametrize("weighting,lanes", [("weighted", 1), ("unweighted", 3)])
 def test_fedavg_skips_the_evaluation_and_equals_deltafl_theta_one(tiny_synthetic, weighting,
                                                                    lanes):
-    """FedAvg does not evaluate the sampled clients at w_t (issue 15), and its models are
+    """FedAvg does not evaluate the sampled clients at w_t (its weights do not depend on the losses), and its models are
     Delta-FL's at theta = 1 bit for bit (all losses finite here)."""
     avg = build_experiment(tiny_config(algorithm="fedavg", thetas=(), seeds=(1, 2),
                                        clients_per_step=lanes, weighting=weighting),

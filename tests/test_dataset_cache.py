@@ -1,4 +1,4 @@
-"""The prepared-dataset cache stays whole (issue 12, item 6).
+"""The prepared-dataset cache stays whole: a broken build is never read as a dataset.
 
 - Two concurrent ``python -m data_prep.prepare --dataset=shakespeare`` into one empty data dir
   both succeed, leave one whole dataset and no temporary directory, and the dataset loads.

@@ -1,4 +1,4 @@
-"""FEMNIST writers (issue 13, item 5): --writer_fraction and --resample_writers_per_seed.
+"""FEMNIST writers: --writer_fraction and --resample_writers_per_seed.
 
 The paper keeps writers with >= 100 images, then "subsample 50% of them (1730 writers) and
 split them half for training, half for testing" (reference-notes.md); the authors redraw both

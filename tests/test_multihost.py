@@ -1,5 +1,5 @@
 """Two processes x 2 CPU devices, joined with jax.distributed on localhost, give the same
-metrics as one process x 4 devices, and only process 0 writes outputs (issue 11)."""
+metrics as one process x 4 devices, and only process 0 writes outputs."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""--normalize (issue 13, item 1) against NumPy written from the authors' rule.
+"""--normalize against NumPy written from the authors' rule.
 
 The authors' models/main.py sets every input feature to (x_j - mu_j) / mu_j, mu_j the mean of
 feature j over the examples of the split being normalised (train clients for train, the test

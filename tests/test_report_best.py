@@ -1,4 +1,4 @@
-"""experiments.report --best (issue 13, item 11): each baseline at its best swept value by the
+"""experiments.report --best: each baseline at its best swept value by the
 test 90th percentile, as the papers' tables ("report q with the smallest 90th percentile of
 misclassification error on test devices", CISS 2021 Sec. V). The expected winner is computed
 here from clients.npz with NumPy."""
