@@ -16,7 +16,7 @@ Public entry points:
 from deltafl_jax.superquantile import (superquantile, superquantile_dual, tail_weights,
                                        threshold_weights, weighted_quantile)
 from deltafl_jax.errors import ConfigError, DataError
-from deltafl_jax.outputs import LoadedModel, load_model
+from deltafl_jax.serving import LoadedModel, load_model
 from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import ClientData, FederatedDataset
 from deltafl_jax.datasets import DataConfig, load_dataset

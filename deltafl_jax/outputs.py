@@ -1,5 +1,6 @@
 """Every file of an output directory: what a run writes (:class:`RunWriter`) and how to read
-it back (:class:`RunReader`, :func:`load_model`). No other module opens these files.
+it back (:class:`RunReader`). No other module opens these files; serving a saved model
+(:func:`deltafl_jax.serving.load_model`) reads them through :class:`RunReader`.
 
 - ``metrics.jsonl``: one JSON object per evaluation and per replica (theta or swept value,
   seed): the round, the alpha-weighted train-loss mean and percentiles, the unweighted
@@ -41,9 +42,9 @@ import flax.serialization
 import jax
 import numpy as np
 
-from deltafl_jax.data import ClientData, FederatedDataset
-from deltafl_jax.errors import ConfigError, DeltaFLError
-from deltafl_jax.models import Model, ModelOptions, build_model
+from deltafl_jax.data import FederatedDataset
+from deltafl_jax.errors import ConfigError, RunFormatError
+from deltafl_jax.models import Model, ModelOptions
 from deltafl_jax.replicas import ReplicaLabel
 
 SCHEMA_VERSION = 1
@@ -57,18 +58,6 @@ MODELS = "models"
 # Everything a run may leave in its directory (files and folders); --overwrite removes these.
 RESULT_FILES = (METRICS, SUMMARY, ROUNDS, CLIENTS, CLIENTS_HISTORY, MODELS, "tb", "checkpoints")
 TMP_SUFFIX = ".tmp"
-
-
-class RunFormatError(DeltaFLError):
-    """An output directory whose files are missing, unreadable or of a newer format.
-
-    ``output_dir`` and ``reason`` are kept apart; the message is "OUTPUT_DIR: reason".
-    """
-
-    def __init__(self, output_dir: str, reason: str):
-        self.output_dir = output_dir
-        self.reason = reason
-        super().__init__(f"{output_dir}: {reason}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,7 +201,8 @@ class RunWriter:
     def save_models(self, params, labels: Sequence[ReplicaLabel], model: Model,
                     options: ModelOptions, data: FederatedDataset) -> None:
         """models/: one msgpack file per replica (params [R, ...] on the leading axis), plus
-        index.json, the model spec that :func:`load_model` rebuilds the network from."""
+        index.json, the model spec that :func:`deltafl_jax.serving.load_model` rebuilds the
+        network from."""
         mdir = self.path(MODELS)
         os.makedirs(mdir, exist_ok=True)
         host = jax.device_get(params)
@@ -416,103 +406,12 @@ class RunReader:
             raise RunFormatError(self.output_dir, "models/index.json has no list of replicas")
         return spec
 
-    def load_model(self, theta: Optional[float] = None, seed: Optional[int] = None,
-                   **param: float) -> "LoadedModel":
-        """See :func:`load_model`."""
-        spec = self.model_index()
-        entries = [(e, ReplicaLabel.from_json({k: v for k, v in e.items() if k != "file"}))
-                   for e in spec["replicas"]]
-        matches = [(e, lab) for e, lab in entries if lab.matches(theta, seed, **param)]
-        if len(matches) != 1:
-            avail = ", ".join(e["file"][:-len(".msgpack")] for e, _ in entries)
-            what = "no model matches" if not matches else "several models match"
-            asked = " ".join([f"theta={theta}", f"seed={seed}"]
-                             + [f"{k}={v}" for k, v in param.items()])
-            raise DeltaFLError(f"{what} {asked} in {self.output_dir}; available: {avail}")
-        entry, label = matches[0]
-        model = _spec_model(spec, self.path(MODELS))
-        params = self._model_params(model, entry["file"])
-        return LoadedModel(params=params, model=model,
-                           labels={k: v for k, v in entry.items() if k != "file"})
-
-    def _model_params(self, model: Model, file: str):
-        template = model.init(jax.random.key(0))
+    def read_model_params(self, template, file: str):
+        """The parameters saved in models/`file`, restored into `template`'s structure (a
+        freshly initialised model of the run's spec)."""
         try:
             with open(self.path(os.path.join(MODELS, file)), "rb") as f:
                 return flax.serialization.from_bytes(template, f.read())
         except (OSError, ValueError) as e:
             raise RunFormatError(self.output_dir,
                                  f"models/{file} cannot be read ({_one_line(e)})") from None
-
-
-# --------------------------------------------------------------------------------------------
-# Serving a saved model
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadedModel:
-    """A trained model w_theta of a finished run.
-
-    params: the network's parameters. model: the network (:class:`deltafl_jax.models.Model`).
-    labels: the replica's label fields (algorithm, theta, [param_name, param_value], seed);
-    ``label`` gives them as a :class:`ReplicaLabel`.
-    """
-
-    params: Any
-    model: Model
-    labels: Dict[str, Any]
-
-    @property
-    def label(self) -> ReplicaLabel:
-        return ReplicaLabel.from_json(self.labels)
-
-    def predict(self, x):
-        """The network's outputs (scores) on raw inputs x [B, ...] as the dataset stores them:
-        class scores (logits) [B, C] for softmax models, one logit [B, 1] for sigmoid models,
-        the estimate for the squared-loss mean model. See :meth:`predict_labels` for classes."""
-        return self.model.apply(self.params, np.asarray(x))
-
-    def predict_labels(self, x) -> np.ndarray:
-        """Predicted classes [B] (int32) on raw inputs x: the argmax of the scores for softmax
-        models, ``logit > 0`` for sigmoid models (the rule of their error). Raises
-        DeltaFLError for the squared-loss mean model, which predicts no class."""
-        kind = self.model.loss_kind
-        if kind == "squared":
-            raise DeltaFLError(f"model {self.model.name!r} estimates a mean (squared loss) and "
-                               f"predicts no class; use predict(x)")
-        out = np.asarray(self.predict(x))
-        if kind == "sigmoid":
-            return (out.reshape(out.shape[0]) > 0).astype(np.int32)
-        return np.argmax(out, axis=-1).astype(np.int32)
-
-
-def _spec_dataset(spec: Mapping[str, Any], mdir: str) -> FederatedDataset:
-    """A one-example dataset with the run's shapes and metadata, to rebuild the network."""
-    metadata = dict(spec.get("metadata") or {})
-    arrays_path = os.path.join(mdir, "metadata_arrays.npz")
-    if os.path.exists(arrays_path):
-        with np.load(arrays_path, allow_pickle=False) as z:
-            metadata.update({k: z[k] for k in z.files})
-    x = np.zeros((1,) + tuple(spec["feature_shape"]), dtype=np.dtype(spec["x_dtype"]))
-    y = np.zeros((1,), np.int32) if spec["num_classes"] else None
-    one = ClientData(x=x, y=y, offsets=np.array([0, 1]), client_ids=np.array([0]))
-    return FederatedDataset(name=spec["dataset"], train=one, test=one,
-                            num_classes=spec["num_classes"], x_scale=spec["x_scale"],
-                            metadata=metadata)
-
-
-def _spec_model(spec: Mapping[str, Any], mdir: str) -> Model:
-    options = ModelOptions(**{k: tuple(v) if isinstance(v, list) else v
-                              for k, v in spec["options"].items()})
-    return build_model(spec["model"], _spec_dataset(spec, mdir), options)
-
-
-def load_model(output_dir: str, theta: Optional[float] = None, seed: Optional[int] = None,
-               **param: float) -> LoadedModel:
-    """The final model of the replica with this theta (or swept value, e.g. qffl_q=1.0, or a
-    tuning grid's coordinate) and seed. Arguments left out must be unambiguous in the run;
-    raises DeltaFLError (a ValueError) naming the available replicas otherwise.
-
-    Example: ``deltafl_jax.load_model("runs/synthetic", theta=0.5, seed=1).predict_labels(x)``.
-    """
-    return RunReader(output_dir).load_model(theta, seed, **param)

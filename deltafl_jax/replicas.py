@@ -79,8 +79,9 @@ class ReplicaLabel:
         parts = [f"{head}={_fmt(value)}"] + [f"{n}={_fmt(v)}" for n, v in self.extra]
         return " ".join(parts + [f"seed {self.seed}"])
 
-    def group_key(self) -> Tuple:
-        """Everything but the seed: replicas with equal group keys are seeds of one setting."""
+    def method_key(self) -> Tuple:
+        """Everything but the seed (algorithm, swept value, grid coordinates): replicas with
+        equal method keys are seeds of one method, one column of the report's tables."""
         return (self.algorithm, self.swept(), self.extra)
 
     def to_json(self) -> Dict[str, Any]:
@@ -127,7 +128,11 @@ class ReplicaLabel:
 class Replicas:
     """The R replicas of one program, as the round function consumes them.
 
-    group: [R] int32, index of each replica's seed in the run's seed list (its plan group).
+    group: [R] int32, the seed index of each replica: its seed's position in the run's seed
+      list, which picks the replica's clients and batches in the round plan (the plan is
+      drawn once per seed and shared by the replicas of that seed). In this package "group"
+      means only this; a method across seeds is a ``method_key``, and one program per seed is
+      :mod:`deltafl_jax.seed_programs`.
     hyper: the algorithm's hyper-parameter pytree (a NamedTuple), leaves float32 [R].
     l2: [R] float32, the L2 weight lambda of each replica.
     schedules: R optax schedules, round -> client learning rate.
@@ -153,12 +158,6 @@ class Replicas:
     @property
     def size(self) -> int:
         return int(self.group.size)
-
-    def keys(self) -> Tuple[str, ...]:
-        return tuple(lab.key() for lab in self.labels)
-
-    def seeds(self) -> Tuple[int, ...]:
-        return tuple(lab.seed for lab in self.labels)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,11 +215,11 @@ class ReplicaGrid:
                         dp_noise=np.asarray(noise, np.float32))
 
 
-def labels_by_group(labels: Iterable[ReplicaLabel]) -> Dict[Tuple, list]:
-    """Replica indices per setting (all seeds of one grid point), in first-seen order."""
+def labels_by_method(labels: Iterable[ReplicaLabel]) -> Dict[Tuple, list]:
+    """Replica indices per method key (all seeds of one grid point), in first-seen order."""
     out: Dict[Tuple, list] = {}
     for r, lab in enumerate(labels):
-        out.setdefault(lab.group_key(), []).append(r)
+        out.setdefault(lab.method_key(), []).append(r)
     return out
 
 

@@ -12,7 +12,7 @@ r"""The papers' tuning protocol (App. C.2.2 of the long paper; Sec. 5, "Hyperpar
    each theta of ``--thetas`` (FedAvg = theta 1); the winner has the smallest 90th percentile
    of the misclassification error over the validation clients (unweighted lower quantile,
    mean over seeds). App. C.2.2 says "smallest 10th percentile" where Sec. 5 says the 90th;
-   this follows Sec. 5 and issue 5 (the tail is what Delta-FL is about).
+   this follows Sec. 5 (the tail is what Delta-FL is about).
 3. **A baseline's swept parameter** (``--tune_param``; q of q-FFL, mu of FedProx, t of
    Tilted-ERM, gamma_lambda of AFL, FedAvg-Sub's client counts): the whole sweep x seeds is
    trained, with the chosen rate, on the same training half, and the value with the smallest
@@ -44,6 +44,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from deltafl_jax.algorithms import registry
+from deltafl_jax.errors import TuningError
 from deltafl_jax.models import LINEAR_MODELS  # the tuner tunes lambda for these
 from deltafl_jax.replicas import GridPoint, ReplicaGrid
 
@@ -52,10 +53,6 @@ L2_ALGORITHM = "deltafl"     # step 2 trains Delta-FL at each theta (FedAvg: the
 PAPER_DECAYS = (1.0, 2.0, 4.0, 8.0)        # divisors c: the paper's factors 1, 1/2, 1/4, 1/8
 PAPER_L2 = (1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8)
 LR_MULTIPLIERS = (0.25, 0.5, 1.0, 2.0, 4.0)   # default gamma_0 grid around --learning_rate
-
-
-class TuningError(ValueError):
-    """Bad tuning input; the message is one line."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,7 +147,7 @@ def scores(replicas, final: Dict[str, Dict[str, float]], metric: str) -> List[Sc
     out: Dict[Tuple, Score] = {}
     for lab in replicas.labels:
         point = {k: v for k, v in lab.to_json().items() if k not in ("seed", "algorithm")}
-        s = out.setdefault(lab.group_key(), Score(point=point, seeds=[], values=[]))
+        s = out.setdefault(lab.method_key(), Score(point=point, seeds=[], values=[]))
         s.seeds.append(int(lab.seed))
         s.values.append(float(final[lab.key()][metric]))
     return list(out.values())
@@ -310,7 +307,7 @@ def swept_scores(replicas, final: Dict[str, Dict[str, float]], metric: str) -> L
     out: Dict[Tuple, Score] = {}
     for lab in replicas.labels:
         name, value = lab.swept()
-        s = out.setdefault(lab.group_key(), Score(point={name: value}, seeds=[], values=[]))
+        s = out.setdefault(lab.method_key(), Score(point={name: value}, seeds=[], values=[]))
         s.seeds.append(int(lab.seed))
         s.values.append(float(final[lab.key()][metric]))
     return list(out.values())

@@ -17,12 +17,10 @@ from typing import List, Sequence, Tuple
 
 from absl import flags
 
+from deltafl_jax.errors import UsageError
+
 FLAGS = flags.FLAGS
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
-
-
-class UsageError(ValueError):
-    """A malformed flag value; the message is one line naming the flag."""
 
 
 def fail(message: str) -> None:
@@ -34,6 +32,25 @@ def fail(message: str) -> None:
 COMMAND_LINE: set = set()   # the flags given on the command line itself (not by a flagfile)
 
 
+FLAGFILE_HELP = ("--flagfile=FILE reads flags from FILE, one --flag=value a line (# starts a "
+                 "comment);\nflags after it on the command line override the file's.")
+
+
+def usage(program: str) -> str:
+    """The usage lines of ``python -m experiments.NAME --help``: the command's own example
+    line(s) from its module docstring when it is the running program, else a generic line,
+    and how --flagfile works."""
+    name = os.path.splitext(os.path.basename(program))[0]
+    module = f"experiments.{name}"
+    doc = getattr(sys.modules.get("__main__"), "__doc__", None) or ""
+    lines = [line.strip() for line in doc.splitlines()
+             if line.strip().startswith(f"python -m {module} ")]
+    if not lines:
+        lines = [f"python -m {module} [--flagfile=FILE] [--flag=value ...]"]
+    return "\n".join(["usage: " + lines[0]] + ["       " + line for line in lines[1:]]
+                     + ["", FLAGFILE_HELP])
+
+
 def parse_flags_or_fail(argv):
     """absl's flag parsing; --help prints the flags and exits 0, a bad flag or a missing
     flagfile is one line and exit code 2."""
@@ -41,7 +58,8 @@ def parse_flags_or_fail(argv):
     COMMAND_LINE.update(a.lstrip("-").split("=", 1)[0] for a in argv[1:] if a.startswith("--"))
     if any(a in HELP_FLAGS for a in argv[1:]):
         modules = [m for m in FLAGS.flags_by_module_dict() if not m.startswith("absl")]
-        print("\n\n".join(FLAGS.module_help(m) for m in modules), flush=True)
+        print(usage(argv[0]) + "\n\n" + "\n\n".join(FLAGS.module_help(m) for m in modules),
+              flush=True)
         sys.exit(0)
     try:
         return FLAGS(argv)

@@ -12,7 +12,7 @@ after another on the same data, each in its own compiled program, into
 ``NAME+OPTIMIZER`` (``fedavg+adam``) runs NAME with that server optimizer at ``--server_lr``
 into ``<output_dir>/NAME+OPTIMIZER/``. With
 ``--resample_writers_per_seed`` each seed is its own dataset and its own program, written to
-``.../seed_<s>/`` (:mod:`deltafl_jax.seed_groups`).
+``.../seed_<s>/`` (:mod:`deltafl_jax.seed_programs`).
 
 The flags are declared in ``experiments/cli.py``; this file turns them into frozen
 :class:`deltafl_jax.ExperimentConfig`s and calls :func:`deltafl_jax.run_experiment`. Bad input
@@ -50,7 +50,7 @@ def comparison_lines(results):
     """Rows 'method, swept value (and further coordinates, e.g. server_lr): mean and p90 of
     the final per-client test error, each the mean over seeds' of a multi-method run.
     results: [(method, RunResult)], the method being the --algorithm entry (``fedavg+adam``);
-    the results of one method's seed groups (--resample_writers_per_seed) are pooled."""
+    the results of one method's per-seed programs (--resample_writers_per_seed) are pooled."""
     from deltafl_jax.replicas import ReplicaLabel
     from deltafl_jax.run.progress import error_table
 
@@ -65,11 +65,11 @@ def comparison_lines(results):
 
 def planned_configs():
     """Every program to run: one per method of --algorithm, and with
-    --resample_writers_per_seed one per seed of each (deltafl_jax.seed_groups), ordered so
+    --resample_writers_per_seed one per seed of each (deltafl_jax.seed_programs), ordered so
     that programs on the same data run one after another (each dataset is loaded once)."""
-    from deltafl_jax.seed_groups import seed_groups
+    from deltafl_jax.seed_programs import seed_programs
 
-    configs = [g for c in configs_from_flags() for g in seed_groups(c)]
+    configs = [g for c in configs_from_flags() for g in seed_programs(c)]
     order = {}
     for c in configs:
         order.setdefault(c.data, len(order))

@@ -61,3 +61,19 @@ def run_rounds_history(exp, rounds):
         state, metrics = exp.round_fn(state, exp.round_data(t), keys)
         hist.append(jax.device_get(metrics))
     return state, hist
+
+
+def linear_rows(params, r):
+    """(W, b) in float64 of replica r of a softmax regression's params ({'Dense_0': ...})."""
+    import jax
+    import numpy as np
+    p = jax.device_get(params)["Dense_0"]
+    return np.asarray(p["kernel"][r], np.float64), np.asarray(p["bias"][r], np.float64)
+
+
+def client_lists(split):
+    """(xs, ys): each client's inputs (float64) and labels, for the NumPy references."""
+    import numpy as np
+    xs = [split.client(k)[0].astype(np.float64) for k in range(split.num_clients)]
+    ys = [split.client(k)[1] for k in range(split.num_clients)]
+    return xs, ys

@@ -1,15 +1,17 @@
 """Independent NumPy implementations of one round of each baseline, for softmax regression.
 
-Written from the update rules of shared/reference-notes.md ("Baselines") as plain float64 loops
-over clients, the way the baselines' reference code is written; not from deltafl_jax's code. As
-in numpy_reference.py, the only thing shared with the engine is the *random draws*: the sampled
-clients and each client's example order (deltafl_jax.plan), and for FedAvg-Sub the uniform
-draws of the replica's round key (:func:`subset_draws`), from which the subset is chosen here.
+Written from the update rules of shared/reference-notes.md ("Baselines", from their reference
+code) as plain float64 loops over clients, the way the baselines' reference code is written;
+not from deltafl_jax's code. As in numpy_reference.py, the only thing shared with the engine is
+the *random draws*: the sampled clients and each client's example order (deltafl_jax.plan),
+and for FedAvg-Sub the uniform draws of the replica's round key (:func:`subset_draws`), from
+which the subset is chosen here.
 
-Conventions of the engine that these loops follow (documented in
-deltafl_jax/algorithms/baselines.py): clients are sampled uniformly without replacement and
-weighted by n_k; F_k is the mean loss on the client's whole data (+ (l2/2)||w||^2); local SGD
-steps are w <- w - lr (grad + l2 w [+ mu (w - w_t)]).
+Conventions of the engine that these loops follow (documented in deltafl_jax/plan.py and
+deltafl_jax/algorithms/spec.py, each baseline in its own deltafl_jax/algorithms/NAME.py):
+clients are sampled uniformly without replacement and weighted by n_k; F_k is the mean loss on
+the client's whole data (+ (l2/2)||w||^2); local SGD steps are
+w <- w - lr (grad + l2 w [+ mu (w - w_t)]).
 """
 
 import math

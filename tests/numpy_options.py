@@ -1,5 +1,5 @@
 """Independent NumPy (float64) versions of Delta-FL's round options and of Delta-FL with an
-alternating eta (issue 13), written from the papers' equations, not from deltafl_jax's code:
+alternating eta (deltafl_alt), written from the papers' equations, not from deltafl_jax's code:
 
 - the smoothed superquantile (long paper, eqs. 5-7 and Property 9): g_nu, g_nu', and eta* by
   bisection on h'(eta) = 1 - (1/theta) sum_k alpha_k g_nu'(x_k - eta), which is continuous and

@@ -1,4 +1,4 @@
-"""The accelerator path checked on CPU (issue 20, item 3).
+"""The accelerator path checked on CPU.
 
 On a GPU or TPU the engine places client work differently from the CPU: m vmapped lanes per
 device, evaluation chunks of 1024 with one evaluation lane per replica, and XLA's own

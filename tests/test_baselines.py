@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import numpy_baselines as nb
-from conftest import run_runner, tiny_config
+from conftest import client_lists, linear_rows, run_rounds_history, run_runner, tiny_config
 from deltafl_jax import build_experiment, load_model, run_experiment
 from deltafl_jax.algorithms.afl import project_simplex
 from deltafl_jax.algorithms.fedavg_sub import random_subset
@@ -21,32 +21,12 @@ REPO = os.path.dirname(HERE)
 ATOL, RTOL = 2e-5, 1e-4
 
 
-def run_rounds(exp, num_rounds):
-    state, keys = exp.initial_state(), exp.keys()
-    history = []
-    for t in range(num_rounds):
-        state, metrics = exp.round_fn(state, exp.round_data(t), keys)
-        history.append(jax.device_get(metrics))
-    return state, history
-
-
-def linear(params, r):
-    p = jax.device_get(params)["Dense_0"]
-    return np.asarray(p["kernel"][r], np.float64), np.asarray(p["bias"][r], np.float64)
-
-
-def client_lists(split):
-    xs = [split.client(k)[0].astype(np.float64) for k in range(split.num_clients)]
-    ys = [split.client(k)[1] for k in range(split.num_clients)]
-    return xs, ys
-
-
 def zeros():
     return np.zeros((60, 10)), np.zeros(10)
 
 
 def assert_close(state_params, r, W, b, atol=ATOL, rtol=RTOL):
-    got_W, got_b = linear(state_params, r)
+    got_W, got_b = linear_rows(state_params, r)
     np.testing.assert_allclose(got_W, W, atol=atol, rtol=rtol)
     np.testing.assert_allclose(got_b, b, atol=atol, rtol=rtol)
 
@@ -81,7 +61,7 @@ def test_fedavg_sub_equals_numpy(tiny_synthetic, mode, filter):
     cfg = tiny_config(algorithm="fedavg_sub", seeds=(1, 2), l2_reg=1e-3, clients_per_step=3,
                       filter=filter, **kw)
     exp = build_experiment(cfg, tiny_synthetic)
-    state, hist = run_rounds(exp, 3)
+    state, hist = run_rounds_history(exp, 3)
     xs, ys = client_lists(tiny_synthetic.train)
     kept = set()
     for r, lab in enumerate(exp.replicas.labels):
@@ -110,7 +90,7 @@ def test_fedprox_equals_numpy(tiny_synthetic):
     cfg = tiny_config(algorithm="fedprox", fedprox_mu=(0.5, 3.0), seeds=(1, 2), l2_reg=1e-3,
                       local_epochs=2, clients_per_step=4)
     exp = build_experiment(cfg, tiny_synthetic)
-    state, _ = run_rounds(exp, 3)
+    state, _ = run_rounds_history(exp, 3)
     xs, ys = client_lists(tiny_synthetic.train)
     for r, lab in enumerate(exp.replicas.labels):
         W, b = zeros()
@@ -131,15 +111,15 @@ def test_fedprox_mu_zero_is_fedavg_bit_for_bit(tiny_synthetic):
                                 tiny_synthetic)
         avg = build_experiment(tiny_config(algorithm="fedavg", thetas=(), seeds=(1, 2),
                                            clients_per_step=lanes), tiny_synthetic)
-        sp, _ = run_rounds(prox, 3)
-        sa, _ = run_rounds(avg, 3)
+        sp, _ = run_rounds_history(prox, 3)
+        sa, _ = run_rounds_history(avg, 3)
         assert leaves_equal(sp.params, sa.params), lanes
 
 
 @pytest.mark.parametrize("weighting,lanes", [("weighted", 1), ("unweighted", 3)])
 def test_fedavg_skips_the_evaluation_and_equals_deltafl_theta_one(tiny_synthetic, weighting,
                                                                    lanes):
-    """FedAvg does not evaluate the sampled clients at w_t (issue 15), and its models are
+    """FedAvg does not evaluate the sampled clients at w_t (its weights do not depend on the losses), and its models are
     Delta-FL's at theta = 1 bit for bit (all losses finite here)."""
     avg = build_experiment(tiny_config(algorithm="fedavg", thetas=(), seeds=(1, 2),
                                        clients_per_step=lanes, weighting=weighting),
@@ -147,8 +127,8 @@ def test_fedavg_skips_the_evaluation_and_equals_deltafl_theta_one(tiny_synthetic
     dfl = build_experiment(tiny_config(algorithm="deltafl", thetas=(1.0,), seeds=(1, 2),
                                        clients_per_step=lanes, weighting=weighting),
                            tiny_synthetic)
-    sa, ha = run_rounds(avg, 3)
-    sd, hd = run_rounds(dfl, 3)
+    sa, ha = run_rounds_history(avg, 3)
+    sd, hd = run_rounds_history(dfl, 3)
     assert leaves_equal(sa.params, sd.params)
     for ma, md in zip(ha, hd):
         assert int(ma["eval_real_examples"]) == 0 and int(ma["eval_trips"]) == 0
@@ -166,7 +146,7 @@ def test_qffl_equals_numpy(tiny_synthetic):
     cfg = tiny_config(algorithm="qffl", qffl_q=qs, seeds=(1, 2), l2_reg=1e-3,
                       clients_per_step=4, learning_rate=0.1)
     exp = build_experiment(cfg, tiny_synthetic)
-    state, hist = run_rounds(exp, 3)
+    state, hist = run_rounds_history(exp, 3)
     xs, ys = client_lists(tiny_synthetic.train)
     finals = {}
     for r, lab in enumerate(exp.replicas.labels):
@@ -189,7 +169,7 @@ def test_qffl_q_zero_is_the_n_weighted_average_of_local_models(tiny_synthetic):
     engine's FedAvg)."""
     cfg = tiny_config(algorithm="qffl", qffl_q=(0.0,), seeds=(1,), clients_per_step=2)
     exp = build_experiment(cfg, tiny_synthetic)
-    state, hist = run_rounds(exp, 2)
+    state, hist = run_rounds_history(exp, 2)
     xs, ys = client_lists(tiny_synthetic.train)
     W, b = zeros()
     for t in range(2):
@@ -204,7 +184,7 @@ def test_qffl_q_zero_is_the_n_weighted_average_of_local_models(tiny_synthetic):
     assert_close(state.params, 0, W, b)
     avg = build_experiment(tiny_config(algorithm="fedavg", thetas=(), seeds=(1,),
                                        clients_per_step=2), tiny_synthetic)
-    sa, _ = run_rounds(avg, 2)
+    sa, _ = run_rounds_history(avg, 2)
     assert max_abs_diff(state.params, sa.params) < 1e-6
 
 
@@ -212,18 +192,33 @@ def test_q_sweep_equals_separate_runs(tiny_synthetic):
     qs, seeds = (0.001, 0.1, 1.0, 10.0), (1, 2)
     joint = build_experiment(tiny_config(algorithm="qffl", qffl_q=qs, seeds=seeds,
                                          clients_per_step=1), tiny_synthetic)
-    sj, _ = run_rounds(joint, 3)
+    sj, _ = run_rounds_history(joint, 3)
     assert len(joint.replicas.labels) == 8
     for q in (0.001, 10.0):
         single = build_experiment(tiny_config(algorithm="qffl", qffl_q=(q,), seeds=seeds,
                                               clients_per_step=1), tiny_synthetic)
-        ss, _ = run_rounds(single, 3)
+        ss, _ = run_rounds_history(single, 3)
         for s, seed in enumerate(seeds):
             r = [i for i, lab in enumerate(joint.replicas.labels)
                  if lab.param_value == q and lab.seed == seed]
             assert len(r) == 1
             for x, y in zip(jax.tree.leaves(sj.params), jax.tree.leaves(ss.params)):
                 np.testing.assert_allclose(np.asarray(x)[r[0]], np.asarray(y)[s], atol=1e-6)
+
+
+def test_afl_qffl_is_qffl_at_q_ten_bit_for_bit(tiny_synthetic):
+    """afl_qffl is the papers' stand-in for AFL: q-FFL at q = 10, whatever --qffl_q says."""
+    proxy = build_experiment(tiny_config(algorithm="afl_qffl", thetas=(), seeds=(1, 2),
+                                         qffl_q=(0.5,), clients_per_step=2), tiny_synthetic)
+    q10 = build_experiment(tiny_config(algorithm="qffl", qffl_q=(10.0,), thetas=(), seeds=(1, 2),
+                                       clients_per_step=2), tiny_synthetic)
+    assert [lab.param_value for lab in proxy.replicas.labels] == [10.0, 10.0]
+    sp, hp = run_rounds_history(proxy, 3)
+    sq, hq = run_rounds_history(q10, 3)
+    assert leaves_equal(sp.params, sq.params)
+    assert max_abs_diff(sp.params, jax.tree.map(jnp.zeros_like, sp.params)) > 0  # it moved
+    for mp, mq in zip(hp, hq):
+        np.testing.assert_array_equal(mp["qffl_step"], mq["qffl_step"])
 
 
 # ----------------------------------------------------------------------------- AFL
@@ -250,7 +245,7 @@ def test_afl_equals_numpy(tiny_synthetic):
     exp = build_experiment(cfg, tiny_synthetic)
     N = tiny_synthetic.train.num_clients
     assert exp.num_sampled == N and exp.work.local_steps == 1
-    state, hist = run_rounds(exp, 4)
+    state, hist = run_rounds_history(exp, 4)
     served = exp.served_params(state)
     xs, ys = client_lists(tiny_synthetic.train)
     n = tiny_synthetic.train.sizes.astype(np.float64)
@@ -303,7 +298,7 @@ def test_term_equals_numpy(tiny_synthetic):
     cfg = tiny_config(algorithm="term", term_t=tilts, seeds=(1, 2), l2_reg=1e-3,
                       clients_per_step=4, learning_rate=0.1)
     exp = build_experiment(cfg, tiny_synthetic)
-    state, hist = run_rounds(exp, 4)
+    state, hist = run_rounds_history(exp, 4)
     xs, ys = client_lists(tiny_synthetic.train)
     for r, lab in enumerate(exp.replicas.labels):
         W, b = zeros()
@@ -320,11 +315,11 @@ def test_term_equals_numpy(tiny_synthetic):
 def test_term_approaches_fedavg_as_t_goes_to_zero(tiny_synthetic):
     avg = build_experiment(tiny_config(algorithm="fedavg", thetas=(), seeds=(1,),
                                        clients_per_step=2, learning_rate=0.1), tiny_synthetic)
-    sa, _ = run_rounds(avg, 3)
+    sa, _ = run_rounds_history(avg, 3)
     tilts = (0.0, 1e-3, 1e-2, 1e-1, 1.0)
     exp = build_experiment(tiny_config(algorithm="term", term_t=tilts, seeds=(1,),
                                        clients_per_step=2, learning_rate=0.1), tiny_synthetic)
-    st, _ = run_rounds(exp, 3)
+    st, _ = run_rounds_history(exp, 3)
     gap = {}
     for r, lab in enumerate(exp.replicas.labels):
         one = jax.tree.map(lambda a: np.asarray(a)[r:r + 1], st.params)

@@ -1,5 +1,5 @@
-"""Smoke run of bench/before_after.py at toy sizes: a checkout of the commit before issue 19
-(a git worktree made here, removed afterwards) against this tree, softmax regression only. The
+"""Smoke run of bench/before_after.py at toy sizes: a checkout of the older commit
+(bench/before_after.py's BEFORE_COMMIT, a git worktree made here, removed afterwards) against this tree, softmax regression only. The
 figures are not asserted (machines are noisy); the JSON's shape is, and that both trees
 sampled, kept and trained the same clients and examples in every round."""
 

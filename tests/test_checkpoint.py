@@ -1,4 +1,4 @@
-"""Checkpoints with orbax and preemption handling (issue 12, items 1, 3 and 8; issues 22-23).
+"""Checkpoints with orbax and preemption handling.
 
 - save/restore of the state pytree is bit-identical: float32/int32 leaves, a NamedTuple or an
   empty () algorithm state, a zero-size leaf;

@@ -202,3 +202,31 @@ def test_option_flags_come_from_the_specs_and_each_method_gets_its_own(tmp_path)
     assert configs["deltafl"].thetas == (1.0, 0.5) and configs["fedavg"].thetas == ()
     assert configs["fedavg_sub"].thetas == (1.0, 0.5)
     assert configs["qffl"].output_dir == os.path.join(str(tmp_path), "qffl")
+
+
+def test_help_has_a_usage_line_and_explains_flagfile(capsys):
+    code, err, out = run_runner(["--help"], capsys)
+    assert code == 0, err
+    first = out.splitlines()[0]
+    assert first.startswith("usage: python -m experiments.run ") and "--flagfile" in first
+    assert "--flagfile=FILE reads flags from FILE" in out
+    # From the shell, the command's own example line from its docstring.
+    shell = subprocess.run([sys.executable, "-m", "experiments.report", "--help"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert shell.returncode == 0, shell.stderr
+    assert shell.stdout.startswith("usage: python -m experiments.report RUN_DIR")
+
+
+def test_the_start_up_line_counts_in_the_singular_and_the_plural(tmp_path, capsys):
+    code, err, out = run_runner([f"--flagfile={TINY}", "--thetas=1.0", "--seeds=1",
+                                 "--num_rounds=1", "--eval_every=1", "--clients_per_step=1",
+                                 f"--output_dir={tmp_path / 'one'}"], capsys)
+    assert code == 0, err
+    line = [l for l in (out + err).splitlines() if l.startswith("deltafl_jax: synthetic")][0]
+    assert "1 replica (1 seed)" in line and "1 client lane per step" in line, line
+    code, err, out = run_runner([f"--flagfile={TINY}", "--num_rounds=1", "--eval_every=1",
+                                 "--clients_per_step=2", f"--output_dir={tmp_path / 'two'}"],
+                                capsys)
+    assert code == 0, err
+    line = [l for l in (out + err).splitlines() if l.startswith("deltafl_jax: synthetic")][0]
+    assert "4 replicas (2 seeds)" in line and "2 client lanes per step" in line, line

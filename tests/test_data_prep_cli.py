@@ -1,4 +1,4 @@
-"""The command lines data_prep.prepare and data_prep.stats (issue 3, items 1, 5 and 6), run as
+"""The command lines data_prep.prepare and data_prep.stats, run as
 subprocesses the way a user runs them."""
 
 import itertools

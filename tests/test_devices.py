@@ -1,4 +1,4 @@
-"""The round across a device mesh (issue 11): D = 2, 4, 8 fake CPU devices give the same
+"""The round across a device mesh: D = 2, 4, 8 fake CPU devices give the same
 clients kept and examples trained as D = 1, and metrics and parameters within 1e-5 (relative),
 SCAFFOLD's control variates and a server optimizer's state included;
 the compiled program has no collective inside a while body and no all-gather."""

@@ -1,4 +1,4 @@
-"""FEMNIST writers (issue 13, item 5): --writer_fraction and --resample_writers_per_seed.
+"""FEMNIST writers: --writer_fraction and --resample_writers_per_seed.
 
 The paper keeps writers with >= 100 images, then "subsample 50% of them (1730 writers) and
 split them half for training, half for testing" (reference-notes.md); the authors redraw both
@@ -20,7 +20,7 @@ from fixtures import federated_files as ff  # noqa: E402
 from deltafl_jax import ExperimentConfig  # noqa: E402
 from deltafl_jax.data import DataError  # noqa: E402
 from deltafl_jax.datasets import DataConfig, load_dataset  # noqa: E402
-from deltafl_jax.seed_groups import seed_groups  # noqa: E402
+from deltafl_jax.seed_programs import seed_programs  # noqa: E402
 
 SIZES = {f"f{i:04d}_{i % 7:02d}": n for i, n in
          enumerate([12, 9, 15, 8, 10, 7, 11, 13, 9, 14, 8, 10, 3, 16])}
@@ -72,7 +72,7 @@ def test_a_fraction_outside_0_1_is_a_data_error(source, cache, fraction):
 def test_seed_groups_redraw_the_writers_from_each_seed(source, cache):
     base = ExperimentConfig(data=config(source, cache, resample_writers_per_seed=True),
                             thetas=(1.0, 0.5), seeds=(1, 2, 3), output_dir="out")
-    groups = seed_groups(base)
+    groups = seed_programs(base)
     assert [g.seeds for g in groups] == [(1,), (2,), (3,)]
     assert [g.output_dir for g in groups] == [os.path.join("out", f"seed_{s}") for s in (1, 2, 3)]
     assert [g.thetas for g in groups] == [(1.0, 0.5)] * 3
@@ -85,7 +85,7 @@ def test_seed_groups_redraw_the_writers_from_each_seed(source, cache):
     assert len({tuple(d.train.client_ids) for d in draws}) > 1
     # Without the flag every seed shares one dataset and one program.
     plain = ExperimentConfig(data=config(source, cache), seeds=(1, 2), output_dir="out")
-    assert seed_groups(plain) == [plain]
+    assert seed_programs(plain) == [plain]
 
 
 @pytest.mark.slow
@@ -118,12 +118,15 @@ def test_runner_writes_one_run_per_seed_and_the_report_pools_them(source, cache,
     assert len(runs) == 4 and not skipped
     cols = columns(runs)
     assert sorted(len(c.seeds) for c in cols) == [2, 2, 2]   # FedAvg, theta 0.5, FedProx
+    # Two experiments share the row: each column names its own (the seeds' common dir).
+    assert sorted(c.label for c in cols) == ["FedAvg [deltafl]", "FedProx, μ = 0.1 [fedprox]",
+                                             "Δ-FL, θ = 0.5 [deltafl]"]
     rows, labels, got = table(cols, "test_error_p90", percent=True)
     assert len(rows) == 1
     for c in cols:
         alg = "fedprox" if c.label.startswith("FedProx") else "deltafl"
         key = "fedprox_mu=0.1" if alg == "fedprox" else (
-            "theta=1" if c.label == "FedAvg" else "theta=0.5")
+            "theta=1" if c.label.startswith("FedAvg ") else "theta=0.5")
         want = cells[(alg, key)]
         assert got[(rows[0], c.label)].mean == pytest.approx(100 * np.mean(want))
         assert got[(rows[0], c.label)].std == pytest.approx(100 * np.std(want))

@@ -1,4 +1,4 @@
-"""Figure 3, complete (issue 13, item 10): the loss over the mixture simplex and its histogram
+"""Figure 3, complete: the loss over the mixture simplex and its histogram
 over mixtures of conformity >= theta, from the Gaussian toy run, in the report.
 
 Independent facts used (Sec. 3): F(w; p_pi) = sum_k pi_k F_k(w); P_theta = {pi in the simplex:

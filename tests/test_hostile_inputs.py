@@ -1,5 +1,5 @@
 """Bad input as a hostile user would give it: each case prints one line naming what is wrong,
-exits with code 2, and creates or changes nothing (issue 12, item 7)."""
+exits with code 2, and creates or changes nothing."""
 
 import errno
 import os

@@ -1,4 +1,4 @@
-"""--use_bias (issue 13, item 2): the paper's linear models have no bias.
+"""--use_bias: the paper's linear models have no bias.
 
 App. C.1.1: "We train parameters w in R^{62x784} ... the score of each class c is the dot
 product <w_c, x>"; App. C.1.2: "the parameter vector w is of dimension 50"; the L2 term is

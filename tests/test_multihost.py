@@ -1,7 +1,7 @@
 """Two processes x 2 CPU devices, joined with jax.distributed on localhost, give the same
-metrics as one process x 4 devices, and only process 0 writes outputs (issue 11); both killed
-with SIGKILL, they resume from their checkpoint and end bit-identical to an uninterrupted
-two-process run (issue 23)."""
+metrics as one process x 4 devices, and only process 0 writes outputs; both killed with
+SIGKILL, they resume from their checkpoint and end bit-identical to an uninterrupted
+two-process run."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""--normalize (issue 13, item 1) against NumPy written from the authors' rule.
+"""--normalize against NumPy written from the authors' rule.
 
 The authors' models/main.py sets every input feature to (x_j - mu_j) / mu_j, mu_j the mean of
 feature j over the examples of the split being normalised (train clients for train, the test
@@ -87,11 +87,16 @@ def test_reference_warns_once_about_tiny_means_and_only_centres_zero_means():
     want = (x - mu) / np.where(mu == 0, 1.0, mu)       # a zero mean: centred only
     np.testing.assert_allclose(got.train.x, want.astype(np.float32), rtol=1e-4, atol=1e-4)
     assert np.all(np.isfinite(got.train.x))
-    # No warning when every mean is large.
+    # No warning when every mean is large (all within a factor of 3 of the largest).
+    rng = np.random.default_rng(1)
+    x = (np.array([1.0, 2.0, 3.0]) + 0.1 * rng.standard_normal((40, 3))).astype(np.float32)
+    split = ClientData.from_clients([x[:20], x[20:]],
+                                    [np.zeros(20, np.int32), np.ones(20, np.int32)])
     quiet = []
-    normalize(FederatedDataset("npz", data.train.subset([0]), data.train.subset([1]), 2,
-                               metadata={}), "standard", warn=quiet.append)
+    got = normalize(FederatedDataset("npz", split, split, 2), "reference", warn=quiet.append)
     assert quiet == []
+    mu = x.astype(np.float64).mean(axis=0)     # and it did divide by the means
+    np.testing.assert_allclose(got.train.x, (x - mu) / mu, rtol=1e-4, atol=1e-5)
 
 
 def sent140_like(seed=0):

@@ -13,8 +13,9 @@ from deltafl_jax import outputs
 from deltafl_jax.data import ClientData, FederatedDataset
 from deltafl_jax.errors import ConfigError, DeltaFLError
 from deltafl_jax.models import Linear, Model, ModelOptions, build_model
-from deltafl_jax.outputs import (SCHEMA_VERSION, LoadedModel, RunFormatError, RunReader,
-                                 RunWriter, load_model, prepare_dir)
+from deltafl_jax.outputs import (SCHEMA_VERSION, RunFormatError, RunReader, RunWriter,
+                                 prepare_dir)
+from deltafl_jax.serving import LoadedModel, load_model
 from deltafl_jax.replicas import ReplicaLabel
 
 LABELS = (ReplicaLabel("deltafl", 1.0, 1), ReplicaLabel("deltafl", 0.5, 1),
@@ -275,6 +276,10 @@ def test_load_model_matches_labels_and_predicts_labels(tmp_path):
                                    atol=1e-5)
         want = np.argmax(scores, axis=1)
         np.testing.assert_array_equal(served.predict_labels(x), want)
+        # Printing names the model and replica and counts the weights (4 x 3 + 3), never
+        # dumps them.
+        assert repr(served) == (f"LoadedModel('linear', {labels[r].key()}, "
+                                f"15 parameters in 2 arrays)")
     with pytest.raises(ValueError, match="several models match"):
         load_model(str(tmp_path), theta=0.5)
     with pytest.raises(ValueError, match="several models match"):   # theta=1 and both q's

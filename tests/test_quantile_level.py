@@ -1,4 +1,4 @@
-"""The quantile level 1 - theta in float64 (issue 13, item 4).
+"""The quantile level 1 - theta in float64.
 
 The authors' code takes eta = sorted(losses repeated n_k times)[ceil(N_tot * p) - 1] with
 p = 1 - theta and the product in double precision. At exact boundaries of the cumulative

@@ -137,9 +137,9 @@ def test_tables_against_metrics_jsonl_and_numpy(runs, tmp_path, capsys, percenti
 
     ref = {name: reference_final(runs[name], percentile) for name in ("delta", "fedavg")}
     jsonl = {name: last_records(runs[name]) for name in ("delta", "fedavg")}
-    # Column -> (run, replica keys); the two FedAvg columns carry their run's name.
+    # Column -> (run, replica keys); the row holds two runs, so every column names its run.
     columns = {"FedAvg [delta]": ("delta", ["theta=1_seed=1", "theta=1_seed=2"]),
-               "Δ-FL, θ = 0.5": ("delta", ["theta=0.5_seed=1", "theta=0.5_seed=2"]),
+               "Δ-FL, θ = 0.5 [delta]": ("delta", ["theta=0.5_seed=1", "theta=0.5_seed=2"]),
                "FedAvg [fedavg]": ("fedavg", [f"theta=1_seed={s}" for s in (1, 2, 3)])}
     specs = {"Table 2": ("test_error_p90", 100.0), "Table 3": ("test_error_mean", 100.0),
              "Train loss: alpha-weighted mean": ("train_loss_mean", 1.0),
@@ -211,9 +211,19 @@ def test_histograms_plot_the_seed_averaged_per_client_values(delta_columns):
         np.testing.assert_allclose(edges, np.arange(21) / 20, atol=1e-12)
         counts, _ = np.histogram(err, bins=np.arange(21) / 20)
         np.testing.assert_allclose([b.get_height() for b in bars], counts / err.size)
-        p90 = np.mean([lower_percentile(z["test_error"][i], np.ones(err.size, int), 90)
-                       for i in r])
+        # The dashed line: the bars' own p90 (of the seed-averaged errors), labelled along it
+        # in percent, with the tables' mean of the seeds' p90 beside it when it differs.
+        p90 = lower_percentile(err, np.ones(err.size, int), 90)
         assert ax.lines[0].get_xdata()[0] == pytest.approx(p90, rel=1e-6)
+        table = np.mean([lower_percentile(z["test_error"][i], np.ones(err.size, int), 90)
+                         for i in r])
+        (text,) = [t.get_text() for t in ax.texts if "p90" in t.get_text()]
+        assert f"p90 = {100 * p90:.2f}" in text
+        assert (f"(table: {100 * table:.2f})" in text) == (f"{100 * table:.2f}" !=
+                                                          f"{100 * p90:.2f}")
+        # Errors in percent, as in the tables.
+        assert ax.xaxis.get_major_formatter()(0.575, 0) == "57.5"
+        assert "(%)" in ax.get_xlabel()
     # Train-loss histogram: bars are alpha-weighted.
     fig = report.histogram_figure(cols, "train", "loss")
     for ax in fig.axes[:2]:
@@ -223,6 +233,9 @@ def test_histograms_plot_the_seed_averaged_per_client_values(delta_columns):
         mass, _ = np.histogram(loss, bins=edges, weights=z["train_sizes"])
         np.testing.assert_allclose([b.get_height() for b in bars],
                                    mass / z["train_sizes"].sum(), atol=1e-12)
+        # The line sits at the bars' alpha-weighted p90, inside the bar that reaches 90 %.
+        p90 = lower_percentile(loss, z["train_sizes"], 90)
+        assert ax.lines[0].get_xdata()[0] == pytest.approx(p90, rel=1e-5)
 
 
 def test_scatter_plots_client_size_against_the_seed_averaged_values(delta_columns):
@@ -238,6 +251,16 @@ def test_scatter_plots_client_size_against_the_seed_averaged_values(delta_column
         np.testing.assert_allclose(
             bottom[j].collections[0].get_offsets(),
             np.column_stack([z["test_sizes"], z["test_error"][r].mean(0)]))
+        assert bottom[j].yaxis.get_major_formatter()(0.25, 0) == "25"
+    # The log axes' tick labels do not overlap once drawn.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(fig).draw()
+    for ax in fig.axes[:4]:
+        boxes = sorted((b.x0, b.x1) for t in ax.xaxis.get_ticklabels(which="both")
+                       if t.get_visible() and t.get_text()
+                       for b in [t.get_window_extent()])
+        assert boxes, ax.get_xlabel()
+        assert all(a[1] <= b[0] for a, b in zip(boxes, boxes[1:])), boxes
 
 
 def test_curves_and_kept_clients_plot_the_per_round_data(runs, delta_columns):
@@ -391,7 +414,7 @@ def test_load_runs_gives_tidy_rows_and_a_dataframe_only_with_pandas(runs, monkey
     rows = report.load_runs([runs["root"], "/nonexistent/run"], as_frame=False,
                             log=log.append)
     assert log == ["skipped /nonexistent/run: no such directory"]
-    assert {r["method"] for r in rows} == {"FedAvg [delta]", "Δ-FL, θ = 0.5",
+    assert {r["method"] for r in rows} == {"FedAvg [delta]", "Δ-FL, θ = 0.5 [delta]",
                                            "FedAvg [fedavg]"}
     assert len(rows) == 4 + 3
     ref = reference_final(runs["delta"], "lower")
@@ -415,6 +438,41 @@ def test_load_runs_gives_tidy_rows_and_a_dataframe_only_with_pandas(runs, monkey
     assert len(made[0]) == 4 * 2 and {r["round"] for r in made[0]} == {3, 6}
     with pytest.raises(ValueError, match="unknown kind"):
         report.load_runs(runs["delta"], kind="nope")
+
+
+def readme_notebook_snippet():
+    """The README's Python block that calls load_runs, as written."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    found = [b for b in blocks if "load_runs(" in b]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_the_readmes_load_runs_snippet_runs_as_written(runs, tmp_path, monkeypatch):
+    """The snippet needs pandas, which the README's install command (the test extra) brings;
+    it reads runs/synthetic relative to the working directory."""
+    code = readme_notebook_snippet()
+    assert 'load_runs("runs/synthetic")' in code and ".groupby(" in code
+    os.makedirs(tmp_path / "runs")
+    shutil.copytree(runs["delta"], tmp_path / "runs" / "synthetic")
+    monkeypatch.chdir(tmp_path)
+    lines = code.strip().splitlines()
+    scope = {}
+    exec("\n".join(lines[:-1]), scope)
+    got = eval(lines[-1], scope)                        # the cell's displayed value
+    import pandas
+    assert isinstance(scope["df"], pandas.DataFrame)
+    ref = reference_final(runs["delta"], "lower")
+    by_method = {"FedAvg": [], "Δ-FL, θ = 0.5": []}
+    for key, final in ref.items():
+        by_method["FedAvg" if key.startswith("theta=1_") else "Δ-FL, θ = 0.5"].append(
+            final["test_error_p90"])
+    assert sorted(got.index) == sorted(by_method)
+    for method, values in by_method.items():
+        assert got.loc[method, "mean"] == pytest.approx(np.mean(values), rel=1e-6)
+        assert got.loc[method, "std"] == pytest.approx(np.std(values, ddof=1), rel=1e-6)
 
 
 def test_column_names_follow_the_papers_tables():

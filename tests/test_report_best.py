@@ -1,4 +1,4 @@
-"""experiments.report --best (issue 13, item 11): each baseline at its best swept value by the
+"""experiments.report --best: each baseline at its best swept value by the
 test 90th percentile, as the papers' tables ("report q with the smallest 90th percentile of
 misclassification error on test devices", CISS 2021 Sec. V). The expected winner is computed
 here from clients.npz with NumPy."""
@@ -56,6 +56,6 @@ def test_best_keeps_each_baselines_best_value_and_marks_it(runs, tmp_path, capsy
         mean = float(row[col].replace("**", "").split("±")[0])
         assert mean == pytest.approx(100 * scores[win], abs=0.006)
     # Delta-FL's theta are all kept, unmarked; the CSV keeps every value.
-    assert "FedAvg" in header and "Δ-FL, θ = 0.5" in header
+    assert "FedAvg [delta]" in header and "Δ-FL, θ = 0.5 [delta]" in header
     final_csv = open(tmp_path / "best" / "final.csv").read()
     assert final_csv.count("fedprox_mu") >= 6

@@ -1,5 +1,5 @@
 """Kill a run and rerun the same command: it resumes from its newest checkpoint and ends with
-outputs bit-identical to an uninterrupted run (issue 12). The runs are real subprocesses of
+outputs bit-identical to an uninterrupted run. The runs are real subprocesses of
 ``python -m experiments.run``, killed with SIGKILL at a random round or stopped with SIGTERM."""
 
 import json

@@ -7,29 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import client_lists, linear_rows, run_rounds_history, tiny_config
 from numpy_reference import delta_fl_round
 from deltafl_jax import build_experiment, plan as plan_lib, rounds
 from deltafl_jax.engine import LocalSGDConfig
-
-
-def run_rounds(exp, num_rounds):
-    state, keys = exp.initial_state(), exp.keys()
-    metrics = None
-    for t in range(num_rounds):
-        state, metrics = exp.round_fn(state, exp.round_data(t), keys)
-    return state, metrics
-
-
-def linear_params(state, r):
-    p = jax.device_get(state.params)["Dense_0"]
-    return np.asarray(p["kernel"][r], np.float64), np.asarray(p["bias"][r], np.float64)
-
-
-def client_lists(split):
-    xs = [split.client(k)[0].astype(np.float64) for k in range(split.num_clients)]
-    ys = [split.client(k)[1] for k in range(split.num_clients)]
-    return xs, ys
 
 
 @pytest.mark.parametrize("lanes", [1, 4])
@@ -38,7 +19,8 @@ def test_round_equals_numpy_loop_over_clients(tiny_synthetic, filter, lanes):
     cfg = tiny_config(filter=filter, thetas=(1.0, 0.6, 0.3), seeds=(1, 2), l2_reg=1e-3,
                       local_epochs=2, clients_per_step=lanes, learning_rate=0.05)
     exp = build_experiment(cfg, tiny_synthetic)
-    state, metrics = run_rounds(exp, 3)
+    state, hist = run_rounds_history(exp, 3)
+    metrics = hist[-1]
     xs, ys = client_lists(tiny_synthetic.train)
     W0 = np.zeros((60, 10))
     b0 = np.zeros(10)
@@ -48,7 +30,7 @@ def test_round_equals_numpy_loop_over_clients(tiny_synthetic, filter, lanes):
             W, b, F, a = delta_fl_round(W, b, xs, ys, lab.seed, t, cfg.clients_per_round,
                                         lab.theta, filter, cfg.learning_rate, cfg.l2_reg,
                                         cfg.batch_size, epochs=2)
-        got_W, got_b = linear_params(state, r)
+        got_W, got_b = linear_rows(state.params, r)
         np.testing.assert_allclose(got_W, W, atol=2e-5, rtol=1e-4)
         np.testing.assert_allclose(got_b, b, atol=2e-5, rtol=1e-4)
         assert int(metrics["num_selected"][r]) == int(np.sum(a > 0))
@@ -61,13 +43,13 @@ def test_round_equals_numpy_loop_over_clients(tiny_synthetic, filter, lanes):
 def test_local_steps_mode_equals_numpy(tiny_synthetic):
     cfg = tiny_config(thetas=(0.5,), local_steps=13, batch_size=10, clients_per_step=2)
     exp = build_experiment(cfg, tiny_synthetic)
-    state, _ = run_rounds(exp, 2)
+    state, _ = run_rounds_history(exp, 2)
     xs, ys = client_lists(tiny_synthetic.train)
     W, b = np.zeros((60, 10)), np.zeros(10)
     for t in range(2):
         W, b, _, _ = delta_fl_round(W, b, xs, ys, 1, t, 6, 0.5, "exact", cfg.learning_rate,
                                     0.0, 10, steps=13)
-    got_W, got_b = linear_params(state, 0)
+    got_W, got_b = linear_rows(state.params, 0)
     np.testing.assert_allclose(got_W, W, atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(got_b, b, atol=2e-5, rtol=1e-4)
 
@@ -85,17 +67,28 @@ def test_dropped_clients_do_no_local_work(tiny_synthetic):
     kept = int(met["kept_examples"][0])
     assert kept < int(np.sum(sizes))          # the filter dropped someone
     assert int(met["train_real_examples"]) == kept   # and only the kept trained
-    # One lane, one epoch: the only padding is each kept client's last partial batch.
-    steps_kept = int(met["train_trips"])
-    assert int(met["train_padded_examples"]) == steps_kept * cfg.batch_size
+    # One lane, one epoch: each kept client makes ceil(n_k / B) trips, its last batch padded.
+    # The kept set comes from the NumPy round, run independently from the same start.
+    xs, ys = client_lists(tiny_synthetic.train)
+    W, b = np.zeros((60, 10)), np.zeros(10)
+    W, b, _, _ = delta_fl_round(W, b, xs, ys, 1, 0, cfg.clients_per_round, 0.3, "exact",
+                                cfg.learning_rate, 0.0, cfg.batch_size)
+    _, _, _, a = delta_fl_round(W, b, xs, ys, 1, 1, cfg.clients_per_round, 0.3, "exact",
+                                cfg.learning_rate, 0.0, cfg.batch_size)
+    chosen = plan_lib.sample_clients(1, 1, len(xs), cfg.clients_per_round)
+    kept_n = [len(ys[k]) for k, w in zip(chosen, a) if w > 0]
+    assert sum(kept_n) == kept
+    trips = sum(-(-n // cfg.batch_size) for n in kept_n)
+    assert int(met["train_trips"]) == trips
+    assert int(met["train_padded_examples"]) == trips * cfg.batch_size
 
 
 def test_theta_one_is_fedavg_bit_for_bit(tiny_synthetic):
     a = build_experiment(tiny_config(algorithm="fedavg", thetas=()), tiny_synthetic)
     b = build_experiment(tiny_config(algorithm="deltafl", thetas=(1.0,)), tiny_synthetic)
     assert a.replicas.labels[0].theta == 1.0
-    sa, _ = run_rounds(a, 3)
-    sb, _ = run_rounds(b, 3)
+    sa, _ = run_rounds_history(a, 3)
+    sb, _ = run_rounds_history(b, 3)
     for x, y in zip(jax.tree.leaves(sa.params), jax.tree.leaves(sb.params)):
         assert np.array_equal(np.asarray(x), np.asarray(y))
 
@@ -104,7 +97,7 @@ def test_replica_vmap_equals_separate_runs(tiny_synthetic):
     thetas, seeds = (1.0, 0.5, 0.2), (1, 2)
     joint = build_experiment(tiny_config(thetas=thetas, seeds=seeds, clients_per_step=1),
                              tiny_synthetic)
-    sj, _ = run_rounds(joint, 3)
+    sj, _ = run_rounds_history(joint, 3)
     # Two of the six replicas (another theta and another seed than the first), each against
     # its own separate run.
     for r in (1, 4):
@@ -112,7 +105,7 @@ def test_replica_vmap_equals_separate_runs(tiny_synthetic):
         single = build_experiment(
             tiny_config(thetas=(lab.theta,), seeds=(lab.seed,), clients_per_step=1),
             tiny_synthetic)
-        ss, _ = run_rounds(single, 3)
+        ss, _ = run_rounds_history(single, 3)
         for x, y in zip(jax.tree.leaves(sj.params), jax.tree.leaves(ss.params)):
             np.testing.assert_allclose(np.asarray(x)[r], np.asarray(y)[0], atol=1e-6)
 
@@ -120,18 +113,20 @@ def test_replica_vmap_equals_separate_runs(tiny_synthetic):
 def test_padding_changes_nothing(tiny_synthetic):
     base = build_experiment(tiny_config(thetas=(1.0, 0.4), clients_per_step=1, eval_chunk=32),
                             tiny_synthetic)
-    s0, m0 = run_rounds(base, 3)
+    s0, h0 = run_rounds_history(base, 3)
+    m0 = h0[-1]
     # 1) Much longer index streams (more padding) give bit-identical models.
     padded = dataclasses.replace(
         base, caps=plan_lib.Capacities(eval_len=base.caps.eval_len + 10 * 32,
                                        train_len=base.caps.train_len + 1000))
-    s1, _ = run_rounds(padded, 3)
+    s1, _ = run_rounds_history(padded, 3)
     for x, y in zip(jax.tree.leaves(s0.params), jax.tree.leaves(s1.params)):
         assert np.array_equal(np.asarray(x), np.asarray(y))
     # 2) Other chunkings of the evaluation and more lanes (more idle slots) agree to rounding.
     for kw in (dict(eval_chunk=7, clients_per_step=1), dict(eval_chunk=500, clients_per_step=5)):
         other = build_experiment(tiny_config(thetas=(1.0, 0.4), **kw), tiny_synthetic)
-        s2, m2 = run_rounds(other, 3)
+        s2, h2 = run_rounds_history(other, 3)
+        m2 = h2[-1]
         assert int(m2["eval_padded_examples"]) != int(m0["eval_padded_examples"])
         for x, y in zip(jax.tree.leaves(s0.params), jax.tree.leaves(s2.params)):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import run_runner, tiny_config
+from conftest import run_rounds_history, run_runner, tiny_config
 from deltafl_jax import build_experiment
 from deltafl_jax.plan import client_permutations, sample_clients
 from numpy_reference import grad_mean_xent
@@ -73,13 +73,6 @@ class Scaffold:
         return params
 
 
-def run_rounds(exp, rounds):
-    state, keys = exp.initial_state(), exp.keys()
-    for t in range(rounds):
-        state, _ = exp.round_fn(state, exp.round_data(t), keys)
-    return state
-
-
 def rows(tree, *index):
     """[W, b] of a {'Dense_0': {'kernel', 'bias'}} tree at `index` (replica, client)."""
     p = jax.device_get(tree)["Dense_0"]
@@ -95,7 +88,7 @@ def test_three_rounds_equal_algorithm_1(tiny_synthetic, weighting, etas, lanes):
                       clients_per_round=M, local_epochs=EPOCHS, batch_size=8,
                       clients_per_step=lanes, weighting=weighting, server_lr=etas)
     exp = build_experiment(cfg, tiny_synthetic)
-    state = run_rounds(exp, ROUNDS)
+    state = run_rounds_history(exp, ROUNDS)[0]
     train = tiny_synthetic.train
     xs = [train.client(k)[0].astype(np.float64) for k in range(train.num_clients)]
     ys = [train.client(k)[1] for k in range(train.num_clients)]
@@ -121,8 +114,8 @@ def test_three_rounds_equal_algorithm_1(tiny_synthetic, weighting, etas, lanes):
 def test_first_round_is_fedavg(tiny_synthetic):
     """With c = c_k = 0 the corrected step adds exact zeros: FedAvg's round, bit for bit."""
     kw = dict(thetas=(), seeds=(1, 2), l2_reg=1e-3, local_epochs=EPOCHS, clients_per_step=3)
-    fedavg, scaffold = (run_rounds(build_experiment(tiny_config(algorithm=a, **kw),
-                                                    tiny_synthetic), 1)
+    fedavg, scaffold = (run_rounds_history(build_experiment(tiny_config(algorithm=a, **kw),
+                                                            tiny_synthetic), 1)[0]
                         for a in ("fedavg", "scaffold"))
     for a, b in zip(jax.tree.leaves(fedavg.params), jax.tree.leaves(scaffold.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

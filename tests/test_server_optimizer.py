@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import numpy_fedopt as nf
-from conftest import run_runner, tiny_config
+from conftest import linear_rows, run_rounds_history, run_runner, tiny_config
 from deltafl_jax import DataConfig, build_experiment, load_model, run_experiment
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.server_optimizer import ServerOptimizer
@@ -43,18 +43,6 @@ def fedopt_config(path, **kw):
                        learning_rate=0.5, **kw)
 
 
-def run_rounds(exp, rounds):
-    state, keys = exp.initial_state(), exp.keys()
-    for t in range(rounds):
-        state, _ = exp.round_fn(state, exp.round_data(t), keys)
-    return state
-
-
-def linear(params, r):
-    p = jax.device_get(params)["Dense_0"]
-    return [np.asarray(p["kernel"][r], np.float64), np.asarray(p["bias"][r], np.float64)]
-
-
 @pytest.mark.parametrize("kind,kw", [
     ("adam", dict(server_beta1=0.9, server_beta2=0.99, server_eps=1e-3)),
     ("yogi", dict(server_beta1=0.8, server_beta2=0.95, server_eps=1e-2)),
@@ -69,7 +57,7 @@ def test_three_rounds_equal_reddi_algorithm_2(tiny_npz, kind, kw):
     etas = (0.05, 0.2) if kind != "sgd" else (0.5, 2.0)
     cfg = fedopt_config(tiny_npz, server_optimizer=kind, server_lr=etas, **kw)
     exp = build_experiment(cfg)
-    state = run_rounds(exp, 3)
+    state = run_rounds_history(exp, 3)[0]
     data = exp.data
     xs = [data.train.client(k)[0].astype(np.float64) for k in range(data.train.num_clients)]
     ys = [data.train.client(k)[1] for k in range(data.train.num_clients)]
@@ -80,7 +68,7 @@ def test_three_rounds_equal_reddi_algorithm_2(tiny_npz, kind, kw):
         x = [np.zeros((FEATURES, CLASSES)), np.zeros(CLASSES)]
         for _ in range(3):
             x = opt.step(x, list(nf.full_batch_round(x[0], x[1], xs, ys, cfg.learning_rate)))
-        got = linear(state.params, r)
+        got = list(linear_rows(state.params, r))
         for g, want in zip(got, x):
             np.testing.assert_allclose(g, want, atol=1e-5, rtol=1e-5)
         assert np.max(np.abs(x[0])) > 1e-2          # the models moved
@@ -96,11 +84,11 @@ def test_server_lr_list_crossed_with_theta_equals_separate_runs(tiny_synthetic):
     assert keys[:3] == ["theta=1_server_lr=0.01_seed=1", "theta=1_server_lr=0.01_seed=2",
                         "theta=1_server_lr=0.03_seed=1"]
     assert len(keys) == 8
-    sj = run_rounds(joint, 2)
+    sj = run_rounds_history(joint, 2)[0]
     for eta in (0.03,):
         alone = build_experiment(tiny_config(server_lr=(eta,), **kw), tiny_synthetic)
         assert all("server_lr" not in lab.key() for lab in alone.replicas.labels)
-        sa = run_rounds(alone, 2)
+        sa = run_rounds_history(alone, 2)[0]
         rows = [i for i, lab in enumerate(joint.replicas.labels)
                 if dict(lab.extra)["server_lr"] == eta]
         for a, b in zip(jax.tree.leaves(sa.params), jax.tree.leaves(sj.params)):
@@ -114,10 +102,10 @@ def test_default_step_has_no_optimizer_state_and_sgd_at_one_is_the_average(tiny_
     half the step."""
     kw = dict(thetas=(1.0, 0.5), seeds=(1,), l2_reg=1e-3)
     plain = build_experiment(tiny_config(**kw), tiny_synthetic)
-    sp = run_rounds(plain, 1)
+    sp = run_rounds_history(plain, 1)[0]
     assert jax.tree.leaves(sp.server_opt_state) == []
     swept = build_experiment(tiny_config(server_lr=(1.0, 0.5), **kw), tiny_synthetic)
-    ss = run_rounds(swept, 1)
+    ss = run_rounds_history(swept, 1)[0]
     w0 = jax.tree.leaves(plain.initial_state().params)
     for p, s, z in zip(jax.tree.leaves(sp.params), jax.tree.leaves(ss.params), w0):
         p, s, z = np.asarray(p), np.asarray(s), np.asarray(z)
@@ -188,7 +176,6 @@ def test_method_entries_name_their_server_optimizer(tmp_path, capsys):
     bit), the plain entry with the plain step; the report names them FedAvg, FedAdam and
     'Δ-FL, θ = 0.5, server Yogi'."""
     import json
-    from deltafl_jax.outputs import RunReader
     from deltafl_jax.report import method_label
     out = tmp_path / "multi"
     code, err, _ = run_runner([*TINY_RUN, "--algorithm=fedavg,fedavg+adam,deltafl+yogi",
@@ -208,9 +195,9 @@ def test_method_entries_name_their_server_optimizer(tmp_path, capsys):
         names[entry] = {method_label(r, summary["config"]) for r in summary["replicas"]}
     assert names == {"fedavg": {"FedAvg"}, "fedavg+adam": {"FedAdam, η_s = 0.03"},
                      "deltafl+yogi": {"Δ-FL, θ = 0.5, server Yogi, η_s = 0.03"}}
-    a, b = RunReader(str(out / "fedavg+adam")), RunReader(str(alone))
     for seed in (1, 2):
-        ma, mb = a.load_model(seed=seed), b.load_model(seed=seed)
+        ma = load_model(str(out / "fedavg+adam"), seed=seed)
+        mb = load_model(str(alone), seed=seed)
         jax.tree.map(np.testing.assert_array_equal, ma.params, mb.params)
 
 
@@ -234,7 +221,7 @@ def test_a_round_that_no_client_reaches_moves_nothing(tiny_synthetic):
     from deltafl_jax import engine, rounds
     exp = build_experiment(tiny_config(algorithm="fedavg", thetas=(), server_optimizer="momentum",
                                        server_lr=(0.5,)), tiny_synthetic)
-    state = run_rounds(exp, 2)
+    state = run_rounds_history(exp, 2)[0]
     nobody = exp.algorithm._replace(
         client_weights=lambda state, losses, sizes, *a: 0.0 * sizes.astype(np.float32))
     local = engine.LocalSGDConfig(batch_size=exp.config.batch_size, lanes=exp.lanes)

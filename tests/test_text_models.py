@@ -1,4 +1,4 @@
-"""The text models gru, lstm and sent140_linear (issue 3, items 2-3).
+"""The text models gru, lstm and sent140_linear.
 
 Shapes, a NumPy re-implementation of each forward pass (GRU / LSTM equations written out here,
 mean of GloVe rows), the frozen table staying out of the parameters, and a few plain SGD steps

@@ -24,7 +24,7 @@ TINY = os.path.join(HERE, "tiny.flags")
 REPO = os.path.dirname(HERE)
 
 
-def run_rounds(exp, num_rounds):
+def run_with_rates(exp, num_rounds):
     state, keys = exp.initial_state(), exp.keys()
     rates = []
     for t in range(num_rounds):
@@ -44,7 +44,7 @@ def test_lr_grid_in_one_program_equals_separate_runs(tiny_synthetic):
     lrs, decays = (0.02, 0.1), (1.0, 4.0)
     replicas = tuning.lr_grid_replicas(base, lrs, decays)
     assert replicas.size == 2 * 2 * 2
-    joint, joint_rates = run_rounds(build_experiment(base, tiny_synthetic, replicas), 4)
+    joint, joint_rates = run_with_rates(build_experiment(base, tiny_synthetic, replicas), 4)
     finals = {}
     for lr in lrs:
         for c in decays:
@@ -52,7 +52,7 @@ def test_lr_grid_in_one_program_equals_separate_runs(tiny_synthetic):
                   if dict(lab.extra) == {"learning_rate": lr, "lr_decay": c}]
             assert [replicas.labels[r].seed for r in rs] == [1, 2]
             # The runner's own configuration for this grid value (both seeds).
-            single, rates = run_rounds(build_experiment(
+            single, rates = run_with_rates(build_experiment(
                 dataclasses.replace(base, learning_rate=lr, lr_decay=c), tiny_synthetic), 4)
             for x, y in zip(leaves(joint), leaves(single)):
                 np.testing.assert_allclose(x[rs], y, atol=1e-6)
@@ -70,8 +70,8 @@ def test_grids_train_with_the_runs_server_optimizer(tiny_synthetic):
                        server_optimizer="adam", server_lr=(0.02,), clients_per_step=1)
     replicas = tuning.lr_grid_replicas(base, (0.02, 0.1), (1.0,))
     np.testing.assert_allclose(replicas.server_lr, 0.02)
-    joint, _ = run_rounds(build_experiment(base, tiny_synthetic, replicas), 2)
-    single, _ = run_rounds(build_experiment(dataclasses.replace(base, learning_rate=0.1),
+    joint, _ = run_with_rates(build_experiment(base, tiny_synthetic, replicas), 2)
+    single, _ = run_with_rates(build_experiment(dataclasses.replace(base, learning_rate=0.1),
                                             tiny_synthetic), 2)
     for x, y in zip(leaves(joint), leaves(single)):
         np.testing.assert_allclose(x[1:], y, atol=1e-6)
@@ -117,9 +117,9 @@ def test_l2_grid_in_one_program_equals_separate_runs_and_scores_validation_clien
     val = tuning.validation_split(tiny_synthetic, seed=0)
     l2s = (1e-1, 1e-4)
     replicas = tuning.l2_grid_replicas(base, (1.0, 0.5), l2s)
-    joint, _ = run_rounds(build_experiment(base, val, replicas), 3)
+    joint, _ = run_with_rates(build_experiment(base, val, replicas), 3)
     for lam in l2s:
-        single, _ = run_rounds(build_experiment(dataclasses.replace(base, l2_reg=lam), val), 3)
+        single, _ = run_with_rates(build_experiment(dataclasses.replace(base, l2_reg=lam), val), 3)
         # The runner's replicas: theta 1.0 seeds 1, 2, then theta 0.5 seeds 1, 2.
         for i, (theta, seed) in enumerate([(1.0, 1), (1.0, 2), (0.5, 1), (0.5, 2)]):
             (r,) = [r for r, lab in enumerate(replicas.labels)

@@ -1,4 +1,4 @@
-"""Tuning a baseline's swept parameter on validation clients (issue 13, item 11).
+"""Tuning a baseline's swept parameter on validation clients.
 
 The rule, from the paper's lambda protocol (Sec. 5, App. C.2.2) applied to q / mu / t /
 gamma_lambda: train every value on half the training clients, score the 90th percentile of the

@@ -54,10 +54,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from deltafl_jax.algorithms.spec import (PAPER_THETAS, AlgorithmSpec, FederatedAlgorithm, Option,
                                          PrivateAggregate, Sweep, average_delta, check_options,
@@ -258,11 +260,40 @@ def column_name(label, options: DeltaFLOptions, head: str) -> str:
     return name_the_filter(head, options.filter)
 
 
+# --smoothing below this many float32 steps of a typical loss resolves nothing (see below).
+SMOOTHING_ULPS = 8
+
+
+def smoothing_warning(nu: float, num_classes: Optional[int]) -> Optional[str]:
+    """One warning line when nu > 0 is below SMOOTHING_ULPS float32 steps (ulps) of a typical
+    loss, else None. The typical loss is log C for C classes (a uniform guess; 1 when C < 3),
+    whose ulp is about 2.4e-7 for C = 10: the losses F_k - eta are then resolved more coarsely
+    than the ramp (0, nu] of g_nu', so the boundary client gets weight 0 or 1 instead of its
+    fraction, as the unsmoothed filter would."""
+    if not nu > 0:
+        return None
+    scale = math.log(num_classes) if num_classes and num_classes >= 3 else 1.0
+    floor = SMOOTHING_ULPS * float(np.spacing(np.float32(scale)))
+    if nu >= floor:
+        return None
+    return (f"deltafl_jax: warning: --smoothing={nu:g} is below {SMOOTHING_ULPS} float32 steps "
+            f"of a typical loss ({SMOOTHING_ULPS} x ulp({scale:.3g}) = {floor:.2g}): the boundary "
+            f"client gets weight 0 or 1, not its fraction; use --smoothing >= {floor:.1g}")
+
+
+def build_deltafl(config, data, options: DeltaFLOptions) -> FederatedAlgorithm:
+    """The spec's factory: :func:`deltafl` for the run, after a one-line warning on stderr
+    when --smoothing is below the losses' float32 resolution (:func:`smoothing_warning`)."""
+    line = smoothing_warning(options.smoothing, getattr(data, "num_classes", None))
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return deltafl(options, thetas=run_thetas(config), privacy=config.privacy)
+
+
 SPEC = AlgorithmSpec(
     name="deltafl", display_name="Δ-FL",
     help="Delta-FL: the clients above the (1 - theta)-quantile train",
-    factory=lambda config, data, options: deltafl(options, thetas=run_thetas(config),
-                                                  privacy=config.privacy),
+    factory=build_deltafl,
     hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=DeltaFLOptions,
     column_name=column_name, tunes_l2=True,
     dp_requires="--quantile=secagg_mm --weighting=unweighted (private Delta-FL: eta from "

@@ -59,7 +59,7 @@ class DataConfig:
       writer_fraction: FEMNIST: the fraction of the eligible writers kept (the paper: 0.5).
       resample_writers_per_seed: redraw the data (FEMNIST's writer subsample, every dataset's
         train/test split) for each seed, as the authors do; each seed is then its own dataset
-        and its own program (:mod:`deltafl_jax.seed_groups`).
+        and its own program (:mod:`deltafl_jax.seed_programs`).
     """
 
     dataset: str

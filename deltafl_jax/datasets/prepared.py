@@ -23,7 +23,7 @@ Small side arrays that are not per client (Sent140's restricted GloVe table) are
 ``<key>.npy`` inside the same directory while tfds prepares it, so they are committed together
 with the records (tfds renames the finished directory into place atomically).
 
-A whole cache (issue 12, item 6). :func:`write` has tfds build the dataset in a private
+A whole cache. :func:`write` has tfds build the dataset in a private
 temporary ``data_dir`` (``<data_dir>/deltafl_<name>/.incomplete-<config>-<host>-<pid>-<rand>/``),
 then adds ``checksums.json`` (the size and sha256 of every file, and a digest of the content that
 was written) and moves the finished version directory into place with one ``rename``. A rename
@@ -36,7 +36,7 @@ never see a half-written directory without taking any lock; the cost is that two
 preparations both do the work. A killed preparation leaves only its ``.incomplete-*`` directory,
 removed by the next :func:`write` on the same host.
 
-Checking it (issue 22). Opening costs O(metadata): :func:`open_prepared` compares the files'
+Checking it. Opening costs O(metadata): :func:`open_prepared` compares the files'
 presence and sizes with ``checksums.json`` before tfds reads anything, and hashes nothing, and
 :func:`open_or_prepare` rebuilds a dataset that fails this (a missing or truncated file, no
 checksums) with a one-line warning on stderr. The full sha256 pass (:func:`check_files`) runs at
@@ -68,6 +68,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from deltafl_jax.data import ClientData, DataError
+from deltafl_jax.errors import DamagedDataset  # noqa: F401  (raised here; prepared.DamagedDataset)
 
 VERSION = "1.0.0"
 SPLIT = "clients"
@@ -114,17 +115,6 @@ def _quiet():
 
 
 # ----------------------------------------------------------------------------- a whole cache
-
-
-class DamagedDataset(DataError):
-    """A prepared dataset whose files do not match its checksums: truncated, corrupted, missing
-    a file, or written before checksums existed. `path` is its directory, `reason` a few words."""
-
-    def __init__(self, name: str, path: str, reason: str):
-        super().__init__(f"{name}: the prepared dataset at {path} is damaged ({reason}); run "
-                         f"python -m data_prep.prepare --dataset={name} again")
-        self.path = path
-        self.reason = reason
 
 
 def _file_sha256(path: str) -> str:

@@ -28,7 +28,3 @@ def gather_rows(tree, rows):
     """tree with leading dim R, rows [c] -> pytree with leading dim c."""
     return jax.tree.map(lambda a: jnp.take(a, rows, axis=0), tree)
 
-
-def take_row(tree, r):
-    """The r-th entry of every leaf (leading dim R)."""
-    return jax.tree.map(lambda a: a[r], tree)

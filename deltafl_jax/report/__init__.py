@@ -34,14 +34,14 @@ else a list of dicts); :func:`write_report` is what ``python -m experiments.repo
 Runs still in progress (metrics.jsonl but no summary.json yet) are skipped, saying so.
 
 Modules: :mod:`~deltafl_jax.report.io` (reading runs through
-:class:`deltafl_jax.outputs.RunReader`, tidy rows, CSV), :mod:`~deltafl_jax.report.tables`
-(columns, method names, markdown tables), :mod:`~deltafl_jax.report.figures` (matplotlib) and
+:class:`deltafl_jax.outputs.RunReader`), :mod:`~deltafl_jax.report.tables` (columns, method
+names, markdown tables), :mod:`~deltafl_jax.report.rows` (tidy rows, CSV, DataFrames), :mod:`~deltafl_jax.report.figures` (matplotlib) and
 :mod:`~deltafl_jax.report.document` (report.md). This package re-exports their public names.
 """
 
 from deltafl_jax.report.io import (KINDS, Run, RunError, curves_from_history,
-                                   curves_from_records, find_run_dirs, load, load_runs,
-                                   read_run, tidy_rows, write_csv)
+                                   curves_from_records, find_run_dirs, load, read_run)
+from deltafl_jax.report.rows import load_runs, tidy_rows, write_csv
 from deltafl_jax.report.tables import (BEST_MARK, TABLES, Cell, Column, TableSpec, best_columns,
                                        columns, markdown_table, method_label, run_columns,
                                        runs_table, settings, table)

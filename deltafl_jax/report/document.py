@@ -13,7 +13,8 @@ import numpy as np
 
 from deltafl_jax.metrics import PERCENTILE_METHODS
 from deltafl_jax.report import figures
-from deltafl_jax.report.io import Run, tidy_rows, write_csv
+from deltafl_jax.report.io import Run
+from deltafl_jax.report.rows import tidy_rows, write_csv
 from deltafl_jax.report.tables import (BEST_NOTE, INTERVAL_NOTE, TABLES, Column, best_columns,
                                        columns, markdown_table, runs_table, settings)
 
@@ -90,7 +91,8 @@ def model_point(col: Column):
     """The saved model w of a column (the mean-estimation model's point), mean over seeds,
     or None when the run saved no models."""
     from deltafl_jax.errors import DeltaFLError
-    from deltafl_jax.outputs import RunFormatError, RunReader
+    from deltafl_jax.outputs import RunFormatError
+    from deltafl_jax.serving import load_model
 
     points = []
     for run, reps in col.parts:
@@ -98,7 +100,7 @@ def model_point(col: Column):
             lab = run.labels[r]
             extra = {lab.param_name: lab.param_value} if lab.param_name else {}
             try:
-                served = RunReader(run.path).load_model(
+                served = load_model(run.path,
                     theta=None if extra else lab.theta, seed=lab.seed, **extra)
             except (DeltaFLError, RunFormatError, OSError, ValueError):
                 return None

@@ -3,7 +3,8 @@
 Fig. 4 and Figs. 12-13: histograms of the per-client final test error and train loss; Fig. 5
 and Figs. 14-15: per-client values against client size; Figs. 6-11: the train-loss and
 test-error mean and p90 over rounds; Fig. 16: clients kept per round. The ``*_data``
-functions give the plotted arrays, for re-plotting and for tests.
+functions give the plotted arrays, for re-plotting and for tests; errors are fractions there,
+and the axes show them in percent, as the tables do (:func:`percent_axis`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
+from deltafl_jax.metrics import percentiles
 from deltafl_jax.report.tables import Column
 
 HISTOGRAM_BINS = 20        # bins of width 5 % on [0, 1] for errors
@@ -24,6 +26,26 @@ def new_figure(nrows: int, ncols: int, width: float, height: float, **kw):
     fig = Figure(figsize=(width, height), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False, **kw)
     return fig, axes
+
+
+def percent_text(v: float) -> str:
+    """A fraction as the tables print a percentage: 0.5711 -> '57.11'."""
+    return f"{100.0 * v:.2f}"
+
+
+def percent_axis(axis) -> None:
+    """Tick labels of a matplotlib x or y axis that holds fractions, in percent (0.25 -> 25)."""
+    from matplotlib.ticker import FuncFormatter
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{100.0 * v:.4g}"))
+
+
+def log_size_axis(axis) -> None:
+    """A log axis of client sizes with plain labels at 1, 2 and 5 times the powers of ten
+    (at most about six of them) and none at the minor ticks, so that labels do not overlap."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    axis.set_major_locator(LogLocator(base=10.0, subs=(1.0, 2.0, 5.0), numticks=6))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def colors(n: int):
@@ -43,12 +65,31 @@ def histogram_data(col: Column, split: str = "test", quantity: str = "error"):
     return v, np.full(v.shape, 1.0 / v.size)
 
 
+def mark_p90(ax, values, weights, table_p90: float, percentile: str, percent: bool) -> None:
+    """The dashed line at the 90th percentile of the plotted bars (seed-averaged values, the
+    bars' weights), labelled along the line; the table's value (the mean over seeds of each
+    seed's percentile) is named beside it when it prints differently."""
+    if values.size == 0:
+        return
+    p90 = float(percentiles(values[None], None if percentile == "linear" else weights, [90],
+                            percentile)[0, 0])
+    show = percent_text if percent else (lambda x: f"{x:.3f}")
+    text = f" p90 = {show(p90)}"
+    if math.isfinite(table_p90) and show(table_p90) != show(p90):
+        text += f" (table: {show(table_p90)})"
+    ax.axvline(p90, color="black", linestyle="--", linewidth=1.0)
+    ax.text(p90, 0.98, text, transform=ax.get_xaxis_transform(), rotation=90, ha="right",
+            va="top", fontsize=7,
+            bbox=dict(facecolor="white", edgecolor="none", alpha=0.7, pad=0.5))
+
+
 def histogram_figure(cols: Sequence[Column], split: str = "test", quantity: str = "error",
                      percentile: str = "lower"):
     """Fig. 4 (Figs. 12-13): one panel per method, shared bins (5 % wide on [0, 1] for errors),
     bars = fraction of clients (alpha-weighted for training clients, see
-    :func:`histogram_data`); the dashed line is the method's 90th percentile as in the tables
-    (mean over seeds of each seed's percentile)."""
+    :func:`histogram_data`); the dashed line is the 90th percentile of the bars, with the
+    tables' value (mean over seeds of each seed's percentile) beside it where it differs
+    (:func:`mark_p90`)."""
     n = len(cols)
     fig, axes = new_figure(1, n, 2.6 * n + 0.6, 2.8, sharex=True, sharey=True)
     data = [histogram_data(c, split, quantity) for c in cols]
@@ -63,13 +104,14 @@ def histogram_figure(cols: Sequence[Column], split: str = "test", quantity: str 
     for ax, c, (v, w), color in zip(axes[0], cols, data, colors(n)):
         ok = np.isfinite(v)        # a diverged client is left out (its mass is missing)
         ax.hist(v[ok], bins=bins, weights=w[ok], color=color, edgecolor="white", linewidth=0.5)
-        p90 = float(np.mean(c.values(metric, percentile)))
-        if math.isfinite(p90):
-            ax.axvline(p90, color="black", linestyle="--", linewidth=1.0,
-                       label=f"p90 (table) = {p90:.3f}")
-            ax.legend(loc="upper right", fontsize=7, frameon=False)
+        mark_p90(ax, v[ok], w[ok], float(np.mean(c.values(metric, percentile))), percentile,
+                 quantity == "error")
         ax.set_title(c.label, fontsize=9)
-        ax.set_xlabel(f"{split} {'misclassification error' if quantity == 'error' else 'loss'}")
+        if quantity == "error":
+            percent_axis(ax.xaxis)
+            ax.set_xlabel(f"{split} misclassification error (%)")
+        else:
+            ax.set_xlabel(f"{split} loss")
     axes[0][0].set_ylabel("fraction of clients" + (" (α-weighted)" if split == "train" else ""))
     what = "test misclassification error" if (split, quantity) == ("test", "error") else \
         f"{split} {quantity}"
@@ -91,9 +133,12 @@ def scatter_figure(cols: Sequence[Column]):
             ax = axes[i][j]
             ax.scatter(sizes, v, s=8, color=color, alpha=0.7, linewidths=0)
             ax.set_xscale("log")
+            log_size_axis(ax.xaxis)
             ax.set_xlabel(f"examples on the {split} client")
+            if quantity == "error":
+                percent_axis(ax.yaxis)
             if j == 0:
-                ax.set_ylabel(name)
+                ax.set_ylabel(name + (" (%)" if quantity == "error" else ""))
         axes[0][j].set_title(c.label, fontsize=9)
     fig.suptitle(f"{cols[0].setting}: per-client final values against client size "
                  f"(mean over seeds)", fontsize=10)
@@ -101,7 +146,8 @@ def scatter_figure(cols: Sequence[Column]):
 
 
 CURVE_PANELS = (("train_loss_mean", "train loss: mean"), ("train_loss_p90", "train loss: p90"),
-                ("test_error_mean", "test error: mean"), ("test_error_p90", "test error: p90"))
+                ("test_error_mean", "test error (%): mean"),
+                ("test_error_p90", "test error (%): p90"))
 
 
 def curve_data(col: Column, metric: str, percentile: str = "lower"):
@@ -135,6 +181,8 @@ def curves_figure(cols: Sequence[Column], percentile: str = "lower"):
             ax.fill_between(rounds, lo, hi, color=color, alpha=0.15, linewidth=0)
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
+        if "error" in metric:
+            percent_axis(ax.yaxis)
     for ax in axes[1]:
         ax.set_xlabel("communication round")
     handles, labels = axes[0][0].get_legend_handles_labels()

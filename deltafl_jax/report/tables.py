@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -60,9 +61,9 @@ class Column:
 
     setting: the row ('dataset / model'); label: the column, unique within the setting;
     replicas: indices into the run's arrays, in seed order; seeds: their seeds (of every
-    part); identity: the replicas' ``ReplicaLabel.group_key()``. `more` holds further
+    part); identity: the replicas' ``ReplicaLabel.method_key()``. `more` holds further
     (run, replicas) parts: the other seeds' runs when each seed is its own dataset
-    (``--resample_writers_per_seed``, :mod:`deltafl_jax.seed_groups`).
+    (``--resample_writers_per_seed``, :mod:`deltafl_jax.seed_programs`).
     """
 
     run: "Run"
@@ -114,7 +115,7 @@ def run_columns(run: "Run") -> List[Tuple[str, Tuple, List[int], List[int]]]:
     """(label, identity, replicas, seeds) per method of one run, in replica order."""
     order: Dict[Tuple, List[int]] = {}
     for r, lab in enumerate(run.labels):
-        order.setdefault(lab.group_key(), []).append(r)
+        order.setdefault(lab.method_key(), []).append(r)
     return [(method_label(run.labels[rs[0]], run.config), ident, rs,
              [run.labels[r].seed for r in rs]) for ident, rs in order.items()]
 
@@ -123,8 +124,8 @@ def columns(runs: Sequence["Run"]) -> List[Column]:
     """Every (setting, method) column over the runs.
 
     Runs with the same dataset, model and data settings share a row, so that several runs
-    (e.g. FedAvg and Delta-FL, or a baseline) sit side by side. Two columns of one row with the
-    same label (e.g. FedAvg from two runs) get the run's name appended.
+    (e.g. FedAvg and Delta-FL, or a baseline) sit side by side. In a row whose columns come
+    from several runs, every column gets its run's name appended ('Δ-FL, θ = 0.5 [run_a]').
     """
     # Rows: setting keys; two keys with the same display name get the run name appended.
     display: Dict[Tuple, str] = {}
@@ -141,22 +142,38 @@ def columns(runs: Sequence["Run"]) -> List[Column]:
     for c in cols:
         by_cell.setdefault((c.setting, c.label), []).append(c)
     merged = set()
-    for group in by_cell.values():
-        if len(group) > 1 and seed_groups_of_one_column(group):
-            group[0].more = [(c.run, c.replicas) for c in group[1:]]
-            group[0].seeds = [s for c in group for s in c.seeds]
-            merged.update(id(c) for c in group[1:])
-        elif len(group) > 1:
-            for c in group:
-                c.label = f"{c.label} [{c.run.name}]"
-    return [c for c in cols if id(c) not in merged]
+    for same_cell in by_cell.values():
+        if len(same_cell) > 1 and seed_programs_of_one_column(same_cell):
+            same_cell[0].more = [(c.run, c.replicas) for c in same_cell[1:]]
+            same_cell[0].seeds = [s for c in same_cell for s in c.seeds]
+            merged.update(id(c) for c in same_cell[1:])
+    cols = [c for c in cols if id(c) not in merged]
+    # A row whose columns come from several runs names every column's run (the seeds' runs
+    # of one column count as one run, named by their common directory).
+    row_runs: Dict[str, set] = {}
+    for c in cols:
+        row_runs.setdefault(c.setting, set()).add(column_run_name(c))
+    for c in cols:
+        if len(row_runs[c.setting]) > 1:
+            c.label = f"{c.label} [{column_run_name(c)}]"
+    return cols
 
 
-def seed_groups_of_one_column(group: Sequence[Column]) -> bool:
-    """Columns of runs that are the seed groups of one experiment (each seed its own dataset,
-    --resample_writers_per_seed) and hold different seeds: they form one column."""
-    seeds = [s for c in group for s in c.seeds]
-    return (all(c.run.resampled_per_seed for c in group) and len(set(seeds)) == len(seeds))
+def column_run_name(col: Column) -> str:
+    """The run a column comes from: its run's name, or, when each seed is its own run, the
+    name of the directory that holds them all."""
+    if not col.more:
+        return col.run.name
+    paths = [os.path.abspath(run.path) for run, _ in col.parts]
+    return os.path.basename(os.path.commonpath(paths)) or col.run.name
+
+
+def seed_programs_of_one_column(same_cell: Sequence[Column]) -> bool:
+    """Columns of runs that are the per-seed programs of one experiment (each seed its own
+    dataset, --resample_writers_per_seed) and hold different seeds: they form one column."""
+    seeds = [s for c in same_cell for s in c.seeds]
+    return (all(c.run.resampled_per_seed for c in same_cell)
+            and len(set(seeds)) == len(seeds))
 
 
 BEST_MARK = "†"

@@ -1,4 +1,4 @@
-"""Checkpoints of a run's state, with orbax-checkpoint (issue 12, item 1; issues 22-23).
+"""Checkpoints of a run's state, with orbax-checkpoint.
 
 A checkpoint is one orbax step directory ``<output_dir>/checkpoints/<round>/`` with two items,
 saved by one :class:`orbax.checkpoint.CheckpointManager` composite save:
@@ -54,6 +54,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import jax
 import numpy as np
 
+from deltafl_jax.errors import CheckpointError, CheckpointMismatch
 from deltafl_jax.run.callbacks import Callback, RunContext
 
 CHECKPOINT_DIR = "checkpoints"
@@ -68,15 +69,6 @@ FIRST_CHECKPOINT_S = 10.0   # the first timed checkpoint comes this early (a sho
 def checkpoint_dir(output_dir: str) -> str:
     """Where a run's checkpoints live: ``<output_dir>/checkpoints``."""
     return os.path.join(output_dir, CHECKPOINT_DIR)
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be read (damaged); restore falls back to an older one."""
-
-
-class CheckpointMismatch(ValueError):
-    """A readable checkpoint that this run cannot use: its state has other leaves, shapes or
-    dtypes (another configuration), or it has another format. The message names which."""
 
 
 @contextlib.contextmanager

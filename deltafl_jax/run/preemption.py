@@ -1,4 +1,4 @@
-"""Preemption: SIGTERM and SIGINT end a run cleanly after the current round (issue 12, item 3).
+"""Preemption: SIGTERM and SIGINT end a run cleanly after the current round.
 
     with Preemption() as preemption:
         result = run_rounds(..., callbacks=[preemption, recorder, checkpoints, ...])

@@ -18,14 +18,18 @@ from typing import Callable, Dict, List, Optional, TextIO
 
 import numpy as np
 
-from deltafl_jax.replicas import labels_by_group
+from deltafl_jax.replicas import labels_by_method
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
 
+
+def count(n: int, word: str) -> str:
+    """'1 seed', '3 seeds'."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 def _groups(labels):
     """(display name of a swept value, replica indices of its seeds)."""
     out = []
-    for _, rs in labels_by_group(labels).items():
+    for _, rs in labels_by_method(labels).items():
         name, value = labels[rs[0]].swept()
         head = "θ" if name == "theta" else name
         extra = "".join(f" {n}={v:g}" for n, v in labels[rs[0]].extra)
@@ -111,9 +115,9 @@ class Progress(Callback):
                   else f" with server {config.server.describe()}")
         self.log(f"deltafl_jax: {facts.dataset} ({facts.train_clients} train / "
                  f"{facts.test_clients} test clients), model {facts.model}, "
-                 f"{config.algorithm}{server}, {len(run.view.labels)} replicas "
-                 f"({len(config.seeds)} seeds), m={facts.num_sampled}, {facts.lanes} client "
-                 f"lane(s) per step, backend {facts.backend}")
+                 f"{config.algorithm}{server}, {count(len(run.view.labels), 'replica')} "
+                 f"({count(len(config.seeds), 'seed')}), m={facts.num_sampled}, "
+                 f"{count(facts.lanes, 'client lane')} per step, backend {facts.backend}")
         self.log(facts.placement_line)
         if facts.accounting is not None:
             acc = facts.accounting

@@ -25,7 +25,7 @@ from deltafl_jax.run.loop import evaluate, run_rounds
 from deltafl_jax.run.preemption import Preemption
 from deltafl_jax.run.progress import Progress
 from deltafl_jax.run.recorder import Recorder, RunResult
-from deltafl_jax.run.writer import OutputWriter
+from deltafl_jax.run.writer import OutputFiles
 
 
 def _print(line: str) -> None:
@@ -81,7 +81,7 @@ def standard_callbacks(config, exp, log, recorder, checkpointer, fingerprint) ->
     if config.verbose and distributed.is_primary():
         cbs.append(Progress(log))
     if out:
-        cbs.append(OutputWriter(out, exp.model, exp.model_options, exp.data, config.save_models))
+        cbs.append(OutputFiles(out, exp.model, exp.model_options, exp.data, config.save_models))
         if config.tensorboard or (config.tensorboard is None and tensorboard.available()):
             cbs.append(tensorboard.TensorBoard(out))
     if checkpointer is not None:

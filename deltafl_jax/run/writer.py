@@ -8,8 +8,10 @@ from deltafl_jax import outputs
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
 
 
-class OutputWriter(Callback):
-    """Writes every file of `output_dir` (only on the process that owns the outputs)."""
+class OutputFiles(Callback):
+    """The callback that fills `output_dir` with the run's files (only on the process that owns
+    the outputs), when they are due; :class:`deltafl_jax.outputs.RunWriter`, which it holds,
+    knows how each file is written."""
 
     def __init__(self, output_dir: str, model, model_options, data, save_models: bool = True):
         """`model`, `model_options` and `data` describe the saved models (models/index.json)

@@ -4,11 +4,11 @@ The authors repeat each experiment with 5 seeds, each "with a different sampling
 test devices" (CISS 2021, Sec. V): the seed draws FEMNIST's 50% writer subsample and the 50/50
 train/test split anew. Replicas of one compiled program share one dataset (their client arrays
 and shapes), so such seeds cannot be replicas of one program. The simplest correct design,
-used here: **one program per seed**. :func:`seed_groups` turns a configuration into one
+used here: **one program per seed**. :func:`seed_programs` turns a configuration into one
 configuration per seed, each with
 
 - ``seeds = (s,)``: the seed still drives client sampling, shuffling and initialisation;
-- ``data.data_seed = group_data_seed(data_seed, s)`` (= s for the default ``--data_seed=0``),
+- ``data.data_seed = seed_data_seed(data_seed, s)`` (= s for the default ``--data_seed=0``),
   which draws the writer subsample, the split and the client limits of that seed;
 - ``output_dir = <output_dir>/seed_<s>``: an ordinary run directory.
 
@@ -28,7 +28,7 @@ from typing import List
 SEED_STRIDE = 2 ** 31   # seeds are < 2^31 (config check), so (data_seed, seed) -> one integer
 
 
-def group_data_seed(data_seed: int, seed: int) -> int:
+def seed_data_seed(data_seed: int, seed: int) -> int:
     """The data seed of seed `seed`: data_seed * 2^31 + seed (just the seed for data_seed 0)."""
     return int(data_seed) * SEED_STRIDE + int(seed)
 
@@ -37,7 +37,7 @@ def seed_dir(output_dir: str, seed: int) -> str:
     return os.path.join(output_dir, f"seed_{int(seed)}")
 
 
-def seed_groups(config) -> List:
+def seed_programs(config) -> List:
     """One configuration per seed when ``config.data.resample_writers_per_seed`` (module
     docstring), else ``[config]``."""
     if not config.data.resample_writers_per_seed:
@@ -45,7 +45,7 @@ def seed_groups(config) -> List:
     out = []
     for s in config.seeds:
         data = dataclasses.replace(config.data,
-                                   data_seed=group_data_seed(config.data.data_seed, s))
+                                   data_seed=seed_data_seed(config.data.data_seed, s))
         out.append(dataclasses.replace(
             config, seeds=(s,), data=data,
             output_dir=seed_dir(config.output_dir, s) if config.output_dir else None))

@@ -1,0 +1,115 @@
+"""Serving a finished run's models: :func:`load_model` rebuilds the network from
+``models/index.json`` and restores the final parameters w_theta of one replica (the paper's
+Figure 1: a user picks a conformity level and gets its model), as a :class:`LoadedModel`
+with ``predict`` and ``predict_labels``.
+
+The files are read through :class:`deltafl_jax.outputs.RunReader`; this module only turns
+them into a network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Dict, Mapping, Optional
+
+import jax
+import numpy as np
+
+from deltafl_jax.data import ClientData, FederatedDataset
+from deltafl_jax.errors import DeltaFLError
+from deltafl_jax.models import Model, ModelOptions, build_model
+from deltafl_jax.outputs import MODELS, RunReader
+from deltafl_jax.replicas import ReplicaLabel
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class LoadedModel:
+    """A trained model w_theta of a finished run.
+
+    params: the network's parameters. model: the network (:class:`deltafl_jax.models.Model`).
+    labels: the replica's label fields (algorithm, theta, [param_name, param_value], seed);
+    ``label`` gives them as a :class:`ReplicaLabel`. Printing it names the model, the replica
+    and the parameter count, not the weights.
+    """
+
+    params: Any
+    model: Model
+    labels: Dict[str, Any]
+
+    @property
+    def label(self) -> ReplicaLabel:
+        return ReplicaLabel.from_json(self.labels)
+
+    def __repr__(self) -> str:
+        sizes = [int(np.size(leaf)) for leaf in jax.tree.leaves(self.params)]
+        return (f"LoadedModel({self.model.name!r}, {self.label.key()}, "
+                f"{sum(sizes):,} parameters in {len(sizes)} arrays)")
+
+    def predict(self, x):
+        """The network's outputs (scores) on raw inputs x [B, ...] as the dataset stores them:
+        class scores (logits) [B, C] for softmax models, one logit [B, 1] for sigmoid models,
+        the estimate for the squared-loss mean model. See :meth:`predict_labels` for classes."""
+        return self.model.apply(self.params, np.asarray(x))
+
+    def predict_labels(self, x) -> np.ndarray:
+        """Predicted classes [B] (int32) on raw inputs x: the argmax of the scores for softmax
+        models, ``logit > 0`` for sigmoid models (the rule of their error). Raises
+        DeltaFLError for the squared-loss mean model, which predicts no class."""
+        kind = self.model.loss_kind
+        if kind == "squared":
+            raise DeltaFLError(f"model {self.model.name!r} estimates a mean (squared loss) and "
+                               f"predicts no class; use predict(x)")
+        out = np.asarray(self.predict(x))
+        if kind == "sigmoid":
+            return (out.reshape(out.shape[0]) > 0).astype(np.int32)
+        return np.argmax(out, axis=-1).astype(np.int32)
+
+
+def spec_dataset(spec: Mapping[str, Any], mdir: str) -> FederatedDataset:
+    """A one-example dataset with the run's shapes and metadata, to rebuild the network."""
+    metadata = dict(spec.get("metadata") or {})
+    arrays_path = os.path.join(mdir, "metadata_arrays.npz")
+    if os.path.exists(arrays_path):
+        with np.load(arrays_path, allow_pickle=False) as z:
+            metadata.update({k: z[k] for k in z.files})
+    x = np.zeros((1,) + tuple(spec["feature_shape"]), dtype=np.dtype(spec["x_dtype"]))
+    y = np.zeros((1,), np.int32) if spec["num_classes"] else None
+    one = ClientData(x=x, y=y, offsets=np.array([0, 1]), client_ids=np.array([0]))
+    return FederatedDataset(name=spec["dataset"], train=one, test=one,
+                            num_classes=spec["num_classes"], x_scale=spec["x_scale"],
+                            metadata=metadata)
+
+
+def spec_model(spec: Mapping[str, Any], mdir: str) -> Model:
+    """The network of models/index.json's spec."""
+    options = ModelOptions(**{k: tuple(v) if isinstance(v, list) else v
+                              for k, v in spec["options"].items()})
+    return build_model(spec["model"], spec_dataset(spec, mdir), options)
+
+
+def load_model(output_dir: str, theta: Optional[float] = None, seed: Optional[int] = None,
+               **param: float) -> LoadedModel:
+    """The final model of the replica with this theta (or swept value, e.g. qffl_q=1.0, or a
+    tuning grid's coordinate) and seed. Arguments left out must be unambiguous in the run;
+    raises DeltaFLError (a ValueError) naming the available replicas otherwise, and
+    RunFormatError when the run has no readable models.
+
+    Example: ``deltafl_jax.load_model("runs/synthetic", theta=0.5, seed=1).predict_labels(x)``.
+    """
+    reader = RunReader(output_dir)
+    spec = reader.model_index()
+    entries = [(e, ReplicaLabel.from_json({k: v for k, v in e.items() if k != "file"}))
+               for e in spec["replicas"]]
+    matches = [(e, lab) for e, lab in entries if lab.matches(theta, seed, **param)]
+    if len(matches) != 1:
+        avail = ", ".join(e["file"][:-len(".msgpack")] for e, _ in entries)
+        what = "no model matches" if not matches else "several models match"
+        asked = " ".join([f"theta={theta}", f"seed={seed}"]
+                         + [f"{k}={v}" for k, v in param.items()])
+        raise DeltaFLError(f"{what} {asked} in {reader.output_dir}; available: {avail}")
+    entry, _ = matches[0]
+    model = spec_model(spec, reader.path(MODELS))
+    params = reader.read_model_params(model.init(jax.random.key(0)), entry["file"])
+    return LoadedModel(params=params, model=model,
+                       labels={k: v for k, v in entry.items() if k != "file"})
