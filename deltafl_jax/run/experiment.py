@@ -282,13 +282,13 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     server_tx = config.server.transformation()
     state_shape = jax.eval_shape(lambda: rounds.init_state(
         model, algorithm, replicas, config.seeds, server_tx, data.train.num_clients))
-    fp = footprint(data, model, replicas, place, caps, m, state_shape)
-    check_memory(fp, devices)
+    device_bytes = footprint(data, model, replicas, place, caps, m, state_shape)
+    check_memory(device_bytes, devices)
     round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx)
     return Experiment(
         config=config, data=data, model=model, model_options=options, spec=spec,
         algorithm=algorithm, replicas=replicas, work=work,
-        caps=caps, placement=place, footprint=fp, num_sampled=m, round_fn=round_fn,
+        caps=caps, placement=place, footprint=device_bytes, num_sampled=m, round_fn=round_fn,
         store=ClientStore(data, model, place, caps, mesh),
         served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
                    if algorithm.eval_params is not None else None), mesh=mesh,

@@ -177,25 +177,25 @@ def _mb(n: int) -> str:
     return f"{n / 2 ** 20:.1f} MB"
 
 
-def placement_line(place: Placement, fp: Footprint, data: FederatedDataset, num_replicas: int,
+def placement_line(place: Placement, usage: Footprint, data: FederatedDataset, num_replicas: int,
                    planned_backend: Optional[str] = None) -> str:
     """One line: devices, lanes, where the clients are kept, and the bytes each device holds."""
-    clients = (f", per-client state {_mb(fp.clients)} ({data.train.num_clients} clients x "
+    clients = (f", per-client state {_mb(usage.clients)} ({data.train.num_clients} clients x "
                f"{num_replicas} replicas, and the round's per-job results)"
-               if fp.clients else "")
+               if usage.clients else "")
     running = jax.default_backend()
     as_on = (f", as on {planned_backend}"
              if planned_backend and planned_backend != running else "")
-    held = (f"data {_mb(fp.data)} (both splits)" if place.client_data == "device" else
-            f"data {_mb(fp.data)} (the round's sampled clients and one evaluation block of "
+    held = (f"data {_mb(usage.data)} (both splits)" if place.client_data == "device" else
+            f"data {_mb(usage.data)} (the round's sampled clients and one evaluation block of "
             f"{place.eval_block} examples; the host keeps the {data.train.num_clients} + "
             f"{data.test.num_clients} clients)")
     return (f"placement: {place.devices} {running} device(s) x {place.lanes} lane(s) "
-            f"({place.lane_mode}{as_on}); per device: {held}, state {_mb(fp.state)}{clients}, "
-            f"round plan {_mb(fp.plan)}, lanes {_mb(fp.lanes)}")
+            f"({place.lane_mode}{as_on}); per device: {held}, state {_mb(usage.state)}{clients}, "
+            f"round plan {_mb(usage.plan)}, lanes {_mb(usage.lanes)}")
 
 
-def check_memory(fp: Footprint, devices) -> None:
+def check_memory(usage: Footprint, devices) -> None:
     """ConfigError before compiling when the run cannot fit in a device's memory (backends
     whose devices report memory_stats(); XLA:CPU does not)."""
     local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
@@ -204,12 +204,12 @@ def check_memory(fp: Footprint, devices) -> None:
     except Exception:  # pylint: disable=broad-except
         stats = None
     limit = (stats or {}).get("bytes_limit")
-    if not limit or fp.total <= 0.9 * limit:
+    if not limit or usage.total <= 0.9 * limit:
         return
     biggest = max(("the data (--client_data=host, --max_examples_per_client, "
-                   "--max_train_clients)", fp.data),
-                  ("the replicas (fewer --thetas, --server_lr values or --seeds)", fp.state),
-                  ("the per-client state (fewer replicas, or --max_train_clients)", fp.clients),
-                  ("the lanes (--clients_per_step)", fp.lanes), key=lambda kv: kv[1])[0]
-    raise ConfigError(f"the run needs about {_mb(fp.total)} per device but "
+                   "--max_train_clients)", usage.data),
+                  ("the replicas (fewer --thetas, --server_lr values or --seeds)", usage.state),
+                  ("the per-client state (fewer replicas, or --max_train_clients)", usage.clients),
+                  ("the lanes (--clients_per_step)", usage.lanes), key=lambda kv: kv[1])[0]
+    raise ConfigError(f"the run needs about {_mb(usage.total)} per device but "
                       f"{local[0].device_kind} has {_mb(limit)}; reduce {biggest}")
