@@ -274,7 +274,7 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     work = plan_lib.LocalWork(batch_size=config.batch_size, local_epochs=config.local_epochs,
                               local_steps=local_steps)
     mesh = _mesh(config)
-    devices = jax.devices() if mesh is None else list(mesh.devices.flat)
+    devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
     place = placement(config, model, m, replicas.size, devices=len(devices),
                       client_data=placement_lib.client_data_mode(config.client_data, data,
                                                                  devices))
