@@ -146,7 +146,8 @@ class GeneratedClientData:
         n_k examples, the same ones on every call.
       feature_shape, x_dtype, has_labels: what `generate` returns.
       recipe: the generator's parameters as text (the resume fingerprint hashes it).
-      limit: keep the first `limit` examples of each client (``--max_examples_per_client``).
+      max_size: the most examples any client of the generator can have (None: unknown); the
+        round buffer's capacity is then m x max_size, whatever the population.
     """
 
     offsets: np.ndarray
@@ -156,7 +157,7 @@ class GeneratedClientData:
     x_dtype: np.dtype
     has_labels: bool
     recipe: str
-    limit: Optional[int] = None
+    max_size: Optional[int] = None
 
     def __post_init__(self):
         offsets = np.asarray(self.offsets, np.int64)
@@ -195,7 +196,9 @@ class GeneratedClientData:
     def truncated(self, max_examples: int) -> "GeneratedClientData":
         """The first `max_examples` examples of each client."""
         sizes = np.minimum(self.sizes, max_examples)
-        return dataclasses.replace(self, offsets=np.concatenate([[0], np.cumsum(sizes)]))
+        bound = max_examples if self.max_size is None else min(self.max_size, max_examples)
+        return dataclasses.replace(self, offsets=np.concatenate([[0], np.cumsum(sizes)]),
+                                   max_size=bound)
 
     def digest(self, h) -> None:
         h.update(self.recipe.encode())

@@ -120,7 +120,7 @@ def synthetic_on_demand(alpha: float, beta: float, num_clients: int, seed: int,
         offsets=np.concatenate([[0], np.cumsum(gen.sizes)]),
         client_ids=np.arange(num_clients, dtype=np.int64), generate=gen,
         feature_shape=(SYNTHETIC_DIM,), x_dtype=np.dtype(np.float32), has_labels=True,
-        recipe=recipe)
+        recipe=recipe, max_size=int(max_examples))
 
 
 def on_demand(config) -> bool:

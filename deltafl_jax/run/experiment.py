@@ -174,6 +174,13 @@ def placement_line(exp: Experiment) -> str:
                                         exp.replicas.size, exp.config.placement_backend)
 
 
+def capacity_sizes(split, m: int) -> np.ndarray:
+    """The client sizes that bound the round's streams: the split's own, or for a generator
+    with a size cap, m clients at the cap (the same device bytes at every population)."""
+    cap = getattr(split, "max_size", None)
+    return split.sizes if cap is None else np.full((m,), cap, np.int64)
+
+
 def eval_clients(config: ExperimentConfig, data: FederatedDataset) -> Optional[int]:
     """K of a sampled evaluation, or None for a full one: ``--eval_clients`` (0: full), by
     default full while the population has at most AUTO_FULL_EVAL clients (train + test) and
@@ -278,7 +285,7 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     place = placement(config, model, m, replicas.size, devices=len(devices),
                       client_data=placement_lib.client_data_mode(config.client_data, data,
                                                                  devices))
-    caps = plan_lib.capacities(data.train.sizes, m, work, place.eval_chunk)
+    caps = plan_lib.capacities(capacity_sizes(data.train, m), m, work, place.eval_chunk)
     server_tx = config.server.transformation()
     state_shape = jax.eval_shape(lambda: rounds.init_state(
         model, algorithm, replicas, config.seeds, server_tx, data.train.num_clients))
