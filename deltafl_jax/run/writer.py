@@ -25,7 +25,8 @@ class OutputFiles(Callback):
 
     def on_run_end(self, run: RunContext, result) -> None:
         if result.stopped:
-            return  # an interrupted run leaves metrics.jsonl and its checkpoint only
+            return  # a stopped run leaves metrics.jsonl, rounds.npz and clients_history.npz as of
+            #         its last checkpoint (the resume reads them back), and no summary.json
         labels = run.view.labels
         self.writer.write_rounds(result.per_round, labels)
         self.writer.write_clients_history(result.client_history)
