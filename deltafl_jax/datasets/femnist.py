@@ -45,19 +45,15 @@ Database 19; it cannot be downloaded ready-made.
 from __future__ import annotations
 
 import glob
-import lzma
 import os
-import shutil
 import sqlite3
 import struct
-import urllib.error
-import urllib.request
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from deltafl_jax.data import DataError, FederatedDataset, split_clients
-from deltafl_jax.datasets import leaf, prepared
+from deltafl_jax.datasets import archives, leaf, prepared
 
 NAME = "femnist"
 NUM_CLASSES = 62
@@ -297,19 +293,7 @@ def detect_source(path: str) -> Tuple[str, List[str]]:
 
 def decompress(file: str, out_dir: str) -> str:
     """Decompress a .sqlite.lzma into out_dir (once); returns the .sqlite path."""
-    os.makedirs(out_dir, exist_ok=True)
-    out = os.path.join(out_dir, os.path.basename(file)[: -len(".lzma")])
-    if not os.path.exists(out):
-        tmp = out + ".part"
-        try:
-            with lzma.open(file, "rb") as src, open(tmp, "wb") as dst:
-                shutil.copyfileobj(src, dst, length=1 << 24)
-        except (lzma.LZMAError, EOFError) as err:
-            os.remove(tmp)
-            raise DataError(f"femnist: {file} is not a complete .lzma file ({err}); "
-                            f"delete it and download it again") from None
-        os.replace(tmp, out)
-    return out
+    return archives.decompress_lzma(file, out_dir, "femnist")
 
 
 def read_source(path: str, data_dir: str) -> Clients:
@@ -330,21 +314,8 @@ def read_source(path: str, data_dir: str) -> Clients:
 def download(data_dir: str, url: str = TFF_URL, timeout: float = 60.0) -> str:
     """Fetch TFF's emnist_all.sqlite.lzma into <data_dir>/raw/femnist and decompress it."""
     out_dir = os.path.join(data_dir, RAW_SUBDIR)
-    os.makedirs(out_dir, exist_ok=True)
-    file = os.path.join(out_dir, os.path.basename(url))
-    if not os.path.exists(file):
-        tmp = file + ".part"
-        try:
-            with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as out:
-                shutil.copyfileobj(response, out, length=1 << 20)
-        except (urllib.error.URLError, OSError) as err:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            reason = getattr(err, "reason", err)
-            raise DataError(
-                f"femnist: could not download {url} ({reason}); fetch it on a machine with a "
-                f"network and pass --source=/path/to/{os.path.basename(url)}") from None
-        os.replace(tmp, file)
+    file = archives.fetch(url, out_dir, "femnist",
+                          f"--source=/path/to/{os.path.basename(url)}", timeout)
     return decompress(file, out_dir)
 
 

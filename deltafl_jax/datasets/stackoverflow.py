@@ -60,20 +60,17 @@ from __future__ import annotations
 
 import array
 import glob
-import lzma
 import os
 import shutil
 import sqlite3
 import sys
 import tarfile
-import urllib.error
-import urllib.request
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from deltafl_jax.data import ClientData, DataError, FederatedDataset
-from deltafl_jax.datasets import prepared
+from deltafl_jax.datasets import archives, prepared
 from deltafl_jax.datasets.femnist import parse_example
 from deltafl_jax.datasets.limits import choose_clients
 
@@ -252,33 +249,9 @@ def read_clients(file: str, vocab: Sequence[str], selection: Dict[str, Sequence[
 # ----------------------------------------------------------------------------- archives, download
 
 
-def _copy_with_progress(src, dst, what: str, total: Optional[int] = None) -> None:
-    done, step, next_report = 0, 1 << 24, 1 << 28
-    for chunk in iter(lambda: src.read(step), b""):
-        dst.write(chunk)
-        done += len(chunk)
-        if done >= next_report:
-            of = f" of {total / 2**20:,.0f} MiB" if total else ""
-            print(f"deltafl_jax: {what}: {done / 2**20:,.0f} MiB{of}", file=sys.stderr,
-                  flush=True)
-            next_report += 1 << 28
-
-
 def decompress(file: str, out_dir: str) -> str:
     """Decompress a .sqlite.lzma into out_dir (once); returns the .sqlite path."""
-    os.makedirs(out_dir, exist_ok=True)
-    out = os.path.join(out_dir, os.path.basename(file)[: -len(".lzma")])
-    if not os.path.exists(out):
-        tmp = out + ".part"
-        try:
-            with lzma.open(file, "rb") as src, open(tmp, "wb") as dst:
-                _copy_with_progress(src, dst, f"decompressing {os.path.basename(file)}")
-        except (lzma.LZMAError, EOFError) as err:
-            os.remove(tmp)
-            raise DataError(f"stackoverflow: {file} is not a complete .lzma file ({err}); "
-                            f"delete it and download it again") from None
-        os.replace(tmp, out)
-    return out
+    return archives.decompress_lzma(file, out_dir, "stackoverflow")
 
 
 def extract_word_counts(file: str, out_dir: str) -> str:
@@ -303,25 +276,7 @@ def extract_word_counts(file: str, out_dir: str) -> str:
 
 def fetch(url: str, out_dir: str, timeout: float = 60.0) -> str:
     """Download `url` into out_dir (once), with progress on stderr; returns the file."""
-    file = os.path.join(out_dir, os.path.basename(url))
-    if os.path.exists(file):
-        return file
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = file + ".part"
-    print(f"deltafl_jax: downloading {url}", file=sys.stderr, flush=True)
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as out:
-            length = response.headers.get("Content-Length") if response.headers else None
-            _copy_with_progress(response, out, os.path.basename(url),
-                                int(length) if length else None)
-    except (urllib.error.URLError, OSError) as err:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        reason = getattr(err, "reason", err)
-        raise DataError(f"stackoverflow: could not download {url} ({reason}); fetch it on a "
-                        f"machine with a network and pass --source=DIR holding it") from None
-    os.replace(tmp, file)
-    return file
+    return archives.fetch(url, out_dir, "stackoverflow", "--source=DIR holding it", timeout)
 
 
 def download(data_dir: str) -> str:
