@@ -20,6 +20,18 @@ def versions(packages) -> dict:
     return out
 
 
+def serve(packages):
+    """Say READY with the versions of `packages`, then yield each command bench/peers.py sends
+    on stdin, one per line, as (verb, round, the other words), until "quit" or the end."""
+    import json
+    print("READY " + json.dumps(versions(packages)), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            return
+        yield cmd[0], int(cmd[1]), cmd[2:]
+
+
 def arguments() -> argparse.ArgumentParser:
     """The arguments every peer takes from bench/peers.py."""
     ap = argparse.ArgumentParser()

@@ -41,10 +41,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
-from peer_common import arguments, versions
+from peer_common import arguments, serve
 
 # The packages whose versions go to bench/peers.py.
 PACKAGES = ("drjax", "jax", "jaxlib", "flax", "optax", "numpy")
@@ -186,23 +185,19 @@ def main():
     round_fn = build_round(module, m)
     timed_lr = jnp.float32(args.learning_rate)
 
-    print("READY " + json.dumps(versions(PACKAGES)), flush=True)
-    for line in sys.stdin:
-        cmd = line.split()
-        if not cmd or cmd[0] == "quit":
-            break
-        t = int(cmd[1])
+    for verb, t, rest in serve(PACKAGES):
         t0 = time.perf_counter()
         idx, mask, n = round_arrays(t, sampled, order, offsets, steps, B)
         # On the device before the clock starts, as the engine's plan; with a mesh each
         # device holds its clients' indices.
         idx, mask, n = jax.block_until_ready(jax.device_put((idx, mask, n), placed))
         host_s = time.perf_counter() - t0
-        if cmd[0] == "check":
-            start = nested({k: jnp.asarray(v) for k, v in np.load(cmd[3]).items()})
-            new = jax.device_get(round_fn(start, idx, mask, n, x, y, jnp.float32(cmd[2])))
-            np.savez(cmd[4], **flat(new))
-            print("DONE " + json.dumps({"round": t, "check": cmd[4]}), flush=True)
+        if verb == "check":   # check LEARNING_RATE START.npz OUT.npz
+            rate, start_file, out_file = rest
+            start = nested({k: jnp.asarray(v) for k, v in np.load(start_file).items()})
+            new = jax.device_get(round_fn(start, idx, mask, n, x, y, jnp.float32(rate)))
+            np.savez(out_file, **flat(new))
+            print("DONE " + json.dumps({"round": t, "check": out_file}), flush=True)
             continue
         t0 = time.perf_counter()
         params = round_fn(params, idx, mask, n, x, y, timed_lr)

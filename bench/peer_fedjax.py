@@ -25,10 +25,9 @@ computes ceil(n_k / B) B); ``quit`` ends it.
 from __future__ import annotations
 
 import json
-import sys
 import time
 
-from peer_common import arguments, versions
+from peer_common import arguments, serve
 
 # The packages whose versions go to bench/peers.py.
 PACKAGES = ("fedjax", "jax", "jaxlib", "dm-haiku", "optax", "numpy")
@@ -85,12 +84,7 @@ def main():
         a, b = int(offsets[k]), int(offsets[k + 1])
         return fedjax.ClientDataset({"x": x[a:b], "y": y[a:b]})
 
-    print("READY " + json.dumps(versions(PACKAGES)), flush=True)
-    for line in sys.stdin:
-        cmd = line.split()
-        if not cmd or cmd[0] == "quit":
-            break
-        t = int(cmd[1])
+    for _, t, _ in serve(PACKAGES):
         rng, *keys = jax.random.split(rng, sampled.shape[1] + 1)
         clients = [(int(k), client(int(k)), key) for k, key in zip(sampled[t], keys)]
         t0 = time.perf_counter()
