@@ -78,11 +78,9 @@ class ClientStore:
 
     # ---- rounds ---------------------------------------------------------------------------
 
-    def round_data(self, seeds, round_idx: int, m: int, work: plan_lib.LocalWork
-                   ) -> rounds.RoundData:
-        """Round `round_idx`'s plan and the examples it reads, on the device(s)."""
-        plan = plan_lib.make_round_plan(seeds, round_idx, self.data.train.offsets, m, work,
-                                        self.caps, packed=self.host)
+    def round_data(self, plan: plan_lib.RoundPlan) -> rounds.RoundData:
+        """A round's plan (packed when the host keeps the split) and the examples it reads,
+        on the device(s)."""
         if self.host:
             x, y = self.put(plan_lib.pack_round(self.data.train, plan.clients, self.caps))
         else:

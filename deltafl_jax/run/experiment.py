@@ -107,7 +107,7 @@ class Experiment:
                                         packed=self.store.host)
 
     def round_data(self, round_idx: int) -> rounds.RoundData:
-        return self.store.round_data(self.seeds, round_idx, self.num_sampled, self.work)
+        return self.store.round_data(self.round_plan(round_idx))
 
     def evaluation_sample(self, round_idx: int):
         """The clients evaluated after round `round_idx` (an :class:`EvalSample`), or None

@@ -87,14 +87,24 @@ def split_bytes(data: FederatedDataset) -> int:
     return (row + 4) * (data.train.num_examples + data.test.num_examples)
 
 
+def _local(devices) -> list:
+    return [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+
+
+def _bytes_limit(devices) -> Optional[int]:
+    """bytes_limit of this process's first device, from memory_stats() (None on backends that
+    report none, such as XLA:CPU)."""
+    try:
+        return (_local(devices)[0].memory_stats() or {}).get("bytes_limit")
+    except Exception:  # pylint: disable=broad-except
+        return None
+
+
 def _device_memory(devices) -> Optional[int]:
     """bytes_limit of one device (accelerators), or this machine's memory over the devices
     (XLA:CPU reports none); None when neither is known."""
-    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
-    try:
-        limit = (local[0].memory_stats() or {}).get("bytes_limit")
-    except Exception:  # pylint: disable=broad-except
-        limit = None
+    local = _local(devices)
+    limit = _bytes_limit(devices)
     if limit:
         return int(limit)
     try:
@@ -198,12 +208,7 @@ def placement_line(place: Placement, usage: Footprint, data: FederatedDataset, n
 def check_memory(usage: Footprint, devices) -> None:
     """ConfigError before compiling when the run cannot fit in a device's memory (backends
     whose devices report memory_stats(); XLA:CPU does not)."""
-    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
-    try:
-        stats = local[0].memory_stats()
-    except Exception:  # pylint: disable=broad-except
-        stats = None
-    limit = (stats or {}).get("bytes_limit")
+    limit = _bytes_limit(devices)
     if not limit or usage.total <= 0.9 * limit:
         return
     biggest = max(("the data (--client_data=host, --max_examples_per_client, "
@@ -212,4 +217,4 @@ def check_memory(usage: Footprint, devices) -> None:
                   ("the per-client state (fewer replicas, or --max_train_clients)", usage.clients),
                   ("the lanes (--clients_per_step)", usage.lanes), key=lambda kv: kv[1])[0]
     raise ConfigError(f"the run needs about {_mb(usage.total)} per device but "
-                      f"{local[0].device_kind} has {_mb(limit)}; reduce {biggest}")
+                      f"{_local(devices)[0].device_kind} has {_mb(limit)}; reduce {biggest}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, Dict, List, Optional, TextIO
+from typing import Callable, List, Optional, TextIO
 
 import numpy as np
 
