@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional, Tuple, Union
 
 from deltafl_jax.algorithms import registry
 from deltafl_jax.algorithms.deltafl import check_thetas
+from deltafl_jax.client_optimizer import ClientOptimizer
 from deltafl_jax.datasets import DataConfig
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.models import LINEAR_MODELS
@@ -79,6 +80,12 @@ class ExperimentConfig:
     server_beta1: float = 0.9               # adaptive: beta1
     server_beta2: float = 0.99              # adaptive: beta2
     server_eps: float = 1e-3                # adaptive: tau
+    # The client's local step (deltafl_jax.client_optimizer).
+    client_optimizer: str = "sgd"           # sgd | momentum | adam | adagrad
+    client_momentum: float = 0.9            # beta of momentum
+    client_beta1: float = 0.9               # adam: beta1
+    client_beta2: float = 0.999             # adam: beta2
+    client_eps: float = 1e-8                # adam / adagrad: eps
     # Client-level differential privacy (deltafl_jax.privacy): off while dp_clip is None.
     dp_clip: Optional[float] = None         # C, the L2 clip of each client's update
     dp_noise_multiplier: Tuple[float, ...] = (0.0,)   # z; several values train as replicas
@@ -110,6 +117,13 @@ class ExperimentConfig:
         return ServerOptimizer(name=self.server_optimizer, learning_rates=self.server_lr,
                                momentum=self.server_momentum, beta1=self.server_beta1,
                                beta2=self.server_beta2, eps=self.server_eps)
+
+    @property
+    def client(self) -> ClientOptimizer:
+        """The client optimizer (the ``client_*`` fields)."""
+        return ClientOptimizer(name=self.client_optimizer, momentum=self.client_momentum,
+                               beta1=self.client_beta1, beta2=self.client_beta2,
+                               eps=self.client_eps)
 
     @property
     def privacy(self) -> Privacy:
@@ -222,6 +236,7 @@ def _check(c: ExperimentConfig):
     spec = registry.get(c.algorithm)
     _check_options(c)
     c.server.check()
+    c.client.check()
     c.privacy.check()
     spec.check(c)
     c.l2_for(len(spec.sweep_values(c)))

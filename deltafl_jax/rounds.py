@@ -12,9 +12,10 @@ replica axis [R, ...]. The round (Algorithm 2):
 2. ``algorithm.client_weights``, vmapped over replicas: the filter (eta, tail weights), or a
    baseline's weights; it gets the replica's round key (the seed's key folded with the round)
    and the sampled clients' ids;
-3. LocalUpdate on the kept clients only (:func:`engine.train_jobs`), with the algorithm's
-   per-client hooks if it has any (its clients' own state is read before and written back
-   after, for the clients whose update is finite);
+3. LocalUpdate on the kept clients only (every sampled client for an algorithm with
+   ``all_sampled_work``; :func:`engine.train_jobs`), each running the algorithm's client
+   update (:mod:`deltafl_jax.engine.client`; its clients' own state is read before and written
+   back after, for the clients whose update is finite);
 4. ``algorithm.server_update``, vmapped over replicas: the aggregate Delta (the weighted average
    of the updates) and the algorithm's new state;
 5. the server optimizer's step on the pseudo-gradient -Delta
@@ -240,8 +241,7 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
     (each replica's noise multiplier ``replicas.dp_noise``). An unjitted pure function."""
     private, privatize = _private(algorithm, local.clip, num_sampled)
     z_np = np.asarray(replicas.dp_noise, np.float32)
-    hooks = algorithm.client_hooks()
-    local = local._replace(client_hooks=hooks)
+    local = local._replace(client_update=algorithm.client_update)
     group = jnp.asarray(replicas.group, jnp.int32)
     m = num_sampled
     schedules = replicas.schedules
@@ -265,11 +265,12 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         keep = (state.active if state.active is not None
                 else jnp.ones((weights.shape[0],), bool))
         weights = jnp.where(keep[:, None], weights, 0.0)
-        inputs = (engine.ClientInputs(state.algo_state, state.client_state, clients)
-                  if hooks is not None else None)
+        inputs = engine.ClientInputs(state.algo_state, state.client_state, clients)
+        runs = (jnp.broadcast_to(keep[:, None], weights.shape) if algorithm.all_sampled_work
+                else None)
         tr = engine.train_jobs(model, state.params, X=data.x, Y=data.y, plan=data.plan,
                                replica_group=group, job_weight=weights, learning_rate=lr,
-                               l2=l2, hyper=hyper, cfg=local, clients=inputs)
+                               l2=l2, hyper=hyper, cfg=local, clients=inputs, runs=runs)
         feedback = ClientFeedback(losses=losses, sizes=sizes, weights=weights,
                                   delta_sum=tr.delta_sum, weight_sum=tr.weight_sum,
                                   job_sqnorm=tr.job_sqnorm, job_finite=tr.job_finite,
@@ -280,7 +281,7 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         params, algo_state, opt_state, algo_metrics = _server(
             algorithm, server_tx, state, feedback, hyper, keep)
         client_state = state.client_state
-        if tr.job_state is not None and jax.tree.leaves(client_state):
+        if jax.tree.leaves(client_state):
             client_state = jax.vmap(_write_back)(client_state, clients, tr.job_state,
                                                  tr.job_finite)
         metrics = _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics,

@@ -146,6 +146,17 @@ def _define_option_flags() -> None:
             _define(_OPTION_FLAG_KINDS[type(option.default)], name, option.default, option.help)
 
 
+def _define_client_flags() -> None:
+    """The client optimizer (deltafl_jax.client_optimizer): one flag per field, its help
+    written once there."""
+    from deltafl_jax.client_optimizer import FIELDS, HELP, NAMES, ClientOptimizer
+    d = ClientOptimizer()
+    _define(flags.DEFINE_enum, "client_optimizer", d.name, HELP["client_optimizer"],
+            enum_values=list(NAMES))
+    for flag, field in FIELDS.items():
+        _define(flags.DEFINE_float, flag, getattr(d, field), HELP[flag])
+
+
 def _define_privacy_flags() -> None:
     """Client-level differential privacy (deltafl_jax.privacy; README, "Differential
     privacy")."""
@@ -227,6 +238,7 @@ def define_experiment_flags() -> None:
             "initialisation")
     _define_sweep_flags()
     _define_server_flags()
+    _define_client_flags()
     _define_privacy_flags()
     _define(flags.DEFINE_integer, "num_rounds", 100, "communication rounds")
     _define(flags.DEFINE_integer, "clients_per_round", 10, "m, clients sampled per round")
@@ -334,7 +346,9 @@ SCALAR_FIELDS = ("model", "num_rounds", "clients_per_round", "local_epochs",
                  "client_data", "eval_clients",
                  "branchless", "output_dir", "overwrite", "conv_impl", "save_models", "checkpoint_every", "checkpoint_every_s",
                  "stop_on_divergence", "devices", "use_bias", "server_optimizer",
-                 "server_momentum", "server_beta1", "server_beta2", "server_eps", "dp_clip",
+                 "server_momentum", "server_beta1", "server_beta2", "server_eps",
+                 "client_optimizer", "client_momentum", "client_beta1", "client_beta2",
+                 "client_eps", "dp_clip",
                  "dp_delta", "dp_quantile_noise_ratio", "dp_loss_bound", "dp_mm_floor")
 
 

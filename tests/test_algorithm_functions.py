@@ -37,6 +37,15 @@ def update(k):
             "b": np.array([0.1 * (k + 1), -0.2 * k], np.float32)}
 
 
+def client_job(learning_rate, steps, l2=0.0):
+    """The job a client update sees, with the default client optimizer (plain SGD)."""
+    from deltafl_jax.client_optimizer import ClientOptimizer
+    from deltafl_jax.engine import ClientJob
+    return ClientJob(optimizer=ClientOptimizer().transformation(learning_rate, l2),
+                     learning_rate=np.float32(learning_rate), l2=np.float32(l2),
+                     steps=np.int32(steps))
+
+
 def feedback(weights, losses=LOSSES, sizes=SIZES, finite=None, learning_rate=0.1,
              clients=None):
     """What the engine reports after training the clients with a_k > 0 (module docstring of
@@ -168,9 +177,20 @@ def test_fedprox_is_fedavg_with_the_proximal_term():
     hyper = FedProxHyper(theta=np.float32(1.0), mu=np.float32(0.5))
     weights = alg.client_weights((), LOSSES, SIZES, hyper, KEY, np.arange(4))
     np.testing.assert_allclose(as_np(weights), [0.1, 0.2, 0.3, 0.4], rtol=1e-6)
-    w = {n: PARAMS[n] + update(1)[n] for n in PARAMS}
-    # (mu/2) ||w - w_t||^2 with w - w_t = update(1): 4 + 1 + .25 + 1 + .04 + .04 = 6.33.
-    assert float(alg.local_penalty(w, PARAMS, hyper)) == pytest.approx(0.25 * 6.33, rel=1e-6)
+    # Its client update: from w_t, one step to w, then a second step from w with the
+    # minibatch gradient g: w' = w - gamma (g + mu (w - w_t)), the gradient of
+    # F_k + (mu/2)||w - w_t||^2; the update is w' - w_t.
+    job = client_job(0.1, steps=2)
+    g = {"w": np.ones((2, 2), np.float32), "b": np.array([2.0, -1.0], np.float32)}
+    d = update(1)
+    step = alg.client_update.init((), (), PARAMS, hyper, job)
+    step = alg.client_update.step(step, lambda p: (0.0, {n: -d[n] / 0.1 for n in p}), hyper,
+                                  job)
+    step = alg.client_update.step(step, lambda p: (0.0, g), hyper, job)
+    _, u, out = alg.client_update.final(step, (), PARAMS, hyper, job)
+    assert out is None
+    for n in PARAMS:   # first step: w = w_t + d; second: w - 0.1 (g + 0.5 d)
+        assert_tree_close({n: u[n]}, {n: d[n] - 0.1 * (g[n] + 0.5 * d[n])})
 
 
 def test_fedavg_sub_averages_a_random_subset_of_the_given_size():
@@ -387,25 +407,26 @@ def test_deltafl_alt_holds_eta_between_refreshes():
 # ----------------------------------------------------------------------------- SCAFFOLD
 
 
-def test_scaffold_client_hooks_are_option_two():
-    """client_init gives c - c_k; client_step adds it to the gradient; client_final gives
-    c_k+ = c_k - c + (w_t - y_k) / (K gamma) and Delta c_k = c_k+ - c_k (Algorithm 1,
-    option II), here with K = 4 steps at gamma = 0.1 and numbers chosen by hand."""
+def test_scaffold_client_update_is_option_two():
+    """init keeps c - c_k; each step adds it to the gradient before the optimizer; final gives
+    the update y_k - w_t, c_k+ = c_k - c + (w_t - y_k) / (K gamma) and Delta c_k = c_k+ - c_k
+    (Algorithm 1, option II), here with K = 1 step at gamma = 0.1 and numbers chosen by hand."""
     from deltafl_jax.algorithms.scaffold import ScaffoldState, scaffold
     alg = scaffold(SIZES)
     c = {"w": np.full((2, 2), 0.5, np.float32), "b": np.array([1.0, -1.0], np.float32)}
     ck = {"w": np.array([[0.1, 0.2], [0.3, 0.4]], np.float32), "b": np.zeros(2, np.float32)}
-    ctx = alg.client_init(ScaffoldState(c=c), ck, None)
-    np.testing.assert_allclose(ctx["w"], [[0.4, 0.3], [0.2, 0.1]], rtol=1e-6)
+    job = client_job(0.1, steps=1)
+    step = alg.client_update.init(ScaffoldState(c=c), ck, PARAMS, None, job)
+    np.testing.assert_allclose(step.correction["w"], [[0.4, 0.3], [0.2, 0.1]], rtol=1e-6)
     grads = {"w": np.ones((2, 2), np.float32), "b": np.array([2.0, 3.0], np.float32)}
-    g = alg.client_step(grads, PARAMS, ctx, None)
-    np.testing.assert_allclose(g["b"], [3.0, 2.0])
-    delta = update(1)                                # y_k - w_t
-    new, out = alg.client_final(ctx, ck, delta, np.int32(4), np.float32(0.1), None)
-    for n in PARAMS:                                 # (w_t - y_k) / (K gamma) = -delta / 0.4
-        want = ck[n] - c[n] - delta[n] / 0.4
-        np.testing.assert_allclose(new[n], want, rtol=1e-6)
-        np.testing.assert_allclose(out[n], want - ck[n], rtol=1e-6)
+    step = alg.client_update.step(step, lambda p: (0.0, grads), None, job)
+    new, delta, out = alg.client_update.final(step, ck, PARAMS, None, job)
+    np.testing.assert_allclose(delta["b"], -0.1 * np.array([3.0, 2.0]), rtol=1e-6)
+    for n in PARAMS:                                 # (w_t - y_k) / (K gamma) = -delta / 0.1
+        np.testing.assert_allclose(delta[n], -0.1 * (grads[n] + c[n] - ck[n]), rtol=1e-5)
+        want = ck[n] - c[n] - delta[n] / 0.1
+        np.testing.assert_allclose(new[n], want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out[n], want - ck[n], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("weighting", ["weighted", "unweighted"])

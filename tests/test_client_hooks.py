@@ -1,6 +1,6 @@
-"""The engine's per-client hooks on their own: an algorithm with only ``client_final`` (no
-client state, no context) gets each trained job's own result back, for every lane layout;
-the clients that did not train report zeros."""
+"""The engine's client update on its own: an algorithm whose ``final`` alone differs from local
+SGD's (no client state) gets each trained job's own result back, for every lane layout; the
+clients that did not train report zeros."""
 
 import jax
 import jax.numpy as jnp
@@ -12,13 +12,14 @@ from deltafl_jax import build_experiment, engine, rounds
 
 
 def job_outputs(exp, lanes):
-    """One round of FedAvg whose client_final returns (no state, (||w_k - w_t||, steps)); the
+    """One round of FedAvg whose client update's final outputs (||w_k - w_t||, steps); the
     server update passes the outputs through its metrics."""
     base = exp.algorithm
 
-    def client_final(ctx, client_state, delta, steps, learning_rate, hyper):
-        assert ctx is None and client_state == ()
-        return (), (jnp.sqrt(engine.tree_sqnorm(delta)), steps)
+    def client_final(step, client_state, params, hyper, job):
+        assert client_state == ()
+        _, delta, _ = engine.LOCAL_SGD.final(step, client_state, params, hyper, job)
+        return (), delta, (jnp.sqrt(engine.tree_sqnorm(delta)), job.steps)
 
     def server_update(state, params, feedback, hyper):
         delta, state, metrics = base.server_update(state, params, feedback, hyper)
@@ -26,7 +27,8 @@ def job_outputs(exp, lanes):
         return delta, state, {**metrics, "out_norm": norm, "out_steps": steps,
                               "job_sqnorm": feedback.job_sqnorm}
 
-    alg = base._replace(client_final=client_final, server_update=server_update)
+    alg = base._replace(client_update=base.client_update._replace(final=client_final),
+                        server_update=server_update)
     local = engine.LocalSGDConfig(batch_size=exp.config.batch_size, lanes=lanes)
     round_fn = jax.jit(rounds.build_round_fn(exp.model, alg, exp.replicas, local,
                                              exp.eval_chunk, 1, exp.num_sampled))

@@ -2,9 +2,9 @@
 
 The round is FedAvg's (every sampled client trains, weights n_k / n, or uniform with
 ``--weighting=unweighted``, no evaluation at w_t: :mod:`deltafl_jax.algorithms.fedavg`, whose
-private version it shares); the proximal term is the spec's ``local_penalty``,
-added by the engine to each local minibatch objective with anchor w_t. With mu = 0 the local
-gradients gain an exact +0, so the run is FedAvg bit for bit.
+private version it shares); its client update adds the proximal term's gradient mu (w - w_t)
+to each minibatch gradient before the client optimizer's step (:func:`proximal_update`). With
+mu = 0 the local gradients gain an exact +0, so the run is FedAvg bit for bit.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import dataclasses
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import WEIGHTING
 from deltafl_jax.algorithms.fedavg import DP_REQUIRES, FedAvgOptions, fedavg
 from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep
+from deltafl_jax.engine.client import (ClientUpdate, LocalState, local_final, local_init,
+                                       optimizer_step)
 
 DEFAULT_MU = (0.001, 0.01, 0.1, 1.0)   # the FedProx paper's grid
 
@@ -29,11 +30,36 @@ class FedProxHyper(NamedTuple):
     mu: float
 
 
-def proximal_term(params, anchor, hyper):
-    """(mu/2) ||w - w_t||^2."""
-    return 0.5 * hyper.mu * sum(
-        jnp.sum(jnp.square(a - b)) for a, b in
-        zip(jax.tree.leaves(params), jax.tree.leaves(anchor)))
+class ProxState(NamedTuple):
+    """local: the local model and optimizer state; anchor: w_t."""
+
+    local: LocalState
+    anchor: object
+
+
+def proximal_gradient(grads, params, anchor, mu):
+    """grad F_k(w) + mu (w - w_t): the gradient of F_k(w) + (mu/2)||w - w_t||^2."""
+    return jax.tree.map(lambda g, w, a: g + mu * (w - a), grads, params, anchor)
+
+
+def _init(server_state, client_state, params, hyper, job):
+    return ProxState(local=local_init(server_state, client_state, params, hyper, job),
+                     anchor=params)
+
+
+def _step(state, grad_fn, hyper, job):
+    w = state.local.params
+    _, grads = grad_fn(w)
+    grads = proximal_gradient(grads, w, state.anchor, hyper.mu)
+    return state._replace(local=LocalState(*optimizer_step(w, state.local.opt_state, grads,
+                                                           job.optimizer)))
+
+
+def _final(state, client_state, params, hyper, job):
+    return local_final(state.local, client_state, params, hyper, job)
+
+
+proximal_update = ClientUpdate(init=_init, step=_step, final=_final)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +71,7 @@ class FedProxOptions:
 
 def fedprox(options: FedProxOptions = FedProxOptions()) -> FederatedAlgorithm:
     return fedavg(FedAvgOptions(weighting=options.weighting))._replace(
-        name="fedprox", local_penalty=proximal_term)
+        name="fedprox", client_update=proximal_update)
 
 
 SPEC = AlgorithmSpec(

@@ -7,10 +7,11 @@ baselines of the CISS 2021 paper, Table I):
    the algorithm declares that it does not use them: ``uses_losses=False``);
 2. ``client_weights`` turns (F, n) into aggregation weights a_k >= 0; a_k = 0 means that the
    client does no local work (the Delta-FL filter, FedAvg-Sub's subset, ...);
-3. the engine runs LocalUpdate (minibatch SGD from w_t on F_k + ``local_penalty``, with the
-   per-client hooks ``client_init`` / ``client_step`` / ``client_final`` of an algorithm that
-   has them) on every client with a_k > 0 and returns sums over them, and each job's own
-   results (:class:`ClientFeedback`);
+3. the engine runs LocalUpdate on every client with a_k > 0: the algorithm's client update
+   (``client_update``: ``init`` / ``step`` / ``client_final`` over a step state that the lanes
+   carry, :mod:`deltafl_jax.engine.client`; by default minibatch SGD from w_t with the client
+   optimizer) and returns the sums of a_k u_k over them, and each job's own results
+   (:class:`ClientFeedback`);
 4. ``server_update`` returns the aggregate Delta (and the algorithm's new state);
 5. the round's server optimizer turns Delta into the new global model
    (:mod:`deltafl_jax.server_optimizer`: w + Delta by default).
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from deltafl_jax.engine import ClientHooks
+from deltafl_jax.engine import LOCAL_SGD, ClientUpdate
 from deltafl_jax.server_optimizer import DISPLAY as SERVER_DISPLAY
 from deltafl_jax.server_optimizer import SYMBOLS as SERVER_SYMBOLS
 from deltafl_jax.server_optimizer import ServerOptimizer, from_run_config
@@ -54,16 +55,18 @@ class ClientFeedback(NamedTuple):
     losses: [m] F_k(w_t) of the sampled clients (with the L2 term when l2 > 0).
     sizes: [m] their example counts n_k.
     weights: [m] the a_k that ``client_weights`` returned.
-    delta_sum: pytree, sum over trained clients with a finite update of a_k (w_k - w_t).
+    delta_sum: pytree, sum over trained clients with a finite update of a_k u_k (u_k the
+      update that the client update returned: w_k - w_t for local SGD).
     weight_sum: [] sum of a_k over the same clients.
-    job_sqnorm: [m] ||w_k - w_t||^2 of each trained client.
+    job_sqnorm: [m] ||u_k||^2 of each trained client.
     job_finite: [m] the client trained and its update is finite.
     job_trained: [m] the client trained.
     learning_rate: [] this round's client learning rate.
     clients: [m] int32 ids of the sampled clients (indices into the training clients).
-    client_outputs: pytree, leaves [m, ...]: what ``client_final`` returned as each trained
-      client's output (None for an algorithm without it; zeros for clients that did not train;
-      possibly NaN for a client whose update was not finite: mask with ``job_finite``).
+    client_outputs: pytree, leaves [m, ...]: what the client update's ``final`` returned as
+      each trained client's output (None for an algorithm without one; zeros for clients that
+      did not train; possibly NaN for a client whose update was not finite: mask with
+      ``job_finite``).
     """
 
     losses: jax.Array
@@ -112,22 +115,22 @@ class FederatedAlgorithm(NamedTuple):
       Delta, a pytree like params, is the aggregate that the round's server optimizer applies
       (w + Delta by default: :func:`average_delta` gives the weighted average of the updates);
     eval_params(state, params) -> the parameters to evaluate and save (None: params);
-    local_penalty(params, anchor, hyper) -> scalar added to the local objective of a client
-      (None: plain F_k; FedProx: (mu/2)||w - w_t||^2 with anchor = w_t).
     uses_losses: client_weights or server_update read the losses F_k(w_t). False (FedAvg,
       FedProx): the round skips step 1, the evaluation of the sampled clients at w_t, and
       their losses arrive as NaN.
 
-    Per-client work (fedjax's ``for_each_client``; all None for the algorithms of the papers,
-    whose round then is the plain program):
+    The client's own problem (fedjax's ``for_each_client``):
+    client_update: what each working client does with its local steps, a
+      :class:`~deltafl_jax.engine.client.ClientUpdate` (init, step, final over a step state
+      the lanes carry; default :data:`~deltafl_jax.engine.client.LOCAL_SGD`, the papers' local
+      SGD with the run's client optimizer). FedProx adds its proximal gradient in ``step``,
+      SCAFFOLD its control variates, Ditto trains a second model.
     client_state_init(params, hyper) -> ONE client's initial state; every training client of
-      every replica starts from it (leaves [R, N, ...] in the round state).
-    client_init(state, client_state, hyper) -> ctx: when a client starts local training (None:
-      the context is None).
-    client_step(grads, params, ctx, hyper) -> grads: every local step (a gradient correction).
-    client_final(ctx, client_state, delta, steps, learning_rate, hyper) -> (client_state',
-      output): when it ends; delta = w_k - w_t. The new state is written back for the clients
-      whose update is finite; the outputs reach server_update as feedback.client_outputs.
+      every replica starts from it (leaves [R, N, ...] in the round state), and ``final``'s
+      new state is written back for the clients whose update is finite.
+    all_sampled_work: every sampled client runs its client update, including those whose
+      weight a_k is 0 (their update adds nothing, their own state still changes: Ditto over
+      Delta-FL's personal models); False: only the clients with a_k > 0 work.
 
     private: how its average is made differentially private (:class:`PrivateAggregate`);
       None: it has no private version (with its options), and --dp_clip is refused.
@@ -138,21 +141,11 @@ class FederatedAlgorithm(NamedTuple):
     client_weights: Callable[..., jax.Array]
     server_update: Callable[..., Tuple[Params, State, Mapping[str, jax.Array]]]
     eval_params: Optional[Callable[[State, Params], Params]] = None
-    local_penalty: Optional[Callable[[Params, Params, Any], jax.Array]] = None
     uses_losses: bool = True
+    client_update: ClientUpdate = LOCAL_SGD
     client_state_init: Optional[Callable[[Params, Any], Any]] = None
-    client_init: Optional[Callable[..., Any]] = None
-    client_step: Optional[Callable[..., Params]] = None
-    client_final: Optional[Callable[..., Tuple[Any, Any]]] = None
+    all_sampled_work: bool = False
     private: Optional[PrivateAggregate] = None
-
-    def client_hooks(self):
-        """The engine's :class:`~deltafl_jax.engine.ClientHooks`, or None when the algorithm
-        has no per-client work (client_init, client_step and client_final all None)."""
-        if self.client_init is None and self.client_step is None and self.client_final is None:
-            return None
-        return ClientHooks(init=self.client_init, step=self.client_step,
-                           final=self.client_final)
 
 
 def scaled_delta(params, delta_sum, total):

@@ -1,22 +1,22 @@
 """LocalUpdate (Algorithm 2, lines 7-8) for every kept (replica, client) job, in one jitted loop.
 
-Jobs are the (replica, client) pairs whose aggregation weight is positive; a job that the
-filter dropped costs nothing. :func:`deltafl_jax.engine.lanes.deal_jobs` deals the jobs to
-``lanes`` lanes; each lane runs its jobs back to back (resetting to w_t at each job start),
-one minibatch step per trip of a ``lax.while_loop`` that stops when the busiest lane is done.
-Finished jobs add a_j (w_j - w_t) to their replica's sum (if finite), which the server update
-then averages.
+Jobs are the (replica, client) pairs whose aggregation weight is positive (or every sampled
+client, for an algorithm whose clients all work: ``runs`` in :func:`train_jobs`); a job that
+the filter dropped costs nothing. :func:`deltafl_jax.engine.lanes.deal_jobs` deals the jobs to
+``lanes`` lanes; each lane runs its jobs back to back, one minibatch step per trip of a
+``lax.while_loop`` that stops when the busiest lane is done. Finished jobs add
+a_j u_j to their replica's sum (if finite), which the server update then averages.
 
-The local step is w <- (1 - gamma lambda) w - gamma grad (paper, App. C.2.2), an optax chain
-built ONCE with ``optax.inject_hyperparams``: the learning rate and lambda of the job's replica
-are optimizer state, set when a lane starts a job.
-
-An algorithm with per-client work (:class:`ClientHooks`, fedjax's ``for_each_client``: SCAFFOLD's
-control variates) gets three hooks: ``init`` when a lane starts a job (from the server state and
-the client's own state, a context the job keeps, e.g. c - c_i), ``step`` on every local step
-(a correction of the minibatch gradient), and ``final`` when the job ends (the client's new
-state and an output, kept per job and returned besides the sums). Without hooks none of this is
-traced, and the program is the plain one.
+What a client does is its algorithm's :class:`~deltafl_jax.engine.client.ClientUpdate`
+(fedjax's ``for_each_client``): when a lane starts a job it calls ``init`` (from w_t of the
+job's replica, the algorithm's state and the client's own state) and carries the returned step
+state; each step calls ``step`` with the step's minibatch gradient function; when the job ends
+``final`` gives the client's new state, its update u_j (w_j - w_t for the averaging methods)
+and an output, kept per job and returned besides the sums. The default,
+:data:`~deltafl_jax.engine.client.LOCAL_SGD`, is the papers' local SGD: with the default
+client optimizer the step is w <- (1 - gamma lambda) w - gamma grad (App. C.2.2). The client
+optimizer is built inside the step from the job's replica's learning rate and lambda of the
+round (traced values), so one program serves every replica.
 
 Nothing here is jitted: the caller jits the round once (see :mod:`deltafl_jax.rounds`).
 """
@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from deltafl_jax.client_optimizer import ClientOptimizer
+from deltafl_jax.engine.client import LOCAL_SGD, ClientJob, ClientUpdate
 from deltafl_jax.engine.lanes import deal_jobs, device_share, per_lane
 from deltafl_jax.engine.mesh import SINGLE, DeviceAxis
 from deltafl_jax.engine.trees import gather_rows, select_tree, tree_all_finite, tree_sqnorm
@@ -39,30 +41,8 @@ from deltafl_jax.privacy import clip_factor
 Params = Any
 
 
-def sgd_with_weight_decay(learning_rate, l2):
-    """The paper's local step w <- (1 - lr l2) w - lr grad, as an optax transform."""
-    return optax.chain(optax.add_decayed_weights(l2), optax.sgd(learning_rate))
-
-
-class ClientHooks(NamedTuple):
-    """Per-client work of an algorithm, each function for ONE job (the lanes vmap them).
-
-    init(server_state, client_state, hyper) -> ctx: when a lane starts a job; server_state is
-      the replica's algorithm state, client_state the client's own (() if it has none)
-      (None: the context is None).
-    step(grads, params, ctx, hyper) -> grads: on every local step, before the optimizer
-      (None: the plain gradient).
-    final(ctx, client_state, delta, steps, learning_rate, hyper) -> (client_state', output):
-      when the job ends; delta = w_k - w_t, steps its local steps (None: nothing kept).
-    """
-
-    init: Optional[Callable] = None
-    step: Optional[Callable] = None
-    final: Optional[Callable] = None
-
-
 class ClientInputs(NamedTuple):
-    """What the hooks read, for every replica.
+    """What the client updates read, for every replica.
 
     server_state: pytree, leaves [R, ...]: the algorithm's state.
     client_state: pytree, leaves [R, N, ...]: every training client's own state (() if none).
@@ -78,8 +58,9 @@ class LocalSGDConfig(NamedTuple):
     """Static choices of LocalUpdate.
 
     batch_size: B. lanes: c, jobs run side by side. lane_mode: "vmap" or "unroll".
-    local_penalty: the algorithm's term added to the local objective, (params, anchor, hyper)
-      -> scalar (None: plain F_k).
+    client_update: the algorithm's :class:`ClientUpdate` (default: local SGD).
+    optimizer: (learning_rate, l2) -> the client optimizer, an optax transformation
+      (:meth:`deltafl_jax.client_optimizer.ClientOptimizer.transformation`).
     unroll: K, minibatch steps per loop trip (unrolled in the loop body).
     branchless: run a lane's restart and a finished job's bookkeeping on every step as
       masked selects and masked sums, instead of behind a ``lax.cond`` taken only on the
@@ -90,18 +71,19 @@ class LocalSGDConfig(NamedTuple):
     batch_size: int
     lanes: int
     lane_mode: str = "vmap"
-    local_penalty: Optional[Callable] = None
     axis: DeviceAxis = SINGLE
     unroll: int = 1
     branchless: bool = False
-    client_hooks: Optional[ClientHooks] = None
     clip: Optional[float] = None   # C: each job's update clipped to L2 norm C (client-level DP)
+    client_update: ClientUpdate = LOCAL_SGD
+    optimizer: Callable[[Any, Any], optax.GradientTransformation] = \
+        ClientOptimizer().transformation
 
 
 class TrainResult(NamedTuple):
-    delta_sum: Params        # [R, ...] sum over finished, finite jobs of a_j (w_j - w_r)
+    delta_sum: Params        # [R, ...] sum over finished, finite jobs of a_j u_j
     weight_sum: jax.Array    # [R] sum of a_j over the same jobs
-    job_sqnorm: jax.Array    # [R, m] ||w_j - w_r||^2 of each finished job (0 if not trained)
+    job_sqnorm: jax.Array    # [R, m] ||u_j||^2 of each finished job (0 if not trained)
     job_finite: jax.Array    # [R, m] bool: the job finished and its update is finite
     job_trained: jax.Array   # [R, m] bool: the job ran
     real_examples: jax.Array    # scalar: examples that went through local SGD
@@ -110,8 +92,8 @@ class TrainResult(NamedTuple):
     device_trips: jax.Array = None     # [D] each device's loop iterations
     device_jobs: jax.Array = None      # [D] each device's jobs
     device_examples: jax.Array = None  # [D] each device's trained examples
-    job_state: Any = None              # [R, m, ...] the clients' new states (client hooks)
-    job_output: Any = None             # [R, m, ...] the jobs' outputs (client hooks)
+    job_state: Any = None              # [R, m, ...] the clients' new states (empty: none)
+    job_output: Any = None             # [R, m, ...] the jobs' outputs (empty: none)
     job_clipped: Any = None            # [R, m] bool: the update was clipped (cfg.clip)
 
 
@@ -130,16 +112,14 @@ class LaneCarry(NamedTuple):
     (:class:`LaneSchedule`)."""
 
     trip: jax.Array        # [] int32, loop trips done (each runs `unroll` steps)
-    params: Params         # [c, ...] the lanes' local models
-    opt_state: Any         # [c, ...] their optimizer states
+    step: Any              # [c, ...] the lanes' step states (the client update's own)
     delta_sum: Params      # [R, ...]
     weight_sum: jax.Array  # [R]
     sqnorm: jax.Array      # [J]
     finite: jax.Array      # [J] bool
     real: jax.Array        # [] int32 examples trained
-    ctx: Any = None        # [c, ...] the lanes' job contexts (client hooks)
-    job_state: Any = None  # [J, ...] finished jobs' new client states (client hooks)
-    job_output: Any = None # [J, ...] finished jobs' outputs (client hooks)
+    job_state: Any = None  # [J, ...] finished jobs' new client states
+    job_output: Any = None # [J, ...] finished jobs' outputs
     clipped: Any = None    # [J] bool: the job's update was longer than cfg.clip
 
 
@@ -159,39 +139,27 @@ class LaneSchedule(NamedTuple):
     valid: jax.Array
 
 
-def make_jobs(plan, replica_group, job_weight) -> Jobs:
+def make_jobs(plan, replica_group, job_weight, runs=None) -> Jobs:
+    """The round's jobs; job (r, i) trains when job_weight[r, i] > 0, or where `runs` [R, m]
+    is set when given (an algorithm whose every sampled client works)."""
     R, m = job_weight.shape
     weight = job_weight.reshape(R * m)
+    runs = weight > 0 if runs is None else runs.reshape(R * m)
     replica = jnp.repeat(jnp.arange(R, dtype=jnp.int32), m)
     slot = jnp.tile(jnp.arange(m, dtype=jnp.int32), R)
-    steps = jnp.where(weight > 0, plan.steps[replica_group[replica], slot], 0).astype(jnp.int32)
+    steps = jnp.where(runs, plan.steps[replica_group[replica], slot], 0).astype(jnp.int32)
     return Jobs(replica=replica, slot=slot, weight=weight, steps=steps)
 
 
-def _set_hyperparams(opt_state, learning_rate, l2):
-    return opt_state._replace(hyperparams={"learning_rate": learning_rate, "l2": l2})
+def masked_mean_loss(model: Model, params, x, y, valid):
+    """The mean loss over the real examples of a minibatch (0 when none is real)."""
+    loss = model.losses(params, x, y)
+    return jnp.sum(jnp.where(valid, loss, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
 
 
-def _lane_step_fn(model: Model, cfg: LocalSGDConfig, optimizer):
-    """One minibatch step of one lane: (p, opt_state, anchor, ctx, x, y, valid, hyper) ->
-    (p, st)."""
-    correct = cfg.client_hooks.step if cfg.client_hooks is not None else None
-
-    def local_objective(p, anchor, x, y, valid, hyper):
-        loss = model.losses(p, x, y)
-        obj = jnp.sum(jnp.where(valid, loss, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
-        if cfg.local_penalty is not None:
-            obj = obj + cfg.local_penalty(p, anchor, hyper)
-        return obj
-
-    def lane_step(p, opt_state, anchor, ctx, x, y, valid, hyper):
-        grads = jax.grad(local_objective)(p, anchor, x, y, valid, hyper)
-        if correct is not None:
-            grads = correct(grads, p, ctx, hyper)
-        updates, opt_state = optimizer.update(grads, opt_state, p)
-        return optax.apply_updates(p, updates), opt_state
-
-    return per_lane(lane_step, cfg.lanes, cfg.lane_mode)
+def minibatch_grad_fn(model: Model, x, y, valid):
+    """grad_fn(p) -> (loss, gradient) of the masked minibatch mean loss at p."""
+    return jax.value_and_grad(lambda p: masked_mean_loss(model, p, x, y, valid))
 
 
 class _LaneProgram:
@@ -200,12 +168,13 @@ class _LaneProgram:
     Lane l runs its jobs back to back from step 0: job q of the lane covers steps
     [start[l, q], start[l, q + 1]). A loop trip runs K = ``cfg.unroll`` consecutive steps,
     unrolled: it first works out the K steps' jobs and example indices at once
-    (:meth:`schedule`), then runs the K SGD steps, each followed by the bookkeeping of lanes
+    (:meth:`schedule`), then runs the K steps, each followed by the bookkeeping of lanes
     that finish a job there (one ``lax.cond``, taken only on those steps).
     """
 
     def __init__(self, model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
                  hyper, cfg, clients: Optional[ClientInputs] = None):
+        self.model = model
         self.params, self.X, self.Y, self.plan = params, X, Y, plan
         self.group, self.jobs, self.lr, self.l2, self.hyper = (replica_group, jobs,
                                                                learning_rate, l2, hyper)
@@ -218,13 +187,51 @@ class _LaneProgram:
                                jobs.steps[jnp.minimum(self.deal.jobs, self.J - 1)], 0)
         self.start = jnp.concatenate([jnp.zeros((self.c, 1), jnp.int32),
                                       jnp.cumsum(lane_steps, axis=1, dtype=jnp.int32)], axis=1)
-        self.optimizer = optax.inject_hyperparams(sgd_with_weight_decay)(learning_rate=0.0,
-                                                                         l2=0.0)
-        self.run_step = _lane_step_fn(model, cfg, self.optimizer)
-        self.penalized = cfg.local_penalty is not None
+        self.update, self.optimizer = cfg.client_update, cfg.optimizer
+        self.run_step = per_lane(self._lane_step, cfg.lanes, cfg.lane_mode)
         self.branchless = cfg.branchless
-        self.hooks, self.clients = cfg.client_hooks, clients
+        self.clients = clients if clients is not None else ClientInputs((), (), None)
         self.clip = cfg.clip
+
+    # ---------------------------------------------------------------- one lane's client work
+
+    def _job(self, lr, l2, steps) -> ClientJob:
+        return ClientJob(optimizer=self.optimizer(lr, l2), learning_rate=lr, l2=l2,
+                         steps=steps)
+
+    def _lane_init(self, server_state, client_state, w, hyper, lr, l2, steps):
+        return self.update.init(server_state, client_state, w, hyper, self._job(lr, l2, steps))
+
+    def _lane_step(self, state, x, y, valid, hyper, lr, l2, steps):
+        grad_fn = minibatch_grad_fn(self.model, x, y, valid)
+        return self.update.step(state, grad_fn, hyper, self._job(lr, l2, steps))
+
+    def _lane_final(self, state, client_state, w, hyper, lr, l2, steps):
+        return self.update.final(state, client_state, w, hyper, self._job(lr, l2, steps))
+
+    def job_args(self, js, r):
+        """(hyper, learning rate, l2, steps) of the lanes' jobs js (replicas r), [c] each."""
+        return (gather_rows(self.hyper, r), self.lr[r], self.l2[r], self.jobs.steps[js])
+
+    def client_rows(self, js, r):
+        """The own state [c, ...] of the lanes' jobs' clients."""
+        if not jax.tree.leaves(self.clients.client_state):
+            return self.clients.client_state
+        cid = self.clients.ids[r, self.jobs.slot[js]]
+        return jax.tree.map(lambda a: a[r, cid], self.clients.client_state)
+
+    def start_jobs(self, js, r):
+        """The client update's init for the lanes' jobs js: step states [c, ...]."""
+        return jax.vmap(self._lane_init)(gather_rows(self.clients.server_state, r),
+                                         self.client_rows(js, r), gather_rows(self.params, r),
+                                         *self.job_args(js, r))
+
+    def end_jobs(self, step, js, r):
+        """The client update's final for the lanes: (client states', updates, outputs)."""
+        return jax.vmap(self._lane_final)(step, self.client_rows(js, r),
+                                          gather_rows(self.params, r), *self.job_args(js, r))
+
+    # ---------------------------------------------------------------- the loop
 
     def when(self, lanes, fn, operand):
         """fn(operand) if any lane needs it, else operand; fn is the identity on the other
@@ -232,10 +239,6 @@ class _LaneProgram:
         if self.branchless:
             return fn(operand)
         return lax.cond(jnp.any(lanes), fn, lambda op: op, operand)
-
-    def fresh_opt_state(self, w0, r):
-        st = jax.vmap(self.optimizer.init)(w0)
-        return _set_hyperparams(st, self.lr[r], self.l2[r])
 
     def _lane_job(self, q):
         """Job ids [c, ...] of the lanes' q-th jobs (clipped to valid ids) and their replica."""
@@ -266,14 +269,14 @@ class _LaneProgram:
                             valid=valid)
 
     def finish(self, carry, js, r, done):
-        """Finished jobs add a_j (w_j - w_t) to their replica's sum when finite. Only the sums
-        go through the ``lax.cond``: a lane model passed through it would be copied on every
-        step that the cond skips."""
+        """Finished jobs add a_j u_j to their replica's sum when finite. Only the sums go
+        through the ``lax.cond``: a lane's step state passed through it would be copied on
+        every step that the cond skips."""
         c, J = self.c, self.J
 
         def taken(acc):
             delta_sum, weight_sum, sqnorm, finite, job_state, job_output, clipped = acc
-            delta = jax.tree.map(lambda a, w: a - w, carry.params, gather_rows(self.params, r))
+            new_state, delta, output = self.end_jobs(carry.step, js, r)
             slot = jnp.where(done, js, J)
             if self.clip is not None:   # client-level DP: clip before the update is summed
                 delta, long_ = self.clipped_updates(delta)
@@ -285,12 +288,13 @@ class _LaneProgram:
                 d = jnp.where(ok.reshape((c,) + (1,) * (d.ndim - 1)), d, 0.0)
                 return total.at[r].add(coef.reshape((c,) + (1,) * (d.ndim - 1)) * d)
 
-            if job_state is not None or job_output is not None:
-                job_state, job_output = self.client_final(carry.ctx, js, r, delta, slot,
-                                                          job_state, job_output)
+            def put(buf, v):
+                return buf.at[slot].set(v.astype(buf.dtype), mode="drop")
+
             return (jax.tree.map(add, delta_sum, delta), weight_sum.at[r].add(coef),
                     sqnorm.at[slot].set(jax.vmap(tree_sqnorm)(delta), mode="drop"),
-                    finite.at[slot].set(ok, mode="drop"), job_state, job_output, clipped)
+                    finite.at[slot].set(ok, mode="drop"), jax.tree.map(put, job_state, new_state),
+                    jax.tree.map(put, job_output, output), clipped)
 
         acc = (carry.delta_sum, carry.weight_sum, carry.sqnorm, carry.finite, carry.job_state,
                carry.job_output, carry.clipped)
@@ -307,65 +311,28 @@ class _LaneProgram:
             lambda d: d * f.reshape((self.c,) + (1,) * (d.ndim - 1)).astype(d.dtype), delta)
         return scaled, sq > self.clip * self.clip
 
-    # ---------------------------------------------------------------- per-client work (hooks)
-
-    def client_rows(self, js, r):
-        """The own state [c, ...] of the lanes' jobs' clients."""
-        cid = self.clients.ids[r, self.jobs.slot[js]]
-        return jax.tree.map(lambda a: a[r, cid], self.clients.client_state)
-
-    def contexts(self, js, r):
-        """hooks.init for the lanes' jobs js (replicas r): the contexts [c, ...]."""
-        return jax.vmap(self.hooks.init)(gather_rows(self.clients.server_state, r),
-                                         self.client_rows(js, r), gather_rows(self.hyper, r))
-
-    def final_args(self, ctx, js, r, delta):
-        return (ctx, self.client_rows(js, r), delta, self.jobs.steps[js], self.lr[r],
-                gather_rows(self.hyper, r))
-
-    def client_final(self, ctx, js, r, delta, slot, job_state, job_output):
-        """hooks.final of the lanes whose job ends (slot < J; the others are dropped)."""
-        new_state, output = jax.vmap(self.hooks.final)(*self.final_args(ctx, js, r, delta))
-
-        def put(buf, v):
-            return buf.at[slot].set(v.astype(buf.dtype), mode="drop")
-        return jax.tree.map(put, job_state, new_state), jax.tree.map(put, job_output, output)
-
-    def job_buffers(self, ctx, js, r):
-        """Zeros [J, ...] for hooks.final's two results (None without a final hook)."""
-        if self.hooks is None or self.hooks.final is None:
-            return None, None
-        shapes = jax.eval_shape(jax.vmap(self.hooks.final),
-                                *self.final_args(ctx, js, r, gather_rows(self.params, r)))
-        return jax.tree.map(lambda s: jnp.zeros((self.J,) + s.shape[1:], s.dtype), shapes)
+    def job_buffers(self, step, js, r):
+        """Zeros [J, ...] for the client states and outputs that final returns (empty trees
+        for an algorithm that keeps none)."""
+        new_state, _, output = jax.eval_shape(self.end_jobs, step, js, r)
+        return jax.tree.map(lambda s: jnp.zeros((self.J,) + s.shape[1:], s.dtype),
+                            (new_state, output))
 
     def restart(self, carry, fresh, js, r):
-        """Lanes starting a job restart from w_t of its replica, with a fresh optimizer (and
-        the job's context, with client hooks)."""
-        def taken(lane):
-            params, opt_state, ctx = lane
-            w0 = gather_rows(self.params, r)
-            if self.hooks is not None and self.hooks.init is not None:
-                ctx = select_tree(fresh, self.contexts(js, r), ctx)
-            return (select_tree(fresh, w0, params),
-                    select_tree(fresh, self.fresh_opt_state(w0, r), opt_state), ctx)
+        """Lanes starting a job take the client update's initial step state."""
+        def taken(step):
+            return select_tree(fresh, self.start_jobs(js, r), step)
 
-        params, opt_state, ctx = self.when(fresh, taken,
-                                           (carry.params, carry.opt_state, carry.ctx))
-        return carry._replace(params=params, opt_state=opt_state, ctx=ctx)
+        return carry._replace(step=self.when(fresh, taken, carry.step))
 
     def step(self, carry, sch: LaneSchedule, x, y, k: int) -> LaneCarry:
-        """Step k of the trip. A lane with no job left steps on garbage: its model is never
+        """Step k of the trip. A lane with no job left steps on garbage: its state is never
         read again (it is restarted before any next job, and it has none)."""
-        r, done = sch.replica[:, k], sch.done[:, k]
-        carry = self.restart(carry, sch.fresh[:, k], sch.job[:, k], r)
-        # w_t of the lane's job, for the algorithm's local penalty (FedProx's anchor).
-        anchor = gather_rows(self.params, r) if self.penalized else carry.params
-        params, opt_state = self.run_step(carry.params, carry.opt_state, anchor, carry.ctx,
-                                          x[:, k], y[:, k], sch.valid[:, k],
-                                          gather_rows(self.hyper, r))
-        return self.finish(carry._replace(params=params, opt_state=opt_state), sch.job[:, k],
-                           r, done)
+        r, js = sch.replica[:, k], sch.job[:, k]
+        carry = self.restart(carry, sch.fresh[:, k], js, r)
+        step = self.run_step(carry.step, x[:, k], y[:, k], sch.valid[:, k],
+                             *self.job_args(js, r))
+        return self.finish(carry._replace(step=step), js, r, sch.done[:, k])
 
     def body(self, carry: LaneCarry) -> LaneCarry:
         sch = self.schedule(carry.trip * self.K)
@@ -375,26 +342,25 @@ class _LaneProgram:
         return carry._replace(trip=carry.trip + 1, real=carry.real + jnp.sum(sch.valid))
 
     def init(self) -> LaneCarry:
-        """Every lane starts at w_t of its first job's replica."""
+        """Every lane starts its first job."""
         R = self.lr.shape[0]
         js0, r0 = self._lane_job(jnp.zeros((self.c,), jnp.int32))
-        w0 = gather_rows(self.params, r0)
-        ctx = (self.contexts(js0, r0) if self.hooks is not None and self.hooks.init is not None
-               else None)
-        job_state, job_output = self.job_buffers(ctx, js0, r0)
+        step = self.start_jobs(js0, r0)
+        job_state, job_output = self.job_buffers(step, js0, r0)
         return LaneCarry(
-            trip=jnp.int32(0), params=w0, opt_state=self.fresh_opt_state(w0, r0),
+            trip=jnp.int32(0), step=step,
             delta_sum=jax.tree.map(jnp.zeros_like, self.params),
             weight_sum=jnp.zeros((R,), jnp.float32), sqnorm=jnp.zeros((self.J,), jnp.float32),
-            finite=jnp.zeros((self.J,), bool), real=jnp.int32(0), ctx=ctx,
+            finite=jnp.zeros((self.J,), bool), real=jnp.int32(0),
             job_state=job_state, job_output=job_output,
             clipped=jnp.zeros((self.J,), bool) if self.clip is not None else None)
 
 
 def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, learning_rate,
-               l2, hyper, cfg: LocalSGDConfig, clients: Optional[ClientInputs] = None
-               ) -> TrainResult:
-    """LocalUpdate for every job (r, i) with job_weight[r, i] > 0, and the weighted sums.
+               l2, hyper, cfg: LocalSGDConfig, clients: Optional[ClientInputs] = None,
+               runs=None) -> TrainResult:
+    """LocalUpdate for every job (r, i) with job_weight[r, i] > 0 (or `runs`[r, i]), and the
+    weighted sums.
 
     Args:
       params: pytree, leading dim R: w_t of each replica.
@@ -403,18 +369,18 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
       replica_group: [R] group (seed) of each replica.
       job_weight: [R, m] aggregation weight a_{r,i}; 0 means the client does not train.
       learning_rate, l2: [R] per-replica values for this round.
-      hyper: the algorithm's hyper pytree, leaves [R] (for its local penalty).
+      hyper: the algorithm's hyper pytree, leaves [R].
       cfg: static choices.
-      clients: what ``cfg.client_hooks`` read (required with hooks).
+      clients: what the client update reads besides w_t (None: nothing).
+      runs: [R, m] bool, the jobs that train (None: job_weight > 0); a job that trains with
+        weight 0 adds nothing to the sums, and its client's state is still updated.
 
     ``trips`` counts minibatch steps of the busiest lane (the critical path); the loop runs
     ceil(trips / cfg.unroll) trips, and ``padded_examples`` counts trips * lanes * batch (the
     last loop trip may run up to unroll - 1 more steps with every lane idle).
     """
     R, m = job_weight.shape
-    jobs = make_jobs(plan, replica_group, job_weight)
-    if (cfg.client_hooks is None) != (clients is None):
-        raise ValueError("client hooks and their inputs go together")
+    jobs = make_jobs(plan, replica_group, job_weight, runs)
     prog = _LaneProgram(model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
                         hyper, cfg, clients)
     trips = prog.deal.trips
@@ -434,7 +400,6 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
                        trips=axis.max(trips), device_trips=axis.spread(trips),
                        device_jobs=axis.spread(jnp.sum(prog.deal.length)),
                        device_examples=axis.spread(out.real),
-                       job_state=None if out.job_state is None else per_job(out.job_state),
-                       job_output=None if out.job_output is None else per_job(out.job_output),
+                       job_state=per_job(out.job_state), job_output=per_job(out.job_output),
                        job_clipped=None if out.clipped is None else
                        per_job(out.clipped.astype(jnp.int32)) > 0)

@@ -220,9 +220,9 @@ def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh
                                                                     mesh_lib.AXIS)
     local = engine.LocalSGDConfig(batch_size=config.batch_size, lanes=place.lanes,
                                   lane_mode=place.lane_mode, unroll=place.unroll,
-                                  branchless=place.branchless,
-                                  local_penalty=algorithm.local_penalty, axis=axis,
-                                  clip=config.dp_clip)
+                                  branchless=place.branchless, axis=axis,
+                                  clip=config.dp_clip,
+                                  optimizer=config.client.transformation)
     raw = rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
                                 place.eval_lanes, m, server_tx)
     return jax.jit(raw if mesh is None else mesh_lib.sharded(raw, mesh, 3), donate_argnums=(0,))

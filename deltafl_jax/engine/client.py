@@ -1,0 +1,100 @@
+"""The client's own problem: what one sampled client does with its local steps.
+
+An algorithm owns its client update (fedjax's ``for_each_client``): three pure functions over a
+*step state*, a pytree that the engine's lanes carry from one local step to the next without
+looking inside (:class:`ClientUpdate`):
+
+- ``init(server_state, client_state, params, hyper, job) -> step_state`` when a lane starts the
+  client's job: from the replica's algorithm state, the client's own state (``()`` for an
+  algorithm without one), the round's global model w_t and the replica's hyper-parameters;
+- ``step(step_state, grad_fn, hyper, job) -> step_state`` on each local step; ``grad_fn(p)``
+  returns (loss, gradient) of the masked mean loss of this step's minibatch at p, and may be
+  called on several models (Ditto's personal and global models on one minibatch);
+- ``final(step_state, client_state, params, hyper, job) -> (client_state', update, output)``
+  when the job ends: the client's new state (written back when the update is finite), its
+  update (a pytree like params, w_k - w_t for the averaging methods: what the server's
+  aggregate sums with weight a_k, clipped first under client-level DP) and an output that
+  reaches the server update as ``feedback.client_outputs`` (None: nothing).
+
+:class:`ClientJob` tells the functions about the job: the client optimizer at the replica's
+learning rate of this round (an optax transformation; its state starts afresh at each job),
+that learning rate and l2, and the job's local steps K_k.
+
+:data:`LOCAL_SGD` is the default: K_k steps of the client optimizer on the client's loss from
+w_t, update w_k - w_t. With the default optimizer (``sgd``) the step is the papers'
+w <- (1 - gamma lambda) w - gamma grad (App. C.2.2).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import optax
+
+Params = Any
+
+
+class ClientJob(NamedTuple):
+    """One client's job, as its update sees it (values of one lane).
+
+    optimizer: the client optimizer at this job's learning rate and l2 (optax; chain of the
+      paper's L2 term and the optimizer).
+    learning_rate: [] float32, the replica's client learning rate this round (gamma).
+    l2: [] float32, the replica's lambda.
+    steps: [] int32, the job's local steps K_k.
+    """
+
+    optimizer: optax.GradientTransformation
+    learning_rate: Any
+    l2: Any
+    steps: Any
+
+
+class ClientUpdate(NamedTuple):
+    """An algorithm's client update: init, step and final (module docstring)."""
+
+    init: Callable[..., Any]
+    step: Callable[..., Any]
+    final: Callable[..., Any]
+
+
+class LocalState(NamedTuple):
+    """The step state of plain local training: params (the local model) and the client
+    optimizer's state."""
+
+    params: Params
+    opt_state: Any
+
+
+def optimizer_step(params, opt_state, grads, optimizer: optax.GradientTransformation):
+    """One step of `optimizer` on `grads`: (params', opt_state')."""
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def difference(a, b):
+    """a - b, leaf by leaf (a client's update w_k - w_t)."""
+    return jax.tree.map(lambda x, y: x - y, a, b)
+
+
+def local_init(server_state, client_state, params, hyper, job: ClientJob) -> LocalState:
+    """Start from w_t with a fresh optimizer state."""
+    del server_state, client_state, hyper
+    return LocalState(params=params, opt_state=job.optimizer.init(params))
+
+
+def local_step(state: LocalState, grad_fn, hyper, job: ClientJob) -> LocalState:
+    """One optimizer step on the minibatch gradient."""
+    del hyper
+    _, grads = grad_fn(state.params)
+    return LocalState(*optimizer_step(state.params, state.opt_state, grads, job.optimizer))
+
+
+def local_final(state: LocalState, client_state, params, hyper, job: ClientJob):
+    """The update w_k - w_t; the client's state unchanged; no output."""
+    del hyper, job
+    return client_state, difference(state.params, params), None
+
+
+LOCAL_SGD = ClientUpdate(init=local_init, step=local_step, final=local_final)
