@@ -132,6 +132,17 @@ class FederatedAlgorithm(NamedTuple):
       weight a_k is 0 (their update adds nothing, their own state still changes: Ditto over
       Delta-FL's personal models); False: only the clients with a_k > 0 work.
 
+    Per-client models (personalisation; evaluated on each client's held-out data,
+    ``--client_holdout``):
+    client_model(server_state, client_state, params, hyper) -> the model served to a training
+      client from its own state (Ditto: v_k; APFL: alpha_k v_k + (1 - alpha_k) w); params is
+      the served global model. None: every client is served the global model.
+    adapt_step(adapt_state, grad_fn, hyper, job) -> adapt_state: how a device adapts the
+      model it was served on its own data before it is evaluated (``--finetune_steps``), over
+      an :class:`~deltafl_jax.engine.client.AdaptState` (Ditto: its proximal step towards the
+      served global model). None: plain fine-tuning with the client optimizer
+      (:func:`~deltafl_jax.engine.client.fine_tune_step`).
+
     private: how its average is made differentially private (:class:`PrivateAggregate`);
       None: it has no private version (with its options), and --dp_clip is refused.
     """
@@ -145,6 +156,8 @@ class FederatedAlgorithm(NamedTuple):
     client_update: ClientUpdate = LOCAL_SGD
     client_state_init: Optional[Callable[[Params, Any], Any]] = None
     all_sampled_work: bool = False
+    client_model: Optional[Callable[..., Params]] = None
+    adapt_step: Optional[Callable[..., Any]] = None
     private: Optional[PrivateAggregate] = None
 
 

@@ -11,13 +11,14 @@ run inside ``lax.while_loop``s whose trip counts come from the data
 from deltafl_jax.engine.evaluate import EvalResult, evaluate_streams
 from deltafl_jax.engine.lanes import (LANE_MODES, LaneDeal, LoopShape, deal_jobs, loop_shape,
                                       per_lane)
-from deltafl_jax.engine.client import (LOCAL_SGD, ClientJob, ClientUpdate, LocalState,
-                                       difference, optimizer_step)
+from deltafl_jax.engine.client import (LOCAL_SGD, AdaptState, ClientJob, ClientUpdate,
+                                       LocalState, difference, fine_tune_step, local_final,
+                                       local_init, optimizer_step)
 from deltafl_jax.engine.train import ClientInputs, LocalSGDConfig, TrainResult, train_jobs
 from deltafl_jax.engine.trees import tree_all_finite, tree_sqnorm
 
 __all__ = ["EvalResult", "evaluate_streams", "LANE_MODES", "LaneDeal", "LoopShape", "deal_jobs",
            "loop_shape", "per_lane",
-           "LOCAL_SGD", "ClientJob", "ClientUpdate", "LocalState", "difference",
-           "optimizer_step", "ClientInputs", "LocalSGDConfig", "TrainResult", "train_jobs",
+           "LOCAL_SGD", "AdaptState", "ClientJob", "ClientUpdate", "LocalState", "difference",
+           "fine_tune_step", "local_final", "local_init", "optimizer_step", "ClientInputs", "LocalSGDConfig", "TrainResult", "train_jobs",
            "tree_all_finite", "tree_sqnorm"]

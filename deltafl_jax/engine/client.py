@@ -98,3 +98,25 @@ def local_final(state: LocalState, client_state, params, hyper, job: ClientJob):
 
 
 LOCAL_SGD = ClientUpdate(init=local_init, step=local_step, final=local_final)
+
+
+class AdaptState(NamedTuple):
+    """The step state of a device adapting its model before it is evaluated
+    (``--finetune_steps``; TFF's personalisation evaluation).
+
+    params: the model being adapted (from the model served to the device: the global model,
+      or a training client's personal model). opt_state: the client optimizer's state.
+    anchor: the global model the device was served (Ditto's proximal centre).
+    """
+
+    params: Params
+    opt_state: Any
+    anchor: Params
+
+
+def fine_tune_step(state: AdaptState, grad_fn, hyper, job: ClientJob) -> AdaptState:
+    """Plain fine-tuning: one client-optimizer step on the device's own minibatch."""
+    del hyper
+    _, grads = grad_fn(state.params)
+    return state._replace(**dict(zip(("params", "opt_state"), optimizer_step(
+        state.params, state.opt_state, grads, job.optimizer))))
