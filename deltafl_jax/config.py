@@ -86,6 +86,10 @@ class ExperimentConfig:
     client_beta1: float = 0.9               # adam: beta1
     client_beta2: float = 0.999             # adam: beta2
     client_eps: float = 1e-8                # adam / adagrad: eps
+    # Personalised evaluation (deltafl_jax.holdout, deltafl_jax.run.personal).
+    client_holdout: float = 0.0             # f: each client's held-out fraction (0: none)
+    finetune_steps: Tuple[int, ...] = (0,)  # adaptation steps before each personal evaluation
+    finetune_lr: Optional[float] = None     # their learning rate (None: the client's)
     # Client-level differential privacy (deltafl_jax.privacy): off while dp_clip is None.
     dp_clip: Optional[float] = None         # C, the L2 clip of each client's update
     dp_noise_multiplier: Tuple[float, ...] = (0.0,)   # z; several values train as replicas
@@ -100,7 +104,8 @@ class ExperimentConfig:
         object.__setattr__(self, "l2_reg", tuple(l2) if isinstance(l2, (tuple, list)) else l2)
         object.__setattr__(self, "sweeps", {k: tuple(v) for k, v in dict(self.sweeps).items()})
         object.__setattr__(self, "options", dict(self.options))
-        for name in ("server_lr", "dp_noise_multiplier", "dp_target_epsilon"):
+        for name in ("server_lr", "dp_noise_multiplier", "dp_target_epsilon",
+                     "finetune_steps"):
             v = getattr(self, name)
             object.__setattr__(self, name, tuple(v) if isinstance(v, (tuple, list)) else (v,))
         _check(self)
@@ -201,6 +206,25 @@ def _check_numbers(c: ExperimentConfig):
                           f"(unset: the backend running), got {c.placement_backend!r}")
 
 
+def _check_personal(c: ExperimentConfig):
+    """--client_holdout, --finetune_steps, --finetune_lr."""
+    f = c.client_holdout
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1:
+        raise ConfigError(f"--client_holdout must be a fraction in [0, 1), got {f!r}")
+    steps = c.finetune_steps
+    if not steps or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in steps):
+        raise ConfigError(f"--finetune_steps must list integers >= 0, got {list(steps)}")
+    if len(set(steps)) != len(steps):
+        raise ConfigError(f"--finetune_steps lists a value twice: {list(steps)}")
+    if any(steps) and not f:
+        raise ConfigError("--finetune_steps needs --client_holdout > 0: the adapted model is "
+                          "evaluated on each client's held-out examples")
+    if c.finetune_lr is not None:
+        _finite("finetune_lr", c.finetune_lr)
+        if c.finetune_lr <= 0:
+            raise ConfigError(f"--finetune_lr must be positive, got {c.finetune_lr}")
+
+
 def _check_seeds(c: ExperimentConfig):
     if not c.seeds:
         raise ConfigError("--seeds must list at least one seed")
@@ -226,6 +250,7 @@ def _check_options(c: ExperimentConfig):
 def _check(c: ExperimentConfig):
     _check_numbers(c)
     _check_seeds(c)
+    _check_personal(c)
     known = {s.flag for s in registry.sweeps()}
     unknown = sorted(set(c.sweeps) - known)
     if unknown:

@@ -222,6 +222,8 @@ class FederatedDataset:
       x_scale: inputs are multiplied by this on the device after a cast to float32
         (1/255 for uint8 pixels); None keeps the dtype (token ids stay integers).
       metadata: free-form facts for reports (source file, preparation rules, ...).
+      holdout: every client's own held-out data (:class:`deltafl_jax.holdout.HeldOut`), set
+        aside by ``--client_holdout``; None: none.
     """
 
     name: str
@@ -230,6 +232,7 @@ class FederatedDataset:
     num_classes: int
     x_scale: Optional[float] = None
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    holdout: Optional[Any] = None
 
     def __post_init__(self):
         if self.train.feature_shape != self.test.feature_shape:

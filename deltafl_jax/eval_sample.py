@@ -235,3 +235,20 @@ def interval_of(summary, key: str):
     if lo in summary and hi in summary:
         return summary[lo], summary[hi]
     return None
+
+
+def summarize_population_sample(name: str, error, loss, percents, confidence: float = 0.95,
+                                num_population: Optional[int] = None) -> Dict[str, np.ndarray]:
+    """:func:`deltafl_jax.metrics.summarize_population` of clients drawn uniformly without
+    replacement from a population of `num_population`, with the test errors' intervals
+    (order statistics for the percentiles, normal with the finite-population correction for
+    the mean); the worst-10% mean is the sample's own (no interval)."""
+    from deltafl_jax.metrics import worst_mean
+    error = np.atleast_2d(np.asarray(error, np.float64))
+    out = {f"{name}_error_mean": error.mean(axis=1)}
+    out[f"{name}_error_mean_lo"], out[f"{name}_error_mean_hi"] = _mean_interval(
+        error, confidence, num_population)
+    out.update(_percentile_summaries(error, f"{name}_error", percents, confidence))
+    out[f"{name}_error_worst10"] = worst_mean(error)
+    out[f"{name}_loss_mean"] = np.asarray(loss, np.float64).mean(axis=1)
+    return out

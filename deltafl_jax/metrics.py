@@ -64,3 +64,36 @@ def summarize(train_loss, train_sizes, test_error, test_loss, percents,
         out[f"test_error_p{p}"] = v
     out["test_loss_mean"] = np.asarray(test_loss, np.float64).mean(axis=1)
     return out
+
+
+WORST_FRACTION = 0.1   # the "worst 10%" of the personalisation benchmarks
+
+
+def worst_mean(values, fraction: float = WORST_FRACTION) -> np.ndarray:
+    """[R] the mean of the worst `fraction` of each row's N client values: the superquantile
+    (CVaR) at level 1 - fraction of the uniform distribution over the clients, i.e.
+    max over weights q <= 1 / (fraction N), sum q = 1, of sum_k q_k v_k: the floor(fraction N)
+    largest values in full and the next with the remaining fraction (PropFair's and pFL-Bench's
+    "worst 10%" when fraction N is a whole number)."""
+    values = np.asarray(values, np.float64)
+    n = values.shape[1]
+    mass = fraction * n
+    srt = -np.sort(-values, axis=1)                     # largest first (NaN first)
+    whole = int(np.floor(mass))
+    total = srt[:, :whole].sum(axis=1)
+    if whole < n:
+        total = total + (mass - whole) * srt[:, whole]
+    return total / mass
+
+
+def summarize_population(name: str, error, loss, percents, method: str = "lower") -> dict:
+    """The test errors' summaries for a population of clients (each counts once):
+    ``{name}_error_mean``, ``{name}_error_p{p}``, ``{name}_error_worst10`` and
+    ``{name}_loss_mean``, each [R]."""
+    error = np.asarray(error, np.float64)
+    out = {f"{name}_error_mean": error.mean(axis=1)}
+    for p, v in zip(percents, percentiles(error, None, percents, method).T):
+        out[f"{name}_error_p{p}"] = v
+    out[f"{name}_error_worst10"] = worst_mean(error)
+    out[f"{name}_loss_mean"] = np.asarray(loss, np.float64).mean(axis=1)
+    return out

@@ -274,6 +274,16 @@ def define_experiment_flags() -> None:
             "client up to 100000 clients in all, 1000 beyond")
     _define(flags.DEFINE_integer, "eval_every", 10, "evaluate on all train and test clients "
             "every N rounds")
+    _define(flags.DEFINE_float, "client_holdout", 0.0, "personalised evaluation: every "
+            "client keeps this fraction of its examples (at least one) as its own held-out "
+            "data; seen clients (their personal or the global model) and unseen devices (after "
+            "--finetune_steps on the rest) are evaluated on it; 0: none")
+    _define(flags.DEFINE_list, "finetune_steps", ["0"], "with --client_holdout: adaptation "
+            "steps of each evaluated client on its own data before its held-out evaluation "
+            "(the algorithm's adaptation: plain fine-tuning, or Ditto's proximal steps); "
+            "several values: one evaluation each (metrics unseen_ft<k>_*)")
+    _define(flags.DEFINE_float, "finetune_lr", None, "learning rate of the adaptation steps; "
+            "unset: each replica's client learning rate of the last round")
     _define(flags.DEFINE_string, "output_dir", None, "where metrics.jsonl, summary.json and "
             "models/ go")
     _define(flags.DEFINE_bool, "overwrite", False, "replace results already in --output_dir")
@@ -348,7 +358,7 @@ SCALAR_FIELDS = ("model", "num_rounds", "clients_per_round", "local_epochs",
                  "stop_on_divergence", "devices", "use_bias", "server_optimizer",
                  "server_momentum", "server_beta1", "server_beta2", "server_eps",
                  "client_optimizer", "client_momentum", "client_beta1", "client_beta2",
-                 "client_eps", "dp_clip",
+                 "client_eps", "client_holdout", "finetune_lr", "dp_clip",
                  "dp_delta", "dp_quantile_noise_ratio", "dp_loss_bound", "dp_mm_floor")
 
 
@@ -393,12 +403,16 @@ def config_from_flags(algorithm: str = None, beside_others: bool = False,
         l2_reg=l2[0] if len(l2) == 1 else l2, sweeps=sweeps, server_lr=server_lr,
         dp_noise_multiplier=floats("dp_noise_multiplier", FLAGS.dp_noise_multiplier),
         dp_target_epsilon=floats("dp_target_epsilon", FLAGS.dp_target_epsilon),
+        finetune_steps=ints("finetune_steps", FLAGS.finetune_steps),
         tensorboard={"yes": True, "no": False}.get(FLAGS.tensorboard))
 
 
 def method_entries(entries: Sequence[str]) -> List[Tuple[str, str, str]]:
-    """(entry, algorithm, server optimizer) of each --algorithm entry NAME or NAME+OPTIMIZER
-    ("" when the entry names none); UsageError for an empty, repeated or malformed entry."""
+    """(entry, algorithm, server optimizer) of each --algorithm entry NAME, NAME+OPTIMIZER,
+    NAME+LAYER or NAME+LAYER+OPTIMIZER ("" when the entry names no optimizer; the algorithm is
+    NAME+LAYER with a layer, e.g. deltafl+ditto); UsageError for an empty, repeated or
+    malformed entry."""
+    from deltafl_jax.algorithms import registry
     from deltafl_jax.server_optimizer import NAMES
     names = [a.strip() for a in entries]
     if not names or any(not a for a in names):
@@ -408,11 +422,14 @@ def method_entries(entries: Sequence[str]) -> List[Tuple[str, str, str]]:
         raise UsageError(f"--algorithm lists a method twice: {','.join(names)}")
     out = []
     for entry in names:
-        name, plus, optimizer = entry.partition("+")
-        if plus and optimizer not in NAMES:
-            raise UsageError(f"--algorithm entry {entry!r}: after '+' comes a server optimizer, "
-                             f"one of {', '.join(NAMES)}")
-        out.append((entry, name, optimizer))
+        name, *mods = entry.split("+")
+        layers = [m for m in mods if m in registry.LAYERS]
+        optimizers = [m for m in mods if m in NAMES]
+        if len(layers) > 1 or len(optimizers) > 1 or len(layers) + len(optimizers) != len(mods):
+            raise UsageError(f"--algorithm entry {entry!r}: after '+' come at most one layer "
+                             f"({', '.join(registry.layers())}) and one server optimizer "
+                             f"({', '.join(NAMES)})")
+        out.append((entry, "+".join([name] + layers), optimizers[0] if optimizers else ""))
     return out
 
 

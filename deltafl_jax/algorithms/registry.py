@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, Optional, Tuple
 
 from deltafl_jax.algorithms import afl, afl_qffl, deltafl, fedavg, fedavg_sub, fedprox, qffl, term
-from deltafl_jax.algorithms import deltafl_alt, scaffold
+from deltafl_jax.algorithms import deltafl_alt, ditto, scaffold
 from deltafl_jax.algorithms.spec import AlgorithmSpec, Option, Sweep, declared_options
 from deltafl_jax.errors import ConfigError
 
@@ -26,23 +26,50 @@ SPECS: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
     term.SPEC,
     deltafl_alt.SPEC,
     scaffold.SPEC,
+    ditto.SPEC,
 )}
+
+# Layers over any algorithm, named after '+' in a method name (``deltafl+ditto``): a
+# personalisation layer turns a spec into the spec of the layered method.
+LAYERS = {ditto.LAYER: ditto.personalized}
 
 
 def names() -> Tuple[str, ...]:
     return tuple(sorted(SPECS))
 
 
+def layers() -> Tuple[str, ...]:
+    return tuple(sorted(LAYERS))
+
+
+def _layered(name: str) -> Optional[AlgorithmSpec]:
+    """The spec of `name`: a registered one, or BASE+LAYER (a layer over a registered one)."""
+    if name in SPECS:
+        return SPECS[name]
+    base, plus, layer = name.partition("+")
+    if plus and base in SPECS and layer in LAYERS:
+        if name not in _COMPOSED:
+            _COMPOSED[name] = LAYERS[layer](SPECS[base])
+        return _COMPOSED[name]
+    return None
+
+
+_COMPOSED: Dict[str, AlgorithmSpec] = {}
+
+
 def get(name: str) -> AlgorithmSpec:
-    """The spec called `name`; ConfigError naming the choices otherwise."""
-    if name not in SPECS:
-        raise ConfigError(f"unknown algorithm {name!r}; choose one of {', '.join(names())}")
-    return SPECS[name]
+    """The spec called `name` (or BASE+LAYER); ConfigError naming the choices otherwise."""
+    spec = _layered(name)
+    if spec is None:
+        raise ConfigError(f"unknown algorithm {name!r}; choose one of {', '.join(names())}, "
+                          f"optionally +{' / +'.join(layers())}")
+    return spec
 
 
 def find(name: str) -> Optional[AlgorithmSpec]:
-    """The spec called `name`, or None (e.g. an older run's algorithm that is gone)."""
-    return SPECS.get(name)
+    """The spec called `name` (or BASE+LAYER), or None (e.g. an older run's algorithm that is
+    gone)."""
+    return _layered(name)
 
 
 def sweeps() -> Tuple[Sweep, ...]:

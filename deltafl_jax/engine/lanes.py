@@ -94,3 +94,38 @@ def device_share(deal: LaneDeal, device, lanes: int) -> LaneDeal:
     length = jax.lax.dynamic_slice_in_dim(deal.length, start, lanes)
     load = jax.lax.dynamic_slice_in_dim(deal.load, start, lanes)
     return LaneDeal(jobs=jobs, length=length, load=load, trips=jnp.max(load))
+
+
+class LaneTimeline:
+    """Jobs of `steps` [J] (int32; 0: no work) dealt to `lanes` lanes, or to this device's
+    lanes of D x `lanes` global lanes (`axis`), and where each lane stands at a step.
+
+    Lane l runs its jobs back to back from step 0: its q-th job covers steps
+    [start[l, q], start[l, q + 1]). A job's steps are numbered 0 .. steps - 1 within it.
+    """
+
+    def __init__(self, steps, lanes: int, axis=None):
+        self.J, self.c, self.steps = steps.shape[0], lanes, steps
+        if axis is not None and axis.count > 1:
+            self.deal = device_share(deal_jobs(steps, lanes * axis.count), axis.index(), lanes)
+        else:
+            self.deal = deal_jobs(steps, lanes)
+        lane_steps = jnp.where(self.deal.jobs < self.J,
+                               steps[jnp.minimum(self.deal.jobs, self.J - 1)], 0)
+        self.start = jnp.concatenate([jnp.zeros((lanes, 1), jnp.int32),
+                                      jnp.cumsum(lane_steps, axis=1, dtype=jnp.int32)], axis=1)
+
+    def job_of(self, q):
+        """Job ids [c, ...] of the lanes' q-th jobs, clipped to valid ids."""
+        Q = self.deal.jobs.shape[1]
+        lane = jnp.arange(self.c).reshape((self.c,) + (1,) * (q.ndim - 1))
+        return jnp.minimum(self.deal.jobs[lane, jnp.minimum(q, Q - 1)], self.J - 1)
+
+    def at(self, t):
+        """At steps t ([1, K] int32): each lane's job js, the step s within it, whether the
+        lane has a job (active), its first step (fresh) and its last (done); each [c, K]."""
+        q = jnp.sum(self.start[:, None, 1:] <= t[..., None], axis=-1)          # [c, K]
+        active = q < self.deal.length[:, None]
+        js = self.job_of(q)
+        s = t - jnp.take_along_axis(self.start, jnp.minimum(q, self.start.shape[1] - 1), 1)
+        return js, s, active, active & (s == 0), active & (s == self.steps[js] - 1)

@@ -32,7 +32,7 @@ from jax import lax
 
 from deltafl_jax.client_optimizer import ClientOptimizer
 from deltafl_jax.engine.client import LOCAL_SGD, ClientJob, ClientUpdate
-from deltafl_jax.engine.lanes import deal_jobs, device_share, per_lane
+from deltafl_jax.engine.lanes import LaneTimeline, per_lane
 from deltafl_jax.engine.mesh import SINGLE, DeviceAxis
 from deltafl_jax.engine.trees import gather_rows, select_tree, tree_all_finite, tree_sqnorm
 from deltafl_jax.models import Model
@@ -165,8 +165,7 @@ def minibatch_grad_fn(model: Model, x, y, valid):
 class _LaneProgram:
     """The pieces of one round's training loop, with the round's constants bound.
 
-    Lane l runs its jobs back to back from step 0: job q of the lane covers steps
-    [start[l, q], start[l, q + 1]). A loop trip runs K = ``cfg.unroll`` consecutive steps,
+    Lane l runs its jobs back to back from step 0 (:class:`LaneTimeline`). A loop trip runs K = ``cfg.unroll`` consecutive steps,
     unrolled: it first works out the K steps' jobs and example indices at once
     (:meth:`schedule`), then runs the K steps, each followed by the bookkeeping of lanes
     that finish a job there (one ``lax.cond``, taken only on those steps).
@@ -180,13 +179,9 @@ class _LaneProgram:
                                                                learning_rate, l2, hyper)
         self.c, self.B, self.J, self.K = (cfg.lanes, cfg.batch_size, jobs.steps.shape[0],
                                           max(1, cfg.unroll))
-        axis = cfg.axis   # this device's c of the D x c global lanes
-        self.deal = device_share(deal_jobs(jobs.steps, self.c * axis.count), axis.index(),
-                                 self.c) if axis.count > 1 else deal_jobs(jobs.steps, self.c)
-        lane_steps = jnp.where(self.deal.jobs < self.J,
-                               jobs.steps[jnp.minimum(self.deal.jobs, self.J - 1)], 0)
-        self.start = jnp.concatenate([jnp.zeros((self.c, 1), jnp.int32),
-                                      jnp.cumsum(lane_steps, axis=1, dtype=jnp.int32)], axis=1)
+        # this device's c of the D x c global lanes
+        self.timeline = LaneTimeline(jobs.steps, self.c, cfg.axis)
+        self.deal = self.timeline.deal
         self.update, self.optimizer = cfg.client_update, cfg.optimizer
         self.run_step = per_lane(self._lane_step, cfg.lanes, cfg.lane_mode)
         self.branchless = cfg.branchless
@@ -240,24 +235,14 @@ class _LaneProgram:
             return fn(operand)
         return lax.cond(jnp.any(lanes), fn, lambda op: op, operand)
 
-    def _lane_job(self, q):
-        """Job ids [c, ...] of the lanes' q-th jobs (clipped to valid ids) and their replica."""
-        Q = self.deal.jobs.shape[1]
-        lane = jnp.arange(self.c).reshape((self.c,) + (1,) * (q.ndim - 1))
-        js = jnp.minimum(self.deal.jobs[lane, jnp.minimum(q, Q - 1)], self.J - 1)
-        return js, self.jobs.replica[js]
-
     def schedule(self, t0) -> LaneSchedule:
         """The lanes' jobs and minibatches at steps t0 .. t0 + K - 1. Step s of a job reads
         epoch e, batch b = divmod(s, batches_per_epoch) of its client's shuffled stream
         (see :mod:`deltafl_jax.plan`)."""
         plan, B = self.plan, self.B
         t = t0 + jnp.arange(self.K, dtype=jnp.int32)[None, :]                  # [1, K]
-        q = jnp.sum(self.start[:, None, 1:] <= t[..., None], axis=-1)          # [c, K]
-        active = q < self.deal.length[:, None]
-        js, r = self._lane_job(q)
-        s = t - jnp.take_along_axis(self.start, jnp.minimum(q, self.start.shape[1] - 1), 1)
-        done = active & (s == self.jobs.steps[js] - 1)
+        js, s, active, fresh, done = self.timeline.at(t)                       # [c, K]
+        r = self.jobs.replica[js]
         g, i = self.group[r], self.jobs.slot[js]
         nb, sl = plan.batches_per_epoch[g, i], plan.seg_len[g, i]
         e, b = s // nb, s % nb
@@ -265,8 +250,7 @@ class _LaneProgram:
         valid = (within < sl[..., None]) & active[..., None]
         where_ = plan.train_start[g, i][..., None] + (e * sl)[..., None] + within
         ex = plan.train_idx[g[..., None], jnp.where(valid, where_, 0)]
-        return LaneSchedule(job=js, replica=r, fresh=active & (s == 0), done=done, ex=ex,
-                            valid=valid)
+        return LaneSchedule(job=js, replica=r, fresh=fresh, done=done, ex=ex, valid=valid)
 
     def finish(self, carry, js, r, done):
         """Finished jobs add a_j u_j to their replica's sum when finite. Only the sums go
@@ -344,7 +328,8 @@ class _LaneProgram:
     def init(self) -> LaneCarry:
         """Every lane starts its first job."""
         R = self.lr.shape[0]
-        js0, r0 = self._lane_job(jnp.zeros((self.c,), jnp.int32))
+        js0 = self.timeline.job_of(jnp.zeros((self.c,), jnp.int32))
+        r0 = self.jobs.replica[js0]
         step = self.start_jobs(js0, r0)
         job_state, job_output = self.job_buffers(step, js0, r0)
         return LaneCarry(

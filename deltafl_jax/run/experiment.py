@@ -27,14 +27,17 @@ from deltafl_jax.config import PERCENTILES, ExperimentConfig
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.datasets import load_dataset
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.eval_sample import EvalSampler, summarize_sample
-from deltafl_jax.metrics import summarize
+from deltafl_jax.eval_sample import EvalSampler, summarize_population_sample, summarize_sample
+from deltafl_jax.holdout import hold_out
+from deltafl_jax.metrics import summarize, summarize_population
 from deltafl_jax.models import Model, ModelOptions, build_model, default_conv_impl
 from deltafl_jax.privacy import UPDATE_RELEASE, Accounting
 from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import placement as placement_lib
 from deltafl_jax.run.callbacks import RunFacts, RunView
+from deltafl_jax.run import personal as personal_lib
 from deltafl_jax.run.client_store import ClientStore
+from deltafl_jax.run.personal import PersonalEvaluation
 from deltafl_jax.run.placement import Footprint, Placement, check_memory, footprint, placement
 
 AUTO_FULL_EVAL = 100_000    # populations up to this many clients are evaluated whole by default
@@ -64,6 +67,7 @@ class Experiment:
     server_tx: Optional[Any] = None   # the server optimizer's transformation (None: w + Delta)
     accounting: Optional[Accounting] = None   # client-level DP: epsilon of each replica
     eval_clients: Optional[int] = None    # K clients of each split per evaluation (None: all)
+    personal: Optional[PersonalEvaluation] = None   # seen / unseen clients (--client_holdout)
 
     def _place(self, tree):
         return tree if self.mesh is None else mesh_lib.replicate(tree, self.mesh)
@@ -137,17 +141,35 @@ class Experiment:
                 out[f"{name}_clients"] = np.asarray(clients, np.int64)
         return out
 
+    def evaluate_personal(self, state, round_idx: int) -> Dict[str, np.ndarray]:
+        """Per-client arrays of the personalised evaluation (:mod:`deltafl_jax.run.personal`:
+        seen clients on their held-out data, unseen devices after adaptation), [R, K]; empty
+        without ``--client_holdout``."""
+        if self.personal is None:
+            return {}
+        sample = self.evaluation_sample(round_idx)
+        return self.personal.evaluate(
+            state, self.served_params(state), self.seeds[0], round_idx,
+            test_clients=None if sample is None else sample.test,
+            sample_size=None if sample is None else self.eval_clients)
+
     def summarize(self, per_client, method: str = "lower") -> Dict[str, np.ndarray]:
         """The papers' metrics per replica (alpha-weighted train losses, unweighted test); on
         a sampled evaluation, their estimates with 95% confidence intervals
-        (:func:`deltafl_jax.eval_sample.summarize_sample`)."""
+        (:func:`deltafl_jax.eval_sample.summarize_sample`). With a personalised evaluation,
+        each population's summaries (:func:`summarize_populations`)."""
         if "train_clients" in per_client:
-            return summarize_sample(per_client["train_loss"], per_client["test_error"],
-                                    per_client["test_loss"], PERCENTILES,
-                                    num_test=self.data.test.num_clients)
-        return summarize(per_client["train_loss"], self.data.train.sizes,
-                         per_client["test_error"], per_client["test_loss"], PERCENTILES,
-                         method)
+            out = summarize_sample(per_client["train_loss"], per_client["test_error"],
+                                   per_client["test_loss"], PERCENTILES,
+                                   num_test=self.data.test.num_clients)
+        else:
+            out = summarize(per_client["train_loss"], self.data.train.sizes,
+                            per_client["test_error"], per_client["test_loss"], PERCENTILES,
+                            method)
+        if self.personal is not None:
+            out.update(summarize_populations(per_client, self.personal.steps, self.data,
+                                             method))
+        return out
 
     def view(self) -> RunView:
         """The narrow view that callbacks get (:class:`deltafl_jax.run.callbacks.RunView`)."""
@@ -166,6 +188,28 @@ class Experiment:
     @functools.cached_property
     def _sampler(self) -> EvalSampler:
         return EvalSampler(self.data.train.sizes, self.data.test.num_clients)
+
+
+def summarize_populations(per_client, finetune_steps, data: FederatedDataset,
+                          method: str = "lower") -> Dict[str, np.ndarray]:
+    """Every personalised family's summaries (:func:`deltafl_jax.metrics.summarize_population`,
+    or with intervals on a sampled evaluation) and, per k, the participation gap
+    ``participation_gap[_ft{k}]`` = unseen mean error - seen mean error (pFL-Bench's gap
+    between the clients that trained and those that did not)."""
+    out: Dict[str, np.ndarray] = {}
+    sizes = {"seen": data.train.num_clients, "unseen": data.test.num_clients}
+    for name, population, steps in personal_lib.families(finetune_steps):
+        error, loss = per_client[f"{name}_error"], per_client[f"{name}_loss"]
+        if f"{population}_clients" in per_client:
+            out.update(summarize_population_sample(name, error, loss, PERCENTILES,
+                                                   num_population=sizes[population]))
+        else:
+            out.update(summarize_population(name, error, loss, PERCENTILES, method))
+    for steps in finetune_steps:
+        seen, unseen = (personal_lib.family(p, steps) for p in ("seen", "unseen"))
+        gap = "participation_gap" + ("" if steps == 0 else f"_ft{steps}")
+        out[gap] = out[f"{unseen}_error_mean"] - out[f"{seen}_error_mean"]
+    return out
 
 
 def placement_line(exp: Experiment) -> str:
@@ -267,6 +311,7 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     tuner's learning-rate / l2 grids); by default they are the spec's sweep x seeds.
     """
     data = data if data is not None else load_dataset(config.data)
+    data = hold_out(data, config.client_holdout, config.data.data_seed)
     model, options = _model(config, data)
     spec = registry.get(config.algorithm)
     m = _sampled(config, spec, data)
@@ -292,11 +337,17 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     device_bytes = footprint(data, model, replicas, place, caps, m, state_shape)
     check_memory(device_bytes, devices)
     round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx)
+    store = ClientStore(data, model, place, caps, mesh)
+    personal = None if data.holdout is None else PersonalEvaluation(
+        data, model, algorithm, replicas, batch_size=config.batch_size, lanes=place.lanes,
+        lane_mode=place.lane_mode, branchless=place.branchless,
+        optimizer=config.client.transformation, finetune_steps=config.finetune_steps,
+        finetune_lr=config.finetune_lr, put=store.put, mesh=mesh)
     return Experiment(
         config=config, data=data, model=model, model_options=options, spec=spec,
         algorithm=algorithm, replicas=replicas, work=work,
         caps=caps, placement=place, footprint=device_bytes, num_sampled=m, round_fn=round_fn,
-        store=ClientStore(data, model, place, caps, mesh),
+        store=store, personal=personal,
         served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
                    if algorithm.eval_params is not None else None), mesh=mesh,
         server_tx=server_tx, accounting=accounting, eval_clients=eval_clients(config, data))

@@ -39,6 +39,7 @@ def evaluation_records(exp, t: int, summary: Dict[str, np.ndarray],
 
 def evaluate(exp, state, t: int, metrics, elapsed: float) -> Evaluation:
     per_client = exp.evaluate(exp.served_params(state), t)
+    per_client.update(exp.evaluate_personal(state, t))
     summary = exp.summarize(per_client)
     if exp.accounting is not None:   # client-level DP: epsilon of each replica so far
         summary = {**summary, "dp_epsilon": exp.accounting.epsilons(t)}
