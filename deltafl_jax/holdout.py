@@ -11,10 +11,11 @@ pFL-Bench do:
   part and a held-out part; the served model, adapted on the adaptation part
   (``--finetune_steps``), is evaluated on the held-out part.
 
-Client k of n_k examples holds out h_k = min(max(1, round(f n_k)), n_k - 1) of them, drawn
-without replacement from the stream ``[data_seed, HOLDOUT_STREAM, split, k]`` (the same
-examples whatever the run's seeds); both parts keep the client's order. A client needs at least
-two examples. f = 0 leaves the data as it is, bit for bit.
+Client k of n_k examples holds out h_k = min(max(1, round(f n_k)), n_k - 1) of them (f n_k
+rounded half to even), drawn without replacement from the stream
+``[data_seed, HOLDOUT_STREAM, split, k]`` (the same examples whatever the run's seeds); both
+parts keep the client's order. A client needs at least two examples. f = 0 leaves the data as
+it is, bit for bit.
 """
 
 from __future__ import annotations

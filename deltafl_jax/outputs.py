@@ -199,10 +199,11 @@ class RunWriter:
         _write_json(self.path(SUMMARY), {"schema_version": SCHEMA_VERSION, **summary})
 
     def save_models(self, params, labels: Sequence[ReplicaLabel], model: Model,
-                    options: ModelOptions, data: FederatedDataset) -> None:
+                    options: ModelOptions, data: FederatedDataset, personal=None) -> None:
         """models/: one msgpack file per replica (params [R, ...] on the leading axis), plus
         index.json, the model spec that :func:`deltafl_jax.serving.load_model` rebuilds the
-        network from."""
+        network from; with `personal` ([R, N, ...]: every training client's personal model),
+        ``<key>.personal.msgpack`` per replica too ([N, ...])."""
         mdir = self.path(MODELS)
         os.makedirs(mdir, exist_ok=True)
         host = jax.device_get(params)
@@ -212,7 +213,13 @@ class RunWriter:
             name = replica_key(lab) + ".msgpack"
             with _atomic(os.path.join(mdir, name), "wb") as f:
                 f.write(flax.serialization.to_bytes(one))
-            index.append({"file": name, **_label_json(lab)})
+            entry = {"file": name, **_label_json(lab)}
+            if personal is not None:
+                entry["personal_file"] = replica_key(lab) + ".personal.msgpack"
+                own = jax.tree.map(lambda a: np.asarray(a[r]), personal)
+                with _atomic(os.path.join(mdir, entry["personal_file"]), "wb") as f:
+                    f.write(flax.serialization.to_bytes(own))
+            index.append(entry)
         arrays = {k: v for k, v in data.metadata.items() if isinstance(v, np.ndarray)}
         if arrays:
             _write_npz(os.path.join(mdir, "metadata_arrays.npz"), arrays)

@@ -36,6 +36,20 @@ class LoadedModel:
     params: Any
     model: Model
     labels: Dict[str, Any]
+    personal: Any = None     # [N, ...] every training client's personal model, or None
+
+    def for_client(self, k: int) -> "LoadedModel":
+        """The model served to training client k (an index into the run's training clients):
+        its personal model for an algorithm with per-client models (Ditto's v_k), the global
+        one otherwise. Raises DeltaFLError for an index out of range."""
+        if self.personal is None:
+            return self
+        n = int(jax.tree.leaves(self.personal)[0].shape[0])
+        if isinstance(k, bool) or not 0 <= int(k) < n:
+            raise DeltaFLError(f"training client {k!r} is not in 0..{n - 1}")
+        own = jax.tree.map(lambda a: np.asarray(a[int(k)]), self.personal)
+        return LoadedModel(params=own, model=self.model, labels={**self.labels,
+                                                                  "client": int(k)})
 
     @property
     def label(self) -> ReplicaLabel:
@@ -43,8 +57,12 @@ class LoadedModel:
 
     def __repr__(self) -> str:
         sizes = [int(np.size(leaf)) for leaf in jax.tree.leaves(self.params)]
-        return (f"LoadedModel({self.model.name!r}, {self.label.key()}, "
-                f"{sum(sizes):,} parameters in {len(sizes)} arrays)")
+        client = f", client {self.labels['client']}" if "client" in self.labels else ""
+        personal = ("" if self.personal is None else
+                    f", with {int(jax.tree.leaves(self.personal)[0].shape[0]):,} personal "
+                    f"models (for_client)")
+        return (f"LoadedModel({self.model.name!r}, {self.label.key()}{client}, "
+                f"{sum(sizes):,} parameters in {len(sizes)} arrays{personal})")
 
     def predict(self, x):
         """The network's outputs (scores) on raw inputs x [B, ...] as the dataset stores them:
@@ -99,7 +117,8 @@ def load_model(output_dir: str, theta: Optional[float] = None, seed: Optional[in
     """
     reader = RunReader(output_dir)
     spec = reader.model_index()
-    entries = [(e, ReplicaLabel.from_json({k: v for k, v in e.items() if k != "file"}))
+    entries = [(e, ReplicaLabel.from_json({k: v for k, v in e.items()
+                                           if k not in ("file", "personal_file")}))
                for e in spec["replicas"]]
     matches = [(e, lab) for e, lab in entries if lab.matches(theta, seed, **param)]
     if len(matches) != 1:
@@ -110,6 +129,10 @@ def load_model(output_dir: str, theta: Optional[float] = None, seed: Optional[in
         raise DeltaFLError(f"{what} {asked} in {reader.output_dir}; available: {avail}")
     entry, _ = matches[0]
     model = spec_model(spec, reader.path(MODELS))
-    params = reader.read_model_params(model.init(jax.random.key(0)), entry["file"])
-    return LoadedModel(params=params, model=model,
-                       labels={k: v for k, v in entry.items() if k != "file"})
+    template = model.init(jax.random.key(0))
+    params = reader.read_model_params(template, entry["file"])
+    personal = (reader.read_model_params(template, entry["personal_file"])
+                if "personal_file" in entry else None)
+    return LoadedModel(params=params, model=model, personal=personal,
+                       labels={k: v for k, v in entry.items()
+                               if k not in ("file", "personal_file")})

@@ -61,7 +61,8 @@ class RunView:
 
     evaluate(params, round) -> per-client arrays (:class:`Evaluation`); summarize(per_client)
     -> metric name -> [R]; served_params(state) -> the models evaluated and saved [R, ...];
-    initial_state() -> the round state at w_0.
+    initial_state() -> the round state at w_0; personal_params(state) -> every training
+    client's personal model [R, N, ...], or None (an algorithm without per-client models).
     """
 
     labels: Sequence[Any]
@@ -70,6 +71,7 @@ class RunView:
     summarize: Callable[[Dict[str, np.ndarray]], Dict[str, np.ndarray]]
     served_params: Callable[[Any], Any]
     initial_state: Callable[[], Any]
+    personal_params: Callable[[Any], Any] = lambda state: None
 
 
 @dataclasses.dataclass

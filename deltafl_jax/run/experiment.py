@@ -103,6 +103,22 @@ class Experiment:
             return state.params
         return self.served_fn(state.algo_state, state.params)
 
+    def personal_params(self, state):
+        """Every training client's personal model, [R, N, ...] (the algorithm's
+        ``client_model``), or None for an algorithm that serves the global model to all."""
+        if self.algorithm.client_model is None:
+            return None
+        return self._personal_fn(state.algo_state, state.client_state,
+                                 self.served_params(state),
+                                 jax.tree.map(lambda v: np.asarray(v, np.float32),
+                                              self.replicas.hyper))
+
+    @functools.cached_property
+    def _personal_fn(self):
+        model_of = self.algorithm.client_model
+        per_client = jax.vmap(model_of, in_axes=(None, 0, None, None))
+        return jax.jit(jax.vmap(per_client))
+
     def round_plan(self, round_idx: int) -> plan_lib.RoundPlan:
         """The plan as the devices read it (indices into the split, or into the round's
         buffer when the host keeps the split)."""
@@ -183,6 +199,7 @@ class Experiment:
             placement_line=placement_line(self), accounting=self.accounting)
         return RunView(labels=tuple(self.replicas.labels), facts=facts, evaluate=self.evaluate,
                        summarize=self.summarize, served_params=self.served_params,
+                       personal_params=self.personal_params,
                        initial_state=self.initial_state)
 
     @functools.cached_property

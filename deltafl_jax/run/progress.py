@@ -48,6 +48,32 @@ def interval_text(summary, key: str, rows, scale: float = 1.0, digits: int = 1) 
     return f" [{a:.{digits}f}, {b:.{digits}f}]"
 
 
+def personal_families(summary) -> List[str]:
+    """The personalised evaluation's families in a summary ('seen', 'unseen_ft5', ...; none
+    without --client_holdout), unseen first, by adaptation steps."""
+    names = {k[:-len("_error_worst10")] for k in summary if k.endswith("_error_worst10")}
+    steps = sorted({0 if "_ft" not in n else int(n.rsplit("_ft", 1)[1]) for n in names})
+    return [n for k in steps for n in (("unseen", "seen") if k == 0 else
+                                       (f"unseen_ft{k}", f"seen_ft{k}")) if n in names]
+
+
+def personal_text(summary, rows, classify: bool) -> str:
+    """', unseen(ft5) p90 31.0% w10 40.2%, seen(ft5) p90 ...' for the most adapted family of
+    each population (means over `rows`), or '' without a personalised evaluation."""
+    names = personal_families(summary)
+    if not names:
+        return ""
+    scale, unit, digits = (100.0, "%", 1) if classify else (1.0, "", 3)
+    out = []
+    for population in ("unseen", "seen"):
+        name = [n for n in names if n.split("_ft")[0] == population][-1]
+        shown = name.replace("_ft", "(ft") + (")" if "_ft" in name else "")
+        p90, w10 = (scale * float(np.mean(np.asarray(summary[f"{name}_error_{k}"])[rows]))
+                    for k in ("p90", "worst10"))
+        out.append(f"{shown} p90 {p90:.{digits}f}{unit} w10 {w10:.{digits}f}{unit}")
+    return ", " + ", ".join(out)
+
+
 def evaluation_line(run: RunContext, ev: Evaluation) -> str:
     classify = run.view.facts.classify
     parts = []
@@ -58,6 +84,7 @@ def evaluation_line(run: RunContext, ev: Evaluation) -> str:
                 f"{interval_text(ev.summary, 'test_error_p90', rs, 100.0, 1)}" if classify
                 else f"test loss mean {err:.3f} p90 {p90:.3f}"
                 f"{interval_text(ev.summary, 'test_error_p90', rs, 1.0, 3)}")
+        tail += personal_text(ev.summary, rs, classify)
         if "dp_epsilon" in ev.summary:   # client-level DP: the privacy spent so far
             tail += f", ε {float(np.max(ev.summary['dp_epsilon'][rs])):.3g}"
         parts.append(f"{name}: train loss {loss:.3f}, {tail}")
@@ -92,9 +119,33 @@ def error_table(rows, first: str = "replicas", classify: bool = True) -> List[st
 
 
 def closing_table(result, labels, classify: bool = True) -> List[str]:
-    """Final test error per swept value (mean over seeds)."""
-    return error_table([(name, [result.final[labels[r].key()] for r in rs])
-                        for name, rs in _groups(labels)], "replicas", classify)
+    """Final test error per swept value (mean over seeds); with a personalised evaluation,
+    then its table (:func:`personal_table`)."""
+    rows = [(name, [result.final[labels[r].key()] for r in rs]) for name, rs in _groups(labels)]
+    return error_table(rows, "replicas", classify) + personal_table(rows, classify)
+
+
+def personal_table(rows, classify: bool = True) -> List[str]:
+    """Mean, p90 and worst-10% held-out error per family (unseen devices after k adaptation
+    steps, seen clients) per row, means over the seeds; [] without a personalised evaluation."""
+    names = personal_families(rows[0][1][0]) if rows and rows[0][1] else []
+    if not names:
+        return []
+    scale, unit = (100.0, "%") if classify else (1.0, "")
+    width = max([28] + [len(name) for name, _ in rows])
+    lines = ["Held-out error of unseen devices after k adaptation steps and of seen clients "
+             "(mean over seeds):",
+             f"{'replicas':<{width}} {'clients':<12} {'k':>3} {'mean':>9} {'p90':>9} "
+             f"{'worst 10%':>10}"]
+    for name, finals in rows:
+        for fam in names:
+            population, _, k = fam.partition("_ft")
+            vals = [scale * np.mean([f[f"{fam}_error_{m}"] for f in finals])
+                    for m in ("mean", "p90", "worst10")]
+            lines.append(f"{name:<{width}} {population:<12} {k or '0':>3} "
+                         + " ".join(f"{v:8.2f}{unit}" for v in vals[:2])
+                         + f" {vals[2]:9.2f}{unit}")
+    return lines
 
 
 class Progress(Callback):

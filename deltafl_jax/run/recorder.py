@@ -32,6 +32,7 @@ class RunResult:
     per_client: the last evaluation's per-client arrays [R, N].
     client_history: "rounds" [E] and the per-client arrays of every evaluation [E, R, N].
     served: the final served models [R, ...] as host NumPy arrays (what models/ holds).
+    personal: every training client's personal model [R, N, ...] (host), or None.
     rounds_done: rounds completed; stopped: the run ended early (reason in stop_reason).
     """
 
@@ -46,6 +47,7 @@ class RunResult:
     rounds_done: int
     stopped: bool = False
     stop_reason: str = ""
+    personal: Any = None
 
 
 DEVICE_METRICS = "device_"   # per-device round metrics (bench/scaling.py reads them)
@@ -120,7 +122,7 @@ class Recorder(Callback):
             client_history=self.client_history_arrays(),
             served=tree_to_host(view.served_params(run.state)),
             rounds_done=self.rounds_done, stopped=run.stop_requested,
-            stop_reason=run.stop_reason)
+            stop_reason=run.stop_reason, personal=tree_to_host(view.personal_params(run.state)))
 
 
 def _summary(view, final, total_s, first_round_s, build_s) -> Dict[str, Any]:

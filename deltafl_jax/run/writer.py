@@ -33,5 +33,5 @@ class OutputFiles(Callback):
         self.writer.write_clients(result.per_client, self.data, labels)
         if self.save_models:
             self.writer.save_models(result.served, labels, self.model, self.model_options,
-                                    self.data)
+                                    self.data, personal=result.personal)
         self.writer.write_summary(result.summary)
