@@ -170,6 +170,19 @@ def test_training_clients_are_served_their_personal_models(tmp_path, capsys):
                                                        jax.tree.leaves(served.params)))
     with pytest.raises(ValueError, match="not in 0..5"):
         served.for_client(6)
+    # The report recomputes the personalised tables from clients.npz: they equal the run's own
+    # final metrics (metrics.jsonl's last records).
+    from deltafl_jax.report import load, write_report
+    import json
+    runs, _ = load([str(out)])
+    report = write_report(runs, str(tmp_path / "report"))
+    text = open(report["report"]).read()
+    last = [json.loads(line) for line in open(out / "metrics.jsonl")][-1]
+    for metric, title in (("seen_error_p90", "90th percentile of the held-out error (in %) of "
+                           "seen"), ("unseen_error_worst10", "worst-10% mean of the held-out "
+                                     "error (in %) of unseen")):
+        section = text.split(title)[1].split("##")[0]
+        assert f"{100 * last[metric]:.2f} ± 0.00" in section, (metric, section)
     code, err, _ = run_runner(["--dataset=synthetic", "--synthetic_num_clients=12",
                                "--algorithm=fedavg", "--num_rounds=1", "--clients_per_round=3",
                                f"--output_dir={tmp_path / 'fedavg'}"], capsys)

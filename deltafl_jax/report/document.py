@@ -16,7 +16,8 @@ from deltafl_jax.report import figures
 from deltafl_jax.report.io import Run
 from deltafl_jax.report.rows import tidy_rows, write_csv
 from deltafl_jax.report.tables import (BEST_NOTE, INTERVAL_NOTE, TABLES, Column, best_columns,
-                                       columns, markdown_table, runs_table, settings)
+                                       columns, markdown_table, personal_tables, runs_table,
+                                       settings)
 
 CONVENTIONS = {
     "lower": "the **lower weighted quantile**: the smallest client value whose cumulative "
@@ -159,6 +160,9 @@ def markdown(runs: Sequence[Run], cols: Sequence[Column], percentile: str,
         md[-1:-1] = [f"- {INTERVAL_NOTE}"]
     for spec in TABLES:
         md += [f"## {spec.title}", "", markdown_table(cols, spec, percentile), ""]
+    for spec in personal_tables(cols):   # the runs that made a personalised evaluation
+        have = [c for c in cols if spec.metric in c.run.final(percentile)]
+        md += [f"## {spec.title}", "", markdown_table(have, spec, percentile), ""]
     md += ["## Runs", "", runs_table(runs), ""]
     if skipped or notes:
         md += ["## Skipped runs and notes", ""]

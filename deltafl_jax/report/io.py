@@ -22,6 +22,7 @@ from deltafl_jax.metrics import PERCENTILE_METHODS, summarize
 from deltafl_jax.outputs import (CLIENTS, CLIENTS_HISTORY, METRICS, ROUNDS, SUMMARY,
                                  RunFormatError, RunReader)
 from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.run.personal import summarize_populations
 
 KINDS = ("final", "curves", "clients", "kept")
 CLIENT_ARRAYS = ("train_loss", "train_error", "test_loss", "test_error", "train_sizes",
@@ -95,9 +96,13 @@ class Run:
         key = ("final", percentile)
         if key not in self._cache:
             c = self.clients
-            self._cache[key] = summaries(c["train_loss"], c["train_sizes"], c["test_error"],
-                                         c["test_loss"], percentile, "train_clients" in c,
-                                         len(c["test_sizes"]))
+            self._cache[key] = {
+                **summaries(c["train_loss"], c["train_sizes"], c["test_error"],
+                            c["test_loss"], percentile, "train_clients" in c,
+                            len(c["test_sizes"])),
+                **summarize_populations(c, self.config.get("finetune_steps") or (0,),
+                                        len(c["train_sizes"]), len(c["test_sizes"]),
+                                        percentile)}
         return self._cache[key]
 
     def curves(self, percentile: str = "lower"):

@@ -262,6 +262,29 @@ TABLES = (
 )
 
 
+def personal_tables(cols: Sequence[Column]) -> Tuple[TableSpec, ...]:
+    """The personalised evaluation's tables of the runs that made one (--client_holdout):
+    per family (unseen devices after k adaptation steps, seen clients), the mean, p90 and
+    worst-10% held-out error."""
+    names: List[str] = []
+    for c in cols:
+        for key in c.run.final():
+            if key.endswith("_error_worst10") and key[:-len("_error_worst10")] not in names:
+                names.append(key[:-len("_error_worst10")])
+    specs = []
+    for name in sorted(names, key=lambda n: (int(n.partition("_ft")[2] or 0),
+                                             n.startswith("seen"))):
+        population, _, k = name.partition("_ft")
+        who = ("unseen devices (test clients)" if population == "unseen" else
+               "seen clients (training clients, their own model)")
+        after = f"after {k} adaptation steps" if k else "without adaptation"
+        for stat, what in (("mean", "mean"), ("p90", "90th percentile"),
+                           ("worst10", "worst-10% mean")):
+            specs.append(TableSpec(f"{name}_error_{stat}", f"Personalised: {what} of the "
+                                   f"held-out error (in %) of {who}, {after}", True))
+    return tuple(specs)
+
+
 INTERVAL_NOTE = ("[lo, hi] after a cell: the run evaluated a sample of clients "
                  "(--eval_clients); the means over the seeds of each seed's confidence "
                  "interval (95% by default) for the metric (percentiles: distribution-free, "

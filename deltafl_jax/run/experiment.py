@@ -27,9 +27,9 @@ from deltafl_jax.config import PERCENTILES, ExperimentConfig
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.datasets import load_dataset
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.eval_sample import EvalSampler, summarize_population_sample, summarize_sample
+from deltafl_jax.eval_sample import EvalSampler, summarize_sample
 from deltafl_jax.holdout import hold_out
-from deltafl_jax.metrics import summarize, summarize_population
+from deltafl_jax.metrics import summarize
 from deltafl_jax.models import Model, ModelOptions, build_model, default_conv_impl
 from deltafl_jax.privacy import UPDATE_RELEASE, Accounting
 from deltafl_jax.replicas import Replicas
@@ -173,7 +173,7 @@ class Experiment:
         """The papers' metrics per replica (alpha-weighted train losses, unweighted test); on
         a sampled evaluation, their estimates with 95% confidence intervals
         (:func:`deltafl_jax.eval_sample.summarize_sample`). With a personalised evaluation,
-        each population's summaries (:func:`summarize_populations`)."""
+        each population's summaries (:func:`deltafl_jax.run.personal.summarize_populations`)."""
         if "train_clients" in per_client:
             out = summarize_sample(per_client["train_loss"], per_client["test_error"],
                                    per_client["test_loss"], PERCENTILES,
@@ -183,8 +183,9 @@ class Experiment:
                             per_client["test_error"], per_client["test_loss"], PERCENTILES,
                             method)
         if self.personal is not None:
-            out.update(summarize_populations(per_client, self.personal.steps, self.data,
-                                             method))
+            out.update(personal_lib.summarize_populations(
+                per_client, self.personal.steps, self.data.train.num_clients,
+                self.data.test.num_clients, method))
         return out
 
     def view(self) -> RunView:
@@ -205,28 +206,6 @@ class Experiment:
     @functools.cached_property
     def _sampler(self) -> EvalSampler:
         return EvalSampler(self.data.train.sizes, self.data.test.num_clients)
-
-
-def summarize_populations(per_client, finetune_steps, data: FederatedDataset,
-                          method: str = "lower") -> Dict[str, np.ndarray]:
-    """Every personalised family's summaries (:func:`deltafl_jax.metrics.summarize_population`,
-    or with intervals on a sampled evaluation) and, per k, the participation gap
-    ``participation_gap[_ft{k}]`` = unseen mean error - seen mean error (pFL-Bench's gap
-    between the clients that trained and those that did not)."""
-    out: Dict[str, np.ndarray] = {}
-    sizes = {"seen": data.train.num_clients, "unseen": data.test.num_clients}
-    for name, population, steps in personal_lib.families(finetune_steps):
-        error, loss = per_client[f"{name}_error"], per_client[f"{name}_loss"]
-        if f"{population}_clients" in per_client:
-            out.update(summarize_population_sample(name, error, loss, PERCENTILES,
-                                                   num_population=sizes[population]))
-        else:
-            out.update(summarize_population(name, error, loss, PERCENTILES, method))
-    for steps in finetune_steps:
-        seen, unseen = (personal_lib.family(p, steps) for p in ("seen", "unseen"))
-        gap = "participation_gap" + ("" if steps == 0 else f"_ft{steps}")
-        out[gap] = out[f"{unseen}_error_mean"] - out[f"{seen}_error_mean"]
-    return out
 
 
 def placement_line(exp: Experiment) -> str:

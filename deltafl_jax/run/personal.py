@@ -34,9 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deltafl_jax.config import PERCENTILES
 from deltafl_jax.engine import mesh as mesh_lib
 from deltafl_jax.engine.adapt import AdaptConfig, AdaptPlan, adapt_and_evaluate
 from deltafl_jax.engine.train import ClientInputs
+from deltafl_jax.eval_sample import summarize_population_sample
+from deltafl_jax.metrics import summarize_population
 
 PERSONAL_STREAM = 0x5EE
 POPULATIONS = ("seen", "unseen")
@@ -62,6 +65,31 @@ def adapt_stream_length(adapt_sizes, steps: int, batch: int) -> np.ndarray:
     if steps == 0:
         return np.zeros_like(a)
     return -(-(steps * batch) // a) * a
+
+
+def summarize_populations(per_client, finetune_steps, num_seen: int, num_unseen: int,
+                          method: str = "lower") -> Dict[str, np.ndarray]:
+    """Every family's summaries in `per_client` (:func:`deltafl_jax.metrics.
+    summarize_population`, or with intervals when the family's population was sampled: its
+    ``{population}_clients`` are given) and, per k, the participation gap
+    ``participation_gap[_ft{k}]`` = unseen mean error - seen mean error (pFL-Bench's gap
+    between the clients that trained and those that did not); {} when there is none.
+    num_seen / num_unseen: the populations' sizes (the finite-population correction)."""
+    out: Dict[str, np.ndarray] = {}
+    sizes = {"seen": num_seen, "unseen": num_unseen}
+    present = [k for k in finetune_steps if f"{family('unseen', k)}_error" in per_client]
+    for name, population, steps in families(present):
+        error, loss = per_client[f"{name}_error"], per_client[f"{name}_loss"]
+        if f"{population}_clients" in per_client:
+            out.update(summarize_population_sample(name, error, loss, PERCENTILES,
+                                                   num_population=sizes[population]))
+        else:
+            out.update(summarize_population(name, error, loss, PERCENTILES, method))
+    for steps in present:
+        gap = "participation_gap" + ("" if steps == 0 else f"_ft{steps}")
+        out[gap] = (out[f"{family('unseen', steps)}_error_mean"]
+                    - out[f"{family('seen', steps)}_error_mean"])
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
