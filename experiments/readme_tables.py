@@ -5,7 +5,8 @@ r"""Write or check the README's result tables from fresh runs (so they cannot go
     python -m experiments.readme_tables --table=synthetic --run_dir=runs/synthetic --write
 
 Each table of README.md named by ``<!-- table: NAME -->`` is made from the flagfile
-``experiments/NAME.flags`` (:mod:`deltafl_jax.report.readme`). ``--run`` trains it first into
+``experiments/NAME.flags`` (:mod:`deltafl_jax.report.readme`; a flagfile with
+``--client_holdout`` gives the personalised evaluation's table). ``--run`` trains it first into
 a temporary directory (or ``--run_dir``). Without ``--write`` the command exits 1 and prints
 both tables when the README differs.
 """
@@ -70,7 +71,8 @@ def main(argv) -> None:
         dirs = _run_dirs(out, _algorithm_order(flagfile)) if os.path.isdir(out) else []
         if not dirs:
             cli.fail(f"no finished run in {out}; pass --run or --run_dir")
-        table = readme.render(dirs)
+        personal = "client_holdout" in open(flagfile).read()
+        table = readme.render_personal(dirs) if personal else readme.render(dirs)
     text = open(path).read()
     try:
         old = readme.current(text, FLAGS.table)

@@ -25,6 +25,7 @@ def run(cfg, data, rounds):
         state, met = exp.round_fn(state, exp.round_data(t), keys)
         mets.append(jax.tree.map(lambda a: np.asarray(a).tolist(), met))
     per_client = exp.evaluate(exp.served_params(state))
+    per_client.update(exp.evaluate_personal(state, rounds))
     return exp, state, {
         "metrics": mets,
         "params": [np.asarray(x).ravel().tolist() for x in jax.tree.leaves(
@@ -33,7 +34,7 @@ def run(cfg, data, rounds):
 
 
 def main(which):
-    if which in ("synthetic", "scaffold"):
+    if which in ("synthetic", "scaffold", "ditto"):
         data = load_dataset(DataConfig("synthetic", synthetic_num_clients=40,
                                        synthetic_max_examples=200, synthetic_alpha=1.0,
                                        synthetic_beta=0.5, synthetic_shared=0.98))
@@ -42,6 +43,10 @@ def main(which):
         if which == "scaffold":   # per-client state and a server optimizer across devices
             cfg.update(algorithm="scaffold", thetas=(), server_optimizer="adam",
                        server_lr=(0.05,))
+        if which == "ditto":     # personal models as per-client state, over Delta-FL's filter,
+            cfg.update(algorithm="deltafl+ditto", thetas=(1.0, 0.5),  # and the personalised
+                       ditto_lambda=(0.5,), client_holdout=0.2,  # evaluation
+                       finetune_steps=(0, 3), learning_rate=0.05)
         rounds = 6
     else:  # the ConvNet on small FEMNIST-shaped data
         rng = np.random.default_rng(0)

@@ -1,6 +1,7 @@
 """The round across a device mesh: D = 2, 4, 8 fake CPU devices give the same
 clients kept and examples trained as D = 1, and metrics and parameters within 1e-5 (relative),
-SCAFFOLD's control variates and a server optimizer's state included;
+SCAFFOLD's control variates and a server optimizer's state included, Ditto's personal models and
+its personalised evaluation (seen clients, unseen devices after adaptation) too;
 the compiled program has no collective inside a while body and no all-gather."""
 
 import json
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.slow   # subprocess runs: CI's second step (see .ci/run
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(scope="module", params=["synthetic", "cnn", "scaffold"])
+@pytest.fixture(scope="module", params=["synthetic", "cnn", "scaffold", "ditto"])
 def runs(request):
     proc = subprocess.run([sys.executable, os.path.join(HERE, "devices_script.py"),
                            request.param], capture_output=True, text=True, timeout=900,

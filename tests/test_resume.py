@@ -83,7 +83,12 @@ RUNS = {"deltafl": ("--algorithm=deltafl",), "term": ("--algorithm=term",),
         # Private Delta-FL: the noise of the update and of the quantile's sums from the round
         # keys, two noise multipliers as replicas.
         "private": ("--algorithm=deltafl", "--weighting=unweighted", "--quantile=secagg_mm",
-                    "--mm_iters=3", "--dp_clip=0.5", "--dp_noise_multiplier=0.5,2")}
+                    "--mm_iters=3", "--dp_clip=0.5", "--dp_noise_multiplier=0.5,2"),
+        # Ditto over Delta-FL: the personal models in the per-client state, the held-out
+        # evaluation of seen clients and unseen devices after adaptation, the saved personal
+        # models; Adam as the client optimizer (its state starts afresh at each job).
+        "ditto": ("--algorithm=deltafl+ditto", "--ditto_lambda=0.5", "--client_holdout=0.2",
+                  "--finetune_steps=0,2", "--client_optimizer=adam")}
 
 
 @pytest.fixture(scope="module")

@@ -202,7 +202,7 @@ def test_method_entries_name_their_server_optimizer(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--algorithm=fedavg+lamb"], "after '+' comes a server optimizer"),
+    (["--algorithm=fedavg+lamb"], "after '+' come at most one layer"),
     (["--algorithm=fedavg,fedavg+adam", "--server_optimizer=adam"],
      "--server_optimizer cannot be combined"),
     (["--algorithm=afl+adam"], "--algorithm=afl takes no"),

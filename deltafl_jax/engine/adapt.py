@@ -94,6 +94,100 @@ class AdaptCarry(NamedTuple):
     real: jax.Array       # [] int32 examples adapted on or evaluated
 
 
+class _AdaptProgram:
+    """The loop's pieces with the block's constants bound (J = R K jobs, c lanes)."""
+
+    def __init__(self, model, params, X, Y, plan, hyper, learning_rate, l2, cfg, clients):
+        self.model, self.params, self.X, self.Y, self.plan = model, params, X, Y, plan
+        self.hyper, self.lr, self.l2, self.cfg = hyper, learning_rate, l2, cfg
+        self.clients = clients if clients is not None else ClientInputs((), (), None)
+        R = jax.tree.leaves(params)[0].shape[0]
+        K = plan.ids.shape[0]
+        self.R, self.K, self.J, self.B, self.c = R, K, R * K, cfg.batch_size, cfg.lanes
+        self.replica = jnp.repeat(jnp.arange(R, dtype=jnp.int32), K)
+        self.slot = jnp.tile(jnp.arange(K, dtype=jnp.int32), R)
+        self.n_train = jnp.where(plan.real, plan.train_steps, 0)[self.slot]
+        steps = jnp.where(plan.real[self.slot], self.n_train + plan.eval_steps[self.slot], 0)
+        self.timeline = LaneTimeline(steps.astype(jnp.int32), self.c, cfg.axis)
+        self.adapt = cfg.adapt_step or fine_tune_step
+        self.run_train = per_lane(self._train_one, self.c, cfg.lane_mode)
+        self.run_eval = per_lane(self._eval_one, self.c, cfg.lane_mode)
+
+    def _job(self, r, n):
+        return ClientJob(optimizer=self.cfg.optimizer(self.lr[r], self.l2[r]),
+                         learning_rate=self.lr[r], l2=self.l2[r], steps=n)
+
+    def start_one(self, r, i):
+        """AdaptState of job (r, i): from the model served to the client."""
+        w = gather_rows(self.params, r)
+        start = w
+        if self.cfg.seen and self.cfg.client_model is not None:
+            own = jax.tree.map(lambda a: a[r, self.plan.ids[i]], self.clients.client_state)
+            start = self.cfg.client_model(gather_rows(self.clients.server_state, r), own, w,
+                                          gather_rows(self.hyper, r))
+        opt = self._job(r, 0).optimizer.init(start) if self.cfg.train else ()
+        return AdaptState(params=start, opt_state=opt, anchor=w)
+
+    def _train_one(self, state, x, y, valid, r, n):
+        grad_fn = minibatch_grad_fn(self.model, x, y, valid)
+        return self.adapt(state, grad_fn, gather_rows(self.hyper, r), self._job(r, n))
+
+    def _eval_one(self, p, x, y, valid):
+        loss, err = self.model.losses_and_errors(p, x, y)
+        return (jnp.sum(jnp.where(valid, loss, 0.0)), jnp.sum(jnp.where(valid, err, 0.0)))
+
+    def when(self, lanes, fn, operand):
+        if self.cfg.branchless:
+            return fn(operand)
+        return lax.cond(jnp.any(lanes), fn, lambda o: o, operand)
+
+    def batch(self, js, s, active):
+        """The lanes' minibatches at this step: adaptation examples while s < train steps,
+        then held-out ones. (training [c], x [c, B, ...], y [c, B], valid [c, B])."""
+        plan, B = self.plan, self.B
+        i = self.slot[js]
+        offs = jnp.arange(B, dtype=jnp.int32)
+        training = active & (s < self.n_train[js])
+        u = jnp.where(training, s, s - self.n_train[js])[:, None] * B + offs   # in the stream
+        limit = jnp.where(training, plan.adapt_len[i], plan.held_len[i])
+        valid = active[:, None] & (u < limit[:, None])
+        adapting = valid & training[:, None]
+        stream = jnp.where(training[:, None],
+                           plan.adapt_idx[jnp.where(adapting, plan.adapt_start[i][:, None] + u, 0)],
+                           plan.held_idx[jnp.where(valid & ~adapting,
+                                                   plan.held_start[i][:, None] + u, 0)])
+        return training, jnp.take(self.X, stream, axis=0), jnp.take(self.Y, stream, axis=0), valid
+
+    def body(self, carry: AdaptCarry) -> AdaptCarry:
+        js, s, active, fresh, done = (a[:, 0] for a in self.timeline.at(carry.trip[None, None]))
+        r, i = self.replica[js], self.slot[js]
+        training, x, y, valid = self.batch(js, s, active)
+        state = self.when(fresh, lambda st: select_tree(
+            fresh, jax.vmap(self.start_one)(r, i), st), carry.state)
+        if self.cfg.train:
+            state = self.when(training, lambda st: select_tree(
+                training, self.run_train(st, x, y, valid, r, self.n_train[js]), st), state)
+        evaluating = active & ~training
+        zeros = jnp.zeros((self.c,), jnp.float32)
+        ls, es = self.when(evaluating, lambda _: self.run_eval(
+            state.params, x, y, valid & evaluating[:, None]), (zeros, zeros))
+        loss = jnp.where(fresh, 0.0, carry.loss) + ls
+        err = jnp.where(fresh, 0.0, carry.err) + es
+        out = jnp.where(done, js, self.J)
+        return AdaptCarry(trip=carry.trip + 1, state=state, loss=loss, err=err,
+                          loss_out=carry.loss_out.at[out].set(loss, mode="drop"),
+                          err_out=carry.err_out.at[out].set(err, mode="drop"),
+                          real=carry.real + jnp.sum(valid))
+
+    def init(self) -> AdaptCarry:
+        js0 = self.timeline.job_of(jnp.zeros((self.c,), jnp.int32))
+        zeros_c, zeros_j = jnp.zeros((self.c,), jnp.float32), jnp.zeros((self.J,), jnp.float32)
+        return AdaptCarry(trip=jnp.int32(0),
+                          state=jax.vmap(self.start_one)(self.replica[js0], self.slot[js0]),
+                          loss=zeros_c, err=zeros_c, loss_out=zeros_j, err_out=zeros_j,
+                          real=jnp.int32(0))
+
+
 def adapt_and_evaluate(model: Model, params, *, X, Y, plan: AdaptPlan, hyper, learning_rate,
                        l2, cfg: AdaptConfig, clients: Optional[ClientInputs] = None):
     """(loss_sum, error_sum), each [R, K] float32, over every client's held-out examples, of
@@ -107,87 +201,8 @@ def adapt_and_evaluate(model: Model, params, *, X, Y, plan: AdaptPlan, hyper, le
       clients: the algorithm's state [R, ...] and the training clients' own states
         [R, N, ...] (``ids`` unused: the plan's ids are the clients), for `cfg.seen`.
     """
-    R = jax.tree.leaves(params)[0].shape[0]
-    K = plan.ids.shape[0]
-    J, B, c = R * K, cfg.batch_size, cfg.lanes
-    replica = jnp.repeat(jnp.arange(R, dtype=jnp.int32), K)
-    slot = jnp.tile(jnp.arange(K, dtype=jnp.int32), R)
-    n_train = jnp.where(plan.real, plan.train_steps, 0)[slot]
-    steps = jnp.where(plan.real[slot], n_train + plan.eval_steps[slot], 0).astype(jnp.int32)
-    timeline = LaneTimeline(steps, c, cfg.axis)
-    clients = clients if clients is not None else ClientInputs((), (), None)
-    adapt = cfg.adapt_step or fine_tune_step
-    offs = jnp.arange(B, dtype=jnp.int32)
-
-    def job(r, n):
-        return ClientJob(optimizer=cfg.optimizer(learning_rate[r], l2[r]),
-                         learning_rate=learning_rate[r], l2=l2[r], steps=n)
-
-    def start_one(r, i):
-        """AdaptState of job (r, i): from its served model."""
-        w = gather_rows(params, r)
-        start = w
-        if cfg.seen and cfg.client_model is not None:
-            own = jax.tree.map(lambda a: a[r, plan.ids[i]], clients.client_state)
-            start = cfg.client_model(gather_rows(clients.server_state, r), own, w,
-                                     gather_rows(hyper, r))
-        opt = (cfg.optimizer(learning_rate[r], l2[r]).init(start) if cfg.train else ())
-        return AdaptState(params=start, opt_state=opt, anchor=w)
-
-    def train_one(state, x, y, valid, r, n):
-        grad_fn = minibatch_grad_fn(model, x, y, valid)
-        return adapt(state, grad_fn, gather_rows(hyper, r), job(r, n))
-
-    def eval_one(p, x, y, valid):
-        loss, err = model.losses_and_errors(p, x, y)
-        return (jnp.sum(jnp.where(valid, loss, 0.0)), jnp.sum(jnp.where(valid, err, 0.0)))
-
-    run_train = per_lane(train_one, c, cfg.lane_mode)
-    run_eval = per_lane(eval_one, c, cfg.lane_mode)
-
-    def when(lanes, fn, operand):
-        return fn(operand) if cfg.branchless else lax.cond(jnp.any(lanes), fn, lambda o: o,
-                                                           operand)
-
-    def body(carry: AdaptCarry) -> AdaptCarry:
-        t = carry.trip[None, None]
-        js, s, active, fresh, done = (a[:, 0] for a in timeline.at(t))
-        r, i = replica[js], slot[js]
-        training = active & (s < n_train[js])
-        u = s - n_train[js]
-        pos = jnp.where(training[:, None],
-                        plan.adapt_start[i][:, None] + s[:, None] * B + offs,
-                        plan.held_start[i][:, None] + u[:, None] * B + offs)
-        limit = jnp.where(training, plan.adapt_len[i], plan.held_len[i])
-        within = jnp.where(training[:, None], s[:, None] * B, u[:, None] * B) + offs
-        valid = active[:, None] & (within < limit[:, None])
-        stream = jnp.where(training[:, None],
-                           plan.adapt_idx[jnp.where(valid & training[:, None], pos, 0)],
-                           plan.held_idx[jnp.where(valid & ~training[:, None], pos, 0)])
-        x, y = jnp.take(X, stream, axis=0), jnp.take(Y, stream, axis=0)
-        state = when(fresh, lambda st: select_tree(fresh, jax.vmap(start_one)(r, i), st),
-                     carry.state)
-        loss = jnp.where(fresh, 0.0, carry.loss)
-        err = jnp.where(fresh, 0.0, carry.err)
-        if cfg.train:
-            state = when(training, lambda st: select_tree(
-                training, run_train(st, x, y, valid, r, n_train[js]), st), state)
-        evaluating = active & ~training
-        ls, es = when(evaluating, lambda _: run_eval(state.params, x, y,
-                                                     valid & evaluating[:, None]),
-                      (jnp.zeros((c,), jnp.float32), jnp.zeros((c,), jnp.float32)))
-        loss, err = loss + ls, err + es
-        out = jnp.where(done, js, J)
-        return AdaptCarry(trip=carry.trip + 1, state=state, loss=loss, err=err,
-                          loss_out=carry.loss_out.at[out].set(loss, mode="drop"),
-                          err_out=carry.err_out.at[out].set(err, mode="drop"),
-                          real=carry.real + jnp.sum(valid))
-
-    js0 = timeline.job_of(jnp.zeros((c,), jnp.int32))
-    zeros_c = jnp.zeros((c,), jnp.float32)
-    init = AdaptCarry(trip=jnp.int32(0), state=jax.vmap(start_one)(replica[js0], slot[js0]),
-                      loss=zeros_c, err=zeros_c, loss_out=jnp.zeros((J,), jnp.float32),
-                      err_out=jnp.zeros((J,), jnp.float32), real=jnp.int32(0))
-    out = lax.while_loop(lambda cr: cr.trip < timeline.deal.trips, body, init)
+    prog = _AdaptProgram(model, params, X, Y, plan, hyper, learning_rate, l2, cfg, clients)
+    out = lax.while_loop(lambda cr: cr.trip < prog.timeline.deal.trips, prog.body, prog.init())
     axis = cfg.axis
-    return (axis.sum(out.loss_out).reshape(R, K), axis.sum(out.err_out).reshape(R, K))
+    return (axis.sum(out.loss_out).reshape(prog.R, prog.K),
+            axis.sum(out.err_out).reshape(prog.R, prog.K))
