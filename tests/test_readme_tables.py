@@ -47,8 +47,28 @@ def test_render_means_stds_and_bold(tmp_path):
     assert readme.current(two, "e") == "" and readme.current(two, "x") == "old"
 
 
+def test_render_personal_rows_per_method_and_steps(tmp_path):
+    """One row per method and adaptation steps (k = 0, then '+ FT (k steps)'), the held-out
+    errors of both populations in %, mean +- std over seeds, the lowest mean in bold."""
+    labels = [ReplicaLabel("fedavg", 1.0, s) for s in (1, 2)]
+    keys = [f"{p}{ft}_error_{m}" for p in ("unseen", "seen") for ft in ("", "_ft5")
+            for m in ("mean", "p90", "worst10")]
+    final = {lab.key(): {k: (0.1 if "ft5" in k else 0.3) + 0.1 * (lab.seed - 1) for k in keys}
+             for lab in labels}
+    os.makedirs(tmp_path / "r")
+    RunWriter(str(tmp_path / "r")).write_summary({
+        "replicas": [lab.to_json() for lab in labels], "final": final,
+        "config": {"algorithm": "fedavg", "finetune_steps": [0, 5]}})
+    table = readme.render_personal([str(tmp_path / "r")]).splitlines()
+    assert table[0] == ("| method | unseen mean | unseen p90 | unseen worst 10% | seen mean | "
+                        "seen p90 | seen worst 10% |")
+    assert table[2] == "| FedAvg | " + " | ".join(["35.0 ± 5.0"] * 6) + " |"
+    assert table[3] == "| FedAvg + FT (5 steps) | " + " | ".join(["**15.0** ± 5.0"] * 6) + " |"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("table", ["synthetic", "compare_fedopt_synthetic", "dp_synthetic"])
+@pytest.mark.parametrize("table", ["synthetic", "compare_fedopt_synthetic", "dp_synthetic",
+                                   "personalize_synthetic"])
 def test_readme_table_matches_a_fresh_run(table):
     proc = subprocess.run([sys.executable, "-m", "experiments.readme_tables",
                            f"--table={table}", "--run"], cwd=REPO, capture_output=True,

@@ -77,32 +77,29 @@ def render_personal(run_dirs: Sequence[str]) -> str:
     and adaptation steps k (k = 0: the served model as it is; "+ FT" rows for k > 0: after k
     steps of the method's adaptation on each client's own data), columns the held-out error (%)
     of unseen devices and of seen clients (mean, p90, worst-10% mean), each the mean +- std over
-    seeds, the lowest mean of a column in bold, and each run's wall time."""
-    rows: List[Tuple[str, Dict[str, List[float]], str]] = []
+    seeds, the lowest mean of a column in bold."""
+    rows: List[Tuple[str, Dict[str, List[float]]]] = []
     keys = [f"{p}_error_{s}" for p in ("unseen", "seen") for s, _ in PERSONAL_COLUMNS]
     for d in run_dirs:
         reader = RunReader(d)
         summary = reader.summary()
         final, config = summary["final"], summary.get("config", {})
-        wall = summary.get("timing", {}).get("total_s")
         mine: Dict[str, Dict[str, List[float]]] = {}
-        for k in config.get("finetune_steps") or (0,):
-            for lab in reader.labels():
+        for lab in reader.labels():
+            for k in config.get("finetune_steps") or (0,):
                 name = method_label(lab, config) + (f" + FT ({k} steps)" if k else "")
                 col = mine.setdefault(name, {})
                 for key in keys:
                     fam = key.replace("seen_error", f"seen_ft{k}_error") if k else key
                     col.setdefault(key, []).append(final[lab.key()][fam])
-        rows += [(name, col, "" if wall is None else f"{wall:.0f} s")
-                 for name, col in mine.items()]
-    multi = any(len(c["unseen_error_mean"]) > 1 for _, c, _ in rows)
-    cells = {key: _cells([(n, c) for n, c, _ in rows], key, 100.0, 1, multi) for key in keys}
+        rows += list(mine.items())
+    multi = any(len(c["unseen_error_mean"]) > 1 for _, c in rows)
+    cells = {key: _cells(rows, key, 100.0, 1, multi) for key in keys}
     head = [f"unseen {t}" for _, t in PERSONAL_COLUMNS] + [f"seen {t}" for _, t in
                                                            PERSONAL_COLUMNS]
-    lines = ["| method | " + " | ".join(head) + " | run time |",
-             "|---|" + "---|" * (len(head) + 1)]
-    lines += [f"| {name} | " + " | ".join(cells[k][i] for k in keys) + f" | {wall} |"
-              for i, (name, _, wall) in enumerate(rows)]
+    lines = ["| method | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    lines += [f"| {name} | " + " | ".join(cells[k][i] for k in keys) + " |"
+              for i, (name, _) in enumerate(rows)]
     return "\n".join(lines)
 
 
