@@ -69,8 +69,11 @@ def fedavg_rounds(xs, ys, W, b, name, seed, settings):
     return W, b
 
 
+# Adam's eps is set above float32's gradient noise: at eps = 1e-8 a coordinate whose gradient is
+# 0 in float64 and 1e-10 in float32 moves by about +-lr (m / sqrt(v) = +-1), which no float32
+# engine can match to 1e-5 (seen here: 1 coordinate of 600 off by 3e-5).
 @pytest.mark.parametrize("name,settings,lanes", [
-    ("adam", {}, 3), ("adam", {"b1": 0.5, "b2": 0.9, "eps": 1e-3}, 1),
+    ("adam", {"eps": 1e-6}, 3), ("adam", {"b1": 0.5, "b2": 0.9, "eps": 1e-3}, 1),
     ("momentum", {"beta": 0.8}, 3), ("adagrad", {"eps": 1e-6}, 2)])
 def test_three_rounds_equal_the_papers_updates(tiny_synthetic, name, settings, lanes):
     flags = {"client_momentum": settings.get("beta", 0.9),
