@@ -417,7 +417,7 @@ def test_scaffold_client_update_is_option_two():
     ck = {"w": np.array([[0.1, 0.2], [0.3, 0.4]], np.float32), "b": np.zeros(2, np.float32)}
     job = client_job(0.1, steps=1)
     step = alg.client_update.init(ScaffoldState(c=c), ck, PARAMS, None, job)
-    np.testing.assert_allclose(step.correction["w"], [[0.4, 0.3], [0.2, 0.1]], rtol=1e-6)
+    np.testing.assert_allclose(step.context["w"], [[0.4, 0.3], [0.2, 0.1]], rtol=1e-6)
     grads = {"w": np.ones((2, 2), np.float32), "b": np.array([2.0, 3.0], np.float32)}
     step = alg.client_update.step(step, lambda p: (0.0, grads), None, job)
     new, delta, out = alg.client_update.final(step, ck, PARAMS, None, job)

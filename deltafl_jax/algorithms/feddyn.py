@@ -61,8 +61,7 @@ import numpy as np
 from deltafl_jax.algorithms.deltafl import WEIGHTING, client_alphas
 from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep,
                                          average_delta, check_options)
-from deltafl_jax.engine.client import (ClientUpdate, LocalState, difference, local_init,
-                                       optimizer_step)
+from deltafl_jax.engine.client import corrected_sgd, difference
 
 DEFAULT_ALPHA = (0.001, 0.01, 0.1)   # around the paper's and the code's default 0.01
 
@@ -86,30 +85,14 @@ class FedDynState(NamedTuple):
     G: object
 
 
-class FedDynStep(NamedTuple):
-    """A client's step state: local (its model and optimizer state) and shift = g_k -
-    theta_t, so that the regulariser's gradient is alpha (theta + shift)."""
-
-    local: LocalState
-    shift: object
-
-
-def regularised_gradient(grads, params, shift, alpha):
+def regularised_gradient(grads, params, shift, hyper):
     """grad l(theta) + alpha (theta - theta_t + g_k), with shift = g_k - theta_t."""
-    return jax.tree.map(lambda g, w, s: g + alpha * (w + s), grads, params, shift)
+    return jax.tree.map(lambda g, w, s: g + hyper.alpha * (w + s), grads, params, shift)
 
 
-def _init(server_state, client_state, params, hyper, job):
-    return FedDynStep(local=local_init(server_state, client_state, params, hyper, job),
-                      shift=difference(client_state, params))
-
-
-def _step(state, grad_fn, hyper, job):
-    w = state.local.params
-    _, grads = grad_fn(w)
-    grads = regularised_gradient(grads, w, state.shift, hyper.alpha)
-    return state._replace(local=LocalState(*optimizer_step(w, state.local.opt_state, grads,
-                                                           job.optimizer)))
+def _shift(server_state, client_state, params, hyper):
+    """The job's context: g_k - theta_t."""
+    return difference(client_state, params)
 
 
 def _final(state, client_state, params, hyper, job):
@@ -119,7 +102,7 @@ def _final(state, client_state, params, hyper, job):
     return jax.tree.map(jnp.add, client_state, delta), delta, None
 
 
-dynamic_update = ClientUpdate(init=_init, step=_step, final=_final)
+dynamic_update = corrected_sgd(context=_shift, correct=regularised_gradient, final=_final)
 
 
 def feddyn_server_step(G, params, feedback, total):

@@ -17,8 +17,7 @@ import jax
 from deltafl_jax.algorithms.deltafl import WEIGHTING
 from deltafl_jax.algorithms.fedavg import DP_REQUIRES, FedAvgOptions, fedavg
 from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep
-from deltafl_jax.engine.client import (ClientUpdate, LocalState, local_final, local_init,
-                                       optimizer_step)
+from deltafl_jax.engine.client import corrected_sgd
 
 DEFAULT_MU = (0.001, 0.01, 0.1, 1.0)   # the FedProx paper's grid
 
@@ -30,36 +29,14 @@ class FedProxHyper(NamedTuple):
     mu: float
 
 
-class ProxState(NamedTuple):
-    """local: the local model and optimizer state; anchor: w_t."""
-
-    local: LocalState
-    anchor: object
-
-
-def proximal_gradient(grads, params, anchor, mu):
+def proximal_gradient(grads, params, anchor, hyper):
     """grad F_k(w) + mu (w - w_t): the gradient of F_k(w) + (mu/2)||w - w_t||^2."""
-    return jax.tree.map(lambda g, w, a: g + mu * (w - a), grads, params, anchor)
+    return jax.tree.map(lambda g, w, a: g + hyper.mu * (w - a), grads, params, anchor)
 
 
-def _init(server_state, client_state, params, hyper, job):
-    return ProxState(local=local_init(server_state, client_state, params, hyper, job),
-                     anchor=params)
-
-
-def _step(state, grad_fn, hyper, job):
-    w = state.local.params
-    _, grads = grad_fn(w)
-    grads = proximal_gradient(grads, w, state.anchor, hyper.mu)
-    return state._replace(local=LocalState(*optimizer_step(w, state.local.opt_state, grads,
-                                                           job.optimizer)))
-
-
-def _final(state, client_state, params, hyper, job):
-    return local_final(state.local, client_state, params, hyper, job)
-
-
-proximal_update = ClientUpdate(init=_init, step=_step, final=_final)
+# The job's context is its anchor w_t.
+proximal_update = corrected_sgd(context=lambda server_state, client_state, params, hyper: params,
+                                correct=proximal_gradient)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,8 +6,9 @@ client k its own c_k (per-client state: N x |w| per replica, zero at the start).
 each sampled client k:
 
 - trains from w_t with the corrected local step y <- y - gamma (g_k(y) - c_k + c), for its K_k
-  local steps (its client update's ``init`` keeps the correction c - c_k in the step state,
-  ``step`` adds it to every minibatch gradient before the client optimizer; with
+  local steps (its client update, :func:`~deltafl_jax.engine.client.corrected_sgd`, keeps the
+  correction c - c_k as the job's context and adds it to every minibatch gradient before the
+  client optimizer; with
   ``--l2_reg`` the step also decays y, as every local step here);
 - sets c_k+ = c_k - c + (w_t - y_k) / (K_k gamma) (option II) and sends Delta c_k = c_k+ - c_k
   (``final``: c_k+ becomes its state, Delta c_k its output).
@@ -43,8 +44,7 @@ from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper
                                             client_alphas, theta_one)
 from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, average_delta,
                                          check_options)
-from deltafl_jax.engine.client import (ClientUpdate, LocalState, difference, local_init,
-                                       optimizer_step)
+from deltafl_jax.engine.client import corrected_sgd, difference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +58,6 @@ class ScaffoldState(NamedTuple):
     """c: pytree like the parameters: the server's control variate."""
 
     c: object
-
-
-class ScaffoldStep(NamedTuple):
-    """A client's step state: local (its model and optimizer state) and correction c - c_k."""
-
-    local: LocalState
-    correction: object
 
 
 def population_weights(train_sizes, weighting: str) -> np.ndarray:
@@ -92,24 +85,20 @@ def scaffold(train_sizes, options: ScaffoldOptions = ScaffoldOptions()) -> Feder
         a = client_alphas(sizes, weighting)      # n_k or 1: FedAvg's weights
         return a / jnp.sum(a)
 
-    def client_init(state, client_state, params, hyper, job):
-        return ScaffoldStep(local=local_init(state, client_state, params, hyper, job),
-                            correction=jax.tree.map(jnp.subtract, state.c, client_state))
+    def correction(state, client_state, params, hyper):
+        del params, hyper
+        return jax.tree.map(jnp.subtract, state.c, client_state)          # c - c_k
 
-    def client_step(step, grad_fn, hyper, job):
-        del hyper
-        w = step.local.params
-        _, grads = grad_fn(w)
-        grads = jax.tree.map(jnp.add, grads, step.correction)          # g - c_k + c
-        return step._replace(local=LocalState(*optimizer_step(w, step.local.opt_state, grads,
-                                                              job.optimizer)))
+    def corrected(grads, params, correction, hyper):
+        del params, hyper
+        return jax.tree.map(jnp.add, grads, correction)                   # g - c_k + c
 
     def client_final(step, client_state, params, hyper, job):
         del hyper
         delta = difference(step.local.params, params)                  # y_k - w_t
         inv = 1.0 / (jnp.maximum(job.steps, 1).astype(jnp.float32) * job.learning_rate)
         # c_k+ = c_k - c + (w_t - y_k) / (K gamma), with c_k - c = -correction.
-        new = jax.tree.map(lambda x, d: -x - d * inv, step.correction, delta)
+        new = jax.tree.map(lambda x, d: -x - d * inv, step.context, delta)
         return new, delta, jax.tree.map(jnp.subtract, new, client_state)   # Delta c_k
 
     def server_update(state, params, feedback, hyper):
@@ -128,8 +117,8 @@ def scaffold(train_sizes, options: ScaffoldOptions = ScaffoldOptions()) -> Feder
     return FederatedAlgorithm(name="scaffold", init=init, client_weights=client_weights,
                               server_update=server_update, uses_losses=False,
                               client_state_init=client_state_init,
-                              client_update=ClientUpdate(init=client_init, step=client_step,
-                                                         final=client_final))
+                              client_update=corrected_sgd(correction, corrected,
+                                                          client_final))
 
 
 SPEC = AlgorithmSpec(

@@ -100,6 +100,43 @@ def local_final(state: LocalState, client_state, params, hyper, job: ClientJob):
 LOCAL_SGD = ClientUpdate(init=local_init, step=local_step, final=local_final)
 
 
+class CorrectedState(NamedTuple):
+    """The step state of local SGD on a corrected gradient: local (the local model and the
+    optimizer's state) and the job's context (what the correction reads)."""
+
+    local: LocalState
+    context: Any
+
+
+def corrected_sgd(context: Callable, correct: Callable,
+                  final: Callable = None) -> ClientUpdate:
+    """Local SGD whose every minibatch gradient is corrected before the client optimizer's
+    step, the shape of FedProx, SCAFFOLD and FedDyn:
+
+    context(server_state, client_state, params, hyper) -> the job's context, kept in the step
+      state (FedProx: w_t; SCAFFOLD: c - c_k; FedDyn: g_k - w_t);
+    correct(grads, params, context, hyper) -> the corrected gradient at the local params;
+    final(state, client_state, params, hyper, job) -> (client_state', update, output) over a
+      :class:`CorrectedState` (None: local SGD's: the state unchanged, w_k - w_t, no output).
+    """
+
+    def init(server_state, client_state, params, hyper, job):
+        return CorrectedState(local=local_init(server_state, client_state, params, hyper, job),
+                              context=context(server_state, client_state, params, hyper))
+
+    def step(state, grad_fn, hyper, job):
+        w = state.local.params
+        _, grads = grad_fn(w)
+        grads = correct(grads, w, state.context, hyper)
+        return state._replace(local=LocalState(*optimizer_step(w, state.local.opt_state, grads,
+                                                               job.optimizer)))
+
+    def plain_final(state, client_state, params, hyper, job):
+        return local_final(state.local, client_state, params, hyper, job)
+
+    return ClientUpdate(init=init, step=step, final=final or plain_final)
+
+
 class AdaptState(NamedTuple):
     """The step state of a device adapting its model before it is evaluated
     (``--finetune_steps``; TFF's personalisation evaluation).
