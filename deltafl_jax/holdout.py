@@ -84,10 +84,13 @@ def _split(split: ClientData, fraction: float, seed: int, which: str):
 def hold_out(data: FederatedDataset, fraction: float, seed: int) -> FederatedDataset:
     """`data` with every client's held-out part set aside (module docstring); `data` itself
     when f = 0. ConfigError naming --client_holdout when it cannot be done."""
-    if not fraction:
-        return data
+    if not fraction or (data.holdout is not None and data.holdout.fraction == fraction):
+        return data        # nothing to hold out, or held out already (a built experiment's)
     if not 0 < fraction < 1:
         raise ConfigError(f"--client_holdout must be in [0, 1), got {fraction!r}")
+    if data.holdout is not None:
+        raise ConfigError(f"--client_holdout={fraction:g}: the data already hold out "
+                          f"{data.holdout.fraction:g} of each client")
     for name, split in (("train", data.train), ("test", data.test)):
         if is_generated(split):
             raise ConfigError("--client_holdout needs the clients' examples in memory; a "
