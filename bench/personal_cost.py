@@ -7,8 +7,9 @@ on the same clients, rounds interleaved in one process.
 On FEMNIST-shaped data (``bench.common.femnist_like_dataset``: 865 writers of FEMNIST's sizes,
 synthetic pixels), one local epoch, lr 0.05, seed 1: softmax regression (batch 10) and the
 paper's ConvNet (batch 16), m = ``--clients``. For each model the script builds FedAvg,
-Ditto (lambda = 1) and Ditto over Delta-FL (theta = 0.5: every sampled client steps its personal
-model, the tail alone its global one) and FedDyn when it is registered, compiles each with one
+Ditto (lambda = 1) and Ditto over Delta-FL (theta = 0.5: every sampled client steps its
+personal model, the tail alone its global one), and, for comparison, the per-client-state
+methods FedDyn (alpha = 0.01) and SCAFFOLD, one replica each; it compiles each with one
 untimed round, then runs round t of every method one after another, the order rotating every
 round, and reports the median seconds per round (the round's metrics on the host) and each
 method's ratio to FedAvg's. The methods sample the same clients and minibatches (one seed), so
@@ -29,7 +30,7 @@ flags.DEFINE_string("out", "bench/results/personal_cost_cpu.json", "write the JS
 FLAGS = flags.FLAGS
 
 METHODS = (("fedavg", {}), ("ditto", {"ditto_lambda": (1.0,)}),
-           ("deltafl+ditto", {"ditto_lambda": (1.0,)}), ("feddyn", {}))
+           ("deltafl+ditto", {"ditto_lambda": (1.0,)}), ("feddyn", {"feddyn_alpha": (0.01,)}), ("scaffold", {}))
 
 
 def _config(model: str, algorithm: str, sweeps):
