@@ -57,12 +57,11 @@ def main(argv):
     runs, skipped = load(paths, log=warn)
     if not runs:
         fail(f"no complete run among {' '.join(paths)} (see the lines above)")
-    try:
-        os.makedirs(FLAGS.out, exist_ok=True)
+    try:   # written beside --out and moved in at the end: a failure leaves no folder
+        out = write_report(runs, FLAGS.out, percentile=FLAGS.percentile, skipped=skipped,
+                           dpi=FLAGS.dpi, log=warn, best=FLAGS.best)
     except OSError as e:
-        fail(f"--out={FLAGS.out} cannot be created ({e.strerror})")
-    out = write_report(runs, FLAGS.out, percentile=FLAGS.percentile, skipped=skipped,
-                       dpi=FLAGS.dpi, log=warn, best=FLAGS.best)
+        fail(f"--out={FLAGS.out} cannot be written ({e.strerror or e})")
     print(f"wrote {out['report']} ({len(runs)} run(s), {len(out['figures'])} figure(s), "
           f"{len(out['csv'])} CSV file(s); {len(skipped)} skipped)", flush=True)
 

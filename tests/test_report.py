@@ -470,9 +470,17 @@ def test_the_readmes_load_runs_snippet_runs_as_written(runs, tmp_path, monkeypat
         by_method["FedAvg" if key.startswith("theta=1_") else "Δ-FL, θ = 0.5"].append(
             final["test_error_p90"])
     assert sorted(got.index) == sorted(by_method)
+    # One std convention (issue 28): the snippet's std is the report's (ddof = 0), which for
+    # two seeds is 1/sqrt(2) of pandas' default sample std.
+    rep = report.write_report(report.load([runs["delta"]])[0], str(tmp_path / "rep"))
+    header, rows = table_of(parse_tables(open(rep["report"]).read()), "Table 2")
     for method, values in by_method.items():
         assert got.loc[method, "mean"] == pytest.approx(np.mean(values), rel=1e-6)
-        assert got.loc[method, "std"] == pytest.approx(np.std(values, ddof=1), rel=1e-6)
+        assert got.loc[method, "std"] == pytest.approx(np.std(values, ddof=0), rel=1e-6)
+        assert got.loc[method, "std"] != pytest.approx(np.std(values, ddof=1), rel=1e-3)
+        mean, std = cell_numbers(rows["synthetic / linear"][header.index(method)])
+        assert std == pytest.approx(100 * got.loc[method, "std"], abs=0.0051)
+    assert "ddof = 0" in open(rep["report"]).read()
 
 
 def test_column_names_follow_the_papers_tables():
