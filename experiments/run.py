@@ -108,7 +108,7 @@ def main(argv):
     if len(argv) > 1:
         fail(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
     from deltafl_jax import ConfigError, DataError, load_dataset, run_experiment
-    from deltafl_jax.run import check_output_dir
+    from deltafl_jax.run import check_output_dir, check_output_parents
 
     results = []
     try:
@@ -117,8 +117,11 @@ def main(argv):
         if FLAGS.estimate:
             estimate(configs)
             return
-        for config in configs:  # refuse before anything runs
-            check_output_dir(config.output_dir, config.overwrite)
+        # Refuse before anything runs: a folder that is not this run's, a finished run that
+        # cannot be continued, a stopped run of other settings.
+        check_output_parents(FLAGS.output_dir, [c.output_dir for c in configs])
+        for config in configs:
+            check_output_dir(config.output_dir, config.overwrite, config)
         data, loaded = None, None
         for config in configs:
             if config.data != loaded:

@@ -125,8 +125,6 @@ class Progress(Callback):
             self.log(f"privacy: clip C={config.dp_clip:g}, noise multiplier z = {zs}; "
                      f"epsilon at delta={acc.delta:.3g} for m={acc.m} of {acc.population} "
                      f"clients a round (sampled without replacement, replace-one)")
-        if run.start_round:
-            self.log(f"resuming after round {run.start_round} of {run.num_rounds}")
 
     def on_round_end(self, run: RunContext, round: int, metrics) -> None:
         if not self.bar:
