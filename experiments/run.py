@@ -52,15 +52,21 @@ def comparison_lines(results):
     results: [(method, RunResult)], the method being the --algorithm entry (``fedavg+adam``);
     the results of one method's per-seed programs (--resample_writers_per_seed) are pooled."""
     from deltafl_jax.replicas import ReplicaLabel
-    from deltafl_jax.run.progress import error_table
+    from deltafl_jax.run.progress import coordinates, error_table
 
     finals = {}
     for name, result in results:
         for d in result.summary["replicas"]:
             label = ReplicaLabel.from_json(d)
-            coords = " ".join(f"{n}={v:g}" for n, v in (label.swept(),) + label.extra)
-            finals.setdefault(f"{name} {coords}", []).append(result.final[label.key()])
-    return error_table(list(finals.items()), "method")
+            row = " ".join(p for p in (name, coordinates(label)) if p)
+            finals.setdefault(row, []).append(result.final[label.key()])
+    return error_table(list(finals.items()), "method", classify=classifies(results))
+
+
+def classifies(results) -> bool:
+    """Whether the runs' 'error' is a misclassification rate (a dataset with classes; the
+    Gaussian toy's mean estimation has none and its 'error' is the squared loss)."""
+    return all(r.summary.get("dataset", {}).get("num_classes", 1) != 0 for _, r in results)
 
 
 def planned_configs():
@@ -135,7 +141,8 @@ def main(argv):
     except OSError as e:   # the disk is full, or the output dir cannot be written
         fail(f"cannot write the results to --output_dir={FLAGS.output_dir}: {e}")
     if len(configs) > 1 and configs[0].verbose:
-        print("\n".join(["", "Final test error per method (mean over seeds):"]
+        what = "test error" if classifies(results) else "test loss"
+        print("\n".join(["", f"Final {what} per method (mean over seeds):"]
                         + comparison_lines(results)), flush=True)
 
 
