@@ -32,7 +32,7 @@ import sys  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from experiments.cli import (FLAGS, UsageError, configs_from_flags, define_experiment_flags,
-                             fail, parse_flags_or_fail, start_backend)
+                             fail, import_model_module, parse_flags_or_fail, start_backend)
 
 define_experiment_flags()
 flags.DEFINE_bool("estimate", False, "build the run, compile it, time a few rounds and one "
@@ -119,6 +119,7 @@ def main(argv):
     results = []
     try:
         start_backend()
+        import_model_module()   # its register_model calls, before --model is resolved
         configs = planned_configs()
         if FLAGS.estimate:
             estimate(configs)
