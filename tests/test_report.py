@@ -570,3 +570,30 @@ def test_a_run_of_a_newer_output_format_is_skipped_with_one_line(runs, tmp_path)
     assert [r.path for r in got] == [runs["delta"]]
     assert log == skipped and len(skipped) == 1
     assert skipped[0].startswith(f"skipped {new}: summary.json has output format version 99")
+
+
+def test_a_report_is_never_written_into_a_run(runs, tmp_path, capsys):
+    """issue 28: a run's folder holds only what a run writes, so that it can be rerun or
+    continued; --out inside a reported run, or on a run, is refused with one line."""
+    run_dir = tmp_path / "delta"
+    shutil.copytree(runs["delta"], run_dir)
+    for out in (run_dir / "report", run_dir, runs["fedavg"]):
+        before = sorted(os.listdir(run_dir))
+        code, _, err = cli([str(run_dir), f"--out={out}"], capsys)
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert code == 2 and len(lines) == 1, err
+        assert ("is inside the run" in lines[0]) or ("is a run of deltafl_jax" in lines[0])
+        assert sorted(os.listdir(run_dir)) == before
+
+
+def test_runs_below_a_run_are_named_as_skipped(runs, tmp_path):
+    """A folder that is a run and also holds one (an older version accepted such output
+    folders: issue 28) is reported alone, and the report says which runs it leaves out."""
+    outer = tmp_path / "outer"
+    shutil.copytree(runs["delta"], outer)
+    shutil.copytree(runs["fedavg"], outer / "fedavg")
+    log = []
+    loaded, skipped = report.load([str(outer)], log=log.append)
+    assert [r.path for r in loaded] == [str(outer)]
+    assert skipped == log == [f"skipped {outer / 'fedavg'}: inside the run {outer}, which is "
+                              f"reported alone (name them to report them)"]
