@@ -132,6 +132,15 @@ def test_a_finished_run_is_refused_unless_only_num_rounds_grows(tmp_path, capsys
     assert "already holds results" in line
     line = refused(capsys, out, "--num_rounds=12", "--learning_rate=0.1")
     assert "holds a finished run with other settings (--learning_rate differ)" in line
+    # A run written before the marker: its summary.json's configuration is compared.
+    marker = os.path.join(out, "deltafl_run.json")
+    saved = open(marker).read()
+    os.remove(marker)
+    line = refused(capsys, out, "--num_rounds=6")
+    assert "already holds results" in line and "its 6 rounds are done" in line
+    line = refused(capsys, out, "--num_rounds=12", "--synthetic_shared=0.5")
+    assert "holds a finished run with other settings (--synthetic_shared differ)" in line
+    open(marker, "w").write(saved)
     # No checkpoint to continue from.
     shutil.rmtree(os.path.join(out, "checkpoints"))
     line = refused(capsys, out, "--num_rounds=12")

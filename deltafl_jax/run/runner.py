@@ -100,11 +100,22 @@ def _settings_diff(reader: outputs.RunReader, config) -> List[str]:
     except outputs.RunFormatError:
         return ["(an unreadable summary.json)"]
     current = json.loads(json.dumps(dataclasses.asdict(config), default=str))
-    strip = {k: v for k, v in saved.items() if k not in resume.FREE_FIELDS}
-    diff = resume.fingerprint_diff(strip, {k: v for k, v in current.items()
-                                           if k not in resume.FREE_FIELDS})
+    diff = resume.fingerprint_diff(
+        {k: _bools_as_ints(v) for k, v in saved.items() if k not in resume.FREE_FIELDS},
+        {k: _bools_as_ints(v) for k, v in current.items() if k not in resume.FREE_FIELDS})
     return [d.split(".", 1)[1] if d.startswith(("data.", "options.", "sweeps.")) else d
             for d in diff]
+
+
+def _bools_as_ints(value):
+    """summary.json stores a configuration's booleans as 0 / 1; compare them so."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _bools_as_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_bools_as_ints(v) for v in value]
+    return value
 
 
 def check_continuation(out: str, reader: outputs.RunReader, config) -> None:
