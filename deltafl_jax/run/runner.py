@@ -97,8 +97,8 @@ def _settings_diff(reader: outputs.RunReader, config) -> List[str]:
         return []
     try:
         saved = reader.summary().get("config", {})
-    except outputs.RunFormatError:
-        return ["(an unreadable summary.json)"]
+    except outputs.RunFormatError:   # refused as it is by check_continuation
+        return []
     current = json.loads(json.dumps(dataclasses.asdict(config), default=str))
     diff = resume.fingerprint_diff(
         {k: _bools_as_ints(v) for k, v in saved.items() if k not in resume.FREE_FIELDS},
