@@ -58,7 +58,7 @@ def comparison_lines(results):
     for name, result in results:
         for d in result.summary["replicas"]:
             label = ReplicaLabel.from_json(d)
-            row = " ".join(p for p in (name, coordinates(label)) if p)
+            row = " ".join(p for p in (name, coordinates(label, theta="theta")) if p)
             finals.setdefault(row, []).append(result.final[label.key()])
     return error_table(list(finals.items()), "method", classify=classifies(results))
 

@@ -27,17 +27,18 @@ def count(n: int, word: str) -> str:
     """'1 seed', '3 seeds'."""
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
-def coordinates(label) -> str:
+def coordinates(label, theta: str = "θ") -> str:
     """A replica's coordinates as progress lines show them: 'θ=0.5', 'qffl_q=0.1',
     'θ=0.5 server_lr=0.03'. An algorithm that trains one model whatever its sweep (its spec
     does not name the swept value in reports: FedAvg, SCAFFOLD) shows only the further
-    coordinates ('' when none): its θ = 1 is no choice of the user's."""
+    coordinates ('' when none): its θ = 1 is no choice of the user's. `theta`: how θ is
+    written ("theta" in a multi-method run's closing table)."""
     extra = " ".join(f"{n}={v:g}" for n, v in label.extra)
     spec = registry.find(label.algorithm)
     if spec is not None and not spec.names_value:
         return extra
     name, value = label.swept()
-    head = "θ" if name == "theta" else name
+    head = theta if name == "theta" else name
     return " ".join(p for p in (f"{head}={value:g}", extra) if p)
 
 

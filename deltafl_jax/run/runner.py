@@ -265,9 +265,12 @@ def _resume(exp: Experiment, checkpointer, fingerprint, recorder: Recorder, log)
     if found.round == config.num_rounds:   # killed after its last checkpoint
         metrics = {k: v[-1] for k, v in found.per_round.items()}
         recorder.last = evaluate(exp, found.state, found.round, metrics, 0.0)
-    what = "continuing" if finished else "resuming"
-    log(f"deltafl_jax: {what} {config.output_dir} from its checkpoint after round "
-        f"{found.round}, to round {config.num_rounds}")
+    if finished:
+        log(f"deltafl_jax: continuing {config.output_dir} from its checkpoint after round "
+            f"{found.round}, to round {config.num_rounds}")
+    else:
+        log(f"deltafl_jax: resuming {config.output_dir} from its checkpoint after round "
+            f"{found.round} of {config.num_rounds}")
     return found.round, found.state
 
 
