@@ -59,7 +59,8 @@ flags.DEFINE_integer("rounds", 5, "timed rounds per workload (median reported)")
 flags.DEFINE_integer("warmup", 1, "untimed rounds first (compilation)")
 flags.DEFINE_integer("clients", 100, "m, sampled clients per round")
 flags.DEFINE_integer("num_clients", 865, "clients in the population (fewer: a smoke run)")
-flags.DEFINE_string("out", "bench/results/before_after_cpu.json", "write the JSON here")
+flags.DEFINE_string("out", None, "write the JSON here (default the git-ignored "
+                    "bench/out/before_after_<backend>.json)")
 flags.DEFINE_string("worker", None, "(internal) run as a worker with this JSON spec")
 FLAGS = flags.FLAGS
 
@@ -471,17 +472,18 @@ def drive() -> int:
                          for r in result["workloads"]}
     result["same_clients_and_examples"] = all(r["same_clients_and_examples"]
                                               for r in result["workloads"])
-    if FLAGS.out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-        with open(FLAGS.out, "w") as f:
-            f.write(json.dumps(result, indent=1) + "\n")
-    print(markdown(result), flush=True)
+    from bench.paths import default_out
+    out = FLAGS.out or default_out(f"before_after_{result['backend']}")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        f.write(json.dumps(result, indent=1) + "\n")
+    print(markdown(result) + f"\nwrote {out}", flush=True)
     bad = [r["workload"] + (" (data)" if not r["same_data"] else
                             f" (rounds {r['mismatched_rounds']})")
            for r in result["workloads"] if not r["same_clients_and_examples"]]
     if bad:
         raise Fail("the trees sampled, kept or trained different clients or examples in: "
-                   + "; ".join(bad) + (f" (see {FLAGS.out})" if FLAGS.out else ""))
+                   + "; ".join(bad) + f" (see {out})")
     return 0
 
 

@@ -25,6 +25,7 @@ from typing import Callable, Dict, List
 
 import numpy as np
 
+from bench.paths import OUT_DIR, default_out  # noqa: F401  (re-exported)
 from deltafl_jax import ClientData, FederatedDataset
 
 FEMNIST_MEDIAN, FEMNIST_MIN, FEMNIST_MAX = 179, 101, 447
@@ -150,14 +151,70 @@ def median_time(fn: Callable[[], None], repeats: int) -> List[float]:
     return times
 
 
-def emit(result: Dict, out: str = None) -> None:
-    """Print one JSON object; also write it to `out` if given."""
+SUMMARY_LINES = 20   # one screen
+
+
+def _scalar_text(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    text = str(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _flat(value, key: str, lines: List[str]) -> None:
+    """One line per scalar of `value` ('a.b: 1.23'); a list of scalars on one line; a list of
+    records one line each (their first scalar fields)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flat(v, f"{key}.{k}" if key else str(k), lines)
+    elif isinstance(value, (list, tuple)):
+        if all(not isinstance(v, (dict, list, tuple)) for v in value):
+            shown = ", ".join(_scalar_text(v) for v in value[:6])
+            lines.append(f"{key}: [{shown}{', ...' if len(value) > 6 else ''}]")
+        else:
+            for i, v in enumerate(value):
+                if isinstance(v, dict):
+                    fields = [f"{k}={_scalar_text(x)}" for k, x in v.items()
+                              if not isinstance(x, (dict, list, tuple))][:6]
+                    lines.append(f"{key}[{i}]: " + ", ".join(fields))
+                else:
+                    _flat(v, f"{key}[{i}]", lines)
+    else:
+        lines.append(f"{key}: {_scalar_text(value)}")
+
+
+def summary_lines(result: Dict, limit: int = SUMMARY_LINES) -> List[str]:
+    """A one-screen summary of a benchmark's JSON: its scalars, at most `limit` lines (the
+    machine's description left out; the JSON file has everything)."""
+    lines: List[str] = []
+    _flat({k: v for k, v in result.items() if k != "machine"}, "", lines)
+    if len(lines) > limit:
+        lines = lines[:limit - 1] + [f"... {len(lines) - limit + 1} more lines in the JSON"]
+    return lines
+
+
+def emit(result: Dict, out: str = None, name: str = None, summary: List[str] = None,
+         print_json: bool = False) -> str:
+    """Write the JSON to `out` (default :func:`default_out` of `name`, else of
+    ``result["benchmark"]``), print a one-screen summary (`summary`, else
+    :func:`summary_lines`) and the path; the whole JSON on stdout too with `print_json`.
+    Returns the path written."""
     text = json.dumps(result, indent=2, sort_keys=False)
-    print(text)
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            f.write(text + "\n")
+    from bench import paths   # looked up at call time (tests redirect OUT_DIR)
+    path = out or paths.default_out(name or str(result.get("benchmark", "bench")))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    if print_json:
+        print(text)
+    lines = summary if summary is not None else summary_lines(result)
+    print("\n".join(lines + [f"wrote {path}"]), flush=True)
+    return path
+
+
+def backend_name() -> str:
+    import jax
+    return jax.default_backend()
 
 
 def machine() -> Dict:

@@ -36,8 +36,9 @@ flags.DEFINE_integer("warmup", 1, "untimed rounds first (compilation)")
 flags.DEFINE_float("theta", 0.5, "conformity level")
 flags.DEFINE_list("methods", ["engine", "torch", "jax_loop"], "what to time")
 flags.DEFINE_integer("clients_per_step", None, "engine lanes (default: the backend's)")
-flags.DEFINE_bool("json", True, "print one JSON object")
-flags.DEFINE_string("out", None, "also write the JSON here")
+flags.DEFINE_bool("json", False, "also print the whole JSON on stdout")
+flags.DEFINE_string("out", None, "write the JSON here (default the git-ignored "
+                    "bench/out/compare_<model>_<backend>.json)")
 FLAGS = flags.FLAGS
 
 LR = 0.05
@@ -309,7 +310,8 @@ def main(argv):
             "critical_path": critical_path(mets, exp.placement),
         })
     result["peak_rss_mb"] = peak_rss_mb()
-    emit(result, FLAGS.out)
+    emit(result, FLAGS.out, name=f"compare_{FLAGS.model}_{backend_name()}",
+         print_json=FLAGS.json)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ flags.DEFINE_list("shapes", ["1", "4", "8", "b1"], "K or bK (branchless)")
 flags.DEFINE_integer("rounds", 9, "rounds, the first untimed")
 flags.DEFINE_integer("clients", 100, "m")
 flags.DEFINE_integer("num_clients", 865, "clients in the population")
-flags.DEFINE_string("out", None, "also write the JSON here")
+flags.DEFINE_string("out", None, "write the JSON here (default the git-ignored "
+                    "bench/out/loop_shape_<model>_<backend>.json)")
 FLAGS = flags.FLAGS
 
 
@@ -95,7 +96,7 @@ def main(argv):
             "params_sha1": hashlib.sha1(b"".join(np.asarray(x).tobytes()
                                                  for x in leaves)).hexdigest()[:12],
             "round_times_s": r["wall"]}
-    emit(out, FLAGS.out)
+    emit(out, FLAGS.out, name=f"loop_shape_{FLAGS.model}_{jax.default_backend()}")
 
 
 if __name__ == "__main__":

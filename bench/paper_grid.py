@@ -13,8 +13,9 @@ least ``--rounds`` rounds (and ``--min_seconds``) after compilation, and one eva
 
 ``--scale=F`` (0 < F <= 1) shrinks the run for a CPU: F × the training and test clients, m
 and the rounds, and the first ⌈F × seeds⌉ seeds (θ's are kept), each at least 1 (m at least
-1, clients at least m + 1). The JSON (default ``bench/results/paper_grid_<model>_<backend>
-[_scale<F>].json``) holds the configuration measured, s/round, compile s, the projected
+1, clients at least m + 1). The JSON (``--out``; default the git-ignored
+``bench/out/paper_grid_<model>_<backend>[_scale<F>].json``, so a run leaves the clone clean:
+the committed figures of ``bench/results/`` are written with an explicit ``--out``) holds the configuration measured, s/round, compile s, the projected
 wall-clock of that configuration's whole run and its parts (build + compile + rounds ×
 s/round + evaluations × s/eval), the device memory (peak where the backend reports it, the
 start-up footprint otherwise), the critical-path trips of a round (the engine's
@@ -169,8 +170,35 @@ def run(model: str, scale: float, rounds: int, min_seconds: float,
 
 
 def default_out(model: str, scale: float, backend: str) -> str:
+    """The git-ignored default: bench/out/paper_grid_<model>_<backend>[_scale<F>].json."""
+    from bench import paths
     tail = "" if scale == 1 else f"_scale{scale:g}"
-    return os.path.join(HERE, "results", f"paper_grid_{model}_{backend}{tail}.json")
+    return paths.default_out(f"paper_grid_{model}_{backend}{tail}")
+
+
+def summary(r: Dict) -> list:
+    """The one-screen summary printed after a run (the JSON holds everything)."""
+    c, p, cp = r["config"], r["whole_run_parts"], r["critical_path"]
+    mem = r["device_memory_bytes"]
+    peak = r["fraction_of_peak"]
+    return [
+        f"paper_grid {r['model']} ({r['flagfile']}) at scale {r['scale']:g} on "
+        f"{r['machine']['backend']} ({r['device_kind']})",
+        f"  {c['replicas']} replicas (θ {', '.join(f'{t:g}' for t in c['thetas'])} × "
+        f"{len(c['seeds'])} seeds), m = {c['clients_per_round']} of {c['train_clients']} train "
+        f"/ {c['test_clients']} test clients, {c['num_rounds']} rounds, evaluation every "
+        f"{c['eval_every']}",
+        f"  s/round {r['s_per_round']:.4g}, compile {r['compile_s']:.3g} s, s/evaluation "
+        f"{p['s_per_evaluation']:.4g}",
+        f"  whole run (projected) {r['whole_run_s']:.4g} s = {p['build_s']:.3g} build + "
+        f"{p['compile_s']:.3g} compile + {p['rounds']} × {p['s_per_round']:.4g} + "
+        f"{p['evaluations']} × {p['s_per_evaluation']:.4g}",
+        f"  device memory {mem / 1e6:.1f} MB ({r['device_memory_source']})",
+        f"  critical path {cp['train_trips']:.0f} + {cp['eval_trips'] or 0:.0f} trips/round "
+        f"(train + eval)",
+        f"  achieved {r['achieved_flop_per_s'] / 1e9:.4g} GFLOP/s "
+        f"({r['round_flops'] / 1e9:.4g} GFLOP/round), fraction of the device's peak: "
+        + (f"{peak:.3g}" if isinstance(peak, float) else str(peak))]
 
 
 def parse(argv):
@@ -180,7 +208,8 @@ def parse(argv):
     p.add_argument("--scale", type=float, default=1.0, help="0 < F <= 1: shrink the run")
     p.add_argument("--rounds", type=int, default=5, help="rounds timed at least")
     p.add_argument("--min_seconds", type=float, default=5.0, help="seconds of rounds at least")
-    p.add_argument("--out", default=None, help="the JSON (default bench/results/...)")
+    p.add_argument("--out", default=None, help="the JSON (default the git-ignored "
+                   "bench/out/paper_grid_<model>_<backend>[_scale<F>].json)")
     args = p.parse_args(argv)
     if not 0 < args.scale <= 1 or not math.isfinite(args.scale):
         raise Fail(f"--scale must be in (0, 1], got {args.scale:g}")
@@ -200,7 +229,8 @@ def main(argv=None) -> None:
     import jax
     from bench import common
     result = run(args.model, args.scale, args.rounds, args.min_seconds)
-    common.emit(result, args.out or default_out(args.model, args.scale, jax.default_backend()))
+    common.emit(result, args.out or default_out(args.model, args.scale, jax.default_backend()),
+                summary=summary(result))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ flags.DEFINE_integer("warmup", 1, "untimed rounds first (compilation)")
 flags.DEFINE_integer("clients", 100, "m, sampled clients per round")
 flags.DEFINE_integer("num_clients", 865, "clients in the population")
 flags.DEFINE_string("cache_dir", None, "where the peers' virtual environments live")
-flags.DEFINE_string("out", "bench/results/peers_cpu.json", "write the JSON here")
+flags.DEFINE_string("out", None, "write the JSON here (default the git-ignored "
+                    "bench/out/peers_<backend>.json)")
 flags.DEFINE_integer("gemm_n", 2048, "matrix size of the GEMM-peak measurement")
 flags.DEFINE_string("peer_jax_extra", "", "install the peers' pinned jax with this extra (cuda12, "
                     "tpu) so that they run on the accelerator too; empty: CPU jax")
@@ -399,7 +400,8 @@ def main(argv):
     from deltafl_jax.engine.mesh import host_device_flags   # before JAX starts its backend
     os.environ["XLA_FLAGS"] = host_device_flags(os.environ.get("XLA_FLAGS", ""),
                                                 max(engine_device_counts()))
-    from bench.common import emit, femnist_like_dataset, gemm_peak_gflops, machine
+    from bench.common import (backend_name, emit, femnist_like_dataset, gemm_peak_gflops,
+                              machine)
 
     t0 = time.perf_counter()
     venvs = {name: ensure_venv(name) for name in FLAGS.peers}
@@ -426,7 +428,7 @@ def main(argv):
         for k, e in res["engine"].items():
             e["fraction_of_gemm_peak"] = e["gflops"] / peak
     result["loadavg_end"] = os.getloadavg()
-    emit(result, FLAGS.out)
+    emit(result, FLAGS.out, name=f"peers_{backend_name()}")
     bad = [f"{model}: {name}'s model after round 0 differs from the engine's FedAvg by "
            f"{c['max_abs_diff']:.3g} (tolerance {c['tolerance']:g})"
            for model, res in result["models"].items()

@@ -174,7 +174,7 @@ def main(argv=None):
         else:
             print(json.dumps(_row(int(n), mode, args)))
         return
-    from bench.common import emit, machine
+    from bench.common import backend_name, emit, machine
     passed = [a for a in argv if not a.startswith("--out")]
     plan = [(int(n), "host") for n in args.sizes.split(",")]
     if not args.no_device_row:
@@ -208,8 +208,7 @@ def main(argv=None):
                 f"{d['model']}, m = {d['m']}": h["s_per_round"] / d["s_per_round"]
                 for d, h in zip(femnist[::2], femnist[1::2])}},
         "femnist_rows": femnist}
-    emit(result, args.out or os.path.join(os.path.dirname(__file__), "results",
-                                          "population_cpu.json"))
+    emit(result, args.out, name=f"population_{backend_name()}")
 
 
 if __name__ == "__main__":

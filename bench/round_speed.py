@@ -32,7 +32,8 @@ flags.DEFINE_integer("clients", 100, "m, sampled clients per round")
 flags.DEFINE_integer("num_clients", 865, "training clients in the population")
 flags.DEFINE_integer("rounds", 5, "timed rounds after the first (median reported)")
 flags.DEFINE_bool("json", True, "print one JSON object")
-flags.DEFINE_string("out", None, "also write the JSON here")
+flags.DEFINE_string("out", None, "write the JSON here (default the git-ignored "
+                    "bench/out/round_speed_<backend>.json)")
 flags.DEFINE_string("_one", None, "internal: run one setting 'shape:lanes' and print JSON")
 FLAGS = flags.FLAGS
 
@@ -129,7 +130,7 @@ def main(argv):
             print(f"# {shape} clients_per_step={lanes}: "
                   f"{result['shapes'][shape][str(lanes)]['s_per_round']:.3f} s/round",
                   file=sys.stderr, flush=True)
-    emit(result, FLAGS.out)
+    emit(result, FLAGS.out, name=f"round_speed_{result['machine']['backend']}")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,7 @@ def main(argv=None):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={max(devices)}")
     import jax
+    from bench import paths
     from bench.common import emit, femnist_like_dataset, machine
 
     data = femnist_like_dataset(num_clients=865, flat=args.model == "linear")
@@ -92,8 +93,7 @@ def main(argv=None):
         print(f"D={D}: {row['s_per_round']:.3f} s/round, critical path "
               f"{row['critical_path_trips']:.0f} trips, imbalance {row['imbalance']:.3f}, "
               f"trips per device {[round(t) for t in row['device_trips']]}", flush=True)
-    out = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                   f"scaling_{jax.default_backend()}.json")
+    out = args.out or paths.default_out(f"scaling_{jax.default_backend()}")
     emit({"benchmark": "scaling", "model": args.model, "clients_per_round": args.clients,
           "replicas": 4, "platform": args.platform, "machine": machine(), "rows": rows}, out)
 

@@ -32,7 +32,8 @@ flags.DEFINE_integer("num_clients", 865, "clients in the population")
 flags.DEFINE_integer("rounds", 5, "timed rounds after the first (median reported)")
 flags.DEFINE_integer("clients_per_step", None, "engine lanes (default: the backend's)")
 flags.DEFINE_bool("json", True, "print one JSON object")
-flags.DEFINE_string("out", None, "also write the JSON here")
+flags.DEFINE_string("out", None, "write the JSON here (default the git-ignored "
+                    "bench/out/theta_sweep_<backend>.json)")
 FLAGS = flags.FLAGS
 
 THETAS = (1.0, 0.8, 0.5, 0.1, 0.9, 0.7, 0.3, 0.2)
@@ -145,7 +146,7 @@ def main(argv):
               f"{row['separate_compiles']}", flush=True)
     emit({"benchmark": "theta_sweep", "model": FLAGS.model, "axis": FLAGS.axis,
           "m": FLAGS.clients, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
-          "rows": rows}, FLAGS.out)
+          "rows": rows}, FLAGS.out, name=f"theta_sweep_{machine()['backend']}")
 
 
 if __name__ == "__main__":

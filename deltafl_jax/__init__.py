@@ -10,7 +10,9 @@ Public entry points:
 - :func:`weighted_quantile`, :func:`superquantile`, :func:`tail_weights`: the primitives;
 - :func:`run_experiment` / :class:`ExperimentConfig`: train every theta x seed in one program
   (:func:`build_experiment` and :func:`run_rounds` with callbacks for finer control);
-- :func:`load_model`: serve the model w_theta of a finished run.
+- :func:`load_model`: serve the model w_theta of a finished run;
+- :func:`register_model` / :class:`Model`: train a model of your own (a Flax module with its
+  per-example loss and error) under ``--model=NAME``.
 """
 
 from deltafl_jax.superquantile import (superquantile, superquantile_dual, tail_weights,
@@ -20,6 +22,7 @@ from deltafl_jax.serving import LoadedModel, load_model
 from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import ClientData, FederatedDataset
 from deltafl_jax.datasets import DataConfig, load_dataset
+from deltafl_jax.models import Model, ModelOptions, register_model
 from deltafl_jax.replicas import ReplicaLabel
 from deltafl_jax.run import Callback, RunResult, build_experiment, run_experiment, run_rounds
 
@@ -30,4 +33,5 @@ __all__ = [
     "threshold_weights", "load_model", "LoadedModel", "ConfigError", "ExperimentConfig",
     "ClientData", "DataError", "FederatedDataset", "DataConfig", "load_dataset",
     "build_experiment", "run_experiment", "run_rounds", "Callback", "RunResult", "ReplicaLabel",
+    "Model", "ModelOptions", "register_model",
 ]

@@ -18,6 +18,17 @@ it back (:class:`RunReader`). No other module opens these files; serving a saved
 - ``models/``: the final model of every replica and what is needed to rebuild the network;
   ``deltafl_jax.load_model(output_dir, theta=0.5, seed=1)`` serves w_theta (the paper's
   Figure 1: a user picks a conformity level and gets its model).
+- ``deltafl_run.json`` (:data:`MARKER`): written first, when the run starts: this package's
+  mark (``written_by``, the output format) and the run's settings (the configuration without
+  the settings that change no result), so that a stopped run is recognised as one of the same
+  configuration before anything is loaded.
+
+What a run directory is (:func:`inspect_dir`). A directory is **a run of this package** when
+every entry in it is one that a run writes (the names above, ``tb/``, ``checkpoints/``, and
+their ``NAME.tmp`` leftovers) and it carries the marker, or, for runs written before the
+marker existed, a ``summary.json``, ``metrics.jsonl`` or ``checkpoints/``. Anything else that
+is not empty (a source folder, the parent of runs, a folder holding other files) is not, and
+the runner never writes into it, ``--overwrite`` or not (:func:`deltafl_jax.run.check_output_dir`).
 
 Every file but ``metrics.jsonl`` is written atomically (to ``NAME.tmp`` in the same directory,
 then renamed), so a reader sees either the whole file or none. Replicas are named by
@@ -55,9 +66,14 @@ ROUNDS = "rounds.npz"
 CLIENTS = "clients.npz"
 CLIENTS_HISTORY = "clients_history.npz"
 MODELS = "models"
+MARKER = "deltafl_run.json"
+WRITTEN_BY = "deltafl_jax"
 # Everything a run may leave in its directory (files and folders); --overwrite removes these.
-RESULT_FILES = (METRICS, SUMMARY, ROUNDS, CLIENTS, CLIENTS_HISTORY, MODELS, "tb", "checkpoints")
+RESULT_FILES = (METRICS, SUMMARY, ROUNDS, CLIENTS, CLIENTS_HISTORY, MODELS, "tb", "checkpoints",
+                MARKER)
 TMP_SUFFIX = ".tmp"
+# A run written before the marker existed is recognised by one of these.
+LEGACY_EVIDENCE = (SUMMARY, METRICS, "checkpoints")
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,6 +139,46 @@ def has_results(output_dir: str) -> bool:
     """True when `output_dir` holds any file or folder that a run writes."""
     return os.path.isdir(output_dir) and any(
         os.path.lexists(os.path.join(output_dir, f)) for f in RESULT_FILES)
+
+
+@dataclasses.dataclass(frozen=True)
+class DirState:
+    """What a would-be output directory holds (:func:`inspect_dir`).
+
+    kind: "absent", "empty", "run" (a run of this package) or "other".
+    foreign: the entries a run does not write, sorted (folders end with "/").
+    runs: the entries that are runs themselves (an "other" directory that holds runs).
+    """
+
+    kind: str
+    foreign: Tuple[str, ...] = ()
+    runs: Tuple[str, ...] = ()
+
+
+def _is_run_entry(name: str) -> bool:
+    base = name[:-len(TMP_SUFFIX)] if name.endswith(TMP_SUFFIX) else name
+    return base in RESULT_FILES
+
+
+def inspect_dir(path: str) -> DirState:
+    """Whether `path` is absent, empty, a run of this package, or something else (see the
+    module docstring: every entry one a run writes, and the marker or a pre-marker run's
+    summary.json / metrics.jsonl / checkpoints/)."""
+    if not os.path.lexists(path):
+        return DirState("absent")
+    if not os.path.isdir(path):
+        return DirState("other", (os.path.basename(path),))
+    names = sorted(os.listdir(path))
+    if not names:
+        return DirState("empty")
+    foreign = tuple(n + ("/" if os.path.isdir(os.path.join(path, n)) else "")
+                    for n in names if not _is_run_entry(n))
+    evidence = MARKER in names or any(n in names for n in LEGACY_EVIDENCE)
+    if not foreign and evidence:
+        return DirState("run")
+    runs = tuple(n for n in foreign if n.endswith("/")
+                 and inspect_dir(os.path.join(path, n[:-1])).kind == "run")
+    return DirState("other", foreign if foreign else tuple(names), runs)
 
 
 def prepare_dir(path: str, overwrite: bool) -> None:
@@ -193,6 +249,24 @@ class RunWriter:
     def write_clients_history(self, history: Mapping[str, Any]) -> None:
         """clients_history.npz: ``rounds`` [E] and the per-client arrays [E, R, N]."""
         _write_npz(self.path(CLIENTS_HISTORY), history)
+
+    def write_marker(self, settings: Mapping[str, Any]) -> None:
+        """deltafl_run.json: this package's mark on the directory, the output format and the
+        run's settings (written when the run starts, and again when it resumes)."""
+        with _atomic(self.path(MARKER)) as f:   # plain JSON: booleans stay booleans
+            json.dump({"written_by": WRITTEN_BY, "schema_version": SCHEMA_VERSION,
+                       "settings": dict(settings)}, f, indent=2)
+            f.write("\n")
+
+    def remove_final_outputs(self) -> None:
+        """Remove summary.json, clients.npz and models/: a finished run that is continued
+        is a run in progress again until it writes them anew."""
+        for name in (SUMMARY, CLIENTS, MODELS):
+            target = self.path(name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            elif os.path.lexists(target):
+                os.remove(target)
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         """summary.json, with ``schema_version`` first; written last by a run."""
@@ -333,6 +407,19 @@ class RunReader:
                     f"deltafl_jax reads versions up to {SCHEMA_VERSION} (upgrade it)")
             self._summary = summary
         return self._summary
+
+    def marker(self) -> Optional[Dict[str, Any]]:
+        """deltafl_run.json, or None when the directory has none (a run written before the
+        marker existed) or it is not this package's."""
+        if not self.has(MARKER):
+            return None
+        try:
+            with open(self.path(MARKER)) as f:
+                mark = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return mark if isinstance(mark, dict) and mark.get("written_by") == WRITTEN_BY \
+            else None
 
     def schema_version(self) -> int:
         return int(self.summary().get("schema_version", 0))

@@ -72,12 +72,13 @@ class LoadedModel:
 
     def predict_labels(self, x) -> np.ndarray:
         """Predicted classes [B] (int32) on raw inputs x: the argmax of the scores for softmax
-        models, ``logit > 0`` for sigmoid models (the rule of their error). Raises
-        DeltaFLError for the squared-loss mean model, which predicts no class."""
+        models, ``logit > 0`` for sigmoid models (the rule of their error), the argmax for a
+        custom model whose error is a misclassification rate. Raises DeltaFLError for the
+        squared-loss mean model (and a custom model without classes), which predict no class."""
         kind = self.model.loss_kind
-        if kind == "squared":
-            raise DeltaFLError(f"model {self.model.name!r} estimates a mean (squared loss) and "
-                               f"predicts no class; use predict(x)")
+        if not self.model.is_classifier:
+            raise DeltaFLError(f"model {self.model.name!r} predicts no class (its error is not a "
+                               f"misclassification rate); use predict(x)")
         out = np.asarray(self.predict(x))
         if kind == "sigmoid":
             return (out.reshape(out.shape[0]) > 0).astype(np.int32)

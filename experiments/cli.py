@@ -11,6 +11,9 @@ algorithm's swept hyper-parameters and of its options come from its spec
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib
+import importlib.util
 import os
 import sys
 from typing import List, Sequence, Tuple
@@ -222,7 +225,10 @@ def define_experiment_flags() -> None:
     from deltafl_jax.algorithms import registry
     define_data_flags()
     _define(flags.DEFINE_string, "model", "linear", "linear | cnn | mlp | mean | gru | lstm | "
-            "sent140_linear")
+            "sent140_linear | lstm_nwp, or a model of your own registered by --model_module")
+    _define(flags.DEFINE_string, "model_module", None, "a Python module (a dotted name, or a "
+            "path to a .py file) imported before the run, whose deltafl_jax.register_model "
+            "calls add models for --model (README: Your own model)")
     _define(flags.DEFINE_bool, "use_bias", None, "linear and sent140_linear: add a bias b "
             "(L2 then applies to it too); unset: no bias on femnist and sent140 (the papers' "
             "w in R^{62x784}, w in R^50), a bias on every other dataset")
@@ -286,7 +292,8 @@ def define_experiment_flags() -> None:
             "unset: each replica's client learning rate of the last round")
     _define(flags.DEFINE_string, "output_dir", None, "where metrics.jsonl, summary.json and "
             "models/ go")
-    _define(flags.DEFINE_bool, "overwrite", False, "replace results already in --output_dir")
+    _define(flags.DEFINE_bool, "overwrite", False, "replace the run already in --output_dir "
+            "(a folder that is not a run of deltafl_jax is refused, with or without it)")
     _define(flags.DEFINE_bool, "save_models", True, "save the final model of every replica")
     _define(flags.DEFINE_integer, "checkpoint_every", 0, "save a checkpoint every N rounds "
             "under <output_dir>/checkpoints/ (0: by time only)")
@@ -299,6 +306,39 @@ def define_experiment_flags() -> None:
     _define(flags.DEFINE_enum, "tensorboard", "auto", "write TensorBoard event files under "
             "<output_dir>/tb/ (auto: when tensorboardX is installed)",
             enum_values=["auto", "yes", "no"])
+
+
+def import_model_module() -> None:
+    """--model_module: import the module (a dotted name, or a path to a .py file) whose
+    ``deltafl_jax.register_model`` calls make its models available to --model; once per
+    process. UsageError (one line) when it cannot be imported."""
+    name = FLAGS.model_module
+    if not name:
+        return
+    try:
+        if name.endswith(".py") or os.sep in name:
+            path = os.path.abspath(name)
+            if not os.path.isfile(path):
+                raise UsageError(f"--model_module={name}: no such file")
+            key = "deltafl_model_module_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+            if key in sys.modules:
+                return
+            spec = importlib.util.spec_from_file_location(key, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[key] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[key]
+                raise
+        else:
+            importlib.import_module(name)
+    except UsageError:
+        raise
+    except Exception as e:  # pylint: disable=broad-except
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise UsageError(f"--model_module={name} cannot be imported ({type(e).__name__}: "
+                         f"{first})") from None
 
 
 def start_backend() -> None:

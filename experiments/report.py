@@ -35,6 +35,20 @@ flags.DEFINE_bool("best", False, "tables and figures show each baseline (q-FFL, 
                   "marked with a dagger, as the papers' tables; the CSV files keep every value")
 
 
+def check_out(out: str, run_paths) -> None:
+    """--out may not be a run, nor lie inside one (a run's folder holds only what a run writes,
+    README *Outputs*: the run could not be rerun or continued there)."""
+    from deltafl_jax.outputs import inspect_dir
+    target = os.path.realpath(out)
+    for path in run_paths:
+        root = os.path.realpath(path)
+        if target == root or target.startswith(root + os.sep):
+            fail(f"--out={out} is inside the run {path}; write the report beside it (a run's "
+                 f"folder holds only what a run writes)")
+    if inspect_dir(out).kind == "run":
+        fail(f"--out={out} is a run of deltafl_jax; write the report elsewhere")
+
+
 def main(argv):
     logging.set_verbosity(logging.WARNING)
     paths = argv[1:]
@@ -57,12 +71,12 @@ def main(argv):
     runs, skipped = load(paths, log=warn)
     if not runs:
         fail(f"no complete run among {' '.join(paths)} (see the lines above)")
-    try:
-        os.makedirs(FLAGS.out, exist_ok=True)
+    check_out(FLAGS.out, [run.path for run in runs])
+    try:   # written beside --out and moved in at the end: a failure leaves no folder
+        out = write_report(runs, FLAGS.out, percentile=FLAGS.percentile, skipped=skipped,
+                           dpi=FLAGS.dpi, log=warn, best=FLAGS.best)
     except OSError as e:
-        fail(f"--out={FLAGS.out} cannot be created ({e.strerror})")
-    out = write_report(runs, FLAGS.out, percentile=FLAGS.percentile, skipped=skipped,
-                       dpi=FLAGS.dpi, log=warn, best=FLAGS.best)
+        fail(f"--out={FLAGS.out} cannot be written ({e.strerror or e})")
     print(f"wrote {out['report']} ({len(runs)} run(s), {len(out['figures'])} figure(s), "
           f"{len(out['csv'])} CSV file(s); {len(skipped)} skipped)", flush=True)
 

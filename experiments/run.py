@@ -32,7 +32,7 @@ import sys  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from experiments.cli import (FLAGS, UsageError, configs_from_flags, define_experiment_flags,
-                             fail, parse_flags_or_fail, start_backend)
+                             fail, import_model_module, parse_flags_or_fail, start_backend)
 
 define_experiment_flags()
 flags.DEFINE_bool("estimate", False, "build the run, compile it, time a few rounds and one "
@@ -52,15 +52,21 @@ def comparison_lines(results):
     results: [(method, RunResult)], the method being the --algorithm entry (``fedavg+adam``);
     the results of one method's per-seed programs (--resample_writers_per_seed) are pooled."""
     from deltafl_jax.replicas import ReplicaLabel
-    from deltafl_jax.run.progress import error_table
+    from deltafl_jax.run.progress import coordinates, error_table
 
     finals = {}
     for name, result in results:
         for d in result.summary["replicas"]:
             label = ReplicaLabel.from_json(d)
-            coords = " ".join(f"{n}={v:g}" for n, v in (label.swept(),) + label.extra)
-            finals.setdefault(f"{name} {coords}", []).append(result.final[label.key()])
-    return error_table(list(finals.items()), "method")
+            row = " ".join(p for p in (name, coordinates(label, theta="theta")) if p)
+            finals.setdefault(row, []).append(result.final[label.key()])
+    return error_table(list(finals.items()), "method", classify=classifies(results))
+
+
+def classifies(results) -> bool:
+    """Whether the runs' 'error' is a misclassification rate (a dataset with classes; the
+    Gaussian toy's mean estimation has none and its 'error' is the squared loss)."""
+    return all(r.summary.get("dataset", {}).get("num_classes", 1) != 0 for _, r in results)
 
 
 def planned_configs():
@@ -108,17 +114,21 @@ def main(argv):
     if len(argv) > 1:
         fail(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
     from deltafl_jax import ConfigError, DataError, load_dataset, run_experiment
-    from deltafl_jax.run import check_output_dir
+    from deltafl_jax.run import check_output_dir, check_output_parents
 
     results = []
     try:
         start_backend()
+        import_model_module()   # its register_model calls, before --model is resolved
         configs = planned_configs()
         if FLAGS.estimate:
             estimate(configs)
             return
-        for config in configs:  # refuse before anything runs
-            check_output_dir(config.output_dir, config.overwrite)
+        # Refuse before anything runs: a folder that is not this run's, a finished run that
+        # cannot be continued, a stopped run of other settings.
+        check_output_parents(FLAGS.output_dir, [c.output_dir for c in configs])
+        for config in configs:
+            check_output_dir(config.output_dir, config.overwrite, config)
         data, loaded = None, None
         for config in configs:
             if config.data != loaded:
@@ -132,7 +142,8 @@ def main(argv):
     except OSError as e:   # the disk is full, or the output dir cannot be written
         fail(f"cannot write the results to --output_dir={FLAGS.output_dir}: {e}")
     if len(configs) > 1 and configs[0].verbose:
-        print("\n".join(["", "Final test error per method (mean over seeds):"]
+        what = "test error" if classifies(results) else "test loss"
+        print("\n".join(["", f"Final {what} per method (mean over seeds):"]
                         + comparison_lines(results)), flush=True)
 
 

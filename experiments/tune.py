@@ -161,6 +161,7 @@ def main(argv):
 
     try:
         cli.start_backend()   # XLA flags (--devices on a CPU, --deterministic) come first
+        cli.import_model_module()
         config, lr_grid, decay_grid, l2_grid, tune_l2, tune_param = _inputs()
         data = load_dataset(config.data)
         check(config, data, lr_grid, decay_grid, l2_grid, FLAGS.tune_lr, tune_l2, tune_param)

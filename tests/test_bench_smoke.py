@@ -110,9 +110,20 @@ def test_peers_smoke_engine_side(tmp_path):
 def test_paper_grid_toy_json_adds_up(tmp_path):
     """bench.paper_grid at toy size: the flagfile's workload shrunk (emnist_linear.flags: 4
     thetas x 5 seeds, m = 100, 3000 rounds, every 50), its JSON's fields, and its whole-run
-    projection equal to its own parts."""
-    res = run_json(["bench.paper_grid", "--model=linear", "--scale=0.01", "--rounds=1",
-                    "--min_seconds=0"], tmp_path, "paper_grid")
+    projection equal to its own parts; on stdout a one-screen summary of the same numbers
+    (issue 28: not the JSON)."""
+    out = tmp_path / "paper_grid.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.paper_grid", "--model=linear",
+                           "--scale=0.01", "--rounds=1", "--min_seconds=0", f"--out={out}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) <= 12 and lines[-1] == f"wrote {out}", proc.stdout
+    assert "{" not in proc.stdout
+    assert f"s/round {res['s_per_round']:.4g}, compile {res['compile_s']:.3g} s" in proc.stdout
+    assert f"whole run (projected) {res['whole_run_s']:.4g} s" in proc.stdout
+    assert "30 rounds, evaluation every 30" in proc.stdout
     c = res["config"]
     assert res["model"] == "linear" and res["flagfile"] == "experiments/emnist_linear.flags"
     assert c["thetas"] == [1.0, 0.8, 0.5, 0.1] and c["seeds"] == [1]
@@ -240,3 +251,37 @@ def test_population_smoke_reports_every_row(tmp_path):
         large["s_per_round"] / small["s_per_round"])
     assert large["eval_clients"] == 50 and large["device_data_bytes"] == small["device_data_bytes"]
     assert [r["client_data"] for r in res["femnist_rows"]] == ["device", "host"]
+
+
+def test_benchmarks_write_a_git_ignored_default_and_print_one_screen(tmp_path, monkeypatch,
+                                                                      capsys):
+    """issue 28: a benchmark run without --out leaves the clone clean (bench/out/ is
+    git-ignored; bench/results/ keeps the committed figures) and prints a summary, not the
+    JSON."""
+    from bench import common, paths
+    path = paths.default_out("paper_grid_cnn_cpu")
+    assert os.path.dirname(path) == os.path.join(REPO, "bench", "out")
+    ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index",
+                              os.path.relpath(path, REPO)], cwd=REPO)
+    assert ignored.returncode == 0, "bench/out/ must be git-ignored"
+    tracked = subprocess.run(["git", "check-ignore", "-q", "--no-index",
+                              "bench/results/paper_grid_cnn_cpu.json"], cwd=REPO)
+    assert tracked.returncode == 1
+    # Every bench script defaults to it: none names bench/results/ as its default any more.
+    for name in sorted(os.listdir(os.path.join(REPO, "bench"))):
+        if name.endswith(".py"):
+            text = open(os.path.join(REPO, "bench", name)).read()
+            assert '"results"' not in text and 'DEFINE_string("out", "bench/results' not in text, name
+
+    monkeypatch.setattr(paths, "OUT_DIR", str(tmp_path / "out"))
+    result = {"benchmark": "toy", "machine": {"backend": "cpu"}, "s_per_round": 0.123456,
+              "rows": [{"clients": n, "s_per_round": n / 1e4, "detail": {"x": 1}}
+                       for n in range(40)], "nested": {"a": {"b": 2.0}}, "list": [1, 2, 3]}
+    written = common.emit(result)
+    assert written == str(tmp_path / "out" / "toy.json")
+    assert json.loads(open(written).read()) == result
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == common.SUMMARY_LINES + 1 and lines[-1] == f"wrote {written}"
+    assert lines[:2] == ["benchmark: toy", "s_per_round: 0.1235"]
+    assert lines[2] == "rows[0]: clients=0, s_per_round=0"
+    assert lines[-2].startswith("... ") and "more lines in the JSON" in lines[-2]

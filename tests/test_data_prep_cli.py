@@ -102,3 +102,19 @@ def test_femnist_download_without_network_exits_2_with_one_line(tmp_path):
 def test_download_is_refused_for_other_datasets(tmp_path):
     proc = run("data_prep.prepare", "--dataset=sent140", "--download", f"--data_dir={tmp_path}")
     assert_one_line_exit_2(proc)
+
+
+def test_an_unknown_dataset_is_named_as_unknown(tmp_path):
+    """issue 28: a name prepare does not know is not 'needs no preparation'."""
+    proc = run("data_prep.prepare", "--dataset=cifar", f"--data_dir={tmp_path}")
+    assert_one_line_exit_2(proc)
+    line = proc.stderr.strip()
+    assert line.startswith("error: unknown dataset 'cifar'; choose one of ")
+    assert "needs no preparation" not in line
+    from deltafl_jax.datasets import DATASETS, PREPARABLE
+    assert all(name in line for name in list(DATASETS) + list(PREPARABLE))
+    # A known dataset that is generated, not prepared, says so.
+    proc = run("data_prep.prepare", "--dataset=synthetic", f"--data_dir={tmp_path}")
+    assert_one_line_exit_2(proc)
+    assert "--dataset=synthetic needs no preparation" in proc.stderr
+    assert os.listdir(tmp_path) == []

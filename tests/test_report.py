@@ -470,9 +470,17 @@ def test_the_readmes_load_runs_snippet_runs_as_written(runs, tmp_path, monkeypat
         by_method["FedAvg" if key.startswith("theta=1_") else "Δ-FL, θ = 0.5"].append(
             final["test_error_p90"])
     assert sorted(got.index) == sorted(by_method)
+    # One std convention (issue 28): the snippet's std is the report's (ddof = 0), which for
+    # two seeds is 1/sqrt(2) of pandas' default sample std.
+    rep = report.write_report(report.load([runs["delta"]])[0], str(tmp_path / "rep"))
+    header, rows = table_of(parse_tables(open(rep["report"]).read()), "Table 2")
     for method, values in by_method.items():
         assert got.loc[method, "mean"] == pytest.approx(np.mean(values), rel=1e-6)
-        assert got.loc[method, "std"] == pytest.approx(np.std(values, ddof=1), rel=1e-6)
+        assert got.loc[method, "std"] == pytest.approx(np.std(values, ddof=0), rel=1e-6)
+        assert got.loc[method, "std"] != pytest.approx(np.std(values, ddof=1), rel=1e-3)
+        mean, std = cell_numbers(rows["synthetic / linear"][header.index(method)])
+        assert std == pytest.approx(100 * got.loc[method, "std"], abs=0.0051)
+    assert "ddof = 0" in open(rep["report"]).read()
 
 
 def test_column_names_follow_the_papers_tables():
@@ -562,3 +570,30 @@ def test_a_run_of_a_newer_output_format_is_skipped_with_one_line(runs, tmp_path)
     assert [r.path for r in got] == [runs["delta"]]
     assert log == skipped and len(skipped) == 1
     assert skipped[0].startswith(f"skipped {new}: summary.json has output format version 99")
+
+
+def test_a_report_is_never_written_into_a_run(runs, tmp_path, capsys):
+    """issue 28: a run's folder holds only what a run writes, so that it can be rerun or
+    continued; --out inside a reported run, or on a run, is refused with one line."""
+    run_dir = tmp_path / "delta"
+    shutil.copytree(runs["delta"], run_dir)
+    for out in (run_dir / "report", run_dir, runs["fedavg"]):
+        before = sorted(os.listdir(run_dir))
+        code, _, err = cli([str(run_dir), f"--out={out}"], capsys)
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert code == 2 and len(lines) == 1, err
+        assert ("is inside the run" in lines[0]) or ("is a run of deltafl_jax" in lines[0])
+        assert sorted(os.listdir(run_dir)) == before
+
+
+def test_runs_below_a_run_are_named_as_skipped(runs, tmp_path):
+    """A folder that is a run and also holds one (an older version accepted such output
+    folders: issue 28) is reported alone, and the report says which runs it leaves out."""
+    outer = tmp_path / "outer"
+    shutil.copytree(runs["delta"], outer)
+    shutil.copytree(runs["fedavg"], outer / "fedavg")
+    log = []
+    loaded, skipped = report.load([str(outer)], log=log.append)
+    assert [r.path for r in loaded] == [str(outer)]
+    assert skipped == log == [f"skipped {outer / 'fedavg'}: inside the run {outer}, which is "
+                              f"reported alone (name them to report them)"]

@@ -123,6 +123,10 @@ def dataset_names():
 def prepare_dataset(config: "DataConfig", download: bool = False) -> str:
     """Prepare a real dataset from its raw source (FEMNIST, StackOverflow: after downloading
     it when `download`); returns the prepared directory. DataError for anything else."""
+    if config.dataset not in DATASETS:
+        raise DataError(f"unknown dataset {config.dataset!r}; choose one of "
+                        f"{', '.join(dataset_names())} (this command prepares "
+                        f"{', '.join(sorted(PREPARABLE))})")
     if config.dataset not in PREPARABLE:
         raise DataError(f"--dataset={config.dataset} needs no preparation; prepared datasets: "
                         f"{', '.join(sorted(PREPARABLE))}")

@@ -13,8 +13,18 @@ definition. Losses (paper, App. C.1):
   argmax predictions among the targets outside ``Model.error_ignore_ids`` (and padding)
   (:func:`sequence_losses_and_errors`).
 
+- "custom": a model of your own, with its own per-example loss and error
+  (``Model.loss_fn(outputs, x, y) -> (loss [B], error [B])``).
+
 Models are looked up by name with :func:`build_model`. The text models (gru, lstm,
 sent140_linear, lstm_nwp) live in :mod:`deltafl_jax.models.text` and resolve lazily.
+
+Your own model (a Flax module with its loss and error) is a factory ``(data, options) ->
+Model`` registered under a name with :func:`register_model` (``deltafl_jax.register_model``);
+``--model=NAME`` (or ``ExperimentConfig(model=NAME)``) then trains it, and
+``experiments.run --model_module=FILE_OR_MODULE`` imports the module that registers it. The
+README's *Your own model* has the recipe; ``tests/test_custom_model.py`` trains one defined
+outside the package.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from deltafl_jax.models.conv import conv2d, default_conv_impl, max_pool_2x2
 
 Params = Any
 
-LOSS_KINDS = ("softmax", "sigmoid", "squared", "sequence")
+LOSS_KINDS = ("softmax", "sigmoid", "squared", "sequence", "custom")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +96,12 @@ class Model:
       lanes: how the engine should run its client work (:class:`LanePreferences`).
       pad_id: "sequence" models: the padding id, left out of the loss and the error.
       error_ignore_ids: "sequence" models: target ids left out of the error (e.g. EOS).
+      loss_fn: "custom" models: ``loss_fn(outputs, x, y) -> (loss [B], error [B])``, the
+        per-example loss f(w; xi) that local SGD differentiates and F_k averages, and the
+        per-example error that the evaluations report (pure JAX, jit-able; x the raw inputs,
+        y the labels, None for a dataset without labels).
+      error_rate: the error is a misclassification rate, shown in % (None: every loss kind
+        but "squared" is; a "custom" model says so here, default True).
     """
 
     name: str
@@ -98,10 +114,23 @@ class Model:
     lanes: LanePreferences = LanePreferences()
     pad_id: int = 0
     error_ignore_ids: tuple = ()
+    loss_fn: Optional[Callable] = None
+    error_rate: Optional[bool] = None
 
     def __post_init__(self):
         if self.loss_kind not in LOSS_KINDS:
             raise ValueError(f"unknown loss kind {self.loss_kind!r}")
+        if (self.loss_kind == "custom") != (self.loss_fn is not None):
+            raise ValueError(f"model {self.name!r}: a loss_fn goes with loss_kind='custom', "
+                             f"and loss_kind='custom' needs one")
+
+    @property
+    def is_classifier(self) -> bool:
+        """Whether the error is a misclassification rate (progress lines show it in %, and
+        predict_labels applies); the mean-estimation model's error is its squared loss."""
+        if self.error_rate is not None:
+            return bool(self.error_rate)
+        return self.loss_kind != "squared"
 
     def init(self, key) -> Params:
         x = jnp.zeros((1,) + tuple(self.example_shape), self.input_dtype)
@@ -134,6 +163,10 @@ class Model:
             err = ((z > 0).astype(jnp.float32) != yf).astype(jnp.float32)
         elif self.loss_kind == "sequence":
             loss, err = sequence_losses_and_errors(out, x, self.pad_id, self.error_ignore_ids)
+        elif self.loss_kind == "custom":
+            loss, err = self.loss_fn(out, x, y)
+            loss = jnp.asarray(loss, jnp.float32).reshape(x.shape[0])
+            err = jnp.asarray(err, jnp.float32).reshape(x.shape[0])
         else:  # squared
             target = self.preprocess(x).reshape(x.shape[0], -1)
             loss = jnp.sum(jnp.square(target - out.reshape(x.shape[0], -1)), axis=-1)
@@ -332,6 +365,28 @@ LAZY_MODELS: Dict[str, str] = {
 
 def model_names():
     return sorted(set(MODELS) | set(LAZY_MODELS))
+
+
+BUILT_IN = frozenset(MODELS) | frozenset(LAZY_MODELS)
+
+
+def register_model(name: str, factory: Callable[[FederatedDataset, ModelOptions], Model],
+                   replace: bool = False) -> None:
+    """Make ``--model=name`` build ``factory(data, options)``: your own model, a
+    :class:`Model` around a Flax module (e.g. ``loss_kind="custom"`` with its ``loss_fn``).
+    Register it before the run (and before ``load_model`` of one of its runs, which rebuilds
+    the network by name). ValueError for a built-in name, or a registered one unless
+    `replace`."""
+    if not isinstance(name, str) or not name.strip() or name != name.strip():
+        raise ValueError(f"a model name is a non-empty string without surrounding spaces, got "
+                         f"{name!r}")
+    if name in BUILT_IN:
+        raise ValueError(f"model {name!r} is built in; register yours under another name")
+    if name in MODELS and not replace:
+        raise ValueError(f"model {name!r} is registered already (pass replace=True)")
+    if not callable(factory):
+        raise ValueError(f"register_model({name!r}, ...): the factory must be callable")
+    MODELS[name] = factory
 
 
 def build_model(name: str, data: FederatedDataset, options: ModelOptions = ModelOptions()) -> Model:

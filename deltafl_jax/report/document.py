@@ -5,8 +5,11 @@ notes, figures), the PNG figures and the CSV files into one directory. This is w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
+import tempfile
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -15,9 +18,9 @@ from deltafl_jax.metrics import PERCENTILE_METHODS
 from deltafl_jax.report import figures
 from deltafl_jax.report.io import Run
 from deltafl_jax.report.rows import tidy_rows, write_csv
-from deltafl_jax.report.tables import (BEST_NOTE, INTERVAL_NOTE, TABLES, Column, best_columns,
-                                       columns, markdown_table, personal_tables, runs_table,
-                                       settings)
+from deltafl_jax.report.tables import (BEST_NOTE, INTERVAL_NOTE, STD_NOTE, TABLES, Column,
+                                       best_columns, columns, markdown_table, personal_tables,
+                                       runs_table, settings)
 
 CONVENTIONS = {
     "lower": "the **lower weighted quantile**: the smallest client value whose cumulative "
@@ -45,11 +48,16 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower() or "run"
 
 
-def run_notes(runs: Sequence[Run]) -> List[str]:
-    """'RUN: note' for what each run lacks, and for datasets without classes."""
+def run_notes(runs: Sequence[Run], percentile: str = "lower") -> List[str]:
+    """'RUN: note' for what each run lacks, for datasets without classes, and for a sampled
+    evaluation's percentiles under ``--percentile=linear``."""
     notes: List[str] = []
     for run in runs:
         notes.extend(f"{run.name}: {n}" for n in run.notes)
+        if run.sampled() and percentile != "lower":
+            notes.append(f"{run.name}: evaluated a sample of clients (--eval_clients); its "
+                         f"percentiles are the sample's lower quantiles whatever --percentile "
+                         f"(the convention of their confidence intervals)")
         if run.summary.get("dataset", {}).get("num_classes", 1) == 0:
             notes.append(f"{run.name}: the dataset has no classes; its 'error' columns are not "
                          "misclassification errors")
@@ -113,8 +121,9 @@ def model_point(col: Column):
 
 
 def save_figures(cols: Sequence[Column], out_dir: str, percentile: str, dpi: int,
-                 notes: List[str]) -> List[Figure]:
-    """Every setting's figures as PNG files in `out_dir`."""
+                 notes: List[str], drawn: Optional[Dict[str, Any]] = None) -> List[Figure]:
+    """Every setting's figures as PNG files in `out_dir`; `drawn` (when given) receives each
+    matplotlib Figure under its file name."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     saved: List[Figure] = []
@@ -124,7 +133,37 @@ def save_figures(cols: Sequence[Column], out_dir: str, percentile: str, dpi: int
             FigureCanvasAgg(fig)
             fig.savefig(os.path.join(out_dir, name), dpi=dpi)
             saved.append((setting, caption, name))
+            if drawn is not None:
+                drawn[name] = fig
     return saved
+
+
+@contextlib.contextmanager
+def staged(out_dir: str):
+    """A fresh directory beside `out_dir` to write a report into: when the block ends, its
+    files are moved into `out_dir` (made if needed, files of the same names replaced); when
+    it raises, the staging directory and any parent directory made for it are removed, so a
+    report that fails leaves no folder behind, and an existing `out_dir` is left as it was."""
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    missing, p = [], parent
+    while not os.path.exists(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=parent)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in missing:              # deepest first
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        raise
+    os.makedirs(out_dir, exist_ok=True)
+    for name in sorted(os.listdir(tmp)):
+        os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+    os.rmdir(tmp)
 
 
 def conventions_section(runs: Sequence[Run], cols: Sequence[Column], percentile: str
@@ -144,8 +183,16 @@ def conventions_section(runs: Sequence[Run], cols: Sequence[Column], percentile:
            "scripts)." if percentile == "lower" else "."),
         "- Every number is recomputed from the per-client arrays (`clients.npz`, "
         "`clients_history.npz` for the curves), not read from `metrics.jsonl`.",
-        "- Cells are **mean ± std over seeds** (population std, ddof = 0); the lowest mean "
-        "of each row is in bold. Δ-FL at θ = 1 is FedAvg and is labelled so.", ""]
+        f"- Cells are **{STD_NOTE}**; the lowest mean of each row is in bold. Δ-FL at "
+        "θ = 1 is FedAvg and is labelled so.", ""]
+
+
+SAMPLED_NOTE = ("A run that evaluated a **sample of clients** (`--eval_clients`, K per split "
+                "each evaluation) is reported from its sample: its cells are the sample's "
+                "estimates, its histograms and scatter plots show the clients of its last "
+                "evaluation's sample (training clients drawn with probability α_k ∝ n_k, with "
+                "replacement, each draw weighing 1/K; test clients drawn uniformly), and "
+                "`clients.csv` has one row per sampled client and draw.")
 
 
 def markdown(runs: Sequence[Run], cols: Sequence[Column], percentile: str,
@@ -158,11 +205,15 @@ def markdown(runs: Sequence[Run], cols: Sequence[Column], percentile: str,
     if percentile == "lower" and any(c.interval(spec.metric) is not None
                                      for c in cols for spec in TABLES):
         md[-1:-1] = [f"- {INTERVAL_NOTE}"]
+    if any(run.sampled() for run in runs):
+        md[-1:-1] = [f"- {SAMPLED_NOTE}"]
     for spec in TABLES:
-        md += [f"## {spec.title}", "", markdown_table(cols, spec, percentile), ""]
+        md += [f"## {spec.title}", "", f"Cells: {STD_NOTE}.", "",
+               markdown_table(cols, spec, percentile), ""]
     for spec in personal_tables(cols):   # the runs that made a personalised evaluation
         have = [c for c in cols if spec.metric in c.run.final(percentile)]
-        md += [f"## {spec.title}", "", markdown_table(have, spec, percentile), ""]
+        md += [f"## {spec.title}", "", f"Cells: {STD_NOTE}.", "",
+               markdown_table(have, spec, percentile), ""]
     md += ["## Runs", "", runs_table(runs), ""]
     if skipped or notes:
         md += ["## Skipped runs and notes", ""]
@@ -181,24 +232,31 @@ def write_report(runs: Sequence[Run], out_dir: str, percentile: str = "lower",
     tables and figures show each baseline at its best swept value by test p90, marked
     (:func:`deltafl_jax.report.tables.best_columns`); the CSV files keep every value.
 
-    Returns {"report": path, "figures": [paths], "csv": [paths], "notes": [lines]}.
+    The files are written into a staging directory beside `out_dir` and moved into it once
+    all are written (:func:`staged`): a report that fails leaves `out_dir` as it was (and
+    makes no folder).
+
+    Returns {"report": path, "figures": [paths], "csv": [paths], "notes": [lines],
+    "drawn": {figure file name: matplotlib Figure}}.
     """
     if percentile not in PERCENTILE_METHODS:
         raise ValueError(f"percentile must be one of {', '.join(PERCENTILE_METHODS)}")
     if not runs:
         raise ValueError("no run to report")
     log = log or (lambda s: None)
-    os.makedirs(out_dir, exist_ok=True)
     every = columns(runs)
     cols = best_columns(every, percentile) if best else every
-    notes = run_notes(runs)
-    saved = save_figures(cols, out_dir, percentile, dpi, notes)
-    for kind, name in CSV_FILES:
-        write_csv(os.path.join(out_dir, name), tidy_rows(every, kind, percentile))
-    report_path = os.path.join(out_dir, "report.md")
-    with open(report_path, "w") as f:
-        f.write(markdown(runs, cols, percentile, skipped, notes, saved, best))
+    notes = run_notes(runs, percentile)
+    drawn: Dict[str, Any] = {}
+    with staged(out_dir) as tmp:
+        saved = save_figures(cols, tmp, percentile, dpi, notes, drawn)
+        for kind, name in CSV_FILES:
+            write_csv(os.path.join(tmp, name), tidy_rows(every, kind, percentile))
+        with open(os.path.join(tmp, "report.md"), "w") as f:
+            f.write(markdown(runs, cols, percentile, skipped, notes, saved, best))
     for n in notes:
         log(f"note: {n}")
-    return {"report": report_path, "figures": [os.path.join(out_dir, f[2]) for f in saved],
-            "csv": [os.path.join(out_dir, name) for _, name in CSV_FILES], "notes": notes}
+    return {"report": os.path.join(out_dir, "report.md"),
+            "figures": [os.path.join(out_dir, f[2]) for f in saved],
+            "csv": [os.path.join(out_dir, name) for _, name in CSV_FILES], "notes": notes,
+            "drawn": drawn}

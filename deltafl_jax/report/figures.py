@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
+from deltafl_jax.eval_sample import lower_rank
 from deltafl_jax.metrics import percentiles
 from deltafl_jax.report.tables import Column
 
@@ -58,21 +59,31 @@ def colors(n: int):
 def histogram_data(col: Column, split: str = "test", quantity: str = "error"):
     """(values [N], weights [N]) of the histogram: each client's final value averaged over
     seeds; weights 1/N on the test clients (bars are fractions of clients) and alpha_k on the
-    training clients (bars are alpha-weighted fractions), the tables' conventions."""
-    sizes, v = col.client_means(split, quantity)
-    if split == "train":
-        return v, sizes / sizes.sum()
-    return v, np.full(v.shape, 1.0 / v.size)
+    training clients (bars are alpha-weighted fractions), the tables' conventions. A run that
+    evaluated a sample of clients gives its sampled clients, each weighing 1/K (the training
+    draws were made with probability alpha_k: :meth:`Column.client_weights`)."""
+    _, v = col.client_means(split, quantity)
+    return v, col.client_weights(split)
 
 
-def mark_p90(ax, values, weights, table_p90: float, percentile: str, percent: bool) -> None:
+def bars_p90(values, weights, percentile: str, sampled: bool) -> float:
+    """The 90th percentile of the bars: the lower weighted quantile (or NumPy's linear one);
+    for one run's sample (equal weights), the ceil(0.9 K)-th smallest value, as
+    :func:`deltafl_jax.eval_sample.summarize_sample` takes it."""
+    if sampled and percentile == "lower":
+        return float(np.sort(values)[lower_rank(values.size, 90) - 1])
+    return float(percentiles(values[None], None if percentile == "linear" else weights, [90],
+                             percentile)[0, 0])
+
+
+def mark_p90(ax, values, weights, table_p90: float, percentile: str, percent: bool,
+             sampled: bool = False) -> None:
     """The dashed line at the 90th percentile of the plotted bars (seed-averaged values, the
     bars' weights), labelled along the line; the table's value (the mean over seeds of each
     seed's percentile) is named beside it when it prints differently."""
     if values.size == 0:
         return
-    p90 = float(percentiles(values[None], None if percentile == "linear" else weights, [90],
-                            percentile)[0, 0])
+    p90 = bars_p90(values, weights, percentile, sampled)
     show = percent_text if percent else (lambda x: f"{x:.3f}")
     text = f" p90 = {show(p90)}"
     if math.isfinite(table_p90) and show(table_p90) != show(p90):
@@ -105,7 +116,7 @@ def histogram_figure(cols: Sequence[Column], split: str = "test", quantity: str 
         ok = np.isfinite(v)        # a diverged client is left out (its mass is missing)
         ax.hist(v[ok], bins=bins, weights=w[ok], color=color, edgecolor="white", linewidth=0.5)
         mark_p90(ax, v[ok], w[ok], float(np.mean(c.values(metric, percentile))), percentile,
-                 quantity == "error")
+                 quantity == "error", sampled=c.sampled and len(c.parts) == 1 and ok.all())
         ax.set_title(c.label, fontsize=9)
         if quantity == "error":
             percent_axis(ax.xaxis)
@@ -115,9 +126,20 @@ def histogram_figure(cols: Sequence[Column], split: str = "test", quantity: str 
     axes[0][0].set_ylabel("fraction of clients" + (" (α-weighted)" if split == "train" else ""))
     what = "test misclassification error" if (split, quantity) == ("test", "error") else \
         f"{split} {quantity}"
-    fig.suptitle(f"{cols[0].setting}: {what} per client (final model, mean over seeds)",
-                 fontsize=10)
+    fig.suptitle(f"{cols[0].setting}: {what} per client (final model, mean over seeds)"
+                 f"{sample_note(cols)}", fontsize=10)
     return fig
+
+
+def sample_note(cols: Sequence[Column]) -> str:
+    """A second title line, 'the clients of the evaluation's sample (K per split)', when a
+    column's run evaluated a sample (``--eval_clients``), else ''."""
+    sizes = sorted({run.client_indices("test").size for c in cols for run, _ in c.parts
+                    if run.sampled("test")})
+    if not sizes:
+        return ""
+    return (f"\nthe clients of the last evaluation's sample ({'/'.join(map(str, sizes))} per "
+            f"split)")
 
 
 def scatter_figure(cols: Sequence[Column]):
@@ -141,7 +163,7 @@ def scatter_figure(cols: Sequence[Column]):
                 ax.set_ylabel(name + (" (%)" if quantity == "error" else ""))
         axes[0][j].set_title(c.label, fontsize=9)
     fig.suptitle(f"{cols[0].setting}: per-client final values against client size "
-                 f"(mean over seeds)", fontsize=10)
+                 f"(mean over seeds){sample_note(cols)}", fontsize=10)
     return fig
 
 
@@ -263,11 +285,10 @@ def mixture_data(cols: Sequence[Column]):
     final per-client training losses, from which every mixture loss follows, F(w; p_pi) =
     sum_k pi_k F_k(w) (pi_k weights the samples of client k). theta: the smallest level < 1
     among the columns (the paper's 2/3), or 1."""
-    sizes, _ = cols[0].client_means("train", "loss")
     losses = {c.label: c.client_means("train", "loss")[1] for c in cols}
     thetas = [c.run.labels[c.replicas[0]].theta for c in cols]
     below = [float(t) for t in thetas if float(t) < 1.0]
-    return sizes / sizes.sum(), min(below) if below else 1.0, losses
+    return cols[0].client_weights("train"), min(below) if below else 1.0, losses
 
 
 def conformity_polygon(caps: np.ndarray) -> np.ndarray:

@@ -70,6 +70,24 @@ class Run:
     def num_rounds(self) -> int:
         return int(self.config.get("num_rounds", 0))
 
+    def sampled(self, split: str = "train") -> bool:
+        """Whether clients.npz holds a sample of `split`'s clients (``--eval_clients``: the
+        evaluation drew K clients of each split, :mod:`deltafl_jax.eval_sample`)."""
+        return f"{split}_clients" in self.clients
+
+    def client_indices(self, split: str) -> np.ndarray:
+        """[K] the population index of each client whose final values clients.npz holds for
+        `split` ("train" / "test"): every client in order, or the evaluation's sample
+        (training: the K draws with probability alpha_k, repeats included)."""
+        if self.sampled(split):
+            return np.asarray(self.clients[f"{split}_clients"], np.int64)
+        return np.arange(len(self.clients[f"{split}_sizes"]), dtype=np.int64)
+
+    def client_sizes(self, split: str) -> np.ndarray:
+        """[K] n_k of the clients of :meth:`client_indices` (clients.npz's ``*_sizes`` hold
+        the whole population's)."""
+        return np.asarray(self.clients[f"{split}_sizes"])[self.client_indices(split)]
+
     @property
     def resampled_per_seed(self) -> bool:
         """Each seed of the experiment was its own dataset (--resample_writers_per_seed)."""
@@ -208,7 +226,8 @@ def read_clients(reader: RunReader, keys: Sequence[str]) -> Dict[str, np.ndarray
 
 
 def read_history(reader: RunReader, shape: Tuple[int, int, int], notes: List[str]):
-    """clients_history.npz [E, R, N] checked against (R, N_train, N_test), or None (noted)."""
+    """clients_history.npz [E, R, N] checked against (R, N_train, N_test) (a sampled
+    evaluation: (R, K_train, K_test), each evaluation's own sample), or None (noted)."""
     if not reader.has(CLIENTS_HISTORY):
         notes.append("no clients_history.npz; curves come from metrics.jsonl (lower "
                      "percentiles only)")
@@ -277,7 +296,8 @@ def read_run(path: str, name: Optional[str] = None) -> Run:
     except RunFormatError as e:
         raise RunError(e.reason) from None
     notes: List[str] = []
-    shape = (len(keys), len(clients["train_sizes"]), len(clients["test_sizes"]))
+    shape = (len(keys), *(len(clients[f"{split}_clients"]) if f"{split}_clients" in clients
+                          else len(clients[f"{split}_sizes"]) for split in ("train", "test")))
     history = read_history(reader, shape, notes)
     rounds = read_rounds(reader, len(keys), notes)
     records = read_records(reader, summary.get("config", {}).get("num_rounds"), notes)
@@ -334,9 +354,18 @@ def load(paths: Iterable[str], log: Optional[Callable[[str], None]] = None
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    dirs = find_run_dirs([os.fspath(p) for p in paths])
+    paths = [os.fspath(p) for p in paths]
+    dirs = find_run_dirs(paths)
     names = [os.path.basename(os.path.normpath(d)) or d for d in dirs]
     runs, skipped = [], []
+    for p in paths:   # a run directory that also holds runs (written by an older version)
+        below = runs_below(p, 3) if os.path.isdir(p) and looks_like_run(p) else []
+        if below:
+            line = (f"skipped {', '.join(below)}: inside the run {p}, which is reported "
+                    f"alone (name them to report them)")
+            skipped.append(line)
+            if log:
+                log(line)
     for d, n in zip(dirs, names):
         name = n if names.count(n) == 1 else os.path.normpath(d)
         try:

@@ -15,7 +15,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from deltafl_jax.outputs import RunReader
-from deltafl_jax.report.tables import method_label
+from deltafl_jax.report.tables import method_label, seed_std
 
 ROWS = (("test error, 90th percentile", "test_error_p90", 100.0, 2),
         ("test error, mean", "test_error_mean", 100.0, 2),
@@ -46,7 +46,7 @@ def _cells(cols, key: str, scale: float, digits: int, multi: bool) -> List[str]:
         text = f"{mean:.{digits}f}"
         text = f"**{text}**" if round(mean, digits) == round(best, digits) else text
         if multi:
-            text += f" ± {scale * float(np.std(c[key])):.{digits}f}"
+            text += f" ± {scale * seed_std(c[key]):.{digits}f}"
         cells.append(text)
     return cells
 

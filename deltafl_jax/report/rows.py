@@ -58,17 +58,22 @@ def client_rows(col: Column) -> List[Dict[str, Any]]:
 
 
 def run_client_rows(col: Column, run: Run, replicas: Sequence[int]) -> List[Dict[str, Any]]:
+    """One row per replica and client of clients.npz: every client, or for a run that
+    evaluated a sample (``--eval_clients``) each sampled client, with its draw number
+    ``draw`` (training draws repeat a client drawn twice)."""
     c, rows = run.clients, []
     for r in replicas:
         base = label_fields(col, r, run)
         for split in ("train", "test"):
             ids = c.get(f"{split}_client_ids", np.arange(len(c[f"{split}_sizes"])))
-            for k in range(len(c[f"{split}_sizes"])):
-                rows.append({**base, "split": split, "client_index": k,
+            sampled = run.sampled(split)
+            for j, k in enumerate(run.client_indices(split)):
+                rows.append({**base, "split": split, "client_index": int(k),
+                             **({"draw": j} if sampled else {}),
                              "client_id": str(ids[k]),
                              "num_examples": int(c[f"{split}_sizes"][k]),
-                             "loss": float(c[f"{split}_loss"][r, k]),
-                             "error": float(c[f"{split}_error"][r, k])})
+                             "loss": float(c[f"{split}_loss"][r, j]),
+                             "error": float(c[f"{split}_error"][r, j])})
     return rows
 
 
@@ -124,7 +129,10 @@ def load_runs(paths, kind: str = "final", percentile: str = "lower",
     Example::
 
         df = deltafl_jax.report.load_runs("runs/synthetic")
-        df.groupby("method")["test_error_p90"].agg(["mean", "std"])
+        df.groupby("method")["test_error_p90"].agg(mean="mean", std=lambda v: v.std(ddof=0))
+
+    (ddof = 0: the report's std over seeds, :data:`deltafl_jax.report.tables.SEED_STD_DDOF`;
+    pandas' ``std()`` alone is the sample std, ddof = 1.)
     """
     if percentile not in PERCENTILE_METHODS:
         raise ValueError(f"percentile must be one of {', '.join(PERCENTILE_METHODS)}, got "

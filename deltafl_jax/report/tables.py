@@ -2,7 +2,9 @@
 papers' style, and the markdown tables (Tables 2 and 3, the train-loss tables, the runs).
 
 A :class:`Column` is the replicas of one run that differ only by seed; runs on the same data
-and model share a table row (:func:`columns`). Cells are mean +- std (ddof = 0) over seeds.
+and model share a table row (:func:`columns`). Cells are mean +- std over seeds, the std being
+the population standard deviation of the seeds' values (ddof = 0, as ``np.std``;
+:data:`SEED_STD_DDOF`, :func:`seed_std`; pandas' ``std()`` is the sample one, ddof = 1).
 A run evaluated on sampled clients (``--eval_clients``, :mod:`deltafl_jax.eval_sample`) keeps
 each metric's confidence interval as ``METRIC_lo`` / ``METRIC_hi`` in summary.json's "final";
 its cells then show ``[lo, hi]`` after mean +- std: the means over the seeds of each seed's
@@ -25,6 +27,18 @@ from deltafl_jax.server_optimizer import from_run_config
 
 if TYPE_CHECKING:
     from deltafl_jax.report.io import Run
+
+
+# The one convention of every "mean ± std over seeds" of the package (report tables, the
+# README's tables, load_runs' documented aggregation): the population standard deviation.
+SEED_STD_DDOF = 0
+STD_NOTE = ("mean ± std over seeds; std is the population standard deviation of the seeds' "
+            "values (ddof = 0, as np.std; pandas' .std() gives ddof = 1)")
+
+
+def seed_std(values) -> float:
+    """The std of a cell: over the seeds' values, with ddof = :data:`SEED_STD_DDOF`."""
+    return float(np.std(np.asarray(values, np.float64), ddof=SEED_STD_DDOF))
 
 
 def fmt_value(v) -> str:
@@ -102,13 +116,40 @@ class Column:
     def client_means(self, split: str, quantity: str) -> Tuple[np.ndarray, np.ndarray]:
         """(n_k [N], per-client value [N] averaged over seeds) for split 'train'/'test' and
         quantity 'loss'/'error' (App. C.3: each client's metric averaged over the seeds).
-        When the seeds are different datasets, every seed's clients are pooled."""
+        When the seeds are different datasets, every seed's clients are pooled. A run that
+        evaluated a sample of clients (``--eval_clients``) gives its sampled clients (the same
+        sample for every replica of the run; training: the K draws, repeats included)."""
         sizes, means = [], []
         for run, reps in self.parts:
             arr = np.asarray(run.clients[f"{split}_{quantity}"], np.float64)[reps]
-            sizes.append(np.asarray(run.clients[f"{split}_sizes"]))
+            sizes.append(run.client_sizes(split))
             means.append(arr.mean(axis=0))
         return np.concatenate(sizes), np.concatenate(means)
+
+    def client_weights(self, split: str) -> np.ndarray:
+        """[N] the weight of each value of :meth:`client_means` in the figures, summing to 1:
+        the examples (training, alpha_k ∝ n_k) or the clients (test) that it stands for. An
+        evaluated client stands for itself; a sampled one for its share of the population
+        (training: each of the K draws, made with probability alpha_k, for sum n / K
+        examples; test: each of the K uniform draws for N_test / K clients), so the weights
+        of one sampled run are 1/K and its weighted mean is the mean that metrics.jsonl
+        records."""
+        parts = []
+        for run, _ in self.parts:
+            sizes = run.client_sizes(split).astype(np.float64)
+            if run.sampled(split):
+                population = np.asarray(run.clients[f"{split}_sizes"])
+                total = float(population.sum()) if split == "train" else float(population.size)
+                parts.append(np.full(sizes.size, total / sizes.size))
+            else:
+                parts.append(sizes if split == "train" else np.ones(sizes.size))
+        w = np.concatenate(parts)
+        return w / w.sum()
+
+    @property
+    def sampled(self) -> bool:
+        """Every run of the column evaluated a sample of clients (``--eval_clients``)."""
+        return all(run.sampled("train") for run, _ in self.parts)
 
 
 def run_columns(run: "Run") -> List[Tuple[str, Tuple, List[int], List[int]]]:
@@ -304,7 +345,7 @@ class Cell:
 
 def table(cols: Sequence[Column], metric: str, percentile: str = "lower",
           percent: bool = False):
-    """(rows, column labels, {(row, label): Cell}); mean and std (ddof=0) over seeds, and
+    """(rows, column labels, {(row, label): Cell}); mean and std (:func:`seed_std`) over seeds, and
     the means of the seeds' interval bounds when the runs recorded them (lower percentiles
     only: the intervals are of the lower quantile)."""
     rows = settings(cols)
@@ -317,7 +358,7 @@ def table(cols: Sequence[Column], metric: str, percentile: str = "lower",
         v = c.values(metric, percentile) * scale
         bounds = c.interval(metric) if percentile == "lower" else None
         lo, hi = (None, None) if bounds is None else (float(np.mean(b)) * scale for b in bounds)
-        cells[(c.setting, c.label)] = Cell(mean=float(np.mean(v)), std=float(np.std(v)),
+        cells[(c.setting, c.label)] = Cell(mean=float(np.mean(v)), std=seed_std(v),
                                            values=tuple(float(x) for x in v),
                                            seeds=tuple(c.seeds), lo=lo, hi=hi)
     return rows, labels, cells

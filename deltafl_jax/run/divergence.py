@@ -8,7 +8,7 @@ non-finite client updates are rejected and counted (``num_rejected``).
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,12 +19,29 @@ DIVERGENCE_FACTOR = 3.0
 
 
 class StopOnDivergence(Callback):
-    """Marks replicas inactive at the evaluation where their training loss diverged."""
+    """Marks replicas inactive at the evaluation where their training loss diverged.
 
-    def __init__(self, factor: float = DIVERGENCE_FACTOR):
+    `history`: the metrics.jsonl records of a resumed run, from which the round at which an
+    already stopped replica was stopped is read back (the first of its evaluations whose loss
+    diverged), so that the resumed run records the round an uninterrupted one does."""
+
+    def __init__(self, factor: float = DIVERGENCE_FACTOR,
+                 history: Sequence[Mapping[str, Any]] = ()):
         self.factor = factor
         self.initial = None
         self.diverged: Dict[str, int] = {}
+        self.history = history
+
+    def _bad(self, loss, r: int) -> bool:
+        return not np.isfinite(loss) or loss > self.factor * self.initial[r]
+
+    def _stopped_at(self, label, r: int, default: int) -> int:
+        fields = label.to_json()
+        for rec in self.history:
+            if all(rec.get(k) == v for k, v in fields.items()) and \
+                    self._bad(float(rec.get("train_loss_mean", np.nan)), r):
+                return int(rec["round"])
+        return default
 
     def on_run_start(self, run: RunContext) -> None:
         view = run.view
@@ -34,7 +51,8 @@ class StopOnDivergence(Callback):
         active = run.state.active
         if active is not None:
             for r in np.flatnonzero(~np.asarray(active)):
-                self.diverged.setdefault(view.labels[r].key(), run.start_round)
+                label = view.labels[r]
+                self.diverged.setdefault(label.key(), self._stopped_at(label, r, run.start_round))
 
     def on_evaluation(self, run: RunContext, evaluation: Evaluation) -> None:
         loss = evaluation.summary["train_loss_mean"]

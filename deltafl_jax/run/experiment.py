@@ -194,7 +194,7 @@ class Experiment:
         facts = RunFacts(
             dataset=data.name, dataset_stats=data.stats(),
             train_clients=data.train.num_clients, test_clients=data.test.num_clients,
-            model=self.model.name, classify=self.model.loss_kind != "squared",
+            model=self.model.name, classify=self.model.is_classifier,
             config=self.config, num_sampled=self.num_sampled, lanes=self.lanes,
             eval_chunk=self.eval_chunk, backend=self.backend,
             placement_line=placement_line(self), accounting=self.accounting)

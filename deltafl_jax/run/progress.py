@@ -18,6 +18,7 @@ from typing import Callable, List, Optional, TextIO
 
 import numpy as np
 
+from deltafl_jax.algorithms import registry
 from deltafl_jax.replicas import labels_by_method
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
 
@@ -26,15 +27,36 @@ def count(n: int, word: str) -> str:
     """'1 seed', '3 seeds'."""
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
+def coordinates(label, theta: str = "θ") -> str:
+    """A replica's coordinates as progress lines show them: 'θ=0.5', 'qffl_q=0.1',
+    'θ=0.5 server_lr=0.03'. An algorithm that trains one model whatever its sweep (its spec
+    does not name the swept value in reports: FedAvg, SCAFFOLD) shows only the further
+    coordinates ('' when none): its θ = 1 is no choice of the user's. `theta`: how θ is
+    written ("theta" in a multi-method run's closing table)."""
+    extra = " ".join(f"{n}={v:g}" for n, v in label.extra)
+    spec = registry.find(label.algorithm)
+    if spec is not None and not spec.names_value:
+        return extra
+    name, value = label.swept()
+    head = theta if name == "theta" else name
+    return " ".join(p for p in (f"{head}={value:g}", extra) if p)
+
+
+def replica_group_name(label) -> str:
+    """The name of a swept value's replicas in progress lines: :func:`coordinates`, or the
+    algorithm's display name when they are empty ('SCAFFOLD', 'FedAvg')."""
+    spec = registry.find(label.algorithm)
+    display = spec.display_name if spec is not None else label.algorithm
+    coords = coordinates(label)
+    if spec is not None and not spec.names_value:
+        return " ".join(p for p in (display, coords) if p)
+    return coords
+
+
 def _groups(labels):
     """(display name of a swept value, replica indices of its seeds)."""
-    out = []
-    for _, rs in labels_by_method(labels).items():
-        name, value = labels[rs[0]].swept()
-        head = "θ" if name == "theta" else name
-        extra = "".join(f" {n}={v:g}" for n, v in labels[rs[0]].extra)
-        out.append((f"{head}={value:g}{extra}", rs))
-    return out
+    return [(replica_group_name(labels[rs[0]]), rs)
+            for _, rs in labels_by_method(labels).items()]
 
 
 def interval_text(summary, key: str, rows, scale: float = 1.0, digits: int = 1) -> str:
@@ -176,8 +198,6 @@ class Progress(Callback):
             self.log(f"privacy: clip C={config.dp_clip:g}, noise multiplier z = {zs}; "
                      f"epsilon at delta={acc.delta:.3g} for m={acc.m} of {acc.population} "
                      f"clients a round (sampled without replacement, replace-one)")
-        if run.start_round:
-            self.log(f"resuming after round {run.start_round} of {run.num_rounds}")
 
     def on_round_end(self, run: RunContext, round: int, metrics) -> None:
         if not self.bar:
@@ -211,7 +231,8 @@ class Progress(Callback):
         self._clear_bar()
         if result.stopped or not result.final:
             return
-        self.log("\n".join(["Final per-client test error (mean over seeds):"]
+        what = "test error" if run.view.facts.classify else "test loss"
+        self.log("\n".join([f"Final per-client {what} (mean over seeds):"]
                            + closing_table(result, run.view.labels,
                                            run.view.facts.classify)))
         if run.output_dir:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import os
 from typing import Any, Dict, List, Mapping, Optional
 
 import jax
@@ -44,14 +46,22 @@ def _canonical(value) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def fingerprint(config, data) -> Dict[str, Any]:
-    """The settings (flag name -> value) and the data that a resume must match, as JSON reads
-    them back. The data settings and the algorithm's options (with their defaults filled in)
-    are flattened, so that a difference names the flag (``--filter``)."""
+def settings(config) -> Dict[str, Any]:
+    """The settings (flag name -> value) that a resume must match, as JSON reads them back:
+    the configuration without :data:`FREE_FIELDS`, the data settings and the algorithm's
+    options (with their defaults filled in) flattened, so that a difference names the flag
+    (``--filter``). The output directory's marker holds them (``deltafl_run.json``)."""
     out = {k: v for k, v in dataclasses.asdict(config).items() if k not in FREE_FIELDS}
     out.update(out.pop("data"))
     del out["options"]
     out.update(dataclasses.asdict(registry.get(config.algorithm).options_for(config)))
+    return json.loads(_canonical(out))
+
+
+def fingerprint(config, data) -> Dict[str, Any]:
+    """:func:`settings` and the data (its sha256) that a resume must match, with the versions
+    that change results (jax; dp-accounting for a private run)."""
+    out = settings(config)
     out["data_sha256"] = data_digest(data)
     out["jax_version"] = jax.__version__
     if config.dp_clip is not None:   # a calibrated z and the epsilon depend on the accountant
@@ -98,14 +108,62 @@ class Resume:
     records: List[Dict[str, Any]]
 
 
-def check_config(checkpointer: ckpt.Checkpointer, current: Mapping[str, Any]) -> None:
-    """ConfigError naming the flags that differ from the newest checkpoint's."""
+# The one setting a run may change and still continue exactly (see continuation_obstacle).
+EXTENDABLE = "num_rounds"
+
+
+def continuation_obstacle(config, done: int, diverged: Optional[Mapping[str, int]] = None
+                          ) -> Optional[str]:
+    """Why a run of `config`'s settings, planned for another number of rounds and `done`
+    rounds in, cannot go on to ``config.num_rounds`` and end as an uninterrupted run of that
+    length would (None when it can).
+
+    Nothing of a round depends on the planned total: the sampling, the shuffles and the PRNG
+    keys are functions of (seed, round), the learning rate gamma_0 c^-floor(t / t_0) of the
+    round alone, the evaluations fall every ``eval_every`` rounds, the checkpoints change no
+    result, and epsilon is accounted round by round. Except:
+
+    - a noise multiplier calibrated to ``--dp_target_epsilon`` over the planned rounds (a
+      finite target): another total gives another z;
+    - ``--stop_on_divergence``, when a replica was stopped at the evaluation a finished run
+      made after its last round off the ``eval_every`` schedule (`diverged`: replica key ->
+      round, summary.json's): the longer run would not have stopped it there;
+    - rounds already done past the new total.
+    """
+    if done > config.num_rounds:
+        return f"it has done {done} rounds, more than --num_rounds={config.num_rounds}"
+    targets = [e for e in config.dp_target_epsilon if math.isfinite(e)]
+    if config.dp_clip is not None and targets:
+        return (f"its noise multiplier was calibrated to --dp_target_epsilon="
+                f"{','.join(f'{e:g}' for e in targets)} over its planned rounds, and another "
+                f"--num_rounds gives another one (give --dp_noise_multiplier to plan a run that "
+                f"can grow)")
+    stopped = sorted(k for k, r in (diverged or {}).items() if int(r) == done)
+    if config.stop_on_divergence and done % config.eval_every and stopped:
+        return (f"--stop_on_divergence stopped {', '.join(stopped)} at its last evaluation "
+                f"(round {done}), which a run of {config.num_rounds} rounds evaluating every "
+                f"{config.eval_every} does not make")
+    return None
+
+
+def check_config(checkpointer: ckpt.Checkpointer, current: Mapping[str, Any],
+                 config=None) -> None:
+    """ConfigError naming the flags that differ from the newest checkpoint's; only
+    ``--num_rounds`` may differ, when the run can continue to it exactly
+    (:func:`continuation_obstacle`; `config` is the current configuration)."""
     try:
         saved = checkpointer.read_fingerprint()
     except ckpt.CheckpointMismatch as e:
         raise ConfigError(f"cannot resume from {checkpointer.directory}: {e}; pass "
                           f"--overwrite to start afresh") from None
     diff = fingerprint_diff(saved[1], current) if saved is not None else []
+    if diff == [EXTENDABLE] and config is not None:
+        why = continuation_obstacle(config, saved[0])
+        if why is None:
+            return
+        raise ConfigError(f"cannot continue the run in {os.path.dirname(checkpointer.directory)}"
+                          f" to --num_rounds={config.num_rounds} exactly: {why}; pass "
+                          f"--overwrite to start afresh")
     if diff:
         names = ", ".join(f"--{d}" for d in diff)
         raise ConfigError(f"the checkpoint in {checkpointer.directory} was made with other "
@@ -136,11 +194,12 @@ def histories(output_dir: str, round: int):
 
 
 def load(checkpointer: ckpt.Checkpointer, current: Mapping[str, Any], template_state,
-         output_dir: str) -> Optional[Resume]:
+         output_dir: str, config=None) -> Optional[Resume]:
     """The run's :class:`Resume` from its newest intact checkpoint (a damaged newest one falls
     back to the previous, with a warning) and `output_dir`'s files, or None when there is no
-    checkpoint. ConfigError when the checkpoint was made with other settings."""
-    check_config(checkpointer, current)
+    checkpoint. ConfigError when the checkpoint was made with other settings (other than a
+    ``--num_rounds`` that `config` can continue to, :func:`check_config`)."""
+    check_config(checkpointer, current, config)
     try:
         found = checkpointer.restore(template_state)
     except ckpt.CheckpointMismatch as e:

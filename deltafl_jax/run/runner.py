@@ -5,9 +5,11 @@ one, run its rounds with the standard callbacks, and return the result.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import jax
 
@@ -38,29 +40,163 @@ def has_checkpoint(out: str) -> bool:
     return os.path.isdir(folder) and any(n.isdigit() for n in os.listdir(folder))
 
 
-def check_output_dir(out: Optional[str], overwrite: bool) -> None:
-    """ConfigError for a directory that holds a finished run (summary.json), unless
-    overwrite. (A stopped run resumes from its checkpoint, or starts afresh when it has none:
-    see :func:`_prepare`.)"""
-    if out and os.path.exists(out) and not os.path.isdir(out):
-        raise ConfigError(f"--output_dir={out} exists and is not a directory")
-    if out and not overwrite and os.path.exists(os.path.join(out, outputs.SUMMARY)):
-        outputs.prepare_dir(out, overwrite=False)   # raises the one-line error
+def _listing(names: Sequence[str], most: int = 4) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def _prepare(out: Optional[str], overwrite: bool, log) -> None:
-    """Make the primary process's output dir ready: emptied with overwrite, and for a run
-    that was stopped before its first checkpoint (nothing to resume from: it starts afresh,
-    saying so in one line); a run with a checkpoint is left for the resume."""
+def check_output_dir(out: Optional[str], overwrite: bool, config=None) -> None:
+    """ConfigError (one line) unless `out` may receive the run of `config`:
+
+    - absent or empty: a new run;
+    - a run of this package (:func:`deltafl_jax.outputs.inspect_dir`): with `overwrite` it is
+      replaced; without, a finished run (summary.json) is continued when only ``--num_rounds``
+      grows and the run can be continued exactly (:func:`check_continuation`), and a stopped
+      run resumes when its settings (its marker's) are `config`'s, ``--num_rounds`` aside;
+    - anything else (a folder holding other files, the parent of runs) is refused, with or
+      without `overwrite`, which replaces a run and never someone's files.
+
+    Without `config` a finished run is refused (no continuation) and a stopped one accepted.
+    """
     if not out:
         return
-    check_output_dir(out, overwrite)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--output_dir={out} exists and is not a directory")
+    state = outputs.inspect_dir(out)
+    if state.kind == "other":
+        if state.runs:
+            raise ConfigError(
+                f"--output_dir={out} is not a run but holds runs "
+                f"({_listing([r.rstrip('/') for r in state.runs])}); name a directory of its "
+                f"own, e.g. {os.path.join(out, 'NAME')} (--overwrite replaces a run, never a "
+                f"folder of them)")
+        raise ConfigError(
+            f"--output_dir={out} is not a run of deltafl_jax: it holds "
+            f"{_listing(list(state.foreign))} (not files a run writes); choose a new or empty "
+            f"directory (--overwrite replaces a run, never other files)")
+    if state.kind != "run" or overwrite:
+        return
+    reader = outputs.RunReader(out)
+    if reader.has(outputs.SUMMARY):
+        check_continuation(out, reader, config)
+    elif config is not None:
+        diff = [d for d in _settings_diff(reader, config) if d != resume.EXTENDABLE]
+        if diff:
+            raise ConfigError(f"--output_dir={out} holds a stopped run with other settings "
+                              f"({', '.join(f'--{d}' for d in diff)} differ); rerun with those "
+                              f"to resume it, or pass --overwrite to start afresh")
+
+
+def _settings_diff(reader: outputs.RunReader, config) -> List[str]:
+    """The settings of `config` that differ from the run's (its marker's; for a finished run
+    written before the marker, its summary.json's configuration); [] when unknown."""
+    mark = reader.marker()
+    if mark is not None and isinstance(mark.get("settings"), dict):
+        return resume.fingerprint_diff(mark["settings"], resume.settings(config))
+    if not reader.has(outputs.SUMMARY):
+        return []
+    try:
+        saved = reader.summary().get("config", {})
+    except outputs.RunFormatError:   # refused as it is by check_continuation
+        return []
+    current = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    diff = resume.fingerprint_diff(
+        {k: _bools_as_ints(v) for k, v in saved.items() if k not in resume.FREE_FIELDS},
+        {k: _bools_as_ints(v) for k, v in current.items() if k not in resume.FREE_FIELDS})
+    return [d.split(".", 1)[1] if d.startswith(("data.", "options.", "sweeps.")) else d
+            for d in diff]
+
+
+def _bools_as_ints(value):
+    """summary.json stores a configuration's booleans as 0 / 1; compare them so."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _bools_as_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_bools_as_ints(v) for v in value]
+    return value
+
+
+def check_continuation(out: str, reader: outputs.RunReader, config) -> None:
+    """ConfigError unless the finished run in `out` can be continued by `config`: the same
+    settings but a larger ``--num_rounds``, a checkpoint to continue from, and nothing that
+    depends on the total (:func:`deltafl_jax.run.resume.continuation_obstacle`)."""
+    refuse = (f"--output_dir={out} already holds results; pass --overwrite or choose another "
+              f"directory")
+    if config is None:
+        raise ConfigError(refuse)
+    try:
+        summary = reader.summary()
+    except outputs.RunFormatError:
+        raise ConfigError(refuse) from None
+    done = int(summary.get("config", {}).get("num_rounds", 0))
+    diff = _settings_diff(reader, config)
+    other = [d for d in diff if d != resume.EXTENDABLE]
+    if other:
+        raise ConfigError(f"--output_dir={out} holds a finished run with other settings "
+                          f"({', '.join(f'--{d}' for d in other)} differ); pass --overwrite or "
+                          f"choose another directory")
+    if config.num_rounds <= done:
+        raise ConfigError(refuse + f" (its {done} rounds are done; a larger --num_rounds "
+                                   f"continues it)")
+    if not has_checkpoint(out):
+        raise ConfigError(f"--output_dir={out} holds a finished run of {done} rounds without a "
+                          f"checkpoint to continue it from; pass --overwrite to start afresh")
+    why = resume.continuation_obstacle(config, done, summary.get("diverged"))
+    if why is not None:
+        raise ConfigError(f"cannot continue the run in {out} to --num_rounds="
+                          f"{config.num_rounds} exactly: {why}; pass --overwrite to start "
+                          f"afresh")
+
+
+def check_output_parents(top: Optional[str], output_dirs: Sequence[Optional[str]]) -> None:
+    """ConfigError when `top`, the directory under which a run of several programs writes
+    its output directories (``--algorithm`` listing several methods:
+    ``<top>/<method>/``; ``--resample_writers_per_seed``: ``<top>/seed_<s>/``), or a folder
+    between them, holds anything other than those programs' directories."""
+    if not top:
+        return
+    top = os.path.normpath(top)
+    allowed: Dict[str, set] = {}
+    for d in output_dirs:
+        rel = os.path.relpath(os.path.normpath(d), top) if d else "."
+        if rel == "." or rel.startswith(".."):
+            continue
+        here = top
+        for part in rel.split(os.sep):
+            allowed.setdefault(here, set()).add(part)
+            here = os.path.join(here, part)
+    for parent, names in sorted(allowed.items()):
+        if not os.path.exists(parent):
+            continue
+        if not os.path.isdir(parent):
+            raise ConfigError(f"--output_dir={parent} exists and is not a directory")
+        extra = sorted(set(os.listdir(parent)) - names)
+        if extra:
+            raise ConfigError(
+                f"--output_dir={parent} holds {_listing(extra)}, which this run of "
+                f"{len(output_dirs)} programs does not write (only "
+                f"{', '.join(n + '/' for n in sorted(names))}); choose a new or empty "
+                f"directory")
+
+
+def _prepare(out: Optional[str], config, log) -> None:
+    """Make the primary process's output dir ready: emptied with overwrite, and for a run
+    that was stopped before its first checkpoint (nothing to resume from: it starts afresh,
+    saying so in one line); a run with a checkpoint is left for the resume. A new run's
+    directory gets its marker (:meth:`deltafl_jax.outputs.RunWriter.write_marker`)."""
+    if not out:
+        return
+    overwrite = config.overwrite
+    check_output_dir(out, overwrite, config)
     if not overwrite and outputs.has_results(out) and not has_checkpoint(out):
         log(f"deltafl_jax: {out} holds a run stopped before its first checkpoint; starting it "
             f"afresh")
         overwrite = True
     if overwrite or not has_checkpoint(out):
         outputs.prepare_dir(out, overwrite)
+        outputs.RunWriter(out).write_marker(resume.settings(config))
 
 
 def _checkpointer(config) -> Optional[ckpt.Checkpointer]:
@@ -77,7 +213,8 @@ def standard_callbacks(config, exp, log, recorder, checkpointer, fingerprint) ->
     out = config.output_dir if distributed.is_primary() else None
     cbs: List[Callback] = []
     if config.stop_on_divergence:
-        cbs.append(StopOnDivergence())   # before the writers: it adds to the summary
+        # before the writers: it adds to the summary
+        cbs.append(StopOnDivergence(history=recorder.history))
     if config.verbose and distributed.is_primary():
         cbs.append(Progress(log))
     if out:
@@ -105,21 +242,35 @@ def _write_histories(out: str, recorder: Recorder, exp: Experiment) -> None:
 
 
 def _resume(exp: Experiment, checkpointer, fingerprint, recorder: Recorder, log):
-    """(start round, state): from the newest checkpoint of the same configuration, or fresh."""
+    """(start round, state): from the newest checkpoint of the same configuration (or of a
+    run it continues to more rounds), or fresh."""
+    config = exp.config
     state = exp.initial_state()
-    out = distributed.primary_output_dir(exp.config.output_dir)
-    found = (resume.load(checkpointer, fingerprint, state, out)
+    out = distributed.primary_output_dir(config.output_dir)
+    found = (resume.load(checkpointer, fingerprint, state, out, config)
              if checkpointer is not None and checkpointer.latest_round() is not None else None)
-    if distributed.is_primary() and out:   # no duplicate or torn lines
-        outputs.RunWriter(out).truncate_metrics(after_round=found.round if found else 0)
+    finished = bool(out) and os.path.exists(os.path.join(out, outputs.SUMMARY))
+    if finished and found is None:   # checked before: it had a checkpoint, now unreadable
+        raise ConfigError(f"cannot continue the run in {out}: no checkpoint of it can be read; "
+                          f"pass --overwrite to start afresh")
+    if distributed.is_primary() and out:
+        writer = outputs.RunWriter(out)
+        if finished:   # continued: a run in progress until it writes its results anew
+            writer.remove_final_outputs()
+        writer.truncate_metrics(after_round=found.round if found else 0)   # no duplicates
+        writer.write_marker(resume.settings(config))
     if found is None:
         return 0, state
     recorder.resume(found)
-    if found.round == exp.config.num_rounds:   # killed after its last checkpoint
+    if found.round == config.num_rounds:   # killed after its last checkpoint
         metrics = {k: v[-1] for k, v in found.per_round.items()}
         recorder.last = evaluate(exp, found.state, found.round, metrics, 0.0)
-    log(f"deltafl_jax: resuming {exp.config.output_dir} from its checkpoint after round "
-        f"{found.round} of {exp.config.num_rounds}")
+    if finished:
+        log(f"deltafl_jax: continuing {config.output_dir} from its checkpoint after round "
+            f"{found.round}, to round {config.num_rounds}")
+    else:
+        log(f"deltafl_jax: resuming {config.output_dir} from its checkpoint after round "
+            f"{found.round} of {config.num_rounds}")
     return found.round, found.state
 
 
@@ -138,13 +289,13 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
     """
     log = log or _print
     out = config.output_dir if distributed.is_primary() else None
-    check_output_dir(out, config.overwrite)
+    check_output_dir(out, config.overwrite, config)
     t0 = time.perf_counter()
     data = data if data is not None else load_dataset(config.data)
     exp = build_experiment(config, data, replicas)
     fingerprint = resume.fingerprint(config, exp.data)
     distributed.check_same_plan(exp, fingerprint)
-    _prepare(out, config.overwrite, log)
+    _prepare(out, config, log)
     distributed.barrier("prepared")   # the others read what the primary keeps of its dir
     checkpointer = _checkpointer(config)
     try:
