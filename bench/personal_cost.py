@@ -2,7 +2,7 @@ r"""What a personalised method costs per round: Ditto (two models per local step
 on the same clients, rounds interleaved in one process.
 
     python -m bench.personal_cost [--models=linear,cnn] [--rounds=6] [--clients=20] \
-        [--out=bench/results/personal_cost_cpu.json]
+        [--out=bench/results/personal_cost_cpu.json]   # default: bench/out/personal_cost.json
 
 On FEMNIST-shaped data (``bench.common.femnist_like_dataset``: 865 writers of FEMNIST's sizes,
 synthetic pixels), one local epoch, lr 0.05, seed 1: softmax regression (batch 10) and the
@@ -26,7 +26,8 @@ flags.DEFINE_list("models", ["linear", "cnn"], "models to time (linear, cnn)")
 flags.DEFINE_integer("rounds", 6, "timed rounds per method (median reported)")
 flags.DEFINE_integer("clients", 20, "m, sampled clients per round")
 flags.DEFINE_integer("num_clients", 865, "clients in the population")
-flags.DEFINE_string("out", "bench/results/personal_cost_cpu.json", "write the JSON here")
+flags.DEFINE_string("out", None, "write the JSON here (default: the git-ignored "
+                    "bench/out/personal_cost.json)")
 FLAGS = flags.FLAGS
 
 METHODS = (("fedavg", {}), ("ditto", {"ditto_lambda": (1.0,)}),
@@ -83,12 +84,11 @@ def main(argv):
     del argv
     from bench.common import emit, machine
     rows = [row for model in FLAGS.models for row in measure(model)]
+    table = ["| model | method | s/round | / FedAvg |", "|---|---|---|---|"] + [
+        f"| {r['model']} | {r['algorithm']} | {r['s_per_round']:.4f} | "
+        f"{r['ratio_to_fedavg']:.2f} |" for r in rows]
     emit({"benchmark": "personal_cost", "machine": machine(), "rounds": FLAGS.rounds,
-          "rows": rows}, FLAGS.out)
-    print("\n| model | method | s/round | / FedAvg |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['model']} | {r['algorithm']} | {r['s_per_round']:.4f} | "
-              f"{r['ratio_to_fedavg']:.2f} |")
+          "rows": rows}, FLAGS.out, summary=table)
 
 
 if __name__ == "__main__":
