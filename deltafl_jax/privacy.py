@@ -39,6 +39,37 @@ accountant's (replace-one relation) for t self-compositions of that event
 (:func:`round_event`). DP-FedAvg's own analysis (and DP-SGD's) samples each client
 independently with probability q and takes add-or-remove neighbours: :func:`poisson_event`,
 which the tests use to reproduce a published figure.
+
+Poisson client sampling (``--client_sampling=poisson``, :mod:`deltafl_jax.plan`): each
+training client joins a round independently with probability q = m / N, and two neighbouring
+populations differ by one client added or removed. Each release's multiplier is then its noise
+std over the add-or-remove sensitivity: z for the update (one client adds at most C a_max), z
+for the kept weight, z_q for every quantile sum (``PrivateAggregate.add_remove_releases``). A
+round is ``PoissonSampledDpEvent(q, GaussianDpEvent(z_eff))``, z_eff = z (sum_i r_i^-2)^-1/2
+the one Gaussian mechanism equivalent to the composition of Gaussians with multipliers z r_i
+on the same sample (their joint privacy loss is that Gaussian's; dp-accounting's RDP
+accountant reduces them the same way), self-composed over the rounds, under dp-accounting's
+PLD accountant (``--dp_accountant=pld``, the default under Poisson; ``rdp`` keeps the RDP
+accountant). The plan has a fixed number of slots, the cap M (:func:`deltafl_jax.plan.poisson_cap`):
+a round whose cohort overflows it trains a uniform M of its clients. Truncation changes the
+mechanism only on the overflow event, so with P the probability that any round of the run
+overflows (union bound, population N + 1) the truncated run is (epsilon, delta + (1 + e^eps) P)
+-DP when the Poisson one is (epsilon, delta) (its output law is within P in total variation on
+each of the two neighbouring populations). The cap is the smallest M that makes that term at
+most delta / 1000 at the run's largest finite epsilon, and the term itself is recorded
+(``overflow_delta``). DP-FedAvg under Poisson divides by the fixed expected weight q N (every
+sampled client weighs a_max = 1 / (q N), :func:`poisson_weights`; McMahan et al. 2018), not
+by the realised cohort.
+
+Adaptive clipping (``--dp_clip=adaptive``; Andrew, Thakkar, McMahan, Ramaswamy, *Differentially
+Private Learning with Adaptive Clipping*, NeurIPS 2021) for the private versions with a fixed
+denominator (DP-FedAvg): each replica's clip C_t lives in the round state; each round the
+server also receives the count of trained clients whose update was not clipped, b = sum_k
+[||Delta_k|| <= C_t], with noise N(0, (r z)^2) (r = ``--dp_clip_count_noise``), and moves the
+clip geometrically toward the target quantile gamma: C_{t+1} = C_t exp(-eta_C (b~ - gamma)),
+b~ = (b + noise) / m (:func:`adaptive_clip`). Each client adds 0 or 1 to the count under
+either relation, so that release's multiplier is r z; the accountant composes it with the
+update's.
 """
 
 from __future__ import annotations
@@ -53,8 +84,28 @@ NOISE_STREAM = 0x5EC   # folded into a replica's round key for the server's nois
 # The model update's noise multiplier relative to z under the replace-one relation: its noise
 # std is z C a_max and replacing one client moves the sum by up to 2 C a_max.
 UPDATE_RELEASE = 0.5
+# Under add-or-remove (Poisson sampling) one client moves the sum by at most C a_max: z.
+UPDATE_RELEASE_ADD_REMOVE = 1.0
 ACCOUNTANT = ("dp-accounting RDP, replace-one neighbours, m of N sampled without replacement "
               "each round")
+CLIP_STREAM = 0xC11    # folded into a replica's round key for the clip count's noise
+SAMPLERS = ("fixed", "poisson")
+ACCOUNTANTS = ("pld", "rdp")
+ADAPTIVE = "adaptive"
+# The overflow term (1 + e^eps) P of a capped Poisson run is kept below delta / this.
+OVERFLOW_SHARE = 1000.0
+# A non-private Poisson run's cap: an overflow anywhere in the run has at most this chance.
+OVERFLOW_PLAIN = 1e-9
+PLD_LOWEST_Z = 0.1    # the smallest z that calibration tries with the PLD accountant
+
+
+def describe_accountant(sampler: str, accountant: str) -> str:
+    """The accountant, the neighbouring relation and the sampler, in words."""
+    if sampler == "fixed":
+        return ACCOUNTANT
+    name = "PLD" if accountant == "pld" else "RDP"
+    return (f"dp-accounting {name}, add-or-remove neighbours, Poisson sampling (each client "
+            f"independently with probability q = m / N each round)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +125,23 @@ class Privacy:
     quantile_noise_ratio: float = 1.0
     loss_bound: float = 10.0
     mm_floor: float = 0.1
+    sampler: str = "fixed"
+    accountant: Optional[str] = None
+    adaptive: bool = False
+    clip_quantile: float = 0.5
+    clip_lr: float = 0.2
+    clip_count_noise: float = 5.0
 
     @property
     def enabled(self) -> bool:
         return self.clip is not None
 
+    @property
+    def accountant_name(self) -> str:
+        """pld or rdp: as given, else rdp for fixed sampling and pld for Poisson."""
+        if self.accountant is not None:
+            return self.accountant
+        return "pld" if self.sampler == "poisson" else "rdp"
     def check(self) -> None:
         """ConfigError naming the flag at fault."""
         if not self.enabled:
@@ -90,12 +153,38 @@ class Privacy:
                                      ("dp_quantile_noise_ratio",
                                       self.quantile_noise_ratio != d.quantile_noise_ratio),
                                      ("dp_loss_bound", self.loss_bound != d.loss_bound),
-                                     ("dp_mm_floor", self.mm_floor != d.mm_floor)) if on]
+                                     ("dp_mm_floor", self.mm_floor != d.mm_floor),
+                                     ("dp_accountant", self.accountant is not None),
+                                     ("dp_clip_quantile", self.clip_quantile != d.clip_quantile),
+                                     ("dp_clip_lr", self.clip_lr != d.clip_lr),
+                                     ("dp_clip_count_noise",
+                                      self.clip_count_noise != d.clip_count_noise)) if on]
             if given:
                 raise ConfigError(f"--{given[0]} needs --dp_clip (the clip norm C of the "
                                   f"clients' updates)")
             return
-        _positive("dp_clip", self.clip)
+        _positive("dp_clip_init" if self.adaptive else "dp_clip", self.clip)
+        if self.accountant is not None and self.accountant not in ACCOUNTANTS:
+            raise ConfigError(f"--dp_accountant must be one of {', '.join(ACCOUNTANTS)}, got "
+                              f"{self.accountant!r}")
+        if self.accountant == "pld" and self.sampler == "fixed":
+            raise ConfigError("--dp_accountant=pld needs --client_sampling=poisson: "
+                              "dp-accounting's PLD accountant has no event for m of N sampled "
+                              "without replacement (fixed sampling uses its RDP accountant)")
+        if not self.adaptive:
+            d = Privacy()
+            for flag, v, dv in (("dp_clip_quantile", self.clip_quantile, d.clip_quantile),
+                                ("dp_clip_lr", self.clip_lr, d.clip_lr),
+                                ("dp_clip_count_noise", self.clip_count_noise,
+                                 d.clip_count_noise)):
+                if v != dv:
+                    raise ConfigError(f"--{flag} needs --dp_clip=adaptive")
+        else:
+            q = self.clip_quantile
+            if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < q < 1.0:
+                raise ConfigError(f"--dp_clip_quantile must lie in (0, 1), got {q!r}")
+            _positive("dp_clip_lr", self.clip_lr)
+            _positive("dp_clip_count_noise", self.clip_count_noise)
         for z in self.noise_multipliers:
             _number("dp_noise_multiplier", z, 0.0)
         for e in self.target_epsilons:
@@ -139,7 +228,8 @@ class Privacy:
             zs = tuple(float(z) for z in self.noise_multipliers)
         else:
             delta = self.delta_for(num_clients)
-            zs = tuple(calibrate(e, num_clients, m, rounds, delta, releases)
+            zs = tuple(calibrate(e, num_clients, m, rounds, delta, releases, self.sampler,
+                                 self.accountant_name)
                        for e in self.target_epsilons)
         return tuple(float32_at_least(z) for z in zs)
 
@@ -197,44 +287,78 @@ def poisson_event(q: float, z: float, releases: Sequence[float]):
     return dp_accounting.PoissonSampledDpEvent(q, _gaussians(z, releases))
 
 
+def effective_multiplier(z: float, releases: Sequence[float]) -> float:
+    """z (sum_i r_i^-2)^-1/2: the multiplier of the one Gaussian mechanism equivalent to the
+    composition of Gaussians with multipliers z r_i on the same sample."""
+    return z / math.sqrt(sum(1.0 / (r * r) for r in releases))
+
+
+def poisson_round_event(population: int, m: int, z: float, releases: Sequence[float]):
+    """One Poisson round (q = m / population) of the releases with add-or-remove multipliers
+    z r: ``PoissonSampledDpEvent(q, GaussianDpEvent(z_eff))``."""
+    import dp_accounting
+    return dp_accounting.PoissonSampledDpEvent(
+        m / population, dp_accounting.GaussianDpEvent(effective_multiplier(z, releases)))
+
+
 def _replace_one():
     from dp_accounting import NeighboringRelation
     from dp_accounting.rdp import RdpAccountant
     return RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
 
 
+def _add_or_remove(accountant: str):
+    from dp_accounting import NeighboringRelation
+    if accountant == "pld":
+        from dp_accounting.pld import PLDAccountant
+        return PLDAccountant(neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
+    from dp_accounting.rdp import RdpAccountant
+    return RdpAccountant(neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
+
+
+def _ledger(population, m, releases, rounds, sampler, accountant):
+    """(a fresh accountant maker, z -> the run's event) of a sampler and an accountant."""
+    import dp_accounting
+    if sampler == "fixed":
+        return _replace_one, lambda z: dp_accounting.SelfComposedDpEvent(
+            round_event(population, m, z, releases), rounds)
+    return (lambda: _add_or_remove(accountant)), lambda z: dp_accounting.SelfComposedDpEvent(
+        poisson_round_event(population, m, z, releases), rounds)
+
+
 def epsilon(population: int, m: int, z: float, releases: Sequence[float], rounds: int,
-            delta: float) -> float:
-    """epsilon at `delta` after `rounds` rounds (:data:`ACCOUNTANT`); inf without noise, 0
-    before the first round."""
+            delta: float, sampler: str = "fixed", accountant: str = "rdp") -> float:
+    """epsilon at `delta` after `rounds` rounds (fixed sampling: :data:`ACCOUNTANT`;
+    Poisson: :func:`poisson_round_event` under the `accountant`, add-or-remove); inf without
+    noise, 0 before the first round."""
     if rounds <= 0:
         return 0.0
     if z <= 0:
         return math.inf
-    import dp_accounting
-
+    fresh, event = _ledger(population, m, releases, rounds, sampler, accountant)
     with _QuietAccountant():
-        accountant = _replace_one()
-        accountant.compose(dp_accounting.SelfComposedDpEvent(
-            round_event(population, m, z, releases), rounds))
-        return float(accountant.get_epsilon(delta))
+        acc = fresh()
+        acc.compose(event(z))
+        return float(acc.get_epsilon(delta))
 
 
 def calibrate(target: float, population: int, m: int, rounds: int, delta: float,
-              releases: Sequence[float]) -> float:
+              releases: Sequence[float], sampler: str = "fixed",
+              accountant: str = "rdp") -> float:
     """The smallest z whose epsilon after `rounds` rounds is at most `target` (0 for inf)."""
     if math.isinf(target):
         return 0.0
     import dp_accounting
 
+    fresh, event = _ledger(population, m, releases, rounds, sampler, accountant)
+    # PLD's discretised loss grows as 1 / z^2: its search starts at z = 0.1 (an epsilon
+    # reached only below that is refused).
+    low = PLD_LOWEST_Z if sampler == "poisson" and accountant == "pld" else 1e-3
     try:
         with _QuietAccountant():
             return float(dp_accounting.calibrate_dp_mechanism(
-                _replace_one,
-                lambda z: dp_accounting.SelfComposedDpEvent(
-                    round_event(population, m, z, releases), rounds),
-                target, delta,
-                bracket_interval=dp_accounting.LowerEndpointAndGuess(1e-3, 1.0)))
+                fresh, event, target, delta,
+                bracket_interval=dp_accounting.LowerEndpointAndGuess(low, 1.0)))
     except Exception as e:   # pylint: disable=broad-except
         raise ConfigError(f"--dp_target_epsilon={target:g} cannot be calibrated for m = {m} of "
                           f"{population} clients, {rounds} rounds, delta = {delta:g}: "
@@ -265,26 +389,74 @@ def clip_factor(sqnorm, clip: float):
 
 @dataclasses.dataclass(frozen=True)
 class Accounting:
-    """The privacy ledger of a run: m of `population` clients sampled per round, the round's
-    releases (noise multipliers relative to z, the update's first), delta, and each replica's
-    z (the float32 number the round applies)."""
+    """The privacy ledger of a run: m of `population` clients sampled per round (Poisson: m
+    expected, q = m / population), the round's releases (noise multipliers relative to z under
+    the sampler's relation, the update's first), delta, each replica's z (the float32 number
+    the round applies), the sampler and the accountant; for Poisson the plan's cap and the
+    run's rounds (the overflow term)."""
 
     population: int
     m: int
     releases: Tuple[float, ...]
     delta: float
     noise: Tuple[float, ...]
+    sampler: str = "fixed"
+    accountant: str = "rdp"
+    cap: Optional[int] = None
+    rounds: int = 0
 
     def epsilons(self, rounds: int):
         """[R] epsilon of each replica after `rounds` rounds (float64; inf without noise)."""
         import numpy as np
-        per_z = {z: epsilon(self.population, self.m, z, self.releases, rounds, self.delta)
+        per_z = {z: epsilon(self.population, self.m, z, self.releases, rounds, self.delta,
+                            self.sampler, self.accountant)
                  for z in set(self.noise)}
         return np.asarray([per_z[z] for z in self.noise], np.float64)
 
+    def overflow_delta(self, eps: float) -> float:
+        """(1 + e^eps) P: what a capped Poisson run adds to delta (0 for fixed sampling), P
+        the probability that some round of the run overflows the cap."""
+        if self.sampler != "poisson" or self.cap is None:
+            return 0.0
+        from deltafl_jax.plan import overflow_probability
+        p = min(1.0, self.rounds * overflow_probability(self.population + 1,
+                                                        self.m / self.population, self.cap))
+        return 0.0 if p == 0 else (math.inf if eps > 700 else (1.0 + math.exp(eps)) * p)
+
     def describe(self, labels) -> dict:
-        """What summary.json records: the accountant, its inputs and each replica's z."""
-        return {"accountant": ACCOUNTANT, "dp_accounting_version": library_version(),
-                "population": self.population, "clients_per_round": self.m,
-                "delta": self.delta, "releases": list(self.releases),
-                "noise_multiplier": {lab.key(): z for lab, z in zip(labels, self.noise)}}
+        """What summary.json records: the accountant, its inputs and each replica's z (and
+        under Poisson the sampler's q, cap and the overflow term at the run's epsilons)."""
+        out = {"accountant": describe_accountant(self.sampler, self.accountant),
+               "dp_accounting_version": library_version(),
+               "population": self.population, "clients_per_round": self.m,
+               "delta": self.delta, "releases": list(self.releases),
+               "noise_multiplier": {lab.key(): z for lab, z in zip(labels, self.noise)}}
+        if self.sampler == "poisson":
+            eps = self.epsilons(self.rounds)
+            out.update({"sampler": "poisson", "neighbours": "add-or-remove",
+                        "sampling_probability": self.m / self.population, "cap": self.cap,
+                        "overflow_delta": {lab.key(): self.overflow_delta(float(e))
+                                           for lab, e in zip(labels, eps)}})
+        return out
+
+
+def poisson_weights(private, weights, hyper, m: int):
+    """Under Poisson sampling a fixed-denominator private version (DP-FedAvg) weighs every
+    sampled client a_max = its weight at the expected cohort m = q N, whatever the realised
+    cohort (McMahan et al. 2018's estimator); others keep their weights."""
+    import jax.numpy as jnp
+    if private is None or private.denominator is None:
+        return weights
+    a_max = jnp.asarray(private.max_weight(hyper, m), jnp.float32)
+    return jnp.where(weights > 0, a_max, 0.0).astype(weights.dtype)
+
+
+def adaptive_clip(clip, unclipped, key, z, privacy: "Privacy", m: int):
+    """One replica's next clip (Andrew et al. 2021): C exp(-eta_C (b~ - gamma)), b~ = (the
+    count of updates not clipped + N(0, (r z)^2)) / m; and b~."""
+    import jax
+    import jax.numpy as jnp
+    noise = privacy.clip_count_noise * z * jax.random.normal(
+        jax.random.fold_in(key, CLIP_STREAM), (), jnp.float32)
+    frac = (unclipped.astype(jnp.float32) + noise) / m
+    return clip * jnp.exp(-privacy.clip_lr * (frac - privacy.clip_quantile)), frac

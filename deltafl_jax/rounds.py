@@ -40,7 +40,7 @@ from deltafl_jax.algorithms.spec import ClientFeedback, FederatedAlgorithm
 from deltafl_jax.models import Model
 from deltafl_jax.plan import RoundPlan
 from deltafl_jax.replicas import Replicas
-from deltafl_jax.privacy import NOISE_STREAM
+from deltafl_jax.privacy import NOISE_STREAM, adaptive_clip, poisson_weights
 from deltafl_jax.server_optimizer import init_states, server_step
 
 
@@ -56,6 +56,7 @@ class ServerState(flax.struct.PyTreeNode):
       rate: hyperparams["learning_rate"] [R]); () for the default step w + Delta.
     client_state: pytree, leaves [R, N, ...]: every training client's own state, for an
       algorithm that declares one (SCAFFOLD's c_i); () otherwise.
+    clip: [R] float32: each replica's DP clip under --dp_clip=adaptive; None otherwise.
     """
 
     params: Any
@@ -64,6 +65,7 @@ class ServerState(flax.struct.PyTreeNode):
     active: Any = None
     server_opt_state: Any = ()
     client_state: Any = ()
+    clip: Any = None
 
 
 class RoundData(NamedTuple):
@@ -78,10 +80,11 @@ class RoundData(NamedTuple):
 def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                seeds: Sequence[int],
                server_tx: Optional[optax.GradientTransformation] = None,
-               num_clients: int = 0) -> ServerState:
+               num_clients: int = 0, clip: Optional[float] = None) -> ServerState:
     """w_0 of each replica from its seed (replicas with one seed start from one w_0), the
     algorithm's state, the server optimizer's state (each replica's own learning rate), and
-    the per-client state of the `num_clients` training clients when the algorithm has one."""
+    the per-client state of the `num_clients` training clients when the algorithm has one;
+    `clip`: the initial clip of every replica under --dp_clip=adaptive."""
     keys = jax.vmap(jax.random.key)(
         jnp.asarray([int(seeds[g]) for g in replicas.group], jnp.uint32))
     params = jax.jit(jax.vmap(model.init))(keys)
@@ -99,7 +102,9 @@ def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                        active=jnp.ones((replicas.size,), bool),
                        server_opt_state=init_states(server_tx, params,
                                                     replicas.server_lr),
-                       client_state=client_state)
+                       client_state=client_state,
+                       clip=None if clip is None else jnp.full((replicas.size,), clip,
+                                                               jnp.float32))
 
 
 def replica_keys(replicas: Replicas, seeds: Sequence[int]):
@@ -234,11 +239,19 @@ def _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z):
 def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                    local: engine.LocalSGDConfig, eval_chunk: int, eval_lanes: int,
                    num_sampled: int,
-                   server_tx: Optional[optax.GradientTransformation] = None):
+                   server_tx: Optional[optax.GradientTransformation] = None,
+                   expected: Optional[int] = None, adaptive=None):
     """The round of `algorithm` for `replicas`, with the server optimizer's transformation
     `server_tx` (None: the plain step w + Delta), client-level DP when ``local.clip`` is set
-    (each replica's noise multiplier ``replicas.dp_noise``). An unjitted pure function."""
-    private, privatize = _private(algorithm, local.clip, num_sampled)
+    (each replica's noise multiplier ``replicas.dp_noise``). `expected`: a Poisson cohort's
+    expected size q N (`num_sampled` is then the plan's slots, the empty ones of size 0);
+    `adaptive`: the run's :class:`deltafl_jax.privacy.Privacy` under --dp_clip=adaptive (the
+    clip is ``state.clip``). An unjitted pure function."""
+    poisson = expected is not None
+    m_dp = expected if poisson else num_sampled    # the cohort the private version expects
+    private, privatize = _private(algorithm, local.clip, m_dp)
+    if adaptive is not None:   # the clip of each replica from the state, traced
+        privatize = jax.vmap(lambda fb, h, k, zz, c: _privatize(private, c, m_dp, fb, h, k, zz))
     z_np = np.asarray(replicas.dp_noise, np.float32)
     hooks = algorithm.client_hooks()
     local = local._replace(client_hooks=hooks)
@@ -261,7 +274,15 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(key)
         clients = data.plan.clients[group]                          # [R, m] client ids
         z = jnp.asarray(z_np)
+        if poisson:   # empty slots: loss 0 and weight 0
+            present = sizes > 0
+            losses = jnp.where(present, losses, 0.0)
         weights = _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z)
+        if poisson:
+            weights = jnp.where(present, weights, 0.0)
+            if private is not None:
+                weights = jax.vmap(lambda w, h: poisson_weights(private, w, h, m_dp))(
+                    weights, hyper)
         keep = (state.active if state.active is not None
                 else jnp.ones((weights.shape[0],), bool))
         weights = jnp.where(keep[:, None], weights, 0.0)
@@ -269,14 +290,26 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
                   if hooks is not None else None)
         tr = engine.train_jobs(model, state.params, X=data.x, Y=data.y, plan=data.plan,
                                replica_group=group, job_weight=weights, learning_rate=lr,
-                               l2=l2, hyper=hyper, cfg=local, clients=inputs)
+                               l2=l2, hyper=hyper, cfg=local, clients=inputs,
+                               clip=state.clip if adaptive is not None else None)
         feedback = ClientFeedback(losses=losses, sizes=sizes, weights=weights,
                                   delta_sum=tr.delta_sum, weight_sum=tr.weight_sum,
                                   job_sqnorm=tr.job_sqnorm, job_finite=tr.job_finite,
                                   job_trained=tr.job_trained, learning_rate=lr,
                                   clients=clients, client_outputs=tr.job_output)
-        if private is not None:
+        extra, clip = {}, state.clip
+        if adaptive is not None:
+            feedback = privatize(feedback, hyper, keys, z, state.clip)
+            unclipped = jnp.sum(tr.job_trained & tr.job_finite & ~tr.job_clipped, axis=1)
+            new, frac = jax.vmap(lambda c, u, k, zz: adaptive_clip(c, u, k, zz, adaptive,
+                                                                   m_dp))(
+                state.clip, unclipped, keys, z)
+            clip = jnp.where(keep, new, state.clip)
+            extra = {"dp_clip_norm": state.clip, "dp_unclipped_fraction": frac}
+        elif private is not None:
             feedback = privatize(feedback, hyper, keys, z)
+        if poisson:
+            extra["cohort_size"] = jnp.sum(present, axis=1)
         params, algo_state, opt_state, algo_metrics = _server(
             algorithm, server_tx, state, feedback, hyper, keep)
         client_state = state.client_state
@@ -286,6 +319,7 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         metrics = _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics,
                                  algorithm.uses_losses)
         return state.replace(params=params, algo_state=algo_state, round=t + 1,
-                             server_opt_state=opt_state, client_state=client_state), metrics
+                             server_opt_state=opt_state, client_state=client_state,
+                             clip=clip), {**metrics, **extra}
 
     return round_fn

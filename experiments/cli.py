@@ -151,8 +151,21 @@ def _define_privacy_flags() -> None:
     privacy")."""
     from deltafl_jax.privacy import Privacy
     d = Privacy()
-    _define(flags.DEFINE_float, "dp_clip", None, "client-level DP (DP-FedAvg): clip each "
-            "client's update to this L2 norm C; unset: not private")
+    _define(flags.DEFINE_string, "dp_clip", None, "client-level DP (DP-FedAvg): clip each "
+            "client's update to this L2 norm C; 'adaptive': a clip per replica that follows "
+            "the --dp_clip_quantile of the update norms (Andrew et al. 2021); unset: not "
+            "private")
+    _define(flags.DEFINE_float, "dp_clip_init", 0.1, "--dp_clip=adaptive: the initial clip "
+            "C_0")
+    _define(flags.DEFINE_float, "dp_clip_quantile", d.clip_quantile, "--dp_clip=adaptive: the "
+            "target quantile gamma of the update norms (the fraction left unclipped)")
+    _define(flags.DEFINE_float, "dp_clip_lr", d.clip_lr, "--dp_clip=adaptive: eta_C of the "
+            "geometric step C <- C exp(-eta_C (b - gamma))")
+    _define(flags.DEFINE_float, "dp_clip_count_noise", d.clip_count_noise, "--dp_clip=adaptive:"
+            " the noise std of the unclipped count, relative to z (accounted)")
+    _define(flags.DEFINE_enum, "dp_accountant", None, "pld | rdp: dp-accounting's accountant; "
+            "unset: rdp with --client_sampling=fixed (replace-one), pld with poisson "
+            "(add-or-remove)", enum_values=["pld", "rdp"])
     _define(flags.DEFINE_list, "dp_noise_multiplier", ["0"], "z: the server adds N(0, (z C "
             "a_max)^2) to the sum of the clipped updates; several values train as replicas")
     _define(flags.DEFINE_list, "dp_target_epsilon", [], "epsilon at --dp_delta after the run's "
@@ -229,7 +242,12 @@ def define_experiment_flags() -> None:
     _define_server_flags()
     _define_privacy_flags()
     _define(flags.DEFINE_integer, "num_rounds", 100, "communication rounds")
-    _define(flags.DEFINE_integer, "clients_per_round", 10, "m, clients sampled per round")
+    _define(flags.DEFINE_integer, "clients_per_round", 10, "m, clients sampled per round "
+            "(poisson: expected)")
+    _define(flags.DEFINE_enum, "client_sampling", "fixed", "fixed: m distinct clients drawn "
+            "uniformly each round | poisson: each client joins a round independently with "
+            "probability q = m / N (DP's add-or-remove accounting)",
+            enum_values=["fixed", "poisson"])
     _define(flags.DEFINE_integer, "local_epochs", 1, "local epochs of minibatch SGD per kept "
             "client")
     _define(flags.DEFINE_integer, "local_steps", None, "local SGD steps instead of epochs")
@@ -311,6 +329,17 @@ def ints(name: str, values: Sequence[str]) -> Tuple[int, ...]:
                          f"{','.join(values)!r}") from None
 
 
+def clip_flag(value):
+    """--dp_clip: None, 'adaptive' or a number."""
+    if value is None or value.strip() == "adaptive":
+        return None if value is None else "adaptive"
+    try:
+        return float(value)
+    except ValueError:
+        raise UsageError(f"--dp_clip must be a number C > 0 or 'adaptive', got {value!r}") \
+            from None
+
+
 def _toy_means(text):
     try:
         means = tuple(tuple(float(v) for v in pair.split(",")) for pair in text.split(";")
@@ -334,8 +363,10 @@ SCALAR_FIELDS = ("model", "num_rounds", "clients_per_round", "local_epochs",
                  "client_data", "eval_clients",
                  "branchless", "output_dir", "overwrite", "conv_impl", "save_models", "checkpoint_every", "checkpoint_every_s",
                  "stop_on_divergence", "devices", "use_bias", "server_optimizer",
-                 "server_momentum", "server_beta1", "server_beta2", "server_eps", "dp_clip",
-                 "dp_delta", "dp_quantile_noise_ratio", "dp_loss_bound", "dp_mm_floor")
+                 "server_momentum", "server_beta1", "server_beta2", "server_eps",
+                 "dp_delta", "dp_quantile_noise_ratio", "dp_loss_bound", "dp_mm_floor",
+                 "client_sampling", "dp_accountant", "dp_clip_init", "dp_clip_quantile",
+                 "dp_clip_lr", "dp_clip_count_noise")
 
 
 def data_config_from_flags():
@@ -379,6 +410,7 @@ def config_from_flags(algorithm: str = None, beside_others: bool = False,
         l2_reg=l2[0] if len(l2) == 1 else l2, sweeps=sweeps, server_lr=server_lr,
         dp_noise_multiplier=floats("dp_noise_multiplier", FLAGS.dp_noise_multiplier),
         dp_target_epsilon=floats("dp_target_epsilon", FLAGS.dp_target_epsilon),
+        dp_clip=clip_flag(FLAGS.dp_clip),
         tensorboard={"yes": True, "no": False}.get(FLAGS.tensorboard))
 
 

@@ -126,9 +126,10 @@ class DeltaFLOptions:
 
 
 def client_alphas(sizes, weighting: str):
-    """alpha_k up to a constant factor: n_k (weighted) or 1 (unweighted)."""
+    """alpha_k up to a constant factor: n_k (weighted) or 1 (unweighted); 0 for an empty
+    slot of a Poisson cohort (size 0)."""
     n = sizes.astype(jnp.float32)
-    return n if weighting == "weighted" else jnp.ones_like(n)
+    return n if weighting == "weighted" else (sizes > 0).astype(jnp.float32)
 
 
 def filter_rule(filter: str):
@@ -187,10 +188,13 @@ def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggrega
         eta, _ = mm_quantile(losses, alphas, 1.0 - hyper.theta, iters, noise)
         return jnp.where((losses > eta) & (alphas > 0), alphas, 0.0)
 
+    # Adding or removing a client moves the kept weight by 1, the first sum (F_k, 1) by
+    # sqrt(B^2 + 1) and each MM sum by sqrt(B^2 + 1) / xi: multipliers z, z_q, z_q.
     return PrivateAggregate(max_weight=lambda hyper, m: 1.0, denominator=None,
                             releases=(1.0, first) + (ratio,) * iters,
                             client_weights=client_weights,
-                            floor=lambda hyper, m: 0.5 * hyper.theta * m)
+                            floor=lambda hyper, m: 0.5 * hyper.theta * m,
+                            add_remove_releases=(1.0, ratio) + (ratio,) * iters)
 
 
 def deltafl(options: DeltaFLOptions = DeltaFLOptions(), tie_rtol: float = DEFAULT_TIE_RTOL,
@@ -295,6 +299,6 @@ SPEC = AlgorithmSpec(
     help="Delta-FL: the clients above the (1 - theta)-quantile train",
     factory=build_deltafl,
     hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=DeltaFLOptions,
-    column_name=column_name, tunes_l2=True,
+    column_name=column_name, tunes_l2=True, variable_cohort=True,
     dp_requires="--quantile=secagg_mm --weighting=unweighted (private Delta-FL: eta from "
     "Algorithm 3's noised secure sums, the clients filtering themselves at weight 1)")

@@ -205,7 +205,7 @@ class _LaneProgram:
     """
 
     def __init__(self, model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
-                 hyper, cfg, clients: Optional[ClientInputs] = None):
+                 hyper, cfg, clients: Optional[ClientInputs] = None, clip=None):
         self.params, self.X, self.Y, self.plan = params, X, Y, plan
         self.group, self.jobs, self.lr, self.l2, self.hyper = (replica_group, jobs,
                                                                learning_rate, l2, hyper)
@@ -225,6 +225,7 @@ class _LaneProgram:
         self.branchless = cfg.branchless
         self.hooks, self.clients = cfg.client_hooks, clients
         self.clip = cfg.clip
+        self.clip_r = clip   # [R] a traced clip per replica (adaptive clipping), or None
 
     def when(self, lanes, fn, operand):
         """fn(operand) if any lane needs it, else operand; fn is the identity on the other
@@ -276,7 +277,7 @@ class _LaneProgram:
             delta = jax.tree.map(lambda a, w: a - w, carry.params, gather_rows(self.params, r))
             slot = jnp.where(done, js, J)
             if self.clip is not None:   # client-level DP: clip before the update is summed
-                delta, long_ = self.clipped_updates(delta)
+                delta, long_ = self.clipped_updates(delta, r)
                 clipped = clipped.at[slot].set(long_, mode="drop")
             ok = jax.vmap(tree_all_finite)(delta) & done
             coef = jnp.where(ok, self.jobs.weight[js], 0.0)
@@ -299,13 +300,15 @@ class _LaneProgram:
                               finite=acc[3], job_state=acc[4], job_output=acc[5],
                               clipped=acc[6])
 
-    def clipped_updates(self, delta):
-        """The lanes' updates scaled to L2 norm <= C, and which were longer ([c] bool)."""
+    def clipped_updates(self, delta, r):
+        """The lanes' updates scaled to L2 norm <= C (their replica's C when the clip is per
+        replica), and which were longer ([c] bool)."""
         sq = jax.vmap(tree_sqnorm)(delta)
-        f = clip_factor(sq, self.clip)
+        clip = self.clip if self.clip_r is None else self.clip_r[r]
+        f = clip_factor(sq, clip)
         scaled = jax.tree.map(
             lambda d: d * f.reshape((self.c,) + (1,) * (d.ndim - 1)).astype(d.dtype), delta)
-        return scaled, sq > self.clip * self.clip
+        return scaled, sq > clip * clip
 
     # ---------------------------------------------------------------- per-client work (hooks)
 
@@ -392,8 +395,8 @@ class _LaneProgram:
 
 
 def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, learning_rate,
-               l2, hyper, cfg: LocalSGDConfig, clients: Optional[ClientInputs] = None
-               ) -> TrainResult:
+               l2, hyper, cfg: LocalSGDConfig, clients: Optional[ClientInputs] = None,
+               clip=None) -> TrainResult:
     """LocalUpdate for every job (r, i) with job_weight[r, i] > 0, and the weighted sums.
 
     Args:
@@ -406,6 +409,8 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
       hyper: the algorithm's hyper pytree, leaves [R] (for its local penalty).
       cfg: static choices.
       clients: what ``cfg.client_hooks`` read (required with hooks).
+      clip: [R] each replica's clip, traced (adaptive clipping), instead of ``cfg.clip``
+        (which must then be set).
 
     ``trips`` counts minibatch steps of the busiest lane (the critical path); the loop runs
     ceil(trips / cfg.unroll) trips, and ``padded_examples`` counts trips * lanes * batch (the
@@ -416,7 +421,7 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
     if (cfg.client_hooks is None) != (clients is None):
         raise ValueError("client hooks and their inputs go together")
     prog = _LaneProgram(model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
-                        hyper, cfg, clients)
+                        hyper, cfg, clients, clip)
     trips = prog.deal.trips
     loop_trips = (trips + prog.K - 1) // prog.K
     out = lax.while_loop(lambda cr: cr.trip < loop_trips, prog.body, prog.init())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
@@ -30,7 +31,8 @@ from deltafl_jax.errors import ConfigError
 from deltafl_jax.eval_sample import EvalSampler, summarize_sample
 from deltafl_jax.metrics import summarize
 from deltafl_jax.models import Model, ModelOptions, build_model, default_conv_impl
-from deltafl_jax.privacy import UPDATE_RELEASE, Accounting
+from deltafl_jax.privacy import (OVERFLOW_PLAIN, OVERFLOW_SHARE, UPDATE_RELEASE,
+                                UPDATE_RELEASE_ADD_REMOVE, Accounting)
 from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import placement as placement_lib
 from deltafl_jax.run.callbacks import RunFacts, RunView
@@ -55,7 +57,8 @@ class Experiment:
     work: plan_lib.LocalWork
     caps: plan_lib.Capacities
     placement: Placement
-    num_sampled: int       # m: clients sampled per round (AFL: all training clients)
+    num_sampled: int       # m: clients sampled per round (AFL: all training clients; Poisson:
+                           # the cap, the plan's slots)
     round_fn: Callable     # jitted round_fn(state, data, keys) -> (state, metrics)
     store: ClientStore     # the clients' examples, on the devices or on the host
     served_fn: Optional[Callable] = None  # jitted (algo_state, params) -> served params
@@ -64,6 +67,7 @@ class Experiment:
     server_tx: Optional[Any] = None   # the server optimizer's transformation (None: w + Delta)
     accounting: Optional[Accounting] = None   # client-level DP: epsilon of each replica
     eval_clients: Optional[int] = None    # K clients of each split per evaluation (None: all)
+    poisson: Optional[plan_lib.PoissonSampling] = None   # --client_sampling=poisson
 
     def _place(self, tree):
         return tree if self.mesh is None else mesh_lib.replicate(tree, self.mesh)
@@ -85,9 +89,11 @@ class Experiment:
         return self.placement.eval_chunk
 
     def initial_state(self) -> rounds.ServerState:
+        privacy = self.config.privacy
         return self._place(rounds.init_state(self.model, self.algorithm, self.replicas,
                                              self.seeds, self.server_tx,
-                                             self.data.train.num_clients))
+                                             self.data.train.num_clients,
+                                             clip=privacy.clip if privacy.adaptive else None))
 
     def keys(self):
         return self._place(rounds.replica_keys(self.replicas, self.seeds))
@@ -104,7 +110,7 @@ class Experiment:
         buffer when the host keeps the split)."""
         return plan_lib.make_round_plan(self.seeds, round_idx, self.data.train.offsets,
                                         self.num_sampled, self.work, self.caps,
-                                        packed=self.store.host)
+                                        packed=self.store.host, poisson=self.poisson)
 
     def round_data(self, round_idx: int) -> rounds.RoundData:
         return self.store.round_data(self.round_plan(round_idx))
@@ -214,7 +220,7 @@ def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDatas
 
 
 def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh,
-              server_tx):
+              server_tx, expected: Optional[int] = None):
     """The jitted round: plain for one device, jit(shard_map(...)) over a mesh otherwise."""
     axis = mesh_lib.SINGLE if mesh is None else mesh_lib.DeviceAxis(place.devices,
                                                                     mesh_lib.AXIS)
@@ -222,9 +228,11 @@ def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh
                                   lane_mode=place.lane_mode, unroll=place.unroll,
                                   branchless=place.branchless,
                                   local_penalty=algorithm.local_penalty, axis=axis,
-                                  clip=config.dp_clip)
+                                  clip=config.privacy.clip)
+    privacy = config.privacy
     raw = rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
-                                place.eval_lanes, m, server_tx)
+                                place.eval_lanes, m, server_tx, expected=expected,
+                                adaptive=privacy if privacy.adaptive else None)
     return jax.jit(raw if mesh is None else mesh_lib.sharded(raw, mesh, 3), donate_argnums=(0,))
 
 
@@ -253,10 +261,43 @@ def _accounting(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: Federa
     if replicas is not None:
         raise ConfigError("--dp_clip applies to the replicas of the algorithm's own sweep, not "
                           "to a grid given with them (the tuner's)")
-    releases = (UPDATE_RELEASE,) + tuple(algorithm.private.releases)
+    if privacy.adaptive and algorithm.private.denominator is None:
+        raise ConfigError(f"--dp_clip=adaptive: the clip's target fraction needs a fixed "
+                          f"denominator (DP-FedAvg: every sampled client trains); "
+                          f"--algorithm={spec.name}'s private version divides by a noised "
+                          f"kept weight")
+    count = ((privacy.clip_count_noise,) if privacy.adaptive else ())
+    if privacy.sampler == "poisson":
+        releases = ((UPDATE_RELEASE_ADD_REMOVE,) + tuple(algorithm.private.add_remove_releases)
+                    + count)
+    else:
+        releases = (UPDATE_RELEASE,) + tuple(algorithm.private.releases) + count
     noise = privacy.noise_multipliers_for(m, config.num_rounds, num_clients, releases)
     return Accounting(population=num_clients, m=m, releases=releases,
-                      delta=privacy.delta_for(num_clients), noise=noise)
+                      delta=privacy.delta_for(num_clients), noise=noise,
+                      sampler=privacy.sampler, accountant=privacy.accountant_name,
+                      rounds=config.num_rounds)
+
+
+def _poisson(config: ExperimentConfig, spec: AlgorithmSpec, m: int, num_clients: int,
+             accounting: Optional[Accounting]) -> Optional[plan_lib.PoissonSampling]:
+    """--client_sampling=poisson: q = m / N and the cap (:func:`deltafl_jax.plan.poisson_cap`):
+    a private run's overflow term (1 + e^eps) P at most delta / OVERFLOW_SHARE at its largest
+    finite epsilon; a non-private run's P at most OVERFLOW_PLAIN. ConfigError for an
+    algorithm whose round needs a fixed cohort."""
+    if config.client_sampling != "poisson":
+        return None
+    if spec.all_clients or not spec.variable_cohort:
+        raise ConfigError(f"--client_sampling=poisson: --algorithm={spec.name} needs a fixed "
+                          f"cohort of m clients a round (it supports --client_sampling=fixed)")
+    q = m / num_clients
+    budget = OVERFLOW_PLAIN
+    if accounting is not None:
+        eps = [float(e) for e in accounting.epsilons(config.num_rounds) if math.isfinite(e)]
+        if eps:
+            budget = accounting.delta / OVERFLOW_SHARE / (1.0 + math.exp(min(max(eps), 700)))
+    return plan_lib.PoissonSampling(q=q, cap=plan_lib.poisson_cap(num_clients, q,
+                                                                  config.num_rounds, budget))
 
 
 def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = None,
@@ -277,6 +318,10 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     if accounting is not None:   # each replica's own z, in replica order
         accounting = dataclasses.replace(accounting,
                                          noise=tuple(float(z) for z in replicas.dp_noise))
+    poisson = _poisson(config, spec, m, data.train.num_clients, accounting)
+    expected, m = m, (poisson.cap if poisson is not None else m)
+    if accounting is not None and poisson is not None:
+        accounting = dataclasses.replace(accounting, cap=poisson.cap)
     local_steps = spec.local_steps if spec.local_steps is not None else config.local_steps
     work = plan_lib.LocalWork(batch_size=config.batch_size, local_epochs=config.local_epochs,
                               local_steps=local_steps)
@@ -291,7 +336,8 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
         model, algorithm, replicas, config.seeds, server_tx, data.train.num_clients))
     device_bytes = footprint(data, model, replicas, place, caps, m, state_shape)
     check_memory(device_bytes, devices)
-    round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx)
+    round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx,
+                         expected if poisson is not None else None)
     return Experiment(
         config=config, data=data, model=model, model_options=options, spec=spec,
         algorithm=algorithm, replicas=replicas, work=work,
@@ -299,4 +345,5 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
         store=ClientStore(data, model, place, caps, mesh),
         served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
                    if algorithm.eval_params is not None else None), mesh=mesh,
-        server_tx=server_tx, accounting=accounting, eval_clients=eval_clients(config, data))
+        server_tx=server_tx, accounting=accounting, eval_clients=eval_clients(config, data),
+        poisson=poisson)

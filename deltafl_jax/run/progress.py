@@ -122,9 +122,18 @@ class Progress(Callback):
         if facts.accounting is not None:
             acc = facts.accounting
             zs = ", ".join(f"{z:.4g}" for z in dict.fromkeys(acc.noise))
-            self.log(f"privacy: clip C={config.dp_clip:g}, noise multiplier z = {zs}; "
+            privacy = config.privacy
+            clip = (f"clip adaptive from C_0={privacy.clip:g} toward the "
+                    f"{privacy.clip_quantile:g} quantile" if privacy.adaptive
+                    else f"clip C={privacy.clip:g}")
+            if acc.sampler == "poisson":
+                how = (f"Poisson sampling, q={acc.m / acc.population:.4g}, cap {acc.cap}; "
+                       f"add-or-remove, {acc.accountant.upper()}")
+            else:
+                how = "sampled without replacement, replace-one"
+            self.log(f"privacy: {clip}, noise multiplier z = {zs}; "
                      f"epsilon at delta={acc.delta:.3g} for m={acc.m} of {acc.population} "
-                     f"clients a round (sampled without replacement, replace-one)")
+                     f"clients a round ({how})")
         if run.start_round:
             self.log(f"resuming after round {run.start_round} of {run.num_rounds}")
 
