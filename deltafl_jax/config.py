@@ -96,6 +96,7 @@ class ExperimentConfig:
     dp_clip_quantile: float = 0.5
     dp_clip_lr: float = 0.2
     dp_clip_count_noise: float = 5.0        # the clipped count's noise std / z
+    dp_kept_weight: str = "noised"          # private Delta-FL: noised | expected (theta m)
 
     def __post_init__(self):
         l2 = self.l2_reg
@@ -132,7 +133,8 @@ class ExperimentConfig:
                        loss_bound=self.dp_loss_bound, mm_floor=self.dp_mm_floor,
                        sampler=self.client_sampling, accountant=self.dp_accountant,
                        adaptive=adaptive, clip_quantile=self.dp_clip_quantile,
-                       clip_lr=self.dp_clip_lr, clip_count_noise=self.dp_clip_count_noise)
+                       clip_lr=self.dp_clip_lr, clip_count_noise=self.dp_clip_count_noise,
+                       kept_weight=self.dp_kept_weight)
 
     @property
     def method(self) -> str:

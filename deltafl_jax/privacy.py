@@ -92,6 +92,7 @@ CLIP_STREAM = 0xC11    # folded into a replica's round key for the clip count's 
 SAMPLERS = ("fixed", "poisson")
 ACCOUNTANTS = ("pld", "rdp")
 ADAPTIVE = "adaptive"
+KEPT_WEIGHTS = ("noised", "expected")   # private Delta-FL's denominator
 # The overflow term (1 + e^eps) P of a capped Poisson run is kept below delta / this.
 OVERFLOW_SHARE = 1000.0
 # A non-private Poisson run's cap: an overflow anywhere in the run has at most this chance.
@@ -112,6 +113,11 @@ def describe_accountant(sampler: str, accountant: str) -> str:
 class Privacy:
     """The DP settings of a run (module docstring); ``clip`` None = not private.
 
+    sampler: fixed | poisson (--client_sampling). accountant: pld | rdp (None: by sampler).
+    adaptive: the clip adapts (``clip`` is C_0), toward the unclipped fraction clip_quantile
+    at rate clip_lr, its count noised at clip_count_noise x z. kept_weight: private
+    Delta-FL's denominator, the noised kept weight or its expectation theta m.
+
     clip: C. noise_multipliers: z, one per value (several: swept as replicas).
     target_epsilons: epsilon per value instead of z, each calibrated to a z for the run's
       rounds (inf: z = 0). delta: None = 1 / N^1.1. quantile_noise_ratio: z_q / z for private
@@ -131,6 +137,7 @@ class Privacy:
     clip_quantile: float = 0.5
     clip_lr: float = 0.2
     clip_count_noise: float = 5.0
+    kept_weight: str = "noised"
 
     @property
     def enabled(self) -> bool:
@@ -155,6 +162,7 @@ class Privacy:
                                      ("dp_loss_bound", self.loss_bound != d.loss_bound),
                                      ("dp_mm_floor", self.mm_floor != d.mm_floor),
                                      ("dp_accountant", self.accountant is not None),
+                                     ("dp_kept_weight", self.kept_weight != d.kept_weight),
                                      ("dp_clip_quantile", self.clip_quantile != d.clip_quantile),
                                      ("dp_clip_lr", self.clip_lr != d.clip_lr),
                                      ("dp_clip_count_noise",
@@ -164,6 +172,9 @@ class Privacy:
                                   f"clients' updates)")
             return
         _positive("dp_clip_init" if self.adaptive else "dp_clip", self.clip)
+        if self.kept_weight not in KEPT_WEIGHTS:
+            raise ConfigError(f"--dp_kept_weight must be one of {', '.join(KEPT_WEIGHTS)}, got "
+                              f"{self.kept_weight!r}")
         if self.accountant is not None and self.accountant not in ACCOUNTANTS:
             raise ConfigError(f"--dp_accountant must be one of {', '.join(ACCOUNTANTS)}, got "
                               f"{self.accountant!r}")

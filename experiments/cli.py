@@ -163,6 +163,10 @@ def _define_privacy_flags() -> None:
             "geometric step C <- C exp(-eta_C (b - gamma))")
     _define(flags.DEFINE_float, "dp_clip_count_noise", d.clip_count_noise, "--dp_clip=adaptive:"
             " the noise std of the unclipped count, relative to z (accounted)")
+    _define(flags.DEFINE_enum, "dp_kept_weight", d.kept_weight, "private Delta-FL: divide the "
+            "noised update by the kept weight released with noise (noised) or by its "
+            "expectation theta m, fixed and not released (expected)",
+            enum_values=["noised", "expected"])
     _define(flags.DEFINE_enum, "dp_accountant", None, "pld | rdp: dp-accounting's accountant; "
             "unset: rdp with --client_sampling=fixed (replace-one), pld with poisson "
             "(add-or-remove)", enum_values=["pld", "rdp"])
@@ -366,7 +370,7 @@ SCALAR_FIELDS = ("model", "num_rounds", "clients_per_round", "local_epochs",
                  "server_momentum", "server_beta1", "server_beta2", "server_eps",
                  "dp_delta", "dp_quantile_noise_ratio", "dp_loss_bound", "dp_mm_floor",
                  "client_sampling", "dp_accountant", "dp_clip_init", "dp_clip_quantile",
-                 "dp_clip_lr", "dp_clip_count_noise")
+                 "dp_clip_lr", "dp_clip_count_noise", "dp_kept_weight")
 
 
 def data_config_from_flags():

@@ -171,7 +171,9 @@ def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggrega
     eta from the mm_iters + 1 secure sums, each with noise z_q = privacy.quantile_noise_ratio
     x z in units of its sensitivity; the clients with F_k > eta train at weight 1, and the
     kept weight is released with noise too (denominator None), floored at half its expected
-    value theta m / 2. None unless --quantile=secagg_mm and --weighting=unweighted (weights
+    value theta m / 2; or, with ``--dp_kept_weight=expected``, the update is divided by that
+    expected value theta m, fixed (DP-FedAvg's estimator), and the kept weight is not
+    released. None unless --quantile=secagg_mm and --weighting=unweighted (weights
     n_k would make one client's share unbounded)."""
     if not (privacy is not None and privacy.enabled and options.quantile == "secagg_mm"
             and options.weighting == "unweighted"):
@@ -190,6 +192,14 @@ def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggrega
 
     # Adding or removing a client moves the kept weight by 1, the first sum (F_k, 1) by
     # sqrt(B^2 + 1) and each MM sum by sqrt(B^2 + 1) / xi: multipliers z, z_q, z_q.
+    if getattr(privacy, "kept_weight", "noised") == "expected":
+        # The fixed denominator theta m (the kept weight's expectation, m the expected
+        # cohort): the kept weight is not released, and costs no budget.
+        return PrivateAggregate(max_weight=lambda hyper, m: 1.0,
+                                denominator=lambda hyper, m: hyper.theta * m,
+                                releases=(first,) + (ratio,) * iters,
+                                client_weights=client_weights,
+                                add_remove_releases=(ratio,) + (ratio,) * iters)
     return PrivateAggregate(max_weight=lambda hyper, m: 1.0, denominator=None,
                             releases=(1.0, first) + (ratio,) * iters,
                             client_weights=client_weights,
