@@ -63,13 +63,14 @@ by the realised cohort.
 
 Adaptive clipping (``--dp_clip=adaptive``; Andrew, Thakkar, McMahan, Ramaswamy, *Differentially
 Private Learning with Adaptive Clipping*, NeurIPS 2021) for the private versions with a fixed
-denominator (DP-FedAvg): each replica's clip C_t lives in the round state; each round the
-server also receives the count of trained clients whose update was not clipped, b = sum_k
-[||Delta_k|| <= C_t], with noise N(0, (r z)^2) (r = ``--dp_clip_count_noise``), and moves the
-clip geometrically toward the target quantile gamma: C_{t+1} = C_t exp(-eta_C (b~ - gamma)),
-b~ = (b + noise) / m (:func:`adaptive_clip`). Each client adds 0 or 1 to the count under
-either relation, so that release's multiplier is r z; the accountant composes it with the
-update's.
+denominator (DP-FedAvg; private Delta-FL with ``--dp_kept_weight=expected``): each replica's
+clip C_t lives in the round state (checkpointed with it); each round the server also
+receives the count of trained clients whose update was not clipped, b = sum_k [||Delta_k||
+<= C_t], with noise N(0, (r z)^2) (r = ``--dp_clip_count_noise``), and moves the clip
+geometrically toward the target quantile gamma: C_{t+1} = C_t exp(-eta_C (b~ - gamma)),
+b~ = (b + noise) / the expected count of trained clients (m for DP-FedAvg;
+:func:`adaptive_clip`). Each client adds 0 or 1 to the count under either relation, so that
+release's multiplier is r z; the accountant composes it with the update's.
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ KEPT_WEIGHTS = ("noised", "expected")   # private Delta-FL's denominator
 OVERFLOW_SHARE = 1000.0
 # A non-private Poisson run's cap: an overflow anywhere in the run has at most this chance.
 OVERFLOW_PLAIN = 1e-9
-PLD_LOWEST_Z = 0.1    # the smallest z that calibration tries with the PLD accountant
+PLD_LOWEST_Z = 0.05   # the smallest z that calibration tries with the PLD accountant
+PLD_BRACKET = 0.7     # the PLD search's lower end, relative to the RDP accountant's z
+CALIBRATION_TOL = 1e-6  # calibrated z to this (absolute; then rounded up to float32)
 
 
 def describe_accountant(sampler: str, accountant: str) -> str:
@@ -337,6 +340,12 @@ def _ledger(population, m, releases, rounds, sampler, accountant):
         poisson_round_event(population, m, z, releases), rounds)
 
 
+def _epsilon_of(fresh, event, z, delta) -> float:
+    acc = fresh()
+    acc.compose(event(z))
+    return float(acc.get_epsilon(delta))
+
+
 def epsilon(population: int, m: int, z: float, releases: Sequence[float], rounds: int,
             delta: float, sampler: str = "fixed", accountant: str = "rdp") -> float:
     """epsilon at `delta` after `rounds` rounds (fixed sampling: :data:`ACCOUNTANT`;
@@ -362,14 +371,23 @@ def calibrate(target: float, population: int, m: int, rounds: int, delta: float,
     import dp_accounting
 
     fresh, event = _ledger(population, m, releases, rounds, sampler, accountant)
-    # PLD's discretised loss grows as 1 / z^2: its search starts at z = 0.1 (an epsilon
-    # reached only below that is refused).
-    low = PLD_LOWEST_Z if sampler == "poisson" and accountant == "pld" else 1e-3
+    bracket = dp_accounting.LowerEndpointAndGuess(1e-3, 1.0)
     try:
+        if sampler == "poisson" and accountant == "pld":
+            # PLD's discretised loss grows as 1 / z^2 and its search from small z is slow:
+            # the RDP accountant's z (an upper bound: RDP's epsilon is the looser) brackets
+            # it from above, PLD_BRACKET of it from below (widened downward if needed).
+            z_rdp = calibrate(target, population, m, rounds, delta, releases, sampler, "rdp")
+            low = z_rdp * PLD_BRACKET
+            with _QuietAccountant():
+                while low > PLD_LOWEST_Z and _epsilon_of(fresh, event, low, delta) <= target:
+                    low *= PLD_BRACKET
+                above = _epsilon_of(fresh, event, z_rdp, delta) > target
+            bracket = (dp_accounting.LowerEndpointAndGuess(z_rdp, 2 * z_rdp) if above else
+                       dp_accounting.ExplicitBracketInterval(max(low, PLD_LOWEST_Z), z_rdp))
         with _QuietAccountant():
             return float(dp_accounting.calibrate_dp_mechanism(
-                fresh, event, target, delta,
-                bracket_interval=dp_accounting.LowerEndpointAndGuess(low, 1.0)))
+                fresh, event, target, delta, bracket_interval=bracket, tol=CALIBRATION_TOL))
     except Exception as e:   # pylint: disable=broad-except
         raise ConfigError(f"--dp_target_epsilon={target:g} cannot be calibrated for m = {m} of "
                           f"{population} clients, {rounds} rounds, delta = {delta:g}: "
@@ -462,12 +480,14 @@ def poisson_weights(private, weights, hyper, m: int):
     return jnp.where(weights > 0, a_max, 0.0).astype(weights.dtype)
 
 
-def adaptive_clip(clip, unclipped, key, z, privacy: "Privacy", m: int):
+def adaptive_clip(clip, unclipped, key, z, privacy: "Privacy", expected):
     """One replica's next clip (Andrew et al. 2021): C exp(-eta_C (b~ - gamma)), b~ = (the
-    count of updates not clipped + N(0, (r z)^2)) / m; and b~."""
+    count of updates not clipped + N(0, (r z)^2)) / the expected count of trained clients
+    (the fixed denominator over a_max: m for DP-FedAvg, theta m for private Delta-FL with
+    --dp_kept_weight=expected); and b~."""
     import jax
     import jax.numpy as jnp
     noise = privacy.clip_count_noise * z * jax.random.normal(
         jax.random.fold_in(key, CLIP_STREAM), (), jnp.float32)
-    frac = (unclipped.astype(jnp.float32) + noise) / m
+    frac = (unclipped.astype(jnp.float32) + noise) / expected
     return clip * jnp.exp(-privacy.clip_lr * (frac - privacy.clip_quantile)), frac

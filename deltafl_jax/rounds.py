@@ -301,9 +301,9 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         if adaptive is not None:
             feedback = privatize(feedback, hyper, keys, z, state.clip)
             unclipped = jnp.sum(tr.job_trained & tr.job_finite & ~tr.job_clipped, axis=1)
-            new, frac = jax.vmap(lambda c, u, k, zz: adaptive_clip(c, u, k, zz, adaptive,
-                                                                   m_dp))(
-                state.clip, unclipped, keys, z)
+            new, frac = jax.vmap(lambda c, u, k, zz, h: adaptive_clip(
+                c, u, k, zz, adaptive, private.denominator(h, m_dp) /
+                private.max_weight(h, m_dp)))(state.clip, unclipped, keys, z, hyper)
             clip = jnp.where(keep, new, state.clip)
             extra = {"dp_clip_norm": state.clip, "dp_unclipped_fraction": frac}
         elif private is not None:

@@ -263,9 +263,9 @@ def _accounting(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: Federa
                           "to a grid given with them (the tuner's)")
     if privacy.adaptive and algorithm.private.denominator is None:
         raise ConfigError(f"--dp_clip=adaptive: the clip's target fraction needs a fixed "
-                          f"denominator (DP-FedAvg: every sampled client trains); "
-                          f"--algorithm={spec.name}'s private version divides by a noised "
-                          f"kept weight")
+                          f"denominator (DP-FedAvg; private Delta-FL with "
+                          f"--dp_kept_weight=expected); --algorithm={spec.name}'s private "
+                          f"version divides by a noised kept weight")
     count = ((privacy.clip_count_noise,) if privacy.adaptive else ())
     if privacy.sampler == "poisson":
         releases = ((UPDATE_RELEASE_ADD_REMOVE,) + tuple(algorithm.private.add_remove_releases)
