@@ -76,14 +76,20 @@ def assert_same_outputs(a, b):
 
 # The runs that are killed: Delta-FL, Tilted-ERM (algorithm state), Delta-FL with a server
 # optimizer swept over two learning rates (Adam's moments in the state: theta x eta x seeds =
-# 8 replicas), SCAFFOLD (per-client control variates), and private Delta-FL (noise).
+# 8 replicas), SCAFFOLD (per-client control variates), private Delta-FL (noise), and private
+# Delta-FL under Poisson sampling with an adaptive clip.
 RUNS = {"deltafl": ("--algorithm=deltafl",), "term": ("--algorithm=term",),
         "fedadam": ("--algorithm=deltafl", "--server_optimizer=adam", "--server_lr=0.01,0.03"),
         "scaffold": ("--algorithm=scaffold", "--thetas=1"),
         # Private Delta-FL: the noise of the update and of the quantile's sums from the round
         # keys, two noise multipliers as replicas.
         "private": ("--algorithm=deltafl", "--weighting=unweighted", "--quantile=secagg_mm",
-                    "--mm_iters=3", "--dp_clip=0.5", "--dp_noise_multiplier=0.5,2")}
+                    "--mm_iters=3", "--dp_clip=0.5", "--dp_noise_multiplier=0.5,2"),
+        # Poisson client sampling (the cohorts from (seed, round)) with private Delta-FL's
+        # fixed denominator and adaptive clipping (each replica's clip in the state).
+        "poisson": ("--algorithm=deltafl", "--weighting=unweighted", "--quantile=secagg_mm",
+                    "--mm_iters=3", "--client_sampling=poisson", "--dp_clip=adaptive",
+                    "--dp_kept_weight=expected", "--dp_noise_multiplier=0.5,2")}
 
 
 @pytest.fixture(scope="module")
