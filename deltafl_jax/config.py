@@ -87,7 +87,8 @@ class ExperimentConfig:
     dp_quantile_noise_ratio: float = 1.0    # private Delta-FL: z of its secure sums / z
     dp_loss_bound: float = 10.0             # private Delta-FL: losses clipped to [0, B]
     dp_mm_floor: float = 0.1                # private Delta-FL: beta_k = 1 / max(|F_k - mu|, xi)
-    # Client sampling (deltafl_jax.plan): fixed m of N, or Poisson with q = m / N.
+    # Client sampling (deltafl_jax.plan): fixed m of N, Poisson with q = m / N, or cyclic
+    # groups of m.
     client_sampling: str = "fixed"
     dp_accountant: Optional[str] = None     # pld | rdp; None: rdp (fixed), pld (poisson)
     # --dp_clip=adaptive (Andrew et al. 2021): the clip starts at dp_clip_init and moves
@@ -97,6 +98,8 @@ class ExperimentConfig:
     dp_clip_lr: float = 0.2
     dp_clip_count_noise: float = 5.0        # the clipped count's noise std / z
     dp_kept_weight: str = "noised"          # private Delta-FL: noised | expected (theta m)
+    dp_mechanism: str = "gaussian"          # gaussian | bandmf (DP-FTRL, cyclic sampling)
+    dp_bands: Optional[int] = None          # bandmf: bands b; None: min(G, rounds)
 
     def __post_init__(self):
         l2 = self.l2_reg
@@ -134,7 +137,8 @@ class ExperimentConfig:
                        sampler=self.client_sampling, accountant=self.dp_accountant,
                        adaptive=adaptive, clip_quantile=self.dp_clip_quantile,
                        clip_lr=self.dp_clip_lr, clip_count_noise=self.dp_clip_count_noise,
-                       kept_weight=self.dp_kept_weight)
+                       kept_weight=self.dp_kept_weight, mechanism=self.dp_mechanism,
+                       bands=self.dp_bands)
 
     @property
     def method(self) -> str:

@@ -28,7 +28,7 @@ rows: the round computes the same numbers. Planning costs O(m + the sampled exam
 O(N). Evaluation streams longer than a device buffer are cut into blocks
 (:func:`stream_blocks`) that add up as one stream.
 
-Two samplers (``--client_sampling``). ``fixed`` (the default): m distinct clients drawn
+Three samplers (``--client_sampling``). ``fixed`` (the default): m distinct clients drawn
 uniformly each round (:func:`sample_clients`). ``poisson``: every training client joins a
 round independently with probability q = m / N (:func:`poisson_cohort`), so the cohort size
 is Binomial(N, q). Its plan keeps fixed shapes: ``cap`` slots (:class:`PoissonSampling`),
@@ -36,6 +36,10 @@ the cohort in the first slots in increasing id order and the rest empty (size 0,
 no local step). A cohort larger than the cap (an overflow) keeps a uniformly random ``cap``
 of its clients; the cap is chosen so that an overflow anywhere in the run is negligible
 (:func:`poisson_cap`), and :mod:`deltafl_jax.privacy` adds its probability to delta.
+``cyclic`` (DP-FTRL's participation): the training clients are split once per seed into
+G = floor(N / m) fixed groups of m (a seeded permutation; the N - G m left over never take
+part), and round t trains group t mod G (:func:`cyclic_cohort`), so every client takes part
+at most every G rounds, ceil(T / G) times in T rounds.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import numpy as np
 _SAMPLE_STREAM = 0
 _SHUFFLE_STREAM = 1
 _POISSON_STREAM = 2
+_CYCLIC_STREAM = 3
 
 
 def sample_clients(seed: int, round_idx: int, num_clients: int, m: int) -> np.ndarray:
@@ -75,6 +80,17 @@ def poisson_cohort(seed: int, round_idx: int, num_clients: int, q: float,
     if cap is not None:
         chosen = chosen[:cap]
     return np.sort(chosen).astype(np.int32)
+
+
+def cyclic_cohort(seed: int, round_idx: int, num_clients: int, m: int) -> np.ndarray:
+    """Group round_idx mod G of the seed's split of the clients into G = N // m groups of m
+    (module docstring); sorted ids."""
+    groups = num_clients // m
+    if groups < 1:
+        raise ValueError(f"cannot form a group of {m} of {num_clients} clients")
+    perm = np.random.default_rng([int(seed), _CYCLIC_STREAM]).permutation(num_clients)
+    g = int(round_idx) % groups
+    return np.sort(perm[g * m:(g + 1) * m]).astype(np.int32)
 
 
 def _log_binomial_pmf(n: int, q: float, k: int) -> float:
@@ -184,10 +200,12 @@ def capacities(sizes: np.ndarray, m: int, work: LocalWork, eval_chunk: int) -> C
 
 def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m: int,
                     work: LocalWork, caps: Capacities, packed: bool = False,
-                    poisson: Optional[PoissonSampling] = None) -> RoundPlan:
+                    poisson: Optional[PoissonSampling] = None,
+                    cyclic: bool = False) -> RoundPlan:
     """The plan of round `round_idx` for each seed in `seeds` (one group per seed); `packed`:
     indices into the round's buffer (module docstring) instead of the split. `poisson`: a
-    Poisson cohort in m = poisson.cap slots, the empty ones of size 0."""
+    Poisson cohort in m = poisson.cap slots, the empty ones of size 0; `cyclic`: the cyclic
+    groups of m (:func:`cyclic_cohort`)."""
     offsets = np.asarray(offsets, dtype=np.int64)
     num_clients = offsets.size - 1
     G = len(seeds)
@@ -199,7 +217,9 @@ def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m
     train_start = np.zeros((G, m), np.int32)
     present = np.ones((G, m), bool)
     for g, seed in enumerate(seeds):
-        if poisson is None:
+        if cyclic:
+            chosen = cyclic_cohort(seed, round_idx, num_clients, m)
+        elif poisson is None:
             chosen = sample_clients(seed, round_idx, num_clients, m)
         else:
             chosen = poisson_cohort(seed, round_idx, num_clients, poisson.q, m)

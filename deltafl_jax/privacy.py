@@ -71,6 +71,25 @@ geometrically toward the target quantile gamma: C_{t+1} = C_t exp(-eta_C (b~ - g
 b~ = (b + noise) / the expected count of trained clients (m for DP-FedAvg;
 :func:`adaptive_clip`). Each client adds 0 or 1 to the count under either relation, so that
 release's multiplier is r z; the accountant composes it with the update's.
+
+DP-FTRL with a banded matrix factorisation (``--dp_mechanism=bandmf``; Kairouz et al. 2021,
+Choquette-Choo et al., *(Amplified) Banded Matrix Factorization*, NeurIPS 2023) for
+DP-FedAvg under cyclic participation (``--client_sampling=cyclic``: round t trains group
+t mod G of G = N // m fixed groups, so a client's rounds are G apart). The released sums
+S_t = sum_k a_k clip(Delta_k) (one client's share at most C a_max) form a matrix X (rows:
+rounds); the mechanism releases C X + Z for a lower-triangular banded Toeplitz C (b bands,
+``--dp_bands``, coefficients c_0..c_{b-1} optimised for the prefix sums that FedAvg's model
+is, by ``jax-privacy``'s ``optimize_banded_toeplitz``), which the server turns back into
+X + C^-1 Z: round t adds W_t = (Z_t - sum_{j=1}^{b-1} c_j W_{t-j}) / c_0 to S_t, so each
+replica keeps its last b - 1 noise vectors in the round state (:func:`bandmf_privatize`).
+Z_t ~ N(0, (z C a_max s_T)^2 I), where s_T, the sensitivity of C X over the T rounds in units
+of C a_max, is jax-privacy's ``minsep_sensitivity_squared`` for participations G apart (at
+most ceil(T / G) of them; with b <= G the columns do not overlap and s_T = sqrt(ceil(T/G)) for
+c of norm 1). The whole run is then one Gaussian mechanism with multiplier z under
+add-or-remove (a client's contributions present or zero); after t < T rounds its prefix has
+sensitivity s_t, multiplier z s_T / s_t (:class:`Correlated`). ``--dp_mechanism=gaussian``
+under cyclic participation is the case b = 1 (c = (1,), independent noise each round): k
+compositions of a Gaussian without amplification.
 """
 
 from __future__ import annotations
@@ -90,10 +109,11 @@ UPDATE_RELEASE_ADD_REMOVE = 1.0
 ACCOUNTANT = ("dp-accounting RDP, replace-one neighbours, m of N sampled without replacement "
               "each round")
 CLIP_STREAM = 0xC11    # folded into a replica's round key for the clip count's noise
-SAMPLERS = ("fixed", "poisson")
+SAMPLERS = ("fixed", "poisson", "cyclic")
 ACCOUNTANTS = ("pld", "rdp")
 ADAPTIVE = "adaptive"
 KEPT_WEIGHTS = ("noised", "expected")   # private Delta-FL's denominator
+MECHANISMS = ("gaussian", "bandmf")
 # The overflow term (1 + e^eps) P of a capped Poisson run is kept below delta / this.
 OVERFLOW_SHARE = 1000.0
 # A non-private Poisson run's cap: an overflow anywhere in the run has at most this chance.
@@ -107,6 +127,10 @@ def describe_accountant(sampler: str, accountant: str) -> str:
     """The accountant, the neighbouring relation and the sampler, in words."""
     if sampler == "fixed":
         return ACCOUNTANT
+    if sampler == "cyclic":
+        return (f"dp-accounting {accountant.upper()}, add-or-remove neighbours, cyclic "
+                f"participation (G = N // m groups, a client every G rounds): one Gaussian "
+                f"mechanism over the run's banded matrix factorisation")
     name = "PLD" if accountant == "pld" else "RDP"
     return (f"dp-accounting {name}, add-or-remove neighbours, Poisson sampling (each client "
             f"independently with probability q = m / N each round)")
@@ -141,6 +165,8 @@ class Privacy:
     clip_lr: float = 0.2
     clip_count_noise: float = 5.0
     kept_weight: str = "noised"
+    mechanism: str = "gaussian"
+    bands: Optional[int] = None
 
     @property
     def enabled(self) -> bool:
@@ -151,7 +177,7 @@ class Privacy:
         """pld or rdp: as given, else rdp for fixed sampling and pld for Poisson."""
         if self.accountant is not None:
             return self.accountant
-        return "pld" if self.sampler == "poisson" else "rdp"
+        return "rdp" if self.sampler == "fixed" else "pld"
     def check(self) -> None:
         """ConfigError naming the flag at fault."""
         if not self.enabled:
@@ -166,6 +192,8 @@ class Privacy:
                                      ("dp_mm_floor", self.mm_floor != d.mm_floor),
                                      ("dp_accountant", self.accountant is not None),
                                      ("dp_kept_weight", self.kept_weight != d.kept_weight),
+                                     ("dp_mechanism", self.mechanism != d.mechanism),
+                                     ("dp_bands", self.bands is not None),
                                      ("dp_clip_quantile", self.clip_quantile != d.clip_quantile),
                                      ("dp_clip_lr", self.clip_lr != d.clip_lr),
                                      ("dp_clip_count_noise",
@@ -175,13 +203,29 @@ class Privacy:
                                   f"clients' updates)")
             return
         _positive("dp_clip_init" if self.adaptive else "dp_clip", self.clip)
+        if self.mechanism not in MECHANISMS:
+            raise ConfigError(f"--dp_mechanism must be one of {', '.join(MECHANISMS)}, got "
+                              f"{self.mechanism!r}")
+        if self.mechanism == "bandmf" and self.sampler != "cyclic":
+            raise ConfigError("--dp_mechanism=bandmf needs --client_sampling=cyclic: its "
+                              "sensitivity assumes a client's rounds at least G = N // m apart")
+        if self.bands is not None:
+            if self.mechanism != "bandmf":
+                raise ConfigError("--dp_bands needs --dp_mechanism=bandmf")
+            if isinstance(self.bands, bool) or not isinstance(self.bands, int) \
+                    or self.bands < 1:
+                raise ConfigError(f"--dp_bands must be an integer >= 1, got {self.bands!r}")
+        if self.sampler == "cyclic" and self.adaptive:
+            raise ConfigError("--dp_clip=adaptive applies with --client_sampling=fixed or "
+                              "poisson, not cyclic (its count would need its own "
+                              "multi-participation accounting)")
         if self.kept_weight not in KEPT_WEIGHTS:
             raise ConfigError(f"--dp_kept_weight must be one of {', '.join(KEPT_WEIGHTS)}, got "
                               f"{self.kept_weight!r}")
         if self.accountant is not None and self.accountant not in ACCOUNTANTS:
             raise ConfigError(f"--dp_accountant must be one of {', '.join(ACCOUNTANTS)}, got "
                               f"{self.accountant!r}")
-        if self.accountant == "pld" and self.sampler == "fixed":
+        if self.accountant is not None and self.sampler == "fixed" and self.accountant != "rdp":
             raise ConfigError("--dp_accountant=pld needs --client_sampling=poisson: "
                               "dp-accounting's PLD accountant has no event for m of N sampled "
                               "without replacement (fixed sampling uses its RDP accountant)")
@@ -234,7 +278,8 @@ class Privacy:
         return self.delta if self.delta is not None else float(num_clients) ** -1.1
 
     def noise_multipliers_for(self, m: int, rounds: int, num_clients: int,
-                              releases: Sequence[float]) -> Tuple[float, ...]:
+                              releases: Sequence[float],
+                              correlated: Optional["Correlated"] = None) -> Tuple[float, ...]:
         """z for each swept value: as given, or calibrated to each target epsilon; each a
         float32 number (the round's), rounded up so that the accounted z is the applied one
         and a calibrated epsilon stays within its target."""
@@ -243,7 +288,7 @@ class Privacy:
         else:
             delta = self.delta_for(num_clients)
             zs = tuple(calibrate(e, num_clients, m, rounds, delta, releases, self.sampler,
-                                 self.accountant_name)
+                                 self.accountant_name, correlated)
                        for e in self.target_epsilons)
         return tuple(float32_at_least(z) for z in zs)
 
@@ -330,9 +375,79 @@ def _add_or_remove(accountant: str):
     return RdpAccountant(neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
 
 
-def _ledger(population, m, releases, rounds, sampler, accountant):
+@dataclasses.dataclass(frozen=True)
+class Correlated:
+    """BandMF's noise (module docstring): the banded Toeplitz coefficients c (float32
+    numbers, as the round applies them), the participations' separation G, and the run's
+    rounds T."""
+
+    coef: Tuple[float, ...]
+    min_sep: int
+    rounds: int
+
+    def sensitivity(self, rounds: int) -> float:
+        """s_t: the L2 sensitivity of the first `rounds` rows of C X, in units of C a_max
+        (jax-privacy's ``minsep_sensitivity_squared``, in float64)."""
+        import jax
+        import jax.numpy as jnp
+        from jax_privacy.matrix_factorization import toeplitz
+        with jax.enable_x64(True):
+            sq = toeplitz.minsep_sensitivity_squared(jnp.asarray(self.coef, jnp.float64),
+                                                     self.min_sep, None, n=int(rounds))
+            return math.sqrt(float(sq))
+
+    def scale(self, rounds: int) -> float:
+        """s_T / s_t: the prefix's multiplier over z."""
+        return self.sensitivity(self.rounds) / self.sensitivity(rounds)
+
+
+def bandmf_coefficients(rounds: int, bands: int) -> Tuple[float, ...]:
+    """c_0..c_{b-1} of a b-banded Toeplitz strategy for the prefix sums of `rounds` rounds
+    (jax-privacy's ``optimize_banded_toeplitz``: mean squared error, norm 1), as float32
+    numbers; (1,) for one band."""
+    import numpy as np
+    bands = min(int(bands), int(rounds))
+    if bands <= 1:
+        return (1.0,)
+    from jax_privacy.matrix_factorization import toeplitz
+    with _QuietAccountant():
+        c = toeplitz.optimize_banded_toeplitz(int(rounds), bands)
+    return tuple(float(v) for v in np.asarray(c, np.float32))
+
+
+def bandmf_privatize(private, clip: float, m: int, coef: Tuple[float, ...], scale: float,
+                     feedback, hyper, key, z, history):
+    """One replica's feedback under BandMF (module docstring): W_t = (Z_t - sum_{j>=1} c_j
+    W_{t-j}) / c_0 added to the sum, Z_t ~ N(0, (z C a_max s_T)^2 I) (`scale` = s_T), the
+    algorithm's fixed denominator; `history`: W_{t-1}, ..., W_{t-b+1} (leaves [b-1, ...]).
+    Returns (feedback, the new history)."""
+    import jax
+    import jax.numpy as jnp
+    a_max = jnp.asarray(private.max_weight(hyper, m), jnp.float32)
+    leaves, treedef = jax.tree.flatten(feedback.delta_sum)
+    past = treedef.flatten_up_to(history)
+    keys = jax.random.split(jax.random.fold_in(key, NOISE_STREAM), len(leaves) + 1)
+    noisy, kept = [], []
+    for x, k, h in zip(leaves, keys[1:], past):
+        w = z * clip * a_max * scale * jax.random.normal(k, x.shape, jnp.float32)
+        for j in range(1, len(coef)):
+            w = w - coef[j] * h[j - 1]
+        w = w / coef[0]
+        noisy.append(x + w.astype(x.dtype))
+        kept.append(jnp.concatenate([w[None], h[:-1]], axis=0) if len(coef) > 1 else h)
+    total = jnp.asarray(private.denominator(hyper, m), jnp.float32)
+    return (feedback._replace(delta_sum=jax.tree.unflatten(treedef, noisy), weight_sum=total),
+            jax.tree.unflatten(treedef, kept))
+
+
+def _ledger(population, m, releases, rounds, sampler, accountant,
+            correlated: Optional[Correlated] = None):
     """(a fresh accountant maker, z -> the run's event) of a sampler and an accountant."""
     import dp_accounting
+    if correlated is not None:   # one Gaussian mechanism over the whole prefix
+        scale = correlated.scale(rounds)
+        return (lambda: _add_or_remove(accountant)), \
+            lambda z: dp_accounting.GaussianDpEvent(z * scale)
     if sampler == "fixed":
         return _replace_one, lambda z: dp_accounting.SelfComposedDpEvent(
             round_event(population, m, z, releases), rounds)
@@ -347,7 +462,8 @@ def _epsilon_of(fresh, event, z, delta) -> float:
 
 
 def epsilon(population: int, m: int, z: float, releases: Sequence[float], rounds: int,
-            delta: float, sampler: str = "fixed", accountant: str = "rdp") -> float:
+            delta: float, sampler: str = "fixed", accountant: str = "rdp",
+            correlated: Optional[Correlated] = None) -> float:
     """epsilon at `delta` after `rounds` rounds (fixed sampling: :data:`ACCOUNTANT`;
     Poisson: :func:`poisson_round_event` under the `accountant`, add-or-remove); inf without
     noise, 0 before the first round."""
@@ -355,7 +471,7 @@ def epsilon(population: int, m: int, z: float, releases: Sequence[float], rounds
         return 0.0
     if z <= 0:
         return math.inf
-    fresh, event = _ledger(population, m, releases, rounds, sampler, accountant)
+    fresh, event = _ledger(population, m, releases, rounds, sampler, accountant, correlated)
     with _QuietAccountant():
         acc = fresh()
         acc.compose(event(z))
@@ -364,20 +480,21 @@ def epsilon(population: int, m: int, z: float, releases: Sequence[float], rounds
 
 def calibrate(target: float, population: int, m: int, rounds: int, delta: float,
               releases: Sequence[float], sampler: str = "fixed",
-              accountant: str = "rdp") -> float:
+              accountant: str = "rdp", correlated: Optional[Correlated] = None) -> float:
     """The smallest z whose epsilon after `rounds` rounds is at most `target` (0 for inf)."""
     if math.isinf(target):
         return 0.0
     import dp_accounting
 
-    fresh, event = _ledger(population, m, releases, rounds, sampler, accountant)
+    fresh, event = _ledger(population, m, releases, rounds, sampler, accountant, correlated)
     bracket = dp_accounting.LowerEndpointAndGuess(1e-3, 1.0)
     try:
-        if sampler == "poisson" and accountant == "pld":
+        if sampler != "fixed" and accountant == "pld":
             # PLD's discretised loss grows as 1 / z^2 and its search from small z is slow:
             # the RDP accountant's z (an upper bound: RDP's epsilon is the looser) brackets
             # it from above, PLD_BRACKET of it from below (widened downward if needed).
-            z_rdp = calibrate(target, population, m, rounds, delta, releases, sampler, "rdp")
+            z_rdp = calibrate(target, population, m, rounds, delta, releases, sampler, "rdp",
+                              correlated)
             low = z_rdp * PLD_BRACKET
             with _QuietAccountant():
                 while low > PLD_LOWEST_Z and _epsilon_of(fresh, event, low, delta) <= target:
@@ -433,12 +550,13 @@ class Accounting:
     accountant: str = "rdp"
     cap: Optional[int] = None
     rounds: int = 0
+    correlated: Optional[Correlated] = None
 
     def epsilons(self, rounds: int):
         """[R] epsilon of each replica after `rounds` rounds (float64; inf without noise)."""
         import numpy as np
         per_z = {z: epsilon(self.population, self.m, z, self.releases, rounds, self.delta,
-                            self.sampler, self.accountant)
+                            self.sampler, self.accountant, self.correlated)
                  for z in set(self.noise)}
         return np.asarray([per_z[z] for z in self.noise], np.float64)
 
@@ -460,6 +578,13 @@ class Accounting:
                "population": self.population, "clients_per_round": self.m,
                "delta": self.delta, "releases": list(self.releases),
                "noise_multiplier": {lab.key(): z for lab, z in zip(labels, self.noise)}}
+        if self.correlated is not None:
+            c = self.correlated
+            out.update({"sampler": "cyclic", "neighbours": "add-or-remove (zero-out)",
+                        "mechanism": "bandmf" if len(c.coef) > 1 else "gaussian",
+                        "bands": len(c.coef), "coefficients": list(c.coef),
+                        "min_separation": c.min_sep,
+                        "sensitivity": c.sensitivity(c.rounds)})
         if self.sampler == "poisson":
             eps = self.epsilons(self.rounds)
             out.update({"sampler": "poisson", "neighbours": "add-or-remove",

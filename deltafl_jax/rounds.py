@@ -40,7 +40,8 @@ from deltafl_jax.algorithms.spec import ClientFeedback, FederatedAlgorithm
 from deltafl_jax.models import Model
 from deltafl_jax.plan import RoundPlan
 from deltafl_jax.replicas import Replicas
-from deltafl_jax.privacy import NOISE_STREAM, adaptive_clip, poisson_weights
+from deltafl_jax.privacy import (NOISE_STREAM, adaptive_clip, bandmf_privatize,
+                                poisson_weights)
 from deltafl_jax.server_optimizer import init_states, server_step
 
 
@@ -56,7 +57,9 @@ class ServerState(flax.struct.PyTreeNode):
       rate: hyperparams["learning_rate"] [R]); () for the default step w + Delta.
     client_state: pytree, leaves [R, N, ...]: every training client's own state, for an
       algorithm that declares one (SCAFFOLD's c_i); () otherwise.
-    clip: [R] float32: each replica's DP clip under --dp_clip=adaptive; None otherwise.
+    dp: client-level DP's own state, a dict, None without one: "clip" [R] float32, each
+      replica's clip under --dp_clip=adaptive; "noise": pytree like params, leaves
+      [R, b - 1, ...], BandMF's last b - 1 noise vectors (deltafl_jax.privacy).
     """
 
     params: Any
@@ -65,7 +68,7 @@ class ServerState(flax.struct.PyTreeNode):
     active: Any = None
     server_opt_state: Any = ()
     client_state: Any = ()
-    clip: Any = None
+    dp: Any = None
 
 
 class RoundData(NamedTuple):
@@ -80,11 +83,13 @@ class RoundData(NamedTuple):
 def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                seeds: Sequence[int],
                server_tx: Optional[optax.GradientTransformation] = None,
-               num_clients: int = 0, clip: Optional[float] = None) -> ServerState:
+               num_clients: int = 0, clip: Optional[float] = None,
+               bands: int = 0) -> ServerState:
     """w_0 of each replica from its seed (replicas with one seed start from one w_0), the
     algorithm's state, the server optimizer's state (each replica's own learning rate), and
     the per-client state of the `num_clients` training clients when the algorithm has one;
-    `clip`: the initial clip of every replica under --dp_clip=adaptive."""
+    `clip`: the initial clip of every replica under --dp_clip=adaptive; `bands`: BandMF's b
+    (b - 1 zero noise vectors per replica)."""
     keys = jax.vmap(jax.random.key)(
         jnp.asarray([int(seeds[g]) for g in replicas.group], jnp.uint32))
     params = jax.jit(jax.vmap(model.init))(keys)
@@ -102,9 +107,18 @@ def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                        active=jnp.ones((replicas.size,), bool),
                        server_opt_state=init_states(server_tx, params,
                                                     replicas.server_lr),
-                       client_state=client_state,
-                       clip=None if clip is None else jnp.full((replicas.size,), clip,
-                                                               jnp.float32))
+                       client_state=client_state, dp=_dp_state(params, replicas.size, clip,
+                                                               bands))
+
+
+def _dp_state(params, R, clip, bands):
+    dp = {}
+    if clip is not None:
+        dp["clip"] = jnp.full((R,), clip, jnp.float32)
+    if bands > 1:
+        dp["noise"] = jax.tree.map(
+            lambda p: jnp.zeros((p.shape[0], bands - 1) + p.shape[1:], jnp.float32), params)
+    return dp or None
 
 
 def replica_keys(replicas: Replicas, seeds: Sequence[int]):
@@ -240,18 +254,24 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
                    local: engine.LocalSGDConfig, eval_chunk: int, eval_lanes: int,
                    num_sampled: int,
                    server_tx: Optional[optax.GradientTransformation] = None,
-                   expected: Optional[int] = None, adaptive=None):
+                   expected: Optional[int] = None, adaptive=None, correlated=None):
     """The round of `algorithm` for `replicas`, with the server optimizer's transformation
     `server_tx` (None: the plain step w + Delta), client-level DP when ``local.clip`` is set
     (each replica's noise multiplier ``replicas.dp_noise``). `expected`: a Poisson cohort's
     expected size q N (`num_sampled` is then the plan's slots, the empty ones of size 0);
     `adaptive`: the run's :class:`deltafl_jax.privacy.Privacy` under --dp_clip=adaptive (the
-    clip is ``state.clip``). An unjitted pure function."""
+    clip is ``state.dp["clip"]``); `correlated`: BandMF's
+    :class:`deltafl_jax.privacy.Correlated` (its noise history is ``state.dp["noise"]``).
+    An unjitted pure function."""
     poisson = expected is not None
     m_dp = expected if poisson else num_sampled    # the cohort the private version expects
     private, privatize = _private(algorithm, local.clip, m_dp)
     if adaptive is not None:   # the clip of each replica from the state, traced
         privatize = jax.vmap(lambda fb, h, k, zz, c: _privatize(private, c, m_dp, fb, h, k, zz))
+    if correlated is not None:
+        coef, s_T = correlated.coef, correlated.sensitivity(correlated.rounds)
+        privatize = jax.vmap(lambda fb, h, k, zz, hist: bandmf_privatize(
+            private, local.clip, m_dp, coef, s_T, fb, h, k, zz, hist))
     z_np = np.asarray(replicas.dp_noise, np.float32)
     hooks = algorithm.client_hooks()
     local = local._replace(client_hooks=hooks)
@@ -291,21 +311,29 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         tr = engine.train_jobs(model, state.params, X=data.x, Y=data.y, plan=data.plan,
                                replica_group=group, job_weight=weights, learning_rate=lr,
                                l2=l2, hyper=hyper, cfg=local, clients=inputs,
-                               clip=state.clip if adaptive is not None else None)
+                               clip=state.dp["clip"] if adaptive is not None else None)
         feedback = ClientFeedback(losses=losses, sizes=sizes, weights=weights,
                                   delta_sum=tr.delta_sum, weight_sum=tr.weight_sum,
                                   job_sqnorm=tr.job_sqnorm, job_finite=tr.job_finite,
                                   job_trained=tr.job_trained, learning_rate=lr,
                                   clients=clients, client_outputs=tr.job_output)
-        extra, clip = {}, state.clip
+        extra, dp = {}, state.dp
         if adaptive is not None:
-            feedback = privatize(feedback, hyper, keys, z, state.clip)
+            clip = state.dp["clip"]
+            feedback = privatize(feedback, hyper, keys, z, clip)
             unclipped = jnp.sum(tr.job_trained & tr.job_finite & ~tr.job_clipped, axis=1)
             new, frac = jax.vmap(lambda c, u, k, zz, h: adaptive_clip(
                 c, u, k, zz, adaptive, private.denominator(h, m_dp) /
-                private.max_weight(h, m_dp)))(state.clip, unclipped, keys, z, hyper)
-            clip = jnp.where(keep, new, state.clip)
-            extra = {"dp_clip_norm": state.clip, "dp_unclipped_fraction": frac}
+                private.max_weight(h, m_dp)))(clip, unclipped, keys, z, hyper)
+            dp = {**dp, "clip": jnp.where(keep, new, clip)}
+            extra = {"dp_clip_norm": clip, "dp_unclipped_fraction": frac}
+        elif correlated is not None:
+            if len(correlated.coef) > 1:
+                feedback, history = privatize(feedback, hyper, keys, z, state.dp["noise"])
+                dp = {**dp, "noise": jax.tree.map(
+                    lambda n, o: _per_replica_where(keep, n, o), history, state.dp["noise"])}
+            else:
+                feedback, _ = privatize(feedback, hyper, keys, z, feedback.delta_sum)
         elif private is not None:
             feedback = privatize(feedback, hyper, keys, z)
         if poisson:
@@ -320,6 +348,6 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
                                  algorithm.uses_losses)
         return state.replace(params=params, algo_state=algo_state, round=t + 1,
                              server_opt_state=opt_state, client_state=client_state,
-                             clip=clip), {**metrics, **extra}
+                             dp=dp), {**metrics, **extra}
 
     return round_fn

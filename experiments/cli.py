@@ -167,6 +167,12 @@ def _define_privacy_flags() -> None:
             "noised update by the kept weight released with noise (noised) or by its "
             "expectation theta m, fixed and not released (expected)",
             enum_values=["noised", "expected"])
+    _define(flags.DEFINE_enum, "dp_mechanism", d.mechanism, "gaussian: independent noise each "
+            "round | bandmf: DP-FTRL's banded matrix factorisation (correlated noise; needs "
+            "--client_sampling=cyclic)", enum_values=["gaussian", "bandmf"])
+    _define(flags.DEFINE_integer, "dp_bands", None, "--dp_mechanism=bandmf: the bands b of "
+            "the Toeplitz strategy (each replica keeps b - 1 noise vectors); unset: min(G, "
+            "rounds), G = N // m")
     _define(flags.DEFINE_enum, "dp_accountant", None, "pld | rdp: dp-accounting's accountant; "
             "unset: rdp with --client_sampling=fixed (replace-one), pld with poisson "
             "(add-or-remove)", enum_values=["pld", "rdp"])
@@ -250,8 +256,9 @@ def define_experiment_flags() -> None:
             "(poisson: expected)")
     _define(flags.DEFINE_enum, "client_sampling", "fixed", "fixed: m distinct clients drawn "
             "uniformly each round | poisson: each client joins a round independently with "
-            "probability q = m / N (DP's add-or-remove accounting)",
-            enum_values=["fixed", "poisson"])
+            "probability q = m / N (DP's add-or-remove accounting) | cyclic: G = N // m fixed "
+            "groups of m, round t trains group t mod G (DP-FTRL's participation)",
+            enum_values=["fixed", "poisson", "cyclic"])
     _define(flags.DEFINE_integer, "local_epochs", 1, "local epochs of minibatch SGD per kept "
             "client")
     _define(flags.DEFINE_integer, "local_steps", None, "local SGD steps instead of epochs")
@@ -370,7 +377,8 @@ SCALAR_FIELDS = ("model", "num_rounds", "clients_per_round", "local_epochs",
                  "server_momentum", "server_beta1", "server_beta2", "server_eps",
                  "dp_delta", "dp_quantile_noise_ratio", "dp_loss_bound", "dp_mm_floor",
                  "client_sampling", "dp_accountant", "dp_clip_init", "dp_clip_quantile",
-                 "dp_clip_lr", "dp_clip_count_noise", "dp_kept_weight")
+                 "dp_clip_lr", "dp_clip_count_noise", "dp_kept_weight",
+                 "dp_mechanism", "dp_bands")
 
 
 def data_config_from_flags():

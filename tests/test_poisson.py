@@ -288,7 +288,7 @@ def test_the_adaptive_clip_follows_the_geometric_step(tiny_synthetic):
         np.testing.assert_allclose(h["dp_clip_norm"], clip, rtol=1e-5)
         unclipped = 6 - np.asarray(h["dp_clipped"], np.float64)
         clip = clip * np.exp(-0.3 * (unclipped / 6 - 0.5))
-    np.testing.assert_allclose(np.asarray(state.clip), clip, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.dp["clip"]), clip, rtol=1e-5)
     assert np.all(clip > 0.02)
 
 

@@ -32,7 +32,8 @@ from deltafl_jax.eval_sample import EvalSampler, summarize_sample
 from deltafl_jax.metrics import summarize
 from deltafl_jax.models import Model, ModelOptions, build_model, default_conv_impl
 from deltafl_jax.privacy import (OVERFLOW_PLAIN, OVERFLOW_SHARE, UPDATE_RELEASE,
-                                UPDATE_RELEASE_ADD_REMOVE, Accounting)
+                                UPDATE_RELEASE_ADD_REMOVE, Accounting, Correlated,
+                                bandmf_coefficients)
 from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import placement as placement_lib
 from deltafl_jax.run.callbacks import RunFacts, RunView
@@ -90,10 +91,12 @@ class Experiment:
 
     def initial_state(self) -> rounds.ServerState:
         privacy = self.config.privacy
+        correlated = self.accounting.correlated if self.accounting is not None else None
         return self._place(rounds.init_state(self.model, self.algorithm, self.replicas,
                                              self.seeds, self.server_tx,
                                              self.data.train.num_clients,
-                                             clip=privacy.clip if privacy.adaptive else None))
+                                             clip=privacy.clip if privacy.adaptive else None,
+                                             bands=len(correlated.coef) if correlated else 0))
 
     def keys(self):
         return self._place(rounds.replica_keys(self.replicas, self.seeds))
@@ -110,7 +113,8 @@ class Experiment:
         buffer when the host keeps the split)."""
         return plan_lib.make_round_plan(self.seeds, round_idx, self.data.train.offsets,
                                         self.num_sampled, self.work, self.caps,
-                                        packed=self.store.host, poisson=self.poisson)
+                                        packed=self.store.host, poisson=self.poisson,
+                                        cyclic=self.config.client_sampling == "cyclic")
 
     def round_data(self, round_idx: int) -> rounds.RoundData:
         return self.store.round_data(self.round_plan(round_idx))
@@ -212,6 +216,9 @@ def _model(config: ExperimentConfig, data: FederatedDataset) -> Tuple[Model, Mod
 
 def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDataset) -> int:
     m = config.clients_per_round
+    if config.client_sampling == "cyclic" and spec.all_clients:
+        raise ConfigError(f"--client_sampling=cyclic: --algorithm={spec.name} trains every "
+                          f"client every round")
     if m > data.train.num_clients:
         raise ConfigError(
             f"--clients_per_round={m} exceeds the {data.train.num_clients} training clients of "
@@ -220,7 +227,7 @@ def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDatas
 
 
 def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh,
-              server_tx, expected: Optional[int] = None):
+              server_tx, expected: Optional[int] = None, correlated=None):
     """The jitted round: plain for one device, jit(shard_map(...)) over a mesh otherwise."""
     axis = mesh_lib.SINGLE if mesh is None else mesh_lib.DeviceAxis(place.devices,
                                                                     mesh_lib.AXIS)
@@ -232,7 +239,8 @@ def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh
     privacy = config.privacy
     raw = rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
                                 place.eval_lanes, m, server_tx, expected=expected,
-                                adaptive=privacy if privacy.adaptive else None)
+                                adaptive=privacy if privacy.adaptive else None,
+                                correlated=correlated)
     return jax.jit(raw if mesh is None else mesh_lib.sharded(raw, mesh, 3), donate_argnums=(0,))
 
 
@@ -267,6 +275,8 @@ def _accounting(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: Federa
                           f"--dp_kept_weight=expected); --algorithm={spec.name}'s private "
                           f"version divides by a noised kept weight")
     count = ((privacy.clip_count_noise,) if privacy.adaptive else ())
+    if privacy.sampler == "cyclic":
+        return _cyclic_accounting(config, spec, algorithm, m, num_clients)
     if privacy.sampler == "poisson":
         releases = ((UPDATE_RELEASE_ADD_REMOVE,) + tuple(algorithm.private.add_remove_releases)
                     + count)
@@ -277,6 +287,28 @@ def _accounting(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: Federa
                       delta=privacy.delta_for(num_clients), noise=noise,
                       sampler=privacy.sampler, accountant=privacy.accountant_name,
                       rounds=config.num_rounds)
+
+
+def _cyclic_accounting(config: ExperimentConfig, spec: AlgorithmSpec,
+                       algorithm: FederatedAlgorithm, m: int, num_clients: int) -> Accounting:
+    """Cyclic participation: the run as one Gaussian mechanism over BandMF's factorisation
+    (--dp_mechanism=gaussian: one band), for a private version whose only release is its
+    update and whose denominator is fixed (DP-FedAvg)."""
+    privacy = config.privacy
+    private = algorithm.private
+    if private.denominator is None or private.releases:
+        raise ConfigError(f"--client_sampling=cyclic with --dp_clip: --algorithm={spec.name}'s "
+                          f"private version releases more than its update (DP-FTRL's account "
+                          f"covers DP-FedAvg and DP-FedProx)")
+    groups = num_clients // m
+    T = config.num_rounds
+    bands = 1 if privacy.mechanism == "gaussian" else (privacy.bands or min(groups, T))
+    correlated = Correlated(coef=bandmf_coefficients(T, bands), min_sep=groups, rounds=T)
+    releases = (UPDATE_RELEASE_ADD_REMOVE,)
+    noise = privacy.noise_multipliers_for(m, T, num_clients, releases, correlated)
+    return Accounting(population=num_clients, m=m, releases=releases,
+                      delta=privacy.delta_for(num_clients), noise=noise, sampler="cyclic",
+                      accountant=privacy.accountant_name, rounds=T, correlated=correlated)
 
 
 def _poisson(config: ExperimentConfig, spec: AlgorithmSpec, m: int, num_clients: int,
@@ -337,7 +369,8 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     device_bytes = footprint(data, model, replicas, place, caps, m, state_shape)
     check_memory(device_bytes, devices)
     round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx,
-                         expected if poisson is not None else None)
+                         expected if poisson is not None else None,
+                         accounting.correlated if accounting is not None else None)
     return Experiment(
         config=config, data=data, model=model, model_options=options, spec=spec,
         algorithm=algorithm, replicas=replicas, work=work,
