@@ -1,10 +1,12 @@
 """Poisson client sampling (deltafl_jax.plan, --client_sampling=poisson), its add-or-remove
-accounting (PLD or RDP, deltafl_jax.privacy), and adaptive clipping (--dp_clip=adaptive).
+accounting (PLD or RDP, deltafl_jax.privacy), adaptive clipping (--dp_clip=adaptive), and
+DP-FTRL with a banded matrix factorisation (--client_sampling=cyclic --dp_mechanism=bandmf).
 
 The references: scipy's binomial law and chi-square tests for the sampler, the round under
 Poisson against the fixed-sampling round on the same cohort, dp-accounting called here with
-the events written out from the paper's multipliers, and NumPy for the clip's geometric
-step."""
+the events written out from the paper's multipliers, NumPy for the clip's geometric step,
+and for BandMF a dense NumPy solve of C W = Z and a brute-force sensitivity of the dense
+strategy matrix."""
 
 import math
 
@@ -346,6 +348,116 @@ BASE = ["--dataset=synthetic", "--synthetic_num_clients=20", "--synthetic_max_ex
     (["--client_sampling=sometimes"], "--client_sampling"),
 ])
 def test_bad_sampling_flags_exit_2_with_one_line(tmp_path, capsys, flags, needle):
+    out = tmp_path / "o"
+    code, err, _ = run_runner([*BASE, f"--output_dir={out}", *flags], capsys)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert code == 2 and len(lines) == 1 and needle in lines[0], err
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------ DP-FTRL
+
+def test_cyclic_groups_take_part_every_g_rounds():
+    """N = 23, m = 5: G = 4 disjoint groups of 5 (3 clients never take part); each client's
+    rounds are exactly G apart."""
+    N, m, T = 23, 5, 16
+    seen = {}
+    for t in range(T):
+        cohort = plan.cyclic_cohort(9, t, N, m)
+        assert cohort.size == m and len(set(cohort)) == m
+        for k in cohort:
+            seen.setdefault(int(k), []).append(t)
+    assert len(seen) == 20
+    for rounds_ in seen.values():
+        assert np.all(np.diff(rounds_) == 4) and len(rounds_) == 4
+
+
+def dense_toeplitz(coef, n):
+    C = np.zeros((n, n))
+    for j, c in enumerate(coef):
+        C += c * np.eye(n, k=-j)
+    return C
+
+
+def test_bandmf_noise_is_c_inverse_of_gaussians():
+    """T rounds of privacy.bandmf_privatize: the noise added each round, W = C^-1 Z, solved
+    here with NumPy from the dense banded Toeplitz C, with Z the independent draws (the
+    same keys with one band: W = Z)."""
+    from deltafl_jax.algorithms.fedavg import private_fedavg
+    from deltafl_jax.algorithms import ClientFeedback
+    private = private_fedavg("unweighted")
+    coef, T, m, d, clip, z, scale = (0.8, 0.5, 0.3), 9, 4, 7, 0.5, 1.3, 1.7
+    fb = ClientFeedback(losses=jnp.zeros(m), sizes=jnp.ones(m, jnp.int32),
+                        weights=jnp.full(m, 1 / m), delta_sum={"w": jnp.zeros((d,))},
+                        weight_sum=jnp.float32(1.0), job_sqnorm=jnp.zeros(m),
+                        job_finite=jnp.ones(m, bool), job_trained=jnp.ones(m, bool),
+                        learning_rate=jnp.float32(0.1), clients=jnp.arange(m))
+    history = {"w": jnp.zeros((2, d))}
+    W, Z = [], []
+    for t in range(T):
+        key = jax.random.fold_in(jax.random.key(3), t)
+        out, history = privacy.bandmf_privatize(private, clip, m, coef, scale, fb, None, key,
+                                                jnp.float32(z), history)
+        W.append(np.asarray(out.delta_sum["w"], np.float64))
+        fresh, _ = privacy.bandmf_privatize(private, clip, m, (1.0,), scale, fb, None, key,
+                                            jnp.float32(z), fb.delta_sum)
+        Z.append(np.asarray(fresh.delta_sum["w"], np.float64))
+        assert float(out.weight_sum) == 1.0
+    want = np.linalg.solve(dense_toeplitz(coef, T), np.stack(Z))
+    np.testing.assert_allclose(np.stack(W), want, rtol=1e-4, atol=1e-6)
+    sigma = z * clip / m * scale                      # Z's std: z C a_max s_T
+    stat = float(np.sum(np.stack(Z) ** 2) / sigma ** 2)
+    assert stats.chi2.ppf(0.0005, T * d) < stat < stats.chi2.ppf(0.9995, T * d)
+
+
+def brute_sensitivity(coef, groups, T, t=None):
+    """max over the cyclic groups of ||sum of C's columns at the group's rounds < t||, C the
+    dense T x T banded Toeplitz (NumPy)."""
+    t = T if t is None else t
+    C = dense_toeplitz(coef, T)[:t, :t]
+    return max(np.linalg.norm(C[:, g::groups].sum(axis=1)) for g in range(groups))
+
+
+@pytest.mark.parametrize("mechanism,bands", [("bandmf", 3), ("bandmf", None),
+                                             ("gaussian", None)])
+def test_dp_ftrl_epsilon_is_one_gaussian_over_the_factorisation(tiny_synthetic, mechanism,
+                                                                  bands):
+    """N = 12, m = 3: G = 4 groups; epsilon after t of T = 10 rounds is dp-accounting's (PLD,
+    add-or-remove) for one Gaussian mechanism of multiplier z s_T / s_t, with the
+    sensitivities s brute-forced here from the dense strategy matrix."""
+    kw = dict(algorithm="fedavg", thetas=(), weighting="unweighted", clients_per_round=3,
+              client_sampling="cyclic", dp_clip=0.5, dp_noise_multiplier=(2.0,),
+              num_rounds=10, dp_mechanism=mechanism)
+    if bands:
+        kw["dp_bands"] = bands
+    exp = build_experiment(tiny_config(**kw), tiny_synthetic)
+    coef = exp.accounting.correlated.coef
+    assert len(coef) == {("bandmf", 3): 3, ("bandmf", None): 4, ("gaussian", None): 1}[
+        (mechanism, bands)]
+    assert math.sqrt(sum(c * c for c in coef)) == pytest.approx(1.0, rel=1e-6)
+    N, z = tiny_synthetic.train.num_clients, applied(2.0)
+    s_T = brute_sensitivity(coef, 4, 10)
+    for t in (4, 10):
+        acc = PLDAccountant(neighboring_relation=ADD_OR_REMOVE)
+        acc.compose(dp_accounting.GaussianDpEvent(z * s_T / brute_sensitivity(coef, 4, 10, t)))
+        assert float(exp.accounting.epsilons(t)[0]) == pytest.approx(
+            acc.get_epsilon(N ** -1.1), rel=1e-9)
+    state, hist = run_rounds(exp, 3)
+    if len(coef) > 1:
+        assert jax.tree.leaves(state.dp["noise"])[0].shape[1] == len(coef) - 1
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--algorithm=fedavg", "--weighting=unweighted", "--dp_clip=1", "--dp_mechanism=bandmf"],
+     "--dp_mechanism=bandmf needs --client_sampling=cyclic"),
+    (["--algorithm=fedavg", "--weighting=unweighted", "--dp_clip=1", "--dp_bands=3",
+      "--client_sampling=cyclic"], "--dp_bands needs --dp_mechanism=bandmf"),
+    (["--algorithm=deltafl", "--weighting=unweighted", "--quantile=secagg_mm", "--dp_clip=1",
+      "--client_sampling=cyclic"], "releases more than its update"),
+    (["--algorithm=fedavg", "--weighting=unweighted", "--dp_clip=adaptive",
+      "--client_sampling=cyclic"], "not cyclic"),
+])
+def test_bad_dp_ftrl_flags_exit_2_with_one_line(tmp_path, capsys, flags, needle):
     out = tmp_path / "o"
     code, err, _ = run_runner([*BASE, f"--output_dir={out}", *flags], capsys)
     lines = [l for l in err.splitlines() if l.strip()]

@@ -76,8 +76,8 @@ def assert_same_outputs(a, b):
 
 # The runs that are killed: Delta-FL, Tilted-ERM (algorithm state), Delta-FL with a server
 # optimizer swept over two learning rates (Adam's moments in the state: theta x eta x seeds =
-# 8 replicas), SCAFFOLD (per-client control variates), private Delta-FL (noise), and private
-# Delta-FL under Poisson sampling with an adaptive clip.
+# 8 replicas), SCAFFOLD (per-client control variates), private Delta-FL (noise), private
+# Delta-FL under Poisson sampling with an adaptive clip, and DP-FTRL (BandMF).
 RUNS = {"deltafl": ("--algorithm=deltafl",), "term": ("--algorithm=term",),
         "fedadam": ("--algorithm=deltafl", "--server_optimizer=adam", "--server_lr=0.01,0.03"),
         "scaffold": ("--algorithm=scaffold", "--thetas=1"),
@@ -89,7 +89,11 @@ RUNS = {"deltafl": ("--algorithm=deltafl",), "term": ("--algorithm=term",),
         # fixed denominator and adaptive clipping (each replica's clip in the state).
         "poisson": ("--algorithm=deltafl", "--weighting=unweighted", "--quantile=secagg_mm",
                     "--mm_iters=3", "--client_sampling=poisson", "--dp_clip=adaptive",
-                    "--dp_kept_weight=expected", "--dp_noise_multiplier=0.5,2")}
+                    "--dp_kept_weight=expected", "--dp_noise_multiplier=0.5,2"),
+        # DP-FTRL: cyclic groups and BandMF's noise history in the state.
+        "bandmf": ("--algorithm=fedavg", "--thetas=1", "--weighting=unweighted",
+                   "--client_sampling=cyclic", "--dp_clip=0.5", "--dp_mechanism=bandmf",
+                   "--dp_noise_multiplier=0.5,2")}
 
 
 @pytest.fixture(scope="module")
