@@ -231,6 +231,32 @@ def _privatize(private, clip: float, m: int, feedback: ClientFeedback, hyper, ke
     return feedback._replace(delta_sum=jax.tree.unflatten(treedef, noisy), weight_sum=total)
 
 
+def _private_feedback(privatize, private, adaptive, correlated, m, feedback, tr, hyper, keys,
+                      z, dp, keep):
+    """Every replica's feedback made private, with DP's own state (:class:`ServerState`'s
+    ``dp``) stepped: (feedback, dp, extra round metrics). Adaptive clipping: the clip's step
+    from the noised unclipped count (:func:`deltafl_jax.privacy.adaptive_clip`; expected count
+    D / a_max); BandMF: the noise history (:func:`deltafl_jax.privacy.bandmf_privatize`)."""
+    if private is None:
+        return feedback, dp, {}
+    if adaptive is not None:
+        clip = dp["clip"]
+        feedback = privatize(feedback, hyper, keys, z, clip)
+        unclipped = jnp.sum(tr.job_trained & tr.job_finite & ~tr.job_clipped, axis=1)
+        new, frac = jax.vmap(lambda c, u, k, zz, h: adaptive_clip(
+            c, u, k, zz, adaptive, private.denominator(h, m) / private.max_weight(h, m)))(
+                clip, unclipped, keys, z, hyper)
+        return (feedback, {**dp, "clip": jnp.where(keep, new, clip)},
+                {"dp_clip_norm": clip, "dp_unclipped_fraction": frac})
+    if correlated is not None and len(correlated.coef) > 1:
+        feedback, history = privatize(feedback, hyper, keys, z, dp["noise"])
+        return feedback, {**dp, "noise": jax.tree.map(
+            lambda n, o: _per_replica_where(keep, n, o), history, dp["noise"])}, {}
+    if correlated is not None:   # one band: independent noise, no history
+        return privatize(feedback, hyper, keys, z, feedback.delta_sum)[0], dp, {}
+    return privatize(feedback, hyper, keys, z), dp, {}
+
+
 def _private(algorithm, clip, m):
     """(the algorithm's private version, the vmapped feedback transform) with a clip, else
     (None, None); ValueError for an algorithm without one."""
@@ -317,25 +343,9 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
                                   job_sqnorm=tr.job_sqnorm, job_finite=tr.job_finite,
                                   job_trained=tr.job_trained, learning_rate=lr,
                                   clients=clients, client_outputs=tr.job_output)
-        extra, dp = {}, state.dp
-        if adaptive is not None:
-            clip = state.dp["clip"]
-            feedback = privatize(feedback, hyper, keys, z, clip)
-            unclipped = jnp.sum(tr.job_trained & tr.job_finite & ~tr.job_clipped, axis=1)
-            new, frac = jax.vmap(lambda c, u, k, zz, h: adaptive_clip(
-                c, u, k, zz, adaptive, private.denominator(h, m_dp) /
-                private.max_weight(h, m_dp)))(clip, unclipped, keys, z, hyper)
-            dp = {**dp, "clip": jnp.where(keep, new, clip)}
-            extra = {"dp_clip_norm": clip, "dp_unclipped_fraction": frac}
-        elif correlated is not None:
-            if len(correlated.coef) > 1:
-                feedback, history = privatize(feedback, hyper, keys, z, state.dp["noise"])
-                dp = {**dp, "noise": jax.tree.map(
-                    lambda n, o: _per_replica_where(keep, n, o), history, state.dp["noise"])}
-            else:
-                feedback, _ = privatize(feedback, hyper, keys, z, feedback.delta_sum)
-        elif private is not None:
-            feedback = privatize(feedback, hyper, keys, z)
+        feedback, dp, extra = _private_feedback(privatize, private, adaptive, correlated,
+                                                m_dp, feedback, tr, hyper, keys, z, state.dp,
+                                                keep)
         if poisson:
             extra["cohort_size"] = jnp.sum(present, axis=1)
         params, algo_state, opt_state, algo_metrics = _server(
