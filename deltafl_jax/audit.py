@@ -17,8 +17,9 @@ mechanism finds eps_lb below it.
 What is audited here is DP-FedAvg's round as the simulator runs it, under Poisson client
 sampling: each client joins a round with probability q = m / N (:func:`deltafl_jax.plan.
 poisson_cohort`), every update is clipped to C (:func:`deltafl_jax.privacy.clip_factor`),
-weighted by a_max = 1 / m (:func:`deltafl_jax.privacy.poisson_weights`), summed, and noised
-and divided by the fixed denominator by the round's own :func:`deltafl_jax.rounds._privatize`.
+weighted by a_max = 1 / m (:func:`deltafl_jax.privacy.poisson_weights`), summed, noised and
+divided by the fixed denominator as the round does it
+(:func:`deltafl_jax.rounds.privatize_feedback`).
 The other clients' updates are random vectors longer than C, orthogonal to the canary's
 update, a fixed direction u of norm C (a "Dirac" canary on a coordinate that the others do not
 use: without noise its presence is then certain to show), and the runs that include it have
@@ -131,7 +132,7 @@ def release_scores(audit: CanaryAudit, canary: np.ndarray, noise: bool = True) -
                             weight_sum=jnp.sum(weights), job_sqnorm=sq,
                             job_finite=present, job_trained=present,
                             learning_rate=jnp.float32(0.1), clients=jnp.arange(slots))
-        out = rounds_lib._privatize(private, a.clip, a.m, fb, None, k_noise,
+        out = rounds_lib.privatize_feedback(private, a.clip, a.m, fb, None, k_noise,
                                     jnp.float32(a.z if noise else 0.0))
         delta = out.delta_sum["w"] / out.weight_sum                      # Delta_t
         return jnp.dot(delta, jnp.asarray(u))

@@ -183,68 +183,11 @@ class Privacy:
     def check(self) -> None:
         """ConfigError naming the flag at fault."""
         if not self.enabled:
-            d = Privacy()
-            given = [f for f, on in (("dp_target_epsilon", bool(self.target_epsilons)),
-                                     ("dp_noise_multiplier",
-                                      tuple(self.noise_multipliers) != (0.0,)),
-                                     ("dp_delta", self.delta is not None),
-                                     ("dp_quantile_noise_ratio",
-                                      self.quantile_noise_ratio != d.quantile_noise_ratio),
-                                     ("dp_loss_bound", self.loss_bound != d.loss_bound),
-                                     ("dp_mm_floor", self.mm_floor != d.mm_floor),
-                                     ("dp_accountant", self.accountant is not None),
-                                     ("dp_kept_weight", self.kept_weight != d.kept_weight),
-                                     ("dp_mechanism", self.mechanism != d.mechanism),
-                                     ("dp_bands", self.bands is not None),
-                                     ("dp_clip_quantile", self.clip_quantile != d.clip_quantile),
-                                     ("dp_clip_lr", self.clip_lr != d.clip_lr),
-                                     ("dp_clip_count_noise",
-                                      self.clip_count_noise != d.clip_count_noise)) if on]
-            if given:
-                raise ConfigError(f"--{given[0]} needs --dp_clip (the clip norm C of the "
-                                  f"clients' updates)")
+            self._check_unset()
             return
         _positive("dp_clip_init" if self.adaptive else "dp_clip", self.clip)
-        if self.mechanism not in MECHANISMS:
-            raise ConfigError(f"--dp_mechanism must be one of {', '.join(MECHANISMS)}, got "
-                              f"{self.mechanism!r}")
-        if self.mechanism == "bandmf" and self.sampler != "cyclic":
-            raise ConfigError("--dp_mechanism=bandmf needs --client_sampling=cyclic: its "
-                              "sensitivity assumes a client's rounds at least G = N // m apart")
-        if self.bands is not None:
-            if self.mechanism != "bandmf":
-                raise ConfigError("--dp_bands needs --dp_mechanism=bandmf")
-            if isinstance(self.bands, bool) or not isinstance(self.bands, int) \
-                    or self.bands < 1:
-                raise ConfigError(f"--dp_bands must be an integer >= 1, got {self.bands!r}")
-        if self.sampler == "cyclic" and self.adaptive:
-            raise ConfigError("--dp_clip=adaptive applies with --client_sampling=fixed or "
-                              "poisson, not cyclic (its count would need its own "
-                              "multi-participation accounting)")
-        if self.kept_weight not in KEPT_WEIGHTS:
-            raise ConfigError(f"--dp_kept_weight must be one of {', '.join(KEPT_WEIGHTS)}, got "
-                              f"{self.kept_weight!r}")
-        if self.accountant is not None and self.accountant not in ACCOUNTANTS:
-            raise ConfigError(f"--dp_accountant must be one of {', '.join(ACCOUNTANTS)}, got "
-                              f"{self.accountant!r}")
-        if self.accountant is not None and self.sampler == "fixed" and self.accountant != "rdp":
-            raise ConfigError("--dp_accountant=pld needs --client_sampling=poisson: "
-                              "dp-accounting's PLD accountant has no event for m of N sampled "
-                              "without replacement (fixed sampling uses its RDP accountant)")
-        if not self.adaptive:
-            d = Privacy()
-            for flag, v, dv in (("dp_clip_quantile", self.clip_quantile, d.clip_quantile),
-                                ("dp_clip_lr", self.clip_lr, d.clip_lr),
-                                ("dp_clip_count_noise", self.clip_count_noise,
-                                 d.clip_count_noise)):
-                if v != dv:
-                    raise ConfigError(f"--{flag} needs --dp_clip=adaptive")
-        else:
-            q = self.clip_quantile
-            if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < q < 1.0:
-                raise ConfigError(f"--dp_clip_quantile must lie in (0, 1), got {q!r}")
-            _positive("dp_clip_lr", self.clip_lr)
-            _positive("dp_clip_count_noise", self.clip_count_noise)
+        self._check_sampling()
+        self._check_adaptive()
         for z in self.noise_multipliers:
             _number("dp_noise_multiplier", z, 0.0)
         for e in self.target_epsilons:
@@ -268,6 +211,74 @@ class Privacy:
         if noisy and self.quantile_noise_ratio == 0:
             raise ConfigError("--dp_quantile_noise_ratio must be > 0 with noise: a quantile "
                               "released without noise has no finite epsilon")
+
+    def _check_unset(self) -> None:
+        """Without --dp_clip: no other --dp_* flag."""
+        d = Privacy()
+        given = [f for f, on in (("dp_target_epsilon", bool(self.target_epsilons)),
+                                 ("dp_noise_multiplier", tuple(self.noise_multipliers) != (0.0,)),
+                                 ("dp_delta", self.delta is not None),
+                                 ("dp_quantile_noise_ratio",
+                                  self.quantile_noise_ratio != d.quantile_noise_ratio),
+                                 ("dp_loss_bound", self.loss_bound != d.loss_bound),
+                                 ("dp_mm_floor", self.mm_floor != d.mm_floor),
+                                 ("dp_accountant", self.accountant is not None),
+                                 ("dp_kept_weight", self.kept_weight != d.kept_weight),
+                                 ("dp_mechanism", self.mechanism != d.mechanism),
+                                 ("dp_bands", self.bands is not None),
+                                 ("dp_clip_quantile", self.clip_quantile != d.clip_quantile),
+                                 ("dp_clip_lr", self.clip_lr != d.clip_lr),
+                                 ("dp_clip_count_noise",
+                                  self.clip_count_noise != d.clip_count_noise)) if on]
+        if given:
+            raise ConfigError(f"--{given[0]} needs --dp_clip (the clip norm C of the "
+                              f"clients' updates)")
+
+    def _check_sampling(self) -> None:
+        """The accountant, the mechanism and the kept weight against the sampler."""
+        if self.mechanism not in MECHANISMS:
+            raise ConfigError(f"--dp_mechanism must be one of {', '.join(MECHANISMS)}, got "
+                              f"{self.mechanism!r}")
+        if self.mechanism == "bandmf" and self.sampler != "cyclic":
+            raise ConfigError("--dp_mechanism=bandmf needs --client_sampling=cyclic: its "
+                              "sensitivity assumes a client's rounds at least G = N // m apart")
+        if self.bands is not None:
+            if self.mechanism != "bandmf":
+                raise ConfigError("--dp_bands needs --dp_mechanism=bandmf")
+            if isinstance(self.bands, bool) or not isinstance(self.bands, int) \
+                    or self.bands < 1:
+                raise ConfigError(f"--dp_bands must be an integer >= 1, got {self.bands!r}")
+        if self.kept_weight not in KEPT_WEIGHTS:
+            raise ConfigError(f"--dp_kept_weight must be one of {', '.join(KEPT_WEIGHTS)}, got "
+                              f"{self.kept_weight!r}")
+        if self.accountant is not None and self.accountant not in ACCOUNTANTS:
+            raise ConfigError(f"--dp_accountant must be one of {', '.join(ACCOUNTANTS)}, got "
+                              f"{self.accountant!r}")
+        if self.accountant is not None and self.sampler == "fixed" and self.accountant != "rdp":
+            raise ConfigError("--dp_accountant=pld needs --client_sampling=poisson: "
+                              "dp-accounting's PLD accountant has no event for m of N sampled "
+                              "without replacement (fixed sampling uses its RDP accountant)")
+
+    def _check_adaptive(self) -> None:
+        """--dp_clip=adaptive's settings, and none of them without it."""
+        d = Privacy()
+        if not self.adaptive:
+            for flag, v, dv in (("dp_clip_quantile", self.clip_quantile, d.clip_quantile),
+                                ("dp_clip_lr", self.clip_lr, d.clip_lr),
+                                ("dp_clip_count_noise", self.clip_count_noise,
+                                 d.clip_count_noise)):
+                if v != dv:
+                    raise ConfigError(f"--{flag} needs --dp_clip=adaptive")
+            return
+        if self.sampler == "cyclic":
+            raise ConfigError("--dp_clip=adaptive applies with --client_sampling=fixed or "
+                              "poisson, not cyclic (its count would need its own "
+                              "multi-participation accounting)")
+        q = self.clip_quantile
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < q < 1.0:
+            raise ConfigError(f"--dp_clip_quantile must lie in (0, 1), got {q!r}")
+        _positive("dp_clip_lr", self.clip_lr)
+        _positive("dp_clip_count_noise", self.clip_count_noise)
 
     @property
     def swept(self) -> Tuple[Tuple[str, Tuple[float, ...]], ...]:

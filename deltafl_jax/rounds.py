@@ -231,6 +231,10 @@ def _privatize(private, clip: float, m: int, feedback: ClientFeedback, hyper, ke
     return feedback._replace(delta_sum=jax.tree.unflatten(treedef, noisy), weight_sum=total)
 
 
+# The round's noise for one replica, as the audit (deltafl_jax.audit) runs it.
+privatize_feedback = _privatize
+
+
 def _private_feedback(privatize, private, adaptive, correlated, m, feedback, tr, hyper, keys,
                       z, dp, keep):
     """Every replica's feedback made private, with DP's own state (:class:`ServerState`'s
@@ -257,14 +261,38 @@ def _private_feedback(privatize, private, adaptive, correlated, m, feedback, tr,
     return privatize(feedback, hyper, keys, z), dp, {}
 
 
-def _private(algorithm, clip, m):
+def _private(algorithm, clip, m, adaptive=None, correlated=None):
     """(the algorithm's private version, the vmapped feedback transform) with a clip, else
-    (None, None); ValueError for an algorithm without one."""
+    (None, None); ValueError for an algorithm without one. Adaptive clipping: the transform
+    takes each replica's clip too; BandMF: its noise history (and returns the new one)."""
     if clip is None:
         return None, None
-    if algorithm.private is None:
+    private = algorithm.private
+    if private is None:
         raise ValueError(f"{algorithm.name} has no private version (FederatedAlgorithm.private)")
-    return algorithm.private, jax.vmap(functools.partial(_privatize, algorithm.private, clip, m))
+    if adaptive is not None:   # the clip of each replica from the state, traced
+        return private, jax.vmap(lambda fb, h, k, z, c: _privatize(private, c, m, fb, h, k, z))
+    if correlated is not None:
+        coef, s_T = correlated.coef, correlated.sensitivity(correlated.rounds)
+        return private, jax.vmap(lambda fb, h, k, z, hist: bandmf_privatize(
+            private, clip, m, coef, s_T, fb, h, k, z, hist))
+    return private, jax.vmap(functools.partial(_privatize, private, clip, m))
+
+
+def _cohort_weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z,
+                    expected: Optional[int]):
+    """(losses, weights) of step 2; with `expected` (a Poisson cohort of that expected size)
+    loss and weight 0 on the empty slots (size 0), and a_max on every sampled client of a
+    fixed-denominator private version (:func:`deltafl_jax.privacy.poisson_weights`)."""
+    if expected is None:
+        return losses, _weights(algorithm, private, state, losses, sizes, hyper, keys,
+                                clients, z)
+    losses = jnp.where(sizes > 0, losses, 0.0)
+    weights = _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z)
+    weights = jnp.where(sizes > 0, weights, 0.0)
+    if private is not None:
+        weights = jax.vmap(lambda w, h: poisson_weights(private, w, h, expected))(weights, hyper)
+    return losses, weights
 
 
 def _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z):
@@ -276,6 +304,37 @@ def _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z):
                                               clients)
 
 
+class _RoundDP:
+    """Client-level DP's part of a round: the private version and its feedback transform
+    (:func:`_private`), a Poisson cohort's weights (:func:`_cohort_weights`; `expected`: its
+    expected size q N, the plan's slots being `num_sampled`), the adaptive clip (`adaptive`:
+    the run's :class:`~deltafl_jax.privacy.Privacy`) and BandMF's noise (`correlated`: its
+    :class:`~deltafl_jax.privacy.Correlated`), both in ``ServerState.dp``."""
+
+    def __init__(self, algorithm, clip, num_sampled, expected, adaptive, correlated):
+        self.m = expected or num_sampled    # the cohort the private version expects
+        self.expected, self.adaptive, self.correlated = expected, adaptive, correlated
+        self.private, self.privatize = _private(algorithm, clip, self.m, adaptive, correlated)
+
+    def weights(self, algorithm, state, losses, sizes, hyper, keys, clients, z):
+        return _cohort_weights(algorithm, self.private, state, losses, sizes, hyper, keys,
+                               clients, z, self.expected)
+
+    def clips(self, state):
+        """[R] each replica's clip (adaptive clipping), else None (the engine's static C)."""
+        return state.dp["clip"] if self.adaptive is not None else None
+
+    def feedback(self, feedback, tr, hyper, keys, z, dp, keep):
+        """(feedback, dp, extra metrics) (:func:`_private_feedback`), and each Poisson
+        round's cohort size."""
+        feedback, dp, extra = _private_feedback(self.privatize, self.private, self.adaptive,
+                                                self.correlated, self.m, feedback, tr, hyper,
+                                                keys, z, dp, keep)
+        if self.expected is not None:
+            extra["cohort_size"] = jnp.sum(feedback.sizes > 0, axis=1)
+        return feedback, dp, extra
+
+
 def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                    local: engine.LocalSGDConfig, eval_chunk: int, eval_lanes: int,
                    num_sampled: int,
@@ -283,21 +342,8 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
                    expected: Optional[int] = None, adaptive=None, correlated=None):
     """The round of `algorithm` for `replicas`, with the server optimizer's transformation
     `server_tx` (None: the plain step w + Delta), client-level DP when ``local.clip`` is set
-    (each replica's noise multiplier ``replicas.dp_noise``). `expected`: a Poisson cohort's
-    expected size q N (`num_sampled` is then the plan's slots, the empty ones of size 0);
-    `adaptive`: the run's :class:`deltafl_jax.privacy.Privacy` under --dp_clip=adaptive (the
-    clip is ``state.dp["clip"]``); `correlated`: BandMF's
-    :class:`deltafl_jax.privacy.Correlated` (its noise history is ``state.dp["noise"]``).
-    An unjitted pure function."""
-    poisson = expected is not None
-    m_dp = expected if poisson else num_sampled    # the cohort the private version expects
-    private, privatize = _private(algorithm, local.clip, m_dp)
-    if adaptive is not None:   # the clip of each replica from the state, traced
-        privatize = jax.vmap(lambda fb, h, k, zz, c: _privatize(private, c, m_dp, fb, h, k, zz))
-    if correlated is not None:
-        coef, s_T = correlated.coef, correlated.sensitivity(correlated.rounds)
-        privatize = jax.vmap(lambda fb, h, k, zz, hist: bandmf_privatize(
-            private, local.clip, m_dp, coef, s_T, fb, h, k, zz, hist))
+    (:class:`_RoundDP`). An unjitted pure function."""
+    dpr = _RoundDP(algorithm, local.clip, num_sampled, expected, adaptive, correlated)
     z_np = np.asarray(replicas.dp_noise, np.float32)
     hooks = algorithm.client_hooks()
     local = local._replace(client_hooks=hooks)
@@ -320,15 +366,7 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(key)
         clients = data.plan.clients[group]                          # [R, m] client ids
         z = jnp.asarray(z_np)
-        if poisson:   # empty slots: loss 0 and weight 0
-            present = sizes > 0
-            losses = jnp.where(present, losses, 0.0)
-        weights = _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z)
-        if poisson:
-            weights = jnp.where(present, weights, 0.0)
-            if private is not None:
-                weights = jax.vmap(lambda w, h: poisson_weights(private, w, h, m_dp))(
-                    weights, hyper)
+        losses, weights = dpr.weights(algorithm, state, losses, sizes, hyper, keys, clients, z)
         keep = (state.active if state.active is not None
                 else jnp.ones((weights.shape[0],), bool))
         weights = jnp.where(keep[:, None], weights, 0.0)
@@ -337,27 +375,22 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         tr = engine.train_jobs(model, state.params, X=data.x, Y=data.y, plan=data.plan,
                                replica_group=group, job_weight=weights, learning_rate=lr,
                                l2=l2, hyper=hyper, cfg=local, clients=inputs,
-                               clip=state.dp["clip"] if adaptive is not None else None)
+                               clip=dpr.clips(state))
         feedback = ClientFeedback(losses=losses, sizes=sizes, weights=weights,
                                   delta_sum=tr.delta_sum, weight_sum=tr.weight_sum,
                                   job_sqnorm=tr.job_sqnorm, job_finite=tr.job_finite,
                                   job_trained=tr.job_trained, learning_rate=lr,
                                   clients=clients, client_outputs=tr.job_output)
-        feedback, dp, extra = _private_feedback(privatize, private, adaptive, correlated,
-                                                m_dp, feedback, tr, hyper, keys, z, state.dp,
-                                                keep)
-        if poisson:
-            extra["cohort_size"] = jnp.sum(present, axis=1)
+        feedback, dp, extra = dpr.feedback(feedback, tr, hyper, keys, z, state.dp, keep)
         params, algo_state, opt_state, algo_metrics = _server(
             algorithm, server_tx, state, feedback, hyper, keep)
         client_state = state.client_state
         if tr.job_state is not None and jax.tree.leaves(client_state):
             client_state = jax.vmap(_write_back)(client_state, clients, tr.job_state,
                                                  tr.job_finite)
-        metrics = _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics,
-                                 algorithm.uses_losses)
-        return state.replace(params=params, algo_state=algo_state, round=t + 1,
-                             server_opt_state=opt_state, client_state=client_state,
-                             dp=dp), {**metrics, **extra}
+        metrics = {**_round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics,
+                                    algorithm.uses_losses), **extra}
+        return state.replace(params=params, algo_state=algo_state, round=t + 1, dp=dp,
+                             server_opt_state=opt_state, client_state=client_state), metrics
 
     return round_fn
