@@ -19,7 +19,7 @@ from deltafl_jax.datasets import DataConfig
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.models import LINEAR_MODELS
 from deltafl_jax.replicas import aligned
-from deltafl_jax.privacy import Privacy
+from deltafl_jax.privacy import ADAPTIVE, SAMPLERS, Privacy
 from deltafl_jax.server_optimizer import ServerOptimizer
 
 PERCENTILES = (10, 20, 50, 60, 80, 90, 95)
@@ -91,13 +91,26 @@ class ExperimentConfig:
     finetune_steps: Tuple[int, ...] = (0,)  # adaptation steps before each personal evaluation
     finetune_lr: Optional[float] = None     # their learning rate (None: the client's)
     # Client-level differential privacy (deltafl_jax.privacy): off while dp_clip is None.
-    dp_clip: Optional[float] = None         # C, the L2 clip of each client's update
+    dp_clip: Optional[Union[float, str]] = None   # C, the L2 clip of each update; "adaptive"
     dp_noise_multiplier: Tuple[float, ...] = (0.0,)   # z; several values train as replicas
     dp_target_epsilon: Tuple[float, ...] = ()         # epsilon instead of z, calibrated per value
     dp_delta: Optional[float] = None        # None: 1 / N^1.1
     dp_quantile_noise_ratio: float = 1.0    # private Delta-FL: z of its secure sums / z
     dp_loss_bound: float = 10.0             # private Delta-FL: losses clipped to [0, B]
     dp_mm_floor: float = 0.1                # private Delta-FL: beta_k = 1 / max(|F_k - mu|, xi)
+    # Client sampling (deltafl_jax.plan): fixed m of N, Poisson with q = m / N, or cyclic
+    # groups of m.
+    client_sampling: str = "fixed"
+    dp_accountant: Optional[str] = None     # pld | rdp; None: rdp (fixed), pld (poisson)
+    # --dp_clip=adaptive (Andrew et al. 2021): the clip starts at dp_clip_init and moves
+    # toward the dp_clip_quantile of the update norms at rate dp_clip_lr.
+    dp_clip_init: float = 0.1
+    dp_clip_quantile: float = 0.5
+    dp_clip_lr: float = 0.2
+    dp_clip_count_noise: float = 5.0        # the clipped count's noise std / z
+    dp_kept_weight: str = "noised"          # private Delta-FL: noised | expected (theta m)
+    dp_mechanism: str = "gaussian"          # gaussian | bandmf (DP-FTRL, cyclic sampling)
+    dp_bands: Optional[int] = None          # bandmf: bands b; None: min(G, rounds)
 
     def __post_init__(self):
         l2 = self.l2_reg
@@ -132,11 +145,19 @@ class ExperimentConfig:
 
     @property
     def privacy(self) -> Privacy:
-        """The DP settings (the ``dp_*`` fields)."""
-        return Privacy(clip=self.dp_clip, noise_multipliers=self.dp_noise_multiplier,
+        """The DP settings (the ``dp_*`` fields and the sampler); with --dp_clip=adaptive the
+        clip is the initial one, --dp_clip_init."""
+        adaptive = self.dp_clip == ADAPTIVE
+        return Privacy(clip=self.dp_clip_init if adaptive else self.dp_clip,
+                       noise_multipliers=self.dp_noise_multiplier,
                        target_epsilons=self.dp_target_epsilon, delta=self.dp_delta,
                        quantile_noise_ratio=self.dp_quantile_noise_ratio,
-                       loss_bound=self.dp_loss_bound, mm_floor=self.dp_mm_floor)
+                       loss_bound=self.dp_loss_bound, mm_floor=self.dp_mm_floor,
+                       sampler=self.client_sampling, accountant=self.dp_accountant,
+                       adaptive=adaptive, clip_quantile=self.dp_clip_quantile,
+                       clip_lr=self.dp_clip_lr, clip_count_noise=self.dp_clip_count_noise,
+                       kept_weight=self.dp_kept_weight, mechanism=self.dp_mechanism,
+                       bands=self.dp_bands)
 
     @property
     def method(self) -> str:
@@ -247,6 +268,17 @@ def _check_options(c: ExperimentConfig):
         known[flag].check(flag, value)
 
 
+def _check_sampling(c: ExperimentConfig):
+    """--client_sampling and the form of --dp_clip (a number or 'adaptive')."""
+    if c.client_sampling not in SAMPLERS:
+        raise ConfigError(f"--client_sampling must be one of {', '.join(SAMPLERS)}, got "
+                          f"{c.client_sampling!r}")
+    if isinstance(c.dp_clip, str) and c.dp_clip != ADAPTIVE:
+        raise ConfigError(f"--dp_clip must be a number C > 0 or 'adaptive', got {c.dp_clip!r}")
+    if c.dp_clip != ADAPTIVE and c.dp_clip_init != ExperimentConfig.dp_clip_init:
+        raise ConfigError("--dp_clip_init needs --dp_clip=adaptive")
+
+
 def _check(c: ExperimentConfig):
     _check_numbers(c)
     _check_seeds(c)
@@ -262,6 +294,7 @@ def _check(c: ExperimentConfig):
     _check_options(c)
     c.server.check()
     c.client.check()
+    _check_sampling(c)
     c.privacy.check()
     spec.check(c)
     c.l2_for(len(spec.sweep_values(c)))

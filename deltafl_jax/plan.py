@@ -12,7 +12,7 @@ the engine loops over the real length of each stream (see :mod:`deltafl_jax.engi
 Per group g (one per seed) the plan holds:
 
 - ``clients [G, m]``: the sampled clients, without replacement;
-- ``sizes [G, m]``: their example counts n_k;
+- ``sizes [G, m]``: their example counts n_k (0 marks an empty slot of a Poisson cohort);
 - ``eval_idx [G, Le]`` / ``eval_seg [G, Le]`` / ``eval_len [G]``: the examples of the sampled
   clients one after another, with the slot (0..m-1) each belongs to, for F_k(w_t);
 - ``train_idx [G, Lt]`` / ``train_start [G, m]``: for slot i, `epochs` fresh permutations of
@@ -27,17 +27,33 @@ after another from row g * eval_len (:func:`pack_round` fills it). The same exam
 rows: the round computes the same numbers. Planning costs O(m + the sampled examples), not
 O(N). Evaluation streams longer than a device buffer are cut into blocks
 (:func:`stream_blocks`) that add up as one stream.
+
+Three samplers (``--client_sampling``). ``fixed`` (the default): m distinct clients drawn
+uniformly each round (:func:`sample_clients`). ``poisson``: every training client joins a
+round independently with probability q = m / N (:func:`poisson_cohort`), so the cohort size
+is Binomial(N, q). Its plan keeps fixed shapes: ``cap`` slots (:class:`PoissonSampling`),
+the cohort in the first slots in increasing id order and the rest empty (size 0, no examples,
+no local step). A cohort larger than the cap (an overflow) keeps a uniformly random ``cap``
+of its clients; the cap is chosen so that an overflow anywhere in the run is negligible
+(:func:`poisson_cap`), and :mod:`deltafl_jax.privacy` adds its probability to delta.
+``cyclic`` (DP-FTRL's participation): the training clients are split once per seed into
+G = floor(N / m) fixed groups of m (a seeded permutation; the N - G m left over never take
+part), and round t trains group t mod G (:func:`cyclic_cohort`), so every client takes part
+at most every G rounds, ceil(T / G) times in T rounds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
 _SAMPLE_STREAM = 0
 _SHUFFLE_STREAM = 1
+_POISSON_STREAM = 2
+_CYCLIC_STREAM = 3
 
 
 def sample_clients(seed: int, round_idx: int, num_clients: int, m: int) -> np.ndarray:
@@ -47,6 +63,75 @@ def sample_clients(seed: int, round_idx: int, num_clients: int, m: int) -> np.nd
         raise ValueError(f"cannot sample {m} of {num_clients} clients")
     rng = np.random.default_rng([int(seed), int(round_idx), _SAMPLE_STREAM])
     return np.sort(rng.choice(num_clients, size=m, replace=False)).astype(np.int32)
+
+
+def poisson_cohort(seed: int, round_idx: int, num_clients: int, q: float,
+                   cap: Optional[int] = None) -> np.ndarray:
+    """The clients of a Poisson round: each of `num_clients` joins independently with
+    probability q; a pure function of (seed, round). Drawn as a Binomial(N, q) count and a
+    uniform subset of that size (the same law as N coin flips, in O(cohort) work); a cohort
+    above `cap` keeps `cap` of its clients, uniformly (the subset's first `cap`, in its
+    random order). Sorted ids."""
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"Poisson sampling needs q in (0, 1], got {q}")
+    rng = np.random.default_rng([int(seed), int(round_idx), _POISSON_STREAM])
+    size = int(rng.binomial(num_clients, q))
+    chosen = rng.choice(num_clients, size=size, replace=False)
+    if cap is not None:
+        chosen = chosen[:cap]
+    return np.sort(chosen).astype(np.int32)
+
+
+def cyclic_cohort(seed: int, round_idx: int, num_clients: int, m: int) -> np.ndarray:
+    """Group round_idx mod G of the seed's split of the clients into G = N // m groups of m
+    (module docstring); sorted ids."""
+    groups = num_clients // m
+    if groups < 1:
+        raise ValueError(f"cannot form a group of {m} of {num_clients} clients")
+    perm = np.random.default_rng([int(seed), _CYCLIC_STREAM]).permutation(num_clients)
+    g = int(round_idx) % groups
+    return np.sort(perm[g * m:(g + 1) * m]).astype(np.int32)
+
+
+def _log_binomial_pmf(n: int, q: float, k: int) -> float:
+    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+            + k * math.log(q) + (n - k) * math.log1p(-q))
+
+
+def overflow_probability(num_clients: int, q: float, cap: int) -> float:
+    """P(Binomial(N, q) > cap): the chance that one Poisson round overflows the cap."""
+    if cap >= num_clients or q <= 0:
+        return 0.0
+    if q >= 1:
+        return 1.0
+    total, k = 0.0, cap + 1
+    while k <= num_clients:
+        term = math.exp(_log_binomial_pmf(num_clients, q, k))
+        total += term
+        if k > num_clients * q and term < 1e-300 + total * 1e-17:
+            break
+        k += 1
+    return min(total, 1.0)
+
+
+def poisson_cap(num_clients: int, q: float, rounds: int, budget: float) -> int:
+    """The smallest cap >= ceil(q N) whose overflow probability over `rounds` rounds is at
+    most `budget` (union bound: rounds x P(Binomial(N + 1, q) > cap); N + 1 covers the
+    neighbouring population with one more client)."""
+    n = num_clients + 1
+    cap = max(1, math.ceil(q * num_clients))
+    while cap < num_clients and rounds * overflow_probability(n, q, cap) > budget:
+        cap += 1
+    return min(cap, num_clients)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoissonSampling:
+    """``--client_sampling=poisson``: each client joins a round with probability q; plans
+    have `cap` slots."""
+
+    q: float
+    cap: int
 
 
 def client_permutations(seed: int, round_idx: int, client: int, n: int, epochs: int) -> np.ndarray:
@@ -114,9 +199,13 @@ def capacities(sizes: np.ndarray, m: int, work: LocalWork, eval_chunk: int) -> C
 
 
 def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m: int,
-                    work: LocalWork, caps: Capacities, packed: bool = False) -> RoundPlan:
+                    work: LocalWork, caps: Capacities, packed: bool = False,
+                    poisson: Optional[PoissonSampling] = None,
+                    cyclic: bool = False) -> RoundPlan:
     """The plan of round `round_idx` for each seed in `seeds` (one group per seed); `packed`:
-    indices into the round's buffer (module docstring) instead of the split."""
+    indices into the round's buffer (module docstring) instead of the split. `poisson`: a
+    Poisson cohort in m = poisson.cap slots, the empty ones of size 0; `cyclic`: the cyclic
+    groups of m (:func:`cyclic_cohort`)."""
     offsets = np.asarray(offsets, dtype=np.int64)
     num_clients = offsets.size - 1
     G = len(seeds)
@@ -126,15 +215,24 @@ def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m
     eval_len = np.zeros((G,), np.int32)
     train_idx = np.zeros((G, caps.train_len), np.int32)
     train_start = np.zeros((G, m), np.int32)
+    present = np.ones((G, m), bool)
     for g, seed in enumerate(seeds):
-        chosen = sample_clients(seed, round_idx, num_clients, m)
-        clients[g] = chosen
+        if cyclic:
+            chosen = cyclic_cohort(seed, round_idx, num_clients, m)
+        elif poisson is None:
+            chosen = sample_clients(seed, round_idx, num_clients, m)
+        else:
+            chosen = poisson_cohort(seed, round_idx, num_clients, poisson.q, m)
+            present[g, chosen.size:] = False
+        clients[g, :chosen.size] = chosen
         n = offsets[chosen + 1] - offsets[chosen]
         starts = (g * caps.eval_len + np.cumsum(n) - n) if packed else offsets[chosen]
         total = int(n.sum())
         eval_len[g] = total
-        eval_idx[g, :total] = np.concatenate([np.arange(s, s + k) for s, k in zip(starts, n)])
-        eval_seg[g, :total] = np.repeat(np.arange(m, dtype=np.int32), n)
+        if total:
+            eval_idx[g, :total] = np.concatenate([np.arange(s, s + k)
+                                                  for s, k in zip(starts, n)])
+        eval_seg[g, :total] = np.repeat(np.arange(chosen.size, dtype=np.int32), n)
         epochs = work.epochs_for(n)
         pos = 0
         for i, (client, start, k, e) in enumerate(zip(chosen, starts, n, epochs)):
@@ -143,26 +241,34 @@ def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m
             train_idx[g, pos:pos + perm.size] = start + perm
             pos += perm.size
     sizes = (offsets[clients + 1] - offsets[clients]).astype(np.int32)
+    if poisson is not None:   # empty slots: no examples, no steps (one empty batch an epoch)
+        sizes = np.where(present, sizes, 0).astype(np.int32)
     if work.local_steps is None:
         seg_len = sizes
     else:
-        seg_len = (work.epochs_for(sizes) * sizes).astype(np.int32)
+        seg_len = (work.epochs_for(np.maximum(sizes, 1)) * sizes).astype(np.int32)
     batches_per_epoch = (-(-seg_len // work.batch_size)).astype(np.int32)
     steps = work.steps_for(sizes).astype(np.int32)
+    if poisson is not None:
+        batches_per_epoch = np.where(present, batches_per_epoch, 1).astype(np.int32)
+        steps = np.where(present, steps, 0).astype(np.int32)
     return RoundPlan(clients=clients, sizes=sizes, eval_idx=eval_idx, eval_seg=eval_seg,
                      eval_len=eval_len, train_idx=train_idx, train_start=train_start,
                      seg_len=seg_len, batches_per_epoch=batches_per_epoch, steps=steps)
 
 
-def pack_round(split, clients: np.ndarray, caps: Capacities):
+def pack_round(split, clients: np.ndarray, caps: Capacities,
+               sizes: Optional[np.ndarray] = None):
     """The round's buffer (x [G * eval_len, ...], y [G * eval_len] int32) of a packed plan:
     group g's sampled clients `clients[g]` one after another from row g * eval_len, zeros
-    after them. `split` is any split with ``gather`` (:mod:`deltafl_jax.data`)."""
+    after them (`sizes`: the plan's, whose 0 marks an empty slot, left out). `split` is any
+    split with ``gather`` (:mod:`deltafl_jax.data`)."""
     G = clients.shape[0]
     x = np.zeros((G * caps.eval_len,) + tuple(split.feature_shape), split.x_dtype)
     y = np.zeros((G * caps.eval_len,), np.int32)
     for g in range(G):
-        xs, ys = split.gather(clients[g])
+        ids = clients[g] if sizes is None else clients[g][np.asarray(sizes[g]) > 0]
+        xs, ys = split.gather(ids)
         lo = g * caps.eval_len
         x[lo:lo + len(xs)] = xs
         if ys is not None:

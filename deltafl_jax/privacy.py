@@ -39,6 +39,57 @@ accountant's (replace-one relation) for t self-compositions of that event
 (:func:`round_event`). DP-FedAvg's own analysis (and DP-SGD's) samples each client
 independently with probability q and takes add-or-remove neighbours: :func:`poisson_event`,
 which the tests use to reproduce a published figure.
+
+Poisson client sampling (``--client_sampling=poisson``, :mod:`deltafl_jax.plan`): each
+training client joins a round independently with probability q = m / N, and two neighbouring
+populations differ by one client added or removed. Each release's multiplier is then its noise
+std over the add-or-remove sensitivity: z for the update (one client adds at most C a_max), z
+for the kept weight, z_q for every quantile sum (``PrivateAggregate.add_remove_releases``). A
+round is ``PoissonSampledDpEvent(q, GaussianDpEvent(z_eff))``, z_eff = z (sum_i r_i^-2)^-1/2
+the one Gaussian mechanism equivalent to the composition of Gaussians with multipliers z r_i
+on the same sample (their joint privacy loss is that Gaussian's; dp-accounting's RDP
+accountant reduces them the same way), self-composed over the rounds, under dp-accounting's
+PLD accountant (``--dp_accountant=pld``, the default under Poisson; ``rdp`` keeps the RDP
+accountant). The plan has a fixed number of slots, the cap M (:func:`deltafl_jax.plan.poisson_cap`):
+a round whose cohort overflows it trains a uniform M of its clients. Truncation changes the
+mechanism only on the overflow event, so with P the probability that any round of the run
+overflows (union bound, population N + 1) the truncated run is (epsilon, delta + (1 + e^eps) P)
+-DP when the Poisson one is (epsilon, delta) (its output law is within P in total variation on
+each of the two neighbouring populations). The cap is the smallest M that makes that term at
+most delta / 1000 at the run's largest finite epsilon, and the term itself is recorded
+(``overflow_delta``). DP-FedAvg under Poisson divides by the fixed expected weight q N (every
+sampled client weighs a_max = 1 / (q N), :func:`poisson_weights`; McMahan et al. 2018), not
+by the realised cohort.
+
+Adaptive clipping (``--dp_clip=adaptive``; Andrew, Thakkar, McMahan, Ramaswamy, *Differentially
+Private Learning with Adaptive Clipping*, NeurIPS 2021) for the private versions with a fixed
+denominator (DP-FedAvg; private Delta-FL with ``--dp_kept_weight=expected``): each replica's
+clip C_t lives in the round state (checkpointed with it); each round the server also
+receives the count of trained clients whose update was not clipped, b = sum_k [||Delta_k||
+<= C_t], with noise N(0, (r z)^2) (r = ``--dp_clip_count_noise``), and moves the clip
+geometrically toward the target quantile gamma: C_{t+1} = C_t exp(-eta_C (b~ - gamma)),
+b~ = (b + noise) / the expected count of trained clients (m for DP-FedAvg;
+:func:`adaptive_clip`). Each client adds 0 or 1 to the count under either relation, so that
+release's multiplier is r z; the accountant composes it with the update's.
+
+DP-FTRL with a banded matrix factorisation (``--dp_mechanism=bandmf``; Kairouz et al. 2021,
+Choquette-Choo et al., *(Amplified) Banded Matrix Factorization*, NeurIPS 2023) for
+DP-FedAvg under cyclic participation (``--client_sampling=cyclic``: round t trains group
+t mod G of G = N // m fixed groups, so a client's rounds are G apart). The released sums
+S_t = sum_k a_k clip(Delta_k) (one client's share at most C a_max) form a matrix X (rows:
+rounds); the mechanism releases C X + Z for a lower-triangular banded Toeplitz C (b bands,
+``--dp_bands``, coefficients c_0..c_{b-1} optimised for the prefix sums that FedAvg's model
+is, by ``jax-privacy``'s ``optimize_banded_toeplitz``), which the server turns back into
+X + C^-1 Z: round t adds W_t = (Z_t - sum_{j=1}^{b-1} c_j W_{t-j}) / c_0 to S_t, so each
+replica keeps its last b - 1 noise vectors in the round state (:func:`bandmf_privatize`).
+Z_t ~ N(0, (z C a_max s_T)^2 I), where s_T, the sensitivity of C X over the T rounds in units
+of C a_max, is jax-privacy's ``minsep_sensitivity_squared`` for participations G apart (at
+most ceil(T / G) of them; with b <= G the columns do not overlap and s_T = sqrt(ceil(T/G)) for
+c of norm 1). The whole run is then one Gaussian mechanism with multiplier z under
+add-or-remove (a client's contributions present or zero); after t < T rounds its prefix has
+sensitivity s_t, multiplier z s_T / s_t (:class:`Correlated`). ``--dp_mechanism=gaussian``
+under cyclic participation is the case b = 1 (c = (1,), independent noise each round): k
+compositions of a Gaussian without amplification.
 """
 
 from __future__ import annotations
@@ -53,13 +104,48 @@ NOISE_STREAM = 0x5EC   # folded into a replica's round key for the server's nois
 # The model update's noise multiplier relative to z under the replace-one relation: its noise
 # std is z C a_max and replacing one client moves the sum by up to 2 C a_max.
 UPDATE_RELEASE = 0.5
+# Under add-or-remove (Poisson sampling) one client moves the sum by at most C a_max: z.
+UPDATE_RELEASE_ADD_REMOVE = 1.0
 ACCOUNTANT = ("dp-accounting RDP, replace-one neighbours, m of N sampled without replacement "
               "each round")
+CLIP_STREAM = 0xC11    # folded into a replica's round key for the clip count's noise
+SAMPLERS = ("fixed", "poisson", "cyclic")
+ACCOUNTANTS = ("pld", "rdp")
+ADAPTIVE = "adaptive"
+KEPT_WEIGHTS = ("noised", "expected")   # private Delta-FL's denominator
+MECHANISMS = ("gaussian", "bandmf")
+# The overflow term (1 + e^eps) P of a capped Poisson run is kept below delta / this.
+OVERFLOW_SHARE = 1000.0
+# A non-private Poisson run's cap: an overflow anywhere in the run has at most this chance.
+OVERFLOW_PLAIN = 1e-9
+PLD_LOWEST_Z = 0.05   # the smallest z that calibration tries with the PLD accountant
+PLD_BRACKET = 0.7     # the PLD search's lower end, relative to the RDP accountant's z
+CALIBRATION_TOL = 1e-6  # calibrated z to this (absolute; then rounded up to float32)
+PLD_CALIBRATION_TOL = 1e-4   # the PLD search's (each step costs a PLD composition)
+PLD_COARSE = 1e-3     # the PLD search's discretisation interval (the accountant's: 1e-4)
+
+
+def describe_accountant(sampler: str, accountant: str) -> str:
+    """The accountant, the neighbouring relation and the sampler, in words."""
+    if sampler == "fixed":
+        return ACCOUNTANT
+    if sampler == "cyclic":
+        return (f"dp-accounting {accountant.upper()}, add-or-remove neighbours, cyclic "
+                f"participation (G = N // m groups, a client every G rounds): one Gaussian "
+                f"mechanism over the run's banded matrix factorisation")
+    name = "PLD" if accountant == "pld" else "RDP"
+    return (f"dp-accounting {name}, add-or-remove neighbours, Poisson sampling (each client "
+            f"independently with probability q = m / N each round)")
 
 
 @dataclasses.dataclass(frozen=True)
 class Privacy:
     """The DP settings of a run (module docstring); ``clip`` None = not private.
+
+    sampler: fixed | poisson (--client_sampling). accountant: pld | rdp (None: by sampler).
+    adaptive: the clip adapts (``clip`` is C_0), toward the unclipped fraction clip_quantile
+    at rate clip_lr, its count noised at clip_count_noise x z. kept_weight: private
+    Delta-FL's denominator, the noised kept weight or its expectation theta m.
 
     clip: C. noise_multipliers: z, one per value (several: swept as replicas).
     target_epsilons: epsilon per value instead of z, each calibrated to a z for the run's
@@ -74,28 +160,34 @@ class Privacy:
     quantile_noise_ratio: float = 1.0
     loss_bound: float = 10.0
     mm_floor: float = 0.1
+    sampler: str = "fixed"
+    accountant: Optional[str] = None
+    adaptive: bool = False
+    clip_quantile: float = 0.5
+    clip_lr: float = 0.2
+    clip_count_noise: float = 5.0
+    kept_weight: str = "noised"
+    mechanism: str = "gaussian"
+    bands: Optional[int] = None
 
     @property
     def enabled(self) -> bool:
         return self.clip is not None
 
+    @property
+    def accountant_name(self) -> str:
+        """pld or rdp: as given, else rdp for fixed sampling and pld for Poisson."""
+        if self.accountant is not None:
+            return self.accountant
+        return "rdp" if self.sampler == "fixed" else "pld"
     def check(self) -> None:
         """ConfigError naming the flag at fault."""
         if not self.enabled:
-            d = Privacy()
-            given = [f for f, on in (("dp_target_epsilon", bool(self.target_epsilons)),
-                                     ("dp_noise_multiplier",
-                                      tuple(self.noise_multipliers) != (0.0,)),
-                                     ("dp_delta", self.delta is not None),
-                                     ("dp_quantile_noise_ratio",
-                                      self.quantile_noise_ratio != d.quantile_noise_ratio),
-                                     ("dp_loss_bound", self.loss_bound != d.loss_bound),
-                                     ("dp_mm_floor", self.mm_floor != d.mm_floor)) if on]
-            if given:
-                raise ConfigError(f"--{given[0]} needs --dp_clip (the clip norm C of the "
-                                  f"clients' updates)")
+            self._check_unset()
             return
-        _positive("dp_clip", self.clip)
+        _positive("dp_clip_init" if self.adaptive else "dp_clip", self.clip)
+        self._check_sampling()
+        self._check_adaptive()
         for z in self.noise_multipliers:
             _number("dp_noise_multiplier", z, 0.0)
         for e in self.target_epsilons:
@@ -120,6 +212,74 @@ class Privacy:
             raise ConfigError("--dp_quantile_noise_ratio must be > 0 with noise: a quantile "
                               "released without noise has no finite epsilon")
 
+    def _check_unset(self) -> None:
+        """Without --dp_clip: no other --dp_* flag."""
+        d = Privacy()
+        given = [f for f, on in (("dp_target_epsilon", bool(self.target_epsilons)),
+                                 ("dp_noise_multiplier", tuple(self.noise_multipliers) != (0.0,)),
+                                 ("dp_delta", self.delta is not None),
+                                 ("dp_quantile_noise_ratio",
+                                  self.quantile_noise_ratio != d.quantile_noise_ratio),
+                                 ("dp_loss_bound", self.loss_bound != d.loss_bound),
+                                 ("dp_mm_floor", self.mm_floor != d.mm_floor),
+                                 ("dp_accountant", self.accountant is not None),
+                                 ("dp_kept_weight", self.kept_weight != d.kept_weight),
+                                 ("dp_mechanism", self.mechanism != d.mechanism),
+                                 ("dp_bands", self.bands is not None),
+                                 ("dp_clip_quantile", self.clip_quantile != d.clip_quantile),
+                                 ("dp_clip_lr", self.clip_lr != d.clip_lr),
+                                 ("dp_clip_count_noise",
+                                  self.clip_count_noise != d.clip_count_noise)) if on]
+        if given:
+            raise ConfigError(f"--{given[0]} needs --dp_clip (the clip norm C of the "
+                              f"clients' updates)")
+
+    def _check_sampling(self) -> None:
+        """The accountant, the mechanism and the kept weight against the sampler."""
+        if self.mechanism not in MECHANISMS:
+            raise ConfigError(f"--dp_mechanism must be one of {', '.join(MECHANISMS)}, got "
+                              f"{self.mechanism!r}")
+        if self.mechanism == "bandmf" and self.sampler != "cyclic":
+            raise ConfigError("--dp_mechanism=bandmf needs --client_sampling=cyclic: its "
+                              "sensitivity assumes a client's rounds at least G = N // m apart")
+        if self.bands is not None:
+            if self.mechanism != "bandmf":
+                raise ConfigError("--dp_bands needs --dp_mechanism=bandmf")
+            if isinstance(self.bands, bool) or not isinstance(self.bands, int) \
+                    or self.bands < 1:
+                raise ConfigError(f"--dp_bands must be an integer >= 1, got {self.bands!r}")
+        if self.kept_weight not in KEPT_WEIGHTS:
+            raise ConfigError(f"--dp_kept_weight must be one of {', '.join(KEPT_WEIGHTS)}, got "
+                              f"{self.kept_weight!r}")
+        if self.accountant is not None and self.accountant not in ACCOUNTANTS:
+            raise ConfigError(f"--dp_accountant must be one of {', '.join(ACCOUNTANTS)}, got "
+                              f"{self.accountant!r}")
+        if self.accountant is not None and self.sampler == "fixed" and self.accountant != "rdp":
+            raise ConfigError("--dp_accountant=pld needs --client_sampling=poisson: "
+                              "dp-accounting's PLD accountant has no event for m of N sampled "
+                              "without replacement (fixed sampling uses its RDP accountant)")
+
+    def _check_adaptive(self) -> None:
+        """--dp_clip=adaptive's settings, and none of them without it."""
+        d = Privacy()
+        if not self.adaptive:
+            for flag, v, dv in (("dp_clip_quantile", self.clip_quantile, d.clip_quantile),
+                                ("dp_clip_lr", self.clip_lr, d.clip_lr),
+                                ("dp_clip_count_noise", self.clip_count_noise,
+                                 d.clip_count_noise)):
+                if v != dv:
+                    raise ConfigError(f"--{flag} needs --dp_clip=adaptive")
+            return
+        if self.sampler == "cyclic":
+            raise ConfigError("--dp_clip=adaptive applies with --client_sampling=fixed or "
+                              "poisson, not cyclic (its count would need its own "
+                              "multi-participation accounting)")
+        q = self.clip_quantile
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < q < 1.0:
+            raise ConfigError(f"--dp_clip_quantile must lie in (0, 1), got {q!r}")
+        _positive("dp_clip_lr", self.clip_lr)
+        _positive("dp_clip_count_noise", self.clip_count_noise)
+
     @property
     def swept(self) -> Tuple[Tuple[str, Tuple[float, ...]], ...]:
         """The values that name replicas when several are trained: (flag, values)."""
@@ -131,7 +291,8 @@ class Privacy:
         return self.delta if self.delta is not None else float(num_clients) ** -1.1
 
     def noise_multipliers_for(self, m: int, rounds: int, num_clients: int,
-                              releases: Sequence[float]) -> Tuple[float, ...]:
+                              releases: Sequence[float],
+                              correlated: Optional["Correlated"] = None) -> Tuple[float, ...]:
         """z for each swept value: as given, or calibrated to each target epsilon; each a
         float32 number (the round's), rounded up so that the accounted z is the applied one
         and a calibrated epsilon stays within its target."""
@@ -139,7 +300,8 @@ class Privacy:
             zs = tuple(float(z) for z in self.noise_multipliers)
         else:
             delta = self.delta_for(num_clients)
-            zs = tuple(calibrate(e, num_clients, m, rounds, delta, releases)
+            zs = tuple(calibrate(e, num_clients, m, rounds, delta, releases, self.sampler,
+                                 self.accountant_name, correlated)
                        for e in self.target_epsilons)
         return tuple(float32_at_least(z) for z in zs)
 
@@ -197,48 +359,190 @@ def poisson_event(q: float, z: float, releases: Sequence[float]):
     return dp_accounting.PoissonSampledDpEvent(q, _gaussians(z, releases))
 
 
+def effective_multiplier(z: float, releases: Sequence[float]) -> float:
+    """z (sum_i r_i^-2)^-1/2: the multiplier of the one Gaussian mechanism equivalent to the
+    composition of Gaussians with multipliers z r_i on the same sample."""
+    return z / math.sqrt(sum(1.0 / (r * r) for r in releases))
+
+
+def poisson_round_event(population: int, m: int, z: float, releases: Sequence[float]):
+    """One Poisson round (q = m / population) of the releases with add-or-remove multipliers
+    z r: ``PoissonSampledDpEvent(q, GaussianDpEvent(z_eff))``."""
+    import dp_accounting
+    return dp_accounting.PoissonSampledDpEvent(
+        m / population, dp_accounting.GaussianDpEvent(effective_multiplier(z, releases)))
+
+
 def _replace_one():
     from dp_accounting import NeighboringRelation
     from dp_accounting.rdp import RdpAccountant
     return RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
 
 
+def _add_or_remove(accountant: str):
+    from dp_accounting import NeighboringRelation
+    if accountant == "pld":
+        from dp_accounting.pld import PLDAccountant
+        return PLDAccountant(neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
+    from dp_accounting.rdp import RdpAccountant
+    return RdpAccountant(neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Correlated:
+    """BandMF's noise (module docstring): the banded Toeplitz coefficients c (float32
+    numbers, as the round applies them), the participations' separation G, and the run's
+    rounds T."""
+
+    coef: Tuple[float, ...]
+    min_sep: int
+    rounds: int
+
+    def sensitivity(self, rounds: int) -> float:
+        """s_t: the L2 sensitivity of the first `rounds` rows of C X, in units of C a_max
+        (jax-privacy's ``minsep_sensitivity_squared``, in float64)."""
+        import jax
+        import jax.numpy as jnp
+        from jax_privacy.matrix_factorization import toeplitz
+        with jax.enable_x64(True):
+            sq = toeplitz.minsep_sensitivity_squared(jnp.asarray(self.coef, jnp.float64),
+                                                     self.min_sep, None, n=int(rounds))
+            return math.sqrt(float(sq))
+
+    def scale(self, rounds: int) -> float:
+        """s_T / s_t: the prefix's multiplier over z."""
+        return self.sensitivity(self.rounds) / self.sensitivity(rounds)
+
+
+def bandmf_coefficients(rounds: int, bands: int) -> Tuple[float, ...]:
+    """c_0..c_{b-1} of a b-banded Toeplitz strategy for the prefix sums of `rounds` rounds
+    (jax-privacy's ``optimize_banded_toeplitz``: mean squared error, norm 1), as float32
+    numbers; (1,) for one band."""
+    import numpy as np
+    bands = min(int(bands), int(rounds))
+    if bands <= 1:
+        return (1.0,)
+    from jax_privacy.matrix_factorization import toeplitz
+    with _QuietAccountant():
+        c = toeplitz.optimize_banded_toeplitz(int(rounds), bands)
+    return tuple(float(v) for v in np.asarray(c, np.float32))
+
+
+def bandmf_privatize(private, clip: float, m: int, coef: Tuple[float, ...], scale: float,
+                     feedback, hyper, key, z, history):
+    """One replica's feedback under BandMF (module docstring): W_t = (Z_t - sum_{j>=1} c_j
+    W_{t-j}) / c_0 added to the sum, Z_t ~ N(0, (z C a_max s_T)^2 I) (`scale` = s_T), the
+    algorithm's fixed denominator; `history`: W_{t-1}, ..., W_{t-b+1} (leaves [b-1, ...]).
+    Returns (feedback, the new history)."""
+    import jax
+    import jax.numpy as jnp
+    a_max = jnp.asarray(private.max_weight(hyper, m), jnp.float32)
+    leaves, treedef = jax.tree.flatten(feedback.delta_sum)
+    past = treedef.flatten_up_to(history)
+    keys = jax.random.split(jax.random.fold_in(key, NOISE_STREAM), len(leaves) + 1)
+    noisy, kept = [], []
+    for x, k, h in zip(leaves, keys[1:], past):
+        w = z * clip * a_max * scale * jax.random.normal(k, x.shape, jnp.float32)
+        for j in range(1, len(coef)):
+            w = w - coef[j] * h[j - 1]
+        w = w / coef[0]
+        noisy.append(x + w.astype(x.dtype))
+        kept.append(jnp.concatenate([w[None], h[:-1]], axis=0) if len(coef) > 1 else h)
+    total = jnp.asarray(private.denominator(hyper, m), jnp.float32)
+    return (feedback._replace(delta_sum=jax.tree.unflatten(treedef, noisy), weight_sum=total),
+            jax.tree.unflatten(treedef, kept))
+
+
+def _ledger(population, m, releases, rounds, sampler, accountant,
+            correlated: Optional[Correlated] = None):
+    """(a fresh accountant maker, z -> the run's event) of a sampler and an accountant."""
+    import dp_accounting
+    if correlated is not None:   # one Gaussian mechanism over the whole prefix
+        scale = correlated.scale(rounds)
+        return (lambda: _add_or_remove(accountant)), \
+            lambda z: dp_accounting.GaussianDpEvent(z * scale)
+    if sampler == "fixed":
+        return _replace_one, lambda z: dp_accounting.SelfComposedDpEvent(
+            round_event(population, m, z, releases), rounds)
+    return (lambda: _add_or_remove(accountant)), lambda z: dp_accounting.SelfComposedDpEvent(
+        poisson_round_event(population, m, z, releases), rounds)
+
+
+def _epsilon_of(fresh, event, z, delta) -> float:
+    acc = fresh()
+    acc.compose(event(z))
+    return float(acc.get_epsilon(delta))
+
+
 def epsilon(population: int, m: int, z: float, releases: Sequence[float], rounds: int,
-            delta: float) -> float:
-    """epsilon at `delta` after `rounds` rounds (:data:`ACCOUNTANT`); inf without noise, 0
-    before the first round."""
+            delta: float, sampler: str = "fixed", accountant: str = "rdp",
+            correlated: Optional[Correlated] = None) -> float:
+    """epsilon at `delta` after `rounds` rounds (fixed sampling: :data:`ACCOUNTANT`;
+    Poisson: :func:`poisson_round_event` under the `accountant`, add-or-remove); inf without
+    noise, 0 before the first round."""
     if rounds <= 0:
         return 0.0
     if z <= 0:
         return math.inf
-    import dp_accounting
-
+    fresh, event = _ledger(population, m, releases, rounds, sampler, accountant, correlated)
     with _QuietAccountant():
-        accountant = _replace_one()
-        accountant.compose(dp_accounting.SelfComposedDpEvent(
-            round_event(population, m, z, releases), rounds))
-        return float(accountant.get_epsilon(delta))
+        acc = fresh()
+        acc.compose(event(z))
+        return float(acc.get_epsilon(delta))
 
 
 def calibrate(target: float, population: int, m: int, rounds: int, delta: float,
-              releases: Sequence[float]) -> float:
+              releases: Sequence[float], sampler: str = "fixed",
+              accountant: str = "rdp", correlated: Optional[Correlated] = None) -> float:
     """The smallest z whose epsilon after `rounds` rounds is at most `target` (0 for inf)."""
     if math.isinf(target):
         return 0.0
     import dp_accounting
 
+    fresh, event = _ledger(population, m, releases, rounds, sampler, accountant, correlated)
+    bracket = dp_accounting.LowerEndpointAndGuess(1e-3, 1.0)
     try:
+        if sampler != "fixed" and accountant == "pld":
+            return _calibrate_pld(target, population, m, rounds, delta, releases, sampler,
+                                  correlated, fresh, event)
         with _QuietAccountant():
             return float(dp_accounting.calibrate_dp_mechanism(
-                _replace_one,
-                lambda z: dp_accounting.SelfComposedDpEvent(
-                    round_event(population, m, z, releases), rounds),
-                target, delta,
-                bracket_interval=dp_accounting.LowerEndpointAndGuess(1e-3, 1.0)))
+                fresh, event, target, delta, bracket_interval=bracket, tol=CALIBRATION_TOL))
     except Exception as e:   # pylint: disable=broad-except
         raise ConfigError(f"--dp_target_epsilon={target:g} cannot be calibrated for m = {m} of "
                           f"{population} clients, {rounds} rounds, delta = {delta:g}: "
                           f"{e}") from None
+
+
+def _calibrate_pld(target, population, m, rounds, delta, releases, sampler, correlated,
+                   fresh, event) -> float:
+    """The PLD accountant's calibration. Its discretised loss grows as 1 / z^2, and each
+    composition costs seconds at the default discretisation: the search runs on a 10x
+    coarser grid (PLD_COARSE; its epsilon differs by ~1e-5 relative) between the RDP
+    accountant's z (an upper bound: RDP's epsilon is the looser) and PLD_BRACKET of it
+    (widened downward if needed), to PLD_CALIBRATION_TOL; then z grows by 1e-4 relative steps
+    until the default accountant's epsilon is within the target."""
+    import dp_accounting
+    from dp_accounting.pld import PLDAccountant
+    z_rdp = calibrate(target, population, m, rounds, delta, releases, sampler, "rdp",
+                      correlated)
+
+    def coarse():
+        return PLDAccountant(neighboring_relation=dp_accounting.NeighboringRelation
+                             .ADD_OR_REMOVE_ONE, value_discretization_interval=PLD_COARSE)
+
+    with _QuietAccountant():
+        low = z_rdp * PLD_BRACKET
+        while low > PLD_LOWEST_Z and _epsilon_of(coarse, event, low, delta) <= target:
+            low *= PLD_BRACKET
+        above = _epsilon_of(coarse, event, z_rdp, delta) > target
+        bracket = (dp_accounting.LowerEndpointAndGuess(z_rdp, 2 * z_rdp) if above else
+                   dp_accounting.ExplicitBracketInterval(max(low, PLD_LOWEST_Z), z_rdp))
+        z = float(dp_accounting.calibrate_dp_mechanism(
+            coarse, event, target, delta, bracket_interval=bracket, tol=PLD_CALIBRATION_TOL))
+        while _epsilon_of(fresh, event, z, delta) > target:
+            z *= 1.0 + PLD_CALIBRATION_TOL
+    return z
 
 
 def library_version() -> str:
@@ -265,26 +569,84 @@ def clip_factor(sqnorm, clip: float):
 
 @dataclasses.dataclass(frozen=True)
 class Accounting:
-    """The privacy ledger of a run: m of `population` clients sampled per round, the round's
-    releases (noise multipliers relative to z, the update's first), delta, and each replica's
-    z (the float32 number the round applies)."""
+    """The privacy ledger of a run: m of `population` clients sampled per round (Poisson: m
+    expected, q = m / population), the round's releases (noise multipliers relative to z under
+    the sampler's relation, the update's first), delta, each replica's z (the float32 number
+    the round applies), the sampler and the accountant; for Poisson the plan's cap and the
+    run's rounds (the overflow term)."""
 
     population: int
     m: int
     releases: Tuple[float, ...]
     delta: float
     noise: Tuple[float, ...]
+    sampler: str = "fixed"
+    accountant: str = "rdp"
+    cap: Optional[int] = None
+    rounds: int = 0
+    correlated: Optional[Correlated] = None
 
     def epsilons(self, rounds: int):
         """[R] epsilon of each replica after `rounds` rounds (float64; inf without noise)."""
         import numpy as np
-        per_z = {z: epsilon(self.population, self.m, z, self.releases, rounds, self.delta)
+        per_z = {z: epsilon(self.population, self.m, z, self.releases, rounds, self.delta,
+                            self.sampler, self.accountant, self.correlated)
                  for z in set(self.noise)}
         return np.asarray([per_z[z] for z in self.noise], np.float64)
 
+    def overflow_delta(self, eps: float) -> float:
+        """(1 + e^eps) P: what a capped Poisson run adds to delta (0 for fixed sampling), P
+        the probability that some round of the run overflows the cap."""
+        if self.sampler != "poisson" or self.cap is None:
+            return 0.0
+        from deltafl_jax.plan import overflow_probability
+        p = min(1.0, self.rounds * overflow_probability(self.population + 1,
+                                                        self.m / self.population, self.cap))
+        return 0.0 if p == 0 else (math.inf if eps > 700 else (1.0 + math.exp(eps)) * p)
+
     def describe(self, labels) -> dict:
-        """What summary.json records: the accountant, its inputs and each replica's z."""
-        return {"accountant": ACCOUNTANT, "dp_accounting_version": library_version(),
-                "population": self.population, "clients_per_round": self.m,
-                "delta": self.delta, "releases": list(self.releases),
-                "noise_multiplier": {lab.key(): z for lab, z in zip(labels, self.noise)}}
+        """What summary.json records: the accountant, its inputs and each replica's z (and
+        under Poisson the sampler's q, cap and the overflow term at the run's epsilons)."""
+        out = {"accountant": describe_accountant(self.sampler, self.accountant),
+               "dp_accounting_version": library_version(),
+               "population": self.population, "clients_per_round": self.m,
+               "delta": self.delta, "releases": list(self.releases),
+               "noise_multiplier": {lab.key(): z for lab, z in zip(labels, self.noise)}}
+        if self.correlated is not None:
+            c = self.correlated
+            out.update({"sampler": "cyclic", "neighbours": "add-or-remove (zero-out)",
+                        "mechanism": "bandmf" if len(c.coef) > 1 else "gaussian",
+                        "bands": len(c.coef), "coefficients": list(c.coef),
+                        "min_separation": c.min_sep,
+                        "sensitivity": c.sensitivity(c.rounds)})
+        if self.sampler == "poisson":
+            eps = self.epsilons(self.rounds)
+            out.update({"sampler": "poisson", "neighbours": "add-or-remove",
+                        "sampling_probability": self.m / self.population, "cap": self.cap,
+                        "overflow_delta": {lab.key(): self.overflow_delta(float(e))
+                                           for lab, e in zip(labels, eps)}})
+        return out
+
+
+def poisson_weights(private, weights, hyper, m: int):
+    """Under Poisson sampling a fixed-denominator private version (DP-FedAvg) weighs every
+    sampled client a_max = its weight at the expected cohort m = q N, whatever the realised
+    cohort (McMahan et al. 2018's estimator); others keep their weights."""
+    import jax.numpy as jnp
+    if private is None or private.denominator is None:
+        return weights
+    a_max = jnp.asarray(private.max_weight(hyper, m), jnp.float32)
+    return jnp.where(weights > 0, a_max, 0.0).astype(weights.dtype)
+
+
+def adaptive_clip(clip, unclipped, key, z, privacy: "Privacy", expected):
+    """One replica's next clip (Andrew et al. 2021): C exp(-eta_C (b~ - gamma)), b~ = (the
+    count of updates not clipped + N(0, (r z)^2)) / the expected count of trained clients
+    (the fixed denominator over a_max: m for DP-FedAvg, theta m for private Delta-FL with
+    --dp_kept_weight=expected); and b~."""
+    import jax
+    import jax.numpy as jnp
+    noise = privacy.clip_count_noise * z * jax.random.normal(
+        jax.random.fold_in(key, CLIP_STREAM), (), jnp.float32)
+    frac = (unclipped.astype(jnp.float32) + noise) / expected
+    return clip * jnp.exp(-privacy.clip_lr * (frac - privacy.clip_quantile)), frac

@@ -41,7 +41,8 @@ from deltafl_jax.algorithms.spec import ClientFeedback, FederatedAlgorithm
 from deltafl_jax.models import Model
 from deltafl_jax.plan import RoundPlan
 from deltafl_jax.replicas import Replicas
-from deltafl_jax.privacy import NOISE_STREAM
+from deltafl_jax.privacy import (NOISE_STREAM, adaptive_clip, bandmf_privatize,
+                                poisson_weights)
 from deltafl_jax.server_optimizer import init_states, server_step
 
 
@@ -57,6 +58,9 @@ class ServerState(flax.struct.PyTreeNode):
       rate: hyperparams["learning_rate"] [R]); () for the default step w + Delta.
     client_state: pytree, leaves [R, N, ...]: every training client's own state, for an
       algorithm that declares one (SCAFFOLD's c_i); () otherwise.
+    dp: client-level DP's own state, a dict, None without one: "clip" [R] float32, each
+      replica's clip under --dp_clip=adaptive; "noise": pytree like params, leaves
+      [R, b - 1, ...], BandMF's last b - 1 noise vectors (deltafl_jax.privacy).
     """
 
     params: Any
@@ -65,6 +69,7 @@ class ServerState(flax.struct.PyTreeNode):
     active: Any = None
     server_opt_state: Any = ()
     client_state: Any = ()
+    dp: Any = None
 
 
 class RoundData(NamedTuple):
@@ -79,10 +84,13 @@ class RoundData(NamedTuple):
 def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                seeds: Sequence[int],
                server_tx: Optional[optax.GradientTransformation] = None,
-               num_clients: int = 0) -> ServerState:
+               num_clients: int = 0, clip: Optional[float] = None,
+               bands: int = 0) -> ServerState:
     """w_0 of each replica from its seed (replicas with one seed start from one w_0), the
     algorithm's state, the server optimizer's state (each replica's own learning rate), and
-    the per-client state of the `num_clients` training clients when the algorithm has one."""
+    the per-client state of the `num_clients` training clients when the algorithm has one;
+    `clip`: the initial clip of every replica under --dp_clip=adaptive; `bands`: BandMF's b
+    (b - 1 zero noise vectors per replica)."""
     keys = jax.vmap(jax.random.key)(
         jnp.asarray([int(seeds[g]) for g in replicas.group], jnp.uint32))
     params = jax.jit(jax.vmap(model.init))(keys)
@@ -100,7 +108,18 @@ def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                        active=jnp.ones((replicas.size,), bool),
                        server_opt_state=init_states(server_tx, params,
                                                     replicas.server_lr),
-                       client_state=client_state)
+                       client_state=client_state, dp=_dp_state(params, replicas.size, clip,
+                                                               bands))
+
+
+def _dp_state(params, R, clip, bands):
+    dp = {}
+    if clip is not None:
+        dp["clip"] = jnp.full((R,), clip, jnp.float32)
+    if bands > 1:
+        dp["noise"] = jax.tree.map(
+            lambda p: jnp.zeros((p.shape[0], bands - 1) + p.shape[1:], jnp.float32), params)
+    return dp or None
 
 
 def replica_keys(replicas: Replicas, seeds: Sequence[int]):
@@ -213,14 +232,68 @@ def _privatize(private, clip: float, m: int, feedback: ClientFeedback, hyper, ke
     return feedback._replace(delta_sum=jax.tree.unflatten(treedef, noisy), weight_sum=total)
 
 
-def _private(algorithm, clip, m):
+# The round's noise for one replica, as the audit (deltafl_jax.audit) runs it.
+privatize_feedback = _privatize
+
+
+def _private_feedback(privatize, private, adaptive, correlated, m, feedback, tr, hyper, keys,
+                      z, dp, keep):
+    """Every replica's feedback made private, with DP's own state (:class:`ServerState`'s
+    ``dp``) stepped: (feedback, dp, extra round metrics). Adaptive clipping: the clip's step
+    from the noised unclipped count (:func:`deltafl_jax.privacy.adaptive_clip`; expected count
+    D / a_max); BandMF: the noise history (:func:`deltafl_jax.privacy.bandmf_privatize`)."""
+    if private is None:
+        return feedback, dp, {}
+    if adaptive is not None:
+        clip = dp["clip"]
+        feedback = privatize(feedback, hyper, keys, z, clip)
+        unclipped = jnp.sum(tr.job_trained & tr.job_finite & ~tr.job_clipped, axis=1)
+        new, frac = jax.vmap(lambda c, u, k, zz, h: adaptive_clip(
+            c, u, k, zz, adaptive, private.denominator(h, m) / private.max_weight(h, m)))(
+                clip, unclipped, keys, z, hyper)
+        return (feedback, {**dp, "clip": jnp.where(keep, new, clip)},
+                {"dp_clip_norm": clip, "dp_unclipped_fraction": frac})
+    if correlated is not None and len(correlated.coef) > 1:
+        feedback, history = privatize(feedback, hyper, keys, z, dp["noise"])
+        return feedback, {**dp, "noise": jax.tree.map(
+            lambda n, o: _per_replica_where(keep, n, o), history, dp["noise"])}, {}
+    if correlated is not None:   # one band: independent noise, no history
+        return privatize(feedback, hyper, keys, z, feedback.delta_sum)[0], dp, {}
+    return privatize(feedback, hyper, keys, z), dp, {}
+
+
+def _private(algorithm, clip, m, adaptive=None, correlated=None):
     """(the algorithm's private version, the vmapped feedback transform) with a clip, else
-    (None, None); ValueError for an algorithm without one."""
+    (None, None); ValueError for an algorithm without one. Adaptive clipping: the transform
+    takes each replica's clip too; BandMF: its noise history (and returns the new one)."""
     if clip is None:
         return None, None
-    if algorithm.private is None:
+    private = algorithm.private
+    if private is None:
         raise ValueError(f"{algorithm.name} has no private version (FederatedAlgorithm.private)")
-    return algorithm.private, jax.vmap(functools.partial(_privatize, algorithm.private, clip, m))
+    if adaptive is not None:   # the clip of each replica from the state, traced
+        return private, jax.vmap(lambda fb, h, k, z, c: _privatize(private, c, m, fb, h, k, z))
+    if correlated is not None:
+        coef, s_T = correlated.coef, correlated.sensitivity(correlated.rounds)
+        return private, jax.vmap(lambda fb, h, k, z, hist: bandmf_privatize(
+            private, clip, m, coef, s_T, fb, h, k, z, hist))
+    return private, jax.vmap(functools.partial(_privatize, private, clip, m))
+
+
+def _cohort_weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z,
+                    expected: Optional[int]):
+    """(losses, weights) of step 2; with `expected` (a Poisson cohort of that expected size)
+    loss and weight 0 on the empty slots (size 0), and a_max on every sampled client of a
+    fixed-denominator private version (:func:`deltafl_jax.privacy.poisson_weights`)."""
+    if expected is None:
+        return losses, _weights(algorithm, private, state, losses, sizes, hyper, keys,
+                                clients, z)
+    losses = jnp.where(sizes > 0, losses, 0.0)
+    weights = _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z)
+    weights = jnp.where(sizes > 0, weights, 0.0)
+    if private is not None:
+        weights = jax.vmap(lambda w, h: poisson_weights(private, w, h, expected))(weights, hyper)
+    return losses, weights
 
 
 def _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z):
@@ -232,14 +305,46 @@ def _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z):
                                               clients)
 
 
+class _RoundDP:
+    """Client-level DP's part of a round: the private version and its feedback transform
+    (:func:`_private`), a Poisson cohort's weights (:func:`_cohort_weights`; `expected`: its
+    expected size q N, the plan's slots being `num_sampled`), the adaptive clip (`adaptive`:
+    the run's :class:`~deltafl_jax.privacy.Privacy`) and BandMF's noise (`correlated`: its
+    :class:`~deltafl_jax.privacy.Correlated`), both in ``ServerState.dp``."""
+
+    def __init__(self, algorithm, clip, num_sampled, expected, adaptive, correlated):
+        self.m = expected or num_sampled    # the cohort the private version expects
+        self.expected, self.adaptive, self.correlated = expected, adaptive, correlated
+        self.private, self.privatize = _private(algorithm, clip, self.m, adaptive, correlated)
+
+    def weights(self, algorithm, state, losses, sizes, hyper, keys, clients, z):
+        return _cohort_weights(algorithm, self.private, state, losses, sizes, hyper, keys,
+                               clients, z, self.expected)
+
+    def clips(self, state):
+        """[R] each replica's clip (adaptive clipping), else None (the engine's static C)."""
+        return state.dp["clip"] if self.adaptive is not None else None
+
+    def feedback(self, feedback, tr, hyper, keys, z, dp, keep):
+        """(feedback, dp, extra metrics) (:func:`_private_feedback`), and each Poisson
+        round's cohort size."""
+        feedback, dp, extra = _private_feedback(self.privatize, self.private, self.adaptive,
+                                                self.correlated, self.m, feedback, tr, hyper,
+                                                keys, z, dp, keep)
+        if self.expected is not None:
+            extra["cohort_size"] = jnp.sum(feedback.sizes > 0, axis=1)
+        return feedback, dp, extra
+
+
 def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
                    local: engine.LocalSGDConfig, eval_chunk: int, eval_lanes: int,
                    num_sampled: int,
-                   server_tx: Optional[optax.GradientTransformation] = None):
+                   server_tx: Optional[optax.GradientTransformation] = None,
+                   expected: Optional[int] = None, adaptive=None, correlated=None):
     """The round of `algorithm` for `replicas`, with the server optimizer's transformation
     `server_tx` (None: the plain step w + Delta), client-level DP when ``local.clip`` is set
-    (each replica's noise multiplier ``replicas.dp_noise``). An unjitted pure function."""
-    private, privatize = _private(algorithm, local.clip, num_sampled)
+    (:class:`_RoundDP`). An unjitted pure function."""
+    dpr = _RoundDP(algorithm, local.clip, num_sampled, expected, adaptive, correlated)
     z_np = np.asarray(replicas.dp_noise, np.float32)
     local = local._replace(client_update=algorithm.client_update)
     group = jnp.asarray(replicas.group, jnp.int32)
@@ -261,7 +366,7 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(key)
         clients = data.plan.clients[group]                          # [R, m] client ids
         z = jnp.asarray(z_np)
-        weights = _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z)
+        losses, weights = dpr.weights(algorithm, state, losses, sizes, hyper, keys, clients, z)
         keep = (state.active if state.active is not None
                 else jnp.ones((weights.shape[0],), bool))
         weights = jnp.where(keep[:, None], weights, 0.0)
@@ -270,23 +375,23 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
                 else None)
         tr = engine.train_jobs(model, state.params, X=data.x, Y=data.y, plan=data.plan,
                                replica_group=group, job_weight=weights, learning_rate=lr,
-                               l2=l2, hyper=hyper, cfg=local, clients=inputs, runs=runs)
+                               l2=l2, hyper=hyper, cfg=local, clients=inputs, runs=runs,
+                               clip=dpr.clips(state))
         feedback = ClientFeedback(losses=losses, sizes=sizes, weights=weights,
                                   delta_sum=tr.delta_sum, weight_sum=tr.weight_sum,
                                   job_sqnorm=tr.job_sqnorm, job_finite=tr.job_finite,
                                   job_trained=tr.job_trained, learning_rate=lr,
                                   clients=clients, client_outputs=tr.job_output)
-        if private is not None:
-            feedback = privatize(feedback, hyper, keys, z)
+        feedback, dp, extra = dpr.feedback(feedback, tr, hyper, keys, z, state.dp, keep)
         params, algo_state, opt_state, algo_metrics = _server(
             algorithm, server_tx, state, feedback, hyper, keep)
         client_state = state.client_state
         if jax.tree.leaves(client_state):
             client_state = jax.vmap(_write_back)(client_state, clients, tr.job_state,
                                                  tr.job_finite)
-        metrics = _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics,
-                                 algorithm.uses_losses)
-        return state.replace(params=params, algo_state=algo_state, round=t + 1,
+        metrics = {**_round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics,
+                                    algorithm.uses_losses), **extra}
+        return state.replace(params=params, algo_state=algo_state, round=t + 1, dp=dp,
                              server_opt_state=opt_state, client_state=client_state), metrics
 
     return round_fn

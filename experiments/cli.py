@@ -165,8 +165,31 @@ def _define_privacy_flags() -> None:
     privacy")."""
     from deltafl_jax.privacy import Privacy
     d = Privacy()
-    _define(flags.DEFINE_float, "dp_clip", None, "client-level DP (DP-FedAvg): clip each "
-            "client's update to this L2 norm C; unset: not private")
+    _define(flags.DEFINE_string, "dp_clip", None, "client-level DP (DP-FedAvg): clip each "
+            "client's update to this L2 norm C; 'adaptive': a clip per replica that follows "
+            "the --dp_clip_quantile of the update norms (Andrew et al. 2021); unset: not "
+            "private")
+    _define(flags.DEFINE_float, "dp_clip_init", 0.1, "--dp_clip=adaptive: the initial clip "
+            "C_0")
+    _define(flags.DEFINE_float, "dp_clip_quantile", d.clip_quantile, "--dp_clip=adaptive: the "
+            "target quantile gamma of the update norms (the fraction left unclipped)")
+    _define(flags.DEFINE_float, "dp_clip_lr", d.clip_lr, "--dp_clip=adaptive: eta_C of the "
+            "geometric step C <- C exp(-eta_C (b - gamma))")
+    _define(flags.DEFINE_float, "dp_clip_count_noise", d.clip_count_noise, "--dp_clip=adaptive:"
+            " the noise std of the unclipped count, relative to z (accounted)")
+    _define(flags.DEFINE_enum, "dp_kept_weight", d.kept_weight, "private Delta-FL: divide the "
+            "noised update by the kept weight released with noise (noised) or by its "
+            "expectation theta m, fixed and not released (expected)",
+            enum_values=["noised", "expected"])
+    _define(flags.DEFINE_enum, "dp_mechanism", d.mechanism, "gaussian: independent noise each "
+            "round | bandmf: DP-FTRL's banded matrix factorisation (correlated noise; needs "
+            "--client_sampling=cyclic)", enum_values=["gaussian", "bandmf"])
+    _define(flags.DEFINE_integer, "dp_bands", None, "--dp_mechanism=bandmf: the bands b of "
+            "the Toeplitz strategy (each replica keeps b - 1 noise vectors); unset: min(G, "
+            "rounds), G = N // m")
+    _define(flags.DEFINE_enum, "dp_accountant", None, "pld | rdp: dp-accounting's accountant; "
+            "unset: rdp with --client_sampling=fixed (replace-one), pld with poisson "
+            "(add-or-remove)", enum_values=["pld", "rdp"])
     _define(flags.DEFINE_list, "dp_noise_multiplier", ["0"], "z: the server adds N(0, (z C "
             "a_max)^2) to the sum of the clipped updates; several values train as replicas")
     _define(flags.DEFINE_list, "dp_target_epsilon", [], "epsilon at --dp_delta after the run's "
@@ -247,7 +270,13 @@ def define_experiment_flags() -> None:
     _define_client_flags()
     _define_privacy_flags()
     _define(flags.DEFINE_integer, "num_rounds", 100, "communication rounds")
-    _define(flags.DEFINE_integer, "clients_per_round", 10, "m, clients sampled per round")
+    _define(flags.DEFINE_integer, "clients_per_round", 10, "m, clients sampled per round "
+            "(poisson: expected)")
+    _define(flags.DEFINE_enum, "client_sampling", "fixed", "fixed: m distinct clients drawn "
+            "uniformly each round | poisson: each client joins a round independently with "
+            "probability q = m / N (DP's add-or-remove accounting) | cyclic: G = N // m fixed "
+            "groups of m, round t trains group t mod G (DP-FTRL's participation)",
+            enum_values=["fixed", "poisson", "cyclic"])
     _define(flags.DEFINE_integer, "local_epochs", 1, "local epochs of minibatch SGD per kept "
             "client")
     _define(flags.DEFINE_integer, "local_steps", None, "local SGD steps instead of epochs")
@@ -373,6 +402,17 @@ def ints(name: str, values: Sequence[str]) -> Tuple[int, ...]:
                          f"{','.join(values)!r}") from None
 
 
+def clip_flag(value):
+    """--dp_clip: None, 'adaptive' or a number."""
+    if value is None or value.strip() == "adaptive":
+        return None if value is None else "adaptive"
+    try:
+        return float(value)
+    except ValueError:
+        raise UsageError(f"--dp_clip must be a number C > 0 or 'adaptive', got {value!r}") \
+            from None
+
+
 def _toy_means(text):
     try:
         means = tuple(tuple(float(v) for v in pair.split(",")) for pair in text.split(";")
@@ -398,8 +438,11 @@ SCALAR_FIELDS = ("model", "num_rounds", "clients_per_round", "local_epochs",
                  "stop_on_divergence", "devices", "use_bias", "server_optimizer",
                  "server_momentum", "server_beta1", "server_beta2", "server_eps",
                  "client_optimizer", "client_momentum", "client_beta1", "client_beta2",
-                 "client_eps", "client_holdout", "finetune_lr", "dp_clip",
-                 "dp_delta", "dp_quantile_noise_ratio", "dp_loss_bound", "dp_mm_floor")
+                 "client_eps", "client_holdout", "finetune_lr",
+                 "dp_delta", "dp_quantile_noise_ratio", "dp_loss_bound", "dp_mm_floor",
+                 "client_sampling", "dp_accountant", "dp_clip_init", "dp_clip_quantile",
+                 "dp_clip_lr", "dp_clip_count_noise", "dp_kept_weight",
+                 "dp_mechanism", "dp_bands")
 
 
 def data_config_from_flags():
@@ -444,6 +487,7 @@ def config_from_flags(algorithm: str = None, beside_others: bool = False,
         dp_noise_multiplier=floats("dp_noise_multiplier", FLAGS.dp_noise_multiplier),
         dp_target_epsilon=floats("dp_target_epsilon", FLAGS.dp_target_epsilon),
         finetune_steps=ints("finetune_steps", FLAGS.finetune_steps),
+        dp_clip=clip_flag(FLAGS.dp_clip),
         tensorboard={"yes": True, "no": False}.get(FLAGS.tensorboard))
 
 

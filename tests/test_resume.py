@@ -76,7 +76,8 @@ def assert_same_outputs(a, b):
 
 # The runs that are killed: Delta-FL, Tilted-ERM (algorithm state), Delta-FL with a server
 # optimizer swept over two learning rates (Adam's moments in the state: theta x eta x seeds =
-# 8 replicas), SCAFFOLD (per-client control variates), and private Delta-FL (noise).
+# 8 replicas), SCAFFOLD (per-client control variates), private Delta-FL (noise), private
+# Delta-FL under Poisson sampling with an adaptive clip, and DP-FTRL (BandMF).
 RUNS = {"deltafl": ("--algorithm=deltafl",), "term": ("--algorithm=term",),
         "fedadam": ("--algorithm=deltafl", "--server_optimizer=adam", "--server_lr=0.01,0.03"),
         "scaffold": ("--algorithm=scaffold", "--thetas=1"),
@@ -88,7 +89,16 @@ RUNS = {"deltafl": ("--algorithm=deltafl",), "term": ("--algorithm=term",),
         # evaluation of seen clients and unseen devices after adaptation, the saved personal
         # models; Adam as the client optimizer (its state starts afresh at each job).
         "ditto": ("--algorithm=deltafl+ditto", "--ditto_lambda=0.5", "--client_holdout=0.2",
-                  "--finetune_steps=0,2", "--client_optimizer=adam")}
+                  "--finetune_steps=0,2", "--client_optimizer=adam"),
+        # Poisson client sampling (the cohorts from (seed, round)) with private Delta-FL's
+        # fixed denominator and adaptive clipping (each replica's clip in the state).
+        "poisson": ("--algorithm=deltafl", "--weighting=unweighted", "--quantile=secagg_mm",
+                    "--mm_iters=3", "--client_sampling=poisson", "--dp_clip=adaptive",
+                    "--dp_kept_weight=expected", "--dp_noise_multiplier=0.5,2"),
+        # DP-FTRL: cyclic groups and BandMF's noise history in the state.
+        "bandmf": ("--algorithm=fedavg", "--thetas=1", "--weighting=unweighted",
+                   "--client_sampling=cyclic", "--dp_clip=0.5", "--dp_mechanism=bandmf",
+                   "--dp_noise_multiplier=0.5,2")}
 
 
 @pytest.fixture(scope="module")

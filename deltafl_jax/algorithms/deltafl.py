@@ -126,9 +126,10 @@ class DeltaFLOptions:
 
 
 def client_alphas(sizes, weighting: str):
-    """alpha_k up to a constant factor: n_k (weighted) or 1 (unweighted)."""
+    """alpha_k up to a constant factor: n_k (weighted) or 1 (unweighted); 0 for an empty
+    slot of a Poisson cohort (size 0)."""
     n = sizes.astype(jnp.float32)
-    return n if weighting == "weighted" else jnp.ones_like(n)
+    return n if weighting == "weighted" else (sizes > 0).astype(jnp.float32)
 
 
 def filter_rule(filter: str):
@@ -170,7 +171,9 @@ def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggrega
     eta from the mm_iters + 1 secure sums, each with noise z_q = privacy.quantile_noise_ratio
     x z in units of its sensitivity; the clients with F_k > eta train at weight 1, and the
     kept weight is released with noise too (denominator None), floored at half its expected
-    value theta m / 2. None unless --quantile=secagg_mm and --weighting=unweighted (weights
+    value theta m / 2; or, with ``--dp_kept_weight=expected``, the update is divided by that
+    expected value theta m, fixed (DP-FedAvg's estimator), and the kept weight is not
+    released. None unless --quantile=secagg_mm and --weighting=unweighted (weights
     n_k would make one client's share unbounded)."""
     if not (privacy is not None and privacy.enabled and options.quantile == "secagg_mm"
             and options.weighting == "unweighted"):
@@ -187,10 +190,21 @@ def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggrega
         eta, _ = mm_quantile(losses, alphas, 1.0 - hyper.theta, iters, noise)
         return jnp.where((losses > eta) & (alphas > 0), alphas, 0.0)
 
+    # Adding or removing a client moves the kept weight by 1, the first sum (F_k, 1) by
+    # sqrt(B^2 + 1) and each MM sum by sqrt(B^2 + 1) / xi: multipliers z, z_q, z_q.
+    if getattr(privacy, "kept_weight", "noised") == "expected":
+        # The fixed denominator theta m (the kept weight's expectation, m the expected
+        # cohort): the kept weight is not released, and costs no budget.
+        return PrivateAggregate(max_weight=lambda hyper, m: 1.0,
+                                denominator=lambda hyper, m: hyper.theta * m,
+                                releases=(first,) + (ratio,) * iters,
+                                client_weights=client_weights,
+                                add_remove_releases=(ratio,) + (ratio,) * iters)
     return PrivateAggregate(max_weight=lambda hyper, m: 1.0, denominator=None,
                             releases=(1.0, first) + (ratio,) * iters,
                             client_weights=client_weights,
-                            floor=lambda hyper, m: 0.5 * hyper.theta * m)
+                            floor=lambda hyper, m: 0.5 * hyper.theta * m,
+                            add_remove_releases=(1.0, ratio) + (ratio,) * iters)
 
 
 def deltafl(options: DeltaFLOptions = DeltaFLOptions(), tie_rtol: float = DEFAULT_TIE_RTOL,
@@ -295,6 +309,6 @@ SPEC = AlgorithmSpec(
     help="Delta-FL: the clients above the (1 - theta)-quantile train",
     factory=build_deltafl,
     hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=DeltaFLOptions,
-    column_name=column_name, tunes_l2=True,
+    column_name=column_name, tunes_l2=True, variable_cohort=True,
     dp_requires="--quantile=secagg_mm --weighting=unweighted (private Delta-FL: eta from "
     "Algorithm 3's noised secure sums, the clients filtering themselves at weight 1)")

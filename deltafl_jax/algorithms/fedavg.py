@@ -72,4 +72,5 @@ SPEC = AlgorithmSpec(
     sweep=THETA_SWEEP, validate=check_thetas, options_type=FedAvgOptions,
     values=theta_one("fedavg", "is Delta-FL at theta=1 (use --algorithm=deltafl to sweep "
                      "theta)"), names_value=False, fixed_sweep=True, tunes_l2=True,
+    variable_cohort=True,
     dp_requires=DP_REQUIRES)

@@ -55,7 +55,7 @@ SPEC = AlgorithmSpec(
     name="fedprox", display_name="FedProx",
     help="FedProx: FedAvg with the proximal term (mu/2)||w - w_t||^2",
     factory=lambda config, data, options: fedprox(options), hyper=FedProxHyper,
-    options_type=FedProxOptions, dp_requires=DP_REQUIRES,
+    options_type=FedProxOptions, dp_requires=DP_REQUIRES, variable_cohort=True,
     sweep=Sweep(flag="fedprox_mu", field="mu", default=DEFAULT_MU, minimum=0.0,
                 help="fedprox: proximal weights mu >= 0, swept", symbol="μ"),
     fixed={"theta": 1.0})

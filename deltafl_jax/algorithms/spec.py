@@ -97,6 +97,8 @@ class PrivateAggregate(NamedTuple):
       what the accountant composes.
     client_weights: (state, losses, sizes, hyper, key, clients, z) -> [m] a_k under DP (None:
       the algorithm's own, which must not read the losses).
+    add_remove_releases: the same releases' multipliers over their add-or-remove
+      sensitivity (Poisson client sampling), in the same order.
     """
 
     max_weight: Callable[[Any, int], Any]
@@ -104,6 +106,7 @@ class PrivateAggregate(NamedTuple):
     releases: Tuple[float, ...] = ()
     client_weights: Optional[Callable[..., jax.Array]] = None
     floor: Optional[Callable[[Any, int], Any]] = None
+    add_remove_releases: Tuple[float, ...] = ()
 
 
 class FederatedAlgorithm(NamedTuple):
@@ -369,6 +372,8 @@ class AlgorithmSpec:
       tuner's grids), e.g. ``theta=0.5_eta_every=5_seed=1``.
     dp_requires: for an algorithm with a private version (--dp_clip), what its options must
       be for it (the one line of the refusal otherwise); empty: it has none.
+    variable_cohort: its round takes a cohort of varying size (--client_sampling=poisson):
+      empty slots (size 0) get weight 0 and count in none of its sums or normalisations.
     own_server_step: why the server step is the algorithm's own (non-empty: it refuses a
       server optimizer other than the default w + Delta); empty: the round's server optimizer
       applies to its Delta. A list of --server_lr values is crossed like `cross`, after it
@@ -407,6 +412,7 @@ class AlgorithmSpec:
     names_value: bool = True
     fixed_sweep: bool = False
     tunes_l2: bool = False
+    variable_cohort: bool = False
 
     def __post_init__(self):
         declared_options(self.options_type)   # TypeError unless a frozen dataclass of Options

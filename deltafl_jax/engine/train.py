@@ -172,7 +172,7 @@ class _LaneProgram:
     """
 
     def __init__(self, model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
-                 hyper, cfg, clients: Optional[ClientInputs] = None):
+                 hyper, cfg, clients: Optional[ClientInputs] = None, clip=None):
         self.model = model
         self.params, self.X, self.Y, self.plan = params, X, Y, plan
         self.group, self.jobs, self.lr, self.l2, self.hyper = (replica_group, jobs,
@@ -187,6 +187,7 @@ class _LaneProgram:
         self.branchless = cfg.branchless
         self.clients = clients if clients is not None else ClientInputs((), (), None)
         self.clip = cfg.clip
+        self.clip_r = clip   # [R] a traced clip per replica (adaptive clipping), or None
 
     # ---------------------------------------------------------------- one lane's client work
 
@@ -263,7 +264,7 @@ class _LaneProgram:
             new_state, delta, output = self.end_jobs(carry.step, js, r)
             slot = jnp.where(done, js, J)
             if self.clip is not None:   # client-level DP: clip before the update is summed
-                delta, long_ = self.clipped_updates(delta)
+                delta, long_ = self.clipped_updates(delta, r)
                 clipped = clipped.at[slot].set(long_, mode="drop")
             ok = jax.vmap(tree_all_finite)(delta) & done
             coef = jnp.where(ok, self.jobs.weight[js], 0.0)
@@ -287,13 +288,15 @@ class _LaneProgram:
                               finite=acc[3], job_state=acc[4], job_output=acc[5],
                               clipped=acc[6])
 
-    def clipped_updates(self, delta):
-        """The lanes' updates scaled to L2 norm <= C, and which were longer ([c] bool)."""
+    def clipped_updates(self, delta, r):
+        """The lanes' updates scaled to L2 norm <= C (their replica's C when the clip is per
+        replica), and which were longer ([c] bool)."""
         sq = jax.vmap(tree_sqnorm)(delta)
-        f = clip_factor(sq, self.clip)
+        clip = self.clip if self.clip_r is None else self.clip_r[r]
+        f = clip_factor(sq, clip)
         scaled = jax.tree.map(
             lambda d: d * f.reshape((self.c,) + (1,) * (d.ndim - 1)).astype(d.dtype), delta)
-        return scaled, sq > self.clip * self.clip
+        return scaled, sq > clip * clip
 
     def job_buffers(self, step, js, r):
         """Zeros [J, ...] for the client states and outputs that final returns (empty trees
@@ -343,7 +346,7 @@ class _LaneProgram:
 
 def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, learning_rate,
                l2, hyper, cfg: LocalSGDConfig, clients: Optional[ClientInputs] = None,
-               runs=None) -> TrainResult:
+               runs=None, clip=None) -> TrainResult:
     """LocalUpdate for every job (r, i) with job_weight[r, i] > 0 (or `runs`[r, i]), and the
     weighted sums.
 
@@ -359,6 +362,8 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
       clients: what the client update reads besides w_t (None: nothing).
       runs: [R, m] bool, the jobs that train (None: job_weight > 0); a job that trains with
         weight 0 adds nothing to the sums, and its client's state is still updated.
+      clip: [R] each replica's clip, traced (adaptive clipping), instead of ``cfg.clip``
+        (which must then be set).
 
     ``trips`` counts minibatch steps of the busiest lane (the critical path); the loop runs
     ceil(trips / cfg.unroll) trips, and ``padded_examples`` counts trips * lanes * batch (the
@@ -367,7 +372,7 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
     R, m = job_weight.shape
     jobs = make_jobs(plan, replica_group, job_weight, runs)
     prog = _LaneProgram(model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
-                        hyper, cfg, clients)
+                        hyper, cfg, clients, clip)
     trips = prog.deal.trips
     loop_trips = (trips + prog.K - 1) // prog.K
     out = lax.while_loop(lambda cr: cr.trip < loop_trips, prog.body, prog.init())

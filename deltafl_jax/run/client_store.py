@@ -82,7 +82,8 @@ class ClientStore:
         """A round's plan (packed when the host keeps the split) and the examples it reads,
         on the device(s)."""
         if self.host:
-            x, y = self.put(plan_lib.pack_round(self.data.train, plan.clients, self.caps))
+            x, y = self.put(plan_lib.pack_round(self.data.train, plan.clients, self.caps,
+                                                plan.sizes))
         else:
             x, y = self.device_splits["train"]
         return rounds.RoundData(x=x, y=y, plan=self.put(plan))

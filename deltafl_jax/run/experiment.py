@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
@@ -31,7 +32,9 @@ from deltafl_jax.eval_sample import EvalSampler, summarize_sample
 from deltafl_jax.holdout import hold_out
 from deltafl_jax.metrics import summarize
 from deltafl_jax.models import Model, ModelOptions, build_model, default_conv_impl
-from deltafl_jax.privacy import UPDATE_RELEASE, Accounting
+from deltafl_jax.privacy import (OVERFLOW_PLAIN, OVERFLOW_SHARE, UPDATE_RELEASE,
+                                UPDATE_RELEASE_ADD_REMOVE, Accounting, Correlated,
+                                bandmf_coefficients)
 from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import placement as placement_lib
 from deltafl_jax.run.callbacks import RunFacts, RunView
@@ -58,7 +61,8 @@ class Experiment:
     work: plan_lib.LocalWork
     caps: plan_lib.Capacities
     placement: Placement
-    num_sampled: int       # m: clients sampled per round (AFL: all training clients)
+    num_sampled: int       # m: clients sampled per round (AFL: all training clients; Poisson:
+                           # the cap, the plan's slots)
     round_fn: Callable     # jitted round_fn(state, data, keys) -> (state, metrics)
     store: ClientStore     # the clients' examples, on the devices or on the host
     served_fn: Optional[Callable] = None  # jitted (algo_state, params) -> served params
@@ -68,6 +72,7 @@ class Experiment:
     accounting: Optional[Accounting] = None   # client-level DP: epsilon of each replica
     eval_clients: Optional[int] = None    # K clients of each split per evaluation (None: all)
     personal: Optional[PersonalEvaluation] = None   # seen / unseen clients (--client_holdout)
+    poisson: Optional[plan_lib.PoissonSampling] = None   # --client_sampling=poisson
 
     def _place(self, tree):
         return tree if self.mesh is None else mesh_lib.replicate(tree, self.mesh)
@@ -89,9 +94,13 @@ class Experiment:
         return self.placement.eval_chunk
 
     def initial_state(self) -> rounds.ServerState:
+        privacy = self.config.privacy
+        correlated = self.accounting.correlated if self.accounting is not None else None
         return self._place(rounds.init_state(self.model, self.algorithm, self.replicas,
                                              self.seeds, self.server_tx,
-                                             self.data.train.num_clients))
+                                             self.data.train.num_clients,
+                                             clip=privacy.clip if privacy.adaptive else None,
+                                             bands=len(correlated.coef) if correlated else 0))
 
     def keys(self):
         return self._place(rounds.replica_keys(self.replicas, self.seeds))
@@ -124,7 +133,8 @@ class Experiment:
         buffer when the host keeps the split)."""
         return plan_lib.make_round_plan(self.seeds, round_idx, self.data.train.offsets,
                                         self.num_sampled, self.work, self.caps,
-                                        packed=self.store.host)
+                                        packed=self.store.host, poisson=self.poisson,
+                                        cyclic=self.config.client_sampling == "cyclic")
 
     def round_data(self, round_idx: int) -> rounds.RoundData:
         return self.store.round_data(self.round_plan(round_idx))
@@ -246,6 +256,9 @@ def _model(config: ExperimentConfig, data: FederatedDataset) -> Tuple[Model, Mod
 
 def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDataset) -> int:
     m = config.clients_per_round
+    if config.client_sampling == "cyclic" and spec.all_clients:
+        raise ConfigError(f"--client_sampling=cyclic: --algorithm={spec.name} trains every "
+                          f"client every round")
     if m > data.train.num_clients:
         raise ConfigError(
             f"--clients_per_round={m} exceeds the {data.train.num_clients} training clients of "
@@ -254,17 +267,20 @@ def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDatas
 
 
 def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh,
-              server_tx):
+              server_tx, expected: Optional[int] = None, correlated=None):
     """The jitted round: plain for one device, jit(shard_map(...)) over a mesh otherwise."""
     axis = mesh_lib.SINGLE if mesh is None else mesh_lib.DeviceAxis(place.devices,
                                                                     mesh_lib.AXIS)
     local = engine.LocalSGDConfig(batch_size=config.batch_size, lanes=place.lanes,
                                   lane_mode=place.lane_mode, unroll=place.unroll,
                                   branchless=place.branchless, axis=axis,
-                                  clip=config.dp_clip,
+                                  clip=config.privacy.clip,
                                   optimizer=config.client.transformation)
+    privacy = config.privacy
     raw = rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
-                                place.eval_lanes, m, server_tx)
+                                place.eval_lanes, m, server_tx, expected=expected,
+                                adaptive=privacy if privacy.adaptive else None,
+                                correlated=correlated)
     return jax.jit(raw if mesh is None else mesh_lib.sharded(raw, mesh, 3), donate_argnums=(0,))
 
 
@@ -293,10 +309,67 @@ def _accounting(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: Federa
     if replicas is not None:
         raise ConfigError("--dp_clip applies to the replicas of the algorithm's own sweep, not "
                           "to a grid given with them (the tuner's)")
-    releases = (UPDATE_RELEASE,) + tuple(algorithm.private.releases)
+    if privacy.adaptive and algorithm.private.denominator is None:
+        raise ConfigError(f"--dp_clip=adaptive: the clip's target fraction needs a fixed "
+                          f"denominator (DP-FedAvg; private Delta-FL with "
+                          f"--dp_kept_weight=expected); --algorithm={spec.name}'s private "
+                          f"version divides by a noised kept weight")
+    count = ((privacy.clip_count_noise,) if privacy.adaptive else ())
+    if privacy.sampler == "cyclic":
+        return _cyclic_accounting(config, spec, algorithm, m, num_clients)
+    if privacy.sampler == "poisson":
+        releases = ((UPDATE_RELEASE_ADD_REMOVE,) + tuple(algorithm.private.add_remove_releases)
+                    + count)
+    else:
+        releases = (UPDATE_RELEASE,) + tuple(algorithm.private.releases) + count
     noise = privacy.noise_multipliers_for(m, config.num_rounds, num_clients, releases)
     return Accounting(population=num_clients, m=m, releases=releases,
-                      delta=privacy.delta_for(num_clients), noise=noise)
+                      delta=privacy.delta_for(num_clients), noise=noise,
+                      sampler=privacy.sampler, accountant=privacy.accountant_name,
+                      rounds=config.num_rounds)
+
+
+def _cyclic_accounting(config: ExperimentConfig, spec: AlgorithmSpec,
+                       algorithm: FederatedAlgorithm, m: int, num_clients: int) -> Accounting:
+    """Cyclic participation: the run as one Gaussian mechanism over BandMF's factorisation
+    (--dp_mechanism=gaussian: one band), for a private version whose only release is its
+    update and whose denominator is fixed (DP-FedAvg)."""
+    privacy = config.privacy
+    private = algorithm.private
+    if private.denominator is None or private.releases:
+        raise ConfigError(f"--client_sampling=cyclic with --dp_clip: --algorithm={spec.name}'s "
+                          f"private version releases more than its update (DP-FTRL's account "
+                          f"covers DP-FedAvg and DP-FedProx)")
+    groups = num_clients // m
+    T = config.num_rounds
+    bands = 1 if privacy.mechanism == "gaussian" else (privacy.bands or min(groups, T))
+    correlated = Correlated(coef=bandmf_coefficients(T, bands), min_sep=groups, rounds=T)
+    releases = (UPDATE_RELEASE_ADD_REMOVE,)
+    noise = privacy.noise_multipliers_for(m, T, num_clients, releases, correlated)
+    return Accounting(population=num_clients, m=m, releases=releases,
+                      delta=privacy.delta_for(num_clients), noise=noise, sampler="cyclic",
+                      accountant=privacy.accountant_name, rounds=T, correlated=correlated)
+
+
+def _poisson(config: ExperimentConfig, spec: AlgorithmSpec, m: int, num_clients: int,
+             accounting: Optional[Accounting]) -> Optional[plan_lib.PoissonSampling]:
+    """--client_sampling=poisson: q = m / N and the cap (:func:`deltafl_jax.plan.poisson_cap`):
+    a private run's overflow term (1 + e^eps) P at most delta / OVERFLOW_SHARE at its largest
+    finite epsilon; a non-private run's P at most OVERFLOW_PLAIN. ConfigError for an
+    algorithm whose round needs a fixed cohort."""
+    if config.client_sampling != "poisson":
+        return None
+    if spec.all_clients or not spec.variable_cohort:
+        raise ConfigError(f"--client_sampling=poisson: --algorithm={spec.name} needs a fixed "
+                          f"cohort of m clients a round (it supports --client_sampling=fixed)")
+    q = m / num_clients
+    budget = OVERFLOW_PLAIN
+    if accounting is not None:
+        eps = [float(e) for e in accounting.epsilons(config.num_rounds) if math.isfinite(e)]
+        if eps:
+            budget = accounting.delta / OVERFLOW_SHARE / (1.0 + math.exp(min(max(eps), 700)))
+    return plan_lib.PoissonSampling(q=q, cap=plan_lib.poisson_cap(num_clients, q,
+                                                                  config.num_rounds, budget))
 
 
 def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = None,
@@ -318,6 +391,10 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     if accounting is not None:   # each replica's own z, in replica order
         accounting = dataclasses.replace(accounting,
                                          noise=tuple(float(z) for z in replicas.dp_noise))
+    poisson = _poisson(config, spec, m, data.train.num_clients, accounting)
+    expected, m = m, (poisson.cap if poisson is not None else m)
+    if accounting is not None and poisson is not None:
+        accounting = dataclasses.replace(accounting, cap=poisson.cap)
     local_steps = spec.local_steps if spec.local_steps is not None else config.local_steps
     work = plan_lib.LocalWork(batch_size=config.batch_size, local_epochs=config.local_epochs,
                               local_steps=local_steps)
@@ -332,7 +409,9 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
         model, algorithm, replicas, config.seeds, server_tx, data.train.num_clients))
     device_bytes = footprint(data, model, replicas, place, caps, m, state_shape)
     check_memory(device_bytes, devices)
-    round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx)
+    round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx,
+                         expected if poisson is not None else None,
+                         accounting.correlated if accounting is not None else None)
     store = ClientStore(data, model, place, caps, mesh)
     personal = None if data.holdout is None else PersonalEvaluation(
         data, model, algorithm, replicas, batch_size=config.batch_size, lanes=place.lanes,
@@ -346,4 +425,5 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
         store=store, personal=personal,
         served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
                    if algorithm.eval_params is not None else None), mesh=mesh,
-        server_tx=server_tx, accounting=accounting, eval_clients=eval_clients(config, data))
+        server_tx=server_tx, accounting=accounting, eval_clients=eval_clients(config, data),
+        poisson=poisson)

@@ -170,6 +170,15 @@ def personal_table(rows, classify: bool = True) -> List[str]:
     return lines
 
 
+def _cohort(config, facts) -> str:
+    """m, or under Poisson sampling its expectation and the plan's slots."""
+    if config.client_sampling == "poisson":
+        return f"{config.clients_per_round} expected ({facts.num_sampled} slots, Poisson)"
+    if config.client_sampling == "cyclic":
+        return f"{facts.num_sampled} (cyclic groups)"
+    return str(facts.num_sampled)
+
+
 class Progress(Callback):
     """Progress lines through `log`; a live bar on `stream` when it is a terminal."""
 
@@ -189,15 +198,29 @@ class Progress(Callback):
         self.log(f"deltafl_jax: {facts.dataset} ({facts.train_clients} train / "
                  f"{facts.test_clients} test clients), model {facts.model}, "
                  f"{config.algorithm}{server}, {count(len(run.view.labels), 'replica')} "
-                 f"({count(len(config.seeds), 'seed')}), m={facts.num_sampled}, "
+                 f"({count(len(config.seeds), 'seed')}), m={_cohort(config, facts)}, "
                  f"{count(facts.lanes, 'client lane')} per step, backend {facts.backend}")
         self.log(facts.placement_line)
         if facts.accounting is not None:
             acc = facts.accounting
             zs = ", ".join(f"{z:.4g}" for z in dict.fromkeys(acc.noise))
-            self.log(f"privacy: clip C={config.dp_clip:g}, noise multiplier z = {zs}; "
+            privacy = config.privacy
+            clip = (f"clip adaptive from C_0={privacy.clip:g} toward the "
+                    f"{privacy.clip_quantile:g} quantile" if privacy.adaptive
+                    else f"clip C={privacy.clip:g}")
+            if acc.sampler == "poisson":
+                how = (f"Poisson sampling, q={acc.m / acc.population:.4g}, cap {acc.cap}; "
+                       f"add-or-remove, {acc.accountant.upper()}")
+            elif acc.correlated is not None:
+                c = acc.correlated
+                how = (f"cyclic groups, a client every {c.min_sep} rounds; "
+                       + (f"BandMF with {len(c.coef)} bands" if len(c.coef) > 1 else
+                          "independent noise") + f", add-or-remove, {acc.accountant.upper()}")
+            else:
+                how = "sampled without replacement, replace-one"
+            self.log(f"privacy: {clip}, noise multiplier z = {zs}; "
                      f"epsilon at delta={acc.delta:.3g} for m={acc.m} of {acc.population} "
-                     f"clients a round (sampled without replacement, replace-one)")
+                     f"clients a round ({how})")
 
     def on_round_end(self, run: RunContext, round: int, metrics) -> None:
         if not self.bar:
