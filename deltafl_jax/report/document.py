@@ -15,8 +15,9 @@ from deltafl_jax.metrics import PERCENTILE_METHODS
 from deltafl_jax.report import figures
 from deltafl_jax.report.io import Run
 from deltafl_jax.report.rows import tidy_rows, write_csv
-from deltafl_jax.report.tables import (BEST_NOTE, INTERVAL_NOTE, TABLES, Column, best_columns,
-                                       columns, markdown_table, runs_table, settings)
+from deltafl_jax.report.tables import (BEST_NOTE, INTERVAL_NOTE, TABLES, Column, available,
+                                       best_columns, columns, markdown_table, runs_table,
+                                       settings)
 
 CONVENTIONS = {
     "lower": "the **lower weighted quantile**: the smallest client value whose cumulative "
@@ -141,6 +142,11 @@ def conventions_section(runs: Sequence[Run], cols: Sequence[Column], percentile:
         f"- **Percentiles** use {CONVENTIONS[percentile]}"
         + (" (`--percentile=linear` gives NumPy's linear interpolation, as the reference "
            "scripts)." if percentile == "lower" else "."),
+        "- **Tail metrics**: the worst 10% is the mean error of the worst 10% of the test "
+        "clients, the boundary client counted in part (the superquantile at 0.9; PropFair's "
+        "and pFL-Bench's mean of the floor(0.1 N) worst is the same when 0.1 N is whole); the "
+        "std is over the test clients (ddof = 0); the share below target counts the test "
+        "clients whose accuracy is below the run's `--target_accuracy`.",
         "- Every number is recomputed from the per-client arrays (`clients.npz`, "
         "`clients_history.npz` for the curves), not read from `metrics.jsonl`.",
         "- Cells are **mean ± std over seeds** (population std, ddof = 0); the lowest mean "
@@ -158,7 +164,8 @@ def markdown(runs: Sequence[Run], cols: Sequence[Column], percentile: str,
                                      for c in cols for spec in TABLES):
         md[-1:-1] = [f"- {INTERVAL_NOTE}"]
     for spec in TABLES:
-        md += [f"## {spec.title}", "", markdown_table(cols, spec, percentile), ""]
+        if available(cols, spec.metric, percentile):
+            md += [f"## {spec.title}", "", markdown_table(cols, spec, percentile), ""]
     md += ["## Runs", "", runs_table(runs), ""]
     if skipped or notes:
         md += ["## Skipped runs and notes", ""]

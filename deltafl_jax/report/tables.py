@@ -259,7 +259,18 @@ TABLES = (
               False),
     TableSpec("train_loss_p90", "Train loss: 90th percentile (alpha-weighted) over the "
               "training clients", False),
+    TableSpec("test_error_worst10", "Worst 10%: mean misclassification error (in %) of the "
+              "worst 10% of the test clients (the superquantile at 0.9)", True),
+    TableSpec("test_error_std", "Std of the misclassification error (in %) over the test "
+              "clients (ddof = 0)", True),
+    TableSpec("test_share_below_target", "Share (in %) of the test clients whose accuracy is "
+              "below the target (--target_accuracy)", True),
 )
+
+
+def available(cols: Sequence[Column], metric: str, percentile: str = "lower") -> bool:
+    """Every column's runs have `metric` (a regression has no ``test_share_below_target``)."""
+    return all(metric in run.final(percentile) for c in cols for run, _ in c.parts)
 
 
 INTERVAL_NOTE = ("[lo, hi] after a cell: the run evaluated a sample of clients "

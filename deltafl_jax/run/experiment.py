@@ -141,13 +141,17 @@ class Experiment:
         """The papers' metrics per replica (alpha-weighted train losses, unweighted test); on
         a sampled evaluation, their estimates with 95% confidence intervals
         (:func:`deltafl_jax.eval_sample.summarize_sample`)."""
+        classify = self.model.loss_kind != "squared"
+        target = self.config.target_accuracy if classify else None
         if "train_clients" in per_client:
             return summarize_sample(per_client["train_loss"], per_client["test_error"],
                                     per_client["test_loss"], PERCENTILES,
-                                    num_test=self.data.test.num_clients)
+                                    num_test=self.data.test.num_clients,
+                                    target_accuracy=target,
+                                    error_bounds=(0.0, 1.0 if classify else np.inf))
         return summarize(per_client["train_loss"], self.data.train.sizes,
                          per_client["test_error"], per_client["test_loss"], PERCENTILES,
-                         method)
+                         method, target)
 
     def view(self) -> RunView:
         """The narrow view that callbacks get (:class:`deltafl_jax.run.callbacks.RunView`)."""
