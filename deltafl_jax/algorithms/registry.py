@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, Optional, Tuple
 
 from deltafl_jax.algorithms import afl, afl_qffl, deltafl, fedavg, fedavg_sub, fedprox, qffl, term
-from deltafl_jax.algorithms import deltafl_alt, gifair, scaffold
+from deltafl_jax.algorithms import deltafl_alt, fedmgda, gifair, scaffold
 from deltafl_jax.algorithms.spec import AlgorithmSpec, Option, Sweep, declared_options
 from deltafl_jax.errors import ConfigError
 
@@ -27,6 +27,7 @@ SPECS: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
     deltafl_alt.SPEC,
     scaffold.SPEC,
     gifair.SPEC,
+    fedmgda.SPEC,
 )}
 
 
