@@ -177,8 +177,9 @@ def test_epsilon_zero_is_the_uniform_mean_of_normalised_updates(tiny_synthetic):
     np.testing.assert_allclose(np.concatenate([got_W.ravel(), got_b]), mean, atol=1e-6)
 
 
-@pytest.mark.parametrize("flag,message", [("--fedmgda_epsilon=-0.1", "--fedmgda_epsilon must be >= 0"),
-                                          ("--fedmgda_iters=0", "--fedmgda_iters must be")])
+@pytest.mark.parametrize("flag,message",
+                         [("--fedmgda_epsilon=-0.1", "--fedmgda_epsilon must be >= 0"),
+                          ("--fedmgda_iters=0", "--fedmgda_iters must be")])
 def test_bad_settings_are_refused(tmp_path, capsys, flag, message):
     code, err, _ = run_runner(["--dataset=synthetic", "--algorithm=fedmgda", flag,
                                f"--output_dir={tmp_path / 'o'}"], capsys)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import WEIGHTING
 from deltafl_jax.algorithms.fedavg import DP_REQUIRES, FedAvgOptions, fedavg
+from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep
 
 DEFAULT_MU = (0.001, 0.01, 0.1, 1.0)   # the FedProx paper's grid
@@ -55,4 +56,5 @@ SPEC = AlgorithmSpec(
     options_type=FedProxOptions, dp_requires=DP_REQUIRES,
     sweep=Sweep(flag="fedprox_mu", field="mu", default=DEFAULT_MU, minimum=0.0,
                 help="fedprox: proximal weights mu >= 0, swept", symbol="μ"),
-    fixed={"theta": 1.0})
+    fixed={"theta": 1.0},
+    leaderboard=Board(grid={"fedprox_mu": DEFAULT_MU}, quick={"fedprox_mu": (0.01, 0.1)}))

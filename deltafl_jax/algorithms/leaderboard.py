@@ -57,3 +57,13 @@ def needs_clients(m: int) -> Callable[[BoardSetting], str]:
             return f"it compares the sampled clients: it needs m >= {m}"
         return ""
     return applies
+
+
+def population_at_most(n: int) -> Callable[[BoardSetting], str]:
+    """applies: at most `n` training clients (a method that trains every one every round)."""
+    def applies(setting: BoardSetting) -> str:
+        if setting.train_clients > n:
+            return (f"it trains every training client every round, and {setting.dataset} has "
+                    f"{setting.train_clients} (> {n})")
+        return ""
+    return applies
