@@ -234,7 +234,8 @@ def frontier_points(record: Mapping[str, Any]) -> List[Dict[str, Any]]:
     out = []
     for m in record["methods"]:
         for key, entry in m["final"].items():
-            out.append({"method": m["display"], "point": key, "chosen": key == m["chosen"],
+            out.append({"method": m["display"], "point": key, "text": entry.get("text", ""),
+                        "chosen": key == m["chosen"],
                         "mean": 100.0 * float(np.mean(entry["test_error_mean"])),
                         "p90": 100.0 * float(np.mean(entry[CHOICE_METRIC]))})
     return out
@@ -267,6 +268,9 @@ def frontier_figure(record: Mapping[str, Any], path: str, dpi: int = 110) -> str
             ax.scatter(p["mean"], p["p90"], color=colors(i % 10), s=90 if p["chosen"] else 28,
                        edgecolors="black" if p["chosen"] else "none", zorder=3,
                        label=name if p is mine[0] else None)
+            if p["text"]:
+                ax.annotate(p["text"], (p["mean"], p["p90"]), fontsize=6,
+                            xytext=(4, 3), textcoords="offset points", color=colors(i % 10))
     front = pareto(points)
     if len(front) > 1:
         ax.plot([p["mean"] for p in front], [p["p90"] for p in front], "k--", lw=0.8,

@@ -11,10 +11,10 @@ sent140_lstm at the papers' sizes); experiment flags given here override the fla
 ``--num_rounds=20`` for a quick try). Methods: every spec of the registry whose leaderboard
 Board applies (or ``--methods``), each with its board's grid (``--grid=quick`` on the CPU set,
 ``full`` elsewhere), a swept flag given here (``--gifair_coeff=0.1,1``) replacing its method's
-grid. Seeds: 1, 2, 3 (or ``--seeds``); the tuning runs use ``--tune_seeds`` (default: the
-same). Bad input (an unknown setting, a method that is not a leaderboard method or does not
-apply, a value out of range, results already in ``--out``) prints one line and exits 2
-before anything is trained.
+grid. Seeds: 1, 2, 3 (or ``--seeds``) for the final runs; the tuning runs use
+``--tune_seeds`` (default: 1). Bad input (an unknown setting, a method that is not a
+leaderboard method or does not apply, a value out of range, results already in ``--out``)
+prints one line and exits 2 before anything is trained.
 
 Writes ``OUT/<setting>/`` (the programs' run directories: ``lr_grid``, ``<method>/validation``,
 ``<method>/final``; ``leaderboard.json``, ``leaderboard.md``, ``frontier.png``) and
@@ -54,7 +54,8 @@ _define(flags.DEFINE_list, "methods", [], "run only these methods (default: ever
         "leaderboard Board applies)")
 _define(flags.DEFINE_string, "out", "runs/leaderboard", "where the programs, tables and "
         "figures go")
-_define(flags.DEFINE_list, "tune_seeds", [], "seeds of the tuning runs (default: --seeds)")
+_define(flags.DEFINE_list, "tune_seeds", ["1"], "seeds of the tuning runs (the learning-rate "
+        "grid and the validation grids; the final runs use 1, 2, 3 or --seeds)")
 _define(flags.DEFINE_list, "lr_multipliers", ["0.5", "1", "2"], "the learning-rate grid: the "
         "setting's --learning_rate times these (FedAvg, smallest terminal train loss); empty: "
         "no tuning")
@@ -433,6 +434,8 @@ def method_record(setting: Setting, name: str) -> Dict[str, Any]:
     if chosen is None:
         chosen = next(iter(own))
     tuned = validation is not None
+    for entry in own.values():
+        entry["text"] = _chosen_text(host, entry["point"]) if setting.grids[host] else ""
     return {"name": name, "display": spec.display_name,
             "grid": {k: list(v) for k, v in setting.grids[host].items()},
             "chosen": chosen,
@@ -472,7 +475,12 @@ def setting_markdown(rec: Dict[str, Any]) -> str:
         f"{', '.join(map(str, rec['seeds']))}. Test error in %, mean over seeds ± the "
         f"half-width of the 95% t-interval over seeds; each method at the grid point with the "
         f"smallest validation p90 ({rec['grid']} grids: {grids}).", "",
-        lb.table_markdown(rec), "", "![trade-off](frontier.png)", ""])
+        lb.table_markdown(rec), "",
+        "Pareto frontier of every method and grid point (test error mean, p90 in %): "
+        + "; ".join(f"{p['method']}{' ' + p['text'] if p['text'] else ''} "
+                    f"({p['mean']:.2f}, {p['p90']:.2f})"
+                    for p in lb.pareto(lb.frontier_points(rec))) + ".", "",
+        "![trade-off](frontier.png)", ""])
 
 
 def write(settings: List[Setting], tune_seeds) -> List[Dict[str, Any]]:
@@ -574,8 +582,7 @@ def main(argv):
             raise cli.UsageError(f"--lr_multipliers must be finite and > 0, got "
                                  f"{','.join(FLAGS.lr_multipliers)}")
         settings = plan(args)
-        tune_seeds = (cli.ints("tune_seeds", FLAGS.tune_seeds) if FLAGS.tune_seeds
-                      else settings[0].base.seeds)
+        tune_seeds = cli.ints("tune_seeds", FLAGS.tune_seeds) or settings[0].base.seeds
         if FLAGS.estimate:
             estimate(settings, tune_seeds, multipliers)
             return
