@@ -36,13 +36,14 @@ from absl import app, flags, logging
 
 from deltafl_jax import tuning
 from experiments import cli
+from experiments import run as _run   # noqa: F401  (its --estimate, --estimate_rounds)
 
 FLAGS = flags.FLAGS
 cli.define_experiment_flags()
 
 
 def _define(kind, name, default, help, **kw):
-    if name not in FLAGS:   # experiments.run defines --estimate too
+    if name not in FLAGS:
         kind(name=name, default=default, help=help, **kw)
 
 
@@ -63,9 +64,6 @@ _define(flags.DEFINE_enum, "grid", "auto", "the methods' grids: quick (the CPU s
         "auto (quick on the cpu set)", enum_values=["auto", "quick", "full"])
 _define(flags.DEFINE_bool, "readme", False, "write the tables into README.md")
 _define(flags.DEFINE_string, "readme_path", None, "the README to write (default: the repo's)")
-_define(flags.DEFINE_bool, "estimate", False, "build, compile and time every program, print "
-        "the projected wall-clock, and exit without training")
-_define(flags.DEFINE_integer, "estimate_rounds", 5, "--estimate: rounds timed per program")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETS = {

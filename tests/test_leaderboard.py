@@ -193,6 +193,20 @@ def test_results_are_never_clobbered(tmp_path, capsys):
     assert (out / "leaderboard_synthetic_1_1" / "leaderboard.json").read_text() == "{}"
 
 
+def test_estimate_writes_nothing(tmp_path, capsys):
+    """--estimate builds, compiles and times each program (here the learning-rate grid and
+    SCAFFOLD's final runs) and prints their sum; --out stays untouched."""
+    out = tmp_path / "board"
+    code, err, stdout = run_board(["--settings=leaderboard_synthetic_1_1", "--methods=scaffold",
+                                   "--estimate", "--estimate_rounds=1", "--num_rounds=3",
+                                   "--synthetic_num_clients=40", "--clients_per_round=5",
+                                   f"--out={out}"], capsys)
+    assert code in (0, None), err
+    assert "estimate of leaderboard_synthetic_1_1 fedavg lr" in stdout
+    assert "estimate of leaderboard_synthetic_1_1 scaffold final" in stdout
+    assert "estimate of all 2 programs" in stdout and not out.exists()
+
+
 # --------------------------------------------------------------------------------------------
 # The command at toy size
 
