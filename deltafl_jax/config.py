@@ -17,6 +17,7 @@ from deltafl_jax.algorithms.deltafl import check_thetas
 from deltafl_jax.client_optimizer import ClientOptimizer
 from deltafl_jax.datasets import DataConfig
 from deltafl_jax.errors import ConfigError
+from deltafl_jax.metrics import DEFAULT_TARGET_ACCURACY
 from deltafl_jax.models import LINEAR_MODELS
 from deltafl_jax.replicas import aligned
 from deltafl_jax.privacy import ADAPTIVE, SAMPLERS, Privacy
@@ -66,6 +67,9 @@ class ExperimentConfig:
     client_data: str = "auto"               # device | host | auto (deltafl_jax.run.placement)
     eval_clients: Optional[int] = None      # K per split per evaluation; 0: all; None: by N
     save_models: bool = True
+    # test_share_below_target: the share of test clients whose accuracy is below this
+    # (deltafl_jax.metrics; classifiers only; it changes no training).
+    target_accuracy: float = DEFAULT_TARGET_ACCURACY
     verbose: bool = True
     tensorboard: Optional[bool] = None      # None = when tensorboardX is installed
     checkpoint_every: int = 0               # rounds between checkpoints (0: by time only)
@@ -222,6 +226,10 @@ def _check_numbers(c: ExperimentConfig):
     if c.eval_clients is not None and (isinstance(c.eval_clients, bool) or c.eval_clients < 0):
         raise ConfigError(f"--eval_clients must be >= 0 (0: every client), got "
                           f"{c.eval_clients!r}")
+    _finite("target_accuracy", c.target_accuracy)
+    if not 0.0 < c.target_accuracy <= 1.0:
+        raise ConfigError(f"--target_accuracy must be in (0, 1] (a share of correct "
+                          f"predictions), got {c.target_accuracy}")
     if c.placement_backend is not None and c.placement_backend not in PLACEMENT_BACKENDS:
         raise ConfigError(f"--placement_backend must be one of {', '.join(PLACEMENT_BACKENDS)} "
                           f"(unset: the backend running), got {c.placement_backend!r}")

@@ -46,6 +46,39 @@ confidence, and an infinite bound keeps the statement true.
 mean +- z_{(1+c)/2} s / sqrt(K) (s the sample standard deviation, ddof = 1; for the test error
 times the finite-population correction sqrt((N - K) / (N - 1)) when N_test is given): the
 central limit theorem, not exact; NaN when K < 2.
+
+**The tail metrics** (:func:`deltafl_jax.metrics.tail_summaries`) from the test sample:
+
+- ``test_error_worst10``: the superquantile at 0.9 of the sample (the same fractional
+  definition), with a DISTRIBUTION-FREE interval ``_lo`` / ``_hi`` from the
+  Dvoretzky-Kiefer-Wolfowitz band with Massart's constant (Massart 1990): for K iid draws from
+  any distribution G, P(sup_x |G_K(x) - G(x)| > e) <= 2 exp(-2 K e^2), so with
+  e = sqrt(ln(2 / (1 - c)) / (2 K)) the band G_K -+ e holds G with probability >= c. The
+  superquantile is monotone in the stochastic order, so over the band it is largest for the
+  distribution that moves the lowest mass e of the sample to the top of the errors' range
+  [0, 1], and smallest for the one that moves the highest mass e to the bottom: with
+  S(s) = the sum of the largest sample values carrying mass s (1/K each, fractional at the
+  boundary) and t = 0.1, hi = (min(e, t) b + S(max(t - e, 0))) / t and
+  lo = (S(min(e + t, 1)) - S(min(e, 1)) + max(e + t - 1, 0) a) / t, with [a, b] = [0, 1]
+  (Thomas & Learned-Miller, *Concentration Inequalities for Conditional Value at Risk*, ICML
+  2019, derive the same bounds). For a regression (errors are losses, unbounded above) b is
+  infinite and so is ``_hi``. Coverage is >= c for iid draws; the test clients are drawn
+  without replacement, for which each count below a point is hypergeometric and more
+  concentrated (as above), and ``tests/test_eval_sample.py`` checks the coverage of a
+  finite population drawn without replacement. When the sample is the whole population
+  (K = N_test) the estimate is exact and the interval is that point.
+- ``test_error_std``: the sample std rescaled to estimate the population's std (ddof = 0 over
+  the N_test clients): s sqrt((N - 1) / N) with s the ddof = 1 std, whose square is unbiased
+  for the population variance under sampling without replacement (Cochran 1977, Thm. 2.4), and
+  equals the ddof = 0 std of the population when K = N; without N_test (iid draws) the
+  plug-in ddof = 0 std of the sample. No interval (a std has no distribution-free one of
+  useful width at these K).
+- ``test_share_below_target``: the sample share, with an EXACT interval: the count of sampled
+  clients below the target is hypergeometric (N_test, M, K) in the unknown population count
+  M, and ``_lo`` / ``_hi`` are M_lo / N and M_hi / N with M_lo the smallest M and M_hi the
+  largest M whose one-sided tail P(X >= x) (resp. P(X <= x)) exceeds (1 - c) / 2 (the
+  Clopper-Pearson construction for the hypergeometric; Clopper-Pearson's binomial one without
+  N_test).
 """
 
 from __future__ import annotations
@@ -59,6 +92,8 @@ import numpy as np
 from scipy import stats
 
 from deltafl_jax.errors import ConfigError
+from deltafl_jax.metrics import (DEFAULT_TARGET_ACCURACY, WORST_LEVEL, share_below_target,
+                                 superquantile_rows)
 
 STREAM = 2   # default_rng([seed, round, STREAM]); plan.py uses streams 0 and 1
 INTERVAL_SUFFIXES = ("_lo", "_hi")
@@ -194,7 +229,10 @@ def _mean_interval(values: np.ndarray, confidence: float,
 
 def summarize_sample(train_loss, test_error, test_loss, percents,
                      confidence: float = 0.95,
-                     num_test: Optional[int] = None) -> Dict[str, np.ndarray]:
+                     num_test: Optional[int] = None,
+                     target_accuracy: Optional[float] = DEFAULT_TARGET_ACCURACY,
+                     error_bounds: Tuple[float, float] = (0.0, 1.0)
+                     ) -> Dict[str, np.ndarray]:
     """Per-replica summaries from sampled clients: name -> [R].
 
     Args:
@@ -204,7 +242,10 @@ def summarize_sample(train_loss, test_error, test_loss, percents,
       percents: the percentiles (e.g. config.PERCENTILES).
       confidence: of every interval.
       num_test: N_test, for the finite-population correction of ``test_error_mean_lo/hi``
-        (None: none).
+        and the tail metrics' intervals (None: none).
+      target_accuracy: of ``test_share_below_target`` (None: a regression, not computed).
+      error_bounds: the range of a client's error (the superquantile's interval): [0, 1] for
+        a misclassification rate, [0, inf) for a regression's loss.
     Returns:
       the keys of :func:`deltafl_jax.metrics.summarize`, plus ``KEY_lo`` / ``KEY_hi`` for
       every ``train_loss_p{p}`` / ``test_error_p{p}`` (order-statistic intervals, -inf /
@@ -225,6 +266,113 @@ def summarize_sample(train_loss, test_error, test_loss, percents,
         test_error, confidence, num_test)
     out.update(_percentile_summaries(test_error, "test_error", percents, confidence))
     out["test_loss_mean"] = test_loss.mean(axis=1)
+    out.update(tail_sample_summaries(test_error, confidence, num_test, target_accuracy,
+                                     error_bounds))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The tail metrics of a sample
+
+
+def dkw_epsilon(k: int, confidence: float = 0.95) -> float:
+    """e = sqrt(ln(2 / (1 - c)) / (2 K)): the half-width of the DKW band (Massart's constant)
+    that holds an iid sample's distribution with probability >= c."""
+    if not 0.0 < confidence < 1.0:
+        raise ConfigError(f"confidence must be in (0, 1), got {confidence}")
+    return math.sqrt(math.log(2.0 / (1.0 - confidence)) / (2.0 * int(k)))
+
+
+def _top_sums(desc: np.ndarray, mass: float) -> np.ndarray:
+    """[R]: the sum of the largest values of each row (sorted descending, 1/K each) that carry
+    `mass` in [0, 1], the boundary value counted in part."""
+    k = desc.shape[1]
+    share = np.clip(mass - np.arange(k) / k, 0.0, 1.0 / k)
+    return np.sum(np.where(share > 0, desc * share, 0.0), axis=1)
+
+
+def superquantile_interval(values: np.ndarray, level: float, confidence: float = 0.95,
+                           bounds: Tuple[float, float] = (0.0, 1.0),
+                           population: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """([R], [R]): the DKW interval of the superquantile at `level` of the distribution each
+    row [R, K] was drawn from (module docstring), the values lying in `bounds`; the sample's
+    own superquantile at both ends when the sample is the whole population (K = population).
+    A NaN in a row makes both ends NaN."""
+    values = np.atleast_2d(np.asarray(values, np.float64))
+    k = values.shape[1]
+    t = 1.0 - float(level)
+    if population is not None and k >= int(population) or t <= 0.0:
+        point = superquantile_rows(values, level)
+        return point, point
+    a, b = (float(x) for x in bounds)
+    e = dkw_epsilon(k, confidence)
+    desc = -np.sort(-np.where(np.isnan(values), np.inf, values), axis=1)
+    bad = np.any(np.isnan(values), axis=1)
+    top = (min(e, t) * b if min(e, t) > 0 else 0.0)
+    hi = (top + _top_sums(desc, max(t - e, 0.0))) / t
+    lo = (_top_sums(desc, min(e + t, 1.0)) - _top_sums(desc, min(e, 1.0))
+          + (max(e + t - 1.0, 0.0) * a if e + t > 1.0 else 0.0)) / t
+    return np.where(bad, np.nan, lo), np.where(bad, np.nan, hi)
+
+
+def _first_true(pred, lo: int, hi: int) -> int:
+    """The smallest m in [lo, hi] with pred(m), for pred monotone (false, then true) and true
+    at hi."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def share_interval(count: int, k: int, confidence: float = 0.95,
+                   population: Optional[int] = None) -> Tuple[float, float]:
+    """The exact interval of a population share from `count` of `k` sampled units
+    (module docstring): hypergeometric inversion with the population size, Clopper-Pearson
+    without it."""
+    tail = (1.0 - confidence) / 2.0
+    if population is None:
+        lo = 0.0 if count == 0 else float(stats.beta.ppf(tail, count, k - count + 1))
+        hi = 1.0 if count == k else float(stats.beta.ppf(1.0 - tail, count + 1, k - count))
+        return lo, hi
+    n = int(population)
+    if k >= n:
+        return count / n, count / n
+    # M ranges over [count, n - (k - count)]; P(X >= count; M) rises with M (1 at the top),
+    # P(X <= count; M) falls (1 at the bottom).
+    top = n - (k - count)
+    lower = _first_true(lambda m: stats.hypergeom.sf(count - 1, n, m, k) > tail, count, top)
+    upper = top - _first_true(lambda j: stats.hypergeom.cdf(count, n, top - j, k) > tail,
+                              0, top - count)
+    return lower / n, upper / n
+
+
+def tail_sample_summaries(test_error, confidence: float = 0.95,
+                          num_test: Optional[int] = None,
+                          target_accuracy: Optional[float] = DEFAULT_TARGET_ACCURACY,
+                          error_bounds: Tuple[float, float] = (0.0, 1.0)
+                          ) -> Dict[str, np.ndarray]:
+    """The tail metrics' estimates from the [R, K] test errors of a sample drawn without
+    replacement from `num_test` clients (None: iid draws), with the intervals of the module
+    docstring; ``test_share_below_target`` only when `target_accuracy` is not None."""
+    test_error = np.atleast_2d(np.asarray(test_error, np.float64))
+    k = test_error.shape[1]
+    out = {"test_error_worst10": superquantile_rows(test_error, WORST_LEVEL)}
+    out["test_error_worst10_lo"], out["test_error_worst10_hi"] = superquantile_interval(
+        test_error, WORST_LEVEL, confidence, error_bounds, num_test)
+    if num_test is None or k < 2:   # iid draws: the plug-in (ddof = 0) estimate
+        out["test_error_std"] = test_error.std(axis=1)
+    else:
+        out["test_error_std"] = (test_error.std(axis=1, ddof=1)
+                                 * math.sqrt((num_test - 1) / num_test))
+    if target_accuracy is not None:
+        share = share_below_target(test_error, target_accuracy)
+        out["test_share_below_target"] = share
+        bounds = [share_interval(int(round(s * k)), k, confidence, num_test) for s in share]
+        out["test_share_below_target_lo"] = np.array([b[0] for b in bounds])
+        out["test_share_below_target_hi"] = np.array([b[1] for b in bounds])
     return out
 
 

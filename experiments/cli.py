@@ -307,6 +307,8 @@ def define_experiment_flags() -> None:
     _define(flags.DEFINE_integer, "eval_clients", None, "evaluate K train and K test clients "
             "drawn per evaluation, with 95% confidence intervals (0: every client); unset: every "
             "client up to 100000 clients in all, 1000 beyond")
+    _define(flags.DEFINE_float, "target_accuracy", 0.5, "test_share_below_target: the share "
+            "of test clients whose accuracy is below this (classifiers; in (0, 1])")
     _define(flags.DEFINE_integer, "eval_every", 10, "evaluate on all train and test clients "
             "every N rounds")
     _define(flags.DEFINE_float, "client_holdout", 0.0, "personalised evaluation: every "
@@ -433,7 +435,7 @@ DATA_FIELDS = ("dataset", "data_path", "data_dir", "data_seed", "min_client_exam
 SCALAR_FIELDS = ("model", "num_rounds", "clients_per_round", "local_epochs",
                  "local_steps", "batch_size", "learning_rate", "lr_decay", "lr_decay_every",
                  "eval_every", "clients_per_step", "eval_chunk", "placement_backend",
-                 "client_data", "eval_clients",
+                 "client_data", "eval_clients", "target_accuracy",
                  "branchless", "output_dir", "overwrite", "conv_impl", "save_models", "checkpoint_every", "checkpoint_every_s",
                  "stop_on_divergence", "devices", "use_bias", "server_optimizer",
                  "server_momentum", "server_beta1", "server_beta2", "server_eps",

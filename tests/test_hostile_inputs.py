@@ -42,6 +42,7 @@ CASES = {
     "negative l2": (["--l2_reg=-1"], "--l2_reg must be >= 0"),
     "l2 misaligned": (["--l2_reg=1e-3,1e-4,1e-5"], "--l2_reg gives 3 values for 2 swept"),
     "eval never": (["--eval_every=0"], "--eval_every must be at least 1"),
+    "target accuracy above 1": (["--target_accuracy=1.5"], "--target_accuracy must be in (0, 1]"),
     "zero steps": (["--local_steps=0"], "--local_steps must be at least 1"),
     "decay every negative": (["--lr_decay_every=-1"], "--lr_decay_every must be >= 0"),
     "zero lanes": (["--clients_per_step=0"], "--clients_per_step must be at least 1"),

@@ -1,5 +1,6 @@
-"""TensorBoard event files hold the p90 test error of every replica, read back with a TFRecord
-parser written here from the format (length, crc, Event proto, crc), not with tensorboardX."""
+"""TensorBoard event files hold the p90 test error and the tail metrics of every replica, read
+back with a TFRecord parser written here from the format (length, crc, Event proto, crc), not
+with tensorboardX."""
 
 import glob
 import json
@@ -41,9 +42,11 @@ def test_event_files_hold_every_replicas_p90(tiny_synthetic, tmp_path):
     for key in keys:
         (path,) = glob.glob(str(out / "tb" / key / "events.out.tfevents.*"))
         scalars = read_events(path)
-        got = {step: v for tag, step, v in scalars if tag == "eval/test_error_p90"}
-        want = {r["round"]: r["test_error_p90"] for r in records
-                if f"theta={r['theta']:g}_seed={r['seed']}" == key}
-        assert set(got) == set(want) == {2, 4}
-        for step in want:
-            assert got[step] == pytest.approx(want[step], rel=1e-6)
+        for metric in ("test_error_p90", "test_error_worst10", "test_error_std",
+                       "test_share_below_target"):   # the tail metrics too
+            got = {step: v for tag, step, v in scalars if tag == f"eval/{metric}"}
+            want = {r["round"]: r[metric] for r in records
+                    if f"theta={r['theta']:g}_seed={r['seed']}" == key}
+            assert set(got) == set(want) == {2, 4}
+            for step in want:
+                assert got[step] == pytest.approx(want[step], rel=1e-6)

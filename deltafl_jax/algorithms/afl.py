@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deltafl_jax.algorithms.leaderboard import Board, population_at_most
 from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep, apply_delta,
                                          average_delta)
 
@@ -90,6 +91,8 @@ SPEC = AlgorithmSpec(
                 minimum=0.0, help="afl: step sizes >= 0 of the projected ascent on lambda, "
                 "swept", symbol="γ_λ"),
     local_steps=1, all_clients=True,
+    leaderboard=Board(grid={"afl_lambda_lr": (0.001, 0.01, 0.1)},
+                      quick={"afl_lambda_lr": (0.01, 0.1)}, applies=population_at_most(1000)),
     own_server_step="AFL's w-step is one SGD step w - gamma sum_k lambda_k g_k of its "
     "saddle-point problem, coupled with the projected ascent on lambda and served as the "
     "average of its iterates")

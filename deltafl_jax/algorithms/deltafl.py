@@ -61,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.spec import (PAPER_THETAS, AlgorithmSpec, FederatedAlgorithm, Option,
                                          PrivateAggregate, Sweep, average_delta, check_options,
                                          no_state)
@@ -310,5 +311,6 @@ SPEC = AlgorithmSpec(
     factory=build_deltafl,
     hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=DeltaFLOptions,
     column_name=column_name, tunes_l2=True, variable_cohort=True,
+    leaderboard=Board(grid={"thetas": (0.8, 0.5, 0.1)}),
     dp_requires="--quantile=secagg_mm --weighting=unweighted (private Delta-FL: eta from "
     "Algorithm 3's noised secure sums, the clients filtering themselves at weight 1)")

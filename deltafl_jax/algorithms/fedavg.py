@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
                                             client_alphas, theta_one)
+from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, PrivateAggregate,
                                          average_delta, check_options, no_state)
 
@@ -73,4 +74,4 @@ SPEC = AlgorithmSpec(
     values=theta_one("fedavg", "is Delta-FL at theta=1 (use --algorithm=deltafl to sweep "
                      "theta)"), names_value=False, fixed_sweep=True, tunes_l2=True,
     variable_cohort=True,
-    dp_requires=DP_REQUIRES)
+    dp_requires=DP_REQUIRES, leaderboard=Board(joins=("deltafl", 1.0)))

@@ -16,6 +16,7 @@ import jax
 
 from deltafl_jax.algorithms.deltafl import WEIGHTING
 from deltafl_jax.algorithms.fedavg import DP_REQUIRES, FedAvgOptions, fedavg
+from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep
 from deltafl_jax.engine.client import corrected_sgd
 
@@ -58,4 +59,5 @@ SPEC = AlgorithmSpec(
     options_type=FedProxOptions, dp_requires=DP_REQUIRES, variable_cohort=True,
     sweep=Sweep(flag="fedprox_mu", field="mu", default=DEFAULT_MU, minimum=0.0,
                 help="fedprox: proximal weights mu >= 0, swept", symbol="μ"),
-    fixed={"theta": 1.0})
+    fixed={"theta": 1.0},
+    leaderboard=Board(grid={"fedprox_mu": DEFAULT_MU}, quick={"fedprox_mu": (0.01, 0.1)}))

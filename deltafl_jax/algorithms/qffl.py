@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep, no_state
 
 QFFL_EPS = 1e-10
@@ -76,4 +77,6 @@ Q_SWEEP = Sweep(flag="qffl_q", field="q", default=DEFAULT_Q, minimum=0.0,
 
 SPEC = AlgorithmSpec(name="qffl", display_name="q-FFL", help="q-FFL (q-FedAvg)",
                      factory=lambda config, data, options: qffl(), hyper=QFFLHyper,
-                     sweep=Q_SWEEP)
+                     sweep=Q_SWEEP,
+                     leaderboard=Board(grid={"qffl_q": DEFAULT_Q},
+                                       quick={"qffl_q": (0.001, 0.1)}))

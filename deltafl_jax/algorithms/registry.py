@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, Optional, Tuple
 
 from deltafl_jax.algorithms import afl, afl_qffl, deltafl, fedavg, fedavg_sub, fedprox, qffl, term
-from deltafl_jax.algorithms import apfl, deltafl_alt, ditto, feddyn, scaffold
+from deltafl_jax.algorithms import apfl, deltafl_alt, ditto, feddyn, fedmgda, gifair, scaffold
 from deltafl_jax.algorithms.spec import AlgorithmSpec, Option, Sweep, declared_options
 from deltafl_jax.errors import ConfigError
 
@@ -29,6 +29,8 @@ SPECS: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
     ditto.SPEC,
     feddyn.SPEC,
     apfl.SPEC,
+    gifair.SPEC,
+    fedmgda.SPEC,
 )}
 
 # Layers over any algorithm, named after '+' in a method name (``deltafl+ditto``): a

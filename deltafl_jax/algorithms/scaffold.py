@@ -42,6 +42,7 @@ import numpy as np
 
 from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
                                             client_alphas, theta_one)
+from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, average_delta,
                                          check_options)
 from deltafl_jax.engine.client import corrected_sgd, difference
@@ -127,4 +128,4 @@ SPEC = AlgorithmSpec(
     factory=lambda config, data, options: scaffold(data.train.sizes, options),
     hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=ScaffoldOptions,
     values=theta_one("scaffold", "trains every sampled client (theta = 1)"), names_value=False,
-    fixed_sweep=True)
+    fixed_sweep=True, leaderboard=Board())

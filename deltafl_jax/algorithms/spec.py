@@ -388,6 +388,7 @@ class AlgorithmSpec:
       are the others' grid.
     tunes_l2: the tuner's lambda step applies: the spec's replicas are Delta-FL at the
       theta of its sweep (FedAvg: 1), and the lambda grid trains Delta-FL at each of them.
+    leaderboard: how the tail leaderboard runs it (``leaderboard.Board``); None: not on it.
 
     Hyper fields that the active sweep and `cross` do not set take their value from `fixed`.
     """
@@ -413,6 +414,7 @@ class AlgorithmSpec:
     fixed_sweep: bool = False
     tunes_l2: bool = False
     variable_cohort: bool = False
+    leaderboard: Any = None
 
     def __post_init__(self):
         declared_options(self.options_type)   # TypeError unless a frozen dataclass of Options

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep, scaled_delta
 
 TERM_EMA = 0.5
@@ -76,4 +77,5 @@ SPEC = AlgorithmSpec(
     name="term", display_name="TERM", help="Tilted-ERM",
     factory=lambda config, data, options: term(), hyper=TERMHyper,
     sweep=Sweep(flag="term_t", field="t", default=DEFAULT_T, help="term: tilts t, swept",
-                symbol="t"))
+                symbol="t"),
+    leaderboard=Board(grid={"term_t": DEFAULT_T}, quick={"term_t": (0.1, 1.0)}))

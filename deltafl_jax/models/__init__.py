@@ -282,6 +282,7 @@ class ModelOptions:
 # The papers' datasets, whose linear models have no bias (App. C.1: w in R^{62x784}, w in R^50).
 NO_BIAS_DATASETS = ("femnist", "sent140")
 LINEAR_MODELS = ("linear", "sent140_linear")
+REGRESSION_MODELS = ("mean",)   # their "error" is the squared loss (no accuracy)
 
 
 def linear_bias(data: FederatedDataset, options: "ModelOptions") -> bool:

@@ -19,8 +19,8 @@ from deltafl_jax.report import figures
 from deltafl_jax.report.io import Run
 from deltafl_jax.report.rows import tidy_rows, write_csv
 from deltafl_jax.report.tables import (BEST_NOTE, INTERVAL_NOTE, STD_NOTE, TABLES, Column,
-                                       best_columns, columns, markdown_table, personal_tables,
-                                       runs_table, settings)
+                                       available, best_columns, columns, markdown_table,
+                                       personal_tables, runs_table, settings)
 
 CONVENTIONS = {
     "lower": "the **lower weighted quantile**: the smallest client value whose cumulative "
@@ -181,6 +181,11 @@ def conventions_section(runs: Sequence[Run], cols: Sequence[Column], percentile:
         f"- **Percentiles** use {CONVENTIONS[percentile]}"
         + (" (`--percentile=linear` gives NumPy's linear interpolation, as the reference "
            "scripts)." if percentile == "lower" else "."),
+        "- **Tail metrics**: the worst 10% is the mean error of the worst 10% of the test "
+        "clients, the boundary client counted in part (the superquantile at 0.9; PropFair's "
+        "and pFL-Bench's mean of the floor(0.1 N) worst is the same when 0.1 N is whole); the "
+        "std is over the test clients (ddof = 0); the share below target counts the test "
+        "clients whose accuracy is below the run's `--target_accuracy`.",
         "- Every number is recomputed from the per-client arrays (`clients.npz`, "
         "`clients_history.npz` for the curves), not read from `metrics.jsonl`.",
         f"- Cells are **{STD_NOTE}**; the lowest mean of each row is in bold. Δ-FL at "
@@ -208,8 +213,9 @@ def markdown(runs: Sequence[Run], cols: Sequence[Column], percentile: str,
     if any(run.sampled() for run in runs):
         md[-1:-1] = [f"- {SAMPLED_NOTE}"]
     for spec in TABLES:
-        md += [f"## {spec.title}", "", f"Cells: {STD_NOTE}.", "",
-               markdown_table(cols, spec, percentile), ""]
+        if available(cols, spec.metric, percentile):
+            md += [f"## {spec.title}", "", f"Cells: {STD_NOTE}.", "",
+                   markdown_table(cols, spec, percentile), ""]
     for spec in personal_tables(cols):   # the runs that made a personalised evaluation
         have = [c for c in cols if spec.metric in c.run.final(percentile)]
         md += [f"## {spec.title}", "", f"Cells: {STD_NOTE}.", "",

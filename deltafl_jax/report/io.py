@@ -18,7 +18,8 @@ import numpy as np
 from deltafl_jax.config import PERCENTILES
 from deltafl_jax.errors import RunError
 from deltafl_jax.eval_sample import summarize_sample
-from deltafl_jax.metrics import PERCENTILE_METHODS, summarize
+from deltafl_jax.metrics import DEFAULT_TARGET_ACCURACY, PERCENTILE_METHODS, summarize
+from deltafl_jax.models import REGRESSION_MODELS
 from deltafl_jax.outputs import (CLIENTS, CLIENTS_HISTORY, METRICS, ROUNDS, SUMMARY,
                                  RunFormatError, RunReader)
 from deltafl_jax.replicas import ReplicaLabel
@@ -65,6 +66,14 @@ class Run:
     @property
     def model(self) -> str:
         return str(self.summary.get("model", self.config.get("model", "?")))
+
+    @property
+    def target_accuracy(self) -> Optional[float]:
+        """The target of ``test_share_below_target`` (the run's --target_accuracy, the default
+        for runs before it), or None for a regression model (no accuracy)."""
+        if self.model in REGRESSION_MODELS:
+            return None
+        return float(self.config.get("target_accuracy", DEFAULT_TARGET_ACCURACY))
 
     @property
     def num_rounds(self) -> int:
@@ -117,7 +126,7 @@ class Run:
             self._cache[key] = {
                 **summaries(c["train_loss"], c["train_sizes"], c["test_error"],
                             c["test_loss"], percentile, "train_clients" in c,
-                            len(c["test_sizes"])),
+                            len(c["test_sizes"]), self.target_accuracy),
                 **summarize_populations(c, self.config.get("finetune_steps") or (0,),
                                         len(c["train_sizes"]), len(c["test_sizes"]),
                                         percentile)}
@@ -134,7 +143,8 @@ class Run:
             out = None
             if self.history is not None:
                 out = curves_from_history(self.history, self.clients["train_sizes"], percentile,
-                                          len(self.clients["test_sizes"]))
+                                          len(self.clients["test_sizes"]),
+                                          self.target_accuracy)
             elif percentile == "lower" and self.records:
                 out = curves_from_records(self.records, self.record_replicas, len(self.keys))
             self._cache[key] = out
@@ -142,23 +152,31 @@ class Run:
 
 
 def summaries(train_loss, train_sizes, test_error, test_loss, percentile: str,
-              sampled: bool, num_test: int) -> Dict[str, np.ndarray]:
+              sampled: bool, num_test: int,
+              target_accuracy: Optional[float] = DEFAULT_TARGET_ACCURACY
+              ) -> Dict[str, np.ndarray]:
     """The metrics of one evaluation: :func:`deltafl_jax.metrics.summarize` of every client,
     or, for a sampled evaluation (``--eval_clients``: its per-client arrays hold the sample),
     the estimates and intervals of :func:`deltafl_jax.eval_sample.summarize_sample` (whose
-    percentiles are the lower quantile of the sample, whatever `percentile` asks)."""
+    percentiles are the lower quantile of the sample, whatever `percentile` asks).
+    `target_accuracy`: None for a regression (no accuracy, errors unbounded above)."""
     if sampled:
         return summarize_sample(train_loss, test_error, test_loss, PERCENTILES,
-                                num_test=num_test)
-    return summarize(train_loss, train_sizes, test_error, test_loss, PERCENTILES, percentile)
+                                num_test=num_test, target_accuracy=target_accuracy,
+                                error_bounds=(0.0, np.inf if target_accuracy is None
+                                              else 1.0))
+    return summarize(train_loss, train_sizes, test_error, test_loss, PERCENTILES, percentile,
+                     target_accuracy)
 
 
 def curves_from_history(history: Dict[str, np.ndarray], train_sizes: np.ndarray,
-                        percentile: str, num_test: int = 0):
+                        percentile: str, num_test: int = 0,
+                        target_accuracy: Optional[float] = DEFAULT_TARGET_ACCURACY):
     """(rounds [E], metric -> [E, R]) recomputed from the per-client history."""
     sampled = "train_clients" in history
     per_eval = [summaries(history["train_loss"][e], train_sizes, history["test_error"][e],
-                          history["test_loss"][e], percentile, sampled, num_test)
+                          history["test_loss"][e], percentile, sampled, num_test,
+                          target_accuracy)
                 for e in range(len(history["rounds"]))]
     return (np.asarray(history["rounds"], np.int64),
             {k: np.stack([p[k] for p in per_eval]) for k in per_eval[0]})

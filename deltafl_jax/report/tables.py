@@ -300,6 +300,12 @@ TABLES = (
               False),
     TableSpec("train_loss_p90", "Train loss: 90th percentile (alpha-weighted) over the "
               "training clients", False),
+    TableSpec("test_error_worst10", "Worst 10%: mean misclassification error (in %) of the "
+              "worst 10% of the test clients (the superquantile at 0.9)", True),
+    TableSpec("test_error_std", "Std of the misclassification error (in %) over the test "
+              "clients (ddof = 0)", True),
+    TableSpec("test_share_below_target", "Share (in %) of the test clients whose accuracy is "
+              "below the target (--target_accuracy)", True),
 )
 
 
@@ -310,8 +316,10 @@ def personal_tables(cols: Sequence[Column]) -> Tuple[TableSpec, ...]:
     names: List[str] = []
     for c in cols:
         for key in c.run.final():
-            if key.endswith("_error_worst10") and key[:-len("_error_worst10")] not in names:
-                names.append(key[:-len("_error_worst10")])
+            name = key[:-len("_error_worst10")]
+            if key.endswith("_error_worst10") and name.partition("_ft")[0] in (
+                    "seen", "unseen") and name not in names:
+                names.append(name)
     specs = []
     for name in sorted(names, key=lambda n: (int(n.partition("_ft")[2] or 0),
                                              n.startswith("seen"))):
@@ -324,6 +332,11 @@ def personal_tables(cols: Sequence[Column]) -> Tuple[TableSpec, ...]:
             specs.append(TableSpec(f"{name}_error_{stat}", f"Personalised: {what} of the "
                                    f"held-out error (in %) of {who}, {after}", True))
     return tuple(specs)
+
+
+def available(cols: Sequence[Column], metric: str, percentile: str = "lower") -> bool:
+    """Every column's runs have `metric` (a regression has no ``test_share_below_target``)."""
+    return all(metric in run.final(percentile) for c in cols for run, _ in c.parts)
 
 
 INTERVAL_NOTE = ("[lo, hi] after a cell: the run evaluated a sample of clients "

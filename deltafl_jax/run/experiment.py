@@ -184,14 +184,18 @@ class Experiment:
         a sampled evaluation, their estimates with 95% confidence intervals
         (:func:`deltafl_jax.eval_sample.summarize_sample`). With a personalised evaluation,
         each population's summaries (:func:`deltafl_jax.run.personal.summarize_populations`)."""
+        classify = self.model.loss_kind != "squared"
+        target = self.config.target_accuracy if classify else None
         if "train_clients" in per_client:
             out = summarize_sample(per_client["train_loss"], per_client["test_error"],
                                    per_client["test_loss"], PERCENTILES,
-                                   num_test=self.data.test.num_clients)
+                                   num_test=self.data.test.num_clients,
+                                   target_accuracy=target,
+                                   error_bounds=(0.0, 1.0 if classify else np.inf))
         else:
             out = summarize(per_client["train_loss"], self.data.train.sizes,
                             per_client["test_error"], per_client["test_loss"], PERCENTILES,
-                            method)
+                            method, target)
         if self.personal is not None:
             out.update(personal_lib.summarize_populations(
                 per_client, self.personal.steps, self.data.train.num_clients,

@@ -5,9 +5,13 @@ unweighted mean and 90th percentile of the per-client test error (paper, App. C.
 mean over the seeds of a swept value. When the evaluation samples its clients
 (``--eval_clients``, :mod:`deltafl_jax.eval_sample`) the summaries carry ``KEY_lo`` /
 ``KEY_hi`` and the 90th percentile is followed by its interval, e.g. ``p90 41.2% [38.0,
-44.9]`` (with several seeds, the means over the seeds of each seed's bounds). On a terminal a
+44.9]`` (with several seeds, the means over the seeds of each seed's bounds). The tail
+metrics follow (:mod:`deltafl_jax.metrics`): ``worst10`` the mean error of the worst 10% of
+the test clients (with its interval on a sampled evaluation), ``std`` the std of the client
+errors, ``acc<0.5`` the share of test clients below the target accuracy. On a terminal a
 bar with rounds done, rounds per second and the ETA is redrawn after every round. The run
-ends with a table of the final test error per swept value and the output directory.
+ends with a table of the final test error (mean, p90 and the tail metrics) per swept value
+and the output directory.
 """
 
 from __future__ import annotations
@@ -73,7 +77,8 @@ def interval_text(summary, key: str, rows, scale: float = 1.0, digits: int = 1) 
 def personal_families(summary) -> List[str]:
     """The personalised evaluation's families in a summary ('seen', 'unseen_ft5', ...; none
     without --client_holdout), unseen first, by adaptation steps."""
-    names = {k[:-len("_error_worst10")] for k in summary if k.endswith("_error_worst10")}
+    names = {k[:-len("_error_worst10")] for k in summary if k.endswith("_error_worst10")
+             and k.partition("_")[0] in ("seen", "unseen")}
     steps = sorted({0 if "_ft" not in n else int(n.rsplit("_ft", 1)[1]) for n in names})
     return [n for k in steps for n in (("unseen", "seen") if k == 0 else
                                        (f"unseen_ft{k}", f"seen_ft{k}")) if n in names]
@@ -96,8 +101,27 @@ def personal_text(summary, rows, classify: bool) -> str:
     return ", " + ", ".join(out)
 
 
+def tail_text(summary, rows, classify: bool, target: Optional[float] = None) -> str:
+    """' worst10 48.2% [40.1, 55.0] std 20.1% acc<0.5 12%' (means over `rows`): the tail
+    metrics of :mod:`deltafl_jax.metrics` when the summaries have them, else ''."""
+    if "test_error_worst10" not in summary:
+        return ""
+    scale, unit, digits = (100.0, "%", 1) if classify else (1.0, "", 3)
+    w10, sd = (float(np.mean(np.asarray(summary[k], np.float64)[rows]))
+               for k in ("test_error_worst10", "test_error_std"))
+    text = (f" worst10 {scale * w10:.{digits}f}{unit}"
+            f"{interval_text(summary, 'test_error_worst10', rows, scale, digits)}"
+            f" std {scale * sd:.{digits}f}{unit}")
+    if "test_share_below_target" in summary:
+        share = float(np.mean(np.asarray(summary["test_share_below_target"], np.float64)[rows]))
+        text += f" acc<{target:g} {100 * share:.0f}%" if target is not None else \
+            f" below target {100 * share:.0f}%"
+    return text
+
+
 def evaluation_line(run: RunContext, ev: Evaluation) -> str:
     classify = run.view.facts.classify
+    target = getattr(getattr(run.view.facts, "config", None), "target_accuracy", None)
     parts = []
     for name, rs in _groups(run.view.labels):
         loss = np.mean(ev.summary["train_loss_mean"][rs])
@@ -106,6 +130,7 @@ def evaluation_line(run: RunContext, ev: Evaluation) -> str:
                 f"{interval_text(ev.summary, 'test_error_p90', rs, 100.0, 1)}" if classify
                 else f"test loss mean {err:.3f} p90 {p90:.3f}"
                 f"{interval_text(ev.summary, 'test_error_p90', rs, 1.0, 3)}")
+        tail += tail_text(ev.summary, rs, classify, target)
         tail += personal_text(ev.summary, rs, classify)
         if "dp_epsilon" in ev.summary:   # client-level DP: the privacy spent so far
             tail += f", ε {float(np.max(ev.summary['dp_epsilon'][rs])):.3g}"
@@ -117,6 +142,18 @@ def evaluation_line(run: RunContext, ev: Evaluation) -> str:
             f"{eta:6.0f}s | " + " | ".join(parts))
 
 
+# The closing table's tail columns (deltafl_jax.metrics), when every final has them.
+TAIL_COLUMNS = (("test_error_worst10", "worst 10%"), ("test_error_std", "std"),
+                ("test_share_below_target", "below tgt"))
+
+
+def _tail_cell(key: str, values, scale: float, unit: str) -> str:
+    """One tail column's cell: the mean over seeds (a share always in %)."""
+    if key == "test_share_below_target":
+        scale, unit = 100.0, "%"
+    return f" {scale * float(np.mean(values)):10.2f}{unit or ' '}"
+
+
 def error_table(rows, first: str = "replicas", classify: bool = True) -> List[str]:
     """Final test error (mean over seeds) per row: rows = [(name, [final metrics of each
     seed])]. When the metrics carry the p90's interval (sampled evaluation), a last column
@@ -125,7 +162,12 @@ def error_table(rows, first: str = "replicas", classify: bool = True) -> List[st
     what = "test error" if classify else "test loss"
     width = max([28] + [len(name) for name, _ in rows])
     ci = any("test_error_p90_lo" in f for _, finals in rows for f in finals)
-    lines = [f"{first:<{width}} {what + ' mean':>16} {what + ' p90':>15}  seeds"
+    tails = [(k, head) for k, head in TAIL_COLUMNS
+             if all(k in f for _, finals in rows for f in finals)]
+    if not classify:
+        tails = [(k, head) for k, head in tails if k != "test_share_below_target"]
+    lines = [f"{first:<{width}} {what + ' mean':>16} {what + ' p90':>15}"
+             + "".join(f" {head:>11}" for _, head in tails) + "  seeds"
              + ("  p90 interval" if ci else "")]
     for name, finals in rows:
         mean = np.mean([f["test_error_mean"] for f in finals])
@@ -135,8 +177,9 @@ def error_table(rows, first: str = "replicas", classify: bool = True) -> List[st
             bounds = {k: np.asarray([f.get(k, np.nan) for f in finals], np.float64)
                       for k in ("test_error_p90_lo", "test_error_p90_hi")}
             extra = " " + interval_text(bounds, "test_error_p90", slice(None), scale, 2)
-        lines.append(f"{name:<{width}} {scale * mean:15.2f}{unit} {scale * p90:14.2f}{unit}  "
-                     + (f"{len(finals):<5}{extra}" if ci else f"{len(finals)}"))
+        cells = "".join(_tail_cell(k, [f[k] for f in finals], scale, unit) for k, _ in tails)
+        lines.append(f"{name:<{width}} {scale * mean:15.2f}{unit} {scale * p90:14.2f}{unit}"
+                     f"{cells}  " + (f"{len(finals):<5}{extra}" if ci else f"{len(finals)}"))
     return lines
 
 
