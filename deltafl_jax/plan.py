@@ -54,6 +54,7 @@ _SAMPLE_STREAM = 0
 _SHUFFLE_STREAM = 1
 _POISSON_STREAM = 2
 _CYCLIC_STREAM = 3
+_PROBE_STREAM = 4
 
 
 def sample_clients(seed: int, round_idx: int, num_clients: int, m: int) -> np.ndarray:
@@ -63,6 +64,55 @@ def sample_clients(seed: int, round_idx: int, num_clients: int, m: int) -> np.nd
         raise ValueError(f"cannot sample {m} of {num_clients} clients")
     rng = np.random.default_rng([int(seed), int(round_idx), _SAMPLE_STREAM])
     return np.sort(rng.choice(num_clients, size=m, replace=False)).astype(np.int32)
+
+
+def sample_by_weights(seed: int, round_idx: int, probabilities, m: int) -> np.ndarray:
+    """m clients drawn independently with the given probabilities [N] (with replacement: a
+    client may appear several times; DRFA's sampling by its mixing weights lambda), sorted;
+    a pure function of (seed, round, probabilities)."""
+    p = np.asarray(probabilities, np.float64)
+    if p.ndim != 1 or not np.all(np.isfinite(p)) or np.any(p < 0) or p.sum() <= 0:
+        raise ValueError(f"cannot sample clients by the weights {p!r}")
+    rng = np.random.default_rng([int(seed), int(round_idx), _SAMPLE_STREAM])
+    return np.sort(rng.choice(p.size, size=m, replace=True, p=p / p.sum())).astype(np.int32)
+
+
+class ProbePlan(NamedTuple):
+    """A second, uniform sample of m clients per group, evaluated at a model the algorithm
+    chooses after local training (DRFA's snapshot average): clients, sizes [G, m] and their
+    evaluation streams eval_idx, eval_seg [G, Le], eval_len [G] (as :class:`RoundPlan`'s)."""
+
+    clients: np.ndarray
+    sizes: np.ndarray
+    eval_idx: np.ndarray
+    eval_seg: np.ndarray
+    eval_len: np.ndarray
+
+
+def make_probe_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m: int,
+                    caps: "Capacities") -> ProbePlan:
+    """m distinct clients per seed drawn uniformly from the stream [seed, round,
+    _PROBE_STREAM] (independent of the round's own sample), with their examples' stream
+    into the split (the device-held split only)."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    G = len(seeds)
+    clients = np.zeros((G, m), np.int32)
+    eval_idx = np.zeros((G, caps.eval_len), np.int32)
+    eval_seg = np.full((G, caps.eval_len), m, np.int32)
+    eval_len = np.zeros((G,), np.int32)
+    for g, seed in enumerate(seeds):
+        rng = np.random.default_rng([int(seed), int(round_idx), _PROBE_STREAM])
+        chosen = np.sort(rng.choice(offsets.size - 1, size=m, replace=False))
+        clients[g] = chosen
+        n = offsets[chosen + 1] - offsets[chosen]
+        total = int(n.sum())
+        eval_len[g] = total
+        eval_idx[g, :total] = np.concatenate([np.arange(s, s + k)
+                                              for s, k in zip(offsets[chosen], n)])
+        eval_seg[g, :total] = np.repeat(np.arange(m, dtype=np.int32), n)
+    sizes = (offsets[clients + 1] - offsets[clients]).astype(np.int32)
+    return ProbePlan(clients=clients, sizes=sizes, eval_idx=eval_idx, eval_seg=eval_seg,
+                     eval_len=eval_len)
 
 
 def poisson_cohort(seed: int, round_idx: int, num_clients: int, q: float,
@@ -201,11 +251,12 @@ def capacities(sizes: np.ndarray, m: int, work: LocalWork, eval_chunk: int) -> C
 def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m: int,
                     work: LocalWork, caps: Capacities, packed: bool = False,
                     poisson: Optional[PoissonSampling] = None,
-                    cyclic: bool = False) -> RoundPlan:
+                    cyclic: bool = False, probabilities=None) -> RoundPlan:
     """The plan of round `round_idx` for each seed in `seeds` (one group per seed); `packed`:
     indices into the round's buffer (module docstring) instead of the split. `poisson`: a
     Poisson cohort in m = poisson.cap slots, the empty ones of size 0; `cyclic`: the cyclic
-    groups of m (:func:`cyclic_cohort`)."""
+    groups of m (:func:`cyclic_cohort`); `probabilities` [G, N]: group g's m clients drawn
+    with replacement with those probabilities (:func:`sample_by_weights`)."""
     offsets = np.asarray(offsets, dtype=np.int64)
     num_clients = offsets.size - 1
     G = len(seeds)
@@ -217,7 +268,9 @@ def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m
     train_start = np.zeros((G, m), np.int32)
     present = np.ones((G, m), bool)
     for g, seed in enumerate(seeds):
-        if cyclic:
+        if probabilities is not None:
+            chosen = sample_by_weights(seed, round_idx, probabilities[g], m)
+        elif cyclic:
             chosen = cyclic_cohort(seed, round_idx, num_clients, m)
         elif poisson is None:
             chosen = sample_clients(seed, round_idx, num_clients, m)

@@ -74,11 +74,14 @@ class ServerState(flax.struct.PyTreeNode):
 
 class RoundData(NamedTuple):
     """x: [N, ...] and y: [N] the training split on the device; plan: this round's
-    :class:`deltafl_jax.plan.RoundPlan` (arrays with a leading group axis G)."""
+    :class:`deltafl_jax.plan.RoundPlan` (arrays with a leading group axis G); probe: the
+    round's second sample (:class:`deltafl_jax.plan.ProbePlan`) for an algorithm with a
+    ``probe``, else None."""
 
     x: jax.Array
     y: jax.Array
     plan: RoundPlan
+    probe: Any = None
 
 
 def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
@@ -180,6 +183,35 @@ def _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics, uses_losses
         **({"dp_clipped": jnp.sum(tr.job_clipped, axis=1)} if tr.job_clipped is not None
            else {}),
     }
+
+
+def _probed(model, algorithm, state, feedback, data, group, hyper, l2, eval_chunk,
+            eval_lanes, axis):
+    """The feedback with ``probe_losses`` [R, m'] and ``probe_clients``: the losses F_i of the
+    round's second sample at the model each replica's ``algorithm.probe`` chooses (DRFA: the
+    snapshot average), with (l2/2)||w||^2 as every F_k; the feedback as it is without a
+    probe."""
+    if algorithm.probe is None:
+        return feedback
+    probe = data.probe
+    at = jax.vmap(algorithm.probe)(state.algo_state, state.params, feedback, hyper)
+    m = probe.clients.shape[1]
+    ev = engine.evaluate_streams(model, at, X=data.x, Y=data.y, idx=probe.eval_idx,
+                                 seg=probe.eval_seg, length=probe.eval_len,
+                                 stream_of_replica=group, num_segments=m, chunk=eval_chunk,
+                                 lanes=eval_lanes, axis=axis)
+    sqnorm = jax.vmap(engine.tree_sqnorm)(at)
+    return feedback._replace(
+        probe_losses=ev.loss_sum / probe.sizes[group] + 0.5 * (l2 * sqnorm)[:, None],
+        probe_clients=probe.clients[group])
+
+
+def _feedback(tr, losses, sizes, weights, lr, clients) -> ClientFeedback:
+    """What the server learns from the round's local work (:class:`ClientFeedback`)."""
+    return ClientFeedback(losses=losses, sizes=sizes, weights=weights, delta_sum=tr.delta_sum,
+                          weight_sum=tr.weight_sum, job_sqnorm=tr.job_sqnorm,
+                          job_finite=tr.job_finite, job_trained=tr.job_trained,
+                          learning_rate=lr, clients=clients, client_outputs=tr.job_output)
 
 
 def _write_back(client_state, ids, new, ok):
@@ -376,13 +408,11 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         tr = engine.train_jobs(model, state.params, X=data.x, Y=data.y, plan=data.plan,
                                replica_group=group, job_weight=weights, learning_rate=lr,
                                l2=l2, hyper=hyper, cfg=local, clients=inputs, runs=runs,
-                               clip=dpr.clips(state))
-        feedback = ClientFeedback(losses=losses, sizes=sizes, weights=weights,
-                                  delta_sum=tr.delta_sum, weight_sum=tr.weight_sum,
-                                  job_sqnorm=tr.job_sqnorm, job_finite=tr.job_finite,
-                                  job_trained=tr.job_trained, learning_rate=lr,
-                                  clients=clients, client_outputs=tr.job_output)
+                               clip=dpr.clips(state), keys=keys)
+        feedback = _feedback(tr, losses, sizes, weights, lr, clients)
         feedback, dp, extra = dpr.feedback(feedback, tr, hyper, keys, z, state.dp, keep)
+        feedback = _probed(model, algorithm, state, feedback, data, group, hyper, l2,
+                           eval_chunk, eval_lanes, local.axis)
         params, algo_state, opt_state, algo_metrics = _server(
             algorithm, server_tx, state, feedback, hyper, keep)
         client_state = state.client_state

@@ -58,7 +58,7 @@ def run_rounds_history(exp, rounds):
     import jax
     state, keys, hist = exp.initial_state(), exp.keys(), []
     for t in range(rounds):
-        state, metrics = exp.round_fn(state, exp.round_data(t), keys)
+        state, metrics = exp.round_fn(state, exp.round_data(t, state), keys)
         hist.append(jax.device_get(metrics))
     return state, hist
 

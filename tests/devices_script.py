@@ -22,7 +22,7 @@ def run(cfg, data, rounds):
     state, keys = exp.initial_state(), exp.keys()
     mets = []
     for t in range(rounds):
-        state, met = exp.round_fn(state, exp.round_data(t), keys)
+        state, met = exp.round_fn(state, exp.round_data(t, state), keys)
         mets.append(jax.tree.map(lambda a: np.asarray(a).tolist(), met))
     per_client = exp.evaluate(exp.served_params(state))
     per_client.update(exp.evaluate_personal(state, rounds))
@@ -64,7 +64,7 @@ def main(which):
         exp, state, out = run(tiny_config(devices=D, **cfg), data, rounds)
         out["devices"] = D
         if D == 4:
-            data0 = exp.round_data(0)
+            data0 = exp.round_data(0, state)
             out["hlo"] = exp.round_fn.lower(state, data0, exp.keys()).compile().as_text()
         print(json.dumps(out), flush=True)
 

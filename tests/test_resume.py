@@ -88,6 +88,9 @@ RUNS = {"deltafl": ("--algorithm=deltafl",), "term": ("--algorithm=term",),
         # Ditto over Delta-FL: the personal models in the per-client state, the held-out
         # evaluation of seen clients and unseen devices after adaptation, the saved personal
         # models; Adam as the client optimizer (its state starts afresh at each job).
+        # DRFA: each replica's clients drawn from its lambda in the state (a plan per
+        # replica), and the second sample of the round.
+        "drfa": ("--algorithm=drfa", "--drfa_lambda_lr=0.01,0.1", "--local_steps=3"),
         "ditto": ("--algorithm=deltafl+ditto", "--ditto_lambda=0.5", "--client_holdout=0.2",
                   "--finetune_steps=0,2", "--client_optimizer=adam"),
         # Poisson client sampling (the cohorts from (seed, round)) with private Delta-FL's

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from deltafl_jax.algorithms.leaderboard import Board, needs_clients
 from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Option, Sweep,
                                          check_options, no_state)
-from deltafl_jax.engine.client import LOCAL_SGD, local_final
+from deltafl_jax.engine.client import ClientUpdate, local_final, local_init, local_step
 from deltafl_jax.errors import ConfigError
 
 DEFAULT_EPSILON = (0.05, 0.1, 0.5, 1.0)
@@ -155,7 +155,8 @@ def fedmgda(options: FedMGDAOptions = FedMGDAOptions()) -> FederatedAlgorithm:
 
     return FederatedAlgorithm(name="fedmgda", init=no_state, client_weights=client_weights,
                               server_update=server_update, uses_losses=False,
-                              client_update=LOCAL_SGD._replace(final=client_final))
+                              client_update=ClientUpdate(init=local_init, step=local_step,
+                                                         final=client_final))
 
 
 SPEC = AlgorithmSpec(

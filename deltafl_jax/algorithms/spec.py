@@ -67,6 +67,8 @@ class ClientFeedback(NamedTuple):
       each trained client's output (None for an algorithm without one; zeros for clients that
       did not train; possibly NaN for a client whose update was not finite: mask with
       ``job_finite``).
+    probe_losses: [m'] the losses F_i of the round's second, uniform sample of clients at the
+      model that ``probe`` chose (None without a probe); probe_clients: [m'] their ids.
     """
 
     losses: jax.Array
@@ -80,6 +82,8 @@ class ClientFeedback(NamedTuple):
     learning_rate: jax.Array
     clients: Any = None
     client_outputs: Any = None
+    probe_losses: Any = None
+    probe_clients: Any = None
 
 
 class PrivateAggregate(NamedTuple):
@@ -146,6 +150,16 @@ class FederatedAlgorithm(NamedTuple):
       served global model). None: plain fine-tuning with the client optimizer
       (:func:`~deltafl_jax.engine.client.fine_tune_step`).
 
+    Sampling and probing (DRFA):
+    sampling(state) -> [N] the probabilities with which the round draws its m clients (with
+      replacement), from the replica's state; the host reads them after the previous round,
+      and each replica then gets its own plan. None: the run's sampler (uniform, Poisson,
+      cyclic).
+    probe(state, params, feedback, hyper) -> a model at which the round evaluates a second
+      sample of m clients drawn uniformly (independently of the first), whose losses reach
+      ``server_update`` as ``feedback.probe_losses`` (DRFA: the average of the sampled
+      clients' snapshot models). None: no second sample.
+
     private: how its average is made differentially private (:class:`PrivateAggregate`);
       None: it has no private version (with its options), and --dp_clip is refused.
     """
@@ -161,6 +175,8 @@ class FederatedAlgorithm(NamedTuple):
     all_sampled_work: bool = False
     client_model: Optional[Callable[..., Params]] = None
     adapt_step: Optional[Callable[..., Any]] = None
+    sampling: Optional[Callable[[State], jax.Array]] = None
+    probe: Optional[Callable[..., Params]] = None
     private: Optional[PrivateAggregate] = None
 
 

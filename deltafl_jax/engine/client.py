@@ -43,12 +43,20 @@ class ClientJob(NamedTuple):
     learning_rate: [] float32, the replica's client learning rate this round (gamma).
     l2: [] float32, the replica's lambda.
     steps: [] int32, the job's local steps K_k.
+    key: the replica's key of this round (``fold_in(seed key, round)``; fold in the client
+      for a client's own draws, ``fold_in(key, client)``); None where the engine has none
+      (the adaptation of the personalised evaluation).
+    client: [] int32, the client's index among the training clients (-1: none).
+    size: [] int32, its examples n_k.
     """
 
     optimizer: optax.GradientTransformation
     learning_rate: Any
     l2: Any
     steps: Any
+    key: Any = None
+    client: Any = None
+    size: Any = None
 
 
 class ClientUpdate(NamedTuple):

@@ -172,8 +172,11 @@ class _LaneProgram:
     """
 
     def __init__(self, model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
-                 hyper, cfg, clients: Optional[ClientInputs] = None, clip=None):
+                 hyper, cfg, clients: Optional[ClientInputs] = None, clip=None, keys=None):
         self.model = model
+        # [R] the replicas' round keys (ClientJob.key); a fixed key when none is given
+        self.keys = (keys if keys is not None else
+                     jax.random.split(jax.random.key(0), learning_rate.shape[0]))
         self.params, self.X, self.Y, self.plan = params, X, Y, plan
         self.group, self.jobs, self.lr, self.l2, self.hyper = (replica_group, jobs,
                                                                learning_rate, l2, hyper)
@@ -191,23 +194,28 @@ class _LaneProgram:
 
     # ---------------------------------------------------------------- one lane's client work
 
-    def _job(self, lr, l2, steps) -> ClientJob:
+    def _job(self, lr, l2, steps, key, client, size) -> ClientJob:
         return ClientJob(optimizer=self.optimizer(lr, l2), learning_rate=lr, l2=l2,
-                         steps=steps)
+                         steps=steps, key=key, client=client, size=size)
 
-    def _lane_init(self, server_state, client_state, w, hyper, lr, l2, steps):
-        return self.update.init(server_state, client_state, w, hyper, self._job(lr, l2, steps))
+    def _lane_init(self, server_state, client_state, w, hyper, *job):
+        return self.update.init(server_state, client_state, w, hyper, self._job(*job))
 
-    def _lane_step(self, state, x, y, valid, hyper, lr, l2, steps):
+    def _lane_step(self, state, x, y, valid, hyper, *job):
         grad_fn = minibatch_grad_fn(self.model, x, y, valid)
-        return self.update.step(state, grad_fn, hyper, self._job(lr, l2, steps))
+        return self.update.step(state, grad_fn, hyper, self._job(*job))
 
-    def _lane_final(self, state, client_state, w, hyper, lr, l2, steps):
-        return self.update.final(state, client_state, w, hyper, self._job(lr, l2, steps))
+    def _lane_final(self, state, client_state, w, hyper, *job):
+        return self.update.final(state, client_state, w, hyper, self._job(*job))
 
     def job_args(self, js, r):
-        """(hyper, learning rate, l2, steps) of the lanes' jobs js (replicas r), [c] each."""
-        return (gather_rows(self.hyper, r), self.lr[r], self.l2[r], self.jobs.steps[js])
+        """(hyper, learning rate, l2, steps, round key, client id, n_k) of the lanes' jobs js
+        (replicas r), [c] each."""
+        slot = self.jobs.slot[js]
+        client = (jnp.full(js.shape, -1, jnp.int32) if self.clients.ids is None
+                  else self.clients.ids[r, slot])
+        return (gather_rows(self.hyper, r), self.lr[r], self.l2[r], self.jobs.steps[js],
+                self.keys[r], client, self.plan.sizes[self.group[r], slot])
 
     def client_rows(self, js, r):
         """The own state [c, ...] of the lanes' jobs' clients."""
@@ -346,7 +354,7 @@ class _LaneProgram:
 
 def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, learning_rate,
                l2, hyper, cfg: LocalSGDConfig, clients: Optional[ClientInputs] = None,
-               runs=None, clip=None) -> TrainResult:
+               runs=None, clip=None, keys=None) -> TrainResult:
     """LocalUpdate for every job (r, i) with job_weight[r, i] > 0 (or `runs`[r, i]), and the
     weighted sums.
 
@@ -364,6 +372,7 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
         weight 0 adds nothing to the sums, and its client's state is still updated.
       clip: [R] each replica's clip, traced (adaptive clipping), instead of ``cfg.clip``
         (which must then be set).
+      keys: [R] the replicas' round keys, which each job's ``ClientJob.key`` carries.
 
     ``trips`` counts minibatch steps of the busiest lane (the critical path); the loop runs
     ceil(trips / cfg.unroll) trips, and ``padded_examples`` counts trips * lanes * batch (the
@@ -372,7 +381,7 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
     R, m = job_weight.shape
     jobs = make_jobs(plan, replica_group, job_weight, runs)
     prog = _LaneProgram(model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
-                        hyper, cfg, clients, clip)
+                        hyper, cfg, clients, clip, keys)
     trips = prog.deal.trips
     loop_trips = (trips + prog.K - 1) // prog.K
     out = lax.while_loop(lambda cr: cr.trip < loop_trips, prog.body, prog.init())

@@ -200,7 +200,7 @@ def _time_rounds(exp, compiled, state, keys, indices, least: int, most: int,
     indices[1:], at least `least`
     and `min_seconds`, at most `most` rounds: (state, last metrics, train trips of each round,
     work metrics of each round, mean seconds per round)."""
-    pending = exp.round_data(indices[1])
+    pending = exp.round_data(indices[1], state)
     trips, work = [], []
     t0 = time.perf_counter()
     while True:
@@ -208,7 +208,7 @@ def _time_rounds(exp, compiled, state, keys, indices, least: int, most: int,
         done = len(trips) + 1
         last = done >= most or (done >= least and time.perf_counter() - t0 >= min_seconds)
         if not last:
-            pending = exp.round_data(indices[done + 1])
+            pending = exp.round_data(indices[done + 1], state)
         metrics = tree_to_host(metrics)
         run.state = state
         for cb in callbacks:
@@ -249,7 +249,7 @@ def measure(exp: Experiment, build_s: float = 0.0, timed_rounds: int = DEFAULT_T
     build_s = build_s + time.perf_counter() - t0   # the runner builds the state before round 1
     most = max(timed_rounds, T)
     indices = round_indices(T, most + 1)
-    pending = exp.round_data(indices[0])
+    pending = exp.round_data(indices[0], state)
     log(f"estimate: compiling the round of {exp.replicas.size} replicas ...")
     t0 = time.perf_counter()
     compiled = exp.round_fn.lower(state, pending, keys).compile()

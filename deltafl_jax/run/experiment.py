@@ -73,12 +73,17 @@ class Experiment:
     eval_clients: Optional[int] = None    # K clients of each split per evaluation (None: all)
     personal: Optional[PersonalEvaluation] = None   # seen / unseen clients (--client_holdout)
     poisson: Optional[plan_lib.PoissonSampling] = None   # --client_sampling=poisson
+    replica_seeds: Optional[np.ndarray] = None   # [R] each replica's seed index (the run's)
 
     def _place(self, tree):
         return tree if self.mesh is None else mesh_lib.replicate(tree, self.mesh)
 
     @property
     def seeds(self):
+        """The seed of each plan group: the run's seeds, or each replica's own when the
+        algorithm samples from its state (one plan per replica, :func:`plan_per_replica`)."""
+        if self.replica_seeds is not None:
+            return tuple(self.config.seeds[int(g)] for g in self.replica_seeds)
         return self.config.seeds
 
     @property
@@ -128,16 +133,35 @@ class Experiment:
         per_client = jax.vmap(model_of, in_axes=(None, 0, None, None))
         return jax.jit(jax.vmap(per_client))
 
-    def round_plan(self, round_idx: int) -> plan_lib.RoundPlan:
+    def round_plan(self, round_idx: int, state=None) -> plan_lib.RoundPlan:
         """The plan as the devices read it (indices into the split, or into the round's
-        buffer when the host keeps the split)."""
+        buffer when the host keeps the split). An algorithm that samples from its state
+        (``sampling``) needs the round's state (the previous round's result)."""
+        probabilities = None
+        if self.algorithm.sampling is not None:
+            if state is None:
+                raise ValueError(f"{self.algorithm.name} samples its clients from its state: "
+                                 "give round_plan / round_data the round's state")
+            probabilities = mesh_lib.to_host(self._sampling_fn(state.algo_state))
         return plan_lib.make_round_plan(self.seeds, round_idx, self.data.train.offsets,
                                         self.num_sampled, self.work, self.caps,
                                         packed=self.store.host, poisson=self.poisson,
-                                        cyclic=self.config.client_sampling == "cyclic")
+                                        cyclic=self.config.client_sampling == "cyclic",
+                                        probabilities=probabilities)
 
-    def round_data(self, round_idx: int) -> rounds.RoundData:
-        return self.store.round_data(self.round_plan(round_idx))
+    def round_data(self, round_idx: int, state=None) -> rounds.RoundData:
+        """The round's plan and examples on the device(s) (`state`: as :meth:`round_plan`),
+        with the probe sample of an algorithm that has one."""
+        data = self.store.round_data(self.round_plan(round_idx, state))
+        if self.algorithm.probe is None:
+            return data
+        probe = plan_lib.make_probe_plan(self.seeds, round_idx, self.data.train.offsets,
+                                         self.num_sampled, self.caps)
+        return data._replace(probe=self.store.put(probe))
+
+    @functools.cached_property
+    def _sampling_fn(self):
+        return jax.jit(jax.vmap(self.algorithm.sampling))
 
     def evaluation_sample(self, round_idx: int):
         """The clients evaluated after round `round_idx` (an :class:`EvalSample`), or None
@@ -376,6 +400,25 @@ def _poisson(config: ExperimentConfig, spec: AlgorithmSpec, m: int, num_clients:
                                                                   config.num_rounds, budget))
 
 
+def _plan_groups(config: ExperimentConfig, algorithm: FederatedAlgorithm, replicas: Replicas):
+    """(replicas, their seed indices or None, the seed of each plan group): one plan per seed,
+    or one per replica for an algorithm that samples from its own state (``sampling``)."""
+    if algorithm.sampling is None:
+        return replicas, None, config.seeds
+    replica_seeds = np.asarray(replicas.group)
+    seeds = tuple(config.seeds[int(g)] for g in replica_seeds)
+    return (dataclasses.replace(replicas, group=np.arange(replicas.size, dtype=np.int32)),
+            replica_seeds, seeds)
+
+
+def _check_probe(spec: AlgorithmSpec, algorithm: FederatedAlgorithm, place: Placement) -> None:
+    """ConfigError for an algorithm with a second sample (``probe``) on a host-kept split:
+    its plan indexes the split on the device."""
+    if algorithm.probe is not None and place.client_data == "host":
+        raise ConfigError(f"--algorithm={spec.name} evaluates a second sample of clients from "
+                          "the training split on the device: use --client_data=device")
+
+
 def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = None,
                      replicas: Optional[Replicas] = None) -> Experiment:
     """Load the data and build the jitted round. Raises ConfigError / DataError on bad input.
@@ -392,6 +435,7 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     accounting = _accounting(config, spec, algorithm, m, data.train.num_clients, replicas)
     replicas = replicas or spec.grid(
         config, accounting.noise if accounting is not None else (0.0,)).build()
+    replicas, replica_seeds, seeds = _plan_groups(config, algorithm, replicas)
     if accounting is not None:   # each replica's own z, in replica order
         accounting = dataclasses.replace(accounting,
                                          noise=tuple(float(z) for z in replicas.dp_noise))
@@ -407,10 +451,11 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     place = placement(config, model, m, replicas.size, devices=len(devices),
                       client_data=placement_lib.client_data_mode(config.client_data, data,
                                                                  devices))
+    _check_probe(spec, algorithm, place)
     caps = plan_lib.capacities(capacity_sizes(data.train, m), m, work, place.eval_chunk)
     server_tx = config.server.transformation()
     state_shape = jax.eval_shape(lambda: rounds.init_state(
-        model, algorithm, replicas, config.seeds, server_tx, data.train.num_clients))
+        model, algorithm, replicas, seeds, server_tx, data.train.num_clients))
     device_bytes = footprint(data, model, replicas, place, caps, m, state_shape)
     check_memory(device_bytes, devices)
     round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx,
@@ -430,4 +475,4 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
         served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
                    if algorithm.eval_params is not None else None), mesh=mesh,
         server_tx=server_tx, accounting=accounting, eval_clients=eval_clients(config, data),
-        poisson=poisson)
+        poisson=poisson, replica_seeds=replica_seeds)

@@ -70,11 +70,12 @@ def run_rounds(exp, state, callbacks: Sequence[Callback] = (), start_round: int 
     _emit(callbacks, "on_run_start", run)
     keys = exp.keys()
     t_start = time.perf_counter()
-    pending = exp.round_data(start_round) if start_round < T else None
+    pending = exp.round_data(start_round, state) if start_round < T else None
     for t in range(start_round, T):
         state, metrics = exp.round_fn(state, pending, keys)
         if t + 1 < T:
-            pending = exp.round_data(t + 1)   # host work overlaps the device round
+            pending = exp.round_data(t + 1, state)   # host work overlaps the device round
+            #         (an algorithm that samples from its state waits for the round here)
         metrics = tree_to_host(metrics)
         run.state = state
         _emit(callbacks, "on_round_end", run, t + 1, metrics)

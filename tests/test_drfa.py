@@ -1,0 +1,122 @@
+"""DRFA against a NumPy loop written from Algorithm 1 of Deng, Kamani, Mahdavi (NeurIPS 2020)
+(:func:`drfa_rounds`, float64): clients drawn with replacement by lambda, a snapshot after a
+random step t' of the local period, the plain mean of the local models, a second uniform sample
+evaluated at the snapshot average, lambda's projected ascent with v_i = (N/m) f_i; and the
+authors' FedTorch variant (uniform draws, weights lambda_k N / m, gamma x 0.9 a round, a floor on
+lambda). The loop shares with the engine only the random draws (deltafl_jax.plan's streams and
+the replica's round key); partial participation, several local steps, 3 rounds, both lane
+layouts. With gamma = 0 lambda stays uniform."""
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import client_lists, linear_rows, run_rounds_history, run_runner, tiny_config
+from deltafl_jax import build_experiment
+from deltafl_jax.algorithms.drfa import FEDTORCH_DECAY, FEDTORCH_FLOOR, SNAPSHOT_STREAM
+from deltafl_jax.plan import client_permutations, sample_by_weights, sample_clients
+from numpy_baselines import project_simplex_bisection
+from numpy_reference import client_loss, grad_mean_xent
+
+ROUNDS, M, K, B, L2, LR = 3, 6, 3, 8, 1e-3, 0.05
+PROBE_STREAM = 4   # deltafl_jax.plan's stream of the second sample (documented there)
+
+
+def snapshot_step(seed, t):
+    key = jax.random.fold_in(jax.random.key(np.uint32(seed)), t)
+    u = float(jax.random.uniform(jax.random.fold_in(key, SNAPSHOT_STREAM)))
+    return min(1 + int(np.floor(u * K)), K)
+
+
+def local(W, b, x, y, seed, t, client, at):
+    """K SGD steps in the plan's order; (final model, the model after `at` steps)."""
+    n = len(y)
+    order = client_permutations(seed, t, int(client), n, -(-(K * B) // n))
+    snap = None
+    for s in range(K):
+        idx = order[s * B:(s + 1) * B]
+        gW, gb = grad_mean_xent(W, b, x[idx], y[idx])
+        W, b = W - LR * (gW + L2 * W), b - LR * (gb + L2 * b)
+        if s + 1 == at:
+            snap = (W, b)
+    return (W, b), snap
+
+
+def drfa_rounds(xs, ys, seed, gamma, variant):
+    N = len(xs)
+    W, b = np.zeros((xs[0].shape[1], 10)), np.zeros(10)
+    lam = np.full(N, 1.0 / N)
+    for t in range(ROUNDS):
+        if variant == "paper":
+            chosen = sample_by_weights(seed, t, lam, M)
+            a = np.full(M, 1.0 / M)
+        else:
+            chosen = sample_clients(seed, t, N, M)
+            a = lam[chosen] * N / M
+        at = snapshot_step(seed, t)
+        dW, db, sW, sb = 0.0, 0.0, 0.0, 0.0
+        for ak, k in zip(a, chosen):
+            (Wk, bk), (Sk, sk) = local(W, b, xs[k], ys[k], seed, t, k, at)
+            dW, db = dW + ak * (Wk - W), db + ak * (bk - b)
+            sW, sb = sW + ak * (Sk - W), sb + ak * (sk - b)
+        probe = np.sort(np.random.default_rng([seed, t, PROBE_STREAM]).choice(
+            N, size=M, replace=False))
+        v = np.zeros(N)
+        for i in probe:
+            v[i] += N / M * client_loss(W + sW, b + sb, xs[i], ys[i], L2)
+        g = gamma if variant == "paper" else gamma * FEDTORCH_DECAY ** t
+        lam = project_simplex_bisection(lam + K * g * v)
+        if variant == "fedtorch":
+            lam = np.maximum(lam, FEDTORCH_FLOOR)
+            lam = lam / lam.sum()
+        W, b = W + dW, b + db
+    return W, b, lam
+
+
+@pytest.mark.parametrize("variant,lanes", [("paper", 3), ("paper", 1), ("fedtorch", 3)])
+def test_three_rounds_equal_algorithm_1(tiny_synthetic, variant, lanes):
+    cfg = tiny_config(algorithm="drfa", thetas=(), seeds=(1, 2), l2_reg=L2, local_steps=K,
+                      clients_per_round=M, batch_size=B, learning_rate=LR,
+                      clients_per_step=lanes, drfa_lambda_lr=(0.0, 0.05), drfa_variant=variant)
+    exp = build_experiment(cfg, tiny_synthetic)
+    assert M < tiny_synthetic.train.num_clients                 # partial participation
+    state, hist = run_rounds_history(exp, ROUNDS)
+    xs, ys = client_lists(tiny_synthetic.train)
+    lam_all = np.asarray(jax.device_get(state.algo_state.lam), np.float64)
+    for r, lab in enumerate(exp.replicas.labels):
+        W, b, lam = drfa_rounds(xs, ys, lab.seed, lab.param_value, variant)
+        for got, want in zip(linear_rows(state.params, r), (W, b)):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(lam_all[r], lam, atol=1e-5)
+        if lab.param_value == 0.0 and variant == "paper":
+            assert np.all(lam_all[r] == np.float32(1.0 / 12))     # gamma = 0: lambda stays
+        elif lab.param_value > 0:
+            assert lam.max() > 1.5 / 12                           # lambda moved
+
+
+def test_the_snapshot_is_the_model_after_t_prime_steps():
+    """The client update by hand: with K = 4 steps and t' = 2, the output is the model after
+    the second step, the update the model after the fourth."""
+    from deltafl_jax.algorithms.drfa import snapshot_update
+    from deltafl_jax.client_optimizer import ClientOptimizer
+    from deltafl_jax.engine import ClientJob
+    job = ClientJob(optimizer=ClientOptimizer().transformation(0.5, 0.0),
+                    learning_rate=np.float32(0.5), l2=np.float32(0.0), steps=np.int32(4),
+                    key=jax.random.key(0))
+    w = {"a": np.zeros(2, np.float32)}
+    step = snapshot_update.init((), (), w, None, job)._replace(at=np.int32(2))
+    for s in range(4):         # gradients 1, 2, 3, 4: w = -0.5 (1 + ... + s)
+        step = snapshot_update.step(step, lambda p, s=s: (0.0, {"a": np.full(2, s + 1.0)}),
+                                    None, job)
+    _, update, (snap, steps) = snapshot_update.final(step, (), w, None, job)
+    np.testing.assert_allclose(snap["a"], [-1.5, -1.5])
+    np.testing.assert_allclose(update["a"], [-5.0, -5.0])
+    assert int(steps) == 4
+
+
+def test_drfa_on_the_host_split_is_one_line(tmp_path, capsys):
+    out = tmp_path / "x"
+    code, err, _ = run_runner(["--dataset=synthetic", "--algorithm=drfa", "--num_rounds=1",
+                               "--client_data=host", f"--output_dir={out}"], capsys)
+    assert code == 2 and "--client_data=device" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
