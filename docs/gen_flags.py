@@ -193,7 +193,8 @@ def render(commands: Dict[str, Dict[str, Any]]) -> str:
         "prints them, grouped by what declares it. The flags by task, with what each means in "
         "the papers' terms, are in [Configure a run](../guides/configure.md). `--flagfile=FILE` "
         "reads flags from a file, one `--flag=value` a line; flags after it on the command line "
-        "override the file's. A boolean flag `--x` is turned off by `--nox`. absl's own flags "
+        "override the file's. A boolean flag is turned off by its name with `no` before it "
+        "(`--nosave_models`). absl's own flags "
         "(logging, `--helpfull`) are left out.",
         "",
         "## Commands",
