@@ -18,7 +18,8 @@ prints one line and exits 2 before anything is trained.
 
 Writes ``OUT/<setting>/`` (the programs' run directories: ``lr_grid``, ``<method>/validation``,
 ``<method>/final``; ``leaderboard.json``, ``leaderboard.md``, ``frontier.png``) and
-``OUT/leaderboard.md``; ``--readme`` writes the tables into README.md. A program whose
+``OUT/leaderboard.md``; ``--readme`` writes the tables into the documentation page that holds
+their markers (docs/results/leaderboard.md; :mod:`experiments.pages`). A program whose
 directory already holds a finished run of the same configuration is read back, not retrained
 (an interrupted leaderboard picks up where it stopped).
 """
@@ -62,8 +63,10 @@ _define(flags.DEFINE_list, "lr_multipliers", ["0.5", "1", "2"], "the learning-ra
         "no tuning")
 _define(flags.DEFINE_enum, "grid", "auto", "the methods' grids: quick (the CPU set's) | full | "
         "auto (quick on the cpu set)", enum_values=["auto", "quick", "full"])
-_define(flags.DEFINE_bool, "readme", False, "write the tables into README.md")
-_define(flags.DEFINE_string, "readme_path", None, "the README to write (default: the repo's)")
+_define(flags.DEFINE_bool, "readme", False, "write the tables into the documentation page that "
+        "holds their markers (docs/results/leaderboard.md)")
+_define(flags.DEFINE_string, "readme_path", None, "the Markdown page to write (default: the "
+        "repository's page, README.md or docs/, that holds the markers)")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETS = {
@@ -501,28 +504,40 @@ def write(settings: List[Setting], tune_seeds) -> List[Dict[str, Any]]:
 
 
 def write_readme(records: List[Dict[str, Any]]) -> str:
-    """The tables into README.md (or --readme_path) between their markers, and the records
-    they are made from into experiments/leaderboard_results/ (next to that README's
-    experiments/ for another --readme_path), which tests/test_leaderboard.py renders and
-    compares with the README."""
+    """The tables between their markers in the repository's page that holds them
+    (docs/results/leaderboard.md; or --readme_path), and the records they are made from into
+    experiments/leaderboard_results/ (next to --readme_path's experiments/ for another page),
+    which tests/test_leaderboard.py renders and compares with the page. Returns the pages
+    written."""
     from deltafl_jax import leaderboard as lb
-    path = FLAGS.readme_path or os.path.join(REPO, "README.md")
-    results = os.path.join(os.path.dirname(os.path.abspath(path)), "experiments",
-                           "leaderboard_results")
+    from experiments import pages
+    if FLAGS.readme_path:
+        paths, root = [FLAGS.readme_path], os.path.dirname(os.path.abspath(FLAGS.readme_path))
+    else:
+        paths, root = [], REPO
+        for rec in records:
+            marker = f"<!-- leaderboard: {rec['name']} -->"
+            held = pages.pages_holding(marker)
+            if not held:
+                raise cli.UsageError(f"--readme: no page of README.md or docs/ holds '{marker}'")
+            paths += [p for p in held if p not in paths]
+    results = os.path.join(root, "experiments", "leaderboard_results")
     os.makedirs(results, exist_ok=True)
     for rec in records:
         with open(os.path.join(results, f"{rec['name']}.json"), "w") as f:
             json.dump(rec, f, indent=1)
-    with open(path) as f:
-        text = f.read()
-    for rec in records:
-        try:
-            text = lb.replace_block(text, rec)
-        except ValueError as e:
-            raise cli.UsageError(f"--readme: {path}: {e}") from None
-    with open(path, "w") as f:
-        f.write(text)
-    return path
+    for path in paths:
+        with open(path) as f:
+            text = f.read()
+        for rec in records:
+            if FLAGS.readme_path or f"<!-- leaderboard: {rec['name']} -->" in text:
+                try:
+                    text = lb.replace_block(text, rec)
+                except ValueError as e:
+                    raise cli.UsageError(f"--readme: {path}: {e}") from None
+        with open(path, "w") as f:
+            f.write(text)
+    return ", ".join(os.path.relpath(p, REPO) if not FLAGS.readme_path else p for p in paths)
 
 
 # --------------------------------------------------------------------------------------------

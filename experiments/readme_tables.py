@@ -1,14 +1,16 @@
-r"""Write or check the README's result tables from fresh runs (so they cannot go stale).
+r"""Write or check the documentation's result tables from fresh runs (so they cannot go stale).
 
     python -m experiments.readme_tables --table=synthetic --run               # run, then check
     python -m experiments.readme_tables --table=synthetic --run --write       # run, then update
     python -m experiments.readme_tables --table=synthetic --run_dir=runs/synthetic --write
 
-Each table of README.md named by ``<!-- table: NAME -->`` is made from the flagfile
+Each table named by ``<!-- table: NAME -->`` is made from the flagfile
 ``experiments/NAME.flags`` (:mod:`deltafl_jax.report.readme`; a flagfile with
-``--client_holdout`` gives the personalised evaluation's table). ``--run`` trains it first into
-a temporary directory (or ``--run_dir``). Without ``--write`` the command exits 1 and prints
-both tables when the README differs.
+``--client_holdout`` gives the personalised evaluation's table). It lives in whichever pages
+hold its markers: README.md and the documentation site's pages (docs/, :mod:`experiments.pages`),
+or the one page ``--readme`` names. ``--run`` trains it first into a temporary directory (or
+``--run_dir``). Without ``--write`` the command exits 1 and prints both tables when a page
+differs.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ import tempfile
 
 from absl import app, flags
 
-from experiments import cli
+from experiments import cli, pages
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("table", "synthetic", "table name = flagfile experiments/<name>.flags")
 flags.DEFINE_string("run_dir", None, "the run directory (default: a fresh run, with --run)")
 flags.DEFINE_bool("run", False, "train the flagfile first")
-flags.DEFINE_bool("write", False, "update README.md instead of checking it")
-flags.DEFINE_string("readme", None, "README.md to read (default: the repository's)")
+flags.DEFINE_bool("write", False, "update the pages instead of checking them")
+flags.DEFINE_string("readme", None, "the Markdown page to read (default: every page of the "
+                    "repository, README.md and docs/, that holds the table's markers)")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,7 +65,10 @@ def main(argv) -> None:
     del argv
     from deltafl_jax.report import readme
 
-    path = FLAGS.readme or os.path.join(REPO, "README.md")
+    marker = f"<!-- table: {FLAGS.table} -->"
+    paths = [FLAGS.readme] if FLAGS.readme else pages.pages_holding(marker)
+    if not paths:
+        cli.fail(f"no page of README.md or docs/ holds '{marker}'")
     flagfile = os.path.join(REPO, "experiments", f"{FLAGS.table}.flags")
     with tempfile.TemporaryDirectory() as tmp:
         out = FLAGS.run_dir or os.path.join(tmp, FLAGS.table)
@@ -73,21 +79,26 @@ def main(argv) -> None:
             cli.fail(f"no finished run in {out}; pass --run or --run_dir")
         personal = "client_holdout" in open(flagfile).read()
         table = readme.render_personal(dirs) if personal else readme.render(dirs)
-    text = open(path).read()
-    try:
-        old = readme.current(text, FLAGS.table)
-    except KeyError as e:
-        cli.fail(str(e.args[0]))
-    if FLAGS.write:
-        with open(path, "w") as f:
-            f.write(readme.replace(text, FLAGS.table, table))
-        print(f"updated the table '{FLAGS.table}' of {path}")
-    elif old.strip() != table.strip():
-        print(f"README table '{FLAGS.table}' differs from a fresh run:\n--- README\n{old}\n"
-              f"--- fresh run\n{table}")
+    differs = False
+    for path in paths:
+        text = open(path).read()
+        try:
+            old = readme.current(text, FLAGS.table)
+        except KeyError as e:
+            cli.fail(f"{os.path.relpath(path, REPO)}: {e.args[0]}")
+        name = os.path.relpath(path, REPO)
+        if FLAGS.write:
+            with open(path, "w") as f:
+                f.write(readme.replace(text, FLAGS.table, table))
+            print(f"updated the table '{FLAGS.table}' of {name}")
+        elif old.strip() != table.strip():
+            print(f"table '{FLAGS.table}' of {name} differs from a fresh run:\n--- {name}\n"
+                  f"{old}\n--- fresh run\n{table}")
+            differs = True
+        else:
+            print(f"table '{FLAGS.table}' of {name} matches the run")
+    if differs:
         sys.exit(1)
-    else:
-        print(f"README table '{FLAGS.table}' matches the run")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A model of one's own (issue 28): a Flax module defined outside the package, with its own
 per-example loss and error, registered with deltafl_jax.register_model, trains through the
-Python API and through ``experiments.run --model_module`` (the README's recipe, as written).
+Python API and through ``experiments.run --model_module`` (the documentation's recipe, docs/guides/own-model.md, as written).
 Checked against NumPy: one FedAvg round of the model (its loss's gradient, full-batch local
 steps, the n_k-weighted average) and the per-client losses and errors the evaluation reports."""
 
@@ -118,8 +118,8 @@ def test_registration_refuses_taken_names():
 
 
 def readme_recipe():
-    """The README's `# my_models.py` block, as written."""
-    text = open(os.path.join(REPO, "README.md")).read()
+    """The documentation's `# my_models.py` block (docs/guides/own-model.md), as written."""
+    text = open(os.path.join(REPO, "docs", "guides", "own-model.md")).read()
     blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
     (block,) = [b for b in blocks if b.startswith("# my_models.py")]
     return block

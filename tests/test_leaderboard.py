@@ -1,7 +1,7 @@
 """The tail leaderboard (deltafl_jax.leaderboard, python -m experiments.leaderboard): every
 method joins through its spec's Board; the choice of a grid point, the seed intervals, the
 Pareto frontier and the tables against hand computations and scipy; bad flags are one line and
-exit 2; the README's tables are the rendering of the records the command wrote. The slow test
+exit 2; the documentation's tables are the rendering of the records the command wrote. The slow test
 runs the command at toy size and checks its choices and cells against NumPy recomputations
 from the runs' clients.npz."""
 
@@ -145,12 +145,15 @@ def test_table_hand_case():
 
 
 def test_readme_tables_are_the_commands():
-    """Every setting of the CPU set has a table in the README, and it is the rendering of the
-    record the command wrote (experiments/leaderboard_results/, written with --readme)."""
+    """Every setting of the CPU set has a table in the documentation (the page that holds its
+    markers, docs/results/leaderboard.md), and it is the rendering of the record the command
+    wrote (experiments/leaderboard_results/, written with --readme)."""
     from experiments.leaderboard import SETS
-    with open(os.path.join(REPO, "README.md")) as f:
-        readme = f.read()
+    from experiments.pages import pages_holding
     for name in SETS["cpu"]:
+        (page,) = pages_holding(f"<!-- leaderboard: {name} -->")
+        with open(page) as f:
+            readme = f.read()
         with open(os.path.join(RESULTS, f"{name}.json")) as f:
             record = json.load(f)
         assert lb.readme_table(readme, name) == lb.table_markdown(record), name

@@ -1,4 +1,5 @@
-"""The README's Synthetic table, the server-optimizer comparison and the DP table equal fresh
+"""The documentation's result tables (the Synthetic table, in README.md and docs/results/, the
+server-optimizer comparison, the DP table and the personalisation table) equal fresh
 runs of their flagfiles (so they cannot go stale), and the table renderer's means, stds and bold marks are
 right on a hand-made run."""
 

@@ -441,8 +441,9 @@ def test_load_runs_gives_tidy_rows_and_a_dataframe_only_with_pandas(runs, monkey
 
 
 def readme_notebook_snippet():
-    """The README's Python block that calls load_runs, as written."""
-    with open(os.path.join(REPO, "README.md")) as f:
+    """The documentation's Python block that calls load_runs (docs/guides/reports.md), as
+    written."""
+    with open(os.path.join(REPO, "docs", "guides", "reports.md")) as f:
         text = f.read()
     blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
     found = [b for b in blocks if "load_runs(" in b]

@@ -149,9 +149,11 @@ class AdaptState(NamedTuple):
     """The step state of a device adapting its model before it is evaluated
     (``--finetune_steps``; TFF's personalisation evaluation).
 
-    params: the model being adapted (from the model served to the device: the global model,
-      or a training client's personal model). opt_state: the client optimizer's state.
-    anchor: the global model the device was served (Ditto's proximal centre).
+    Attributes:
+        params: the model being adapted (from the model served to the device: the global
+            model, or a training client's personal model).
+        opt_state: the client optimizer's state.
+        anchor: the global model the device was served (Ditto's proximal centre).
     """
 
     params: Params

@@ -1,0 +1,1 @@
+"""The documentation site's scripts (`python -m docs.gen_flags`); the pages are Markdown."""

@@ -1,0 +1,294 @@
+r"""The flag reference (docs/reference/flags.md), generated from the code.
+
+    python -m docs.gen_flags            # print the page
+    python -m docs.gen_flags --write    # write docs/reference/flags.md
+    python -m docs.gen_flags --check    # exit 1, naming the first difference, if the page is stale
+
+Each command of COMMANDS is imported in a fresh interpreter (absl's flags are process-global,
+and two commands may declare a flag of the same name), with absl's ``DEFINE_*`` functions
+wrapped so that every flag records what declared it: the module and the function (absl itself
+knows only the module). A flag's default, help and choices are absl's. The page groups the flags
+by what declares them: a command's own flags; the experiment flags of ``experiments.cli``, one
+group per declaring function, titled by that function's docstring; and the algorithms' swept
+flags and options, one group per algorithm spec of the registry that declares them.
+``tests/test_docs.py`` checks that the committed page is this output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = os.path.join(REPO, "docs", "reference", "flags.md")
+
+# The documented commands, in the page's order: `python -m NAME`.
+COMMANDS = ("experiments.run", "experiments.tune", "experiments.leaderboard",
+            "experiments.report", "experiments.readme_tables", "data_prep.prepare",
+            "data_prep.stats", "data_prep.verify")
+
+# The group of experiments.cli's flags that a declaring function stands for, when its docstring
+# does not say it in a few words.
+TITLES = {
+    "define_data_flags": "Data",
+    "define_experiment_flags": "The run: model, algorithm, rounds, placement, outputs",
+    "_define_sweep_flags": "Swept hyper-parameters",
+    "_define_option_flags": "Algorithm options",
+    "_define_server_flags": "The server optimizer (deltafl_jax.server_optimizer)",
+    "_define_client_flags": "The client optimizer (deltafl_jax.client_optimizer)",
+    "_define_privacy_flags": "Client-level differential privacy (deltafl_jax.privacy)",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# In the fresh interpreter: import one command, record its flags.
+
+
+def _declarer(frame) -> Dict[str, str]:
+    """The module and function that declared a flag: the first frame, from the DEFINE call
+    outwards, that is neither absl's nor a `_define` helper."""
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        name = frame.f_code.co_name
+        if not module.startswith("absl") and name not in ("_define", "_record"):
+            func = frame.f_globals.get(name) if name != "<module>" else None
+            doc = (getattr(func, "__doc__", None) or "").strip()
+            return {"module": module, "function": name, "doc": doc}
+        frame = frame.f_back
+    return {"module": "?", "function": "?", "doc": ""}
+
+
+def _collect(module: str) -> Dict[str, Any]:
+    """Every flag that importing `module` declares, with its declarer, in declaration order."""
+    from absl import flags
+
+    declared: Dict[str, Dict[str, str]] = {}
+    order: List[str] = []
+
+    def wrap(define):
+        def _record(*args, **kwargs):
+            name = kwargs.get("name", args[0] if args else None)
+            if name not in declared:
+                declared[name] = _declarer(sys._getframe(1))
+                order.append(name)
+            return define(*args, **kwargs)
+        return _record
+
+    flags.disclaim_key_flags()      # absl then attributes a flag to the wrapper's caller
+    for attr in dir(flags):
+        if attr.startswith("DEFINE"):
+            setattr(flags, attr, wrap(getattr(flags, attr)))
+    __import__(module)
+    out = []
+    for name in order:
+        if name not in flags.FLAGS:
+            continue
+        defined_in = flags.FLAGS.find_module_defining_flag(name)
+        if defined_in.startswith("absl"):        # absl's own flags (logging, app)
+            continue
+        flag = flags.FLAGS[name]
+        default = flag.default
+        if isinstance(default, (list, tuple)):
+            default = ",".join(str(v) for v in default)
+        choices = list(getattr(flag.parser, "enum_values", None) or [])
+        out.append({"name": name, "default": default, "help": flag.help or "",
+                    "type": flag.flag_type(), "choices": choices,
+                    "boolean": bool(flag.boolean), **declared[name], "module": defined_in})
+    algorithms = []
+    if "deltafl_jax.algorithms.registry" in sys.modules:
+        import dataclasses
+        from deltafl_jax.algorithms import registry
+        for spec in registry.SPECS.values():
+            fields = [f.name for f in dataclasses.fields(spec.options_type)]
+            algorithms.append({"name": spec.name, "display": spec.display_name,
+                               "sweeps": [s.flag for s in spec.sweeps()], "options": fields})
+    return {"module": module, "flags": out, "algorithms": algorithms}
+
+
+# --------------------------------------------------------------------------------------------
+# In the calling interpreter.
+
+
+def collect() -> Dict[str, Dict[str, Any]]:
+    """Every command's flags, each command imported in its own interpreter (two at a time)."""
+    def one(module):
+        proc = subprocess.run([sys.executable, "-m", "docs.gen_flags", f"--collect={module}"],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"collecting the flags of {module} failed:\n{proc.stderr}")
+        return json.loads(proc.stdout)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        found = list(pool.map(one, COMMANDS))
+    return {c["module"]: c for c in found}
+
+
+def _cell(text: Any) -> str:
+    """Text for a table cell: one line, pipes escaped."""
+    text = re.sub(r"\s+", " ", str(text)).strip()
+    return text.replace("|", "\\|")
+
+
+def _default(flag) -> str:
+    d = flag["default"]
+    if d is None or d == "":
+        return "unset"
+    if flag["boolean"]:
+        return "true" if d else "false"
+    return f"`{_cell(d)}`"
+
+
+def _table(flags: List[Dict[str, Any]], also=None) -> List[str]:
+    """A table of `flags`; with `also` (flag -> other algorithms that read it), a column of
+    them."""
+    rows = ["| flag | default | help |", "|---|---|---|"]
+    if also is not None:
+        rows = ["| flag | default | help | also read by |", "|---|---|---|---|"]
+    for f in flags:
+        help_text = f["help"]     # an enum's help starts with its choices, <a|b>: (absl's)
+        name = f"`--{f['name']}`" + (f" (`--no{f['name']}`)" if f["boolean"] else "")
+        row = f"| {name} | {_default(f)} | {_cell(help_text)} |"
+        if also is not None:
+            row += " " + (", ".join(f"`{a}`" for a in also[f["name"]]) or "—") + " |"
+        rows.append(row)
+    return rows + [""]
+
+
+def _title(flag) -> str:
+    if flag["function"] in TITLES:
+        return TITLES[flag["function"]]
+    doc = re.sub(r":\w+:`([^`]*)`", r"\1", flag["doc"]).split("\n\n")[0]
+    doc = re.sub(r"\s+", " ", doc).strip().rstrip(".")
+    doc = re.sub(r"\s*\(idempotent\)", "", doc)
+    return doc or flag["function"]
+
+
+def _own(command: Dict[str, Any], shared: set) -> List[Dict[str, Any]]:
+    return [f for f in command["flags"] if f["module"] == command["module"]
+            and f["name"] not in shared]
+
+
+def _anchor(text: str) -> str:
+    return re.sub(r"[^a-z0-9_ -]", "", text.lower()).strip().replace(" ", "-")
+
+
+def render(commands: Dict[str, Dict[str, Any]]) -> str:
+    """The page."""
+    run = commands["experiments.run"]
+    cli = [f for f in run["flags"] if f["module"] == "experiments.cli"]
+    cli_names = {f["name"] for f in cli}
+    data_names = {f["name"] for f in commands["data_prep.prepare"]["flags"]
+                  if f["module"] == "experiments.cli"}
+    lines = [
+        "# Flag reference",
+        "",
+        "<!-- Generated by `python -m docs.gen_flags --write` from the code; do not edit by hand "
+        "(tests/test_docs.py fails while this page differs from the code). -->",
+        "",
+        "Every flag of every command: its default and its help, as `python -m COMMAND --help` "
+        "prints them, grouped by what declares it. The flags by task, with what each means in "
+        "the papers' terms, are in [Configure a run](../guides/configure.md). `--flagfile=FILE` "
+        "reads flags from a file, one `--flag=value` a line; flags after it on the command line "
+        "override the file's. A boolean flag is turned off by its name with `no` before it "
+        "(`--nosave_models`). absl's own flags "
+        "(logging, `--helpfull`) are left out.",
+        "",
+        "## Commands",
+        "",
+        "| command | its own flags | and |",
+        "|---|---|---|",
+    ]
+    for name in COMMANDS:
+        c = commands[name]
+        own = _own(c, set())
+        names = {f["name"] for f in c["flags"]}
+        shared = []
+        if cli_names <= names:
+            shared.append("[the experiment flags](#the-experiment-flags-experimentscli)")
+        elif data_names and data_names <= names:
+            shared.append("[the data flags](#data)")
+        others = sorted({f["module"] for f in c["flags"]} - {name, "experiments.cli"})
+        shared += [f"[{m}](#{_anchor('python -m ' + m)})'s" for m in others
+                   if not m.startswith("absl")]
+        own_cell = ", ".join(f"`--{f['name']}`" for f in own) or "—"
+        link = f"[`python -m {name}`](#{_anchor('python -m ' + name)})" if own else \
+            f"`python -m {name}`"
+        lines.append(f"| {link} | {own_cell} | {', '.join(shared) or '—'} |")
+    lines.append("")
+    for name in COMMANDS:
+        own = _own(commands[name], set())
+        if not own:
+            continue
+        lines += [f"## python -m {name}", ""] + _table(own)
+
+    lines += ["## The experiment flags (experiments.cli)", "",
+              "`experiments.run`, `experiments.tune` and `experiments.leaderboard` take all of "
+              "them; the data_prep commands the [data flags](#data).", ""]
+    groups: Dict[str, List[Dict[str, Any]]] = {}
+    for f in cli:
+        groups.setdefault(_title(f), []).append(f)
+    algorithm_groups = {TITLES["_define_sweep_flags"], TITLES["_define_option_flags"]}
+    for title, flags in groups.items():
+        if title in algorithm_groups:
+            continue
+        lines += [f"### {title}", ""] + _table(flags)
+
+    # The algorithms' flags: one group per spec that declares them (a flag several specs read
+    # is listed under the first, with the others named).
+    by_name = {f["name"]: f for f in cli if _title(f) in algorithm_groups}
+    readers: Dict[str, List[str]] = {}
+    for spec in run["algorithms"]:
+        for flag in spec["sweeps"] + spec["options"]:
+            readers.setdefault(flag, []).append(spec["name"])
+    lines += ["## The algorithms' flags", "",
+              "Declared by the algorithms' specs (`deltafl_jax/algorithms/`), one group per "
+              "algorithm: its swept hyper-parameters (several values train as replicas of one "
+              "program) and its options.", ""]
+    listed = set()
+    for spec in run["algorithms"]:
+        mine = [by_name[f] for f in spec["sweeps"] + spec["options"]
+                if f in by_name and f not in listed]
+        if not mine:
+            continue
+        listed.update(f["name"] for f in mine)
+        lines += [f"### --algorithm={spec['name']} ({spec['display']})", ""]
+        also = {f["name"]: [r for r in readers[f["name"]] if r != spec["name"]] for f in mine}
+        lines += _table(mine, also)
+    left = [f for n, f in by_name.items() if n not in listed]
+    if left:
+        lines += ["### Declared by no registered algorithm", ""] + _table(left)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: List[str]) -> int:
+    for arg in argv:
+        if arg.startswith("--collect="):
+            print(json.dumps(_collect(arg.split("=", 1)[1])))
+            return 0
+    page = render(collect())
+    if "--write" in argv:
+        with open(PAGE, "w") as f:
+            f.write(page)
+        print(f"wrote {os.path.relpath(PAGE, REPO)}")
+        return 0
+    if "--check" in argv:
+        with open(PAGE) as f:
+            old = f.read()
+        if old != page:
+            diff = next(i for i, (a, b) in enumerate(zip(old.splitlines() + [""],
+                                                          page.splitlines() + [""])) if a != b)
+            print(f"{os.path.relpath(PAGE, REPO)} is stale (first difference at line "
+                  f"{diff + 1}); run python -m docs.gen_flags --write")
+            return 1
+        print(f"{os.path.relpath(PAGE, REPO)} is up to date")
+        return 0
+    sys.stdout.write(page)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
