@@ -161,8 +161,7 @@ def _define_client_flags() -> None:
 
 
 def _define_privacy_flags() -> None:
-    """Client-level differential privacy (deltafl_jax.privacy; README, "Differential
-    privacy")."""
+    """Client-level differential privacy (deltafl_jax.privacy; docs/guides/privacy.md)."""
     from deltafl_jax.privacy import Privacy
     d = Privacy()
     _define(flags.DEFINE_string, "dp_clip", None, "client-level DP (DP-FedAvg): clip each "
@@ -251,7 +250,7 @@ def define_experiment_flags() -> None:
             "sent140_linear | lstm_nwp, or a model of your own registered by --model_module")
     _define(flags.DEFINE_string, "model_module", None, "a Python module (a dotted name, or a "
             "path to a .py file) imported before the run, whose deltafl_jax.register_model "
-            "calls add models for --model (README: Your own model)")
+            "calls add models for --model (docs/guides/own-model.md)")
     _define(flags.DEFINE_bool, "use_bias", None, "linear and sent140_linear: add a bias b "
             "(L2 then applies to it too); unset: no bias on femnist and sent140 (the papers' "
             "w in R^{62x784}, w in R^50), a bias on every other dataset")

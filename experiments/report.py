@@ -37,7 +37,7 @@ flags.DEFINE_bool("best", False, "tables and figures show each baseline (q-FFL, 
 
 def check_out(out: str, run_paths) -> None:
     """--out may not be a run, nor lie inside one (a run's folder holds only what a run writes,
-    README *Outputs*: the run could not be rerun or continued there)."""
+    docs/reference/outputs.md: the run could not be rerun or continued there)."""
     from deltafl_jax.outputs import inspect_dir
     target = os.path.realpath(out)
     for path in run_paths:

@@ -1,5 +1,5 @@
 """The registry: every algorithm's spec, by name. It collects specs and validates names; what an
-algorithm is lives in its own module (see README, "Adding an algorithm").
+algorithm is lives in its own module (see docs/guides/add-algorithm.md).
 
 Replicas of the theta-swept algorithms (deltafl, fedavg, fedavg_sub) are labelled by theta;
 the other baselines by their swept flag (``param_name`` = the flag, ``param_value`` = the

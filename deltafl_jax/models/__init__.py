@@ -23,7 +23,7 @@ Your own model (a Flax module with its loss and error) is a factory ``(data, opt
 Model`` registered under a name with :func:`register_model` (``deltafl_jax.register_model``);
 ``--model=NAME`` (or ``ExperimentConfig(model=NAME)``) then trains it, and
 ``experiments.run --model_module=FILE_OR_MODULE`` imports the module that registers it. The
-README's *Your own model* has the recipe; ``tests/test_custom_model.py`` trains one defined
+The documentation's *Your own model* guide (docs/guides/own-model.md) has the recipe; ``tests/test_custom_model.py`` trains one defined
 outside the package.
 """
 
