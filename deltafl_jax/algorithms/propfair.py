@@ -4,15 +4,16 @@ TMLR 2023): FedAvg whose clients train on a concave transform of their loss.
 Proportional fairness maximises sum_k log(M - F_k(w)) (a Nash bargaining solution with the
 disagreement point at loss M), i.e. minimises sum_k phi(F_k) with phi(L) = -log(1 - L/M). The
 transform's slope 1 / (M - L) grows with the loss, so a client that does badly takes larger
-steps. It is undefined at L >= M, so below a margin eps the paper continues it by its tangent
-(the Huber form, C^1 at L = M - eps):
+steps. It is undefined at L >= M, so within a margin eps of M the paper continues it by its
+tangent (the Huber form, C^1 at L = M - eps):
 
     phi(L) = -log(1 - L/M)                             when M - L >= eps,
     phi(L) = -log(eps/M) + (L - (M - eps)) / eps       beyond.
 
 A round is FedAvg's (every sampled client trains from w_t; the server averages with weights
 n_k, or uniformly with ``--weighting=unweighted``; the losses at w_t are not evaluated: the
-private parts of :mod:`deltafl_jax.algorithms.fedavg`); on each local step the client replaces
+functions of :mod:`deltafl_jax.algorithms.fedavg`, its private version with ``--dp_clip``
+included); on each local step the client replaces
 its minibatch mean loss L by phi(L), i.e. scales the minibatch gradient by phi'(L):
 
     grad <- grad L / (M - L)   when M - L >= eps,      grad L / eps   beyond
