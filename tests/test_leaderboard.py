@@ -50,8 +50,13 @@ def test_every_board_is_valid():
             lb.check_grid(name, board.grid_for(quick))
         if board.joins is not None:
             assert board.joins[0] in boards and boards[board.joins[0]].joins is None
-    assert {"gifair", "fedmgda", "deltafl", "fedavg"} <= set(boards)
+    assert {"gifair", "fedmgda", "deltafl", "fedavg", "propfair", "ditto", "feddyn",
+            "apfl"} <= set(boards)
     assert not {"fedavg_sub", "afl_qffl", "deltafl_alt"} & set(boards)
+    # A method with Ditto's layer is no leaderboard method (it would inherit its base's board:
+    # fedavg+ditto would claim to be Delta-FL at theta = 1).
+    assert registry.get("fedavg+ditto").leaderboard is None
+    assert registry.get("deltafl+ditto").leaderboard is None
     assert lb.board_methods(SMALL) == list(boards)
     assert lb.host_of("fedavg") == ("deltafl", 1.0)
 

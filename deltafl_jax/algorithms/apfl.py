@@ -54,6 +54,7 @@ import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import WEIGHTING
 from deltafl_jax.algorithms.fedavg import FedAvgOptions, fedavg
+from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Option, Sweep, \
     check_options
 from deltafl_jax.engine.client import ClientUpdate, LocalState, difference, optimizer_step
@@ -208,4 +209,7 @@ SPEC = AlgorithmSpec(
     factory=lambda config, data, options: apfl(options), hyper=APFLHyper,
     options_type=APFLOptions, validate=check_alphas,
     sweep=Sweep(flag="apfl_alpha", field="alpha0", default=DEFAULT_ALPHA, minimum=0.0,
-                help="apfl: initial mixing weights alpha in [0, 1], swept", symbol="α₀"))
+                help="apfl: initial mixing weights alpha in [0, 1], swept", symbol="α₀"),
+    # The leaderboard evaluates the global model on unseen test clients: FedAvg's, whatever
+    # alpha_0 (only the personal models depend on it), so the CPU set trains one value.
+    leaderboard=Board(grid={"apfl_alpha": DEFAULT_ALPHA}, quick={"apfl_alpha": (0.5,)}))

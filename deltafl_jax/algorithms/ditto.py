@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import jax
 
 from deltafl_jax.algorithms.fedavg import DP_REQUIRES, FedAvgOptions, fedavg
+from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep
 from deltafl_jax.engine.client import (AdaptState, ClientUpdate, optimizer_step)
 
@@ -134,7 +135,10 @@ SPEC = AlgorithmSpec(
     "F_k(v) + (lambda/2)||v - w_t||^2 beside it",
     factory=lambda config, data, options: ditto(fedavg(options)), hyper=DittoHyper,
     options_type=FedAvgOptions, dp_requires=DP_REQUIRES, sweep=LAMBDA_SWEEP,
-    fixed={"theta": 1.0})
+    fixed={"theta": 1.0},
+    # The leaderboard evaluates the global model on unseen test clients: FedAvg's, whatever
+    # lambda (only the personal models v_k depend on it), so the CPU set trains one value.
+    leaderboard=Board(grid={"ditto_lambda": DEFAULT_LAMBDA}, quick={"ditto_lambda": (1.0,)}))
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,4 +162,4 @@ def personalized(base: AlgorithmSpec) -> AlgorithmSpec:
         help=f"Ditto over {base.name}",
         factory=lambda config, data, options: ditto(base.factory(config, data, options)),
         hyper=_hyper_type(base.hyper), cross=tuple(base.cross) + (LAMBDA_SWEEP,),
-        column_name=column_name, tunes_l2=False)
+        column_name=column_name, tunes_l2=False, leaderboard=None)

@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax.algorithms.deltafl import WEIGHTING, client_alphas
+from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep,
                                          average_delta, check_options)
 from deltafl_jax.engine.client import corrected_sgd, difference
@@ -154,4 +155,5 @@ SPEC = AlgorithmSpec(
     hyper=FedDynHyper, options_type=FedDynOptions,
     sweep=Sweep(flag="feddyn_alpha", field="alpha", default=DEFAULT_ALPHA, minimum=0.0,
                 help="feddyn: weights alpha >= 0 of the dynamic regulariser, swept",
-                symbol="α"))
+                symbol="α"),
+    leaderboard=Board(grid={"feddyn_alpha": DEFAULT_ALPHA}, quick={"feddyn_alpha": (0.01, 0.1)}))

@@ -12,7 +12,7 @@ from typing import Dict, Iterable, Optional, Tuple
 
 from deltafl_jax.algorithms import afl, afl_qffl, deltafl, fedavg, fedavg_sub, fedprox, qffl, term
 from deltafl_jax.algorithms import (apfl, deltafl_alt, ditto, drfa, feddyn, fedmgda, gifair,
-                                    scaffold)
+                                    propfair, scaffold)
 from deltafl_jax.algorithms.spec import AlgorithmSpec, Option, Sweep, declared_options
 from deltafl_jax.errors import ConfigError
 
@@ -33,6 +33,7 @@ SPECS: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
     gifair.SPEC,
     fedmgda.SPEC,
     drfa.SPEC,
+    propfair.SPEC,
 )}
 
 # Layers over any algorithm, named after '+' in a method name (``deltafl+ditto``): a
