@@ -236,15 +236,21 @@ class Capacities:
     train_len: int
 
 
-def capacities(sizes: np.ndarray, m: int, work: LocalWork, eval_chunk: int) -> Capacities:
-    """Upper bounds of the stream lengths over every possible sample of m clients."""
+def capacities(sizes: np.ndarray, m: int, work: LocalWork, eval_chunk: int,
+               with_replacement: bool = False) -> Capacities:
+    """Upper bounds of the stream lengths over every possible sample of m clients: m distinct
+    clients, or with `with_replacement` (:func:`sample_by_weights`) m draws that may all be
+    the largest client."""
     sizes = np.asarray(sizes, dtype=np.int64)
-    largest = np.sort(sizes)[::-1][:m]
-    eval_len = int(largest.sum())
+
+    def top_m(values):
+        values = np.sort(values)[::-1]
+        return int(values[0]) * m if with_replacement else int(values[:m].sum())
+
+    eval_len = top_m(sizes)
     eval_len = -(-eval_len // eval_chunk) * eval_chunk
     # Train stream of a slot: epochs_for(n) * n entries; bound it by the largest values.
-    per_client = work.epochs_for(sizes) * sizes
-    train_len = int(np.sort(per_client)[::-1][:m].sum()) + work.batch_size
+    train_len = top_m(work.epochs_for(sizes) * sizes) + work.batch_size
     return Capacities(eval_len=eval_len, train_len=train_len)
 
 

@@ -120,3 +120,23 @@ def test_drfa_on_the_host_split_is_one_line(tmp_path, capsys):
                                "--client_data=host", f"--output_dir={out}"], capsys)
     assert code == 2 and "--client_data=device" in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_draws_with_replacement_fit_the_round_streams():
+    """Drawn with replacement, all m slots may be the largest client: the streams' bounds are
+    m times its size (m distinct clients would bound them by the m largest, too short), and
+    the round plan of such a draw fills them exactly."""
+    from deltafl_jax.plan import LocalWork, capacities, make_round_plan
+    sizes = np.array([3, 50, 7, 9, 4], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    work = LocalWork(batch_size=4, local_epochs=2, local_steps=None)
+    m = 3
+    caps = capacities(sizes, m, work, eval_chunk=1, with_replacement=True)
+    assert caps.eval_len == m * 50
+    assert caps.train_len == m * 2 * 50 + 4
+    assert capacities(sizes, m, work, eval_chunk=1).eval_len == 50 + 9 + 7
+    onto_largest = np.array([[0.0, 1.0, 0.0, 0.0, 0.0]])
+    plan = make_round_plan([1], 0, offsets, m, work, caps, probabilities=onto_largest)
+    assert plan.clients.tolist() == [[1, 1, 1]]
+    assert int(plan.eval_len[0]) == caps.eval_len
+    np.testing.assert_array_equal(plan.eval_idx[0], np.tile(np.arange(3, 53), m))

@@ -452,7 +452,8 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
                       client_data=placement_lib.client_data_mode(config.client_data, data,
                                                                  devices))
     _check_probe(spec, algorithm, place)
-    caps = plan_lib.capacities(capacity_sizes(data.train, m), m, work, place.eval_chunk)
+    caps = plan_lib.capacities(capacity_sizes(data.train, m), m, work, place.eval_chunk,
+                               with_replacement=algorithm.sampling is not None)
     server_tx = config.server.transformation()
     state_shape = jax.eval_shape(lambda: rounds.init_state(
         model, algorithm, replicas, seeds, server_tx, data.train.num_clients))
