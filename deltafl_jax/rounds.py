@@ -37,7 +37,7 @@ import numpy as np
 import optax
 
 from deltafl_jax import engine
-from deltafl_jax.algorithms.spec import ClientFeedback, FederatedAlgorithm
+from deltafl_jax.algorithms.protocol import ClientFeedback, FederatedAlgorithm
 from deltafl_jax.models import Model
 from deltafl_jax.plan import RoundPlan
 from deltafl_jax.replicas import Replicas

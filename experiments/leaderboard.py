@@ -399,7 +399,7 @@ def run_all(settings: List[Setting], tune_seeds, multipliers) -> None:
 
 def _chosen_text(name: str, point: Dict[str, float]) -> str:
     from deltafl_jax.algorithms import registry
-    from deltafl_jax.algorithms.spec import PLATFORM_SYMBOLS
+    from deltafl_jax.algorithms.naming import PLATFORM_SYMBOLS
     spec = registry.get(name)
     symbols = {s.flag: s.symbol or s.flag for s in spec.sweeps()}
     symbols["thetas"] = "θ"

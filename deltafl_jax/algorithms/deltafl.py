@@ -62,9 +62,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.spec import (PAPER_THETAS, AlgorithmSpec, FederatedAlgorithm, Option,
-                                         PrivateAggregate, Sweep, average_delta, check_options,
-                                         no_state)
+from deltafl_jax.algorithms.options import Option, Sweep, check_options
+from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, average_delta,
+                                             no_state)
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.secagg import SumNoise, mm_quantile
 from deltafl_jax.superquantile import (quantile_levels, smoothed_eta, smoothed_tail_weights,
@@ -74,6 +75,7 @@ FILTERS = ("exact", "reference")
 WEIGHTINGS = ("weighted", "unweighted")
 QUANTILES = ("sort", "secagg_mm")
 DEFAULT_TIE_RTOL = 1e-5
+PAPER_THETAS = (1.0, 0.8, 0.5, 0.1)
 
 FILTER = Option(
     default="exact", choices=FILTERS,

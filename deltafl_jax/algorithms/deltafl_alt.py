@@ -32,8 +32,9 @@ import jax.numpy as jnp
 from deltafl_jax.algorithms.deltafl import (DEFAULT_TIE_RTOL, FILTER, THETA_SWEEP, WEIGHTING,
                                             DeltaFLOptions, check_thetas, client_alphas,
                                             name_the_filter, round_rule, run_thetas)
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep, average_delta,
-                                         check_options)
+from deltafl_jax.algorithms.options import Sweep, check_options
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.superquantile import quantile_levels
 
 DEFAULT_ETA_EVERY = (1.0, 5.0, 20.0)

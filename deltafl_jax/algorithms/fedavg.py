@@ -22,8 +22,10 @@ import jax.numpy as jnp
 from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
                                             client_alphas, theta_one)
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, PrivateAggregate,
-                                         average_delta, check_options, no_state)
+from deltafl_jax.algorithms.options import check_options
+from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, average_delta,
+                                             no_state)
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 
 
 @dataclasses.dataclass(frozen=True)

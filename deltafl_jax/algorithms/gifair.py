@@ -36,8 +36,9 @@ import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import DEFAULT_TIE_RTOL, WEIGHTING, client_alphas
 from deltafl_jax.algorithms.leaderboard import Board, needs_clients
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep, average_delta,
-                                         check_options, no_state)
+from deltafl_jax.algorithms.options import Sweep, check_options
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta, no_state
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.errors import ConfigError
 
 DEFAULT_COEFF = (0.1, 0.5, 1.0)   # the benchmark's default 0.1, and larger shares of lambda_max

@@ -43,8 +43,9 @@ import numpy as np
 from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
                                             client_alphas, theta_one)
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, average_delta,
-                                         check_options)
+from deltafl_jax.algorithms.options import check_options
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import corrected_sgd, difference
 
 

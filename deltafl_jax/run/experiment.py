@@ -20,10 +20,11 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import jax
 import numpy as np
 
-from deltafl_jax import engine, plan as plan_lib, rounds
+from deltafl_jax import engine, plan as plan_lib, replica_grid, rounds
 from deltafl_jax.engine import mesh as mesh_lib
 from deltafl_jax.algorithms import registry
-from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.config import PERCENTILES, ExperimentConfig
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.datasets import load_dataset
@@ -433,8 +434,8 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
     m = _sampled(config, spec, data)
     algorithm = spec.make(config, data)
     accounting = _accounting(config, spec, algorithm, m, data.train.num_clients, replicas)
-    replicas = replicas or spec.grid(
-        config, accounting.noise if accounting is not None else (0.0,)).build()
+    replicas = replicas or replica_grid.grid_for(
+        spec, config, accounting.noise if accounting is not None else (0.0,)).build()
     replicas, replica_seeds, seeds = _plan_groups(config, algorithm, replicas)
     if accounting is not None:   # each replica's own z, in replica order
         accounting = dataclasses.replace(accounting,
