@@ -115,7 +115,7 @@ def builder_class(name: str, spec: FeatureSpec, clients: Sequence[Mapping],
 
     _ClientRecords.name = builder_name(name)
     # No checksums file to look for: tfds 4.9 finds one via the builder module's code_path,
-    # which needs importlib_resources (no longer installed with etils >= 1.10).
+    # which needs importlib_resources (etils >= 1.10 does not install it).
     _ClientRecords.code_path = None
     return _ClientRecords
 
