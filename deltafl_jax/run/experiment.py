@@ -101,10 +101,10 @@ class Experiment:
     def initial_state(self) -> rounds.ServerState:
         privacy = self.config.privacy
         correlated = self.accounting.correlated if self.accounting is not None else None
+        clip = privacy.initial_clip if privacy.adaptive else None
         return self._place(rounds.init_state(self.model, self.algorithm, self.replicas,
                                              self.seeds, self.server_tx,
-                                             self.data.train.num_clients,
-                                             clip=privacy.clip if privacy.adaptive else None,
+                                             self.data.train.num_clients, clip=clip,
                                              bands=len(correlated.coef) if correlated else 0))
 
     def keys(self):
@@ -302,7 +302,7 @@ def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh
     local = engine.LocalSGDConfig(batch_size=config.batch_size, lanes=place.lanes,
                                   lane_mode=place.lane_mode, unroll=place.unroll,
                                   branchless=place.branchless, axis=axis,
-                                  clip=config.privacy.clip,
+                                  clip=config.privacy.initial_clip,
                                   optimizer=config.client.transformation)
     privacy = config.privacy
     raw = rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
