@@ -22,7 +22,7 @@ from deltafl_jax.errors import ConfigError
 from deltafl_jax.metrics import DEFAULT_TARGET_ACCURACY
 from deltafl_jax.models import LINEAR_MODELS
 from deltafl_jax.replicas import aligned
-from deltafl_jax.privacy import Privacy
+from deltafl_jax.privacy import Privacy, check_private_version
 from deltafl_jax.server_optimizer import ServerOptimizer
 
 PERCENTILES = (10, 20, 50, 60, 80, 90, 95)
@@ -389,6 +389,7 @@ def _check(c: ExperimentConfig):
     c.server.check()
     c.client.check()
     c.privacy.check()
+    check_private_version(c.privacy, spec)
     spec.check(c)
     c.l2_for(len(spec.sweep_values(c)))
     if c.use_bias is not None and c.model not in LINEAR_MODELS:

@@ -150,6 +150,39 @@ def clip_flag(name: str, value):
             from None
 
 
+def check_private_version(privacy: "Privacy", spec, algorithm=None,
+                          tuned: bool = False) -> None:
+    """With --dp_clip: ConfigError unless the algorithm has a private version that this run
+    can use. The one place that refuses a private run for its algorithm: the configuration
+    calls it with the spec alone (an algorithm with no private version at all, refused before
+    any data is loaded), the resolve step with the built `algorithm` (its options may leave
+    it none; the tuner's grid, adaptive clipping and cyclic sampling need more of it)."""
+    if not privacy.enabled:
+        return
+    if not spec.dp_requires:
+        raise ConfigError(f"--algorithm={spec.name} has no private version (--dp_clip): its "
+                          "round releases more than a bounded-weight average of clipped "
+                          "updates (per-client state, loss-driven weights or its own step)")
+    if algorithm is None:
+        return
+    private = algorithm.private
+    if private is None:
+        raise ConfigError(f"--dp_clip: --algorithm={spec.name} has a private version only with "
+                          f"{spec.dp_requires}")
+    if tuned:
+        raise ConfigError("--dp_clip applies to the replicas of the algorithm's own sweep, not "
+                          "to a grid given with them (the tuner's)")
+    if privacy.adaptive and private.denominator is None:
+        raise ConfigError(f"--dp_clip=adaptive: the clip's target fraction needs a fixed "
+                          f"denominator (DP-FedAvg; private Delta-FL with "
+                          f"--dp_kept_weight=expected); --algorithm={spec.name}'s private "
+                          f"version divides by a noised kept weight")
+    if privacy.sampler == "cyclic" and (private.denominator is None or private.releases):
+        raise ConfigError(f"--client_sampling=cyclic with --dp_clip: --algorithm={spec.name}'s "
+                          f"private version releases more than its update (DP-FTRL's account "
+                          f"covers DP-FedAvg and DP-FedProx)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Privacy:
     """The DP settings of a run (module docstring) and its client sampling; ``clip`` None =
