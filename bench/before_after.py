@@ -4,9 +4,9 @@ r"""The engine's round at two commits of this project, interleaved round by roun
         [--after=.] [--models=cnn,linear] [--algorithms=fedavg,deltafl] [--rounds=5] \
         [--out=bench/results/before_after_cpu.json]
 
-Issue 19 moved the server step into an optax transformation applied by the round and gave the
-engine optional per-client hooks; its acceptance asks that FedAvg and Delta-FL cost the same
-per round before and after. This script times both source trees on the workloads of
+A change of the round (the server step as an optax transformation applied by the round, the
+engine's optional per-client hooks) is accepted when FedAvg and Delta-FL cost the same per
+round before and after it. This script times both source trees on the workloads of
 ``bench/compare.py`` and ``bench/peers.py`` (``engine_runner``): m = ``--clients`` of
 ``--num_clients`` FEMNIST-like clients (``bench.common.femnist_like_dataset``, seed 0), one
 local epoch, lr 0.05, seed 1, the ConvNet (batch 16) or softmax regression (batch 10), FedAvg

@@ -40,7 +40,7 @@ def main(argv) -> None:
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         cli.fail(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
-    from deltafl_jax.datasets import PREPARABLE, prepared
+    from deltafl_jax.datasets import PREPARABLE, cache, prepared
 
     name = cli.FLAGS.dataset
     if not cli.FLAGS["dataset"].present or name not in PREPARABLE:
@@ -52,7 +52,7 @@ def main(argv) -> None:
                  f"--dataset={name}")
     damaged = []
     for config, path in targets:
-        for entry, problem in prepared.check_files(path, full=True):
+        for entry, problem in cache.check_files(path, full=True):
             where = f"{config}/{prepared.VERSION}/{entry}"
             if problem is None:
                 print(f"ok       {where} ({os.path.getsize(os.path.join(path, entry))} bytes)")

@@ -101,7 +101,7 @@ def release_scores(audit: CanaryAudit, canary: np.ndarray, noise: bool = True) -
     canary. Each run is `rounds` rounds of the simulator's DP-FedAvg aggregation (module
     docstring), vmapped over runs; `noise` False removes the server's noise (z = 0)."""
     from deltafl_jax import rounds as rounds_lib
-    from deltafl_jax.algorithms.spec import ClientFeedback
+    from deltafl_jax.algorithms.protocol import ClientFeedback
 
     a = audit
     private = _private_fedavg()

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 
 from deltafl_jax import engine
-from deltafl_jax.algorithms.spec import ClientFeedback, FederatedAlgorithm
+from deltafl_jax.algorithms.protocol import ClientFeedback, FederatedAlgorithm
 from deltafl_jax.models import Model
 from deltafl_jax.plan import RoundPlan
 from deltafl_jax.replicas import Replicas
@@ -227,7 +227,7 @@ def _server(algorithm, server_tx, state, feedback, hyper, keep):
     that are not kept keep theirs. With a server optimizer, a replica whose aggregate no
     client reached (weight_sum = 0: every update dropped or not finite, or nobody kept) keeps
     its model and the optimizer's state too: its momentum is not applied to a Delta of
-    zeros. (The plain step adds that zero Delta, as before.)"""
+    zeros. (The plain step w + Delta adds that zero Delta: the model stays.)"""
     delta, algo_state, algo_metrics = jax.vmap(algorithm.server_update)(
         state.algo_state, state.params, feedback, hyper)
     params, opt_state = server_step(server_tx, state.params, delta, state.server_opt_state)

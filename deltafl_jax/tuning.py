@@ -43,6 +43,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from deltafl_jax import replica_grid
 from deltafl_jax.algorithms import registry
 from deltafl_jax.errors import TuningError
 from deltafl_jax.models import LINEAR_MODELS  # the tuner tunes lambda for these
@@ -322,7 +323,7 @@ def tune_param_step(config, data, lr, decay, validation_seed, out_dir, log):
     grid_config = dataclasses.replace(
         config, learning_rate=lr, lr_decay=decay, save_models=False,
         output_dir=os.path.join(out_dir, "param_grid") if out_dir else None)
-    replicas = spec.grid(grid_config).build()
+    replicas = replica_grid.grid_for(spec, grid_config).build()
     log(f"{sweep.flag} grid: {len(values)} values x {len(config.seeds)} seed(s) = "
         f"{replicas.size} {config.algorithm} replicas in one program, on "
         f"{val_data.train.num_clients} training / {val_data.test.num_clients} validation "

@@ -197,7 +197,7 @@ def plan(argv: List[str]) -> List[Setting]:
             hosts.setdefault(lb.host_of(m)[0], []).append(m)
         setting = Setting(name=name, base=base, data=data, methods=methods, grids=grids,
                           hosts=hosts, quick=quick, out=os.path.join(FLAGS.out, name))
-        for host in hosts:   # the spec checks every value now, before anything is trained
+        for host in hosts:   # the spec checks every value before anything is trained
             _check_config(setting, host)
         half = data.train.num_clients // 2
         if base.clients_per_round > half and any(_tuned(setting, h) for h in hosts):
@@ -399,7 +399,7 @@ def run_all(settings: List[Setting], tune_seeds, multipliers) -> None:
 
 def _chosen_text(name: str, point: Dict[str, float]) -> str:
     from deltafl_jax.algorithms import registry
-    from deltafl_jax.algorithms.spec import PLATFORM_SYMBOLS
+    from deltafl_jax.algorithms.naming import PLATFORM_SYMBOLS
     spec = registry.get(name)
     symbols = {s.flag: s.symbol or s.flag for s in spec.sweeps()}
     symbols["thetas"] = "θ"

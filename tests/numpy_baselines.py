@@ -8,7 +8,7 @@ and for FedAvg-Sub the uniform draws of the replica's round key (:func:`subset_d
 which the subset is chosen here.
 
 Conventions of the engine that these loops follow (documented in deltafl_jax/plan.py and
-deltafl_jax/algorithms/spec.py, each baseline in its own deltafl_jax/algorithms/NAME.py):
+deltafl_jax/algorithms/protocol.py, each baseline in its own deltafl_jax/algorithms/NAME.py):
 clients are sampled uniformly without replacement and weighted by n_k; F_k is the mean loss on
 the client's whole data (+ (l2/2)||w||^2); local SGD steps are
 w <- w - lr (grad + l2 w [+ mu (w - w_t)]).

@@ -16,7 +16,6 @@ import pytest
 
 from conftest import run_runner, tiny_config
 from deltafl_jax import ClientData, FederatedDataset, build_experiment
-from deltafl_jax.run.experiment import placement_line
 
 ROUNDS = 3
 ACCELERATOR = dict(placement_backend="gpu", branchless=True)
@@ -89,8 +88,8 @@ def test_placement_backend_forces_the_accelerator_defaults_and_leaves_the_cpu_on
     assert (acc.placement.lanes, acc.placement.lane_mode, acc.placement.eval_chunk,
             acc.placement.eval_lanes, acc.placement.branchless, conv_impl(acc)) == \
         (m, "vmap", 1024, replicas, True, "xla" if case == "cnn" else None)
-    assert "lane(s) (vmap, as on gpu)" in placement_line(acc)
-    assert "as on" not in placement_line(cpu)
+    assert "lane(s) (vmap, as on gpu)" in acc.view().facts.placement_line
+    assert "as on" not in cpu.view().facts.placement_line
     # Each default can also be set alone; the loop body without --branchless is the cond one.
     alone = build_experiment(config(case, placement_backend="gpu"), data).placement
     assert not alone.branchless and alone.lanes == m

@@ -49,7 +49,7 @@ def client_job(learning_rate, steps, l2=0.0):
 def feedback(weights, losses=LOSSES, sizes=SIZES, finite=None, learning_rate=0.1,
              clients=None):
     """What the engine reports after training the clients with a_k > 0 (module docstring of
-    deltafl_jax/algorithms/spec.py): the a_k-weighted sum of the finite updates, their weight,
+    deltafl_jax/algorithms/protocol.py): the a_k-weighted sum of the finite updates, their weight,
     each trained client's squared update norm and flags."""
     a = np.asarray(weights, np.float64)
     m = a.shape[0]

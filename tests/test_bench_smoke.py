@@ -111,7 +111,7 @@ def test_paper_grid_toy_json_adds_up(tmp_path):
     """bench.paper_grid at toy size: the flagfile's workload shrunk (emnist_linear.flags: 4
     thetas x 5 seeds, m = 100, 3000 rounds, every 50), its JSON's fields, and its whole-run
     projection equal to its own parts; on stdout a one-screen summary of the same numbers
-    (issue 28: not the JSON)."""
+    (not the JSON)."""
     out = tmp_path / "paper_grid.json"
     proc = subprocess.run([sys.executable, "-m", "bench.paper_grid", "--model=linear",
                            "--scale=0.01", "--rounds=1", "--min_seconds=0", f"--out={out}"],
@@ -255,7 +255,7 @@ def test_population_smoke_reports_every_row(tmp_path):
 
 def test_benchmarks_write_a_git_ignored_default_and_print_one_screen(tmp_path, monkeypatch,
                                                                       capsys):
-    """issue 28: a benchmark run without --out leaves the clone clean (bench/out/ is
+    """A benchmark run without --out leaves the clone clean (bench/out/ is
     git-ignored; bench/results/ keeps the committed figures) and prints a summary, not the
     JSON."""
     from bench import common, paths

@@ -19,7 +19,7 @@ from deltafl_jax.data import ClientData, GeneratedClientData, is_generated, spli
 from deltafl_jax.datasets import load_dataset
 from deltafl_jax.datasets import synthetic as syn
 from deltafl_jax.errors import ConfigError, DataError
-from deltafl_jax.run.experiment import build_experiment, placement_line
+from deltafl_jax.run.experiment import build_experiment
 
 EXPERIMENTS = os.path.join(os.path.dirname(__file__), "..", "experiments")
 
@@ -200,7 +200,7 @@ def test_a_million_clients_build_without_their_examples(make_config):
     assert isinstance(data.train, GeneratedClientData) and data.train.num_clients == 500_000
     exp = build_experiment(make_config(data=data_cfg, clients_per_round=10), data)
     assert exp.placement.client_data == "host" and exp.eval_clients == 1000
-    line = placement_line(exp)
+    line = exp.view().facts.placement_line
     assert "the host keeps the 500000 + 500000 clients" in line
     # The device holds a round's buffer and one evaluation block, whatever N is.
     row = (60 * 4 + 4)

@@ -1,4 +1,4 @@
-"""Continuing a finished run to more rounds (issue 28): the same command with a larger
+"""Continuing a finished run to more rounds: the same command with a larger
 ``--num_rounds`` continues from the run's last checkpoint, and ends with the outputs of an
 uninterrupted run of the longer length, bit for bit (every per-round output, the per-client
 arrays and the models; the continued run keeps the evaluation that the shorter run made after

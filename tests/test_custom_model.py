@@ -1,4 +1,4 @@
-"""A model of one's own (issue 28): a Flax module defined outside the package, with its own
+"""A model of one's own: a Flax module defined outside the package, with its own
 per-example loss and error, registered with deltafl_jax.register_model, trains through the
 Python API and through ``experiments.run --model_module`` (the documentation's recipe, docs/guides/own-model.md, as written).
 Checked against NumPy: one FedAvg round of the model (its loss's gradient, full-batch local

@@ -105,7 +105,7 @@ def test_download_is_refused_for_other_datasets(tmp_path):
 
 
 def test_an_unknown_dataset_is_named_as_unknown(tmp_path):
-    """issue 28: a name prepare does not know is not 'needs no preparation'."""
+    """A name prepare does not know is not 'needs no preparation'."""
     proc = run("data_prep.prepare", "--dataset=cifar", f"--data_dir={tmp_path}")
     assert_one_line_exit_2(proc)
     line = proc.stderr.strip()

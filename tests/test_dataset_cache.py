@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from deltafl_jax.datasets import DataConfig, load_dataset, prepared
+from deltafl_jax.datasets import DataConfig, cache, load_dataset, prepared
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,17 +75,17 @@ def _records_file(path):
 
 @contextlib.contextmanager
 def count_hashing(monkeypatch):
-    """The files that prepared's sha256 function hashes inside the block (a list)."""
+    """The files that the cache's sha256 function hashes inside the block (a list)."""
     hashed = []
-    real = prepared._file_sha256
+    real = cache._file_sha256
 
     def counting(path):
         hashed.append(os.path.basename(path))
         return real(path)
 
-    monkeypatch.setattr(prepared, "_file_sha256", counting)
+    monkeypatch.setattr(cache, "_file_sha256", counting)
     yield hashed
-    monkeypatch.setattr(prepared, "_file_sha256", real)
+    monkeypatch.setattr(cache, "_file_sha256", real)
 
 
 def _flip_byte(file, offset):
@@ -126,7 +126,7 @@ def test_concurrent_preparations_both_succeed(tmp_path):
         assert "prepared shakespeare in" in out
     elapsed = time.perf_counter() - start
     path = _dataset_dir(data_dir, 3000)
-    assert prepared.damage(path) is None
+    assert cache.damage(path) is None
     assert _leftovers(data_dir) == []
     data = load_dataset(DataConfig(dataset="shakespeare", data_dir=str(data_dir),
                                    min_client_examples=3000))
@@ -140,7 +140,7 @@ def test_damaged_cache_is_rebuilt_with_one_warning(tmp_path, tiny_source, capsys
     data_dir = tmp_path / "data"
     original = load_dataset(_config(data_dir, tiny_source))
     path = _dataset_dir(data_dir)
-    assert prepared.damage(path) is None
+    assert cache.damage(path) is None
     capsys.readouterr()
 
     records = _records_file(path)
@@ -151,11 +151,11 @@ def test_damaged_cache_is_rebuilt_with_one_warning(tmp_path, tiny_source, capsys
     elif damage == "drop_records":
         os.remove(records)
     elif damage == "drop_checksums":
-        os.remove(os.path.join(path, prepared.CHECKSUMS_FILE))
+        os.remove(os.path.join(path, cache.CHECKSUMS_FILE))
     else:
         os.remove(os.path.join(path, "dataset_info.json"))
         # the config is then no longer listed as prepared: it is simply prepared again
-    assert prepared.damage(path) is not None
+    assert cache.damage(path) is not None
     expected = prepared.DataError if damage == "drop_info" else prepared.DamagedDataset
     with count_hashing(monkeypatch) as hashed, pytest.raises(expected) as caught:
         prepared.open_prepared(str(data_dir), "shakespeare", prepared.config_name(10))
@@ -172,7 +172,7 @@ def test_damaged_cache_is_rebuilt_with_one_warning(tmp_path, tiny_source, capsys
         assert len(warnings) == 1, err
         assert "damaged" in warnings[0] and "rebuilding" in warnings[0] and path in warnings[0]
     _assert_same(original, rebuilt)
-    assert prepared.damage(path) is None
+    assert cache.damage(path) is None
     assert _leftovers(data_dir) == []
 
     # and the next load is quiet
@@ -216,8 +216,8 @@ def test_open_and_read_hash_nothing_verify_hashes_every_file(tmp_path, tiny_sour
     data_dir = str(tmp_path / "data")
     original = load_dataset(_config(data_dir, tiny_source))
     path = _dataset_dir(data_dir)
-    listed = sorted(prepared.read_checksums(path)["files"])
-    assert listed == sorted(e for e in os.listdir(path) if e != prepared.CHECKSUMS_FILE)
+    listed = sorted(cache.read_checksums(path)["files"])
+    assert listed == sorted(e for e in os.listdir(path) if e != cache.CHECKSUMS_FILE)
     with count_hashing(monkeypatch) as hashed:
         again = load_dataset(_config(data_dir, tiny_source))  # open_or_prepare, open, read
         info = prepared.open_prepared(data_dir, "shakespeare", prepared.config_name(10))
@@ -225,7 +225,7 @@ def test_open_and_read_hash_nothing_verify_hashes_every_file(tmp_path, tiny_sour
     assert hashed == []
     _assert_same(original, again)
     with count_hashing(monkeypatch) as hashed:
-        assert prepared.damage(path) is None  # the full check: each listed file once
+        assert cache.damage(path) is None  # the full check: each listed file once
     assert sorted(hashed) == listed
 
 
@@ -262,7 +262,7 @@ def test_same_size_corruption_is_caught_by_verify_and_by_a_failed_read(tmp_path,
     info = prepared.open_prepared(data_dir, "shakespeare", prepared.config_name(10))
     with count_hashing(monkeypatch) as hashed, pytest.raises(prepared.DamagedDataset) as caught:
         prepared.read(info, "shakespeare")
-    assert len(hashed) == len(prepared.read_checksums(path)["files"])
+    assert len(hashed) == len(cache.read_checksums(path)["files"])
     message = str(caught.value)
     assert "fails its sha256 check" in message and os.path.basename(records) in message
     assert "run python -m data_prep.prepare --dataset=shakespeare again" in message

@@ -77,7 +77,7 @@ def test_the_fedopt_comparison_runs_its_five_methods():
 
 @pytest.mark.slow
 def test_the_population_flagfile_is_informative(tmp_path, capsys):
-    """issue 28: the million-client example shows a tail that methods can differ on. Its
+    """The million-client example shows a tail that methods can differ on. Its
     settings at 4000 clients (generated on demand, on the host, 200 sampled per evaluation):
     the final p90 of the test error is well below 100%, while at the original benchmark's
     rho = 0 it is 100% for both methods."""

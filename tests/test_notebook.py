@@ -31,8 +31,8 @@ def test_colab_notebook_runs_on_cpu(tmp_path):
     images = [o for c in nb.cells for o in c.get("outputs", [])
               if "image/png" in o.get("data", {})]
     assert images, "the report's figures are shown"
-    # The report goes beside the run, which stays a run (issue 28: a run's folder holds only
-    # what a run writes), so that the notebook's cells can be run again.
+    # The report goes beside the run, which stays a run (a run's folder holds only what a run
+    # writes), so that the notebook's cells can be run again.
     assert os.path.exists(tmp_path / "run_report" / "report.md")
     from deltafl_jax.outputs import inspect_dir
     assert inspect_dir(str(tmp_path / "run")).kind == "run"

@@ -1,4 +1,4 @@
-"""Which folders a run writes into (issue 28): an absent or empty folder, or a run of this
+"""Which folders a run writes into: an absent or empty folder, or a run of this
 package (deltafl_jax.outputs.inspect_dir: every entry one a run writes, and its marker or, for
 a run written before the marker, its summary.json / metrics.jsonl / checkpoints/). A source
 folder, the parent of runs and a folder holding other files are refused with one line and exit

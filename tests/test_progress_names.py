@@ -1,4 +1,4 @@
-"""What the progress lines and closing tables call things (issue 28): an algorithm that trains
+"""What the progress lines and closing tables call things: an algorithm that trains
 one model whatever its sweep (FedAvg, SCAFFOLD: theta = 1 is no choice of the user's) is named,
 not labelled 'θ=1'; a model without classes (the Gaussian toy's mean estimation) reports test
 losses under a 'test loss' heading, not 'test error'."""

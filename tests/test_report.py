@@ -471,7 +471,7 @@ def test_the_readmes_load_runs_snippet_runs_as_written(runs, tmp_path, monkeypat
         by_method["FedAvg" if key.startswith("theta=1_") else "Δ-FL, θ = 0.5"].append(
             final["test_error_p90"])
     assert sorted(got.index) == sorted(by_method)
-    # One std convention (issue 28): the snippet's std is the report's (ddof = 0), which for
+    # One std convention: the snippet's std is the report's (ddof = 0), which for
     # two seeds is 1/sqrt(2) of pandas' default sample std.
     rep = report.write_report(report.load([runs["delta"]])[0], str(tmp_path / "rep"))
     header, rows = table_of(parse_tables(open(rep["report"]).read()), "Table 2")
@@ -574,7 +574,7 @@ def test_a_run_of_a_newer_output_format_is_skipped_with_one_line(runs, tmp_path)
 
 
 def test_a_report_is_never_written_into_a_run(runs, tmp_path, capsys):
-    """issue 28: a run's folder holds only what a run writes, so that it can be rerun or
+    """A run's folder holds only what a run writes, so that it can be rerun or
     continued; --out inside a reported run, or on a run, is refused with one line."""
     run_dir = tmp_path / "delta"
     shutil.copytree(runs["delta"], run_dir)
@@ -588,8 +588,8 @@ def test_a_report_is_never_written_into_a_run(runs, tmp_path, capsys):
 
 
 def test_runs_below_a_run_are_named_as_skipped(runs, tmp_path):
-    """A folder that is a run and also holds one (an older version accepted such output
-    folders: issue 28) is reported alone, and the report says which runs it leaves out."""
+    """A folder that is a run and also holds one (an output folder of a run nested in
+    another) is reported alone, and the report says which runs it leaves out."""
     outer = tmp_path / "outer"
     shutil.copytree(runs["delta"], outer)
     shutil.copytree(runs["fedavg"], outer / "fedavg")

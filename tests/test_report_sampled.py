@@ -1,7 +1,7 @@
 """The report of a run that evaluated a sample of clients (``--eval_clients`` below the
 population, the default above 10^5 clients): a generated population kept on the host, K
 clients of each split per evaluation. ``experiments.report`` must write every table and figure
-(it crashed on the first histogram: issue 28), and each is checked here against the run's own
+(the first histogram included), and each is checked here against the run's own
 ``metrics.jsonl``, the numbers the run logged from the same sample, and against NumPy
 recomputations from the per-client rows."""
 

@@ -123,7 +123,7 @@ def test_sigkill_then_rerun_is_bit_identical(uninterrupted, tmp_path, name):
     assert not os.path.exists(os.path.join(out, "summary.json"))
     resumed = run(out, *RUNS[name])
     assert resumed.returncode == 0, resumed.stderr
-    assert resumed.stdout.count("resuming") == 1, resumed.stdout   # said once (issue 28)
+    assert resumed.stdout.count("resuming") == 1, resumed.stdout   # said once
     assert_same_outputs(out, uninterrupted[name])
 
 

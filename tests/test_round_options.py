@@ -354,7 +354,7 @@ def test_flags_reach_the_run_and_secagg_calls_are_a_rounds_column(tmp_path, caps
 def test_each_option_is_declared_once_and_shared_by_the_specs_that_read_it():
     import dataclasses
     from deltafl_jax.algorithms import registry
-    from deltafl_jax.algorithms.spec import declared_options
+    from deltafl_jax.algorithms.options import declared_options
 
     declared = {name: dict(declared_options(registry.get(name).options_type))
                 for name in registry.names()}

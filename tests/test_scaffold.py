@@ -143,7 +143,7 @@ class _Device:
 def test_start_up_counts_the_per_client_state_and_refuses_a_run_that_cannot_fit(
         tiny_synthetic):
     from deltafl_jax.errors import ConfigError
-    from deltafl_jax.run.experiment import check_memory, placement_line
+    from deltafl_jax.run.experiment import check_memory
     cfg = tiny_config(algorithm="scaffold", thetas=(), seeds=(1, 2), server_optimizer="adam",
                       server_lr=(0.1,))
     exp = build_experiment(cfg, tiny_synthetic)
@@ -155,7 +155,7 @@ def test_start_up_counts_the_per_client_state_and_refuses_a_run_that_cannot_fit(
     # and the round counter
     assert fp.state == 4 * R * w * 4 + 8 * R + R + 4
     assert f"per-client state {fp.clients / 2 ** 20:.1f} MB ({N} clients x {R} replicas, and" \
-        in placement_line(exp)
+        in exp.view().facts.placement_line
     check_memory(fp, [_Device(2 * fp.total)])                  # fits: no error
     with pytest.raises(ConfigError, match="per-client state") as e:
         check_memory(dataclasses.replace(fp, clients=10 * fp.total), [_Device(2 * fp.total)])

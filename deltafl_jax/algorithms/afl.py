@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax.algorithms.leaderboard import Board, population_at_most
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep, apply_delta,
-                                         average_delta)
+from deltafl_jax.algorithms.options import Sweep
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, apply_delta, average_delta
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 
 DEFAULT_LAMBDA_LR = (0.01,)
 

@@ -55,8 +55,9 @@ import jax.numpy as jnp
 from deltafl_jax.algorithms.deltafl import WEIGHTING
 from deltafl_jax.algorithms.fedavg import FedAvgOptions, fedavg
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Option, Sweep, \
-    check_options
+from deltafl_jax.algorithms.options import Option, Sweep, check_options
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import ClientUpdate, LocalState, difference, optimizer_step
 from deltafl_jax.engine import tree_all_finite
 from deltafl_jax.errors import ConfigError

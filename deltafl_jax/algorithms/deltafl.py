@@ -62,9 +62,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.spec import (PAPER_THETAS, AlgorithmSpec, FederatedAlgorithm, Option,
-                                         PrivateAggregate, Sweep, average_delta, check_options,
-                                         no_state)
+from deltafl_jax.algorithms.options import Option, Sweep, check_options
+from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, average_delta,
+                                             no_state)
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.secagg import SumNoise, mm_quantile
 from deltafl_jax.superquantile import (quantile_levels, smoothed_eta, smoothed_tail_weights,
@@ -74,6 +75,7 @@ FILTERS = ("exact", "reference")
 WEIGHTINGS = ("weighted", "unweighted")
 QUANTILES = ("sort", "secagg_mm")
 DEFAULT_TIE_RTOL = 1e-5
+PAPER_THETAS = (1.0, 0.8, 0.5, 0.1)
 
 FILTER = Option(
     default="exact", choices=FILTERS,
@@ -126,9 +128,9 @@ class DeltaFLOptions:
                               "--quantile=secagg_mm replace the filter")
 
 
-def client_alphas(sizes, weighting: str):
-    """alpha_k up to a constant factor: n_k (weighted) or 1 (unweighted); 0 for an empty
-    slot of a Poisson cohort (size 0)."""
+def unnormalised_alphas(sizes, weighting: str):
+    """alpha_k up to a constant factor (not normalised to sum to 1): n_k (weighted) or 1
+    (unweighted); 0 for an empty slot of a Poisson cohort (size 0)."""
     n = sizes.astype(jnp.float32)
     return n if weighting == "weighted" else (sizes > 0).astype(jnp.float32)
 
@@ -185,7 +187,7 @@ def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggrega
 
     def client_weights(state, losses, sizes, hyper, key, clients, z):
         del state, clients
-        alphas = client_alphas(sizes, "unweighted")
+        alphas = unnormalised_alphas(sizes, "unweighted")
         noise = SumNoise(jax.random.fold_in(key, QUANTILE_STREAM), z * ratio,
                          privacy.loss_bound, privacy.mm_floor)
         eta, _ = mm_quantile(losses, alphas, 1.0 - hyper.theta, iters, noise)
@@ -221,14 +223,14 @@ def deltafl(options: DeltaFLOptions = DeltaFLOptions(), tie_rtol: float = DEFAUL
 
     def client_weights(state, losses, sizes, hyper, key, clients):
         del state, key, clients
-        alphas = client_alphas(sizes, options.weighting)
+        alphas = unnormalised_alphas(sizes, options.weighting)
         return rule(losses, alphas, hyper.theta, level(hyper.theta))[0]
 
     def server_update(state, params, feedback, hyper):
         if private is not None:   # eta was noised in client_weights; the server never saw it
             return average_delta(params, feedback), state, {      # (the kept weight goes
                 "secagg_calls": jnp.int32(options.mm_iters + 2)}  # with the model's call)
-        alphas = client_alphas(feedback.sizes, options.weighting)
+        alphas = unnormalised_alphas(feedback.sizes, options.weighting)
         _, eta, extra = rule(feedback.losses, alphas, hyper.theta, level(hyper.theta))
         return average_delta(params, feedback), state, {"eta": eta, **extra}
 

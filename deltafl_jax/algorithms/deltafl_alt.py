@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import (DEFAULT_TIE_RTOL, FILTER, THETA_SWEEP, WEIGHTING,
-                                            DeltaFLOptions, check_thetas, client_alphas,
-                                            name_the_filter, round_rule, run_thetas)
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep, average_delta,
-                                         check_options)
+                                            DeltaFLOptions, check_thetas, name_the_filter,
+                                            round_rule, run_thetas, unnormalised_alphas)
+from deltafl_jax.algorithms.options import Sweep, check_options
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.superquantile import quantile_levels
 
 DEFAULT_ETA_EVERY = (1.0, 5.0, 20.0)
@@ -81,13 +82,13 @@ def deltafl_alt(options: DeltaFLAltOptions = DeltaFLAltOptions(),
 
     def client_weights(state, losses, sizes, hyper, key, clients):
         del key, clients
-        alphas = client_alphas(sizes, weighting)
+        alphas = unnormalised_alphas(sizes, weighting)
         fresh = rule(losses, alphas, hyper.theta, level(hyper.theta))[0]
         held = jnp.where((losses > state.eta) & (alphas > 0), alphas, 0.0)
         return jnp.where(_refresh(state, hyper), fresh, held)
 
     def server_update(state, params, feedback, hyper):
-        alphas = client_alphas(feedback.sizes, weighting)
+        alphas = unnormalised_alphas(feedback.sizes, weighting)
         refresh = _refresh(state, hyper)
         _, eta_now, _ = rule(feedback.losses, alphas, hyper.theta, level(hyper.theta))
         eta = jnp.where(refresh, eta_now, state.eta)

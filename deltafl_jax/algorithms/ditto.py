@@ -40,7 +40,9 @@ import jax
 
 from deltafl_jax.algorithms.fedavg import DP_REQUIRES, FedAvgOptions, fedavg
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep
+from deltafl_jax.algorithms.options import Sweep
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import (AdaptState, ClientUpdate, optimizer_step)
 
 LAYER = "ditto"

@@ -38,8 +38,9 @@ import jax.numpy as jnp
 
 from deltafl_jax.algorithms.afl import project_simplex
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Option, Sweep,
-                                         average_delta, check_options)
+from deltafl_jax.algorithms.options import Option, Sweep, check_options
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import (ClientUpdate, LocalState, difference, local_init,
                                        optimizer_step)
 

@@ -20,10 +20,12 @@ from typing import Optional
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
-                                            client_alphas, theta_one)
+                                            theta_one, unnormalised_alphas)
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, PrivateAggregate,
-                                         average_delta, check_options, no_state)
+from deltafl_jax.algorithms.options import check_options
+from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, average_delta,
+                                             no_state)
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,7 @@ def fedavg(options: FedAvgOptions = FedAvgOptions()) -> FederatedAlgorithm:
 
     def client_weights(state, losses, sizes, hyper, key, clients):
         del state, losses, hyper, key, clients
-        alphas = client_alphas(sizes, weighting)
+        alphas = unnormalised_alphas(sizes, weighting)
         return alphas / jnp.sum(alphas)
 
     def server_update(state, params, feedback, hyper):

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import DEFAULT_TIE_RTOL, FILTER, check_thetas, filter_rule
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep,
-                                         average_delta, check_options, no_state)
+from deltafl_jax.algorithms.options import Sweep, check_options
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta, no_state
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.superquantile import quantile_levels
 

@@ -58,10 +58,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deltafl_jax.algorithms.deltafl import WEIGHTING, client_alphas
+from deltafl_jax.algorithms.deltafl import WEIGHTING, unnormalised_alphas
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep,
-                                         average_delta, check_options)
+from deltafl_jax.algorithms.options import Sweep, check_options
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import corrected_sgd, difference
 
 DEFAULT_ALPHA = (0.001, 0.01, 0.1)   # around the paper's and the code's default 0.01
@@ -134,7 +135,7 @@ def feddyn(train_sizes, options: FedDynOptions = FedDynOptions()) -> FederatedAl
 
     def client_weights(state, losses, sizes, hyper, key, clients):
         del state, losses, hyper, key, clients
-        return client_alphas(sizes, weighting)               # c_k: n_k or 1
+        return unnormalised_alphas(sizes, weighting)   # c_k: n_k or 1
 
     def server_update(state, params, feedback, hyper):
         del hyper

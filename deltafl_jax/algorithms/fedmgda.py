@@ -41,8 +41,9 @@ import jax
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.leaderboard import Board, needs_clients
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Option, Sweep,
-                                         check_options, no_state)
+from deltafl_jax.algorithms.options import Option, Sweep, check_options
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, no_state
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import ClientUpdate, local_final, local_init, local_step
 from deltafl_jax.errors import ConfigError
 

@@ -17,7 +17,9 @@ import jax
 from deltafl_jax.algorithms.deltafl import WEIGHTING
 from deltafl_jax.algorithms.fedavg import DP_REQUIRES, FedAvgOptions, fedavg
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep
+from deltafl_jax.algorithms.options import Sweep
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import corrected_sgd
 
 DEFAULT_MU = (0.001, 0.01, 0.1, 1.0)   # the FedProx paper's grid

@@ -34,10 +34,11 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from deltafl_jax.algorithms.deltafl import DEFAULT_TIE_RTOL, WEIGHTING, client_alphas
+from deltafl_jax.algorithms.deltafl import DEFAULT_TIE_RTOL, WEIGHTING, unnormalised_alphas
 from deltafl_jax.algorithms.leaderboard import Board, needs_clients
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Sweep, average_delta,
-                                         check_options, no_state)
+from deltafl_jax.algorithms.options import Sweep, check_options
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta, no_state
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.errors import ConfigError
 
 DEFAULT_COEFF = (0.1, 0.5, 1.0)   # the benchmark's default 0.1, and larger shares of lambda_max
@@ -69,7 +70,7 @@ def rank_signs(losses, tie_rtol: float = DEFAULT_TIE_RTOL):
 
 def gifair_weights(losses, sizes, coeff, weighting: str):
     """a_k = p_k + c lambda_max r_k (module docstring)."""
-    p = client_alphas(sizes, weighting)
+    p = unnormalised_alphas(sizes, weighting)
     p = p / jnp.sum(p)
     m = losses.shape[0]
     lam_max = jnp.min(p) / max(m - 1, 1)

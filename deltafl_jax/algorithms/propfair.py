@@ -53,8 +53,9 @@ import jax.numpy as jnp
 from deltafl_jax.algorithms.deltafl import WEIGHTING
 from deltafl_jax.algorithms.fedavg import DP_REQUIRES, FedAvgOptions, fedavg
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, Option, Sweep,
-                                         check_options)
+from deltafl_jax.algorithms.options import Option, Sweep, check_options
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import (ClientUpdate, LocalState, local_final, local_init,
                                        optimizer_step)
 from deltafl_jax.errors import ConfigError

@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep, no_state
+from deltafl_jax.algorithms.options import Sweep
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, no_state
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 
 QFFL_EPS = 1e-10
 DEFAULT_Q = (0.001, 0.01, 0.1, 1.0, 10.0)   # CISS 2021, Sec. V

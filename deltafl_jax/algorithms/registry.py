@@ -13,7 +13,8 @@ from typing import Dict, Iterable, Optional, Tuple
 from deltafl_jax.algorithms import afl, afl_qffl, deltafl, fedavg, fedavg_sub, fedprox, qffl, term
 from deltafl_jax.algorithms import (apfl, deltafl_alt, ditto, drfa, feddyn, fedmgda, gifair,
                                     propfair, scaffold)
-from deltafl_jax.algorithms.spec import AlgorithmSpec, Option, Sweep, declared_options
+from deltafl_jax.algorithms.options import Option, Sweep, declared_options
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.errors import ConfigError
 
 SPECS: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in (

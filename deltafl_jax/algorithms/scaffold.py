@@ -41,10 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
-                                            client_alphas, theta_one)
+                                            theta_one, unnormalised_alphas)
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.spec import (AlgorithmSpec, FederatedAlgorithm, average_delta,
-                                         check_options)
+from deltafl_jax.algorithms.options import check_options
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import corrected_sgd, difference
 
 
@@ -83,7 +84,7 @@ def scaffold(train_sizes, options: ScaffoldOptions = ScaffoldOptions()) -> Feder
 
     def client_weights(state, losses, sizes, hyper, key, clients):
         del state, losses, hyper, key, clients
-        a = client_alphas(sizes, weighting)      # n_k or 1: FedAvg's weights
+        a = unnormalised_alphas(sizes, weighting)   # n_k or 1: FedAvg's weights
         return a / jnp.sum(a)
 
     def correction(state, client_state, params, hyper):

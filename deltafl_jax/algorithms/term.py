@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm, Sweep, scaled_delta
+from deltafl_jax.algorithms.options import Sweep
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, scaled_delta
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 
 TERM_EMA = 0.5
 DEFAULT_T = (0.1, 1.0, 10.0)

@@ -19,7 +19,7 @@ frozen GloVe vectors for Sent140 (delta-fl-long.md, App. C.1.2 and C.1.3; refere
   ``create_recurrent_model``): embedding of the 10,004 ids into 96 dimensions, one LSTM layer of
   670 units over the 20 input tokens, a dense layer to 96 units and a dense layer to the 10,004
   scores at every step (4,050,748 parameters with V = 10,000). Loss kind "sequence"
-  (:func:`deltafl_jax.models.sequence_losses_and_errors`): a sentence's loss is the mean
+  (:func:`deltafl_jax.models.model.sequence_losses_and_errors`): a sentence's loss is the mean
   cross-entropy over its targets that are not padding; its error is the fraction of wrong
   predictions over its targets that are neither padding nor EOS. OOV targets count (a
   prediction of OOV on an OOV target is right): this lies between TFF's
@@ -46,7 +46,9 @@ import numpy as np
 
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.datasets.normalize import MEAN_EMBEDDING
-from deltafl_jax.models import LanePreferences, Model, ModelOptions, is_token_data, linear_bias
+from deltafl_jax.models.inputs import is_token_data, linear_bias
+from deltafl_jax.models.lane_preferences import LanePreferences
+from deltafl_jax.models.model import Model, ModelOptions
 from deltafl_jax.models.init import orthogonal  # Flax's default would call LAPACK (see init.py)
 
 GRU_EMBED_DIM = 8
@@ -224,8 +226,8 @@ def lstm(data: FederatedDataset, options: ModelOptions) -> Model:
 
 def sent140_linear(data: FederatedDataset, options: ModelOptions) -> Model:
     """Sent140's logistic regression on the mean GloVe vector (w in R^50; a bias only with
-    --use_bias, see :func:`deltafl_jax.models.linear_bias`; zero init), from the token ids, or
-    from the mean vectors themselves when ``--normalize`` computed them at load time."""
+    --use_bias, see :func:`deltafl_jax.models.inputs.linear_bias`; zero init), from the token
+    ids, or from the mean vectors themselves when ``--normalize`` computed them at load time."""
     _check_classes(data, "sent140_linear", 2)
     bias = linear_bias(data, options)
     if (data.metadata or {}).get("features") == MEAN_EMBEDDING:

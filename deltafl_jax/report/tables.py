@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, 
 import numpy as np
 
 from deltafl_jax.algorithms import registry
-from deltafl_jax.algorithms.spec import label_parts
+from deltafl_jax.algorithms.naming import label_parts, method_name
 from deltafl_jax.replicas import ReplicaLabel
 from deltafl_jax.server_optimizer import from_run_config
 
@@ -53,9 +53,10 @@ def fmt_value(v) -> str:
 def method_label(label: Union[ReplicaLabel, Mapping[str, Any]],
                  run_config: Optional[Mapping[str, Any]] = None) -> str:
     """A column name in the paper's style: 'FedAvg', 'Δ-FL, θ = 0.5', 'q-FFL, q = 10', from
-    the algorithm's spec (``AlgorithmSpec.method_name``: its display name, its sweep's symbol,
-    and what its options name, e.g. Delta-FL's reference filter). Further grid coordinates
-    (e.g. a tuning grid's learning rate) are appended as 'name = value'.
+    the algorithm's spec (:func:`~deltafl_jax.algorithms.naming.method_name`: its display
+    name, its sweep's symbol, and what its options name, e.g. Delta-FL's reference filter).
+    Further grid coordinates (e.g. a tuning grid's learning rate) are appended as
+    'name = value'.
 
     A label dict (``ReplicaLabel.to_json()``) is accepted too. `run_config` is the run's
     configuration as summary.json stores it; an algorithm that is not registered is named
@@ -66,7 +67,7 @@ def method_label(label: Union[ReplicaLabel, Mapping[str, Any]],
     spec = registry.find(label.algorithm)
     if spec is None:
         return ", ".join(label_parts(label.algorithm, label))
-    return spec.method_name(label, run_config)
+    return method_name(spec, label, run_config)
 
 
 @dataclasses.dataclass(eq=False)

@@ -22,7 +22,7 @@ evaluation of every replica on all training and test clients, after its compilat
 Device memory: the peak that the backend reports (``memory_stats()['peak_bytes_in_use']``,
 the largest over the run's devices) where it reports one; on XLA:CPU, which does not, the
 start-up footprint the engine computes for its memory check
-(:func:`deltafl_jax.run.placement.footprint`).
+(:func:`deltafl_jax.run.placement.compute_footprint`).
 
 Nothing is written to the run's output directory: it is neither created nor read. The timed
 rounds run on a scratch state, with the run's own callbacks (the recorder, metrics.jsonl,

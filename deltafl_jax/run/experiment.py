@@ -21,7 +21,8 @@ import numpy as np
 
 from deltafl_jax import engine, plan as plan_lib, rounds
 from deltafl_jax.engine import mesh as mesh_lib
-from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.config import PERCENTILES, ExperimentConfig
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.errors import ConfigError
@@ -35,7 +36,8 @@ from deltafl_jax.run.callbacks import RunFacts, RunView
 from deltafl_jax.run import personal as personal_lib
 from deltafl_jax.run.client_store import ClientStore
 from deltafl_jax.run.personal import PersonalEvaluation
-from deltafl_jax.run.placement import Footprint, Placement, check_memory, footprint, placement
+from deltafl_jax.run.placement import (Footprint, Placement, check_memory, choose_placement,
+                                       compute_footprint)
 from deltafl_jax.run.resolve import resolve
 
 AUTO_FULL_EVAL = 100_000    # populations up to this many clients are evaluated whole by default
@@ -230,7 +232,10 @@ class Experiment:
             model=self.model.name, classify=self.model.is_classifier,
             config=self.config, num_sampled=self.num_sampled, lanes=self.lanes,
             eval_chunk=self.eval_chunk, backend=self.backend,
-            placement_line=placement_line(self), accounting=self.accounting)
+            placement_line=placement_lib.placement_line(
+                self.placement, self.footprint, data, self.replicas.size,
+                self.config.placement_backend),
+            accounting=self.accounting)
         return RunView(labels=tuple(self.replicas.labels), facts=facts, evaluate=self.evaluate,
                        summarize=self.summarize, served_params=self.served_params,
                        personal_params=self.personal_params,
@@ -239,12 +244,6 @@ class Experiment:
     @functools.cached_property
     def _sampler(self) -> EvalSampler:
         return EvalSampler(self.data.train.sizes, self.data.test.num_clients)
-
-
-def placement_line(exp: Experiment) -> str:
-    """The start-up line of `exp`'s placement (:func:`deltafl_jax.run.placement.placement_line`)."""
-    return placement_lib.placement_line(exp.placement, exp.footprint, exp.data,
-                                        exp.replicas.size, exp.config.placement_backend)
 
 
 def capacity_sizes(split, m: int) -> np.ndarray:
@@ -318,15 +317,15 @@ def build_experiment(config: ExperimentConfig, data: FederatedDataset,
                                            run.num_sampled)
     mesh = _mesh(config)
     devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
-    place = placement(config, model, m, replicas.size, devices=len(devices),
-                      client_data=placement_lib.client_data_mode(config.client_data, data,
-                                                                 devices))
+    place = choose_placement(config, model, m, replicas.size, devices=len(devices),
+                             client_data=placement_lib.client_data_mode(config.client_data,
+                                                                        data, devices))
     _check_probe(run.spec, algorithm, place)
     caps = plan_lib.capacities(capacity_sizes(data.train, m), m, run.work, place.eval_chunk)
     server_tx = config.server.transformation()
     state_shape = jax.eval_shape(lambda: rounds.init_state(
         model, algorithm, replicas, run.seeds, server_tx, data.train.num_clients))
-    device_bytes = footprint(data, model, replicas, place, caps, m, state_shape)
+    device_bytes = compute_footprint(data, model, replicas, place, caps, m, state_shape)
     check_memory(device_bytes, devices)
     round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx,
                          run.expected,

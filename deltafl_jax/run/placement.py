@@ -1,15 +1,16 @@
 """Where a run's work and data go: devices, lanes, where the clients' examples are kept, and
 the bytes each device holds.
 
-- :func:`placement`: lanes per device, lane mode, evaluation chunk and lanes, the local-SGD
+- :func:`choose_placement`: lanes per device, lane mode, evaluation chunk and lanes, the local-SGD
   loop's shape (from the model's preferences on the backend; :mod:`deltafl_jax.engine.lanes`).
 - :func:`client_data_mode`: ``--client_data=device`` keeps both splits on every device;
   ``host`` keeps them on the host and ships each round's sampled clients (and each evaluation
   block) to the devices; ``auto`` is device while the splits fit in
   ``DEVICE_DATA_SHARE`` of one device's memory, host beyond, and always host for a population
   generated on demand.
-- :func:`footprint` / :func:`placement_line` / :func:`check_memory`: the bytes each device
-  holds, the start-up line that shows them, and a one-line refusal of a run that cannot fit.
+- :func:`compute_footprint` / :func:`placement_line` / :func:`check_memory`: the bytes each
+  device holds, the start-up line that shows them, and a one-line refusal of a run that cannot
+  fit.
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ class Placement:
         return -(-EVAL_BLOCK_EXAMPLES // stride) * stride
 
 
-def placement(config: ExperimentConfig, model: Model, m: int, num_replicas: int,
-              backend: Optional[str] = None, devices: int = 1,
-              client_data: str = "device") -> Placement:
+def choose_placement(config: ExperimentConfig, model: Model, m: int, num_replicas: int,
+                     backend: Optional[str] = None, devices: int = 1,
+                     client_data: str = "device") -> Placement:
     """Lanes per device: on CPU the model's measured preference; on accelerators enough that
     devices x lanes cover the R x m jobs of a round (every kept client trains in the first
     trip), capped at m. Evaluation lanes: one on CPU (a bigger chunk is the better batch
@@ -166,8 +167,9 @@ def data_bytes(data: FederatedDataset, place: Placement, caps: plan_lib.Capaciti
     return (row + 4) * (groups * caps.eval_len + place.eval_block)
 
 
-def footprint(data: FederatedDataset, model: Model, replicas: Replicas, place: Placement,
-              caps: plan_lib.Capacities, m: int, state_shape=None) -> Footprint:
+def compute_footprint(data: FederatedDataset, model: Model, replicas: Replicas,
+                      place: Placement, caps: plan_lib.Capacities, m: int,
+                      state_shape=None) -> Footprint:
     """`state_shape`: the round state's shapes (``jax.eval_shape`` of the initial state);
     None: the models alone."""
     model_bytes = tree_nbytes(jax.eval_shape(model.init, jax.random.key(0)))

@@ -22,9 +22,10 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from deltafl_jax import plan as plan_lib
+from deltafl_jax import plan as plan_lib, replica_grid
 from deltafl_jax.algorithms import registry
-from deltafl_jax.algorithms.spec import AlgorithmSpec, FederatedAlgorithm
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.errors import ConfigError
@@ -78,8 +79,8 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
     algorithm = spec.make(config, data)
     check_private_version(config.privacy, spec, algorithm, tuned=replicas is not None)
     noise = _noise(config, spec, algorithm, m, data.train.num_clients)
-    replicas = replicas or spec.grid(
-        config, noise.per_value if noise is not None else (0.0,)).build()
+    replicas = replicas or replica_grid.grid_for(
+        spec, config, noise.per_value if noise is not None else (0.0,)).build()
     replicas, replica_seeds, seeds = _plan_groups(config, algorithm, replicas)
     accounting = None if noise is None else noise.accounting(
         tuple(float(z) for z in replicas.dp_noise))   # each replica's own z, in replica order

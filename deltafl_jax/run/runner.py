@@ -233,8 +233,9 @@ def standard_callbacks(config, exp, log, recorder, checkpointer, fingerprint) ->
 
 
 def _write_histories(out: str, recorder: Recorder, exp: Experiment) -> None:
-    """rounds.npz and clients_history.npz as they are now: written before each checkpoint,
-    so that a resume reads the histories back from them (:mod:`deltafl_jax.run.resume`)."""
+    """rounds.npz and clients_history.npz of the rounds recorded so far: written before each
+    checkpoint, so that a resume reads the histories back from them
+    (:mod:`deltafl_jax.run.resume`)."""
     writer = outputs.RunWriter(out)
     writer.write_rounds(recorder.per_round_arrays(), exp.replicas.labels)
     writer.write_clients_history(recorder.client_history_arrays())
@@ -249,7 +250,7 @@ def _resume(exp: Experiment, checkpointer, fingerprint, recorder: Recorder, log)
     found = (resume.load(checkpointer, fingerprint, state, out, config)
              if checkpointer is not None and checkpointer.latest_round() is not None else None)
     finished = bool(out) and os.path.exists(os.path.join(out, outputs.SUMMARY))
-    if finished and found is None:   # checked before: it had a checkpoint, now unreadable
+    if finished and found is None:   # the folder's check found a checkpoint; none can be read
         raise ConfigError(f"cannot continue the run in {out}: no checkpoint of it can be read; "
                           f"pass --overwrite to start afresh")
     if distributed.is_primary() and out:

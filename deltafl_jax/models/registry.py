@@ -1,0 +1,65 @@
+"""The models by name: the built-in ones, the text models (resolved on first use) and the ones
+registered with :func:`register_model`; :func:`build_model` builds one for a dataset."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Dict
+
+from deltafl_jax.data import FederatedDataset
+from deltafl_jax.models import builtin
+from deltafl_jax.models.model import Model, ModelOptions
+
+LINEAR_MODELS = ("linear", "sent140_linear")
+REGRESSION_MODELS = ("mean",)   # their "error" is the squared loss (no accuracy)
+
+MODELS: Dict[str, Callable[[FederatedDataset, ModelOptions], Model]] = {
+    "linear": builtin.linear,
+    "cnn": builtin.cnn,
+    "mlp": builtin.mlp,
+    "mean": builtin.mean,
+}
+
+# Resolved on first use: "module:function" taking (dataset, options) -> Model.
+LAZY_MODELS: Dict[str, str] = {
+    "gru": "deltafl_jax.models.text:gru",
+    "lstm": "deltafl_jax.models.text:lstm",
+    "sent140_linear": "deltafl_jax.models.text:sent140_linear",
+    "lstm_nwp": "deltafl_jax.models.text:lstm_nwp",
+}
+
+
+def model_names():
+    return sorted(set(MODELS) | set(LAZY_MODELS))
+
+
+BUILT_IN = frozenset(MODELS) | frozenset(LAZY_MODELS)
+
+
+def register_model(name: str, factory: Callable[[FederatedDataset, ModelOptions], Model],
+                   replace: bool = False) -> None:
+    """Make ``--model=name`` build ``factory(data, options)``: your own model, a
+    :class:`Model` around a Flax module (e.g. ``loss_kind="custom"`` with its ``loss_fn``).
+    Register it before the run (and before ``load_model`` of one of its runs, which rebuilds
+    the network by name). ValueError for a built-in name, or a registered one unless
+    `replace`."""
+    if not isinstance(name, str) or not name.strip() or name != name.strip():
+        raise ValueError(f"a model name is a non-empty string without surrounding spaces, got "
+                         f"{name!r}")
+    if name in BUILT_IN:
+        raise ValueError(f"model {name!r} is built in; register yours under another name")
+    if name in MODELS and not replace:
+        raise ValueError(f"model {name!r} is registered already (pass replace=True)")
+    if not callable(factory):
+        raise ValueError(f"register_model({name!r}, ...): the factory must be callable")
+    MODELS[name] = factory
+
+
+def build_model(name: str, data: FederatedDataset, options: ModelOptions = ModelOptions()) -> Model:
+    """The model `name` for `data`. Raises ValueError for an unknown name or a mismatch."""
+    if name in MODELS:
+        return MODELS[name](data, options)
+    if name in LAZY_MODELS:
+        module_name, fn_name = LAZY_MODELS[name].split(":")
+        return getattr(importlib.import_module(module_name), fn_name)(data, options)
+    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(model_names())}")
