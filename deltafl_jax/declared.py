@@ -181,22 +181,22 @@ def flat_values(obj) -> Dict[str, Any]:
 # Parsers of flag values (UsageError naming the flag).
 
 
+def _numbers(name: str, values: Sequence[str], kind: type, what: str) -> Tuple[Any, ...]:
+    try:
+        return tuple(kind(v) for v in values)
+    except ValueError:
+        raise UsageError(f"--{name} must be a comma-separated list of {what}, got "
+                         f"{','.join(values)!r}") from None
+
+
 def floats(name: str, values: Sequence[str]) -> Tuple[float, ...]:
     """A list flag's values as floats."""
-    try:
-        return tuple(float(v) for v in values)
-    except ValueError:
-        raise UsageError(f"--{name} must be a comma-separated list of numbers, got "
-                         f"{','.join(values)!r}") from None
+    return _numbers(name, values, float, "numbers")
 
 
 def ints(name: str, values: Sequence[str]) -> Tuple[int, ...]:
     """A list flag's values as integers."""
-    try:
-        return tuple(int(v) for v in values)
-    except ValueError:
-        raise UsageError(f"--{name} must be a comma-separated list of integers, got "
-                         f"{','.join(values)!r}") from None
+    return _numbers(name, values, int, "integers")
 
 
 def one_or_floats(name: str, values: Sequence[str]):

@@ -15,11 +15,10 @@ import os
 import shutil
 
 import jax
-import numpy as np
 import pytest
 
 from conftest import run_runner
-from test_continue import models, npz, records, same_arrays
+from test_continue import npz, records, same_arrays, same_models_and_summaries
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "resume_before_32")
@@ -52,13 +51,7 @@ def test_a_run_checkpointed_before_the_change_continues_bit_for_bit(tmp_path, ca
     assert [r for r in records(out) if r["round"] <= 2] == shorter
     for name in ("rounds.npz", "clients.npz", "clients_history.npz"):
         same_arrays(npz(os.path.join(out, name)), npz(os.path.join(whole, name)), name)
-    a, b = models(out), models(whole)
-    assert sorted(a) == sorted(b) and a
-    for f in a:
-        jax.tree.map(np.testing.assert_array_equal, a[f], b[f])
-    sa, sb = (json.load(open(os.path.join(d, "summary.json"))) for d in (out, whole))
-    for key in ("final", "replicas", "diverged", "privacy", "dataset", "clients_per_round"):
-        assert sa.get(key) == sb.get(key), key
+    same_models_and_summaries(out, whole)
 
 
 def test_the_fixtures_fingerprint_names_the_flags():
