@@ -13,7 +13,6 @@ import math
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from deltafl_jax.algorithms import registry
-from deltafl_jax.algorithms.deltafl import check_thetas
 from deltafl_jax.client_optimizer import ClientOptimizer
 from deltafl_jax.datasets import DataConfig
 from deltafl_jax.declared import (default_of, flag_of, flat_values, group, ints, one_or_floats,
@@ -171,9 +170,10 @@ GROUPS = (("training", Training), ("evaluation", Evaluation), ("server", ServerO
 class ExperimentConfig:
     """One experiment: a dataset, an algorithm and its settings, in groups.
 
-    Replicas are every (sweep value, seed) pair. Delta-FL sweeps theta (``thetas``); a baseline
-    sweeps the flag of its spec, whose values are in ``sweeps`` (flag name -> values; missing
-    or empty = the spec's default grid). ``options`` holds the algorithms' scalar options (flag
+    Replicas are every (sweep value, seed) pair. Each algorithm sweeps the flag of its spec
+    (Delta-FL: ``thetas``), whose values are in ``sweeps`` (flag name -> values; missing or
+    empty = the spec's default grid; ``thetas=`` is accepted as ``sweeps["thetas"]`` and read
+    back as :attr:`thetas`). ``options`` holds the algorithms' scalar options (flag
     name -> value, e.g. ``{"filter": "reference"}``; missing = the option's default); the spec
     builds and checks its typed options from it, and ignores those of other algorithms. The
     other settings are in the groups (:data:`GROUPS`), each field declared once with its flag
@@ -189,7 +189,6 @@ class ExperimentConfig:
     data: DataConfig
     algorithm: str = "deltafl"
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    thetas: Tuple[float, ...] = ()  # () = the algorithm's default
     sweeps: Mapping[str, Tuple[float, ...]] = dataclasses.field(default_factory=dict)
     training: Training = group(Training)
     evaluation: Evaluation = group(Evaluation)
@@ -201,6 +200,7 @@ class ExperimentConfig:
     output: Output = group(Output)
 
     def __init__(self, data: DataConfig, **settings):
+        thetas = settings.pop("thetas", None)   # Delta-FL's sweep, given as before
         own = {}
         for f in dataclasses.fields(self):
             if f.name == "data":
@@ -217,11 +217,18 @@ class ExperimentConfig:
         object.__setattr__(self, "data", data)
         for name, value in own.items():
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "sweeps",
-                           {k: tuple(v) for k, v in dict(self.sweeps).items()})
+        sweeps = {k: tuple(v) for k, v in dict(self.sweeps).items()}
+        if thetas is not None:
+            sweeps["thetas"] = tuple(thetas)
+        object.__setattr__(self, "sweeps", sweeps)
         object.__setattr__(self, "options", dict(self.options))
-        object.__setattr__(self, "thetas", tuple(self.thetas))
         _check(self)
+
+    @property
+    def thetas(self) -> Tuple[float, ...]:
+        """Delta-FL's swept levels (--thetas; () = the algorithm's default): the values of
+        its sweep in ``sweeps``, as any algorithm's."""
+        return self.sweep("thetas")
 
     def __getattr__(self, name):
         """A setting by its flag's name (``config.dp_clip``: ``config.privacy.clip``)."""
@@ -235,7 +242,7 @@ class ExperimentConfig:
         and sweeps as given (what summary.json's ``config`` and a resume's fingerprint hold)."""
         out = {"data": dataclasses.asdict(self.data), "algorithm": self.algorithm,
                "options": dict(self.options), "thetas": self.thetas,
-               "sweeps": dict(self.sweeps)}
+               "sweeps": {k: v for k, v in self.sweeps.items() if k != "thetas"}}
         for name, _ in GROUPS:
             out.update(flat_values(getattr(self, name)))
         out["verbose"] = self.output.verbose
@@ -243,8 +250,6 @@ class ExperimentConfig:
 
     def sweep(self, flag: str) -> Tuple[float, ...]:
         """The values given for a swept flag (() = none given)."""
-        if flag == "thetas":
-            return tuple(self.thetas)
         return tuple(self.sweeps.get(flag, ()))
 
     @property
@@ -383,7 +388,6 @@ def _check(c: ExperimentConfig):
         raise ConfigError(f"unknown swept flag(s) {', '.join(unknown)}")
     for sweep in registry.sweeps():
         sweep.check(c.sweep(sweep.flag))
-    check_thetas(c)
     spec = registry.get(c.algorithm)
     _check_options(c)
     c.server.check()

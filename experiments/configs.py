@@ -46,11 +46,8 @@ def config_from_flags(algorithm: str = None, beside_others: bool = False,
     name = algorithm
     spec = registry.find(name)   # None: ExperimentConfig names the unknown algorithm
     sweeps = {s.flag: (ints if s.integer else floats)(s.flag, FLAGS[s.flag].value)
-              for s in registry.sweeps() if s.flag != "thetas"}
-    thetas = floats("thetas", FLAGS.thetas)
+              for s in registry.sweeps()}
     if beside_others and spec is not None and spec.fixed_sweep:
-        if spec.sweep.flag == "thetas":
-            thetas = ()
         sweeps.pop(spec.sweep.flag, None)
     options = {f: FLAGS[f].value for f in (spec.option_flags() if spec is not None else ())}
     groups = {where: declared.from_flags(cls, _value) for where, cls in GROUPS}
@@ -60,7 +57,7 @@ def config_from_flags(algorithm: str = None, beside_others: bool = False,
             server, name=server_optimizer or "sgd",
             learning_rates=server.learning_rates if server_optimizer else (1.0,))
     return ExperimentConfig(data=data_config_from_flags(), algorithm=name, options=options,
-                            thetas=thetas, sweeps=sweeps, **groups)
+                            sweeps=sweeps, **groups)
 
 
 def method_entries(entries: Sequence[str]) -> List[Tuple[str, str, str]]:
