@@ -267,7 +267,7 @@ def test_benchmarks_write_a_git_ignored_default_and_print_one_screen(tmp_path, m
     tracked = subprocess.run(["git", "check-ignore", "-q", "--no-index",
                               "bench/results/paper_grid_cnn_cpu.json"], cwd=REPO)
     assert tracked.returncode == 1
-    # Every bench script defaults to it: none names bench/results/ as its default any more.
+    # Every bench script defaults to it: none names bench/results/ as its default.
     for name in sorted(os.listdir(os.path.join(REPO, "bench"))):
         if name.endswith(".py"):
             text = open(os.path.join(REPO, "bench", name)).read()
