@@ -56,11 +56,12 @@ def _tiny_argv(out_dir):
 def round_path():
     import jax
     from experiments import cli, run as runner
-    from deltafl_jax import build_experiment
+    from deltafl_jax import build_experiment, load_dataset
     runner.FLAGS.unparse_flags()
     with tempfile.TemporaryDirectory() as out:
         runner.parse_flags_or_fail(_tiny_argv(out))
-        exp = build_experiment(cli.config_from_flags())
+        config = cli.config_from_flags()
+        exp = build_experiment(config, load_dataset(config.data))
     state, data, keys = exp.initial_state(), exp.round_data(0), exp.keys()
     with _Files() as seen:
         jax.jit(exp.round_fn).lower(state, data, keys)

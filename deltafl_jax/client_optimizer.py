@@ -27,36 +27,31 @@ from typing import Any, Mapping, Tuple
 
 import optax
 
+from deltafl_jax.declared import declared, from_flat, setting
 from deltafl_jax.errors import ConfigError
 
 NAMES = ("sgd", "momentum", "adam", "adagrad")
 DISPLAY = {"sgd": "SGD", "momentum": "momentum", "adam": "Adam", "adagrad": "Adagrad"}
-# The --client_* flags that each optimizer reads beside --learning_rate, and their fields.
+# The --client_* flags that each optimizer reads beside --learning_rate.
 READS = {"sgd": (), "momentum": ("client_momentum",),
          "adam": ("client_beta1", "client_beta2", "client_eps"), "adagrad": ("client_eps",)}
-FIELDS = {"client_momentum": "momentum", "client_beta1": "beta1", "client_beta2": "beta2",
-          "client_eps": "eps"}
 SYMBOLS = {"client_momentum": "β", "client_beta1": "β₁", "client_beta2": "β₂",
            "client_eps": "ε"}
-HELP = {
-    "client_optimizer": "the client's local step on g + lambda w: sgd (the papers') | momentum "
-                        "| adam | adagrad; its state starts afresh at each client's job",
-    "client_momentum": "--client_optimizer=momentum: beta of v <- beta v + g",
-    "client_beta1": "--client_optimizer=adam: beta1",
-    "client_beta2": "--client_optimizer=adam: beta2",
-    "client_eps": "--client_optimizer=adam / adagrad: eps",
-}
 
 
 @dataclasses.dataclass(frozen=True)
 class ClientOptimizer:
     """The client optimizer of a run (module docstring)."""
 
-    name: str = "sgd"
-    momentum: float = 0.9
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
+    name: str = setting(
+        "sgd", "the client's local step on g + lambda w: sgd (the papers') | momentum | adam | "
+        "adagrad; its state starts afresh at each client's job", flag="client_optimizer",
+        choices=NAMES)
+    momentum: float = setting(0.9, "--client_optimizer=momentum: beta of v <- beta v + g",
+                              flag="client_momentum")
+    beta1: float = setting(0.9, "--client_optimizer=adam: beta1", flag="client_beta1")
+    beta2: float = setting(0.999, "--client_optimizer=adam: beta2", flag="client_beta2")
+    eps: float = setting(1e-8, "--client_optimizer=adam / adagrad: eps", flag="client_eps")
 
     def check(self) -> None:
         """ConfigError naming the flag at fault."""
@@ -101,10 +96,11 @@ class ClientOptimizer:
         return optax.chain(optax.add_decayed_weights(l2), opt)
 
 
+# The ClientOptimizer field of each --client_* flag beside --client_optimizer.
+FIELDS = {flag.name: name for name, flag in declared(ClientOptimizer) if name != "name"}
+
+
 def from_run_config(config: Mapping[str, Any]) -> ClientOptimizer:
     """The client optimizer of a finished run (summary.json's ``config``); runs written before
     client optimizers existed took plain SGD."""
-    d = ClientOptimizer()
-    return ClientOptimizer(name=str(config.get("client_optimizer") or d.name),
-                           **{field: float(config.get(flag, getattr(d, field)))
-                              for flag, field in FIELDS.items()})
+    return from_flat(ClientOptimizer, config)

@@ -10,165 +10,254 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from deltafl_jax.algorithms import registry
-from deltafl_jax.algorithms.deltafl import check_thetas
 from deltafl_jax.client_optimizer import ClientOptimizer
 from deltafl_jax.datasets import DataConfig
+from deltafl_jax.declared import (default_of, flag_of, flat_values, group, ints, one_or_floats,
+                                  setting)
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.metrics import DEFAULT_TARGET_ACCURACY
 from deltafl_jax.models import LINEAR_MODELS
 from deltafl_jax.replicas import aligned
-from deltafl_jax.privacy import ADAPTIVE, SAMPLERS, Privacy
+from deltafl_jax.privacy import Privacy, check_private_version
 from deltafl_jax.server_optimizer import ServerOptimizer
 
 PERCENTILES = (10, 20, 50, 60, 80, 90, 95)
 
 
+def _tensorboard(name: str, value: str) -> Optional[bool]:
+    del name
+    return {"yes": True, "no": False}.get(value)
+
+
 @dataclasses.dataclass(frozen=True)
-class ExperimentConfig:
-    """One experiment: a dataset, a model, an algorithm and the replicas to train.
+class Training:
+    """What is trained and how: the model, the seeds, the rounds and the clients' local
+    steps."""
 
-    Replicas are every (sweep value, seed) pair. Delta-FL sweeps theta (``thetas``); a baseline
-    sweeps the flag of its spec, whose values are in ``sweeps`` (flag name -> values; missing
-    or empty = the spec's default grid). ``l2_reg`` is one lambda for every swept value, or
-    one per swept value, in order. ``options`` holds the algorithms' scalar options (flag name
-    -> value, e.g. ``{"filter": "reference"}``; missing = the option's default); the spec
-    builds and checks its typed options from it, and ignores those of other algorithms.
-    """
-
-    data: DataConfig
-    model: str = "linear"
-    algorithm: str = "deltafl"
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    thetas: Tuple[float, ...] = ()  # () = the algorithm's default
-    seeds: Tuple[int, ...] = (1,)
-    num_rounds: int = 100
-    clients_per_round: int = 10
-    local_epochs: int = 1
-    local_steps: Optional[int] = None
-    batch_size: int = 10
-    learning_rate: float = 0.1
-    lr_decay: float = 1.0
-    lr_decay_every: int = 0
-    l2_reg: Union[float, Tuple[float, ...]] = 0.0
-    eval_every: int = 10
-    clients_per_step: Optional[int] = None  # None = the model's preference on this backend
-    eval_chunk: Optional[int] = None        # None = the model's preference on this backend
-    output_dir: Optional[str] = None
-    overwrite: bool = False
-    sweeps: Mapping[str, Tuple[float, ...]] = dataclasses.field(default_factory=dict)
-    conv_impl: Optional[str] = None
-    # Lanes, lane mode, evaluation chunk and lanes, loop shape and convolutions chosen as on
-    # this backend (None: the one running); "gpu" runs an accelerator's program on the CPU.
-    placement_backend: Optional[str] = None
-    branchless: Optional[bool] = None       # the local-SGD loop body; None: engine.loop_shape
-    client_data: str = "auto"               # device | host | auto (deltafl_jax.run.placement)
-    eval_clients: Optional[int] = None      # K per split per evaluation; 0: all; None: by N
-    save_models: bool = True
-    # test_share_below_target: the share of test clients whose accuracy is below this
-    # (deltafl_jax.metrics; classifiers only; it changes no training).
-    target_accuracy: float = DEFAULT_TARGET_ACCURACY
-    verbose: bool = True
-    tensorboard: Optional[bool] = None      # None = when tensorboardX is installed
-    checkpoint_every: int = 0               # rounds between checkpoints (0: by time only)
-    checkpoint_every_s: float = 120.0       # seconds between checkpoints (0: by rounds only)
-    devices: Optional[int] = None           # devices sharing a round (None: all local ones)
-    stop_on_divergence: bool = False        # stop a replica whose train loss is NaN or > 3x w_0's
-    use_bias: Optional[bool] = None         # linear models; None: none on femnist / sent140
-    # The server step (deltafl_jax.server_optimizer; Reddi et al. 2021, Algorithm 2).
-    server_optimizer: str = "sgd"           # sgd | momentum | adam | yogi | adagrad
-    server_lr: Tuple[float, ...] = (1.0,)   # eta; several values train as replicas
-    server_momentum: float = 0.9            # beta of momentum (FedAvgM)
-    server_beta1: float = 0.9               # adaptive: beta1
-    server_beta2: float = 0.99              # adaptive: beta2
-    server_eps: float = 1e-3                # adaptive: tau
-    # The client's local step (deltafl_jax.client_optimizer).
-    client_optimizer: str = "sgd"           # sgd | momentum | adam | adagrad
-    client_momentum: float = 0.9            # beta of momentum
-    client_beta1: float = 0.9               # adam: beta1
-    client_beta2: float = 0.999             # adam: beta2
-    client_eps: float = 1e-8                # adam / adagrad: eps
-    # Personalised evaluation (deltafl_jax.holdout, deltafl_jax.run.personal).
-    client_holdout: float = 0.0             # f: each client's held-out fraction (0: none)
-    finetune_steps: Tuple[int, ...] = (0,)  # adaptation steps before each personal evaluation
-    finetune_lr: Optional[float] = None     # their learning rate (None: the client's)
-    # Client-level differential privacy (deltafl_jax.privacy): off while dp_clip is None.
-    dp_clip: Optional[Union[float, str]] = None   # C, the L2 clip of each update; "adaptive"
-    dp_noise_multiplier: Tuple[float, ...] = (0.0,)   # z; several values train as replicas
-    dp_target_epsilon: Tuple[float, ...] = ()         # epsilon instead of z, calibrated per value
-    dp_delta: Optional[float] = None        # None: 1 / N^1.1
-    dp_quantile_noise_ratio: float = 1.0    # private Delta-FL: z of its secure sums / z
-    dp_loss_bound: float = 10.0             # private Delta-FL: losses clipped to [0, B]
-    dp_mm_floor: float = 0.1                # private Delta-FL: beta_k = 1 / max(|F_k - mu|, xi)
-    # Client sampling (deltafl_jax.plan): fixed m of N, Poisson with q = m / N, or cyclic
-    # groups of m.
-    client_sampling: str = "fixed"
-    dp_accountant: Optional[str] = None     # pld | rdp; None: rdp (fixed), pld (poisson)
-    # --dp_clip=adaptive (Andrew et al. 2021): the clip starts at dp_clip_init and moves
-    # toward the dp_clip_quantile of the update norms at rate dp_clip_lr.
-    dp_clip_init: float = 0.1
-    dp_clip_quantile: float = 0.5
-    dp_clip_lr: float = 0.2
-    dp_clip_count_noise: float = 5.0        # the clipped count's noise std / z
-    dp_kept_weight: str = "noised"          # private Delta-FL: noised | expected (theta m)
-    dp_mechanism: str = "gaussian"          # gaussian | bandmf (DP-FTRL, cyclic sampling)
-    dp_bands: Optional[int] = None          # bandmf: bands b; None: min(G, rounds)
+    model: str = setting("linear", "linear | cnn | mlp | mean | gru | lstm | sent140_linear | "
+                         "lstm_nwp, or a model of your own registered by --model_module")
+    use_bias: Optional[bool] = setting(
+        None, "linear and sent140_linear: add a bias b (L2 then applies to it too); unset: no "
+        "bias on femnist and sent140 (the papers' w in R^{62x784}, w in R^50), a bias on every "
+        "other dataset", kind="bool")
+    seeds: Tuple[int, ...] = setting((1,), "seeds; each seeds sampling, shuffling and "
+                                     "initialisation", parse=ints)
+    num_rounds: int = setting(100, "communication rounds")
+    clients_per_round: int = setting(10, "m, clients sampled per round (poisson: expected)")
+    local_epochs: int = setting(1, "local epochs of minibatch SGD per kept client")
+    local_steps: Optional[int] = setting(None, "local SGD steps instead of epochs",
+                                         kind="integer")
+    batch_size: int = setting(10, "local minibatch size")
+    learning_rate: float = setting(0.1, "client learning rate gamma_0")
+    lr_decay: float = setting(1.0, "divide the learning rate by this every lr_decay_every "
+                              "rounds (>= 1)")
+    lr_decay_every: int = setting(0, "rounds between learning-rate decays (0: constant)")
+    # One lambda for every swept value, or one per swept value, in order.
+    l2_reg: Union[float, Tuple[float, ...]] = setting(
+        0.0, "lambda: local steps w <- (1 - lr lambda) w - lr grad, and F_k includes "
+        "(lambda/2)||w||^2; one value, or one per swept value (e.g. per theta of --thetas)",
+        kind="list", parse=one_or_floats,
+        restore=lambda v: tuple(v) if isinstance(v, list) else v)
+    stop_on_divergence: bool = setting(
+        False, "stop a replica whose mean training loss is NaN or above 3x its value at w_0 (the "
+        "reference code's rule); the others go on")
 
     def __post_init__(self):
         l2 = self.l2_reg
         object.__setattr__(self, "l2_reg", tuple(l2) if isinstance(l2, (tuple, list)) else l2)
-        object.__setattr__(self, "sweeps", {k: tuple(v) for k, v in dict(self.sweeps).items()})
+        object.__setattr__(self, "seeds", tuple(self.seeds))
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """When and on whom the global model is evaluated."""
+
+    eval_every: int = setting(10, "evaluate on all train and test clients every N rounds")
+    eval_clients: Optional[int] = setting(
+        None, "evaluate K train and K test clients drawn per evaluation, with 95% confidence "
+        "intervals (0: every client); unset: every client up to 100000 clients in all, 1000 "
+        "beyond", kind="integer")
+    # test_share_below_target (deltafl_jax.metrics; classifiers only; it changes no training).
+    target_accuracy: float = setting(
+        DEFAULT_TARGET_ACCURACY, "test_share_below_target: the share of test clients whose "
+        "accuracy is below this (classifiers; in (0, 1])")
+
+
+@dataclasses.dataclass(frozen=True)
+class Personalisation:
+    """Personalised evaluation (deltafl_jax.holdout, deltafl_jax.run.personal)."""
+
+    client_holdout: float = setting(
+        0.0, "personalised evaluation: every client keeps this fraction of its examples (at "
+        "least one) as its own held-out data; seen clients (their personal or the global model) "
+        "and unseen devices (after --finetune_steps on the rest) are evaluated on it; 0: none")
+    finetune_steps: Tuple[int, ...] = setting(
+        (0,), "with --client_holdout: adaptation steps of each evaluated client on its own data "
+        "before its held-out evaluation (the algorithm's adaptation: plain fine-tuning, or "
+        "Ditto's proximal steps); several values: one evaluation each (metrics "
+        "unseen_ft<k>_*)", parse=ints)
+    finetune_lr: Optional[float] = setting(
+        None, "learning rate of the adaptation steps; unset: each replica's client learning "
+        "rate of the last round", kind="float")
+
+    def __post_init__(self):
+        v = self.finetune_steps
+        object.__setattr__(self, "finetune_steps",
+                           tuple(v) if isinstance(v, (tuple, list)) else (v,))
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where and how the rounds' work is laid out: devices, client lanes, evaluation chunks,
+    the loop body and the convolutions (None: chosen by model and backend,
+    deltafl_jax.run.placement). None of them changes a result on the CPU."""
+
+    devices: Optional[int] = setting(
+        None, "devices that share each round's client work (one mesh axis); unset: every local "
+        "device (and every process's, with --distributed); 1: one device, no collectives",
+        kind="integer")
+    clients_per_step: Optional[int] = setting(
+        None, "client lanes trained at once (1: one client at a time; m: all sampled clients "
+        "vmapped); unset: by model and backend", kind="integer")
+    eval_chunk: Optional[int] = setting(None, "examples per evaluation work item; unset: by "
+                                        "model and backend", kind="integer")
+    placement_backend: Optional[str] = setting(
+        None, "cpu | gpu | tpu: choose the lanes, lane mode, evaluation chunk and lanes, loop "
+        "body and convolutions as on this backend (gpu on a CPU runs the accelerator's "
+        "program); unset: the backend running", kind="string")
+    branchless: Optional[bool] = setting(
+        None, "local SGD: a lane's restart and a job's bookkeeping as masked selects on every "
+        "step instead of behind a lax.cond; unset: by backend", kind="bool")
+    client_data: str = setting(
+        "auto", "device | host | auto: keep the clients' examples on every device, or on the "
+        "host and ship each round's sampled clients; auto: device while both splits fit in a "
+        "quarter of a device's memory")
+    conv_impl: Optional[str] = setting(None, "cnn convolutions: im2col_wgrad (CPU) | xla; "
+                                       "unset: by backend", kind="string")
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """What a run writes, where, and when it checkpoints."""
+
+    output_dir: Optional[str] = setting(
+        None, "where metrics.jsonl, summary.json and models/ go", kind="string")
+    overwrite: bool = setting(
+        False, "replace the run already in --output_dir (a folder that is not a run of "
+        "deltafl_jax is refused, with or without it)")
+    save_models: bool = setting(True, "save the final model of every replica")
+    checkpoint_every: int = setting(
+        0, "save a checkpoint every N rounds under <output_dir>/checkpoints/ (0: by time only)")
+    checkpoint_every_s: float = setting(
+        120.0, "save a checkpoint when this many seconds have passed since the last one (0: by "
+        "rounds only); a paper run loses at most this plus one round when killed")
+    tensorboard: Optional[bool] = setting(
+        None, "write TensorBoard event files under <output_dir>/tb/ (auto: when tensorboardX "
+        "is installed)", choices=("auto", "yes", "no"), flag_default="auto", parse=_tensorboard)
+    verbose: bool = True    # progress lines on stdout (no flag: the commands print them)
+
+
+# The groups of settings, each a field of ExperimentConfig.
+GROUPS = (("training", Training), ("evaluation", Evaluation), ("server", ServerOptimizer),
+          ("client", ClientOptimizer), ("privacy", Privacy), ("personal", Personalisation),
+          ("placement", Placement), ("output", Output))
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class ExperimentConfig:
+    """One experiment: a dataset, an algorithm and its settings, in groups.
+
+    Replicas are every (sweep value, seed) pair. Each algorithm sweeps the flag of its spec
+    (Delta-FL: ``thetas``), whose values are in ``sweeps`` (flag name -> values; missing or
+    empty = the spec's default grid; ``thetas=`` is accepted as ``sweeps["thetas"]`` and read
+    back as :attr:`thetas`). ``options`` holds the algorithms' scalar options (flag
+    name -> value, e.g. ``{"filter": "reference"}``; missing = the option's default); the spec
+    builds and checks its typed options from it, and ignores those of other algorithms. The
+    other settings are in the groups (:data:`GROUPS`), each field declared once with its flag
+    (:mod:`deltafl_jax.declared`).
+
+    Flat access: every setting reads by its flag's name (``config.server_lr`` is
+    ``config.server.learning_rates``), and the constructor and ``dataclasses.replace`` take
+    settings by flag name as well as whole groups (``ExperimentConfig(data, num_rounds=5,
+    server_optimizer="adam")``); :meth:`flat` is the flag -> value view that outputs and
+    resumes store.
+    """
+
+    data: DataConfig
+    algorithm: str = "deltafl"
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    sweeps: Mapping[str, Tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    training: Training = group(Training)
+    evaluation: Evaluation = group(Evaluation)
+    server: ServerOptimizer = group(ServerOptimizer)
+    client: ClientOptimizer = group(ClientOptimizer)
+    privacy: Privacy = group(Privacy)
+    personal: Personalisation = group(Personalisation)
+    placement: Placement = group(Placement)
+    output: Output = group(Output)
+
+    def __init__(self, data: DataConfig, **settings):
+        thetas = settings.pop("thetas", None)   # Delta-FL's sweep, given as before
+        own = {}
+        for f in dataclasses.fields(self):
+            if f.name == "data":
+                continue
+            own[f.name] = settings.pop(f.name) if f.name in settings else default_of(f)
+        changes: Dict[str, Dict[str, Any]] = {}
+        for name, value in settings.items():
+            if name not in FLAT:
+                raise TypeError(f"ExperimentConfig got an unknown setting {name!r}")
+            where, field = FLAT[name]
+            changes.setdefault(where, {})[field] = value
+        for where, fields in changes.items():
+            own[where] = dataclasses.replace(own[where], **fields)
+        object.__setattr__(self, "data", data)
+        for name, value in own.items():
+            object.__setattr__(self, name, value)
+        sweeps = {k: tuple(v) for k, v in dict(self.sweeps).items()}
+        if thetas is not None:
+            sweeps["thetas"] = tuple(thetas)
+        object.__setattr__(self, "sweeps", sweeps)
         object.__setattr__(self, "options", dict(self.options))
-        for name in ("server_lr", "dp_noise_multiplier", "dp_target_epsilon",
-                     "finetune_steps"):
-            v = getattr(self, name)
-            object.__setattr__(self, name, tuple(v) if isinstance(v, (tuple, list)) else (v,))
         _check(self)
+
+    @property
+    def thetas(self) -> Tuple[float, ...]:
+        """Delta-FL's swept levels (--thetas; () = the algorithm's default): the values of
+        its sweep in ``sweeps``, as any algorithm's."""
+        return self.sweep("thetas")
+
+    def __getattr__(self, name):
+        """A setting by its flag's name (``config.dp_clip``: ``config.privacy.clip``)."""
+        where = FLAT.get(name)
+        if where is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(object.__getattribute__(self, where[0]), where[1])
+
+    def flat(self) -> Dict[str, Any]:
+        """Every setting by flag name, with the data's settings under ``data`` and the options
+        and sweeps as given (what summary.json's ``config`` and a resume's fingerprint hold)."""
+        out = {"data": dataclasses.asdict(self.data), "algorithm": self.algorithm,
+               "options": dict(self.options), "thetas": self.thetas,
+               "sweeps": {k: v for k, v in self.sweeps.items() if k != "thetas"}}
+        for name, _ in GROUPS:
+            out.update(flat_values(getattr(self, name)))
+        out["verbose"] = self.output.verbose
+        return out
 
     def sweep(self, flag: str) -> Tuple[float, ...]:
         """The values given for a swept flag (() = none given)."""
-        if flag == "thetas":
-            return tuple(self.thetas)
         return tuple(self.sweeps.get(flag, ()))
-
-    @property
-    def server(self) -> ServerOptimizer:
-        """The server optimizer (the ``server_*`` fields)."""
-        return ServerOptimizer(name=self.server_optimizer, learning_rates=self.server_lr,
-                               momentum=self.server_momentum, beta1=self.server_beta1,
-                               beta2=self.server_beta2, eps=self.server_eps)
-
-    @property
-    def client(self) -> ClientOptimizer:
-        """The client optimizer (the ``client_*`` fields)."""
-        return ClientOptimizer(name=self.client_optimizer, momentum=self.client_momentum,
-                               beta1=self.client_beta1, beta2=self.client_beta2,
-                               eps=self.client_eps)
-
-    @property
-    def privacy(self) -> Privacy:
-        """The DP settings (the ``dp_*`` fields and the sampler); with --dp_clip=adaptive the
-        clip is the initial one, --dp_clip_init."""
-        adaptive = self.dp_clip == ADAPTIVE
-        return Privacy(clip=self.dp_clip_init if adaptive else self.dp_clip,
-                       noise_multipliers=self.dp_noise_multiplier,
-                       target_epsilons=self.dp_target_epsilon, delta=self.dp_delta,
-                       quantile_noise_ratio=self.dp_quantile_noise_ratio,
-                       loss_bound=self.dp_loss_bound, mm_floor=self.dp_mm_floor,
-                       sampler=self.client_sampling, accountant=self.dp_accountant,
-                       adaptive=adaptive, clip_quantile=self.dp_clip_quantile,
-                       clip_lr=self.dp_clip_lr, clip_count_noise=self.dp_clip_count_noise,
-                       kept_weight=self.dp_kept_weight, mechanism=self.dp_mechanism,
-                       bands=self.dp_bands)
 
     @property
     def method(self) -> str:
         """The algorithm, with its server optimizer when that is not the plain step
         (``fedavg+adam``; the --algorithm entry that names it)."""
         return self.algorithm if self.server.is_default else \
-            f"{self.algorithm}+{self.server_optimizer}"
+            f"{self.algorithm}+{self.server.name}"
 
     def l2_for(self, count: int) -> Tuple[float, ...]:
         """lambda for each of `count` swept values."""
@@ -177,6 +266,19 @@ class ExperimentConfig:
             return aligned(values, count, "l2_reg")
         except ValueError as e:
             raise ConfigError(f"{e}; give one value, or one per swept value") from None
+
+
+def _flat_names() -> Dict[str, Tuple[str, str]]:
+    """setting name (its flag's, or the field's without a flag) -> (group, field)."""
+    out = {}
+    for where, cls in GROUPS:
+        for f in dataclasses.fields(cls):
+            flag = flag_of(f)
+            out[flag.name if flag is not None else f.name] = (where, f.name)
+    return out
+
+
+FLAT = _flat_names()
 
 
 def _finite(name, value):
@@ -276,17 +378,6 @@ def _check_options(c: ExperimentConfig):
         known[flag].check(flag, value)
 
 
-def _check_sampling(c: ExperimentConfig):
-    """--client_sampling and the form of --dp_clip (a number or 'adaptive')."""
-    if c.client_sampling not in SAMPLERS:
-        raise ConfigError(f"--client_sampling must be one of {', '.join(SAMPLERS)}, got "
-                          f"{c.client_sampling!r}")
-    if isinstance(c.dp_clip, str) and c.dp_clip != ADAPTIVE:
-        raise ConfigError(f"--dp_clip must be a number C > 0 or 'adaptive', got {c.dp_clip!r}")
-    if c.dp_clip != ADAPTIVE and c.dp_clip_init != ExperimentConfig.dp_clip_init:
-        raise ConfigError("--dp_clip_init needs --dp_clip=adaptive")
-
-
 def _check(c: ExperimentConfig):
     _check_numbers(c)
     _check_seeds(c)
@@ -297,13 +388,12 @@ def _check(c: ExperimentConfig):
         raise ConfigError(f"unknown swept flag(s) {', '.join(unknown)}")
     for sweep in registry.sweeps():
         sweep.check(c.sweep(sweep.flag))
-    check_thetas(c)
     spec = registry.get(c.algorithm)
     _check_options(c)
     c.server.check()
     c.client.check()
-    _check_sampling(c)
     c.privacy.check()
+    check_private_version(c.privacy, spec)
     spec.check(c)
     c.l2_for(len(spec.sweep_values(c)))
     if c.use_bias is not None and c.model not in LINEAR_MODELS:

@@ -96,9 +96,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
-from deltafl_jax.errors import ConfigError
+from deltafl_jax.declared import floats, setting
+from deltafl_jax.errors import ConfigError, UsageError
 
 NOISE_STREAM = 0x5EC   # folded into a replica's round key for the server's noise
 # The model update's noise multiplier relative to z under the replace-one relation: its noise
@@ -138,41 +139,139 @@ def describe_accountant(sampler: str, accountant: str) -> str:
             f"independently with probability q = m / N each round)")
 
 
+def clip_flag(name: str, value):
+    """--dp_clip: None, 'adaptive' or a number (UsageError otherwise)."""
+    if value is None or value.strip() == ADAPTIVE:
+        return None if value is None else ADAPTIVE
+    try:
+        return float(value)
+    except ValueError:
+        raise UsageError(f"--{name} must be a number C > 0 or 'adaptive', got {value!r}") \
+            from None
+
+
+def check_private_version(privacy: "Privacy", spec, algorithm=None,
+                          tuned: bool = False) -> None:
+    """With --dp_clip: ConfigError unless the algorithm has a private version that this run
+    can use. The one place that refuses a private run for its algorithm: the configuration
+    calls it with the spec alone (an algorithm with no private version at all, refused before
+    any data is loaded), the resolve step with the built `algorithm` (its options may leave
+    it none; the tuner's grid, adaptive clipping and cyclic sampling need more of it)."""
+    if not privacy.enabled:
+        return
+    if not spec.dp_requires:
+        raise ConfigError(f"--algorithm={spec.name} has no private version (--dp_clip): its "
+                          "round releases more than a bounded-weight average of clipped "
+                          "updates (per-client state, loss-driven weights or its own step)")
+    if algorithm is None:
+        return
+    private = algorithm.private
+    if private is None:
+        raise ConfigError(f"--dp_clip: --algorithm={spec.name} has a private version only with "
+                          f"{spec.dp_requires}")
+    if tuned:
+        raise ConfigError("--dp_clip applies to the replicas of the algorithm's own sweep, not "
+                          "to a grid given with them (the tuner's)")
+    if privacy.adaptive and private.denominator is None:
+        raise ConfigError(f"--dp_clip=adaptive: the clip's target fraction needs a fixed "
+                          f"denominator (DP-FedAvg; private Delta-FL with "
+                          f"--dp_kept_weight=expected); --algorithm={spec.name}'s private "
+                          f"version divides by a noised kept weight")
+    if privacy.sampler == "cyclic" and (private.denominator is None or private.releases):
+        raise ConfigError(f"--client_sampling=cyclic with --dp_clip: --algorithm={spec.name}'s "
+                          f"private version releases more than its update (DP-FTRL's account "
+                          f"covers DP-FedAvg and DP-FedProx)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Privacy:
-    """The DP settings of a run (module docstring); ``clip`` None = not private.
+    """The DP settings of a run (module docstring) and its client sampling; ``clip`` None =
+    not private.
 
-    sampler: fixed | poisson (--client_sampling). accountant: pld | rdp (None: by sampler).
-    adaptive: the clip adapts (``clip`` is C_0), toward the unclipped fraction clip_quantile
-    at rate clip_lr, its count noised at clip_count_noise x z. kept_weight: private
+    clip: C, or "adaptive" (the clip adapts from clip_init toward the unclipped fraction
+    clip_quantile at rate clip_lr, its count noised at clip_count_noise x z; the clip applied
+    first is :attr:`initial_clip`). noise_multipliers: z, one per value (several: swept as
+    replicas). target_epsilons: epsilon per value instead of z, each calibrated to a z for the
+    run's rounds (inf: z = 0). delta: None = 1 / N^1.1. quantile_noise_ratio: z_q / z for
+    private Delta-FL's secure sums. loss_bound: B. mm_floor: xi. sampler: fixed | poisson |
+    cyclic (--client_sampling). accountant: pld | rdp (None: by sampler). kept_weight: private
     Delta-FL's denominator, the noised kept weight or its expectation theta m.
-
-    clip: C. noise_multipliers: z, one per value (several: swept as replicas).
-    target_epsilons: epsilon per value instead of z, each calibrated to a z for the run's
-      rounds (inf: z = 0). delta: None = 1 / N^1.1. quantile_noise_ratio: z_q / z for private
-    Delta-FL's secure sums. loss_bound: B. mm_floor: xi.
     """
 
-    clip: Optional[float] = None
-    noise_multipliers: Tuple[float, ...] = (0.0,)
-    target_epsilons: Tuple[float, ...] = ()
-    delta: Optional[float] = None
-    quantile_noise_ratio: float = 1.0
-    loss_bound: float = 10.0
-    mm_floor: float = 0.1
-    sampler: str = "fixed"
-    accountant: Optional[str] = None
-    adaptive: bool = False
-    clip_quantile: float = 0.5
-    clip_lr: float = 0.2
-    clip_count_noise: float = 5.0
-    kept_weight: str = "noised"
-    mechanism: str = "gaussian"
-    bands: Optional[int] = None
+    clip: Optional[Union[float, str]] = setting(
+        None, "client-level DP (DP-FedAvg): clip each client's update to this L2 norm C; "
+        "'adaptive': a clip per replica that follows the --dp_clip_quantile of the update norms "
+        "(Andrew et al. 2021); unset: not private", flag="dp_clip", kind="string",
+        parse=clip_flag)
+    clip_init: float = setting(0.1, "--dp_clip=adaptive: the initial clip C_0",
+                               flag="dp_clip_init")
+    clip_quantile: float = setting(
+        0.5, "--dp_clip=adaptive: the target quantile gamma of the update norms (the fraction "
+        "left unclipped)", flag="dp_clip_quantile")
+    clip_lr: float = setting(0.2, "--dp_clip=adaptive: eta_C of the geometric step C <- C "
+                             "exp(-eta_C (b - gamma))", flag="dp_clip_lr")
+    clip_count_noise: float = setting(
+        5.0, "--dp_clip=adaptive: the noise std of the unclipped count, relative to z "
+        "(accounted)", flag="dp_clip_count_noise")
+    kept_weight: str = setting(
+        "noised", "private Delta-FL: divide the noised update by the kept weight released with "
+        "noise (noised) or by its expectation theta m, fixed and not released (expected)",
+        flag="dp_kept_weight", choices=KEPT_WEIGHTS)
+    mechanism: str = setting(
+        "gaussian", "gaussian: independent noise each round | bandmf: DP-FTRL's banded matrix "
+        "factorisation (correlated noise; needs --client_sampling=cyclic)",
+        flag="dp_mechanism", choices=MECHANISMS)
+    bands: Optional[int] = setting(
+        None, "--dp_mechanism=bandmf: the bands b of the Toeplitz strategy (each replica keeps "
+        "b - 1 noise vectors); unset: min(G, rounds), G = N // m", flag="dp_bands",
+        kind="integer")
+    accountant: Optional[str] = setting(
+        None, "pld | rdp: dp-accounting's accountant; unset: rdp with --client_sampling=fixed "
+        "(replace-one), pld with poisson (add-or-remove)", flag="dp_accountant",
+        kind="enum", choices=ACCOUNTANTS)
+    noise_multipliers: Tuple[float, ...] = setting(
+        (0.0,), "z: the server adds N(0, (z C a_max)^2) to the sum of the clipped updates; "
+        "several values train as replicas", flag="dp_noise_multiplier", parse=floats)
+    target_epsilons: Tuple[float, ...] = setting(
+        (), "epsilon at --dp_delta after the run's rounds, each value calibrated to a z before "
+        "the run (inf: no noise); several values train as replicas; instead of "
+        "--dp_noise_multiplier", flag="dp_target_epsilon", parse=floats)
+    delta: Optional[float] = setting(
+        None, "delta of the accounting; unset: 1 / N^1.1 with N the training clients",
+        flag="dp_delta", kind="float")
+    quantile_noise_ratio: float = setting(
+        1.0, "private Delta-FL: the noise multiplier of each secure sum of its quantile, "
+        "relative to z", flag="dp_quantile_noise_ratio")
+    loss_bound: float = setting(
+        10.0, "private Delta-FL: the losses are clipped to [0, B] for the quantile's secure sums",
+        flag="dp_loss_bound")
+    mm_floor: float = setting(
+        0.1, "private Delta-FL: the MM weights are 1 / max(|F_k - mu|, xi), which bounds their "
+        "sensitivity", flag="dp_mm_floor")
+    sampler: str = setting(
+        "fixed", "fixed: m distinct clients drawn uniformly each round | poisson: each client "
+        "joins a round independently with probability q = m / N (DP's add-or-remove "
+        "accounting) | cyclic: G = N // m fixed groups of m, round t trains group t mod G "
+        "(DP-FTRL's participation)", flag="client_sampling", choices=SAMPLERS)
+
+    def __post_init__(self):
+        for name in ("noise_multipliers", "target_epsilons"):
+            v = getattr(self, name)
+            object.__setattr__(self, name, tuple(v) if isinstance(v, (tuple, list)) else (v,))
 
     @property
     def enabled(self) -> bool:
         return self.clip is not None
+
+    @property
+    def adaptive(self) -> bool:
+        """--dp_clip=adaptive."""
+        return self.clip == ADAPTIVE
+
+    @property
+    def initial_clip(self) -> Optional[float]:
+        """The clip of the first round: C, or C_0 with --dp_clip=adaptive (None: not private)."""
+        return self.clip_init if self.adaptive else self.clip
 
     @property
     def accountant_name(self) -> str:
@@ -180,12 +279,21 @@ class Privacy:
         if self.accountant is not None:
             return self.accountant
         return "rdp" if self.sampler == "fixed" else "pld"
+
     def check(self) -> None:
         """ConfigError naming the flag at fault."""
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"--client_sampling must be one of {', '.join(SAMPLERS)}, got "
+                              f"{self.sampler!r}")
+        if isinstance(self.clip, str) and self.clip != ADAPTIVE:
+            raise ConfigError(f"--dp_clip must be a number C > 0 or 'adaptive', got "
+                              f"{self.clip!r}")
+        if not self.adaptive and self.clip_init != Privacy().clip_init:
+            raise ConfigError("--dp_clip_init needs --dp_clip=adaptive")
         if not self.enabled:
             self._check_unset()
             return
-        _positive("dp_clip_init" if self.adaptive else "dp_clip", self.clip)
+        _positive("dp_clip_init" if self.adaptive else "dp_clip", self.initial_clip)
         self._check_sampling()
         self._check_adaptive()
         for z in self.noise_multipliers:

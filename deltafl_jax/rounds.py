@@ -296,13 +296,12 @@ def _private_feedback(privatize, private, adaptive, correlated, m, feedback, tr,
 
 def _private(algorithm, clip, m, adaptive=None, correlated=None):
     """(the algorithm's private version, the vmapped feedback transform) with a clip, else
-    (None, None); ValueError for an algorithm without one. Adaptive clipping: the transform
-    takes each replica's clip too; BandMF: its noise history (and returns the new one)."""
+    (None, None); a run with a clip has one (:func:`deltafl_jax.run.resolve.resolve` refuses
+    the others). Adaptive clipping: the transform takes each replica's clip too; BandMF: its
+    noise history (and returns the new one)."""
     if clip is None:
         return None, None
     private = algorithm.private
-    if private is None:
-        raise ValueError(f"{algorithm.name} has no private version (FederatedAlgorithm.private)")
     if adaptive is not None:   # the clip of each replica from the state, traced
         return private, jax.vmap(lambda fb, h, k, z, c: _privatize(private, c, m, fb, h, k, z))
     if correlated is not None:

@@ -40,18 +40,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from deltafl_jax.declared import declared, floats, from_flat, setting
 from deltafl_jax.errors import ConfigError
 
 NAMES = ("sgd", "momentum", "adam", "yogi", "adagrad")
 DISPLAY = {"sgd": "SGD", "momentum": "momentum", "adam": "Adam", "yogi": "Yogi",
            "adagrad": "Adagrad"}
-# The --server_* flags beside --server_lr that each optimizer reads, the ServerOptimizer field
-# of each, and how reports write it.
+# The --server_* flags beside --server_lr that each optimizer reads, and how reports write
+# each.
 READS = {"sgd": (), "momentum": ("server_momentum",), "adagrad": ("server_beta1", "server_eps"),
          "adam": ("server_beta1", "server_beta2", "server_eps"),
          "yogi": ("server_beta1", "server_beta2", "server_eps")}
-FIELDS = {"server_momentum": "momentum", "server_beta1": "beta1", "server_beta2": "beta2",
-          "server_eps": "eps"}
 SYMBOLS = {"server_momentum": "β", "server_beta1": "β₁", "server_beta2": "β₂",
            "server_eps": "τ"}
 
@@ -104,12 +103,25 @@ class ServerOptimizer:
     momentum: beta of ``momentum``. beta1, beta2, eps: beta1, beta2, tau of the adaptive ones.
     """
 
-    name: str = "sgd"
-    learning_rates: Tuple[float, ...] = (1.0,)
-    momentum: float = 0.9
-    beta1: float = 0.9
-    beta2: float = 0.99
-    eps: float = 1e-3
+    name: str = setting(
+        "sgd", "the server step on the pseudo-gradient -Delta: sgd (w + eta Delta; eta = 1: the "
+        "plain average) | momentum (FedAvgM) | adam (FedAdam) | yogi (FedYogi) | adagrad "
+        "(FedAdagrad), as Reddi et al. 2021, Algorithm 2", flag="server_optimizer", choices=NAMES)
+    learning_rates: Tuple[float, ...] = setting(
+        (1.0,), "server learning rate eta; several values train as replicas of one program",
+        flag="server_lr", parse=floats)
+    momentum: float = setting(0.9, "momentum: beta of v <- beta v + Delta",
+                              flag="server_momentum")
+    beta1: float = setting(0.9, "adam / yogi / adagrad: beta1 of the first moment",
+                           flag="server_beta1")
+    beta2: float = setting(0.99, "adam / yogi: beta2 of the second moment", flag="server_beta2")
+    eps: float = setting(1e-3, "adam / yogi / adagrad: tau, added to sqrt(v) (and v_{-1} = "
+                         "tau^2)", flag="server_eps")
+
+    def __post_init__(self):
+        lrs = self.learning_rates
+        object.__setattr__(self, "learning_rates",
+                           tuple(lrs) if isinstance(lrs, (tuple, list)) else (lrs,))
 
     def check(self) -> None:
         """ConfigError naming the flag at fault."""
@@ -168,16 +180,15 @@ class ServerOptimizer:
         return optax.inject_hyperparams(make)(learning_rate=1.0)
 
 
+# The ServerOptimizer field of each --server_* flag beside --server_optimizer and --server_lr.
+FIELDS = {flag.name: name for name, flag in declared(ServerOptimizer)
+          if name not in ("name", "learning_rates")}
+
+
 def from_run_config(config: Mapping[str, Any]) -> ServerOptimizer:
     """The server optimizer of a finished run, from its stored configuration (summary.json's
     ``config``); runs written before server optimizers existed took the plain step."""
-    d = ServerOptimizer()
-    lrs = config.get("server_lr") or d.learning_rates
-    return ServerOptimizer(
-        name=str(config.get("server_optimizer") or d.name),
-        learning_rates=tuple(float(v) for v in (lrs if isinstance(lrs, (list, tuple))
-                                                else (lrs,))),
-        **{field: float(config.get(flag, getattr(d, field))) for flag, field in FIELDS.items()})
+    return from_flat(ServerOptimizer, config)
 
 
 def _number(flag, v, low, low_ok, high=None):

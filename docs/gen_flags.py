@@ -36,12 +36,16 @@ COMMANDS = ("experiments.run", "experiments.tune", "experiments.leaderboard",
 # does not say it in a few words.
 TITLES = {
     "define_data_flags": "Data",
-    "define_experiment_flags": "The run: model, algorithm, rounds, placement, outputs",
+    "define_experiment_flags": "The run: the algorithms and the model module",
     "_define_sweep_flags": "Swept hyper-parameters",
     "_define_option_flags": "Algorithm options",
+    "_define_training_flags": "Training: model, seeds, rounds, local steps "
+                              "(deltafl_jax.config.Training)",
     "_define_server_flags": "The server optimizer (deltafl_jax.server_optimizer)",
     "_define_client_flags": "The client optimizer (deltafl_jax.client_optimizer)",
-    "_define_privacy_flags": "Client-level differential privacy (deltafl_jax.privacy)",
+    "_define_privacy_flags": "Client-level differential privacy and client sampling "
+                             "(deltafl_jax.privacy)",
+    "_define_placement_flags": "Placement: devices, lanes, chunks (deltafl_jax.config.Placement)",
 }
 
 
@@ -55,7 +59,8 @@ def _declarer(frame) -> Dict[str, str]:
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         name = frame.f_code.co_name
-        if not module.startswith("absl") and name not in ("_define", "_record"):
+        if not module.startswith("absl") and name not in ("_define", "_record",
+                                                          "_define_settings"):
             func = frame.f_globals.get(name) if name != "<module>" else None
             doc = (getattr(func, "__doc__", None) or "").strip()
             return {"module": module, "function": name, "doc": doc}

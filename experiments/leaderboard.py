@@ -308,7 +308,7 @@ def _same_config(out: str, config) -> Optional[Dict[str, Any]]:
     if not os.path.exists(path):
         return None
     summary = RunReader(out).summary()
-    want = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    want = json.loads(json.dumps(config.flat(), default=str))
     have = json.loads(json.dumps(summary.get("config", {}), default=str))
     drop = ("overwrite", "verbose", "tensorboard")
     return summary if ({k: v for k, v in want.items() if k not in drop}

@@ -21,7 +21,7 @@ import sys
 
 from absl import app, flags, logging
 
-from experiments.cli import fail, parse_flags_or_fail
+from experiments.command import fail, parse_flags_or_fail
 
 FLAGS = flags.FLAGS
 

@@ -31,8 +31,10 @@ import sys  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
 
-from experiments.cli import (FLAGS, UsageError, configs_from_flags, define_experiment_flags,
-                             fail, import_model_module, parse_flags_or_fail, start_backend)
+from experiments.backend import import_model_module, start_backend
+from experiments.cli import define_experiment_flags
+from experiments.command import FLAGS, fail, parse_flags_or_fail
+from experiments.configs import UsageError, configs_from_flags
 
 define_experiment_flags()
 flags.DEFINE_bool("estimate", False, "build the run, compile it, time a few rounds and one "

@@ -208,7 +208,8 @@ def test_a_million_clients_build_without_their_examples(make_config):
     chunk = exp.placement.eval_chunk
     assert exp.caps.eval_len == -(-10 * 1000 // chunk) * chunk   # m clients at the size cap
     small_cfg = DataConfig("synthetic", synthetic_num_clients=1000, synthetic_on_demand=True)
-    small = build_experiment(make_config(data=small_cfg, clients_per_round=10, eval_clients=50))
+    small = build_experiment(make_config(data=small_cfg, clients_per_round=10, eval_clients=50),
+                             load_dataset(small_cfg))
     assert small.footprint.data == exp.footprint.data
     state, _ = exp.round_fn(exp.initial_state(), exp.round_data(0), exp.keys())
     assert np.all(np.isfinite(jax.device_get(state.params["w"] if "w" in state.params
@@ -222,7 +223,7 @@ def test_bad_client_data_and_eval_clients_are_one_line_errors(make_config):
         make_config(eval_clients=-3)
     data_cfg = DataConfig("synthetic", synthetic_num_clients=200, synthetic_on_demand=True)
     with pytest.raises(ConfigError, match="generated on demand"):
-        build_experiment(make_config(data=data_cfg, client_data="device"))
+        build_experiment(make_config(data=data_cfg, client_data="device"), load_dataset(data_cfg))
     with pytest.raises(DataError, match="--normalize=none"):
         load_dataset(DataConfig("synthetic", synthetic_num_clients=200,
                                 synthetic_on_demand=True, normalize="standard"))

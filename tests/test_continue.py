@@ -68,6 +68,19 @@ def models(out):
             for f in sorted(os.listdir(mdir)) if f.endswith(".msgpack")}
 
 
+def same_models_and_summaries(out, whole):
+    """The saved models of two runs are equal bit for bit, and so are their summaries' results;
+    (summary, summary)."""
+    a, b = models(out), models(whole)
+    assert sorted(a) == sorted(b) and a
+    for f in a:
+        jax.tree.map(np.testing.assert_array_equal, a[f], b[f])
+    sa, sb = (json.load(open(os.path.join(d, "summary.json"))) for d in (out, whole))
+    for key in ("final", "replicas", "diverged", "privacy", "dataset", "clients_per_round"):
+        assert sa.get(key) == sb.get(key), key
+    return sa, sb
+
+
 @pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow)
                                   for n in VARIANTS])
 def test_continued_run_equals_the_uninterrupted_one(tmp_path, capsys, name):
@@ -99,13 +112,7 @@ def test_continued_run_equals_the_uninterrupted_one(tmp_path, capsys, name):
     hist, hist_whole = (npz(os.path.join(d, "clients_history.npz")) for d in (out, whole))
     keep = [i for i, t in enumerate(hist["rounds"]) if not (extra_eval and t == short)]
     same_arrays({k: v[keep] for k, v in hist.items()}, hist_whole, "clients_history.npz")
-    a, b = models(out), models(whole)
-    assert sorted(a) == sorted(b) and a
-    for f in a:
-        jax.tree.map(np.testing.assert_array_equal, a[f], b[f])
-    sa, sb = (json.load(open(os.path.join(d, "summary.json"))) for d in (out, whole))
-    for key in ("final", "replicas", "diverged", "privacy", "dataset", "clients_per_round"):
-        assert sa.get(key) == sb.get(key), key
+    sa, sb = same_models_and_summaries(out, whole)
     assert {k: v for k, v in sa["config"].items() if k != "output_dir"} == \
         {k: v for k, v in sb["config"].items() if k != "output_dir"}
     if name == "diverging":

@@ -299,7 +299,7 @@ def test_the_adaptive_clip_under_poisson_noises_its_count(tiny_synthetic):
     composes it with the update (add-or-remove multipliers z and r z) under both
     samplers."""
     keys = jax.random.split(jax.random.key(4), 4000)
-    p = privacy.Privacy(clip=1.0, adaptive=True, clip_count_noise=3.0, clip_lr=0.2)
+    p = privacy.Privacy(clip="adaptive", clip_init=1.0, clip_count_noise=3.0, clip_lr=0.2)
     _, frac = jax.vmap(lambda k: privacy.adaptive_clip(jnp.float32(1.0), jnp.int32(5), k,
                                                        jnp.float32(1.5), p, 10.0))(keys)
     noise = (np.asarray(frac, np.float64) * 10.0 - 5.0)

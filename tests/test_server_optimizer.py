@@ -9,7 +9,7 @@ import pytest
 
 import numpy_fedopt as nf
 from conftest import linear_rows, run_rounds_history, run_runner, tiny_config
-from deltafl_jax import DataConfig, build_experiment, load_model, run_experiment
+from deltafl_jax import DataConfig, build_experiment, load_dataset, load_model, run_experiment
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.server_optimizer import ServerOptimizer
 
@@ -56,7 +56,7 @@ def test_three_rounds_equal_reddi_algorithm_2(tiny_npz, kind, kw):
     learning rates trained as replicas of one program."""
     etas = (0.05, 0.2) if kind != "sgd" else (0.5, 2.0)
     cfg = fedopt_config(tiny_npz, server_optimizer=kind, server_lr=etas, **kw)
-    exp = build_experiment(cfg)
+    exp = build_experiment(cfg, load_dataset(cfg.data))
     state = run_rounds_history(exp, 3)[0]
     data = exp.data
     xs = [data.train.client(k)[0].astype(np.float64) for k in range(data.train.num_clients)]

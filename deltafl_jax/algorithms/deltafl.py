@@ -240,7 +240,7 @@ def deltafl(options: DeltaFLOptions = DeltaFLOptions(), tie_rtol: float = DEFAUL
 
 THETA_SWEEP = Sweep(flag="thetas", field="theta", default=PAPER_THETAS,
                     help="conformity levels theta in (0, 1], all trained in one program",
-                    labelled_by_theta=True, symbol="θ", tuned=False)
+                    interval=(0.0, 1.0), labelled_by_theta=True, symbol="θ", tuned=False)
 
 
 def run_thetas(config) -> Sequence[float]:

@@ -105,7 +105,7 @@ SPEC = AlgorithmSpec(
     factory=_make, hyper=FedAvgSubHyper, options_type=FedAvgSubOptions,
     sweep=Sweep(flag="thetas", field="theta", default=DEFAULT_SUB_THETAS,
                 help="conformity levels theta in (0, 1], all trained in one program",
-                labelled_by_theta=True, symbol="θ"),
+                interval=(0.0, 1.0), labelled_by_theta=True, symbol="θ"),
     alt_sweep=Sweep(flag="fedavg_sub_clients", field="clients", default=(),
                     help="fedavg_sub: clients averaged per round, swept (empty: as many as "
                     "Delta-FL keeps at each theta < 1 of --thetas)", integer=True,

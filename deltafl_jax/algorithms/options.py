@@ -97,6 +97,7 @@ class Sweep:
     default: the default grid.
     help: the flag's help text (without its default, which absl prints).
     minimum: values must be >= minimum (None: any finite value).
+    interval: (lo, hi): values must lie in (lo, hi] (None: no such bound).
     integer: values must be integers.
     labelled_by_theta: replicas are labelled by theta (label.theta = value); otherwise by
       param_name = flag and param_value = value.
@@ -111,6 +112,7 @@ class Sweep:
     default: Tuple[float, ...]
     help: str
     minimum: Optional[float] = None
+    interval: Optional[Tuple[float, float]] = None
     integer: bool = False
     labelled_by_theta: bool = False
     symbol: str = ""
@@ -131,6 +133,9 @@ class Sweep:
                 raise ConfigError(f"--{self.flag} must be integers, got {v!r}")
             if self.minimum is not None and v < self.minimum:
                 raise ConfigError(f"--{self.flag} must be >= {self.minimum:g}, got {v!r}")
+            if self.interval is not None and not self.interval[0] < v <= self.interval[1]:
+                lo, hi = self.interval
+                raise ConfigError(f"--{self.flag} must lie in ({lo:g}, {hi:g}], got {v!r}")
             out.append(float(v))
         if len(set(out)) != len(out):
             raise ConfigError(f"--{self.flag} lists a value twice: {list(values)}")

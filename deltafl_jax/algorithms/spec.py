@@ -167,10 +167,6 @@ class AlgorithmSpec:
     def check(self, config) -> None:
         self.sweep_values(config)
         self.options_for(config)
-        if config.privacy.enabled and not self.dp_requires:
-            raise ConfigError(f"--algorithm={self.name} has no private version (--dp_clip): "
-                              "its round releases more than a bounded-weight average of clipped "
-                              "updates (per-client state, loss-driven weights or its own step)")
         if self.own_server_step and not config.server.is_default:
             raise ConfigError(f"--algorithm={self.name} takes no --server_optimizer or "
                               f"--server_lr: {self.own_server_step}")

@@ -21,12 +21,26 @@ import os
 from typing import Callable, Dict, Optional, Tuple
 
 from deltafl_jax.data import DataError, FederatedDataset
+from deltafl_jax.declared import setting
+from deltafl_jax.errors import UsageError
 
 
 def default_data_dir() -> str:
     """Where prepared datasets live: $DELTAFL_DATA, else ~/.cache/deltafl_jax."""
     return os.environ.get("DELTAFL_DATA") or os.path.join(
         os.path.expanduser("~"), ".cache", "deltafl_jax")
+
+
+def toy_means_flag(name: str, text: str) -> Tuple[Tuple[float, float], ...]:
+    """--toy_means 'x,y;x,y;...' as pairs (UsageError naming the flag otherwise)."""
+    try:
+        means = tuple(tuple(float(v) for v in pair.split(",")) for pair in text.split(";")
+                      if pair.strip())
+    except ValueError:
+        raise UsageError(f"--{name} must look like '0,0;4,0;1,1', got {text!r}") from None
+    if len(means) < 2 or any(len(m) != 2 for m in means):
+        raise UsageError(f"--{name} must list at least two x,y pairs, got {text!r}")
+    return means
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,25 +76,50 @@ class DataConfig:
         and its own program (:mod:`deltafl_jax.seed_programs`).
     """
 
-    dataset: str
-    data_path: Optional[str] = None
-    data_dir: Optional[str] = None
-    data_seed: int = 0
-    min_client_examples: Optional[int] = None
-    max_examples_per_client: Optional[int] = None
-    max_train_clients: Optional[int] = None
-    max_test_clients: Optional[int] = None
-    synthetic_alpha: float = 1.0
-    synthetic_beta: float = 1.0
-    synthetic_num_clients: int = 100
-    synthetic_max_examples: int = 1000
-    synthetic_shared: float = 0.0
-    synthetic_on_demand: Optional[bool] = None
-    toy_means: Tuple[Tuple[float, float], ...] = ((0.0, 0.0), (4.0, 0.0), (1.0, 1.0))
-    toy_examples_per_client: int = 500
-    normalize: str = "none"
-    writer_fraction: float = 0.5
-    resample_writers_per_seed: bool = False
+    dataset: str = setting(
+        help="synthetic | gaussian_toy | npz | shakespeare | sent140 | femnist | stackoverflow",
+        kind="string", flag_default="synthetic")
+    data_path: Optional[str] = setting(None, "npz file, or the raw source of a real dataset",
+                                       kind="string")
+    data_dir: Optional[str] = setting(None, "prepared-dataset cache; unset: $DELTAFL_DATA or "
+                                      "~/.cache/deltafl_jax", kind="string")
+    data_seed: int = setting(0, "seed of data generation and of the train/test split")
+    min_client_examples: Optional[int] = setting(
+        None, "keep clients with at least this many examples; unset: the dataset's paper value",
+        kind="integer")
+    max_examples_per_client: Optional[int] = setting(
+        None, "keep each client's first N examples", kind="integer")
+    max_train_clients: Optional[int] = setting(
+        None, "keep a seeded subset of the train clients", kind="integer")
+    max_test_clients: Optional[int] = setting(
+        None, "keep a seeded subset of the test clients", kind="integer")
+    synthetic_alpha: float = setting(1.0, "Synthetic(alpha, beta): model heterogeneity")
+    synthetic_beta: float = setting(1.0, "Synthetic(alpha, beta): feature heterogeneity")
+    synthetic_num_clients: int = setting(100, "Synthetic: clients, half train half test")
+    synthetic_max_examples: int = setting(1000, "Synthetic: cap of the client sizes")
+    synthetic_shared: float = setting(
+        0.0, "Synthetic: weight in [0, 1) of the labelling model shared by all clients (0 = the "
+        "original benchmark)")
+    synthetic_on_demand: Optional[bool] = setting(
+        None, "Synthetic: generate each client when a round or an evaluation reads it (its own "
+        "random stream); unset: above 100000 clients", kind="bool")
+    toy_means: Tuple[Tuple[float, float], ...] = setting(
+        ((0.0, 0.0), (4.0, 0.0), (1.0, 1.0)), "gaussian_toy: means 'x,y;x,y;...'",
+        kind="string", flag_default="0,0;4,0;1,1", parse=toy_means_flag,
+        restore=lambda v: tuple(tuple(float(x) for x in pair) for pair in v))
+    toy_examples_per_client: int = setting(500, "gaussian_toy: samples per client")
+    normalize: str = setting(
+        "none", "float inputs: none | reference (the authors' code: (x - mu) / mu per feature, "
+        "mu the mean of each split's own examples) | standard (z-scores with the training "
+        "statistics); sent140: of the mean GloVe vectors (sent140_linear)",
+        choices=("none", "reference", "standard"))
+    writer_fraction: float = setting(
+        0.5, "femnist: fraction of the eligible writers kept (the paper: 0.5; 1.0 keeps them "
+        "all)")
+    resample_writers_per_seed: bool = setting(
+        False, "redraw the data (femnist's writer subsample; every dataset's train/test split) "
+        "from each seed, as the authors do; each seed then runs as its own program into "
+        "<output_dir>/seed_<s>/")
 
     @property
     def resolved_data_dir(self) -> str:

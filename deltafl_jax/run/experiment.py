@@ -14,28 +14,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional
 
 import jax
 import numpy as np
 
-from deltafl_jax import engine, plan as plan_lib, replica_grid, rounds
+from deltafl_jax import engine, plan as plan_lib, rounds
 from deltafl_jax.engine import mesh as mesh_lib
-from deltafl_jax.algorithms import registry
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.config import PERCENTILES, ExperimentConfig
 from deltafl_jax.data import FederatedDataset
-from deltafl_jax.datasets import load_dataset
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.eval_sample import EvalSampler, summarize_sample
-from deltafl_jax.holdout import hold_out
 from deltafl_jax.metrics import summarize
-from deltafl_jax.models import Model, ModelOptions, build_model, default_conv_impl
-from deltafl_jax.privacy import (OVERFLOW_PLAIN, OVERFLOW_SHARE, UPDATE_RELEASE,
-                                UPDATE_RELEASE_ADD_REMOVE, Accounting, Correlated,
-                                bandmf_coefficients)
+from deltafl_jax.models import Model, ModelOptions
+from deltafl_jax.privacy import Accounting
 from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import placement as placement_lib
 from deltafl_jax.run.callbacks import RunFacts, RunView
@@ -44,6 +38,7 @@ from deltafl_jax.run.client_store import ClientStore
 from deltafl_jax.run.personal import PersonalEvaluation
 from deltafl_jax.run.placement import (Footprint, Placement, check_memory, choose_placement,
                                        compute_footprint)
+from deltafl_jax.run.resolve import resolve
 
 AUTO_FULL_EVAL = 100_000    # populations up to this many clients are evaluated whole by default
 AUTO_EVAL_CLIENTS = 1000    # clients of each split per evaluation beyond it
@@ -103,10 +98,10 @@ class Experiment:
     def initial_state(self) -> rounds.ServerState:
         privacy = self.config.privacy
         correlated = self.accounting.correlated if self.accounting is not None else None
+        clip = privacy.initial_clip if privacy.adaptive else None
         return self._place(rounds.init_state(self.model, self.algorithm, self.replicas,
                                              self.seeds, self.server_tx,
-                                             self.data.train.num_clients,
-                                             clip=privacy.clip if privacy.adaptive else None,
+                                             self.data.train.num_clients, clip=clip,
                                              bands=len(correlated.coef) if correlated else 0))
 
     def keys(self):
@@ -271,28 +266,6 @@ def eval_clients(config: ExperimentConfig, data: FederatedDataset) -> Optional[i
     return int(k)
 
 
-def _model(config: ExperimentConfig, data: FederatedDataset) -> Tuple[Model, ModelOptions]:
-    conv_impl = config.conv_impl or (default_conv_impl(config.placement_backend)
-                                     if config.placement_backend else None)
-    options = ModelOptions(conv_impl=conv_impl, use_bias=config.use_bias)
-    try:
-        return build_model(config.model, data, options), options
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDataset) -> int:
-    m = config.clients_per_round
-    if config.client_sampling == "cyclic" and spec.all_clients:
-        raise ConfigError(f"--client_sampling=cyclic: --algorithm={spec.name} trains every "
-                          f"client every round")
-    if m > data.train.num_clients:
-        raise ConfigError(
-            f"--clients_per_round={m} exceeds the {data.train.num_clients} training clients of "
-            f"{data.name}")
-    return int(data.train.num_clients) if spec.all_clients else m
-
-
 def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh,
               server_tx, expected: Optional[int] = None, correlated=None):
     """The jitted round: plain for one device, jit(shard_map(...)) over a mesh otherwise."""
@@ -301,7 +274,7 @@ def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh
     local = engine.LocalSGDConfig(batch_size=config.batch_size, lanes=place.lanes,
                                   lane_mode=place.lane_mode, unroll=place.unroll,
                                   branchless=place.branchless, axis=axis,
-                                  clip=config.privacy.clip,
+                                  clip=config.privacy.initial_clip,
                                   optimizer=config.client.transformation)
     privacy = config.privacy
     raw = rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
@@ -322,94 +295,6 @@ def _mesh(config: ExperimentConfig):
         raise ConfigError(str(e)) from None
 
 
-def _accounting(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: FederatedAlgorithm,
-                m: int, num_clients: int, replicas) -> Optional[Accounting]:
-    """The privacy ledger of a private run (None otherwise), its noise multipliers those of
-    the config's DP values (calibrated to each --dp_target_epsilon); ConfigError when the
-    algorithm, with its options, has no private version."""
-    privacy = config.privacy
-    if not privacy.enabled:
-        return None
-    if algorithm.private is None:
-        raise ConfigError(f"--dp_clip: --algorithm={spec.name} has a private version only with "
-                          f"{spec.dp_requires}")
-    if replicas is not None:
-        raise ConfigError("--dp_clip applies to the replicas of the algorithm's own sweep, not "
-                          "to a grid given with them (the tuner's)")
-    if privacy.adaptive and algorithm.private.denominator is None:
-        raise ConfigError(f"--dp_clip=adaptive: the clip's target fraction needs a fixed "
-                          f"denominator (DP-FedAvg; private Delta-FL with "
-                          f"--dp_kept_weight=expected); --algorithm={spec.name}'s private "
-                          f"version divides by a noised kept weight")
-    count = ((privacy.clip_count_noise,) if privacy.adaptive else ())
-    if privacy.sampler == "cyclic":
-        return _cyclic_accounting(config, spec, algorithm, m, num_clients)
-    if privacy.sampler == "poisson":
-        releases = ((UPDATE_RELEASE_ADD_REMOVE,) + tuple(algorithm.private.add_remove_releases)
-                    + count)
-    else:
-        releases = (UPDATE_RELEASE,) + tuple(algorithm.private.releases) + count
-    noise = privacy.noise_multipliers_for(m, config.num_rounds, num_clients, releases)
-    return Accounting(population=num_clients, m=m, releases=releases,
-                      delta=privacy.delta_for(num_clients), noise=noise,
-                      sampler=privacy.sampler, accountant=privacy.accountant_name,
-                      rounds=config.num_rounds)
-
-
-def _cyclic_accounting(config: ExperimentConfig, spec: AlgorithmSpec,
-                       algorithm: FederatedAlgorithm, m: int, num_clients: int) -> Accounting:
-    """Cyclic participation: the run as one Gaussian mechanism over BandMF's factorisation
-    (--dp_mechanism=gaussian: one band), for a private version whose only release is its
-    update and whose denominator is fixed (DP-FedAvg)."""
-    privacy = config.privacy
-    private = algorithm.private
-    if private.denominator is None or private.releases:
-        raise ConfigError(f"--client_sampling=cyclic with --dp_clip: --algorithm={spec.name}'s "
-                          f"private version releases more than its update (DP-FTRL's account "
-                          f"covers DP-FedAvg and DP-FedProx)")
-    groups = num_clients // m
-    T = config.num_rounds
-    bands = 1 if privacy.mechanism == "gaussian" else (privacy.bands or min(groups, T))
-    correlated = Correlated(coef=bandmf_coefficients(T, bands), min_sep=groups, rounds=T)
-    releases = (UPDATE_RELEASE_ADD_REMOVE,)
-    noise = privacy.noise_multipliers_for(m, T, num_clients, releases, correlated)
-    return Accounting(population=num_clients, m=m, releases=releases,
-                      delta=privacy.delta_for(num_clients), noise=noise, sampler="cyclic",
-                      accountant=privacy.accountant_name, rounds=T, correlated=correlated)
-
-
-def _poisson(config: ExperimentConfig, spec: AlgorithmSpec, m: int, num_clients: int,
-             accounting: Optional[Accounting]) -> Optional[plan_lib.PoissonSampling]:
-    """--client_sampling=poisson: q = m / N and the cap (:func:`deltafl_jax.plan.poisson_cap`):
-    a private run's overflow term (1 + e^eps) P at most delta / OVERFLOW_SHARE at its largest
-    finite epsilon; a non-private run's P at most OVERFLOW_PLAIN. ConfigError for an
-    algorithm whose round needs a fixed cohort."""
-    if config.client_sampling != "poisson":
-        return None
-    if spec.all_clients or not spec.variable_cohort:
-        raise ConfigError(f"--client_sampling=poisson: --algorithm={spec.name} needs a fixed "
-                          f"cohort of m clients a round (it supports --client_sampling=fixed)")
-    q = m / num_clients
-    budget = OVERFLOW_PLAIN
-    if accounting is not None:
-        eps = [float(e) for e in accounting.epsilons(config.num_rounds) if math.isfinite(e)]
-        if eps:
-            budget = accounting.delta / OVERFLOW_SHARE / (1.0 + math.exp(min(max(eps), 700)))
-    return plan_lib.PoissonSampling(q=q, cap=plan_lib.poisson_cap(num_clients, q,
-                                                                  config.num_rounds, budget))
-
-
-def _plan_groups(config: ExperimentConfig, algorithm: FederatedAlgorithm, replicas: Replicas):
-    """(replicas, their seed indices or None, the seed of each plan group): one plan per seed,
-    or one per replica for an algorithm that samples from its own state (``sampling``)."""
-    if algorithm.sampling is None:
-        return replicas, None, config.seeds
-    replica_seeds = np.asarray(replicas.group)
-    seeds = tuple(config.seeds[int(g)] for g in replica_seeds)
-    return (dataclasses.replace(replicas, group=np.arange(replicas.size, dtype=np.int32)),
-            replica_seeds, seeds)
-
-
 def _check_probe(spec: AlgorithmSpec, algorithm: FederatedAlgorithm, place: Placement) -> None:
     """ConfigError for an algorithm with a second sample (``probe``) on a host-kept split:
     its plan indexes the split on the device."""
@@ -418,49 +303,34 @@ def _check_probe(spec: AlgorithmSpec, algorithm: FederatedAlgorithm, place: Plac
                           "the training split on the device: use --client_data=device")
 
 
-def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = None,
+def build_experiment(config: ExperimentConfig, data: FederatedDataset,
                      replicas: Optional[Replicas] = None) -> Experiment:
-    """Load the data and build the jitted round. Raises ConfigError / DataError on bad input.
+    """The run of `config` on `data` (loaded by the caller) resolved
+    (:func:`deltafl_jax.run.resolve.resolve`), placed on the devices, with its round jitted.
+    Raises ConfigError / DataError on bad input.
 
     `replicas` may be given to train an arbitrary set of per-replica hyper-parameters (the
     tuner's learning-rate / l2 grids); by default they are the spec's sweep x seeds.
     """
-    data = data if data is not None else load_dataset(config.data)
-    data = hold_out(data, config.client_holdout, config.data.data_seed)
-    model, options = _model(config, data)
-    spec = registry.get(config.algorithm)
-    m = _sampled(config, spec, data)
-    algorithm = spec.make(config, data)
-    accounting = _accounting(config, spec, algorithm, m, data.train.num_clients, replicas)
-    replicas = replicas or replica_grid.grid_for(
-        spec, config, accounting.noise if accounting is not None else (0.0,)).build()
-    replicas, replica_seeds, seeds = _plan_groups(config, algorithm, replicas)
-    if accounting is not None:   # each replica's own z, in replica order
-        accounting = dataclasses.replace(accounting,
-                                         noise=tuple(float(z) for z in replicas.dp_noise))
-    poisson = _poisson(config, spec, m, data.train.num_clients, accounting)
-    expected, m = m, (poisson.cap if poisson is not None else m)
-    if accounting is not None and poisson is not None:
-        accounting = dataclasses.replace(accounting, cap=poisson.cap)
-    local_steps = spec.local_steps if spec.local_steps is not None else config.local_steps
-    work = plan_lib.LocalWork(batch_size=config.batch_size, local_epochs=config.local_epochs,
-                              local_steps=local_steps)
+    run = resolve(config, data, replicas)
+    data, model, algorithm, replicas, m = (run.data, run.model, run.algorithm, run.replicas,
+                                           run.num_sampled)
     mesh = _mesh(config)
     devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
     place = choose_placement(config, model, m, replicas.size, devices=len(devices),
                              client_data=placement_lib.client_data_mode(config.client_data,
                                                                         data, devices))
-    _check_probe(spec, algorithm, place)
-    caps = plan_lib.capacities(capacity_sizes(data.train, m), m, work, place.eval_chunk,
+    _check_probe(run.spec, algorithm, place)
+    caps = plan_lib.capacities(capacity_sizes(data.train, m), m, run.work, place.eval_chunk,
                                with_replacement=algorithm.sampling is not None)
     server_tx = config.server.transformation()
     state_shape = jax.eval_shape(lambda: rounds.init_state(
-        model, algorithm, replicas, seeds, server_tx, data.train.num_clients))
+        model, algorithm, replicas, run.seeds, server_tx, data.train.num_clients))
     device_bytes = compute_footprint(data, model, replicas, place, caps, m, state_shape)
     check_memory(device_bytes, devices)
     round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx,
-                         expected if poisson is not None else None,
-                         accounting.correlated if accounting is not None else None)
+                         run.expected,
+                         run.accounting.correlated if run.accounting is not None else None)
     store = ClientStore(data, model, place, caps, mesh)
     personal = None if data.holdout is None else PersonalEvaluation(
         data, model, algorithm, replicas, batch_size=config.batch_size, lanes=place.lanes,
@@ -468,11 +338,11 @@ def build_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] 
         optimizer=config.client.transformation, finetune_steps=config.finetune_steps,
         finetune_lr=config.finetune_lr, put=store.put, mesh=mesh)
     return Experiment(
-        config=config, data=data, model=model, model_options=options, spec=spec,
-        algorithm=algorithm, replicas=replicas, work=work,
+        config=config, data=data, model=model, model_options=run.model_options, spec=run.spec,
+        algorithm=algorithm, replicas=replicas, work=run.work,
         caps=caps, placement=place, footprint=device_bytes, num_sampled=m, round_fn=round_fn,
         store=store, personal=personal,
         served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
                    if algorithm.eval_params is not None else None), mesh=mesh,
-        server_tx=server_tx, accounting=accounting, eval_clients=eval_clients(config, data),
-        poisson=poisson, replica_seeds=replica_seeds)
+        server_tx=server_tx, accounting=run.accounting, eval_clients=eval_clients(config, data),
+        poisson=run.poisson, replica_seeds=run.replica_seeds)

@@ -248,9 +248,9 @@ class Progress(Callback):
             acc = facts.accounting
             zs = ", ".join(f"{z:.4g}" for z in dict.fromkeys(acc.noise))
             privacy = config.privacy
-            clip = (f"clip adaptive from C_0={privacy.clip:g} toward the "
+            clip = (f"clip adaptive from C_0={privacy.initial_clip:g} toward the "
                     f"{privacy.clip_quantile:g} quantile" if privacy.adaptive
-                    else f"clip C={privacy.clip:g}")
+                    else f"clip C={privacy.initial_clip:g}")
             if acc.sampler == "poisson":
                 how = (f"Poisson sampling, q={acc.m / acc.population:.4g}, cap {acc.cap}; "
                        f"add-or-remove, {acc.accountant.upper()}")

@@ -128,7 +128,7 @@ class Recorder(Callback):
 def _summary(view, final, total_s, first_round_s, build_s) -> Dict[str, Any]:
     facts = view.facts
     return {
-        "config": dataclasses.asdict(facts.config),
+        "config": facts.config.flat(),
         "dataset": {"name": facts.dataset, **facts.dataset_stats},
         "model": facts.model,
         "replicas": [lab.to_json() for lab in view.labels],

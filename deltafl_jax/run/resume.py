@@ -51,7 +51,7 @@ def settings(config) -> Dict[str, Any]:
     the configuration without :data:`FREE_FIELDS`, the data settings and the algorithm's
     options (with their defaults filled in) flattened, so that a difference names the flag
     (``--filter``). The output directory's marker holds them (``deltafl_run.json``)."""
-    out = {k: v for k, v in dataclasses.asdict(config).items() if k not in FREE_FIELDS}
+    out = {k: v for k, v in config.flat().items() if k not in FREE_FIELDS}
     out.update(out.pop("data"))
     del out["options"]
     out.update(dataclasses.asdict(registry.get(config.algorithm).options_for(config)))

@@ -5,7 +5,6 @@ one, run its rounds with the standard callbacks, and return the result.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -99,7 +98,7 @@ def _settings_diff(reader: outputs.RunReader, config) -> List[str]:
         saved = reader.summary().get("config", {})
     except outputs.RunFormatError:   # refused as it is by check_continuation
         return []
-    current = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    current = json.loads(json.dumps(config.flat(), default=str))
     diff = resume.fingerprint_diff(
         {k: _bools_as_ints(v) for k, v in saved.items() if k not in resume.FREE_FIELDS},
         {k: _bools_as_ints(v) for k, v in current.items() if k not in resume.FREE_FIELDS})

@@ -1,0 +1,205 @@
+"""The resolve step: a configuration and its data -> a validated run, before anything is placed
+on a device.
+
+:func:`resolve` is the one step between the settings and the program: the model, the
+algorithm built by its spec, the clients sampled per round, the replica grid, the client-level
+DP accounting (built once, from the grid's noise multipliers) and Poisson sampling's cap; and
+the refusals that need the data or the built algorithm (a configuration's own checks are
+:class:`deltafl_jax.ExperimentConfig`'s; a private run's, with or without the built
+algorithm, are :func:`deltafl_jax.privacy.check_private_version`). The runner, the tuner (its grids
+passed as `replicas`) and ``--estimate`` all reach it through
+:func:`deltafl_jax.run.experiment.build_experiment`, which then places the run on the devices
+and compiles its round. The data is loaded by the caller, once (the command's entry point, or
+:func:`deltafl_jax.run_experiment` / :func:`deltafl_jax.run.estimate.estimate_run` when called
+without it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Tuple
+
+import numpy as np
+
+from deltafl_jax import plan as plan_lib, replica_grid
+from deltafl_jax.algorithms import registry
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm
+from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.config import ExperimentConfig
+from deltafl_jax.data import FederatedDataset
+from deltafl_jax.errors import ConfigError
+from deltafl_jax.holdout import hold_out
+from deltafl_jax.models import Model, ModelOptions, build_model, default_conv_impl
+from deltafl_jax.privacy import (OVERFLOW_PLAIN, OVERFLOW_SHARE, UPDATE_RELEASE,
+                                UPDATE_RELEASE_ADD_REMOVE, Accounting, Correlated,
+                                bandmf_coefficients, check_private_version)
+from deltafl_jax.replicas import Replicas
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ResolvedRun:
+    """A validated run: what the settings mean on this data.
+
+    data: the dataset, each client's held-out part split off (``--client_holdout``).
+    num_sampled: the plan's slots per round (m; every training client for an algorithm that
+    trains them all; the cap under Poisson sampling). expected: m under Poisson sampling
+    (None otherwise). replicas: the grid (the spec's sweep x its crossed and platform values
+    x seeds, or the caller's). replica_seeds: each replica's seed index when the algorithm
+    samples from its own state (one plan per replica), else None. seeds: the seed of each
+    plan group. accounting: client-level DP's ledger (None: not private). poisson: Poisson
+    sampling's q and cap (None: fixed or cyclic sampling).
+    """
+
+    config: ExperimentConfig
+    data: FederatedDataset
+    model: Model
+    model_options: ModelOptions
+    spec: AlgorithmSpec
+    algorithm: FederatedAlgorithm
+    num_sampled: int
+    expected: Optional[int]
+    replicas: Replicas
+    replica_seeds: Optional[np.ndarray]
+    seeds: Tuple[int, ...]
+    work: plan_lib.LocalWork
+    accounting: Optional[Accounting]
+    poisson: Optional[plan_lib.PoissonSampling]
+
+
+def resolve(config: ExperimentConfig, data: FederatedDataset,
+            replicas: Optional[Replicas] = None) -> ResolvedRun:
+    """The validated run of `config` on `data` (loaded by the caller). `replicas` replaces the
+    spec's grid (the tuner's). ConfigError, naming the flag, for what the settings cannot
+    mean on this data or with this algorithm."""
+    data = hold_out(data, config.client_holdout, config.data.data_seed)
+    model, options = _model(config, data)
+    spec = registry.get(config.algorithm)
+    m = _sampled(config, spec, data)
+    algorithm = spec.make(config, data)
+    check_private_version(config.privacy, spec, algorithm, tuned=replicas is not None)
+    noise = _noise(config, spec, algorithm, m, data.train.num_clients)
+    replicas = replicas or replica_grid.grid_for(
+        spec, config, noise.per_value if noise is not None else (0.0,)).build()
+    replicas, replica_seeds, seeds = _plan_groups(config, algorithm, replicas)
+    accounting = None if noise is None else noise.accounting(
+        tuple(float(z) for z in replicas.dp_noise))   # each replica's own z, in replica order
+    poisson = _poisson(config, spec, m, data.train.num_clients, accounting)
+    if accounting is not None and poisson is not None:
+        accounting = dataclasses.replace(accounting, cap=poisson.cap)
+    local_steps = spec.local_steps if spec.local_steps is not None else config.local_steps
+    work = plan_lib.LocalWork(batch_size=config.batch_size, local_epochs=config.local_epochs,
+                              local_steps=local_steps)
+    return ResolvedRun(config=config, data=data, model=model, model_options=options, spec=spec,
+                       algorithm=algorithm,
+                       num_sampled=poisson.cap if poisson is not None else m,
+                       expected=m if poisson is not None else None, replicas=replicas,
+                       replica_seeds=replica_seeds, seeds=seeds, work=work,
+                       accounting=accounting, poisson=poisson)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Noise:
+    """A private run's noise before its grid: the releases of a round, the noise multiplier of
+    each DP value (calibrated to each --dp_target_epsilon), and what the ledger needs."""
+
+    population: int
+    m: int
+    releases: Tuple[float, ...]
+    delta: float
+    per_value: Tuple[float, ...]
+    sampler: str
+    accountant: str
+    rounds: int
+    correlated: Optional[Correlated] = None
+
+    def accounting(self, noise: Tuple[float, ...]) -> Accounting:
+        """The ledger of the replicas whose noise multipliers are `noise`."""
+        return Accounting(population=self.population, m=self.m, releases=self.releases,
+                          delta=self.delta, noise=noise, sampler=self.sampler,
+                          accountant=self.accountant, rounds=self.rounds,
+                          correlated=self.correlated)
+
+
+def _noise(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: FederatedAlgorithm,
+           m: int, num_clients: int) -> Optional[_Noise]:
+    """The noise of a private run (None otherwise): its releases and each DP value's z.
+    Cyclic participation accounts the run as one Gaussian mechanism over BandMF's
+    factorisation (--dp_mechanism=gaussian: one band)."""
+    del spec
+    privacy = config.privacy
+    if not privacy.enabled:
+        return None
+    T = config.num_rounds
+    correlated = None
+    if privacy.sampler == "cyclic":
+        groups = num_clients // m
+        bands = 1 if privacy.mechanism == "gaussian" else (privacy.bands or min(groups, T))
+        correlated = Correlated(coef=bandmf_coefficients(T, bands), min_sep=groups, rounds=T)
+        releases = (UPDATE_RELEASE_ADD_REMOVE,)
+    else:
+        count = ((privacy.clip_count_noise,) if privacy.adaptive else ())
+        private = algorithm.private
+        if privacy.sampler == "poisson":
+            releases = (UPDATE_RELEASE_ADD_REMOVE,) + tuple(private.add_remove_releases) + count
+        else:
+            releases = (UPDATE_RELEASE,) + tuple(private.releases) + count
+    per_value = privacy.noise_multipliers_for(m, T, num_clients, releases, correlated)
+    return _Noise(population=num_clients, m=m, releases=releases,
+                  delta=privacy.delta_for(num_clients), per_value=per_value,
+                  sampler=privacy.sampler, accountant=privacy.accountant_name, rounds=T,
+                  correlated=correlated)
+
+
+def _model(config: ExperimentConfig, data: FederatedDataset) -> Tuple[Model, ModelOptions]:
+    conv_impl = config.conv_impl or (default_conv_impl(config.placement_backend)
+                                     if config.placement_backend else None)
+    options = ModelOptions(conv_impl=conv_impl, use_bias=config.use_bias)
+    try:
+        return build_model(config.model, data, options), options
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDataset) -> int:
+    m = config.clients_per_round
+    if config.client_sampling == "cyclic" and spec.all_clients:
+        raise ConfigError(f"--client_sampling=cyclic: --algorithm={spec.name} trains every "
+                          f"client every round")
+    if m > data.train.num_clients:
+        raise ConfigError(
+            f"--clients_per_round={m} exceeds the {data.train.num_clients} training clients of "
+            f"{data.name}")
+    return int(data.train.num_clients) if spec.all_clients else m
+
+
+def _poisson(config: ExperimentConfig, spec: AlgorithmSpec, m: int, num_clients: int,
+             accounting: Optional[Accounting]) -> Optional[plan_lib.PoissonSampling]:
+    """--client_sampling=poisson: q = m / N and the cap (:func:`deltafl_jax.plan.poisson_cap`):
+    a private run's overflow term (1 + e^eps) P at most delta / OVERFLOW_SHARE at its largest
+    finite epsilon; a non-private run's P at most OVERFLOW_PLAIN. ConfigError for an
+    algorithm whose round needs a fixed cohort."""
+    if config.client_sampling != "poisson":
+        return None
+    if spec.all_clients or not spec.variable_cohort:
+        raise ConfigError(f"--client_sampling=poisson: --algorithm={spec.name} needs a fixed "
+                          f"cohort of m clients a round (it supports --client_sampling=fixed)")
+    q = m / num_clients
+    budget = OVERFLOW_PLAIN
+    if accounting is not None:
+        eps = [float(e) for e in accounting.epsilons(config.num_rounds) if math.isfinite(e)]
+        if eps:
+            budget = accounting.delta / OVERFLOW_SHARE / (1.0 + math.exp(min(max(eps), 700)))
+    return plan_lib.PoissonSampling(q=q, cap=plan_lib.poisson_cap(num_clients, q,
+                                                                  config.num_rounds, budget))
+
+
+def _plan_groups(config: ExperimentConfig, algorithm: FederatedAlgorithm, replicas: Replicas):
+    """(replicas, their seed indices or None, the seed of each plan group): one plan per seed,
+    or one per replica for an algorithm that samples from its own state (``sampling``)."""
+    if algorithm.sampling is None:
+        return replicas, None, tuple(config.seeds)
+    replica_seeds = np.asarray(replicas.group)
+    seeds = tuple(config.seeds[int(g)] for g in replica_seeds)
+    return (dataclasses.replace(replicas, group=np.arange(replicas.size, dtype=np.int32)),
+            replica_seeds, seeds)

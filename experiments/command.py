@@ -1,0 +1,58 @@
+"""The shell of a command (``experiments.run``, ``experiments.tune``, ``data_prep.prepare``,
+...): absl's flag parsing with ``--help`` and its usage lines, one-line errors (exit code 2),
+and the flags given on the command line itself."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import flags
+
+FLAGS = flags.FLAGS
+HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
+def fail(message: str) -> None:
+    """One line on stderr, exit code 2."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+COMMAND_LINE: set = set()   # the flags given on the command line itself (not by a flagfile)
+
+
+FLAGFILE_HELP = ("--flagfile=FILE reads flags from FILE, one --flag=value a line (# starts a "
+                 "comment);\nflags after it on the command line override the file's.")
+
+
+def usage(program: str) -> str:
+    """The usage lines of ``python -m experiments.NAME --help``: the command's own example
+    line(s) from its module docstring when it is the running program, else a generic line,
+    and how --flagfile works."""
+    name = os.path.splitext(os.path.basename(program))[0]
+    module = f"experiments.{name}"
+    doc = getattr(sys.modules.get("__main__"), "__doc__", None) or ""
+    lines = [line.strip() for line in doc.splitlines()
+             if line.strip().startswith(f"python -m {module} ")]
+    if not lines:
+        lines = [f"python -m {module} [--flagfile=FILE] [--flag=value ...]"]
+    return "\n".join(["usage: " + lines[0]] + ["       " + line for line in lines[1:]]
+                     + ["", FLAGFILE_HELP])
+
+
+def parse_flags_or_fail(argv):
+    """absl's flag parsing; --help prints the flags and exits 0, a bad flag or a missing
+    flagfile is one line and exit code 2."""
+    COMMAND_LINE.clear()
+    COMMAND_LINE.update(a.lstrip("-").split("=", 1)[0] for a in argv[1:] if a.startswith("--"))
+    if any(a in HELP_FLAGS for a in argv[1:]):
+        modules = [m for m in FLAGS.flags_by_module_dict() if not m.startswith("absl")]
+        print(usage(argv[0]) + "\n\n" + "\n\n".join(FLAGS.module_help(m) for m in modules),
+              flush=True)
+        sys.exit(0)
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        text = str(e).splitlines()[0] if str(e) else "bad flags"
+        fail(text.replace("ERROR:: ", "").strip())

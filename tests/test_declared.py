@@ -1,0 +1,110 @@
+"""The configuration declared once (issue 32): every setting of ExperimentConfig's groups is a
+field that carries its flag, the command line's flags are generated from them, and the flat
+view (flag name -> value) that outputs and resumes store round-trips. The resolve step
+(deltafl_jax.run.resolve) turns a configuration and its data into a validated run without
+compiling anything."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from conftest import tiny_config
+from deltafl_jax import DataConfig, ExperimentConfig, declared
+from deltafl_jax.client_optimizer import ClientOptimizer
+from deltafl_jax.config import GROUPS
+from deltafl_jax.errors import ConfigError
+from deltafl_jax.privacy import Privacy
+from deltafl_jax.run.resolve import resolve
+from deltafl_jax.server_optimizer import ServerOptimizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Flags of the command line that are no setting of a group: the --algorithm entries, the
+# algorithms' sweeps and options (their specs declare them), the process's own.
+NOT_SETTINGS = {"algorithm", "model_module", "distributed", "coordinator_address",
+                "num_processes", "process_id", "distributed_timeout_s", "deterministic",
+                "estimate", "estimate_rounds"}
+
+
+def _before():
+    with open(os.path.join(REPO, "tests", "fixtures", "flags_before_32.json")) as f:
+        return {f["name"]: f for f in json.load(f)["experiments.run"]}
+
+
+def test_every_setting_is_a_flag_of_the_command_line_and_back():
+    from deltafl_jax.algorithms import registry
+    flags = _before()
+    settings = set(declared.flat_paths(DataConfig))
+    for _, cls in GROUPS:
+        settings |= set(declared.flat_paths(cls))
+    algorithm_flags = {s.flag for s in registry.sweeps()} | {n for n, _ in registry.options()}
+    assert settings <= set(flags)
+    assert set(flags) - settings == NOT_SETTINGS | algorithm_flags
+
+
+@pytest.mark.parametrize("cls", [DataConfig, ServerOptimizer, ClientOptimizer, Privacy]
+                         + [cls for _, cls in GROUPS])
+def test_each_settings_default_is_its_flags(cls):
+    """The flag's default (as absl holds it) is the field's, written once on the field."""
+    flags = _before()
+    for f in declared.fields_of(cls):
+        flag = declared.flag_of(f)
+        want = flags[flag.name]["default"]
+        got = declared.flag_default(f)
+        got = ",".join(got) if isinstance(got, list) else got
+        assert got == want, flag.name
+        choices = flags[flag.name]["choices"]
+        prefix = f"<{'|'.join(choices)}>: " if choices else ""   # absl's, before an enum's help
+        assert flags[flag.name]["help"] == prefix + flag.help, flag.name
+
+
+def test_the_server_optimizers_settings_are_declared_on_its_fields():
+    """The server optimizer's hyper-parameters are ServerOptimizer's fields, nowhere else."""
+    names = {flag.name: name for name, flag in declared.declared(ServerOptimizer)}
+    assert names == {"server_optimizer": "name", "server_lr": "learning_rates",
+                     "server_momentum": "momentum", "server_beta1": "beta1",
+                     "server_beta2": "beta2", "server_eps": "eps"}
+    cli = open(os.path.join(REPO, "experiments", "cli.py")).read()
+    config = open(os.path.join(REPO, "deltafl_jax", "config.py")).read()
+    for flag in ("server_momentum", "server_beta1", "server_beta2", "server_eps"):
+        assert flag not in cli and flag not in config, flag
+
+
+def test_flat_settings_round_trip():
+    c = tiny_config(server_optimizer="adam", server_lr=(0.1, 0.3), dp_clip="adaptive",
+                    dp_clip_init=0.5, client_sampling="poisson", dp_noise_multiplier=(1.0,),
+                    finetune_steps=(0, 2), client_holdout=0.2, l2_reg=(0.0, 0.01))
+    assert c.server == ServerOptimizer(name="adam", learning_rates=(0.1, 0.3))
+    assert c.privacy.adaptive and c.privacy.initial_clip == 0.5 and c.dp_clip == "adaptive"
+    assert c.server_lr == (0.1, 0.3) and c.client_sampling == "poisson"
+    flat = c.flat()
+    d = ExperimentConfig(DataConfig(**flat.pop("data")), **flat)
+    assert d == c
+    assert dataclasses.replace(c, num_rounds=9).training.num_rounds == 9
+    assert dataclasses.replace(c, num_rounds=9).server == c.server
+    with pytest.raises(TypeError, match="unknown setting 'server_lrs'"):
+        tiny_config(server_lrs=(1.0,))
+    with pytest.raises(AttributeError):
+        c.no_such_setting
+
+
+def test_resolve_builds_the_grid_and_the_accounting_once(tiny_synthetic):
+    c = tiny_config(algorithm="fedavg", thetas=(), weighting="unweighted", dp_clip=1.0,
+                    dp_noise_multiplier=(0.5, 2.0), client_sampling="poisson", seeds=(1, 2))
+    run = resolve(c, tiny_synthetic)
+    assert run.replicas.size == 4
+    assert run.accounting.noise == tuple(float(z) for z in run.replicas.dp_noise)
+    assert run.poisson is not None and run.accounting.cap == run.poisson.cap
+    assert run.num_sampled == run.poisson.cap and run.expected == c.clients_per_round
+
+
+def test_a_private_run_is_refused_by_one_function(tiny_synthetic):
+    """check_private_version: with the spec alone when the configuration is made (no private
+    version at all), with the built algorithm in the resolve step (its options leave it
+    none)."""
+    with pytest.raises(ConfigError, match="--algorithm=qffl has no private version"):
+        tiny_config(algorithm="qffl", thetas=(), dp_clip=1.0)
+    c = tiny_config(algorithm="fedavg", thetas=(), dp_clip=1.0)   # weighted: none
+    with pytest.raises(ConfigError, match="has a private version only with --weighting"):
+        resolve(c, tiny_synthetic)

@@ -1,0 +1,61 @@
+"""The command line is unchanged for users (issue 32): every flag of ``experiments.run``,
+``experiments.tune`` and ``data_prep.prepare``, its default, its type, its choices and its help,
+as recorded in ``tests/fixtures/flags_before_32.json`` by the code before the configuration was
+declared once. A flag may only gain help text (where it had none) or lose a duplicate (listed in
+DROPPED_DUPLICATES with the flag that stays)."""
+
+import json
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from docs import gen_flags  # noqa: E402  (docs/ is not an installed package)
+
+FIXTURE = os.path.join(REPO, "tests", "fixtures", "flags_before_32.json")
+KEYS = ("name", "default", "help", "type", "choices", "boolean")
+DROPPED_DUPLICATES = {}   # flag -> the flag that stays
+
+
+def _now(module):
+    import subprocess
+    proc = subprocess.run([sys.executable, "-m", "docs.gen_flags", f"--collect={module}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return [{k: f[k] for k in KEYS} for f in json.loads(proc.stdout)["flags"]]
+
+
+with open(FIXTURE) as f:
+    BEFORE = json.load(f)
+
+
+@pytest.mark.parametrize("module", sorted(BEFORE))
+def test_the_flags_are_the_ones_recorded_before_the_change(module):
+    before = {f["name"]: f for f in BEFORE[module]}
+    now = {f["name"]: f for f in _now(module)}
+    gone = sorted(set(before) - set(now) - set(DROPPED_DUPLICATES))
+    added = sorted(set(now) - set(before))
+    assert not gone, f"{module}: flags removed: {gone}"
+    assert not added, f"{module}: flags added: {added}"
+    for name, old in before.items():
+        if name not in now:
+            continue
+        new = now[name]
+        for key in ("default", "type", "choices", "boolean"):
+            assert new[key] == old[key], f"{module} --{name}: {key} {old[key]!r} -> {new[key]!r}"
+        if old["help"]:
+            assert new["help"] == old["help"], (
+                f"{module} --{name}: help changed\n  before: {old['help']}\n  now:    "
+                f"{new['help']}")
+        else:
+            assert new["help"], f"{module} --{name}: lost its help"
+
+
+def test_the_check_sees_a_changed_default():
+    before = {f["name"]: f for f in BEFORE["experiments.run"]}
+    assert before["server_beta2"]["default"] == 0.99
+    assert before["server_lr"]["default"] == "1"
+    assert before["thetas"]["help"]
