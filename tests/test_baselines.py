@@ -188,6 +188,7 @@ def test_qffl_q_zero_is_the_n_weighted_average_of_local_models(tiny_synthetic):
     assert max_abs_diff(state.params, sa.params) < 1e-6
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_q_sweep_equals_separate_runs(tiny_synthetic):
     qs, seeds = (0.001, 0.1, 1.0, 10.0), (1, 2)
     joint = build_experiment(tiny_config(algorithm="qffl", qffl_q=qs, seeds=seeds,
@@ -268,6 +269,7 @@ def test_afl_equals_numpy(tiny_synthetic):
             assert lam.max() > 2 * (n / n.sum()).max()  # lambda moved to the worst clients
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_afl_with_lambda_fixed_at_alpha_is_fedavg_on_one_step_updates(tiny_synthetic):
     N = tiny_synthetic.train.num_clients
     afl = build_experiment(tiny_config(algorithm="afl", afl_lambda_lr=(0.0,), seeds=(1, 2),

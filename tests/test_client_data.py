@@ -61,6 +61,7 @@ def _run_both(tmp_path, capsys, argv):
     return got
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_host_equals_device_bit_for_bit_on_the_synthetic_demo(tmp_path, capsys):
     got = _run_both(tmp_path, capsys, [
         f"--flagfile={os.path.join(EXPERIMENTS, 'synthetic.flags')}", "--num_rounds=6",
@@ -91,6 +92,7 @@ def _small(make_config, **kw):
     return data, make_config(**kw)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_sampled_evaluation_is_the_same_in_both_modes_and_reads_its_clients(make_config):
     data, _ = _small(make_config)
     per = {}

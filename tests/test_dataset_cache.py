@@ -229,6 +229,7 @@ def test_open_and_read_hash_nothing_verify_hashes_every_file(tmp_path, tiny_sour
     assert sorted(hashed) == listed
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_same_size_corruption_is_caught_by_verify_and_by_a_failed_read(tmp_path, tiny_source,
                                                                       monkeypatch):
     data_dir = str(tmp_path / "data")
@@ -280,6 +281,7 @@ def test_same_size_corruption_is_caught_by_verify_and_by_a_failed_read(tmp_path,
     _assert_same(original, load_dataset(_config(data_dir, tiny_source)))
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_verify_missing_truncated_and_bad_flags(tmp_path, tiny_source):
     data_dir = str(tmp_path / "data")
     nothing = _verify(data_dir)

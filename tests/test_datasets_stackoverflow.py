@@ -246,6 +246,7 @@ def test_sequence_loss_and_error_mask_padding_and_eos():
     np.testing.assert_allclose(float(loss[0]), hand, rtol=1e-6)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_lstm_nwp_losses_match_numpy_on_its_scores(tmp_path):
     import jax
 

@@ -114,6 +114,7 @@ def test_output_dir_that_is_a_file_is_refused_and_left_alone(tmp_path, capsys):
     assert target.read_text() == "precious"
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_disk_full_while_writing_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
     from deltafl_jax import outputs
 

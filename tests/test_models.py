@@ -45,6 +45,7 @@ def test_max_pool_matches_numpy():
     np.testing.assert_array_equal(ref, ref_rw)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_cnn_is_the_papers_convnet_and_both_impls_agree():
     data = image_dataset()
     a = build_model("cnn", data, ModelOptions(conv_impl="im2col_wgrad"))

@@ -148,6 +148,7 @@ def test_an_empty_slot_changes_nothing(tiny_synthetic, monkeypatch, algorithm, e
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=1e-7)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_dp_fedavg_under_poisson_divides_by_the_expected_weight(tiny_synthetic, monkeypatch):
     """z = 0 and a clip above every update: one private round moves the model by the sum of
     the cohort's updates over q N = m (McMahan et al. 2018), not over the cohort's size."""
@@ -250,6 +251,7 @@ def test_private_deltafl_under_poisson_accounts_each_release(tiny_synthetic, acc
         assert got == pytest.approx([want] * 2, rel=1e-9)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_calibration_under_poisson_meets_the_target(tiny_synthetic):
     """--dp_target_epsilon under Poisson + PLD: the applied z's epsilon is within 1% below
     the target, for FedAvg and for private Delta-FL (which needs more noise)."""
@@ -279,6 +281,7 @@ def adaptive_config(**kw):
     return tiny_config(**base)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_the_adaptive_clip_follows_the_geometric_step(tiny_synthetic):
     """z = 0: C_{t+1} = C_t exp(-eta_C (b_t / m - gamma)) with b_t the trained clients whose
     update was not clipped (m - dp_clipped), computed here in NumPy from the run's counts;
@@ -294,6 +297,7 @@ def test_the_adaptive_clip_follows_the_geometric_step(tiny_synthetic):
     assert np.all(clip > 0.02)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_the_adaptive_clip_under_poisson_noises_its_count(tiny_synthetic):
     """The count's noise has std r z (chi-square over 4000 keys), and the run's epsilon
     composes it with the update (add-or-remove multipliers z and r z) under both
@@ -420,6 +424,7 @@ def brute_sensitivity(coef, groups, T, t=None):
 
 @pytest.mark.parametrize("mechanism,bands", [("bandmf", 3), ("bandmf", None),
                                              ("gaussian", None)])
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_dp_ftrl_epsilon_is_one_gaussian_over_the_factorisation(tiny_synthetic, mechanism,
                                                                   bands):
     """N = 12, m = 3: G = 4 groups; epsilon after t of T = 10 rounds is dp-accounting's (PLD,

@@ -26,6 +26,7 @@ def same(a, b):
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_zero_noise_and_a_loose_clip_is_the_non_private_run_bit_for_bit(tiny_synthetic):
     """FedAvg (uniform weights, m = 4) with --dp_clip above every update's norm and z = 0:
     the clip scales by exactly 1, the noise adds exact zeros, and the fixed denominator 1 is
@@ -123,6 +124,7 @@ def independent_epsilon(population, m, zs, rounds_, delta):
     return acc.get_epsilon(delta)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_the_runs_epsilon_is_dp_accountings(tiny_synthetic, tmp_path):
     from deltafl_jax import run_experiment
     cfg = tiny_config(algorithm="fedavg", thetas=(), seeds=(1,), weighting="unweighted",
@@ -180,6 +182,7 @@ def test_a_published_figure(z, epochs, published, tighter):
     assert round(acc.get_epsilon(1e-5), 2) == tighter
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_calibration_meets_the_target_epsilon():
     for target in (8.0, 2.0, 0.5):
         z = privacy.calibrate(target, 1000, 50, 300, 1e-5, (0.5,))
@@ -196,6 +199,7 @@ def private_deltafl_config(**kw):
                        l2_reg=1e-3, **kw)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_private_deltafl_at_zero_noise_is_secagg_mm_bit_for_bit(tiny_synthetic):
     """z = 0 for the update and the quantile's sums, xi = 0, B and C above every loss and
     update: the noised secure sums and the kept weight are the plain ones."""

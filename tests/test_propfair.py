@@ -108,6 +108,7 @@ def test_three_rounds_equal_the_paper(tiny_synthetic, case):
     assert counts["inside"] > 500 and counts["beyond"] > 20    # both branches were taken
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_large_base_is_fedavg_at_a_rescaled_rate(tiny_synthetic):
     """While L < M - eps, phi'(L) = 1/(M - L) = (1/M)(1 + L/(M - L)): a local step of PropFair
     at rate gamma M is FedAvg's step at rate gamma plus gamma L/(M - L) grad L. So (at l2 = 0)

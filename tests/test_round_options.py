@@ -83,6 +83,7 @@ def test_nu_to_zero_recovers_the_exact_filter():
             assert np.abs(np.asarray(smoothed_tail_weights(x, w, theta, 1.0)) - exact).max() > 1e-2
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_small_nu_round_equals_exact_filter_round(tiny_synthetic):
     """nu = 1e-3 is below the gaps between the sampled losses: the same clients train, with
     the same weights up to float32 (the boundary client's fraction (F - eta) / nu carries
