@@ -1,6 +1,7 @@
 import os
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -66,14 +67,21 @@ def run_rounds_history(exp, rounds):
 def linear_rows(params, r):
     """(W, b) in float64 of replica r of a softmax regression's params ({'Dense_0': ...})."""
     import jax
-    import numpy as np
     p = jax.device_get(params)["Dense_0"]
     return np.asarray(p["kernel"][r], np.float64), np.asarray(p["bias"][r], np.float64)
 
 
 def client_lists(split):
     """(xs, ys): each client's inputs (float64) and labels, for the NumPy references."""
-    import numpy as np
     xs = [split.client(k)[0].astype(np.float64) for k in range(split.num_clients)]
     ys = [split.client(k)[1] for k in range(split.num_clients)]
     return xs, ys
+
+
+def client_job(learning_rate, steps, l2=0.0):
+    """The job a client update sees, with the default client optimizer (plain SGD)."""
+    from deltafl_jax.client_optimizer import ClientOptimizer
+    from deltafl_jax.engine import ClientJob
+    return ClientJob(optimizer=ClientOptimizer().transformation(learning_rate, l2),
+                     learning_rate=np.float32(learning_rate), l2=np.float32(l2),
+                     steps=np.int32(steps))

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import client_job, tiny_config
 from deltafl_jax.algorithms import ClientFeedback, registry
 from deltafl_jax.algorithms.afl import AFLHyper, afl
 from deltafl_jax.algorithms.deltafl import DeltaFLHyper, DeltaFLOptions, deltafl
@@ -37,13 +37,6 @@ def update(k):
             "b": np.array([0.1 * (k + 1), -0.2 * k], np.float32)}
 
 
-def client_job(learning_rate, steps, l2=0.0):
-    """The job a client update sees, with the default client optimizer (plain SGD)."""
-    from deltafl_jax.client_optimizer import ClientOptimizer
-    from deltafl_jax.engine import ClientJob
-    return ClientJob(optimizer=ClientOptimizer().transformation(learning_rate, l2),
-                     learning_rate=np.float32(learning_rate), l2=np.float32(l2),
-                     steps=np.int32(steps))
 
 
 def feedback(weights, losses=LOSSES, sizes=SIZES, finite=None, learning_rate=0.1,

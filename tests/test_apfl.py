@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import client_lists, run_rounds_history, run_runner, tiny_config
+from conftest import client_job, client_lists, run_rounds_history, run_runner, tiny_config
 from deltafl_jax import build_experiment
 from deltafl_jax.plan import client_permutations, sample_clients
 from numpy_reference import grad_mean_xent
@@ -167,12 +167,6 @@ def quadratic(p):
     return 0.0, g
 
 
-def client_job(learning_rate, steps):
-    from deltafl_jax.client_optimizer import ClientOptimizer
-    from deltafl_jax.engine import ClientJob
-    return ClientJob(optimizer=ClientOptimizer().transformation(learning_rate, 0.0),
-                     learning_rate=np.float32(learning_rate), l2=np.float32(0.0),
-                     steps=np.int32(steps))
 
 
 @pytest.mark.parametrize("mixing,v_gradient", [("leaf", "fedjax"), ("model", "paper")])

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import client_lists, run_rounds_history, run_runner, tiny_config
+from conftest import client_job, client_lists, run_rounds_history, run_runner, tiny_config
 from deltafl_jax import build_experiment
 from deltafl_jax.plan import client_permutations, sample_clients
 from numpy_reference import grad_mean_xent
@@ -164,12 +164,6 @@ PARAMS = {"w": np.array([[1.0, -2.0], [0.5, 3.0]], np.float32),
           "b": np.array([0.25, -1.0], np.float32)}
 
 
-def client_job(learning_rate, steps, l2=0.0):
-    from deltafl_jax.client_optimizer import ClientOptimizer
-    from deltafl_jax.engine import ClientJob
-    return ClientJob(optimizer=ClientOptimizer().transformation(learning_rate, l2),
-                     learning_rate=np.float32(learning_rate), l2=np.float32(l2),
-                     steps=np.int32(steps))
 
 
 def test_client_update_by_hand():

@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import client_lists, linear_rows, run_rounds_history, run_runner, tiny_config
+from conftest import (client_job, client_lists, linear_rows, run_rounds_history, run_runner,
+                      tiny_config)
 from deltafl_jax import build_experiment
 from deltafl_jax.algorithms.propfair import (PropFairHyper, PropFairOptions, gradient_scale,
                                              propfair, transformed_loss)
@@ -187,12 +188,6 @@ PARAMS = {"w": np.array([[1.0, -2.0], [0.5, 3.0]], np.float32),
           "b": np.array([0.25, -1.0], np.float32)}
 
 
-def client_job(learning_rate, steps, l2=0.0):
-    from deltafl_jax.client_optimizer import ClientOptimizer
-    from deltafl_jax.engine import ClientJob
-    return ClientJob(optimizer=ClientOptimizer().transformation(learning_rate, l2),
-                     learning_rate=np.float32(learning_rate), l2=np.float32(l2),
-                     steps=np.int32(steps))
 
 
 @pytest.mark.parametrize("continuation,total", [("huber", 0.5 * (1 + 2 + 5)),
