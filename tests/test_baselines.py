@@ -163,6 +163,7 @@ def test_qffl_equals_numpy(tiny_synthetic):
     assert step[10.0] < step[1.0] < step[0.1] < 1.0
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_qffl_q_zero_is_the_n_weighted_average_of_local_models(tiny_synthetic):
     """q = 0: F^0 = 1 and h_k = L, so w - sum n_k L (w - w_k) / sum n_k L = sum n_k w_k /
     sum n_k, the FedAvg model (closed form checked on the local models, then against the
@@ -207,6 +208,7 @@ def test_q_sweep_equals_separate_runs(tiny_synthetic):
                 np.testing.assert_allclose(np.asarray(x)[r[0]], np.asarray(y)[s], atol=1e-6)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_afl_qffl_is_qffl_at_q_ten_bit_for_bit(tiny_synthetic):
     """afl_qffl is the papers' stand-in for AFL: q-FFL at q = 10, whatever --qffl_q says."""
     proxy = build_experiment(tiny_config(algorithm="afl_qffl", thetas=(), seeds=(1, 2),
@@ -295,6 +297,7 @@ def test_afl_with_lambda_fixed_at_alpha_is_fedavg_on_one_step_updates(tiny_synth
 # ----------------------------------------------------------------------------- Tilted-ERM
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_term_equals_numpy(tiny_synthetic):
     tilts = (0.5, 5.0, -2.0)
     cfg = tiny_config(algorithm="term", term_t=tilts, seeds=(1, 2), l2_reg=1e-3,

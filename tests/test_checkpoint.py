@@ -225,6 +225,7 @@ SHARDED_SAVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_state_saved_on_two_devices_restores_on_one(tmp_path):
     subprocess.run([sys.executable, "-c", SHARDED_SAVER, str(tmp_path)], cwd=REPO, check=True,
                    capture_output=True)

@@ -83,6 +83,7 @@ def same_models_and_summaries(out, whole):
 
 @pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow)
                                   for n in VARIANTS])
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_continued_run_equals_the_uninterrupted_one(tmp_path, capsys, name):
     extra, short, long = VARIANTS[name]
     out, whole = str(tmp_path / "continued"), str(tmp_path / "whole")

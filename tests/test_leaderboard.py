@@ -201,6 +201,7 @@ def test_results_are_never_clobbered(tmp_path, capsys):
     assert (out / "leaderboard_synthetic_1_1" / "leaderboard.json").read_text() == "{}"
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_estimate_writes_nothing(tmp_path, capsys):
     """--estimate builds, compiles and times each program (here the learning-rate grid and
     SCAFFOLD's final runs) and prints their sum; --out stays untouched."""

@@ -117,6 +117,7 @@ def test_seen_clients_are_served_their_personal_models(tiny_synthetic):
     np.testing.assert_allclose(pc["unseen_ft3_loss"][0, 0], loss, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_a_sampled_evaluation_gives_the_same_clients_values(tiny_synthetic, fedavg_run):
     exp, state, full = fedavg_run
     cfg = tiny_config(algorithm="fedavg", thetas=(), seeds=(3,), l2_reg=L2, num_rounds=2,

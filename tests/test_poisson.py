@@ -136,6 +136,7 @@ def same_cohort_runs(tiny_synthetic, monkeypatch, rounds_, **kw):
     ("fedavg", dict(thetas=(), weighting="unweighted")),
     ("deltafl", dict(thetas=(0.5,))),
 ])
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_an_empty_slot_changes_nothing(tiny_synthetic, monkeypatch, algorithm, extra):
     """Two rounds under Poisson sampling give the models of the fixed-sampling rounds that
     draw the same cohorts (m = the cohort's size each round)."""

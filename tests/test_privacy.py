@@ -62,6 +62,7 @@ def job_norms(exp, clip, rounds_=2):
     return out
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_every_clipped_update_has_norm_at_most_the_clip(tiny_synthetic):
     exp = build_experiment(tiny_config(algorithm="fedavg", thetas=(), weighting="unweighted",
                                        dp_clip=0.05, learning_rate=0.2), tiny_synthetic)
@@ -210,6 +211,7 @@ def test_private_deltafl_at_zero_noise_is_secagg_mm_bit_for_bit(tiny_synthetic):
     assert [h["num_selected"].tolist() for h in ph] == [h["num_selected"].tolist() for h in qh]
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_private_deltafl_accounts_its_quantiles_releases(tiny_synthetic):
     """One round of private Delta-FL releases the update, the kept weight and the mm_iters + 1
     secure sums of the quantile (noise ratio r): the run's epsilon composes them all."""

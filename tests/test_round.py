@@ -110,6 +110,7 @@ def test_replica_vmap_equals_separate_runs(tiny_synthetic):
             np.testing.assert_allclose(np.asarray(x)[r], np.asarray(y)[0], atol=1e-6)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_padding_changes_nothing(tiny_synthetic):
     base = build_experiment(tiny_config(thetas=(1.0, 0.4), clients_per_step=1, eval_chunk=32),
                             tiny_synthetic)
@@ -132,6 +133,7 @@ def test_padding_changes_nothing(tiny_synthetic):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_jitted_round_equals_unjitted_and_round_two_does_not_recompile(tiny_synthetic):
     cfg = tiny_config(thetas=(1.0, 0.5), seeds=(1, 2), clients_per_step=2)
     exp = build_experiment(cfg, tiny_synthetic)

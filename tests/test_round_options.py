@@ -69,6 +69,7 @@ def test_smoothed_eta_and_value_match_property_9_by_bisection():
         assert -1e-5 <= gap <= nu / (2 * theta) + 1e-5
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_nu_to_zero_recovers_the_exact_filter():
     rng = np.random.default_rng(1)
     for _ in range(100):
@@ -240,6 +241,7 @@ def warm_start(exp, data, rounds=2):
 
 
 @pytest.mark.parametrize("weighting", ["weighted", "unweighted"])
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_secagg_round_equals_numpy(tiny_synthetic, weighting):
     K = 6
     cfg = tiny_config(thetas=(0.8, 0.4), l2_reg=1e-3, quantile="secagg_mm", mm_iters=K,

@@ -96,6 +96,7 @@ def test_server_lr_list_crossed_with_theta_equals_separate_runs(tiny_synthetic):
                                        atol=1e-7)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_default_step_has_no_optimizer_state_and_sgd_at_one_is_the_average(tiny_synthetic):
     """The default (sgd, eta = 1) keeps no optimizer state; sgd's optax form at eta = 1 (a
     replica of a --server_lr=1,0.5 sweep) gives the same models up to rounding, and eta = 0.5

@@ -63,6 +63,7 @@ def test_lr_grid_in_one_program_equals_separate_runs(tiny_synthetic):
     assert not np.allclose(finals[(0.1, 1.0)], finals[(0.1, 4.0)], atol=1e-4)
 
 
+@pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_grids_train_with_the_runs_server_optimizer(tiny_synthetic):
     """The grids' replicas take the run's server step: FedAdam's lr grid at --server_lr=0.02
     equals the runner's FedAdam at each learning rate."""
