@@ -1,8 +1,29 @@
 import os
+import shutil
 import sys
+import tempfile
 
-import numpy as np
-import pytest
+# Most of the suite's time is XLA compiling small programs, and many tests build the same
+# program (the same tiny model, shapes and round) in separate experiments: one persistent
+# compilation cache for the whole run, shared by the xdist workers and the commands the tests
+# start (set before jax is imported; a fresh directory per run, so nothing is reused across
+# runs or code versions).
+_OWN_XLA_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_XLA_CACHE = tempfile.mkdtemp(prefix="deltafl_tests_xla_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_XLA_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    """The process that made the compilation cache (not an xdist worker) removes it."""
+    if _OWN_XLA_CACHE is not None and not hasattr(config, "workerinput"):
+        shutil.rmtree(_OWN_XLA_CACHE, ignore_errors=True)
+
 
 sys.path.insert(0, os.path.dirname(__file__))
 
