@@ -17,6 +17,7 @@ from deltafl_jax import DataConfig, ExperimentConfig, load_dataset, run_experime
 from deltafl_jax import report
 from deltafl_jax.report import figures
 from experiments import report as report_cli
+from test_report import parse_tables, table_of
 
 K = 40                       # sampled clients per split (the population has 150 + 150)
 DATA = DataConfig("synthetic", synthetic_num_clients=300, synthetic_max_examples=80,
@@ -69,18 +70,6 @@ def lower_order_statistic(values, percent):
     return v[max(-(-percent * v.size // 100), 1) - 1]
 
 
-def parse_tables(md):
-    tables, title, lines = {}, None, md.splitlines()
-    for i, line in enumerate(lines):
-        if line.startswith("## "):
-            title = line[3:]
-        elif line.startswith("| Dataset / model") and title:
-            header = [c.strip() for c in line.strip("|").split("|")][1:]
-            (row,) = [l for l in lines[i + 2:i + 3]]
-            tables[title] = (header, [c.strip() for c in row.strip("|").split("|")][1:])
-    return tables
-
-
 def read_csv(path):
     with open(path) as f:
         return list(csv.DictReader(f))
@@ -123,8 +112,8 @@ def test_tables_equal_the_runs_metrics_jsonl(sampled_run, written):
     out, _ = written
     tables = parse_tables(open(os.path.join(out, "report.md")).read())
     for prefix, (metric, scale, digits) in TABLE_METRICS.items():
-        (title,) = [t for t in tables if t.startswith(prefix)]
-        header, cells = tables[title]
+        header, rows = table_of(tables, prefix)
+        (cells,) = rows.values()   # one dataset / model row
         assert header == list(LABELS)
         for label, theta in LABELS.items():
             recs = logged(records, theta)
