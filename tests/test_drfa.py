@@ -8,6 +8,7 @@ evaluated at the snapshot average, lambda's projected ascent with v_i = (N/m) f_
 steps, 3 rounds, both lane layouts. With gamma = 0 lambda stays uniform (paper)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -183,3 +184,20 @@ def test_draws_with_replacement_fit_the_round_streams():
     assert plan.clients.tolist() == [[1, 1, 1]]
     assert int(plan.eval_len[0]) == caps.eval_len
     np.testing.assert_array_equal(plan.eval_idx[0], np.tile(np.arange(3, 53), m))
+
+
+def test_fedtorch_guard_raises_only_the_first_small_weight_and_k_is_before_a_step():
+    """By hand: of the weights <= 1e-3 only the first is set to 1e-3, then lambda is
+    renormalised (FedTorch's centred guard); k in {1..K-1} gives snapshots after 0..K-2 steps,
+    w_t (0 steps) for K <= 2, each client its own draw."""
+    from deltafl_jax.algorithms.drfa import fedtorch_snapshot_step, raise_first_small
+    lam = np.array([0.5, 0.0, 0.4995, 0.0, 0.0005], np.float32)
+    np.testing.assert_allclose(raise_first_small(jnp.asarray(lam)),
+                               np.array([0.5, 1e-3, 0.4995, 0.0, 0.0005]) / 1.001, rtol=1e-6)
+    np.testing.assert_array_equal(raise_first_small(jnp.float32([0.6, 0.4])),
+                                  np.float32([0.6, 0.4]))
+    key = jax.random.key(7)
+    for steps, allowed in ((1, {0}), (2, {0}), (4, {0, 1, 2})):
+        got = {int(fedtorch_snapshot_step(key, np.int32(c), np.int32(steps)))
+               for c in range(40)}
+        assert got == allowed, (steps, got)
