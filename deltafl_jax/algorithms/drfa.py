@@ -17,12 +17,31 @@ Round s, for each replica:
 5. lambda <- Proj_simplex(lambda + tau gamma v), v_i = (N/m) f_i(w') for i in U (0 elsewhere),
    tau the mean local steps of the drawn clients (E), gamma = ``--drfa_lambda_lr``.
 
-``--drfa_variant=fedtorch`` is the authors' FedTorch code as the reference notes describe it:
-m clients drawn uniformly without replacement (the run's sampler), their updates (and
-snapshots) summed with weights lambda_k N / m (not renormalised), gamma decayed by 0.9 every
-round, and lambda floored at 1e-3 (then renormalised) after its projection. With gamma = 0
-lambda never moves: the paper's DRFA then steps as FedAvg on the clients it draws (uniformly,
-with replacement).
+``--drfa_variant=fedtorch`` is the authors' FedTorch code, its centred version (one process
+simulating the server and the clients: ``fedtorch/comms/trainings/federated/centered/drfa.py``
+with ``fedtorch/comms/algorithms/federated/centered/{misc,fedavg}.py``; its distributed version,
+one process per client with the server also a client, shares one k among the clients, starts
+lambda at 0 and raises every lambda_i <= 1e-3):
+
+* lambda starts at n_k / n, the clients' shares of the training examples;
+* m clients are drawn uniformly without replacement (the run's sampler);
+* each draws its own k uniform in {1..K_k - 1} (torch's ``randint(1, K)``) and keeps the model
+  *before* its step k, i.e. after t'_k = k - 1 in {0..K_k - 2} steps (t'_k = 0, the snapshot
+  w_t, where K_k <= 2; FedTorch cannot draw k for K = 1);
+* w_{t+1} = w_t + sum_k lambda_k (N / m) (w_k - w_t) (not renormalised);
+* the snapshot average is the plain mean w' = (1/m) sum_k snapshot_k, over every drawn
+  client, those with lambda_k = 0 included (they train: ``all_sampled_work``);
+* gamma is multiplied by 0.9 before every round, the first included (round s uses
+  gamma 0.9^s, s = 1, 2, ...), and lambda <- Proj_simplex(lambda + tau gamma_s v) as above;
+* after the projection the first lambda_i <= 1e-3 (in client order), only that one, is set to
+  1e-3 and lambda renormalised.
+
+It keeps two choices of this engine where FedTorch differs: f_i is the client's loss on its
+whole data with the L2 term (FedTorch: one minibatch, without weight decay), and tau is the
+mean local steps of the drawn clients (FedTorch: its --local_step, the same with
+``--local_steps=E``). With gamma = 0 lambda never moves (in the FedTorch variant unless a
+share n_k / n is <= 1e-3): the paper's DRFA then steps as FedAvg on the clients it draws
+(uniformly, with replacement); the FedTorch variant as FedAvg weighted by n_k N / (n m).
 
 f_i is each client's loss on its whole training data (the paper: a stochastic estimate); the
 served model is w_t. There is no private version.
@@ -35,6 +54,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from deltafl_jax.algorithms.afl import project_simplex
 from deltafl_jax.algorithms.leaderboard import Board
@@ -45,14 +65,16 @@ from deltafl_jax.engine.client import (ClientUpdate, LocalState, difference, loc
                                        optimizer_step)
 
 VARIANTS = ("paper", "fedtorch")
-SNAPSHOT_STREAM = 0xD8FA     # folded into the round key for u
+SNAPSHOT_STREAM = 0xD8FA     # folded into the round key (FedTorch: the client's key) for u
 FEDTORCH_DECAY, FEDTORCH_FLOOR = 0.9, 1e-3
 DEFAULT_LAMBDA_LR = (0.001, 0.01, 0.1)
 
 VARIANT = Option(default="paper", choices=VARIANTS,
                  help="paper: Algorithm 1 (clients drawn by lambda, plain mean); fedtorch: the "
-                 "authors' code (uniform draws, weights lambda_k N/m, gamma x 0.9 a round, "
-                 "lambda >= 1e-3)")
+                 "authors' centred FedTorch code (lambda from n_k/n, uniform draws, updates "
+                 "weighted lambda_k N/m, the plain mean of snapshots after 0..K-2 steps drawn "
+                 "per client, gamma x 0.9 before every round, the first lambda_i <= 1e-3 "
+                 "raised to 1e-3)")
 
 
 class DRFAHyper(NamedTuple):
@@ -92,9 +114,22 @@ def snapshot_step(key, steps):
     return jnp.minimum(1 + jnp.floor(u * k.astype(jnp.float32)).astype(jnp.int32), k)
 
 
-def _init(server_state, client_state, params, hyper, job):
-    return DRFAStep(local=local_init(server_state, client_state, params, hyper, job),
-                    done=jnp.int32(0), at=snapshot_step(job.key, job.steps), snapshot=params)
+def fedtorch_snapshot_step(key, client, steps):
+    """t' = k - 1 for FedTorch's k uniform in {1..K-1}: floor(u (K - 1)) in {0..K-2} (0 where
+    K <= 2), u ~ U[0, 1) drawn per client from ``fold_in(round key, client)``."""
+    client_key = jax.random.fold_in(key, jnp.maximum(client, 0))
+    u = jax.random.uniform(jax.random.fold_in(client_key, SNAPSHOT_STREAM))
+    span = jnp.maximum(steps - 1, 1)
+    return jnp.minimum(jnp.floor(u * span.astype(jnp.float32)).astype(jnp.int32), span - 1)
+
+
+def _init_at(at):
+    """A client update's init that keeps the snapshot after ``at(job)`` steps (w_t if 0)."""
+
+    def init(server_state, client_state, params, hyper, job):
+        return DRFAStep(local=local_init(server_state, client_state, params, hyper, job),
+                        done=jnp.int32(0), at=at(job), snapshot=params)
+    return init
 
 
 def _step(state, grad_fn, hyper, job):
@@ -113,38 +148,54 @@ def _final(state, client_state, params, hyper, job):
             (difference(state.snapshot, params), job.steps))
 
 
-snapshot_update = ClientUpdate(init=_init, step=_step, final=_final)
+snapshot_update = ClientUpdate(init=_init_at(lambda job: snapshot_step(job.key, job.steps)),
+                               step=_step, final=_final)
+fedtorch_snapshot_update = ClientUpdate(
+    init=_init_at(lambda job: fedtorch_snapshot_step(job.key, job.client, job.steps)),
+    step=_step, final=_final)
 
 
-def drfa(num_clients: int, options: DRFAOptions = DRFAOptions()) -> FederatedAlgorithm:
-    """DRFA over `num_clients` training clients (module docstring)."""
+def raise_first_small(lam):
+    """FedTorch's centred guard against zero probabilities: the first lambda_i <= 1e-3 (in
+    client order), only that one, is set to 1e-3 and lambda renormalised; unchanged if none."""
+    low = lam <= FEDTORCH_FLOOR
+    raised = lam.at[jnp.argmax(low)].set(FEDTORCH_FLOOR)
+    return jnp.where(jnp.any(low), raised / jnp.sum(raised), lam)
+
+
+def _weighted_sum(c, ok, tree, params):
+    """sum_k c_k x_k over the finite updates (x_k of the others, possibly NaN, masked)."""
+    return jax.tree.map(lambda w, x: jnp.tensordot(c, jnp.where(
+        ok.reshape(ok.shape + (1,) * (x.ndim - 1)), x, 0.0), axes=1).astype(w.dtype),
+        params, tree)
+
+
+def drfa(train_sizes, options: DRFAOptions = DRFAOptions()) -> FederatedAlgorithm:
+    """DRFA over the training clients of sizes `train_sizes` (module docstring)."""
     check_options(options)
     paper = options.drfa_variant == "paper"
-    N = int(num_clients)
+    sizes = np.asarray(train_sizes, np.float64)
+    N = int(sizes.size)
+    lam0 = (jnp.full((N,), 1.0 / N, jnp.float32) if paper
+            else jnp.asarray(sizes / sizes.sum(), jnp.float32))
 
     def init(params, hyper):
         del params, hyper
-        return DRFAState(lam=jnp.full((N,), 1.0 / N, jnp.float32), rounds=jnp.int32(0))
+        return DRFAState(lam=lam0, rounds=jnp.int32(0))
 
     def client_weights(state, losses, sizes, hyper, key, clients):
         del losses, hyper, key
         m = sizes.shape[0]
         return jnp.ones((m,), jnp.float32) if paper else state.lam[clients] * (N / m)
 
-    def combine(feedback, tree, params):
-        """sum of c_k x_k over the finite updates: the mean (paper) or with c_k = a_k."""
-        ok = feedback.job_finite
-        c = jnp.where(ok, feedback.weights, 0.0)
-        if paper:
-            c = c / jnp.maximum(jnp.sum(c), 1e-30)
-        return jax.tree.map(lambda w, x: jnp.tensordot(c, jnp.where(
-            ok.reshape(ok.shape + (1,) * (x.ndim - 1)), x, 0.0), axes=1).astype(w.dtype),
-            params, tree)
-
     def probe(state, params, feedback, hyper):
+        """w' = w_t + the plain mean of (snapshot_k - w_t) over the finite updates."""
         del state, hyper
         offsets, _ = feedback.client_outputs
-        return jax.tree.map(jnp.add, params, combine(feedback, offsets, params))
+        ok = feedback.job_finite
+        c = jnp.where(ok, feedback.weights if paper else 1.0, 0.0)
+        c = c / jnp.maximum(jnp.sum(c), 1e-30)
+        return jax.tree.map(jnp.add, params, _weighted_sum(c, ok, offsets, params))
 
     def server_update(state, params, feedback, hyper):
         delta = (average_delta(params, feedback) if paper
@@ -155,18 +206,18 @@ def drfa(num_clients: int, options: DRFAOptions = DRFAOptions()) -> FederatedAlg
         m = feedback.probe_losses.shape[0]
         v = jnp.zeros((N,), jnp.float32).at[feedback.probe_clients].add(
             (N / m) * feedback.probe_losses)
-        gamma = hyper.lambda_lr * (1.0 if paper else FEDTORCH_DECAY ** state.rounds)
+        gamma = hyper.lambda_lr * (1.0 if paper else FEDTORCH_DECAY ** (state.rounds + 1))
         lam = project_simplex(state.lam + tau * gamma * v)
         if not paper:
-            lam = jnp.maximum(lam, FEDTORCH_FLOOR)
-            lam = lam / jnp.sum(lam)
+            lam = raise_first_small(lam)
         return delta, DRFAState(lam=lam, rounds=state.rounds + 1), {
             "drfa_lambda_max": jnp.max(lam), "drfa_probe_loss_mean": jnp.mean(
                 feedback.probe_losses)}
 
     return FederatedAlgorithm(
         name="drfa", init=init, client_weights=client_weights, server_update=server_update,
-        uses_losses=False, client_update=snapshot_update, probe=probe,
+        uses_losses=False, client_update=snapshot_update if paper else fedtorch_snapshot_update,
+        probe=probe, all_sampled_work=not paper,
         sampling=(lambda state: state.lam) if paper else None)
 
 
@@ -174,7 +225,7 @@ SPEC = AlgorithmSpec(
     name="drfa", display_name="DRFA",
     help="DRFA: clients drawn by lambda, snapshot-average losses of a uniform sample drive "
     "lambda's projected ascent (Deng et al. 2020)",
-    factory=lambda config, data, options: drfa(data.train.num_clients, options),
+    factory=lambda config, data, options: drfa(data.train.sizes, options),
     hyper=DRFAHyper, options_type=DRFAOptions,
     sweep=Sweep(flag="drfa_lambda_lr", field="lambda_lr", default=DEFAULT_LAMBDA_LR,
                 minimum=0.0, symbol="γ", help="drfa: step sizes gamma >= 0 of the ascent on "
