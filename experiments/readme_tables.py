@@ -22,7 +22,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import List, Tuple
 
 from absl import app, flags
 
@@ -66,30 +65,6 @@ def _run_dirs(root: str, order=()):
     return [os.path.join(root, d) for d in sorted(names, key=lambda d: (rank.get(d, 99), d))]
 
 
-def cells(table: str) -> Tuple[List[str], List[List[str]]]:
-    """(the names: the header row's cells and each row's first cell; the numbers: every other
-    cell, row by row) of a Markdown table."""
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
-            for line in table.strip().splitlines() if line.strip()]
-    rows = [r for r in rows if not all(set(c) <= set("-: ") for c in r)]   # the rule line
-    if not rows:
-        return [], []
-    names = rows[0] + [r[0] for r in rows[1:]]
-    return names, [r[1:] for r in rows[1:]]
-
-
-def difference(page: str, run: str) -> str:
-    """What differs between a page's table and the run's: '' (nothing), 'the numbers', 'the
-    column and row names (the numbers match)', or 'the numbers and the names'."""
-    (page_names, page_numbers), (run_names, run_numbers) = cells(page), cells(run)
-    numbers, names = page_numbers != run_numbers, page_names != run_names
-    if numbers and names:
-        return "the numbers and the column and row names"
-    if numbers:
-        return "the numbers"
-    return "the column and row names (the numbers match)" if names else ""
-
-
 def source_text(flagfile: str, out: str, ran: bool, temporary: bool) -> str:
     """What the command read: a run it made now, or an existing folder."""
     flags_name = os.path.relpath(flagfile, REPO)
@@ -125,7 +100,7 @@ def main(argv) -> None:
         except KeyError as e:
             cli.fail(f"{os.path.relpath(path, REPO)}: {e.args[0]}")
         name = os.path.relpath(path, REPO)
-        what = difference(old, table)
+        what = readme.difference(old, table)
         if FLAGS.write:
             with open(path, "w") as f:
                 f.write(readme.replace(text, FLAGS.table, table))

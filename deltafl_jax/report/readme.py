@@ -144,6 +144,30 @@ def render_personal(run_dirs: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def cells(table: str) -> Tuple[List[str], List[List[str]]]:
+    """(the names: the header row's cells and each row's first cell; the numbers: every other
+    cell, row by row) of a Markdown table."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in table.strip().splitlines() if line.strip()]
+    rows = [r for r in rows if not all(set(c) <= set("-: ") for c in r)]   # the rule line
+    if not rows:
+        return [], []
+    names = rows[0] + [r[0] for r in rows[1:]]
+    return names, [r[1:] for r in rows[1:]]
+
+
+def difference(page: str, run: str) -> str:
+    """What differs between a page's table and the run's: '' (nothing), 'the numbers', 'the
+    column and row names (the numbers match)', or 'the numbers and the names'."""
+    (page_names, page_numbers), (run_names, run_numbers) = cells(page), cells(run)
+    numbers, names = page_numbers != run_numbers, page_names != run_names
+    if numbers and names:
+        return "the numbers and the column and row names"
+    if numbers:
+        return "the numbers"
+    return "the column and row names (the numbers match)" if names else ""
+
+
 def _pattern(name: str):
     """The block of table `name`; an empty block (the markers on consecutive lines) too."""
     return re.compile(r"(<!-- table: " + re.escape(name) + r" -->\n)(.*?)\n?(<!-- /table -->)",
