@@ -51,11 +51,33 @@ def percent_axis(axis) -> None:
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{100.0 * v:.4g}"))
 
 
+SIZE_TICK_MANTISSAS = ((1.0,), (1.0, 2.0, 5.0), (1.0, 2.0, 3.0, 5.0),
+                       (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0))
+
+
+def size_ticks(lo: float, hi: float) -> List[float]:
+    """Tick values of a log axis of client sizes on [lo, hi]: the powers of ten, or, when
+    fewer than three of them fall in the range, the coarsest of 1-2-5, 1-2-3-5 and finer
+    multiples that gives three, at most six of them in any case (every other one dropped)."""
+    lo, hi = max(lo, 1e-12), max(hi, lo * (1 + 1e-9))
+    decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+    ticks: List[float] = []
+    for subs in SIZE_TICK_MANTISSAS:
+        ticks = [float(f"{m * 10.0 ** e:.6g}") for e in decades for m in subs
+                 if lo <= m * 10.0 ** e <= hi]
+        if len(ticks) >= 3:
+            break
+    while len(ticks) > 6:
+        ticks = ticks[::2]
+    return ticks
+
+
 def log_size_axis(axis) -> None:
-    """A log axis of client sizes with plain labels at 1, 2 and 5 times the powers of ten
-    (at most about six of them) and none at the minor ticks, so that labels do not overlap."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-    axis.set_major_locator(LogLocator(base=10.0, subs=(1.0, 2.0, 5.0), numticks=6))
+    """A log axis of client sizes with plain labels at :func:`size_ticks` of its current
+    limits (set the limits first) and none at the minor ticks, so that labels do not
+    overlap, also on a range of less than a decade (clients of 100 to 400 examples)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+    axis.set_major_locator(FixedLocator(size_ticks(*sorted(axis.get_view_interval()))))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
 
