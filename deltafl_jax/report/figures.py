@@ -114,11 +114,6 @@ def method_styles(labels: Sequence[str]) -> Dict[str, Style]:
     return {label: style(i) for i, label in enumerate(dict.fromkeys(labels))}
 
 
-def colors(n: int):
-    """The colours of the first n styles (:func:`style`)."""
-    return [style(i).color for i in range(n)]
-
-
 IDENTICAL_RTOL = 1e-6    # float32 round-off: one model evaluated in programs of other sizes
 
 
