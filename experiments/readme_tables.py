@@ -70,7 +70,7 @@ def source_text(flagfile: str, out: str, ran: bool, temporary: bool) -> str:
     flags_name = os.path.relpath(flagfile, REPO)
     if ran:
         return f"ran {flags_name} into {'a temporary folder' if temporary else out}"
-    return f"read the finished run in {out} (not re-run)"
+    return f"read the finished run in {out}, not re-run"
 
 
 def main(argv) -> None:

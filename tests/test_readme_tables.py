@@ -123,7 +123,7 @@ def test_check_of_an_existing_run_folder_says_it_read_it(tmp_path):
                f"--run_dir={run}", f"--readme={page}"]
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"matches the run (read the finished run in {run} (not re-run))" in proc.stdout
+    assert f"matches the run (read the finished run in {run}, not re-run)" in proc.stdout
     assert "fresh" not in proc.stdout
     page.write_text(page.read_text().replace("**", "", 2).replace("50.00", "50.01", 1))
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
