@@ -251,40 +251,69 @@ def pareto(points: Sequence[Mapping[str, Any]]) -> List[Mapping[str, Any]]:
     return sorted(front, key=lambda p: p["mean"])
 
 
+def frontier_order(record: Mapping[str, Any]) -> List[str]:
+    """The methods' display names in the report's order: FedAvg first, then the registry's
+    order (:func:`deltafl_jax.algorithms.naming.method_order`), whatever the record's order."""
+    from deltafl_jax.algorithms.naming import method_order
+    methods = sorted(record["methods"], key=lambda m: method_order(m.get("name", "")))
+    return list(dict.fromkeys(m["display"] for m in methods))
+
+
 def frontier_figure(record: Mapping[str, Any], path: str, dpi: int = 110) -> str:
-    """The trade-off figure of one setting: test error mean (x) against p90 (y), one point per
-    method and grid point (the chosen ones large and outlined), the Pareto frontier dashed."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """:func:`frontier_plot` of one setting, written to `path` (PNG)."""
+    frontier_plot(record).savefig(path, dpi=dpi)
+    return path
+
+
+def frontier_plot(record: Mapping[str, Any]):
+    """The trade-off figure of one setting (a matplotlib Figure): test error mean (x) against
+    p90 (y), one point per method and grid point (the chosen ones large and outlined), the
+    Pareto frontier dashed. Each method has its own colour and marker
+    (:func:`deltafl_jax.report.figures.method_styles`, in :func:`frontier_order`); the legend
+    sits beside the axes; a method whose chosen point coincides with an earlier one's is named
+    '(same point as X)'."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from deltafl_jax.report.figures import method_styles
 
     points = frontier_points(record)
-    fig, ax = plt.subplots(figsize=(7.0, 5.0))
-    methods = list(dict.fromkeys(p["method"] for p in points))
-    colors = plt.get_cmap("tab10")
-    for i, name in enumerate(methods):
+    fig = Figure(figsize=(9.0, 5.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    methods = frontier_order(record)
+    styles = method_styles(methods)
+    chosen: Dict[Tuple[float, float], str] = {}
+    for name in methods:
         mine = [p for p in points if p["method"] == name and math.isfinite(p["p90"])]
+        st = styles[name]
+        named = next((p for p in mine if p["chosen"]), mine[0] if mine else None)
+        if named is None:           # every point diverged: named in the legend only
+            ax.scatter([], [], color=st.color, marker=st.marker, s=90, edgecolors="black",
+                       label=f"{name} (diverged: not shown)")
         for p in mine:
-            ax.scatter(p["mean"], p["p90"], color=colors(i % 10), s=90 if p["chosen"] else 28,
-                       edgecolors="black" if p["chosen"] else "none", zorder=3,
-                       label=name if p is mine[0] else None)
+            at = (round(p["mean"], 6), round(p["p90"], 6))
+            label = None
+            if p is named:
+                label = name + (f" (same point as {chosen[at]})" if at in chosen else "")
+                chosen.setdefault(at, name)
+            ax.scatter(p["mean"], p["p90"], color=st.color, marker=st.marker,
+                       s=90 if p["chosen"] else 26, zorder=3,
+                       edgecolors="black" if p["chosen"] else "none", label=label)
             if p["text"]:
                 ax.annotate(p["text"], (p["mean"], p["p90"]), fontsize=6,
-                            xytext=(4, 3), textcoords="offset points", color=colors(i % 10))
+                            xytext=(4, 3), textcoords="offset points", color=st.color)
     front = pareto(points)
     if len(front) > 1:
         ax.plot([p["mean"] for p in front], [p["p90"] for p in front], "k--", lw=0.8,
                 zorder=2, label="Pareto frontier")
     ax.set_xlabel("test error, mean over clients (%)")
     ax.set_ylabel("test error, 90th percentile (%)")
-    ax.set_title(f"{record['title']}: every method and parameter (large: chosen on validation)",
-                 fontsize=9)
+    ax.set_title(f"{record['title']}: every method and parameter (large, outlined: chosen on "
+                 f"validation)", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-    return path
+    fig.legend(fontsize=7, loc="outside right upper")
+    return fig
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,8 +9,11 @@ Each table named by ``<!-- table: NAME -->`` is made from the flagfile
 ``--client_holdout`` gives the personalised evaluation's table). It lives in whichever pages
 hold its markers: README.md and the documentation site's pages (docs/, :mod:`experiments.pages`),
 or the one page ``--readme`` names. ``--run`` trains it first into a temporary directory (or
-``--run_dir``). Without ``--write`` the command exits 1 and prints both tables when a page
-differs.
+``--run_dir``); without ``--run``, ``--run_dir`` names a finished run that is read as it is
+(the README's main job's folder, for instance), and the command says which it did. Without
+``--write`` the command compares the numbers and the column and row names (the run's, without
+the options that every run of the table shares: :mod:`deltafl_jax.report.readme`), and when a
+page differs it exits 1, says which of the two differ and prints both tables.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from experiments import cli, pages
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("table", "synthetic", "table name = flagfile experiments/<name>.flags")
-flags.DEFINE_string("run_dir", None, "the run directory (default: a fresh run, with --run)")
+flags.DEFINE_string("run_dir", None, "the run directory: with --run, where to train; without, "
+                    "a finished run to read as it is (default: a temporary folder, with --run)")
 flags.DEFINE_bool("run", False, "train the flagfile first")
 flags.DEFINE_bool("write", False, "update the pages instead of checking them")
 flags.DEFINE_string("readme", None, "the Markdown page to read (default: every page of the "
@@ -61,6 +65,14 @@ def _run_dirs(root: str, order=()):
     return [os.path.join(root, d) for d in sorted(names, key=lambda d: (rank.get(d, 99), d))]
 
 
+def source_text(flagfile: str, out: str, ran: bool, temporary: bool) -> str:
+    """What the command read: a run it made now, or an existing folder."""
+    flags_name = os.path.relpath(flagfile, REPO)
+    if ran:
+        return f"ran {flags_name} into {'a temporary folder' if temporary else out}"
+    return f"read the finished run in {out}, not re-run"
+
+
 def main(argv) -> None:
     del argv
     from deltafl_jax.report import readme
@@ -79,6 +91,7 @@ def main(argv) -> None:
             cli.fail(f"no finished run in {out}; pass --run or --run_dir")
         personal = "client_holdout" in open(flagfile).read()
         table = readme.render_personal(dirs) if personal else readme.render(dirs)
+        source = source_text(flagfile, out, FLAGS.run, FLAGS.run_dir is None)
     differs = False
     for path in paths:
         text = open(path).read()
@@ -87,16 +100,17 @@ def main(argv) -> None:
         except KeyError as e:
             cli.fail(f"{os.path.relpath(path, REPO)}: {e.args[0]}")
         name = os.path.relpath(path, REPO)
+        what = readme.difference(old, table)
         if FLAGS.write:
             with open(path, "w") as f:
                 f.write(readme.replace(text, FLAGS.table, table))
-            print(f"updated the table '{FLAGS.table}' of {name}")
-        elif old.strip() != table.strip():
-            print(f"table '{FLAGS.table}' of {name} differs from a fresh run:\n--- {name}\n"
-                  f"{old}\n--- fresh run\n{table}")
+            print(f"updated the table '{FLAGS.table}' of {name} ({source})")
+        elif what or old.strip() != table.strip():
+            print(f"table '{FLAGS.table}' of {name} differs from the run ({source}): "
+                  f"{what or 'the layout'} differ\n--- {name}\n{old}\n--- the run\n{table}")
             differs = True
         else:
-            print(f"table '{FLAGS.table}' of {name} matches the run")
+            print(f"table '{FLAGS.table}' of {name} matches the run ({source})")
     if differs:
         sys.exit(1)
 

@@ -75,3 +75,57 @@ def test_readme_table_matches_a_fresh_run(table):
                            f"--table={table}", "--run"], cwd=REPO, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def options_run(path, filter, thetas=(1.0, 0.8), seeds=(1,)):
+    """A finished Delta-FL run of --filter=`filter` (summary.json, written with RunWriter)."""
+    labels = [ReplicaLabel("deltafl", t, s) for t in thetas for s in seeds]
+    os.makedirs(path)
+    RunWriter(str(path)).write_summary({
+        "replicas": [lab.to_json() for lab in labels],
+        "config": {"algorithm": "deltafl", "options": {"filter": filter}},
+        "final": {lab.key(): {"test_error_p90": 0.6 - 0.1 * lab.theta,
+                              "test_error_mean": 0.5 - 0.1 * lab.theta,
+                              "train_loss_p90": 1.5 + lab.theta} for lab in labels}})
+    return str(path)
+
+
+def test_headers_leave_out_the_options_every_run_shares(tmp_path):
+    """A table made from one flagfile (--filter=reference) names its columns as the page
+    does, without '(reference filter)' on each; runs whose options differ keep them."""
+    one = options_run(tmp_path / "ref", "reference")
+    assert readme.render([one]).splitlines()[0] == "| | FedAvg | Δ-FL, θ = 0.8 |"
+    other = options_run(tmp_path / "exact", "exact", thetas=(0.5,))
+    assert readme.render([one, other]).splitlines()[0] == (
+        "| | FedAvg | Δ-FL, θ = 0.8 (reference filter) | Δ-FL, θ = 0.5 |")
+
+
+def test_difference_says_whether_the_numbers_or_the_names_differ():
+    table = "| | A | B |\n|---|---|---|\n| p90 | **1.00** | 2.00 |"
+    assert readme.difference(table, table) == ""
+    assert readme.difference(table, table.replace("B |", "B (x) |")) == (
+        "the column and row names (the numbers match)")
+    assert readme.difference(table, table.replace("2.00", "2.01")) == "the numbers"
+    assert readme.difference(table, table.replace("2.00", "2.01").replace("p90", "q")) == (
+        "the numbers and the column and row names")
+
+
+def test_check_of_an_existing_run_folder_says_it_read_it(tmp_path):
+    """The README's main job's folder (a --filter=reference run of shakespeare_cpu.flags) read
+    as it is: the page's table, headers without the shared option, matches; the command says
+    it read the folder and did not run anything; a changed number fails, naming the numbers."""
+    run = options_run(tmp_path / "shakespeare_cpu", "reference", seeds=(1, 2))
+    page = tmp_path / "page.md"
+    table = readme.render([run])
+    assert "reference filter" not in table
+    page.write_text(f"# t\n<!-- table: shakespeare_cpu -->\n{table}\n<!-- /table -->\n")
+    command = [sys.executable, "-m", "experiments.readme_tables", "--table=shakespeare_cpu",
+               f"--run_dir={run}", f"--readme={page}"]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"matches the run (read the finished run in {run}, not re-run)" in proc.stdout
+    assert "fresh" not in proc.stdout
+    page.write_text(page.read_text().replace("**", "", 2).replace("50.00", "50.01", 1))
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the numbers differ" in proc.stdout and "not re-run" in proc.stdout

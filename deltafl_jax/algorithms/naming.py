@@ -5,7 +5,7 @@ run's configuration as summary.json stores it."""
 from __future__ import annotations
 
 import math
-from typing import Any, List, Mapping, Optional
+from typing import Any, List, Mapping, Optional, Tuple
 
 from deltafl_jax.replicas import ReplicaLabel
 from deltafl_jax.server_optimizer import DISPLAY as SERVER_DISPLAY
@@ -83,3 +83,40 @@ def _dp_parts(label: ReplicaLabel, run_config) -> List[str]:
     if len(values) == 1 and flag not in dict(label.extra):
         return [f"{PLATFORM_SYMBOLS[flag]} = {_g(values[0])}"]
     return []
+
+
+# --------------------------------------------------------------------------------------------
+# The order of a report's methods (its tables' columns, its figures' panels and legends, the
+# leaderboard's figure): FedAvg first, the reference every method is compared with (the
+# ``fedavg`` spec, and any column its spec names as FedAvg: Δ-FL at θ = 1 is FedAvg bit for
+# bit), then the methods in the registry's order (``registry.SPECS``: Δ-FL, FedAvg-Sub,
+# FedProx, q-FFL, AFL-q-FFL, AFL, TERM, Δ-FL (alt), SCAFFOLD, Ditto, FedDyn, APFL, GIFAIR-FL,
+# FedMGDA+, DRFA, PropFair), a layered method (``deltafl+ditto``) right after its base; an
+# algorithm that is not registered comes last. Columns of one method keep their run's order
+# (the sort that uses the key is stable).
+
+FEDAVG = "fedavg"
+
+
+def is_fedavg(algorithm: str, label: Optional[ReplicaLabel] = None) -> bool:
+    """Whether a method (a column `label` of `algorithm`, or the algorithm itself) is FedAvg,
+    as its spec names it: the ``fedavg`` spec, or a column named by its spec's
+    ``column_name`` as the ``fedavg`` spec's display name (Δ-FL at θ = 1)."""
+    from deltafl_jax.algorithms import registry
+    if algorithm == FEDAVG:
+        return True
+    spec = registry.find(algorithm)
+    if spec is None or label is None or spec.column_name is None:
+        return False
+    return (spec.column_name(label, spec.options_type(), spec.display_name)
+            == registry.SPECS[FEDAVG].display_name)
+
+
+def method_order(algorithm: str, label: Optional[ReplicaLabel] = None) -> Tuple[int, int, int]:
+    """The sort key of a method in reports (see above): (0 for FedAvg else 1, the base
+    algorithm's index in the registry, 1 for a layered method else 0)."""
+    from deltafl_jax.algorithms import registry
+    base, plus, _ = algorithm.partition("+")
+    names = list(registry.SPECS)
+    index = names.index(base) if base in names else len(names)
+    return (0 if is_fedavg(algorithm, label) else 1, index, 1 if plus else 0)

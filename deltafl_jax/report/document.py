@@ -87,6 +87,11 @@ def setting_figures(sc: Sequence[Column], setting: str, percentile: str, notes: 
     if any(figures.kept_data(c) is not None for c in sc):
         out.append((figures.kept_figure(sc), f"fig16_kept_clients_{name}.png",
                     "Fig. 16: clients kept per round"))
+    personal = figures.personal_figure(sc, percentile)
+    if personal is not None:
+        out.append((personal, f"personal_held_out_error_{name}.png",
+                    "Personalised evaluation: held-out error (mean, p90, worst 10%) of unseen "
+                    "devices and seen clients, without and after adaptation"))
     if sc[0].run.dataset == "gaussian_toy":
         means = sc[0].run.config.get("data", {}).get("toy_means")
         out.append((figures.mixture_figure(sc, means, {c.label: model_point(c) for c in sc}),

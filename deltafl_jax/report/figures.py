@@ -4,13 +4,24 @@ Fig. 4 and Figs. 12-13: histograms of the per-client final test error and train 
 and Figs. 14-15: per-client values against client size; Figs. 6-11: the train-loss and
 test-error mean and p90 over rounds; Fig. 16: clients kept per round. The ``*_data``
 functions give the plotted arrays, for re-plotting and for tests; errors are fractions there,
-and the axes show them in percent, as the tables do (:func:`percent_axis`).
+and the axes show them in percent, as the tables do (:func:`percent_axis`). The personalised
+evaluation (``--client_holdout``) has its own figure (:func:`personal_figure`).
+
+Every figure takes the columns in the report's order (FedAvg first, then the registry's
+order: :func:`deltafl_jax.report.tables.ordered`) and draws each method in its own style
+(:func:`method_styles`: a colour of the Okabe–Ito colour-blind-safe palette, a marker and,
+past the palette's eight colours, a line style), the same in every figure of a report. A
+method whose values are identical to an earlier one's (Ditto's and APFL's global model are
+FedAvg's) is said so in its legend entry or panel title, and its markers are offset so that
+both stay visible.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Sequence
+import textwrap
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -40,20 +51,99 @@ def percent_axis(axis) -> None:
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{100.0 * v:.4g}"))
 
 
+SIZE_TICK_MANTISSAS = ((1.0,), (1.0, 2.0, 5.0), (1.0, 2.0, 3.0, 5.0),
+                       (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0))
+
+
+def size_ticks(lo: float, hi: float) -> List[float]:
+    """Tick values of a log axis of client sizes on [lo, hi]: the powers of ten, or, when
+    fewer than three of them fall in the range, the coarsest of 1-2-5, 1-2-3-5 and finer
+    multiples that gives three, at most six of them in any case (every other one dropped)."""
+    lo, hi = max(lo, 1e-12), max(hi, lo * (1 + 1e-9))
+    decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+    ticks: List[float] = []
+    for subs in SIZE_TICK_MANTISSAS:
+        ticks = [float(f"{m * 10.0 ** e:.6g}") for e in decades for m in subs
+                 if lo <= m * 10.0 ** e <= hi]
+        if len(ticks) >= 3:
+            break
+    while len(ticks) > 6:
+        ticks = ticks[::2]
+    return ticks
+
+
 def log_size_axis(axis) -> None:
-    """A log axis of client sizes with plain labels at 1, 2 and 5 times the powers of ten
-    (at most about six of them) and none at the minor ticks, so that labels do not overlap."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-    axis.set_major_locator(LogLocator(base=10.0, subs=(1.0, 2.0, 5.0), numticks=6))
+    """A log axis of client sizes with plain labels at :func:`size_ticks` of its current
+    limits (set the limits first) and none at the minor ticks, so that labels do not
+    overlap, also on a range of less than a decade (clients of 100 to 400 examples)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+    axis.set_major_locator(FixedLocator(size_ticks(*sorted(axis.get_view_interval()))))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
 
 
-def colors(n: int):
-    """n colours of the tab10 cycle."""
-    from matplotlib import colormaps
-    cmap = colormaps["tab10"]
-    return [cmap(i % 10) for i in range(n)]
+# Okabe & Ito's colour-blind-safe palette (Color Universal Design, 2008), black last.
+PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442",
+           "#000000")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")     # 7, coprime with 8: (colour, marker) pairs
+LINESTYLES = ("-", "--", "-.", ":")              # differ for the first 56 methods
+HATCHES = ("", "////", "....", "xxxx")            # bars: one per round of the palette
+
+
+@dataclasses.dataclass(frozen=True)
+class Style:
+    """How a figure draws one method: colour, marker, line style and (bars) hatching."""
+    color: str
+    marker: str
+    linestyle: str
+    hatch: str
+
+
+def style(i: int) -> Style:
+    """The style of the i-th method of a report (0-based, in the report's order): colours
+    cycle through :data:`PALETTE`, markers through :data:`MARKERS`, and the line style and
+    the bars' hatching change each time the colours start over, so that no two of the first
+    32 methods look alike in any figure and the first eight have eight different colours."""
+    turn = i // len(PALETTE)
+    return Style(PALETTE[i % len(PALETTE)], MARKERS[i % len(MARKERS)],
+                 LINESTYLES[turn % len(LINESTYLES)], HATCHES[turn % len(HATCHES)])
+
+
+def method_styles(labels: Sequence[str]) -> Dict[str, Style]:
+    """{label: Style} of a report's methods, given in the report's order (each label once)."""
+    return {label: style(i) for i, label in enumerate(dict.fromkeys(labels))}
+
+
+IDENTICAL_RTOL = 1e-6    # float32 round-off: one model evaluated in programs of other sizes
+
+
+def identical_to(named_arrays: Sequence[Tuple[str, Optional[np.ndarray]]]) -> Dict[str, str]:
+    """{label: the first earlier label whose array is equal} (to within float32 round-off,
+    :data:`IDENTICAL_RTOL`; NaN equal to NaN): the methods whose curve, histogram or points
+    would hide behind an earlier one's (Ditto's and APFL's global model is FedAvg's)."""
+    out: Dict[str, str] = {}
+    for i, (label, a) in enumerate(named_arrays):
+        if a is None:
+            continue
+        for other, b in named_arrays[:i]:
+            if b is not None and other not in out and a.shape == b.shape and \
+                    np.allclose(a, b, rtol=IDENTICAL_RTOL, atol=0.0, equal_nan=True):
+                out[label] = other
+                break
+    return out
+
+
+def title_text(label: str, same_as: Optional[str] = None, width: int = 30) -> str:
+    """A panel title: the method's label wrapped to `width` characters, then '(identical to
+    X)' when its values are those of an earlier method."""
+    text = textwrap.fill(label, width)
+    return text + (f"\n(identical to {same_as})" if same_as else "")
+
+
+def panel_grid(n: int, max_cols: int = 4) -> Tuple[int, int]:
+    """(rows, columns) of a grid of n panels, at most `max_cols` wide."""
+    cols = max(1, min(n, max_cols))
+    return math.ceil(n / cols), cols
 
 
 def histogram_data(col: Column, split: str = "test", quantity: str = "error"):
@@ -67,67 +157,85 @@ def histogram_data(col: Column, split: str = "test", quantity: str = "error"):
 
 
 def bars_p90(values, weights, percentile: str, sampled: bool) -> float:
-    """The 90th percentile of the bars: the lower weighted quantile (or NumPy's linear one);
-    for one run's sample (equal weights), the ceil(0.9 K)-th smallest value, as
-    :func:`deltafl_jax.eval_sample.summarize_sample` takes it."""
+    """The 90th percentile of the bars' values: the lower weighted quantile (or NumPy's linear
+    one); for one run's sample (equal weights), the ceil(0.9 K)-th smallest value, as
+    :func:`deltafl_jax.eval_sample.summarize_sample` takes it. It is not the table's p90 when
+    there are several seeds: the bars are each client's value averaged over the seeds, the
+    table's p90 the mean over the seeds of each seed's p90 (:func:`table_p90`)."""
     if sampled and percentile == "lower":
         return float(np.sort(values)[lower_rank(values.size, 90) - 1])
     return float(percentiles(values[None], None if percentile == "linear" else weights, [90],
                              percentile)[0, 0])
 
 
-def mark_p90(ax, values, weights, table_p90: float, percentile: str, percent: bool,
-             sampled: bool = False) -> None:
-    """The dashed line at the 90th percentile of the plotted bars (seed-averaged values, the
-    bars' weights), labelled along the line; the table's value (the mean over seeds of each
-    seed's percentile) is named beside it when it prints differently."""
-    if values.size == 0:
+def table_p90(col: Column, split: str, quantity: str, percentile: str = "lower") -> float:
+    """The report's table cell of the column's 90th percentile (`split`_`quantity`_p90): the
+    mean over the seeds of each seed's percentile, in the metric's unit (fractions)."""
+    return float(np.mean(col.values(f"{split}_{quantity}_p90", percentile)))
+
+
+def mark_p90(ax, table_value: float, percent: bool) -> None:
+    """The dashed line at the table's 90th percentile (:func:`table_p90`, the number its cell
+    prints), labelled 'p90 = ...' along the line as the table prints it (in % for errors);
+    nothing when it is not finite (a diverged seed)."""
+    if not math.isfinite(table_value):
         return
-    p90 = bars_p90(values, weights, percentile, sampled)
+    from matplotlib import patheffects
     show = percent_text if percent else (lambda x: f"{x:.3f}")
-    text = f" p90 = {show(p90)}"
-    if math.isfinite(table_p90) and show(table_p90) != show(p90):
-        text += f" (table: {show(table_p90)})"
-    ax.axvline(p90, color="black", linestyle="--", linewidth=1.0)
-    ax.text(p90, 0.98, text, transform=ax.get_xaxis_transform(), rotation=90, ha="right",
-            va="top", fontsize=7,
+    ax.axvline(table_value, color="black", linestyle="--", linewidth=1.0,
+               path_effects=[patheffects.withStroke(linewidth=2.5, foreground="white")])
+    ax.text(table_value, 0.98, f" p90 = {show(table_value)}", transform=ax.get_xaxis_transform(),
+            rotation=90, ha="right", va="top", fontsize=7,
             bbox=dict(facecolor="white", edgecolor="none", alpha=0.7, pad=0.5))
+
+
+def histogram_bins(data, quantity: str) -> np.ndarray:
+    """The shared bins: 20 of width 5 % on [0, 1] for errors (k / 20 correctly rounded, so
+    that an error such as 3/20 = 6/40 lands in the bin it starts whatever its client's size),
+    else 20 on [0, the largest finite value]."""
+    if quantity == "error":
+        return np.arange(HISTOGRAM_BINS + 1) / HISTOGRAM_BINS
+    finite = np.concatenate([v[np.isfinite(v)] for v, _ in data] + [np.zeros(1)])
+    return np.linspace(0.0, max(float(finite.max()), 1e-12), HISTOGRAM_BINS + 1)
 
 
 def histogram_figure(cols: Sequence[Column], split: str = "test", quantity: str = "error",
                      percentile: str = "lower"):
-    """Fig. 4 (Figs. 12-13): one panel per method, shared bins (5 % wide on [0, 1] for errors),
-    bars = fraction of clients (alpha-weighted for training clients, see
-    :func:`histogram_data`); the dashed line is the 90th percentile of the bars, with the
-    tables' value (mean over seeds of each seed's percentile) beside it where it differs
-    (:func:`mark_p90`)."""
+    """Fig. 4 (Figs. 12-13): one panel per method in a grid of at most four columns, in the
+    report's order, shared bins (:func:`histogram_bins`), bars = fraction of clients
+    (alpha-weighted for training clients, see :func:`histogram_data`) in the method's colour;
+    the dashed line is the table's 90th percentile (:func:`mark_p90`). A method whose values
+    equal an earlier one's says so in its title."""
     n = len(cols)
-    fig, axes = new_figure(1, n, 2.6 * n + 0.6, 2.8, sharex=True, sharey=True)
+    rows, ncols = panel_grid(n)
+    fig, axes = new_figure(rows, ncols, 2.9 * ncols + 0.5, 2.5 * rows + 0.8, sharex=True,
+                           sharey=True)
     data = [histogram_data(c, split, quantity) for c in cols]
-    if quantity == "error":
-        # k / 20 correctly rounded, so that an error such as 3/20 = 6/40 lands in the bin it
-        # starts whatever its client's size.
-        bins = np.arange(HISTOGRAM_BINS + 1) / HISTOGRAM_BINS
-    else:
-        finite = np.concatenate([v[np.isfinite(v)] for v, _ in data] + [np.zeros(1)])
-        bins = np.linspace(0.0, max(float(finite.max()), 1e-12), HISTOGRAM_BINS + 1)
-    metric = f"{split}_{quantity}_p90"
-    for ax, c, (v, w), color in zip(axes[0], cols, data, colors(n)):
+    bins = histogram_bins(data, quantity)
+    styles = method_styles([c.label for c in cols])
+    same = identical_to([(c.label, v) for c, (v, _) in zip(cols, data)])
+    for i, (c, (v, w)) in enumerate(zip(cols, data)):
+        ax = axes[i // ncols][i % ncols]
         ok = np.isfinite(v)        # a diverged client is left out (its mass is missing)
-        ax.hist(v[ok], bins=bins, weights=w[ok], color=color, edgecolor="white", linewidth=0.5)
-        mark_p90(ax, v[ok], w[ok], float(np.mean(c.values(metric, percentile))), percentile,
-                 quantity == "error", sampled=c.sampled and len(c.parts) == 1 and ok.all())
-        ax.set_title(c.label, fontsize=9)
+        ax.hist(v[ok], bins=bins, weights=w[ok], color=styles[c.label].color,
+                hatch=styles[c.label].hatch, edgecolor="white", linewidth=0.5)
+        mark_p90(ax, table_p90(c, split, quantity, percentile), quantity == "error")
+        ax.set_title(title_text(c.label, same.get(c.label)), fontsize=9)
         if quantity == "error":
             percent_axis(ax.xaxis)
-            ax.set_xlabel(f"{split} misclassification error (%)")
-        else:
-            ax.set_xlabel(f"{split} loss")
-    axes[0][0].set_ylabel("fraction of clients" + (" (α-weighted)" if split == "train" else ""))
+        if i + ncols >= n:          # the lowest panel of its grid column
+            ax.xaxis.set_tick_params(labelbottom=True)
+            ax.set_xlabel(f"{split} misclassification error (%)" if quantity == "error"
+                          else f"{split} loss", fontsize=8)
+    for i in range(n, rows * ncols):
+        axes[i // ncols][i % ncols].set_visible(False)
+    for r in range(rows):
+        axes[r][0].set_ylabel("fraction of clients" + (" (α-weighted)" if split == "train"
+                                                       else ""), fontsize=8)
     what = "test misclassification error" if (split, quantity) == ("test", "error") else \
         f"{split} {quantity}"
-    fig.suptitle(f"{cols[0].setting}: {what} per client (final model, mean over seeds)"
-                 f"{sample_note(cols)}", fontsize=10)
+    fig.suptitle(f"{cols[0].setting}: {what} per client (final model, mean over seeds; "
+                 f"dashed: the table's p90){sample_note(cols)}", fontsize=10)
     return fig
 
 
@@ -142,29 +250,55 @@ def sample_note(cols: Sequence[Column]) -> str:
             f"split)")
 
 
+SCATTER_ROWS = (("train", "loss", "train loss"), ("test", "error", "test error"))
+
+
 def scatter_figure(cols: Sequence[Column]):
-    """Fig. 5 (Figs. 14-15): top row, train loss of each training client against its number of
-    examples; bottom row, test error of each test client against its number of examples. One
-    column of panels per method; values averaged over seeds."""
+    """Fig. 5 (Figs. 14-15): per method, a train-loss panel (each training client's loss
+    against its number of examples) above a test-error panel (each test client's error); the
+    methods in a grid of at most four columns, in the report's order and colours; values
+    averaged over seeds. Panels of one quantity share their axes' limits."""
     n = len(cols)
-    fig, axes = new_figure(2, n, 2.6 * n + 0.6, 5.0, sharex="row", sharey="row")
-    for j, (c, color) in enumerate(zip(cols, colors(n))):
-        for i, (split, quantity, name) in enumerate((("train", "loss", "train loss"),
-                                                     ("test", "error", "test error"))):
+    grid_rows, ncols = panel_grid(n)
+    fig, axes = new_figure(2 * grid_rows, ncols, 2.9 * ncols + 0.6, 4.6 * grid_rows + 0.6)
+    styles = method_styles([c.label for c in cols])
+    drawn: Dict[int, List] = {0: [], 1: []}
+    for j, c in enumerate(cols):
+        for i, (split, quantity, name) in enumerate(SCATTER_ROWS):
             sizes, v = c.client_means(split, quantity)
-            ax = axes[i][j]
-            ax.scatter(sizes, v, s=8, color=color, alpha=0.7, linewidths=0)
+            ax = axes[2 * (j // ncols) + i][j % ncols]
+            st = styles[c.label]
+            ax.scatter(sizes, v, s=9, color=st.color, marker=st.marker, alpha=0.7,
+                       linewidths=0)
             ax.set_xscale("log")
-            log_size_axis(ax.xaxis)
-            ax.set_xlabel(f"examples on the {split} client")
+            ax.set_xlabel(f"examples on the {split} client", fontsize=8)
             if quantity == "error":
                 percent_axis(ax.yaxis)
-            if j == 0:
-                ax.set_ylabel(name + (" (%)" if quantity == "error" else ""))
-        axes[0][j].set_title(c.label, fontsize=9)
+            if j % ncols == 0:
+                ax.set_ylabel(name + (" (%)" if quantity == "error" else ""), fontsize=8)
+            drawn[i].append(ax)
+        axes[2 * (j // ncols)][j % ncols].set_title(textwrap.fill(c.label, 30), fontsize=9)
+    for i in (0, 1):
+        share_limits(drawn[i])
+    for j in range(n, grid_rows * ncols):
+        for i in (0, 1):
+            axes[2 * (j // ncols) + i][j % ncols].set_visible(False)
     fig.suptitle(f"{cols[0].setting}: per-client final values against client size "
                  f"(mean over seeds){sample_note(cols)}", fontsize=10)
     return fig
+
+
+def share_limits(axes) -> None:
+    """One x range and one y range for every axis of `axes` (the union of their data
+    limits), then readable log-size ticks (:func:`log_size_axis`)."""
+    if not axes:
+        return
+    xs = [ax.get_xlim() for ax in axes]
+    ys = [ax.get_ylim() for ax in axes]
+    for ax in axes:
+        ax.set_xlim(min(x[0] for x in xs), max(x[1] for x in xs))
+        ax.set_ylim(min(y[0] for y in ys), max(y[1] for y in ys))
+        log_size_axis(ax.xaxis)
 
 
 CURVE_PANELS = (("train_loss_mean", "train loss: mean"), ("train_loss_p90", "train loss: p90"),
@@ -190,17 +324,24 @@ def curve_data(col: Column, metric: str, percentile: str = "lower"):
 
 def curves_figure(cols: Sequence[Column], percentile: str = "lower"):
     """Figs. 6-11: train-loss mean and p90, test-error mean and p90 over rounds; a line per
-    method (mean over seeds) with a min/max band over seeds."""
-    fig, axes = new_figure(2, 2, 9.0, 6.0, sharex=True)
-    for (metric, title), ax in zip(CURVE_PANELS, axes.ravel()):
-        for c, color in zip(cols, colors(len(cols))):
-            got = curve_data(c, metric, percentile)
-            if got is None:
+    method (mean over seeds, in its style) with a min/max band over seeds. A method whose four
+    curves equal an earlier one's is named '(identical to X)' in the legend and drawn dashed
+    with its markers offset (:func:`draw_curve`)."""
+    fig, axes = new_figure(2, 2, 10.5, 6.4, sharex=True)
+    styles = method_styles([c.label for c in cols])
+    got = {c.label: [curve_data(c, m, percentile) for m, _ in CURVE_PANELS] for c in cols}
+    same = identical_to([(c.label, None if None in got[c.label] else
+                          np.concatenate([np.concatenate([g[1], g[2], g[3]])
+                                          for g in got[c.label]])) for c in cols])
+    ties = {c.label: [d.label for d in cols if same.get(d.label, d.label) ==
+                      same.get(c.label, c.label)] for c in cols}
+    for k, ((metric, title), ax) in enumerate(zip(CURVE_PANELS, axes.ravel())):
+        for c in cols:
+            if got[c.label][k] is None:
                 continue
-            rounds, mean, lo, hi = got
-            ax.plot(rounds, mean, color=color, label=c.label, marker="." if len(rounds) < 30
-                    else None)
-            ax.fill_between(rounds, lo, hi, color=color, alpha=0.15, linewidth=0)
+            label = c.label + (f" (identical to {same[c.label]})" if c.label in same else "")
+            draw_curve(ax, got[c.label][k], styles[c.label], label,
+                       ties[c.label].index(c.label), len(ties[c.label]))
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
         if "error" in metric:
@@ -209,10 +350,23 @@ def curves_figure(cols: Sequence[Column], percentile: str = "lower"):
         ax.set_xlabel("communication round")
     handles, labels = axes[0][0].get_legend_handles_labels()
     if handles:
-        axes[0][0].legend(fontsize=7)
+        fig.legend(handles, labels, fontsize=7, loc="outside right center")
     fig.suptitle(f"{cols[0].setting}: performance across rounds ({percentile} percentiles; "
                  f"band: min/max over seeds)", fontsize=10)
     return fig
+
+
+def draw_curve(ax, got, st: Style, label: str, tie: int, ties: int) -> None:
+    """One method's line (mean over seeds) and band (min/max) on `ax`. The `tie`-th of `ties`
+    identical curves (0: the first) is drawn dashed when tie > 0, its markers at every
+    `ties`-th evaluation starting at the `tie`-th, so that each stays visible."""
+    rounds, mean, lo, hi = got
+    marks = len(rounds) < 30 or ties > 1
+    ax.plot(rounds, mean, color=st.color, label=label, marker=st.marker if marks else None,
+            markersize=4, linestyle=(0, (4, 2 * tie)) if tie else st.linestyle,
+            markevery=(tie % max(1, len(rounds)), ties) if ties > 1 else None,
+            zorder=3 + tie)
+    ax.fill_between(rounds, lo, hi, color=st.color, alpha=0.15, linewidth=0)
 
 
 def kept_data(col: Column):
@@ -230,15 +384,23 @@ def kept_data(col: Column):
 
 def kept_figure(cols: Sequence[Column]):
     """Fig. 16: clients kept per round after the filter, mean over seeds, band = min/max."""
-    fig, axes = new_figure(1, 1, 8.5, 3.6)
+    fig, axes = new_figure(1, 1, 9.5, 3.8)
     ax = axes[0][0]
-    for c, color in zip(cols, colors(len(cols))):
-        got = kept_data(c)
-        if got is None:
+    styles = method_styles([c.label for c in cols])
+    got = {c.label: kept_data(c) for c in cols}
+    same = identical_to([(c.label, None if got[c.label] is None else got[c.label][1])
+                         for c in cols])
+    for c in cols:
+        if got[c.label] is None:
             continue
-        rounds, mean, lo, hi = got
-        ax.plot(rounds, mean, color=color, label=c.label, linewidth=1.0)
-        ax.fill_between(rounds, lo, hi, color=color, alpha=0.2, linewidth=0)
+        rounds, mean, lo, hi = got[c.label]
+        st = styles[c.label]
+        tie = sum(1 for d in cols[:cols.index(c)] if same.get(d.label, d.label) ==
+                  same.get(c.label, c.label))
+        label = c.label + (f" (identical to {same[c.label]})" if c.label in same else "")
+        ax.plot(rounds, mean, color=st.color, label=label, linewidth=1.0,
+                linestyle=(0, (4, 2 * tie)) if tie else st.linestyle, zorder=3 + tie)
+        ax.fill_between(rounds, lo, hi, color=st.color, alpha=0.2, linewidth=0)
     ax.set_xlabel("communication round")
     ax.set_ylabel("clients kept")
     ax.grid(alpha=0.3)
@@ -246,6 +408,81 @@ def kept_figure(cols: Sequence[Column]):
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(f"{cols[0].setting}: clients kept per round (band: min/max over seeds)",
                  fontsize=10)
+    return fig
+
+
+PERSONAL_STATS = (("mean", "mean"), ("p90", "p90"), ("worst10", "worst 10%"))
+
+
+def personal_families(cols: Sequence[Column]) -> List[str]:
+    """The personalised evaluation's families of the columns' runs ('unseen', 'seen',
+    'unseen_ft5', ...), in the order of the report's personalised tables (by adaptation
+    steps, unseen devices first)."""
+    from deltafl_jax.report.tables import personal_tables
+    out: List[str] = []
+    for spec in personal_tables(cols):
+        family = spec.metric.rpartition("_error_")[0]
+        if family not in out:
+            out.append(family)
+    return out
+
+
+def family_title(family: str) -> str:
+    """'unseen_ft5' -> 'unseen devices, after 5 adaptation steps'."""
+    population, _, k = family.partition("_ft")
+    who = "unseen devices (test clients)" if population == "unseen" else \
+        "seen clients (their own model)"
+    return f"{who}, " + (f"after {k} adaptation steps" if k else "no adaptation")
+
+
+def personal_data(col: Column, family: str, percentile: str = "lower"):
+    """([3] mean over seeds, [3] min, [3] max) of the family's held-out error (mean, p90,
+    worst-10% mean: :data:`PERSONAL_STATS`), or None when the column's runs have none."""
+    try:
+        v = np.stack([col.values(f"{family}_error_{stat}", percentile)
+                      for stat, _ in PERSONAL_STATS])
+    except KeyError:
+        return None
+    return v.mean(axis=1), v.min(axis=1), v.max(axis=1)
+
+
+def personal_figure(cols: Sequence[Column], percentile: str = "lower"):
+    """The personalised evaluation (``--client_holdout``): one panel per family (unseen
+    devices and seen clients, without and after adaptation steps), grouped bars of the
+    held-out error's mean, p90 and worst-10% mean (in %) per method in its colour, the bar the
+    mean over seeds, the whisker the min/max over seeds; None when no run has one."""
+    families = personal_families(cols)
+    if not families:
+        return None
+    styles = method_styles([c.label for c in cols])
+    have = [c for c in cols if personal_data(c, families[0], percentile) is not None]
+    rows, ncols = panel_grid(len(families), 2)
+    fig, axes = new_figure(rows, ncols, 5.2 * ncols + 2.6, 3.2 * rows + 0.7, sharey=True)
+    width = 0.8 / max(1, len(have))
+    x = np.arange(len(PERSONAL_STATS))
+    for f, family in enumerate(families):
+        ax = axes[f // ncols][f % ncols]
+        for j, c in enumerate(have):
+            got = personal_data(c, family, percentile)
+            if got is None:
+                continue
+            mean, lo, hi = got
+            ax.bar(x - 0.4 + (j + 0.5) * width, mean, width, color=styles[c.label].color,
+                   hatch=styles[c.label].hatch, edgecolor="white", linewidth=0.5,
+                   yerr=np.stack([mean - lo, hi - mean]), capsize=2, label=c.label,
+                   error_kw=dict(linewidth=0.8))
+        ax.set_xticks(x, [name for _, name in PERSONAL_STATS])
+        percent_axis(ax.yaxis)
+        ax.set_title(family_title(family), fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    for f in range(len(families), rows * ncols):
+        axes[f // ncols][f % ncols].set_visible(False)
+    for r in range(rows):
+        axes[r][0].set_ylabel("held-out error (%)", fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="outside right center")
+    fig.suptitle(f"{cols[0].setting}: personalised evaluation, held-out error per client "
+                 f"(bars: mean over seeds; whiskers: min/max over seeds)", fontsize=10)
     return fig
 
 
@@ -315,16 +552,18 @@ def barycentric_xy(pi: np.ndarray) -> np.ndarray:
     return np.stack([pi[:, 1] + 0.5 * pi[:, 2], (np.sqrt(3) / 2) * pi[:, 2]], axis=1)
 
 
-def draw_means(ax, means, points) -> None:
-    """Fig. 3, left: the means mu_k and the models w (points: {label: [2] or None})."""
+def draw_means(ax, means, points, styles: Dict[str, Style]) -> None:
+    """Fig. 3, left: the means mu_k and the models w (points: {label: [2] or None}), each in
+    its method's style."""
     ax.scatter(means[:, 0], means[:, 1], marker="o", s=40, color="black", zorder=3)
     for k, (x, y) in enumerate(means):
         ax.annotate(f"μ{k + 1}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     closed = np.vstack([means, means[:1]])
     ax.plot(closed[:, 0], closed[:, 1], color="grey", linewidth=0.8)
-    for (label, w), color in zip(points.items(), colors(len(points))):
+    for label, w in points.items():
         if w is not None:
-            ax.scatter([w[0]], [w[1]], marker="*", s=120, color=color, label=label, zorder=4)
+            ax.scatter([w[0]], [w[1]], marker="*", s=120, color=styles[label].color,
+                       label=label, zorder=4)
     pad = 0.35 * max(float(np.ptp(means[:, 0])), float(np.ptp(means[:, 1])), 1e-6)
     ax.set_xlim(means[:, 0].min() - pad, means[:, 0].max() + pad)
     ax.set_ylim(means[:, 1].min() - pad, means[:, 1].max() + pad)
@@ -361,7 +600,7 @@ def draw_simplex(ax, fig, alpha, theta, base, other, names) -> None:
                  fontsize=9)
 
 
-def draw_histogram(ax, alpha, theta, losses) -> None:
+def draw_histogram(ax, alpha, theta, losses, styles: Dict[str, Style]) -> None:
     """Fig. 3, right: histogram of F(w; p_pi) for pi uniform on P_theta, one per model; the
     dashed lines are the worst (largest) loss of each."""
     pi = uniform_mixtures(alpha, theta)
@@ -369,7 +608,8 @@ def draw_histogram(ax, alpha, theta, losses) -> None:
     lo = min(float(v.min()) for v in values.values())
     hi = max(float(v.max()) for v in values.values())
     bins = np.linspace(lo, hi, 41)
-    for (label, v), color in zip(values.items(), colors(len(values))):
+    for label, v in values.items():
+        color = styles[label].color
         ax.hist(v, bins=bins, color=color, alpha=0.5, label=label, density=True)
         ax.axvline(float(v.max()), color=color, linestyle="--", linewidth=1.0)
     ax.set_xlabel("F(w; p_π)")
@@ -384,6 +624,7 @@ def mixture_figure(cols: Sequence[Column], means=None, points=None):
     {label: w [2] or None}); middle, the loss of the θ-model minus FedAvg's over every mixture
     of three clients (barycentric triangle); right, the histogram of the mixture losses for
     mixtures drawn uniformly with conformity >= θ. Columns: the θ = 1 model first."""
+    styles = method_styles([c.label for c in cols])     # the report's order, as elsewhere
     cols = sorted(cols, key=lambda c: -float(c.run.labels[c.replicas[0]].theta))
     alpha, theta, losses = mixture_data(cols)
     labels = list(losses)
@@ -391,11 +632,11 @@ def mixture_figure(cols: Sequence[Column], means=None, points=None):
     fig, axes = new_figure(1, panels, 4.2 * panels, 3.8)
     axes = list(axes[0])
     if means is not None:
-        draw_means(axes.pop(0), np.asarray(means, np.float64), points or {})
+        draw_means(axes.pop(0), np.asarray(means, np.float64), points or {}, styles)
     if len(alpha) == 3:
         draw_simplex(axes.pop(0), fig, alpha, theta, losses[labels[0]], losses[labels[-1]],
                      (labels[0], labels[-1]))
-    draw_histogram(axes.pop(0), alpha, theta, losses)
+    draw_histogram(axes.pop(0), alpha, theta, losses, styles)
     fig.suptitle(f"{cols[0].setting}: Fig. 3, losses over mixtures of the training "
                  f"distributions (final models, mean over seeds)", fontsize=10)
     return fig

@@ -5,15 +5,23 @@ A table sits in README.md between ``<!-- table: NAME -->`` and ``<!-- /table -->
 replica): one column per method or theta, rows for the p90 and the mean of the test error (in
 %) and the p90 of the alpha-weighted train loss, each the mean +- std over seeds (ddof = 0), the
 lowest mean of a row in bold. ``python -m experiments.readme_tables`` writes or checks them.
+
+A table's column and row names are the report's (:func:`~deltafl_jax.report.tables.
+method_label`), except for an option that every run of the table sets alike (the flagfile's,
+e.g. ``--filter=reference``): a table is made from one flagfile, whose page says it once, so
+the names do not repeat it (:func:`common_options`); an option that differs between the
+table's runs stays in their names.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
+from deltafl_jax.algorithms import registry
 from deltafl_jax.outputs import RunReader
 from deltafl_jax.report.tables import method_label, seed_std
 
@@ -22,15 +30,50 @@ ROWS = (("test error, 90th percentile", "test_error_p90", 100.0, 2),
         ("train loss, 90th percentile (α-weighted)", "train_loss_p90", 1.0, 3))
 
 
+def run_options(config: Mapping[str, Any]) -> Dict[str, Any]:
+    """{flag: value} of every option of a run's algorithm, as its summary.json stores them
+    (the defaults for those it does not hold); {} for an algorithm that is not registered."""
+    spec = registry.find(str(config.get("algorithm", "")))
+    if spec is None:
+        return {}
+    return dataclasses.asdict(spec.stored_options(config))
+
+
+def common_options(configs: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """{flag: value} of the options that every run of a table which has the option sets to
+    the same value (e.g. {"filter": "reference"} for a flagfile's --filter=reference)."""
+    values: Dict[str, List[Any]] = {}
+    for config in configs:
+        for flag, value in run_options(config).items():
+            values.setdefault(flag, []).append(value)
+    return {flag: vs[0] for flag, vs in values.items() if all(v == vs[0] for v in vs)}
+
+
+def naming_config(config: Mapping[str, Any], common: Mapping[str, Any]) -> Dict[str, Any]:
+    """The run's configuration with the table's common options (:func:`common_options`)
+    taken out, so that the column names do not repeat them."""
+    out = {k: v for k, v in config.items() if k not in common}
+    out["options"] = {k: v for k, v in dict(config.get("options") or {}).items()
+                      if k not in common}
+    return out
+
+
+def _summaries(run_dirs: Sequence[str]):
+    """(RunReader, summary, the configuration its columns are named from) per run."""
+    readers = [RunReader(d) for d in run_dirs]
+    summaries = [r.summary() for r in readers]
+    common = common_options([s.get("config") or {} for s in summaries])
+    return [(r, s, naming_config(s.get("config") or {}, common))
+            for r, s in zip(readers, summaries)]
+
+
 def _columns(run_dirs: Sequence[str]) -> List[Tuple[str, Dict[str, List[float]]]]:
     """(label, metric -> values over seeds) per method / swept value, in run order."""
     cols: Dict[str, Dict[str, List[float]]] = {}
-    for d in run_dirs:
-        reader = RunReader(d)
-        summary = reader.summary()
+    for reader, summary, naming in _summaries(run_dirs):
         final = summary["final"]
         for lab in reader.labels():
-            name = method_label(lab, summary.get("config"))
+            name = method_label(lab, naming)
             col = cols.setdefault(name, {})
             for _, key, _, _ in ROWS:
                 col.setdefault(key, []).append(final[lab.key()][key])
@@ -80,14 +123,12 @@ def render_personal(run_dirs: Sequence[str]) -> str:
     seeds, the lowest mean of a column in bold."""
     rows: List[Tuple[str, Dict[str, List[float]]]] = []
     keys = [f"{p}_error_{s}" for p in ("unseen", "seen") for s, _ in PERSONAL_COLUMNS]
-    for d in run_dirs:
-        reader = RunReader(d)
-        summary = reader.summary()
+    for reader, summary, naming in _summaries(run_dirs):
         final, config = summary["final"], summary.get("config", {})
         mine: Dict[str, Dict[str, List[float]]] = {}
         for lab in reader.labels():
             for k in config.get("finetune_steps") or (0,):
-                name = method_label(lab, config) + (f" + FT ({k} steps)" if k else "")
+                name = method_label(lab, naming) + (f" + FT ({k} steps)" if k else "")
                 col = mine.setdefault(name, {})
                 for key in keys:
                     fam = key.replace("seen_error", f"seen_ft{k}_error") if k else key
@@ -101,6 +142,30 @@ def render_personal(run_dirs: Sequence[str]) -> str:
     lines += [f"| {name} | " + " | ".join(cells[k][i] for k in keys) + " |"
               for i, (name, _) in enumerate(rows)]
     return "\n".join(lines)
+
+
+def cells(table: str) -> Tuple[List[str], List[List[str]]]:
+    """(the names: the header row's cells and each row's first cell; the numbers: every other
+    cell, row by row) of a Markdown table."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in table.strip().splitlines() if line.strip()]
+    rows = [r for r in rows if not all(set(c) <= set("-: ") for c in r)]   # the rule line
+    if not rows:
+        return [], []
+    names = rows[0] + [r[0] for r in rows[1:]]
+    return names, [r[1:] for r in rows[1:]]
+
+
+def difference(page: str, run: str) -> str:
+    """What differs between a page's table and the run's: '' (nothing), 'the numbers', 'the
+    column and row names (the numbers match)', or 'the numbers and the names'."""
+    (page_names, page_numbers), (run_names, run_numbers) = cells(page), cells(run)
+    numbers, names = page_numbers != run_numbers, page_names != run_names
+    if numbers and names:
+        return "the numbers and the column and row names"
+    if numbers:
+        return "the numbers"
+    return "the column and row names (the numbers match)" if names else ""
 
 
 def _pattern(name: str):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, 
 import numpy as np
 
 from deltafl_jax.algorithms import registry
-from deltafl_jax.algorithms.naming import label_parts, method_name
+from deltafl_jax.algorithms.naming import label_parts, method_name, method_order
 from deltafl_jax.replicas import ReplicaLabel
 from deltafl_jax.server_optimizer import from_run_config
 
@@ -163,7 +163,7 @@ def run_columns(run: "Run") -> List[Tuple[str, Tuple, List[int], List[int]]]:
 
 
 def columns(runs: Sequence["Run"]) -> List[Column]:
-    """Every (setting, method) column over the runs.
+    """Every (setting, method) column over the runs, in the report's order (:func:`ordered`).
 
     Runs with the same dataset, model and data settings share a row, so that several runs
     (e.g. FedAvg and Delta-FL, or a baseline) sit side by side. In a row whose columns come
@@ -198,7 +198,23 @@ def columns(runs: Sequence["Run"]) -> List[Column]:
     for c in cols:
         if len(row_runs[c.setting]) > 1:
             c.label = f"{c.label} [{column_run_name(c)}]"
-    return cols
+    return ordered(cols)
+
+
+def column_order(col: Column) -> Tuple:
+    """The sort key of a column within its row: FedAvg first, then the registry's order
+    (:func:`~deltafl_jax.algorithms.naming.method_order`)."""
+    label = col.run.labels[col.replicas[0]]
+    return method_order(label.algorithm, label)
+
+
+def ordered(cols: Sequence[Column]) -> List[Column]:
+    """The columns in the report's order, used by its tables and its figures alike: the rows
+    (settings) in first-seen order, within a row FedAvg first, then the methods in the
+    registry's order (:func:`column_order`); the columns of one method keep their run's order
+    (for Δ-FL, its --thetas)."""
+    rows = settings(cols)
+    return sorted(cols, key=lambda c: (rows.index(c.setting), column_order(c)))
 
 
 def column_run_name(col: Column) -> str:
