@@ -147,8 +147,8 @@ def test_the_round_a_stopped_replica_stopped_at_is_read_back_from_the_round_metr
     stop = StopOnDivergence(per_round=per_round)
     from deltafl_jax.replicas import ReplicaLabel
     label = ReplicaLabel("ditto", 1.0, 1, param_name="ditto_lambda", param_value=1.0)
-    assert stop._stopped_at(label, 1, default=9) == 2
-    assert stop._stopped_at(label, 0, default=9) == 3
+    assert stop.stopped_at(label, 1, default=9) == 2
+    assert stop.stopped_at(label, 0, default=9) == 3
 
 
 def ditto_config(**overrides):

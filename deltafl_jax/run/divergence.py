@@ -99,7 +99,9 @@ class StopOnDivergence(Callback):
     def _bad(self, loss, r: int) -> bool:
         return not np.isfinite(loss) or loss > self.factor * self.initial[r]
 
-    def _stopped_at(self, label, r: int, default: int) -> int:
+    def stopped_at(self, label, r: int, default: int) -> int:
+        """The round at which replica `r` (`label`) stopped, read back from the histories
+        (`default` when they do not say)."""
         fields = label.to_json()
         found = [int(first[r]) for first in nonfinite_rounds(self.per_round).values()
                  if first[r] > 0]
@@ -119,7 +121,7 @@ class StopOnDivergence(Callback):
         if active is not None:
             for r in np.flatnonzero(~np.asarray(active)):
                 label = view.labels[r]
-                self.diverged.setdefault(label.key(), self._stopped_at(label, r, run.start_round))
+                self.diverged.setdefault(label.key(), self.stopped_at(label, r, run.start_round))
 
     def on_round_end(self, run: RunContext, round: int, metrics) -> None:
         parts = [np.asarray(v) > 0 for k, v in metrics.items() if k.startswith(NONFINITE)]

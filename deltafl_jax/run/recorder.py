@@ -133,7 +133,6 @@ class Recorder(Callback):
             rounds_done=self.rounds_done, stopped=run.stop_requested,
             stop_reason=run.stop_reason, personal=tree_to_host(view.personal_params(run.state)))
 
-
     def nonfinite(self, run: RunContext) -> Dict[str, Any]:
         """summary.json's ``nonfinite`` (:func:`deltafl_jax.run.divergence.nonfinite_summary`):
         with the count of clients whose own state is not finite at the end, from the state,
