@@ -20,6 +20,10 @@ replica axis [R, ...]. The round (Algorithm 2):
    of the updates) and the algorithm's new state;
 5. the server optimizer's step on the pseudo-gradient -Delta
    (:mod:`deltafl_jax.server_optimizer`; by default w + Delta, the plain average).
+6. the check of the new state (:func:`state_nonfinite`): per replica and per part of the
+   state (the model, the server optimizer's state, the algorithm's, the clients' own, DP's),
+   whether it holds a NaN or an infinity, as round metrics ``nonfinite_<part>``
+   (:mod:`deltafl_jax.run.divergence` reports and acts on them).
 
 Replicas that share a seed share the sampled clients and the minibatch order (the plan of
 group g = their seed), which makes theta-to-theta comparisons paired.
