@@ -20,6 +20,10 @@ replica axis [R, ...]. The round (Algorithm 2):
    of the updates) and the algorithm's new state;
 5. the server optimizer's step on the pseudo-gradient -Delta
    (:mod:`deltafl_jax.server_optimizer`; by default w + Delta, the plain average).
+6. the check of the new state (:func:`state_nonfinite`): per replica and per part of the
+   state (the model, the server optimizer's state, the algorithm's, the clients' own, DP's),
+   whether it holds a NaN or an infinity, as round metrics ``nonfinite_<part>``
+   (:mod:`deltafl_jax.run.divergence` reports and acts on them).
 
 Replicas that share a seed share the sampled clients and the minibatch order (the plan of
 group g = their seed), which makes theta-to-theta comparisons paired.
@@ -150,6 +154,69 @@ def _no_losses(data, group):
     ev = engine.EvalResult(loss_sum=None, error_sum=None, real_examples=zero,
                            padded_examples=zero, trips=zero)
     return jnp.full(sizes.shape, jnp.nan, jnp.float32), sizes, ev
+
+
+NONFINITE = "nonfinite_"   # the round metrics of the state check: nonfinite_<part> [R]
+CLIENT_PART = "client_state"
+
+
+def state_parts(state: ServerState) -> Dict[str, Any]:
+    """The parts of a state that the round checks, by name, in order: ``params``,
+    ``server_opt_state``, the algorithm's state and the clients' own state (split into its
+    fields when the algorithm's state is a NamedTuple: ``algo_state.c``,
+    ``client_state.personal``) and ``dp``. Parts without a floating-point leaf are left
+    out."""
+    parts = {"params": state.params, "server_opt_state": state.server_opt_state}
+    for name in ("algo_state", CLIENT_PART):
+        tree = getattr(state, name)
+        if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+            parts.update({f"{name}.{f}": v for f, v in zip(tree._fields, tree)})
+        else:
+            parts[name] = tree
+    parts["dp"] = state.dp
+    return {k: v for k, v in parts.items() if _float_leaves(v)}
+
+
+def _float_leaves(tree):
+    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+
+def finite_rows(tree, axes: int):
+    """bool over the first `axes` axes of every leaf: no NaN or infinity in the rest of any
+    floating-point leaf (one all-finite reduction per leaf)."""
+    out = None
+    for x in _float_leaves(tree):
+        f = jnp.all(jnp.isfinite(x).reshape(x.shape[:axes] + (-1,)), axis=-1)
+        out = f if out is None else out & f
+    return out
+
+
+def state_nonfinite(state: ServerState, clients, real) -> Dict[str, jax.Array]:
+    """The round's check of the state it returns: ``nonfinite_<part>`` [R] int32 for every
+    part of :func:`state_parts`: 1 where the replica's part holds a NaN or an infinity, else
+    0; for a part of the clients' own state (leaves [R, N, ...]), the number of the round's
+    clients (`clients` [R, m], the slots where `real` [R, m]) whose row is not finite. A
+    client's row changes only when the round writes it back, so the check finds a row in the
+    round it turns, at the cost of the round's m rows rather than all N. It adds outputs and
+    changes no value the round computes."""
+    out = {}
+    for name, part in state_parts(state).items():
+        if name.partition(".")[0] == CLIENT_PART:
+            rows = jax.tree.map(lambda a: jax.vmap(lambda x, i: x[i])(a, clients), part)
+            bad = real & ~finite_rows(rows, 2)
+            out[NONFINITE + name] = jnp.sum(bad, axis=1, dtype=jnp.int32)
+        else:
+            out[NONFINITE + name] = (~finite_rows(part, 1)).astype(jnp.int32)
+    return out
+
+
+@jax.jit
+def count_nonfinite_clients(state: ServerState) -> Dict[str, jax.Array]:
+    """{part of the clients' own state: [R] int32 the training clients whose row of it is not
+    finite}, over all N rows (a run's closing count; the round checks only its own rows)."""
+    return {name: jnp.sum(~finite_rows(part, 2), axis=1, dtype=jnp.int32)
+            for name, part in state_parts(state).items()
+            if name.partition(".")[0] == CLIENT_PART}
 
 
 def _per_replica_where(keep, new, old):
@@ -420,7 +487,8 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
                                                  tr.job_finite)
         metrics = {**_round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics,
                                     algorithm.uses_losses), **extra}
-        return state.replace(params=params, algo_state=algo_state, round=t + 1, dp=dp,
-                             server_opt_state=opt_state, client_state=client_state), metrics
+        new = state.replace(params=params, algo_state=algo_state, round=t + 1, dp=dp,
+                            server_opt_state=opt_state, client_state=client_state)
+        return new, {**metrics, **state_nonfinite(new, clients, sizes > 0)}
 
     return round_fn

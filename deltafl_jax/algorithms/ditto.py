@@ -34,7 +34,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import jax
 
@@ -125,6 +125,52 @@ def ditto(base: FederatedAlgorithm) -> FederatedAlgorithm:
         client_model=client_model, adapt_step=adapt_step)
 
 
+def proximal_bound(config) -> Optional[float]:
+    """The bound on eta a of a gradient step on a quadratic of curvature a with the run's
+    client optimizer, past which the step grows the distance to the minimum instead of
+    shrinking it: 2 for SGD (v - w <- (1 - eta a)(v - w), and |1 - eta a| < 1 iff 0 < eta a < 2),
+    2 (1 + beta) for heavy-ball momentum; None for Adam and Adagrad, whose step is scaled by
+    the gradients' own size."""
+    name = config.client_optimizer
+    if name == "sgd":
+        return 2.0
+    if name == "momentum":
+        return 2.0 * (1.0 + float(config.client_momentum))
+    return None
+
+
+def stability_cautions(config, replicas) -> Tuple[str, ...]:
+    """One line per (learning rate, lambda, l2) of the run at which Ditto's proximal step
+    v <- v - eta (grad F_k(v) + lambda (v - w_t) + l2 v) is past :func:`proximal_bound`:
+    the term lambda (v - w_t) + l2 v alone has curvature lambda + l2, so at eta (lambda + l2)
+    >= the bound the personal models oscillate about w_t without shrinking (for a convex F_k,
+    which only adds curvature, with a growing amplitude until they are not finite). The rates checked: each replica's first (largest) client learning rate, and
+    --finetune_lr when the unseen devices adapt with it."""
+    bound = proximal_bound(config)
+    if bound is None:
+        return ()
+    adapts = config.client_holdout > 0 and any(int(k) > 0 for k in config.finetune_steps)
+    lines, said = [], set()
+    for r in range(replicas.size):
+        lam, l2 = float(replicas.hyper.ditto_lambda[r]), float(replicas.l2[r])
+        rates = [("learning rate", float(replicas.schedules[r](0)))]
+        if adapts and config.finetune_lr is not None:
+            rates.append(("--finetune_lr", float(config.finetune_lr)))
+        for what, eta in rates:
+            product = eta * (lam + l2)
+            if product < bound or (what, eta, lam, l2) in said:
+                continue
+            said.add((what, eta, lam, l2))
+            lines.append(
+                f"ditto: λ = {lam:g} with {what} η = {eta:g}"
+                + (f" and l2 = {l2:g}" if l2 else "")
+                + f": η (λ + l2) = {product:g} >= {bound:g}, past the stability bound of the "
+                f"personal step v <- v - η (∇F_k(v) + λ (v - w_t)) with "
+                f"--client_optimizer={config.client_optimizer}; the personal models "
+                f"diverge (choose η (λ + l2) < {bound:g})")
+    return tuple(lines)
+
+
 LAMBDA_SWEEP = Sweep(flag="ditto_lambda", field="ditto_lambda", default=DEFAULT_LAMBDA,
                      minimum=0.0, symbol="λ",
                      help="ditto: lambda >= 0 of the personal objective F_k(v) + (lambda/2)"
@@ -137,7 +183,7 @@ SPEC = AlgorithmSpec(
     "F_k(v) + (lambda/2)||v - w_t||^2 beside it",
     factory=lambda config, data, options: ditto(fedavg(options)), hyper=DittoHyper,
     options_type=FedAvgOptions, dp_requires=DP_REQUIRES, sweep=LAMBDA_SWEEP,
-    fixed={"theta": 1.0},
+    fixed={"theta": 1.0}, cautions=stability_cautions,
     # The leaderboard evaluates the global model on unseen test clients: FedAvg's, whatever
     # lambda (only the personal models v_k depend on it), so the CPU set trains one value.
     leaderboard=Board(grid={"ditto_lambda": DEFAULT_LAMBDA}, quick={"ditto_lambda": (1.0,)}))
@@ -154,6 +200,7 @@ def personalized(base: AlgorithmSpec) -> AlgorithmSpec:
     """Ditto over `base`: its sweeps crossed with --ditto_lambda, its options and its server
     step; reports name it 'Ditto over <base's column>'."""
     base_column = base.column_name
+    base_cautions = base.warnings
 
     def column_name(label, options, head):
         inner = base_column(label, options, head) if base_column is not None else head
@@ -164,4 +211,6 @@ def personalized(base: AlgorithmSpec) -> AlgorithmSpec:
         help=f"Ditto over {base.name}",
         factory=lambda config, data, options: ditto(base.factory(config, data, options)),
         hyper=_hyper_type(base.hyper), cross=tuple(base.cross) + (LAMBDA_SWEEP,),
-        column_name=column_name, tunes_l2=False, leaderboard=None)
+        column_name=column_name, tunes_l2=False, leaderboard=None,
+        cautions=lambda config, replicas: (base_cautions(config, replicas)
+                                           + stability_cautions(config, replicas)))

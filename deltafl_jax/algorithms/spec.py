@@ -76,6 +76,10 @@ class AlgorithmSpec:
     tunes_l2: the tuner's lambda step applies: the spec's replicas are Delta-FL at the
       theta of its sweep (FedAvg: 1), and the lambda grid trains Delta-FL at each of them.
     leaderboard: how the tail leaderboard runs it (``leaderboard.Board``); None: not on it.
+    cautions: optional (config, replicas) -> lines, one per setting of the run past a
+      stability bound that the algorithm knows (Ditto's proximal step: eta (lambda + l2)
+      >= 2 with SGD); the runner prints each as a warning before the first round
+      (:meth:`warnings`). `replicas`: the run's :class:`~deltafl_jax.replicas.Replicas`.
 
     Hyper fields that the active sweep and `cross` do not set take their value from `fixed`.
     """
@@ -102,6 +106,7 @@ class AlgorithmSpec:
     tunes_l2: bool = False
     variable_cohort: bool = False
     leaderboard: Any = None
+    cautions: Optional[Callable[[Any, Any], Tuple[str, ...]]] = None
 
     def __post_init__(self):
         declared_options(self.options_type)   # TypeError unless a frozen dataclass of Options
@@ -163,6 +168,11 @@ class AlgorithmSpec:
         """The primary sweep whose value names the label (None: a label it does not make)."""
         name, _ = label.swept()
         return next((s for s in self.primary_sweeps() if s.coordinate == name), None)
+
+    def warnings(self, config, replicas) -> Tuple[str, ...]:
+        """The lines of its `cautions` for a run of `config` training `replicas`; () when it
+        declares none."""
+        return tuple(self.cautions(config, replicas)) if self.cautions is not None else ()
 
     def check(self, config) -> None:
         self.sweep_values(config)

@@ -21,6 +21,11 @@ are the evaluation's test sample and the seen clients a uniform sample of K trai
 without replacement (``[seed, round, PERSONAL_STREAM, 2]``), so both are summarised like the
 test errors (:func:`deltafl_jax.eval_sample.summarize_sample`'s intervals).
 
+A seen client whose personal model is not finite (or any client whose adapted model is not:
+its held-out loss is not finite) has a NaN error, and its population's summaries are NaN
+for that replica: the round's state check (:mod:`deltafl_jax.run.divergence`) counts and
+names such state.
+
 Clients go to the device in blocks of a fixed number of clients, with every buffer padded to
 capacities fixed for the run (:class:`BlockCaps`), so each population's program compiles once.
 """
@@ -67,11 +72,24 @@ def adapt_stream_length(adapt_sizes, steps: int, batch: int) -> np.ndarray:
     return -(-(steps * batch) // a) * a
 
 
+def marked(error, loss) -> np.ndarray:
+    """`error` [R, K] with NaN where the client's held-out `loss` is not finite: its model
+    (its personal one, or the served or adapted one) holds a NaN or an infinity, and the
+    class it picks from such scores is no measurement."""
+    return np.where(np.isfinite(loss), error, np.nan)
+
+
+def _nan_rows(summaries: Dict[str, np.ndarray], rows) -> Dict[str, np.ndarray]:
+    """The summaries with NaN in the replicas `rows` [R] bool."""
+    return {k: np.where(rows, np.nan, np.asarray(v, np.float64)) for k, v in summaries.items()}
+
+
 def summarize_populations(per_client, finetune_steps, num_seen: int, num_unseen: int,
                           method: str = "lower") -> Dict[str, np.ndarray]:
     """Every family's summaries in `per_client` (:func:`deltafl_jax.metrics.
     summarize_population`, or with intervals when the family's population was sampled: its
-    ``{population}_clients`` are given) and, per k, the participation gap
+    ``{population}_clients`` are given; every summary of a replica NaN when one of its clients'
+    errors is NaN, :func:`marked`) and, per k, the participation gap
     ``participation_gap[_ft{k}]`` = unseen mean error - seen mean error (pFL-Bench's gap
     between the clients that trained and those that did not); {} when there is none.
     num_seen / num_unseen: the populations' sizes (the finite-population correction)."""
@@ -81,10 +99,12 @@ def summarize_populations(per_client, finetune_steps, num_seen: int, num_unseen:
     for name, population, steps in families(present):
         error, loss = per_client[f"{name}_error"], per_client[f"{name}_loss"]
         if f"{population}_clients" in per_client:
-            out.update(summarize_population_sample(name, error, loss, PERCENTILES,
-                                                   num_population=sizes[population]))
+            summaries = summarize_population_sample(name, error, loss, PERCENTILES,
+                                                    num_population=sizes[population])
         else:
-            out.update(summarize_population(name, error, loss, PERCENTILES, method))
+            summaries = summarize_population(name, error, loss, PERCENTILES, method)
+        bad = np.isnan(np.asarray(error, np.float64)).any(axis=1)
+        out.update(_nan_rows(summaries, bad) if bad.any() else summaries)
     for steps in present:
         gap = "participation_gap" + ("" if steps == 0 else f"_ft{steps}")
         out[gap] = (out[f"{family('unseen', steps)}_error_mean"]
@@ -259,7 +279,8 @@ class PersonalEvaluation:
                 err.append(np.asarray(es)[:, :len(block)])
             n = held.sizes[clients].astype(np.float64)
             out[f"{name}_loss"] = np.concatenate(loss, axis=1).astype(np.float64) / n
-            out[f"{name}_error"] = np.concatenate(err, axis=1).astype(np.float64) / n
+            out[f"{name}_error"] = marked(np.concatenate(err, axis=1).astype(np.float64) / n,
+                                          out[f"{name}_loss"])
             if sample_size is not None:
                 out[f"{population}_clients"] = np.asarray(clients, np.int64)
         return out

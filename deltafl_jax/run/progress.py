@@ -11,7 +11,9 @@ the test clients (with its interval on a sampled evaluation), ``std`` the std of
 errors, ``acc<0.5`` the share of test clients below the target accuracy. On a terminal a
 bar with rounds done, rounds per second and the ETA is redrawn after every round. The run
 ends with a table of the final test error (mean, p90 and the tail metrics) per swept value
-and the output directory.
+and the output directory. A part of a replica's state that is not finite (the round's state
+check, :mod:`deltafl_jax.run.divergence`) is a warning line the first time, naming the round,
+the replica and the part.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import numpy as np
 
 from deltafl_jax.algorithms import registry
 from deltafl_jax.replicas import labels_by_method
+from deltafl_jax.rounds import NONFINITE
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
+from deltafl_jax.run.divergence import part_text
 
 
 def count(n: int, word: str) -> str:
@@ -231,6 +235,7 @@ class Progress(Callback):
         self.stream = stream if stream is not None else sys.stderr
         self.bar = bar if bar is not None else bool(getattr(self.stream, "isatty", lambda: False)())
         self._t0 = None
+        self._reported = set()
 
     def on_run_start(self, run: RunContext) -> None:
         self._t0 = time.perf_counter()
@@ -266,6 +271,7 @@ class Progress(Callback):
                      f"clients a round ({how})")
 
     def on_round_end(self, run: RunContext, round: int, metrics) -> None:
+        self._nonfinite_lines(run, round, metrics)
         if not self.bar:
             return
         T, done = run.num_rounds, round - run.start_round
@@ -277,6 +283,26 @@ class Progress(Callback):
         self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] round {round}/{T}, "
                           f"{rate:.2f} rounds/s, ETA {eta:.0f}s ")
         self.stream.flush()
+
+    def _nonfinite_lines(self, run: RunContext, round: int, metrics) -> None:
+        """A warning the first time each part of a replica's state is not finite (the round's
+        ``nonfinite_<part>`` metrics, :mod:`deltafl_jax.run.divergence`)."""
+        stops = bool(getattr(run.view.facts.config, "stop_on_divergence", False))
+        for key, counts in metrics.items():
+            if not key.startswith(NONFINITE):
+                continue
+            part = key[len(NONFINITE):]
+            for r in np.flatnonzero(np.asarray(counts) > 0):
+                label = run.view.labels[r]
+                if (label.key(), part) in self._reported:
+                    continue
+                self._reported.add((label.key(), part))
+                self._clear_bar()
+                self.log(f"warning: round {round}, replica {label.key()}: "
+                         f"{part_text(part, int(counts[r]))} is not finite; "
+                         + ("--stop_on_divergence stops it" if stops else
+                            "it trains on (--stop_on_divergence stops it) and the metrics "
+                            "computed from a non-finite model are NaN"))
 
     def _clear_bar(self):
         if self.bar:

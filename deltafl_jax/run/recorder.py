@@ -17,7 +17,9 @@ import jax
 import numpy as np
 
 from deltafl_jax.engine.mesh import tree_to_host
+from deltafl_jax.rounds import CLIENT_PART, NONFINITE, count_nonfinite_clients
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
+from deltafl_jax.run.divergence import nonfinite_rounds, nonfinite_summary
 
 
 @dataclasses.dataclass
@@ -73,10 +75,16 @@ class Recorder(Callback):
     def on_round_end(self, run: RunContext, round: int, metrics) -> None:
         if self.first_round_s is None:
             self.first_round_s = time.perf_counter() - self._t0
+        done = max((len(v) for v in self.per_round.values()), default=0)
         for k, v in metrics.items():
             if k.startswith(DEVICE_METRICS):
                 continue   # [D]: a resumed run may have another device count
-            self.per_round.setdefault(k, []).append(np.asarray(v))
+            v = np.asarray(v)
+            if k not in self.per_round and k.startswith(NONFINITE):
+                # a run resumed from files written without the state check: its earlier
+                # rounds count 0 (each part is checked again from here on)
+                self.per_round[k] = [np.zeros_like(v)] * done
+            self.per_round.setdefault(k, []).append(v)
         self.rounds_done = round
 
     def on_evaluation(self, run: RunContext, evaluation: Evaluation) -> None:
@@ -114,15 +122,26 @@ class Recorder(Callback):
             lab.key(): {k: float(v[r]) for k, v in last.summary.items()}
             for r, lab in enumerate(view.labels)}
         total_s = time.perf_counter() - self._t0 if self._t0 is not None else 0.0
+        summary = _summary(view, final, total_s, self.first_round_s, self.build_s)
+        summary["nonfinite"] = self.nonfinite(run)
         return RunResult(
-            final=final, history=self.history, state=run.state,
-            summary=_summary(view, final, total_s, self.first_round_s, self.build_s),
+            final=final, history=self.history, state=run.state, summary=summary,
             per_round=self.per_round_arrays(),
             per_client=None if last is None else last.per_client,
             client_history=self.client_history_arrays(),
             served=tree_to_host(view.served_params(run.state)),
             rounds_done=self.rounds_done, stopped=run.stop_requested,
             stop_reason=run.stop_reason, personal=tree_to_host(view.personal_params(run.state)))
+
+    def nonfinite(self, run: RunContext) -> Dict[str, Any]:
+        """summary.json's ``nonfinite`` (:func:`deltafl_jax.run.divergence.nonfinite_summary`):
+        with the count of clients whose own state is not finite at the end, from the state,
+        when a part of it went non-finite."""
+        first = nonfinite_rounds(self.per_round)
+        clients = None
+        if any(p.partition(".")[0] == CLIENT_PART and f.any() for p, f in first.items()):
+            clients = tree_to_host(count_nonfinite_clients(run.state))
+        return nonfinite_summary(self.per_round, run.view.labels, clients)
 
 
 def _summary(view, final, total_s, first_round_s, build_s) -> Dict[str, Any]:

@@ -213,7 +213,7 @@ def standard_callbacks(config, exp, log, recorder, checkpointer, fingerprint) ->
     cbs: List[Callback] = []
     if config.stop_on_divergence:
         # before the writers: it adds to the summary
-        cbs.append(StopOnDivergence(history=recorder.history))
+        cbs.append(StopOnDivergence(history=recorder.history, per_round=recorder.per_round))
     if config.verbose and distributed.is_primary():
         cbs.append(Progress(log))
     if out:
@@ -293,6 +293,9 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
     t0 = time.perf_counter()
     data = data if data is not None else load_dataset(config.data)
     exp = build_experiment(config, data, replicas)
+    if distributed.is_primary():   # settings past a stability bound of the algorithm's
+        for line in exp.spec.warnings(config, exp.replicas):
+            log(f"warning: {line}")
     fingerprint = resume.fingerprint(config, exp.data)
     distributed.check_same_plan(exp, fingerprint)
     _prepare(out, config, log)
