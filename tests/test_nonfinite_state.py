@@ -212,6 +212,30 @@ def test_stop_on_divergence_stops_a_replica_whose_state_is_not_finite(tiny_synth
     assert stopped.per_round["num_selected"][1, 1] == 0
 
 
+def test_the_global_models_errors_are_nan_once_its_loss_is_not_finite(tiny_synthetic):
+    # a server step of 3e38 x the mean update: the global model's logits overflow the loss.
+    # A client's error counted from such a model would look like an ordinary number (an
+    # overflowed logit still argmaxes to a class); it is NaN, and so are its summaries
+    result = run_experiment(tiny_config(thetas=(1.0,), server_lr=(3e38,), eval_every=1,
+                                        num_rounds=2), tiny_synthetic)
+    loss = result.per_client["test_loss"]
+    assert not np.isfinite(loss).any()
+    assert np.isnan(result.per_client["test_error"]).all()
+    (final,) = result.final.values()
+    assert np.isnan(final["test_error_mean"]) and np.isnan(final["test_error_p90"])
+
+
+def test_a_huge_but_finite_model_at_l2_zero_has_a_finite_train_loss(tiny_synthetic):
+    # ||w||^2 of a model near 1e30 overflows float32; at l2 = 0 the L2 term is 0, not 0 x inf
+    result = run_experiment(tiny_config(thetas=(1.0,), learning_rate=1e30, eval_every=1,
+                                        num_rounds=1), tiny_synthetic)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(result.state.params))
+    sqnorm = sum(float(np.sum(np.asarray(x, np.float64) ** 2))
+                 for x in jax.tree.leaves(result.state.params))
+    assert sqnorm > np.finfo(np.float32).max       # the float32 norm overflows
+    assert np.isfinite(result.per_client["train_loss"]).all()
+
+
 @pytest.mark.parametrize("optimizer, momentum, warned", [
     ("sgd", 0.9, (4.0, 6.0)),            # eta lambda >= 2 with eta = 0.5
     ("momentum", 0.5, (6.0,)),           # heavy ball: eta lambda >= 2 (1 + beta) = 3

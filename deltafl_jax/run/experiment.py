@@ -169,7 +169,7 @@ class Experiment:
 
     def evaluate(self, params, round_idx: int = 0) -> Dict[str, np.ndarray]:
         """Per-client arrays [R, N] (float64) on all training and all test clients: losses
-        (train ones with (l2/2)||w||^2) and errors. With ``eval_clients`` = K, on the sample
+        (train ones with (l2/2)||w||^2) and errors (NaN where the loss is not finite). With ``eval_clients`` = K, on the sample
         of :meth:`evaluation_sample` instead ([R, K]), whose client indices are added as
         ``train_clients`` and ``test_clients``."""
         out = {}
@@ -181,9 +181,14 @@ class Experiment:
             n = (split.sizes if clients is None else split.sizes[clients]).astype(np.float64)
             loss = np.asarray(loss_sum, np.float64) / n
             if name == "train":
-                loss = loss + 0.5 * (self.replicas.l2.astype(np.float64) * sqnorm)[:, None]
+                # l2 = 0 adds nothing, even where ||w||^2 overflowed float32 to inf
+                l2 = self.replicas.l2.astype(np.float64)
+                loss = loss + 0.5 * np.where(l2 == 0, 0.0, l2 * sqnorm)[:, None]
             out[f"{name}_loss"] = loss
-            out[f"{name}_error"] = np.asarray(err_sum, np.float64) / n
+            # An error counted from a model whose loss is not finite (NaN logits argmax to a
+            # class) is no measurement: it is NaN, and so is every summary taken over it.
+            err = np.asarray(err_sum, np.float64) / n
+            out[f"{name}_error"] = np.where(np.isfinite(loss), err, np.nan)
             if clients is not None:
                 out[f"{name}_clients"] = np.asarray(clients, np.int64)
         return out
