@@ -427,8 +427,9 @@ def _warm(side: dict) -> str:
 
 def markdown(result: dict) -> str:
     rows = ["| model | algorithm | devices | before s/round | after s/round | after / before "
-            "| per-round ratios: median [min, max] | CPU s after / before | build s before / after | warm-up round s "
-            "before / after | kept clients, examples / round | same clients & examples |",
+            "| per-round ratios: median [min, max] | CPU s after / before | build s before / "
+            "after | warm-up round s before / after | kept clients, examples / round | same "
+            "clients & examples |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["workloads"]:
         b, a, pr = r["before"], r["after"], r["per_round_ratio"]
@@ -439,7 +440,8 @@ def markdown(result: dict) -> str:
             f"| {r['model']} | {r['algorithm']} (θ = {r['theta']:g}) | {r['devices']} | "
             f"{b['median_s_per_round']:.4g} | {a['median_s_per_round']:.4g} | "
             f"**{r['ratio_after_over_before']:.3f}** | {pr['median']:.3f} [{pr['min']:.3f}, "
-            f"{pr['max']:.3f}] | {r['cpu_ratio_after_over_before']:.3f} | {b['build_s']:.1f} / {a['build_s']:.1f} | "
+            f"{pr['max']:.3f}] | {r['cpu_ratio_after_over_before']:.3f} | "
+            f"{b['build_s']:.1f} / {a['build_s']:.1f} | "
             f"{_warm(b)} / {_warm(a)} | {kept:.1f}, {ex:.0f} | "
             f"{'yes' if r['same_clients_and_examples'] else '**NO**'} |")
     t = result["trees"]
