@@ -16,8 +16,10 @@ One worker process per (tree, workload) runs this file with ``cwd`` and ``PYTHON
 its tree, so it imports that tree's ``deltafl_jax`` (it checks ``deltafl_jax.__file__`` and
 reports the tree's ``git rev-parse HEAD``). It builds the experiment once, prints ``READY
 {json}``, then answers each ``round t`` line with ``DONE {json}``: the seconds of
-``exp.round_fn(state, exp.round_data(t), keys)`` until its metrics are on the host (the
-host-side ``round_data`` is timed apart), the round's ``num_selected`` and
+``exp.round_fn(state, exp.round_data(t), keys)`` until its metrics are on the host, and the
+process's CPU seconds over the same span (every thread's; on a machine shared with other
+work the CPU time moves less with the load than the wall time does; the host-side
+``round_data`` is timed apart), the round's ``num_selected`` and
 ``train_real_examples``, the sampled clients and a digest of the new models. The worker uses
 only API that both trees have: ``ExperimentConfig``, ``build_experiment``, ``initial_state``,
 ``keys``, ``round_data``, ``round_fn``, ``state.params``.
@@ -177,13 +179,14 @@ def _serve(exp, state, keys, timer) -> None:
         jax.block_until_ready(rd)
         round_data_s = time.perf_counter() - t0
         timer.seconds = 0.0
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         with timer:
             state, met = exp.round_fn(state, rd, keys)
             met = jax.device_get(met)
-        seconds = time.perf_counter() - t0
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
         _say("DONE", {
-            "round": t, "seconds": seconds, "round_data_s": round_data_s,
+            "round": t, "seconds": seconds, "cpu_seconds": cpu_seconds,
+            "round_data_s": round_data_s,
             "compile_s": timer.seconds, "num_selected": ints(met["num_selected"]),
             "train_real_examples": ints(met["train_real_examples"]),
             "clients": ints(jax.device_get(rd.plan.clients)),
@@ -373,6 +376,7 @@ def compare_rounds(rounds: dict) -> tuple:
 def side_summary(info: dict, rounds: list) -> dict:
     w = FLAGS.warmup
     timed = [r["seconds"] for r in rounds[w:]]
+    cpu = [r["cpu_seconds"] for r in rounds[w:]]
     keep = ("commit", "deltafl_jax_file", "versions", "backend", "device", "placement",
             "data_s", "build_s", "build_compile_s")
     return {**{k: info[k] for k in keep},
@@ -380,6 +384,7 @@ def side_summary(info: dict, rounds: list) -> dict:
             "warmup_compile_s": sum(r["compile_s"] for r in rounds[:w]),
             "timed_compile_s": sum(r["compile_s"] for r in rounds[w:]),
             "round_s": timed, "median_s_per_round": statistics.median(timed),
+            "round_cpu_s": cpu, "median_cpu_s_per_round": statistics.median(cpu),
             "median_round_data_s": statistics.median(r["round_data_s"] for r in rounds[w:])}
 
 
@@ -401,6 +406,10 @@ def time_workload(model: str, algorithm: str, devices: int, trees: dict) -> dict
     out["ratio_after_over_before"] = (out["after"]["median_s_per_round"]
                                       / out["before"]["median_s_per_round"])
     out["per_round_ratio"] = quantiles([y / x for x, y in zip(b, a)])
+    out["cpu_ratio_after_over_before"] = (out["after"]["median_cpu_s_per_round"]
+                                          / out["before"]["median_cpu_s_per_round"])
+    out["per_round_cpu_ratio"] = quantiles(
+        [y / x for x, y in zip(out["before"]["round_cpu_s"], out["after"]["round_cpu_s"])])
     out["same_data"] = infos["before"]["data_digest"] == infos["after"]["data_digest"]
     out["same_clients_and_examples"] = not mismatches and out["same_data"]
     out["same_params_every_round"] = all(r["same_params"] for r in rows)
@@ -418,9 +427,10 @@ def _warm(side: dict) -> str:
 
 def markdown(result: dict) -> str:
     rows = ["| model | algorithm | devices | before s/round | after s/round | after / before "
-            "| per-round ratios: median [min, max] | build s before / after | warm-up round s "
-            "before / after | kept clients, examples / round | same clients & examples |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| per-round ratios: median [min, max] | CPU s after / before | build s before / "
+            "after | warm-up round s before / after | kept clients, examples / round | same "
+            "clients & examples |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["workloads"]:
         b, a, pr = r["before"], r["after"], r["per_round_ratio"]
         timed = [x for x in r["rounds"] if not x["warmup"]]
@@ -430,7 +440,8 @@ def markdown(result: dict) -> str:
             f"| {r['model']} | {r['algorithm']} (θ = {r['theta']:g}) | {r['devices']} | "
             f"{b['median_s_per_round']:.4g} | {a['median_s_per_round']:.4g} | "
             f"**{r['ratio_after_over_before']:.3f}** | {pr['median']:.3f} [{pr['min']:.3f}, "
-            f"{pr['max']:.3f}] | {b['build_s']:.1f} / {a['build_s']:.1f} | "
+            f"{pr['max']:.3f}] | {r['cpu_ratio_after_over_before']:.3f} | "
+            f"{b['build_s']:.1f} / {a['build_s']:.1f} | "
             f"{_warm(b)} / {_warm(a)} | {kept:.1f}, {ex:.0f} | "
             f"{'yes' if r['same_clients_and_examples'] else '**NO**'} |")
     t = result["trees"]

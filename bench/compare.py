@@ -16,13 +16,17 @@ same sampled clients, so machine noise hits all of them alike:
 - ``jax_loop``: a per-client loop in the FedJAX style: plain Flax layers, a jitted SGD step on
   fixed-size masked batches and a jitted masked evaluation, driven from Python.
 
-Each time is the median over ``--rounds`` rounds after ``--warmup`` rounds. The JSON also holds
+``--methods`` picks which of the three to time; the PyTorch loop needs the ``bench`` extra
+(without torch, asking for it is one line on stderr and exit code 2). Each time is the median
+over ``--rounds`` rounds after ``--warmup`` rounds. The JSON also holds
 the engine's padded/real example ratio, trained/kept ratio, compile time and peak memory.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import time
 
 import numpy as np
@@ -202,13 +206,29 @@ def jax_loop_round(state, data, clients, theta, rng):
 # ----------------------------------------------------------------------------- main
 
 
+def check_methods(methods) -> None:
+    """One line on stderr and exit code 2 for a method that is unknown or cannot run here."""
+    bad = [m for m in methods if m not in ("engine", "torch", "jax_loop")]
+    message = None
+    if bad or not methods:
+        message = (f"--methods must list engine, torch and/or jax_loop; got "
+                   f"{','.join(methods) or 'nothing'}")
+    elif "torch" in methods and importlib.util.find_spec("torch") is None:
+        message = ("torch is not installed: pip install -e '.[bench]' for the PyTorch loop, "
+                   "or pass --methods=engine,jax_loop")
+    if message:
+        print(f"compare: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv):
     del argv
+    check_methods(FLAGS.methods)
     import jax
 
-    from bench.common import (CompileTimer, critical_path, emit, femnist_like_dataset,
-                              forward_flops_per_example, gemm_peak_gflops, machine, median,
-                              peak_rss_mb)
+    from bench.common import (CompileTimer, backend_name, critical_path, emit,
+                              femnist_like_dataset, forward_flops_per_example, gemm_peak_gflops,
+                              machine, median, peak_rss_mb)
     from deltafl_jax import DataConfig, ExperimentConfig, build_experiment
     from deltafl_jax.plan import sample_clients
 

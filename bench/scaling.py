@@ -4,8 +4,8 @@ on the critical path, and s/round, for D = 1, 2, 4, 8.
     python -m bench.scaling                          # 8 fake CPU devices (XLA flag set here)
     python -m bench.scaling --platform=gpu --devices=1,2,4,8   # real devices (see README)
 
-At m = 100 FEMNIST-sized clients (:mod:`bench.common`) and R = 4 replicas (theta = 1, 0.8,
-0.5, 0.1; one seed), for each D it reports, per round and averaged over the timed rounds:
+At m = 100 of 865 FEMNIST-sized clients (:mod:`bench.common`) and R = 4 replicas (theta = 1,
+0.8, 0.5, 0.1; one seed), for each D it reports, per round and averaged over the timed rounds:
 
 - each device's jobs, loop trips and real examples (``device_train_*`` of the round metrics);
 - the imbalance, max / mean of the per-device trips;
@@ -33,6 +33,8 @@ def _parse(argv):
     p.add_argument("--platform", default="cpu", help="cpu: fake devices; gpu / tpu: real")
     p.add_argument("--model", default="linear", choices=("linear", "cnn"))
     p.add_argument("--clients", type=int, default=100, help="m, clients per round")
+    p.add_argument("--num_clients", type=int, default=865,
+                   help="clients in the population (fewer: a smoke run)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up")
     p.add_argument("--lanes", type=int, default=None, help="--clients_per_step per device")
     p.add_argument("--out", default=None)
@@ -85,7 +87,7 @@ def main(argv=None):
     from bench import paths
     from bench.common import emit, femnist_like_dataset, machine
 
-    data = femnist_like_dataset(num_clients=865, flat=args.model == "linear")
+    data = femnist_like_dataset(num_clients=args.num_clients, flat=args.model == "linear")
     rows = []
     for D in devices:
         row = _measure(data, args.model, args.clients, D, args.rounds, args.lanes)

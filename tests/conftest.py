@@ -1,7 +1,76 @@
 import os
 import shutil
+import stat
 import sys
 import tempfile
+
+# Tests never read or write the user's home: for the whole run HOME, the XDG folders and every
+# cache a command may fill (the prepared-data cache $DELTAFL_DATA, the peers' venvs
+# $DELTAFL_PEERS_CACHE, matplotlib's, tfds' data_dir) point into one fresh temporary folder,
+# set before anything is imported and inherited by the xdist workers and the commands the
+# tests start; the process that made it removes it at the end. That process also lists the
+# user's caches (WATCHED) when the run starts and fails the run if they differ at its end.
+SANDBOX_VAR, REAL_HOME_VAR = "DELTAFL_TESTS_SANDBOX", "DELTAFL_TESTS_REAL_HOME"
+_OWN_SANDBOX, _WATCHED = None, []
+if SANDBOX_VAR not in os.environ:
+    _OWN_SANDBOX = tempfile.mkdtemp(prefix="deltafl_tests_home_")
+    _real_home = os.path.expanduser("~")
+    _home = os.path.join(_OWN_SANDBOX, "home")
+    _cache = os.path.join(_home, ".cache")
+    # The user's data caches, as the code would find them without this sandbox.
+    _WATCHED = sorted({os.environ.get("DELTAFL_DATA") or os.path.join(_real_home, ".cache",
+                                                                      "deltafl_jax"),
+                       os.path.join(_real_home, ".cache", "deltafl_jax"),
+                       os.environ.get("TFDS_DATA_DIR") or os.path.join(_real_home,
+                                                                       "tensorflow_datasets"),
+                       os.path.join(_real_home, ".cache", "matplotlib"),
+                       os.path.join(_real_home, ".config", "matplotlib")})
+    os.makedirs(_cache)
+    if os.path.isfile(os.path.join(_real_home, ".gitconfig")):   # git's safe.directory etc.
+        shutil.copy(os.path.join(_real_home, ".gitconfig"), os.path.join(_home, ".gitconfig"))
+    os.environ.update({
+        SANDBOX_VAR: _OWN_SANDBOX, REAL_HOME_VAR: _real_home, "HOME": _home,
+        # The user's peers' venvs, which tests/test_bench_smoke.py may run (never rebuild).
+        "DELTAFL_TESTS_USER_PEERS": os.environ.get("DELTAFL_PEERS_CACHE") or os.path.join(
+            _real_home, ".cache", "deltafl_jax", "peers"),
+        "XDG_CACHE_HOME": _cache, "XDG_CONFIG_HOME": os.path.join(_home, ".config"),
+        "XDG_DATA_HOME": os.path.join(_home, ".local", "share"),
+        "DELTAFL_DATA": os.path.join(_cache, "deltafl_jax"),
+        "DELTAFL_PEERS_CACHE": os.path.join(_cache, "deltafl_jax", "peers"),
+        "MPLCONFIGDIR": os.path.join(_home, ".config", "matplotlib"),
+        "TFDS_DATA_DIR": os.path.join(_home, "tensorflow_datasets")})
+
+
+def snapshot(paths):
+    """{path: (kind, size, mtime_ns)} of every entry under `paths` (symbolic links not followed;
+    a missing path lists nothing)."""
+    out = {}
+    for root in paths:
+        _add_entry(out, root)
+        for top, dirs, files in os.walk(root):
+            for name in dirs + files:
+                _add_entry(out, os.path.join(top, name))
+    return out
+
+
+def _add_entry(out, path):
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:   # absent, or removed while listed
+        return
+    kind = "link" if stat.S_ISLNK(st.st_mode) else "dir" if stat.S_ISDIR(st.st_mode) else "file"
+    out[path] = kind, (0 if kind == "dir" else st.st_size), st.st_mtime_ns
+
+
+def changes(before, after):
+    """One line per path added, removed or changed between two snapshots."""
+    verbs = {p: "added" for p in set(after) - set(before)}
+    verbs.update({p: "removed" for p in set(before) - set(after)})
+    verbs.update({p: "changed" for p in set(before) & set(after) if before[p] != after[p]})
+    return [f"{verbs[p]} {p}" for p in sorted(verbs)]
+
+
+_HOME_AT_START = snapshot(_WATCHED) if _OWN_SANDBOX else None
 
 # Most of the suite's time is XLA compiling small programs, and many tests build the same
 # program (the same tiny model, shapes and round) in separate experiments: one persistent
@@ -19,10 +88,32 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """The process that made the sandbox (the xdist controller, after every worker is done)
+    fails the run if the user's caches changed while it ran."""
+    if _HOME_AT_START is None or hasattr(session.config, "workerinput"):
+        return
+    lines = changes(_HOME_AT_START, snapshot(_WATCHED))
+    if lines:
+        shown = lines[:20] + ([f"... {len(lines) - 20} more"] if len(lines) > 20 else [])
+        text = (f"error: the tests changed the user's caches (they must write only under "
+                f"{_OWN_SANDBOX}):\n" + "".join(f"  {x}\n" for x in shown))
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write("\n" + text, red=True, bold=True)
+        else:
+            sys.stderr.write(text)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_unconfigure(config):
-    """The process that made the compilation cache (not an xdist worker) removes it."""
-    if _OWN_XLA_CACHE is not None and not hasattr(config, "workerinput"):
-        shutil.rmtree(_OWN_XLA_CACHE, ignore_errors=True)
+    """The process that made the sandbox and the compilation cache (not an xdist worker)
+    removes them."""
+    if hasattr(config, "workerinput"):
+        return
+    for path in (_OWN_XLA_CACHE, _OWN_SANDBOX):
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -1,11 +1,17 @@
-"""Smoke runs of the benchmark scripts at tiny sizes, so that they keep working. The figures
-themselves are not asserted (machines are noisy); the JSON's shape and its internal
-consistency are. The comparison with PyTorch needs the `bench` extra (`pip install -e '.[bench]'`);
-without torch it is skipped, with its reason in pytest's summary."""
+"""Smoke runs of the benchmark scripts at tiny sizes, so that they keep working: every
+``bench/*.py`` with a ``__main__`` is run end to end by a test named in SMOKE_RUNS (a test
+fails when a script has none). The figures themselves are not asserted (machines are noisy);
+the JSON's shape and its internal consistency are. Two halves need what CI's venv does not hold,
+and only they are skipped, with the reason in pytest's summary: bench/compare.py's PyTorch loop
+(the `bench` extra, `pip install -e '.[bench]'`; the engine and the JAX loop run without it) and
+the peers' own scripts (bench/peer_fedjax.py, bench/peer_drjax.py), which run in the pinned
+venvs `python -m bench.peers` creates from the package index (the engine's half runs without
+them)."""
 
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -50,15 +56,47 @@ def test_round_speed_smoke(tmp_path):
             assert row["trained_over_kept"] == pytest.approx(1.0)
 
 
+COMPARE_KEYS = {"model", "backend", "engine_s_per_round", "torch_loop_s_per_round",
+                "jax_loop_s_per_round", "speedup_vs_torch", "speedup_vs_jax_loop",
+                "padded_over_real", "trained_over_kept", "compile_s", "peak_rss_mb"}
+
+
+@pytest.mark.slow
+def test_compare_smoke_engine_and_jax_loop(tmp_path):
+    """The documented command, `python -m bench.compare --model=linear --json --out=F`, at toy
+    size without the PyTorch loop (CI's venv has no torch)."""
+    res = run_json(["bench.compare", "--model=linear", "--json", "--methods=engine,jax_loop",
+                    "--clients=3", "--num_clients=8", "--rounds=1", "--warmup=1"], tmp_path,
+                   "compare")
+    assert COMPARE_KEYS <= set(res) and res["model"] == "linear"
+    assert res["torch_loop_s_per_round"] is None and res["speedup_vs_torch"] is None
+    assert res["speedup_vs_jax_loop"] == pytest.approx(
+        res["jax_loop_s_per_round"] / res["engine_s_per_round"])
+    assert res["trained_over_kept"] == pytest.approx(1.0)
+
+
+def test_compare_without_torch_says_so_in_one_line(tmp_path):
+    """Asking for the PyTorch loop where torch is not installed: one line naming the extra and
+    the flag that leaves it out, exit code 2, nothing written."""
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("torch is installed here: the PyTorch loop runs (test_compare_smoke)")
+    out = tmp_path / "compare.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.compare", "--model=linear",
+                           f"--out={out}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "compare: error: torch is not installed: pip install -e '.[bench]' for the PyTorch "
+        "loop, or pass --methods=engine,jax_loop"]
+    assert not out.exists()
+
+
 @needs_torch
 @pytest.mark.parametrize("model", ["linear", "cnn"])
 def test_compare_smoke(tmp_path, model):
     res = run_json(["bench.compare", f"--model={model}", "--clients=3", "--num_clients=8",
                     "--rounds=1", "--warmup=1"], tmp_path, "compare")
-    keys = {"model", "backend", "engine_s_per_round", "torch_loop_s_per_round",
-            "jax_loop_s_per_round", "speedup_vs_torch", "speedup_vs_jax_loop",
-            "padded_over_real", "trained_over_kept", "compile_s", "peak_rss_mb"}
-    assert keys <= set(res)
+    assert COMPARE_KEYS <= set(res)
     assert res["speedup_vs_torch"] == pytest.approx(
         res["torch_loop_s_per_round"] / res["engine_s_per_round"])
     assert res["trained_over_kept"] == pytest.approx(1.0)
@@ -184,25 +222,38 @@ def test_table1_shaped_datasets():
     assert np.all(pad[:, :-1] <= pad[:, 1:])
 
 
-DRJAX_VENV = os.path.join(os.path.expanduser("~"), ".cache", "deltafl_jax", "peers",
-                          f"drjax-py{sys.version_info.major}{sys.version_info.minor}")
-needs_drjax_venv = pytest.mark.skipif(
-    not os.path.exists(os.path.join(DRJAX_VENV, "deltafl_peer.json")),
-    reason=f"the DrJAX peer's venv is not at {DRJAX_VENV}; `python -m bench.peers "
-           "--peers=drjax` creates it (pip, from the package index)")
+def peer_cache_with(name, tmp_path):
+    """A peers' cache folder under tmp_path holding a link to the user's `name` venv, made
+    earlier by `python -m bench.peers` (tests/conftest.py gives the user's peers cache in
+    $DELTAFL_TESTS_USER_PEERS). Used only when that venv holds the pins of bench/peers.py, so
+    that bench.peers runs it as it is and never rebuilds it; the test is skipped otherwise."""
+    tag = f"{name}-py{sys.version_info.major}{sys.version_info.minor}"
+    venv = os.path.join(os.environ.get("DELTAFL_TESTS_USER_PEERS", ""), tag)
+    marker = os.path.join(venv, "deltafl_peer.json")
+    if not os.path.exists(marker):
+        pytest.skip(f"the {name} peer's venv is not at {venv}; `python -m bench.peers "
+                    f"--peers={name}` creates it (pip, from the package index)")
+    code = "import json; from bench.peers import peer_pins; print(json.dumps(peer_pins(%r)))"
+    pins = json.loads(subprocess.run([sys.executable, "-c", code % name], cwd=REPO,
+                                     capture_output=True, text=True, check=True).stdout)
+    with open(marker) as f:
+        if json.load(f).get("pins") != pins:
+            pytest.skip(f"the {name} peer's venv at {venv} holds other pins than "
+                        f"bench/peers.py's; `python -m bench.peers --peers={name}` rebuilds it")
+    cache = tmp_path / "cache"
+    cache.mkdir(exist_ok=True)
+    os.symlink(venv, cache / tag)
+    return cache
 
 
 @pytest.mark.slow
-@needs_drjax_venv
 def test_peers_smoke_drjax_agrees_with_engine(tmp_path):
     """The DrJAX peer's first round equals the engine's FedAvg (checked inside bench/peers.py)
     and its padded/real ratio is that of clients padded to the largest client's batches."""
     from bench.common import femnist_like_sizes
     from deltafl_jax.plan import sample_clients
 
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    os.symlink(DRJAX_VENV, cache / os.path.basename(DRJAX_VENV))
+    cache = peer_cache_with("drjax", tmp_path)
     res = run_json(["bench.peers", "--peers=drjax", "--models=linear", "--clients=3",
                     "--num_clients=8", "--rounds=1", "--engine_devices=1", "--gemm_n=256",
                     f"--cache_dir={cache}"], tmp_path, "peers")
@@ -218,6 +269,27 @@ def test_peers_smoke_drjax_agrees_with_engine(tmp_path):
     assert ex["real_examples"] == chosen.sum()
     assert ex["padded_examples"] == 3 * steps * 10
     assert row["peer_versions"]["drjax"]["drjax"] == "0.2.1"
+
+
+@pytest.mark.slow
+def test_peers_smoke_fedjax(tmp_path):
+    """bench/peer_fedjax.py through bench.peers: FedJAX's FedAvg on the same sampled clients,
+    each client's last short batch filled to B with more of its examples (FedJAX's batching)."""
+    from bench.common import femnist_like_sizes
+    from deltafl_jax.plan import sample_clients
+
+    cache = peer_cache_with("fedjax", tmp_path)
+    res = run_json(["bench.peers", "--peers=fedjax", "--models=linear", "--clients=3",
+                    "--num_clients=8", "--rounds=1", "--engine_devices=1", "--gemm_n=256",
+                    f"--cache_dir={cache}"], tmp_path, "peers")
+    row = res["models"]["linear"]
+    assert set(row["s_per_round"]) == {"fedjax_fedavg", "engine_fedavg", "engine_deltafl_0.5"}
+    assert row["s_per_round"]["fedjax_fedavg"] > 0 and row["peer_checks"] == {}
+    chosen = femnist_like_sizes(8, seed=0)[sample_clients(1, 1, 8, 3)]   # round t = 1
+    ex = row["peer_examples"]["fedjax"]
+    assert ex["real_examples"] == chosen.sum()
+    assert ex["padded_examples"] == np.sum(-(-chosen // 10) * 10)
+    assert row["peer_versions"]["fedjax"]["fedjax"] == "0.0.17"
 
 
 def test_peer_pins_with_an_accelerator_extra():
@@ -285,3 +357,86 @@ def test_benchmarks_write_a_git_ignored_default_and_print_one_screen(tmp_path, m
     assert lines[:2] == ["benchmark: toy", "s_per_round: 0.1235"]
     assert lines[2] == "rows[0]: clients=0, s_per_round=0"
     assert lines[-2].startswith("... ") and "more lines in the JSON" in lines[-2]
+
+
+@pytest.mark.slow
+def test_personal_cost_smoke(tmp_path):
+    """bench.personal_cost at toy size: a row per method, its ratio to FedAvg as its own
+    s/round gives it; Ditto trains the examples FedAvg trains (its second model steps on the
+    same minibatches)."""
+    res = run_json(["bench.personal_cost", "--models=linear", "--rounds=1", "--clients=3",
+                    "--num_clients=8"], tmp_path, "personal_cost")
+    rows = {r["algorithm"]: r for r in res["rows"]}
+    assert set(rows) == {"fedavg", "ditto", "deltafl+ditto", "feddyn", "scaffold"}
+    base = rows["fedavg"]["s_per_round"]
+    for r in rows.values():
+        assert r["model"] == "linear" and r["m"] == 3 and len(r["round_s"]) == 1
+        assert r["ratio_to_fedavg"] == pytest.approx(r["s_per_round"] / base)
+    assert rows["ditto"]["trained_examples_per_round"] == rows["fedavg"][
+        "trained_examples_per_round"] > 0
+
+
+@pytest.mark.slow
+def test_scaling_smoke_deals_every_job(tmp_path):
+    """bench.scaling at toy size on 1 and 2 fake CPU devices: the devices' jobs add up to the
+    kept jobs of the round, and the critical path is the evaluation's and the busiest
+    device's trips."""
+    res = run_json(["bench.scaling", "--devices=1,2", "--clients=3", "--num_clients=8",
+                    "--rounds=1"], tmp_path, "scaling")
+    assert [r["devices"] for r in res["rows"]] == [1, 2] and res["replicas"] == 4
+    for r in res["rows"]:
+        assert len(r["device_jobs"]) == r["devices"] and r["s_per_round"] > 0
+        assert sum(r["device_jobs"]) == pytest.approx(r["kept_jobs"])
+        assert r["critical_path_trips"] == pytest.approx(r["eval_trips"] + r["train_trips"])
+        assert r["imbalance"] >= 1.0
+
+
+@pytest.mark.slow
+def test_code_paths_smoke(tmp_path):
+    """bench.code_paths: the files a traced round and a whole tiny run call, among the
+    package's files (the round's are a part of the run's)."""
+    out = tmp_path / "code_paths.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.code_paths", f"--out={out}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert 0 < res["round_path_files"] == len(res["round_path"])
+    assert res["round_path_files"] < res["config_path_files"] == len(res["config_path"])
+    assert res["config_path_files"] <= res["package_files"]
+    assert "deltafl_jax/rounds.py" in res["round_path"]
+    assert "experiments/run.py" in res["config_path"]
+
+
+# Every bench/ entry point (a bench/*.py with a __main__) and the tests that run it end to end
+# at toy size ("file::name"; a test of this file by its name). The peers' scripts run inside
+# the pinned venvs bench/peers.py makes, through bench/peers.py.
+SMOKE_RUNS = {
+    "before_after.py": ["test_bench_before_after.py::test_before_after_smoke"],
+    "code_paths.py": ["test_code_paths_smoke"],
+    "compare.py": ["test_compare_smoke_engine_and_jax_loop", "test_compare_smoke"],
+    "loop_shape.py": ["test_loop_shape_smoke_trains_identical_models"],
+    "paper_grid.py": ["test_paper_grid_toy_json_adds_up"],
+    "peer_drjax.py": ["test_peers_smoke_drjax_agrees_with_engine"],
+    "peer_fedjax.py": ["test_peers_smoke_fedjax"],
+    "peers.py": ["test_peers_smoke_engine_side"],
+    "personal_cost.py": ["test_personal_cost_smoke"],
+    "population.py": ["test_population_smoke_reports_every_row"],
+    "round_speed.py": ["test_round_speed_smoke"],
+    "scaling.py": ["test_scaling_smoke_deals_every_job"],
+    "theta_sweep.py": ["test_theta_sweep_smoke"],
+}
+
+
+def test_every_bench_entry_point_has_a_smoke_run():
+    bench = os.path.join(REPO, "bench")
+    main = re.compile(r"""^if\s+__name__\s*==\s*["']__main__["']""", re.M)
+    entry_points = sorted(name for name in os.listdir(bench) if name.endswith(".py")
+                          and main.search(open(os.path.join(bench, name)).read()))
+    assert entry_points == sorted(SMOKE_RUNS), (
+        "a bench/ script with a __main__ needs a smoke run at toy size in SMOKE_RUNS")
+    here = os.path.dirname(os.path.abspath(__file__))
+    for script, tests in SMOKE_RUNS.items():
+        for test in tests:
+            path, _, name = test.rpartition("::")
+            text = open(os.path.join(here, path or os.path.basename(__file__))).read()
+            assert f"\ndef {name}(" in text, (script, test)
