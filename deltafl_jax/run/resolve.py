@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -95,6 +96,9 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
     check_streams(_streams(config, data, work, poisson.cap if poisson is not None else m,
                            len(set(int(g) for g in replicas.group)),
                            algorithm.sampling is not None))
+    warning = config.privacy.delta_warning(data.train.num_clients) if noise else None
+    if warning:   # a valid private run whose default delta is large
+        print(warning, file=sys.stderr, flush=True)
     return ResolvedRun(config=config, data=data, model=model, model_options=options, spec=spec,
                        algorithm=algorithm,
                        num_sampled=poisson.cap if poisson is not None else m,
