@@ -54,7 +54,8 @@ class LoadedModel:
         except TypeError:
             index = None
         if index is None or index < 0 or (n is not None and index >= n):
-            raise DeltaFLError(f"for_client({k!r}): a training client is an integer in {span}")
+            raise DeltaFLError(f"training client {k!r} is not in {span} (for_client takes the "
+                               f"integer index of one of the run's training clients)")
         if self.personal is None:
             return self
         own = jax.tree.map(lambda a: np.asarray(a[index]), self.personal)

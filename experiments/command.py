@@ -59,8 +59,8 @@ def parse_flags_or_fail(argv):
     except UnicodeDecodeError as e:   # a flagfile that is not text (absl reads it as text)
         path = undecodable_flagfile(argv[1:])
         where = f"--flagfile={path}" if path else "a --flagfile"
-        fail(f"{where} is not a text file of flags (its byte {e.start} is not valid {e.encoding}); "
-             f"a flagfile holds one --flag=value a line")
+        fail(f"{where} is not a text file of flags (its byte {e.start} is not valid "
+             f"{e.encoding}); a flagfile holds one --flag=value a line")
 
 
 def _flagfiles(args) -> list:
