@@ -79,15 +79,23 @@ class LoadedModel:
         """The network's outputs (scores) on raw inputs x [B, ...] as the dataset stores them:
         class scores (logits) [B, C] for softmax models, one logit [B, 1] for sigmoid models,
         the estimate for the squared-loss mean model. See :meth:`predict_labels` for classes.
-        Raises DeltaFLError when x is not a batch of the run's examples (its shape)."""
+        Raises DeltaFLError, naming both shapes, when x is not a batch of examples of the
+        run's shape (a sequence model may take another length, if its network does)."""
         x = np.asarray(x)
-        if self.input_shape is not None and tuple(x.shape[1:]) != tuple(self.input_shape):
-            want = "(B, " + ", ".join(str(d) for d in self.input_shape) + ")"
-            one = (" (one example: x[None])" if tuple(x.shape) == tuple(self.input_shape)
-                   else "")
-            raise DeltaFLError(f"inputs of shape {tuple(x.shape)} do not fit model "
-                               f"{self.model.name!r}, which takes a batch of shape {want}{one}")
-        return self.model.apply(self.params, x)
+        shape = None if self.input_shape is None else tuple(self.input_shape)
+        if shape is None or tuple(x.shape[1:]) == shape:
+            return self.model.apply(self.params, x)
+        want = "(B, " + ", ".join(str(d) for d in shape) + ")"
+        refusal = DeltaFLError(
+            f"inputs of shape {tuple(x.shape)} do not fit model {self.model.name!r}, which "
+            f"takes a batch of shape {want}"
+            + (" (one example: x[None])" if tuple(x.shape) == shape else ""))
+        if x.ndim != len(shape) + 1:
+            raise refusal
+        try:
+            return self.model.apply(self.params, x)
+        except Exception:  # pylint: disable=broad-except  (Flax's shape errors, and others)
+            raise refusal from None
 
     def predict_labels(self, x) -> np.ndarray:
         """Predicted classes [B] (int32) on raw inputs x: the argmax of the scores for softmax
