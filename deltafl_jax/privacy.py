@@ -119,6 +119,9 @@ MECHANISMS = ("gaussian", "bandmf")
 OVERFLOW_SHARE = 1000.0
 # A non-private Poisson run's cap: an overflow anywhere in the run has at most this chance.
 OVERFLOW_PLAIN = 1e-9
+# The default delta 1 / N^1.1 above this (N below about 530) is reported as large: it is the
+# chance that the guarantee fails outright, and --dp_delta should be set.
+LARGE_DELTA = 1e-3
 PLD_LOWEST_Z = 0.05   # the smallest z that calibration tries with the PLD accountant
 PLD_BRACKET = 0.7     # the PLD search's lower end, relative to the RDP accountant's z
 CALIBRATION_TOL = 1e-6  # calibrated z to this (absolute; then rounded up to float32)
@@ -397,6 +400,16 @@ class Privacy:
 
     def delta_for(self, num_clients: int) -> float:
         return self.delta if self.delta is not None else float(num_clients) ** -1.1
+
+    def delta_warning(self, num_clients: int) -> Optional[str]:
+        """One warning line when --dp_delta is unset and its default 1 / N^1.1 exceeds
+        LARGE_DELTA (a small population), else None."""
+        delta = self.delta_for(num_clients)
+        if self.delta is not None or delta <= LARGE_DELTA:
+            return None
+        return (f"deltafl_jax: warning: the default delta = 1/N^1.1 = {delta:.3g} at N = "
+                f"{num_clients} training clients is large (the chance that the guarantee fails "
+                f"outright, above {LARGE_DELTA:g}); set --dp_delta, e.g. --dp_delta=1e-5")
 
     def noise_multipliers_for(self, m: int, rounds: int, num_clients: int,
                               releases: Sequence[float],
@@ -713,13 +726,20 @@ class Accounting:
         return 0.0 if p == 0 else (math.inf if eps > 700 else (1.0 + math.exp(eps)) * p)
 
     def describe(self, labels) -> dict:
-        """What summary.json records: the accountant, its inputs and each replica's z (and
-        under Poisson the sampler's q, cap and the overflow term at the run's epsilons)."""
+        """What summary.json records: the accountant, its inputs, each replica's z and its
+        epsilon at delta after the run's rounds (``epsilon``, the final evaluation's
+        ``dp_epsilon``), and under Poisson the sampler's q, cap and the overflow term at those
+        epsilons."""
         out = {"accountant": describe_accountant(self.sampler, self.accountant),
                "dp_accounting_version": library_version(),
                "population": self.population, "clients_per_round": self.m,
                "delta": self.delta, "releases": list(self.releases),
                "noise_multiplier": {lab.key(): z for lab, z in zip(labels, self.noise)}}
+        eps = (self.epsilons(self.rounds) if self.rounds > 0 or self.sampler == "poisson"
+               else None)
+        if self.rounds > 0:   # epsilon at delta after the run's rounds, per replica
+            out["rounds"] = self.rounds
+            out["epsilon"] = {lab.key(): float(e) for lab, e in zip(labels, eps)}
         if self.correlated is not None:
             c = self.correlated
             out.update({"sampler": "cyclic", "neighbours": "add-or-remove (zero-out)",
@@ -728,7 +748,6 @@ class Accounting:
                         "min_separation": c.min_sep,
                         "sensitivity": c.sensitivity(c.rounds)})
         if self.sampler == "poisson":
-            eps = self.epsilons(self.rounds)
             out.update({"sampler": "poisson", "neighbours": "add-or-remove",
                         "sampling_probability": self.m / self.population, "cap": self.cap,
                         "overflow_delta": {lab.key(): self.overflow_delta(float(e))

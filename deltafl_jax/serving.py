@@ -10,8 +10,9 @@ them into a network.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import jax
 import numpy as np
@@ -37,19 +38,29 @@ class LoadedModel:
     model: Model
     labels: Dict[str, Any]
     personal: Any = None     # [N, ...] every training client's personal model, or None
+    input_shape: Optional[Tuple[int, ...]] = None   # one example's shape (None: unchecked)
+    num_clients: Optional[int] = None   # the run's training clients (None: unknown)
 
     def for_client(self, k: int) -> "LoadedModel":
         """The model served to training client k (an index into the run's training clients):
         its personal model for an algorithm with per-client models (Ditto's v_k), the global
-        one otherwise. Raises DeltaFLError for an index out of range."""
+        one otherwise. Raises DeltaFLError for an index that is not an integer (1.5, True) or
+        not in 0..N-1."""
+        n = (int(jax.tree.leaves(self.personal)[0].shape[0]) if self.personal is not None
+             else self.num_clients)
+        span = f"0..{n - 1}" if n is not None else "0, 1, ..."
+        try:
+            index = None if isinstance(k, bool) else operator.index(k)
+        except TypeError:
+            index = None
+        if index is None or index < 0 or (n is not None and index >= n):
+            raise DeltaFLError(f"training client {k!r} is not in {span} (for_client takes the "
+                               f"integer index of one of the run's training clients)")
         if self.personal is None:
             return self
-        n = int(jax.tree.leaves(self.personal)[0].shape[0])
-        if isinstance(k, bool) or not 0 <= int(k) < n:
-            raise DeltaFLError(f"training client {k!r} is not in 0..{n - 1}")
-        own = jax.tree.map(lambda a: np.asarray(a[int(k)]), self.personal)
-        return LoadedModel(params=own, model=self.model, labels={**self.labels,
-                                                                  "client": int(k)})
+        own = jax.tree.map(lambda a: np.asarray(a[index]), self.personal)
+        return dataclasses.replace(self, params=own, personal=None,
+                                   labels={**self.labels, "client": index})
 
     @property
     def label(self) -> ReplicaLabel:
@@ -67,8 +78,24 @@ class LoadedModel:
     def predict(self, x):
         """The network's outputs (scores) on raw inputs x [B, ...] as the dataset stores them:
         class scores (logits) [B, C] for softmax models, one logit [B, 1] for sigmoid models,
-        the estimate for the squared-loss mean model. See :meth:`predict_labels` for classes."""
-        return self.model.apply(self.params, np.asarray(x))
+        the estimate for the squared-loss mean model. See :meth:`predict_labels` for classes.
+        Raises DeltaFLError, naming both shapes, when x is not a batch of examples of the
+        run's shape (a sequence model may take another length, if its network does)."""
+        x = np.asarray(x)
+        shape = None if self.input_shape is None else tuple(self.input_shape)
+        if shape is None or tuple(x.shape[1:]) == shape:
+            return self.model.apply(self.params, x)
+        want = "(B, " + ", ".join(str(d) for d in shape) + ")"
+        refusal = DeltaFLError(
+            f"inputs of shape {tuple(x.shape)} do not fit model {self.model.name!r}, which "
+            f"takes a batch of shape {want}"
+            + (" (one example: x[None])" if tuple(x.shape) == shape else ""))
+        if x.ndim != len(shape) + 1:
+            raise refusal
+        try:
+            return self.model.apply(self.params, x)
+        except Exception:  # pylint: disable=broad-except  (Flax's shape errors, and others)
+            raise refusal from None
 
     def predict_labels(self, x) -> np.ndarray:
         """Predicted classes [B] (int32) on raw inputs x: the argmax of the scores for softmax
@@ -117,6 +144,13 @@ def load_model(output_dir: str, theta: Optional[float] = None, seed: Optional[in
     Example: ``deltafl_jax.load_model("runs/synthetic", theta=0.5, seed=1).predict_labels(x)``.
     """
     reader = RunReader(output_dir)
+    runs = ([] if reader.has(os.path.join(MODELS, "index.json"))
+            else runs_inside(output_dir))
+    if runs:
+        shown = ", ".join(runs[:6]) + (f" and {len(runs) - 6} more" if len(runs) > 6 else "")
+        raise DeltaFLError(f"{output_dir} holds {len(runs)} runs, not one: {shown}; load one "
+                           f"of them, e.g. load_model({os.path.join(output_dir, runs[0])!r}, "
+                           f"...)")
     spec = reader.model_index()
     entries = [(e, ReplicaLabel.from_json({k: v for k, v in e.items()
                                            if k not in ("file", "personal_file")}))
@@ -136,4 +170,34 @@ def load_model(output_dir: str, theta: Optional[float] = None, seed: Optional[in
                 if "personal_file" in entry else None)
     return LoadedModel(params=params, model=model, personal=personal,
                        labels={k: v for k, v in entry.items()
-                               if k not in ("file", "personal_file")})
+                               if k not in ("file", "personal_file")},
+                       input_shape=tuple(int(d) for d in spec["feature_shape"]),
+                       num_clients=_train_clients(reader))
+
+
+def _train_clients(reader: RunReader) -> Optional[int]:
+    """The run's training clients (summary.json's), or None when it does not say."""
+    try:
+        n = reader.summary().get("dataset", {}).get("num_train_clients")
+    except DeltaFLError:
+        return None
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def runs_inside(folder: str, depth: int = 2) -> List[str]:
+    """The runs with saved models (``models/index.json``) in the subfolders of `folder`, down
+    to `depth` levels (``<method>/``, ``<method>/seed_<s>/``), as paths relative to it, sorted."""
+    found: List[str] = []
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return found
+    for name in names:
+        path = os.path.join(folder, name)
+        if not os.path.isdir(path) or os.path.islink(path):
+            continue
+        if os.path.isfile(os.path.join(path, MODELS, "index.json")):
+            found.append(name)
+        elif depth > 1:
+            found += [os.path.join(name, r) for r in runs_inside(path, depth - 1)]
+    return found

@@ -43,7 +43,7 @@ def usage(program: str) -> str:
 
 def parse_flags_or_fail(argv):
     """absl's flag parsing; --help prints the flags and exits 0, a bad flag or a missing
-    flagfile is one line and exit code 2."""
+    flagfile, or one that is not text, is one line and exit code 2."""
     COMMAND_LINE.clear()
     COMMAND_LINE.update(a.lstrip("-").split("=", 1)[0] for a in argv[1:] if a.startswith("--"))
     if any(a in HELP_FLAGS for a in argv[1:]):
@@ -56,3 +56,34 @@ def parse_flags_or_fail(argv):
     except flags.Error as e:
         text = str(e).splitlines()[0] if str(e) else "bad flags"
         fail(text.replace("ERROR:: ", "").strip())
+    except UnicodeDecodeError as e:   # a flagfile that is not text (absl reads it as text)
+        path = undecodable_flagfile(argv[1:])
+        where = f"--flagfile={path}" if path else "a --flagfile"
+        fail(f"{where} is not a text file of flags (its byte {e.start} is not valid "
+             f"{e.encoding}); a flagfile holds one --flag=value a line")
+
+
+def _flagfiles(args) -> list:
+    prefixes = ("--flagfile=", "-flagfile=")
+    return [a.split("=", 1)[1] for a in args if a.startswith(prefixes)]
+
+
+def undecodable_flagfile(args, seen=None):
+    """The first flagfile named in `args` (or in a flagfile they name) that cannot be read as
+    text, or None."""
+    seen = set() if seen is None else seen
+    for path in _flagfiles(args):
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            with open(path) as f:
+                lines = [line.strip() for line in f]
+        except UnicodeDecodeError:
+            return path
+        except OSError:
+            continue
+        inner = undecodable_flagfile(lines, seen)
+        if inner:
+            return inner
+    return None

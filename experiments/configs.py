@@ -11,7 +11,7 @@ from typing import List, Sequence, Tuple
 from absl import flags
 
 from deltafl_jax import declared
-from deltafl_jax.errors import UsageError
+from deltafl_jax.errors import ConfigError, UsageError
 from experiments.command import COMMAND_LINE
 
 FLAGS = flags.FLAGS
@@ -64,7 +64,7 @@ def method_entries(entries: Sequence[str]) -> List[Tuple[str, str, str]]:
     """(entry, algorithm, server optimizer) of each --algorithm entry NAME, NAME+OPTIMIZER,
     NAME+LAYER or NAME+LAYER+OPTIMIZER ("" when the entry names no optimizer; the algorithm is
     NAME+LAYER with a layer, e.g. deltafl+ditto); UsageError for an empty, repeated or
-    malformed entry."""
+    malformed entry, ConfigError for a layer that cannot go over NAME."""
     from deltafl_jax.algorithms import registry
     from deltafl_jax.server_optimizer import NAMES
     names = [a.strip() for a in entries]
@@ -82,7 +82,13 @@ def method_entries(entries: Sequence[str]) -> List[Tuple[str, str, str]]:
             raise UsageError(f"--algorithm entry {entry!r}: after '+' come at most one layer "
                              f"({', '.join(registry.layers())}) and one server optimizer "
                              f"({', '.join(NAMES)})")
-        out.append((entry, "+".join([name] + layers), optimizers[0] if optimizers else ""))
+        algorithm = "+".join([name] + layers)
+        try:
+            if layers:
+                registry.get(algorithm)
+        except ConfigError as e:   # a layer over itself (ditto+ditto)
+            raise UsageError(f"--algorithm entry {entry!r}: {e}") from None
+        out.append((entry, algorithm, optimizers[0] if optimizers else ""))
     return out
 
 

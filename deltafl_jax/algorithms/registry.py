@@ -40,6 +40,8 @@ SPECS: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
 # Layers over any algorithm, named after '+' in a method name (``deltafl+ditto``): a
 # personalisation layer turns a spec into the spec of the layered method.
 LAYERS = {ditto.LAYER: ditto.personalized}
+# The swept flags each layer adds to the method it goes over.
+LAYER_SWEEPS = {ditto.LAYER: (ditto.LAMBDA_SWEEP,)}
 
 
 def names() -> Tuple[str, ...]:
@@ -55,7 +57,7 @@ def _layered(name: str) -> Optional[AlgorithmSpec]:
     if name in SPECS:
         return SPECS[name]
     base, plus, layer = name.partition("+")
-    if plus and base in SPECS and layer in LAYERS:
+    if plus and base in SPECS and layer in LAYERS and not _clash(base, layer):
         if name not in _COMPOSED:
             _COMPOSED[name] = LAYERS[layer](SPECS[base])
         return _COMPOSED[name]
@@ -65,9 +67,22 @@ def _layered(name: str) -> Optional[AlgorithmSpec]:
 _COMPOSED: Dict[str, AlgorithmSpec] = {}
 
 
+def _clash(base: str, layer: str) -> Tuple[str, ...]:
+    """The swept flags that `layer` adds and `base` sweeps already (the layer over a method that
+    is that layer already: ditto+ditto); () when the layer can go over it."""
+    own = {s.flag for s in SPECS[base].sweeps()}
+    return tuple(s.flag for s in LAYER_SWEEPS[layer] if s.flag in own)
+
+
 def get(name: str) -> AlgorithmSpec:
     """The spec called `name` (or BASE+LAYER); ConfigError naming the choices otherwise."""
     spec = _layered(name)
+    base, plus, layer = name.partition("+")
+    if spec is None and plus and base in SPECS and layer in LAYERS:
+        flags = ", ".join(f"--{f}" for f in _clash(base, layer))
+        raise ConfigError(f"{name!r} puts the {layer} layer over {base}, which sweeps {flags} "
+                          f"already; run {base} alone, or +{layer} over another algorithm "
+                          f"(e.g. deltafl+{layer})")
     if spec is None:
         raise ConfigError(f"unknown algorithm {name!r}; choose one of {', '.join(names())}, "
                           f"optionally +{' / +'.join(layers())}")

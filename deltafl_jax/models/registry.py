@@ -56,10 +56,14 @@ def register_model(name: str, factory: Callable[[FederatedDataset, ModelOptions]
 
 
 def build_model(name: str, data: FederatedDataset, options: ModelOptions = ModelOptions()) -> Model:
-    """The model `name` for `data`. Raises ValueError for an unknown name or a mismatch."""
+    """The model `name` for `data`. Raises ValueError for an unknown name (saying how a model
+    of one's own is registered) or a mismatch."""
     if name in MODELS:
         return MODELS[name](data, options)
     if name in LAZY_MODELS:
         module_name, fn_name = LAZY_MODELS[name].split(":")
         return getattr(importlib.import_module(module_name), fn_name)(data, options)
-    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(model_names())}")
+    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(model_names())}, or "
+                     f"register yours first: import the module that calls "
+                     f"deltafl_jax.register_model({name!r}, ...) (on the command line: "
+                     f"--model_module=MODULE_OR_FILE)")

@@ -20,8 +20,11 @@ midway (even SIGKILL) is never loaded, and the manager deletes them when it save
 steps are deleted only after the new one is finalised; ``keep`` (2) steps are kept.
 
 Corruption. :meth:`Checkpointer.restore` reads the newest step; if it cannot be read, or a leaf
-differs from its recorded sha256, it says so in one line on stderr, deletes it and falls back to
-the previous one.
+differs from its recorded sha256, it says so in one line on stderr, moves it aside to
+``checkpoints/damaged-<round>/`` (never listed as a step, kept for a post-mortem; removed with
+the rest by ``--overwrite``) and falls back to the previous one. orbax's own log lines about the
+damaged files are silenced while steps are listed and read, so that the one line is all the
+user sees.
 
 Layout independence. Leaves are saved as host NumPy arrays (a replicated global array of a
 multi-process run: this process's copy), so no device or sharding is recorded; a restore places
@@ -46,7 +49,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import shutil
 import sys
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -71,17 +73,28 @@ def checkpoint_dir(output_dir: str) -> str:
     return os.path.join(output_dir, CHECKPOINT_DIR)
 
 
+DAMAGED_PREFIX = "damaged-"   # a damaged step is moved aside to checkpoints/damaged-<round>
+
+
 @contextlib.contextmanager
-def _quiet():
+def _quiet(level: int = logging.ERROR):
     """orbax logs through absl at WARNING level ("Waiting for previous save to complete took
-    ..."), which would reach the command line's stderr; keep only its errors."""
+    ..."), which would reach the command line's stderr; keep only its errors (`level`: keep
+    only what is at least this; :func:`_silent` for reads)."""
     logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(max(level, logging.ERROR))
+    before = logger.level
+    logger.setLevel(max(before, level))
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(before)
+
+
+def _silent():
+    """orbax's logging silenced while steps are listed and read: a damaged step makes it log
+    errors ("Failed to read Metadata file ...", one per thread) that restore reports itself in
+    one line."""
+    return _quiet(logging.CRITICAL + 1)
 
 
 def _muffle_read_failure_noise() -> None:
@@ -169,7 +182,8 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=self.keep, enable_async_checkpointing=async_save, create=False,
             cleanup_tmp_directories=True)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        with _silent():   # it lists the steps, reading their metadata
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
         self.last_save_s: Optional[float] = None  # blocking seconds of the last save
 
     # -- saving
@@ -191,6 +205,7 @@ class Checkpointer:
                              f"{int(_host_copy(saved_round))}")
         with _quiet():
             self._manager.wait_until_finished()  # the previous save (and its error, if any)
+        with _silent():
             self._manager.reload()
             steps = self._manager.all_steps()
             if round in steps:
@@ -234,15 +249,16 @@ class Checkpointer:
 
     def rounds(self) -> List[int]:
         """The rounds of the complete (finalised) checkpoints, oldest first; not verified."""
-        self._manager.reload()
-        return sorted(int(s) for s in self._manager.all_steps())
+        with _silent():
+            self._manager.reload()
+            return sorted(int(s) for s in self._manager.all_steps())
 
     def latest_round(self) -> Optional[int]:
         rounds = self.rounds()
         return rounds[-1] if rounds else None
 
     def _restore_items(self, step: int, items: Dict[str, Any]):
-        with _quiet():
+        with _silent():
             return self._manager.restore(step, args=self._ocp.args.Composite(**items))
 
     def _read_meta(self, step: int) -> Dict[str, Any]:
@@ -277,7 +293,8 @@ class Checkpointer:
           array when the template's leaf is one.
 
         A checkpoint that cannot be read or fails its sha256 check is reported in one warning
-        line, deleted, and the previous one is tried.
+        line, moved aside (``damaged-<round>``, the line says where), and the previous one is
+        tried.
         """
         self.wait()
         rounds = self.rounds()
@@ -293,17 +310,30 @@ class Checkpointer:
                 reason = reason if len(reason) <= 120 else reason[:119] + "…"
                 then = (f"falling back to round {older}" if older is not None
                         else "no older checkpoint")
+                aside = self._set_aside(step)
+                where = f"moved to {aside}" if aside else "it could not be moved aside"
                 _warn(f"checkpoint of round {step} in {self.directory} is damaged "
-                      f"({reason}); deleting it, {then}")
-                self._delete(step)
+                      f"({reason}); {where}, {then}")
         return None
 
-    def _delete(self, step: int) -> None:
-        try:
-            with _quiet():
-                self._manager.delete(step)
-        except Exception:  # pylint: disable=broad-except
-            shutil.rmtree(os.path.join(self.directory, str(step)), ignore_errors=True)
+    def _set_aside(self, step: int) -> Optional[str]:
+        """Move the damaged step to ``damaged-<step>`` (``-2``, ``-3``, ... when taken) beside
+        the steps, where orbax lists no step; the new path, or None when it cannot be moved
+        (another process of the run moved it first, or the folder is read-only)."""
+        source = os.path.join(self.directory, str(step))
+        for n in range(1, 1000):
+            target = os.path.join(self.directory,
+                                  f"{DAMAGED_PREFIX}{step}" + (f"-{n}" if n > 1 else ""))
+            if os.path.lexists(target):
+                continue
+            try:
+                os.rename(source, target)
+            except OSError:
+                return None
+            with _silent():
+                self._manager.reload()
+            return target
+        return None
 
     def _restore_step(self, step: int, template_state):
         meta = self._read_meta(step)

@@ -11,13 +11,18 @@ the bytes each device holds.
 - :func:`compute_footprint` / :func:`placement_line` / :func:`check_memory`: the bytes each
   device holds, the start-up line that shows them, and a one-line refusal of a run that cannot
   fit.
+- :func:`check_streams`: a one-line refusal, before anything is built or written, of a plan
+  whose index streams (a round's training and evaluation streams, the personalised
+  evaluation's adaptation stream) are longer than int32 indices reach or than the host's memory
+  holds (``--local_epochs``, ``--local_steps``, ``--batch_size``, ``--eval_chunk``,
+  ``--finetune_steps`` set far too large).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -30,6 +35,8 @@ from deltafl_jax.models import Model
 from deltafl_jax.replicas import Replicas
 
 DEVICE_DATA_SHARE = 0.25   # auto: the splits stay on the device while they fit in this share
+INDEX_LIMIT = 2 ** 31 - 1   # the plans index their streams with int32
+HOST_SHARE = 0.5   # the plans' host arrays (and their device copies) must fit in this share
 EVAL_BLOCK_EXAMPLES = 1 << 15   # host mode: examples per evaluation block (rounded up)
 
 
@@ -220,3 +227,29 @@ def check_memory(usage: Footprint, devices) -> None:
                   ("the lanes (--clients_per_step)", usage.lanes), key=lambda kv: kv[1])[0]
     raise ConfigError(f"the run needs about {_mb(usage.total)} per device but "
                       f"{_local(devices)[0].device_kind} has {_mb(limit)}; reduce {biggest}")
+
+
+def host_memory() -> Optional[int]:
+    """This machine's physical memory in bytes (None where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_streams(streams: Sequence[Tuple[str, int, int]]) -> None:
+    """ConfigError (one line, naming the flags) before anything is built or written, for the
+    index streams of a run's plans: `streams` holds (the flags that size it, its entries, the
+    bytes the host allocates for it). A stream longer than int32 indices reach
+    (:data:`INDEX_LIMIT`) is refused, and so are streams whose host arrays together exceed
+    HOST_SHARE of this machine's memory (each is copied to the devices as well)."""
+    for flags, entries, _ in streams:
+        if entries > INDEX_LIMIT:
+            raise ConfigError(f"{flags}: a stream of {entries:,} examples, more than the "
+                              f"{INDEX_LIMIT:,} that the plan's int32 indices reach; lower it")
+    memory = host_memory()
+    total = sum(n for _, _, n in streams)
+    if memory and total > HOST_SHARE * memory:
+        flags = max(streams, key=lambda s: s[2])[0]
+        raise ConfigError(f"{flags}: the plans need about {_mb(total)} of host memory, more "
+                          f"than {HOST_SHARE:.0%} of this machine's {_mb(memory)}; lower it")

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Tuple
+import sys
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -35,6 +36,8 @@ from deltafl_jax.privacy import (OVERFLOW_PLAIN, OVERFLOW_SHARE, UPDATE_RELEASE,
                                 UPDATE_RELEASE_ADD_REMOVE, Accounting, Correlated,
                                 bandmf_coefficients, check_private_version)
 from deltafl_jax.replicas import Replicas
+from deltafl_jax.run import personal as personal_lib
+from deltafl_jax.run.placement import check_streams
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -90,6 +93,12 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
     local_steps = spec.local_steps if spec.local_steps is not None else config.local_steps
     work = plan_lib.LocalWork(batch_size=config.batch_size, local_epochs=config.local_epochs,
                               local_steps=local_steps)
+    check_streams(_streams(config, data, work, poisson.cap if poisson is not None else m,
+                           len(set(int(g) for g in replicas.group)),
+                           algorithm.sampling is not None))
+    warning = config.privacy.delta_warning(data.train.num_clients) if noise else None
+    if warning:   # a valid private run whose default delta is large
+        print(warning, file=sys.stderr, flush=True)
     return ResolvedRun(config=config, data=data, model=model, model_options=options, spec=spec,
                        algorithm=algorithm,
                        num_sampled=poisson.cap if poisson is not None else m,
@@ -149,6 +158,30 @@ def _noise(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: FederatedAl
                   delta=privacy.delta_for(num_clients), per_value=per_value,
                   sampler=privacy.sampler, accountant=privacy.accountant_name, rounds=T,
                   correlated=correlated)
+
+
+def _streams(config: ExperimentConfig, data: FederatedDataset, work: plan_lib.LocalWork,
+             m: int, groups: int, with_replacement: bool) -> List[Tuple[str, int, int]]:
+    """(the flags that size it, entries, host bytes) of each index stream the run allocates: a
+    round's training and evaluation streams (one per plan group, :func:`deltafl_jax.plan.
+    capacities`; a generator's clients at its size cap) and the personalised evaluation's
+    adaptation stream of one block (:func:`deltafl_jax.run.personal.block_caps`)."""
+    cap = getattr(data.train, "max_size", None)
+    sizes = data.train.sizes if cap is None else np.full((m,), cap, np.int64)
+    caps = plan_lib.capacities(sizes, m, work, config.eval_chunk or 1, with_replacement)
+    local = (f"--local_epochs={config.local_epochs}" if work.local_steps is None
+             else f"--local_steps={work.local_steps}")
+    out = [(f"{local} with --batch_size={config.batch_size}", caps.train_len,
+            4 * groups * caps.train_len),
+           (f"--eval_chunk={config.eval_chunk}", caps.eval_len, 8 * groups * caps.eval_len)]
+    steps = max(config.finetune_steps)
+    if data.holdout is not None and steps > 0:
+        block = personal_lib.block_caps(
+            [tuple(s.sizes for s in data.holdout.population(data, p))
+             for p in personal_lib.POPULATIONS], steps, config.batch_size)
+        out.append((f"--finetune_steps={steps} with --batch_size={config.batch_size}",
+                    block.adapt, 4 * block.adapt))
+    return out
 
 
 def _model(config: ExperimentConfig, data: FederatedDataset) -> Tuple[Model, ModelOptions]:

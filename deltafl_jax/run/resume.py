@@ -28,9 +28,12 @@ from deltafl_jax.algorithms import registry
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.run import checkpoint as ckpt
 
-# Settings that may change between the run and its resume (they change no result).
+# Settings that may change between the run and its resume: they change no training.
+# --target_accuracy only sets the share of clients below it that an evaluation reports (the
+# records written before a resume keep the share at the target they were written with;
+# summary.json and the report use the resumed run's).
 FREE_FIELDS = ("output_dir", "overwrite", "verbose", "tensorboard", "checkpoint_every",
-               "checkpoint_every_s", "save_models", "devices", "client_data")
+               "checkpoint_every_s", "save_models", "devices", "client_data", "target_accuracy")
 
 
 def data_digest(data) -> str:
@@ -75,7 +78,8 @@ def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Li
 
     Values are compared as the checkpoint stores them (JSON: a tuple equals the list of its
     items, NaN equals NaN); a setting present on one side only differs. Nested dicts are
-    compared key by key and named "outer.inner".
+    compared key by key and named "outer.inner". The :data:`FREE_FIELDS` are left out on
+    both sides (a fingerprint saved when one of them was still part of it resumes).
     """
     names: List[str] = []
 
@@ -87,7 +91,8 @@ def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Li
             elif key not in a or key not in b or _canonical(a[key]) != _canonical(b[key]):
                 names.append(name)
 
-    walk(json.loads(_canonical(dict(saved))), json.loads(_canonical(dict(current))), "")
+    walk(*(json.loads(_canonical({k: v for k, v in dict(side).items() if k not in FREE_FIELDS}))
+           for side in (saved, current)), "")
     return names
 
 
