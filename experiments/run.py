@@ -143,6 +143,10 @@ def main(argv):
         fail(str(e))
     except OSError as e:   # the disk is full, or the output dir cannot be written
         fail(f"cannot write the results to --output_dir={FLAGS.output_dir}: {e}")
+    except MemoryError:   # e.g. --synthetic_num_clients=1e11: the data does not fit the host
+        fail("the host ran out of memory making the data or the run: fewer or smaller clients "
+             "(--synthetic_num_clients, --toy_examples_per_client), --client_data=host, or "
+             "--estimate to see what a run holds")
     if len(configs) > 1 and configs[0].verbose:
         what = "test error" if classifies(results) else "test loss"
         print("\n".join(["", f"Final {what} per method (mean over seeds):"]

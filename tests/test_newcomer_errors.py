@@ -378,3 +378,21 @@ def test_a_damaged_checkpoint_is_one_warning_line_by_subprocess(tmp_path):
     assert len(lines) == 1 and f"moved to {aside}, falling back to round 2" in lines[0], \
         done.stderr
     assert os.path.isdir(aside)
+
+
+@pytest.mark.slow   # a subprocess under an 8 GB address-space limit
+def test_data_larger_than_the_host_is_one_line_by_subprocess(tmp_path):
+    """--synthetic_num_clients=1e11 cannot be generated: the MemoryError is one line, exit 2,
+    and no output folder (the limit makes the failure quick and the machine safe)."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    out = str(tmp_path / "out")
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.run", "--flagfile=experiments/synthetic.flags",
+         "--synthetic_num_clients=100000000000", "--num_rounds=1", f"--output_dir={out}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, preexec_fn=limit)
+    line = one_line_refusal(proc.returncode, proc.stderr, out)
+    assert "ran out of memory" in line and "--synthetic_num_clients" in line
