@@ -232,7 +232,7 @@ def test_a_huge_but_finite_model_at_l2_zero_has_a_finite_train_loss(tiny_synthet
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(result.state.params))
     sqnorm = sum(float(np.sum(np.asarray(x, np.float64) ** 2))
                  for x in jax.tree.leaves(result.state.params))
-    assert sqnorm > np.finfo(np.float32).max       # the float32 norm overflows
+    assert sqnorm > float(np.finfo(np.float32).max)      # the float32 norm overflows
     assert np.isfinite(result.per_client["train_loss"]).all()
 
 

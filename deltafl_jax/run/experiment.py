@@ -183,7 +183,8 @@ class Experiment:
             if name == "train":
                 # l2 = 0 adds nothing, even where ||w||^2 overflowed float32 to inf
                 l2 = self.replicas.l2.astype(np.float64)
-                loss = loss + 0.5 * np.where(l2 == 0, 0.0, l2 * sqnorm)[:, None]
+                with np.errstate(invalid="ignore"):   # 0 x inf, replaced by 0
+                    loss = loss + 0.5 * np.where(l2 == 0, 0.0, l2 * sqnorm)[:, None]
             out[f"{name}_loss"] = loss
             # An error counted from a model whose loss is not finite (NaN logits argmax to a
             # class) is no measurement: it is NaN, and so is every summary taken over it.
