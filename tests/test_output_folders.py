@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from deltafl_jax import outputs
+from deltafl_jax import ConfigError, DataConfig, ExperimentConfig, outputs, run_experiment
 from deltafl_jax.run import lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,33 +123,33 @@ def test_run_tune_and_leaderboard_refuse_a_locked_folder(held):
 
 
 def test_a_lock_is_exclusive_and_released_whatever_the_exit(tmp_path):
-    """flock semantics through the module: a second acquire is refused while the first holds;
-    a holder killed with SIGKILL frees the folder (its file stays, unlocked); release removes
-    the file and the folders made for it."""
+    """flock semantics through the module: refused while another process holds the folder;
+    that process killed with SIGKILL frees it (its file stays, unlocked) and the folder is
+    taken over; release removes the file and the folders made for it."""
     folder = tmp_path / "a" / "b"
-    first = lock.acquire(str(folder))
-    holder = subprocess.run(
-        [sys.executable, "-c", "import sys; from deltafl_jax.run import lock\n"
-         "try:\n    lock.acquire(sys.argv[1])\nexcept ValueError as e:\n    print(e)",
-         str(folder)], cwd=REPO, capture_output=True, text=True, timeout=GUARD_S)
-    assert "is in use by another process" in holder.stdout, holder.stderr
-    first.release()
-    assert not (tmp_path / "a").exists()
-    folder.mkdir(parents=True)
-    killed = subprocess.Popen(
+    holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from deltafl_jax.run import lock\n"
          "lock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)",
          str(folder)], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    assert killed.stdout.readline().strip() == "held"
-    assert lock.holder(str(folder)).startswith(f"pid {killed.pid} ")
-    killed.kill()
-    killed.wait()
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert lock.holder(str(folder)).startswith(f"pid {holder.pid} ")
+        with pytest.raises(ConfigError, match=f"^--output_dir={folder} is in use by another "
+                                              f"process \\(pid {holder.pid} "):
+            lock.acquire(str(folder))
+    finally:
+        holder.kill()
+        holder.wait()
     assert sorted(os.listdir(folder)) == [outputs.LOCK]   # left behind, unlocked
     assert lock.holder(str(folder)) is None
     again = lock.acquire(str(folder))
     assert json.loads((folder / outputs.LOCK).read_text())["pid"] == os.getpid()
     again.release()
     assert os.listdir(folder) == []
+    shutil.rmtree(tmp_path / "a")
+    made = lock.acquire(str(folder))         # makes a/ and a/b/ ...
+    made.release()                            # ... and removes them, left empty
+    assert not (tmp_path / "a").exists()
 
 
 @pytest.mark.slow   # a run that lasts until it is stopped
@@ -229,12 +229,26 @@ def test_a_killed_run_is_taken_over_and_resumed(tmp_path):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """A finished tiny run to report on."""
+    """A finished tiny run to report on (in-process: the refusals below need only a run)."""
     out = tmp_path_factory.mktemp("finished") / "run"
-    code, err, _ = command("experiments.run", *TINY, "--num_rounds=2", "--eval_every=2",
-                           "--checkpoint_every=2", f"--output_dir={out}")
-    assert code == 0, err
+    run_experiment(ExperimentConfig(
+        data=DataConfig("synthetic", synthetic_num_clients=16, synthetic_max_examples=60),
+        model="linear", thetas=(1.0, 0.5), seeds=(1,), num_rounds=2, clients_per_round=3,
+        batch_size=8, eval_every=2, output_dir=str(out), save_models=False, verbose=False,
+        tensorboard=False), log=lambda line: None)
     return out
+
+
+def report(argv, capsys):
+    """experiments.report in-process: (exit code, stderr)."""
+    from experiments import report as report_cli
+    report_cli.FLAGS.unparse_flags()
+    code = 0
+    try:
+        report_cli.main(report_cli.parse_flags_or_fail(["report", *argv]))
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
 
 
 def users_folder(root, *names):
@@ -245,7 +259,7 @@ def users_folder(root, *names):
     return folder
 
 
-def test_report_refuses_a_folder_of_other_files(finished_run, tmp_path):
+def test_report_refuses_a_folder_of_other_files(finished_run, tmp_path, capsys):
     folder = users_folder(tmp_path, "report.md", "final.csv")
     line = refused_untouched(folder, "experiments.report", str(finished_run), f"--out={folder}")
     assert line.startswith(f"error: --out={folder} is not a folder of experiments.report (it "
@@ -253,20 +267,22 @@ def test_report_refuses_a_folder_of_other_files(finished_run, tmp_path):
     source = tmp_path / "deltafl_jax"       # a copy of the package's source
     shutil.copytree(os.path.join(REPO, "deltafl_jax"), source,
                     ignore=shutil.ignore_patterns("__pycache__"))
-    line = refused_untouched(source, "experiments.report", str(finished_run), f"--out={source}")
-    assert "is not a folder of experiments.report" in line
+    before = snapshot(source)
+    code, err = report([str(finished_run), f"--out={source}"], capsys)
+    assert code == 2 and "is not a folder of experiments.report" in err, err
+    assert snapshot(source) == before
 
 
-def test_report_writes_again_into_its_own_folder(finished_run, tmp_path):
+def test_report_writes_again_into_its_own_folder(finished_run, tmp_path, capsys):
     """A report's folder (its marker) is written again; a file the user added is kept."""
     out = tmp_path / "report"
-    code, err, _ = command("experiments.report", str(finished_run), f"--out={out}")
-    assert code == 0, err
+    code, err = report([str(finished_run), f"--out={out}"], capsys)
+    assert code in (0, None), err
     assert json.loads((out / "deltafl_report.json").read_text())["written_by"] == "deltafl_jax"
     first = snapshot(out)
     (out / "notes.md").write_text("mine")
-    code, err, _ = command("experiments.report", str(finished_run), f"--out={out}")
-    assert code == 0, err
+    code, err = report([str(finished_run), f"--out={out}"], capsys)
+    assert code in (0, None), err
     assert (out / "notes.md").read_text() == "mine"
     assert set(snapshot(out)) == set(first) | {"notes.md"}
 

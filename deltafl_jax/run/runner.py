@@ -54,7 +54,8 @@ def check_output_dir(out: Optional[str], overwrite: bool, config=None) -> None:
       run resumes when its settings (its marker's) are `config`'s, ``--num_rounds`` aside;
     - anything else (a folder holding other files, the parent of runs) is refused, with or
       without `overwrite`, which replaces a run and never someone's files;
-    - a folder that another process holds (:mod:`deltafl_jax.run.lock`) is refused.
+    - a folder that another process holds (:mod:`deltafl_jax.run.lock`) is refused (checked
+      by process 0 of a distributed run only: it alone takes the lock).
 
     Without `config` a finished run is refused (no continuation) and a stopped one accepted.
     """
@@ -74,7 +75,8 @@ def check_output_dir(out: Optional[str], overwrite: bool, config=None) -> None:
             f"--output_dir={out} is not a run of deltafl_jax: it holds "
             f"{_listing(list(state.foreign))} (not files a run writes); choose a new or empty "
             f"directory (--overwrite replaces a run, never other files)")
-    lock.check_free(out)   # another process writing into it: refused, whatever it holds
+    if distributed.is_primary():   # the others of a distributed run never hold its lock
+        lock.check_free(out)       # another process writing into it: refused
     if state.kind != "run" or overwrite:
         return
     reader = outputs.RunReader(out)
