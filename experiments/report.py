@@ -11,7 +11,8 @@ per-client values as CSV. Several run directories put their methods side by side
 of runs (e.g. ``runs/``) stands for the runs in it. Runs that are missing, still in progress
 or incomplete are skipped with one line on stderr. The library is :mod:`deltafl_jax.report`
 (runs read through :class:`deltafl_jax.outputs.RunReader`); this file only reads flags. Bad
-input prints one line and exits with code 2.
+input prints one line and exits with code 2. DIR must be absent, empty, or a report's folder
+(its :data:`MARKER`): a folder of other files is refused, never written over.
 """
 
 from __future__ import annotations

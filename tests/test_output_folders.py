@@ -154,8 +154,8 @@ def test_a_lock_is_exclusive_and_released_whatever_the_exit(tmp_path):
 
 @pytest.mark.slow   # a run that lasts until it is stopped
 def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
-    """The first run is running (its lock exists); the same command again exits 2 with one
-    line; the first then stops on SIGTERM with a metrics.jsonl of no duplicate line, one
+    """The first run is running (it has written metrics.jsonl); the same command again exits
+    2 with one line naming it; the first then stops on SIGTERM with a metrics.jsonl of no duplicate line, one
     record per replica and evaluated round, in order."""
     out = tmp_path / "run"
     argv = [*TINY, "--num_rounds=100000", "--eval_every=1", "--checkpoint_every=5",
@@ -164,9 +164,9 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path):
     first = start("experiments.run", *argv, log=log)
     try:
         wait_for(lambda: (out / outputs.METRICS).exists(), "metrics.jsonl", first, log)
-        assert (out / outputs.LOCK).exists()
         code, err, _ = command("experiments.run", *argv)
         assert code == 2 and len(err) == 1, err
+        assert (out / outputs.LOCK).exists()
         assert err[0].startswith(f"error: --output_dir={out} is in use by another process "
                                  f"(pid {first.pid} ")
         assert first.poll() is None
