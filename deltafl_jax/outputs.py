@@ -23,12 +23,19 @@ it back (:class:`RunReader`). No other module opens these files; serving a saved
   the settings that change no result), so that a stopped run is recognised as one of the same
   configuration before anything is loaded.
 
+- ``deltafl.lock`` (:data:`LOCK`): the lock of the process writing the directory
+  (:mod:`deltafl_jax.run.lock`); removed when it ends, left (unlocked, harmless) by one that
+  was killed.
+
 What a run directory is (:func:`inspect_dir`). A directory is **a run of this package** when
 every entry in it is one that a run writes (the names above, ``tb/``, ``checkpoints/``, and
 their ``NAME.tmp`` leftovers) and it carries the marker, or, for runs written before the
 marker existed, a ``summary.json``, ``metrics.jsonl`` or ``checkpoints/``. Anything else that
 is not empty (a source folder, the parent of runs, a folder holding other files) is not, and
 the runner never writes into it, ``--overwrite`` or not (:func:`deltafl_jax.run.check_output_dir`).
+It is decided from the directory's own entries, never by walking below them. The other
+commands' output folders (a report's, a leaderboard's) follow the same rule with a marker of
+their own (:func:`command_dir_state`, :func:`mark_command_dir`).
 
 Every file but ``metrics.jsonl`` is written atomically (to ``NAME.tmp`` in the same directory,
 then renamed), so a reader sees either the whole file or none. Replicas are named by
@@ -47,7 +54,7 @@ import json
 import os
 import shutil
 import zipfile
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import flax.serialization
 import jax
@@ -72,6 +79,9 @@ WRITTEN_BY = "deltafl_jax"
 RESULT_FILES = (METRICS, SUMMARY, ROUNDS, CLIENTS, CLIENTS_HISTORY, MODELS, "tb", "checkpoints",
                 MARKER)
 TMP_SUFFIX = ".tmp"
+# The lock of the process writing the folder (deltafl_jax.run.lock); present only while it runs
+# (or left by one that was killed), never a result: inspect_dir and --overwrite pass it by.
+LOCK = "deltafl.lock"
 # A run written before the marker existed is recognised by one of these.
 LEGACY_EVIDENCE = (SUMMARY, METRICS, "checkpoints")
 
@@ -145,7 +155,8 @@ def has_results(output_dir: str) -> bool:
 class DirState:
     """What a would-be output directory holds (:func:`inspect_dir`).
 
-    kind: "absent", "empty", "run" (a run of this package) or "other".
+    kind: "absent", "empty", "run" (a run of this package) or "other"; for a command's own
+    folder (:func:`command_dir_state`), "mine" instead of "run".
     foreign: the entries a run does not write, sorted (folders end with "/").
     runs: the entries that are runs themselves (an "other" directory that holds runs).
     """
@@ -160,25 +171,84 @@ def _is_run_entry(name: str) -> bool:
     return base in RESULT_FILES
 
 
+def _holds_marker(folder: str) -> bool:
+    """Whether `folder` carries a run's marker (one stat; nothing below it is read)."""
+    return os.path.isfile(os.path.join(folder, MARKER))
+
+
 def inspect_dir(path: str) -> DirState:
     """Whether `path` is absent, empty, a run of this package, or something else (see the
     module docstring: every entry one a run writes, and the marker or a pre-marker run's
-    summary.json / metrics.jsonl / checkpoints/)."""
+    summary.json / metrics.jsonl / checkpoints/).
+
+    Decided from the top level alone: one listing of `path` and one stat per entry (its
+    subfolders' markers name the runs it holds), never a walk, so a large folder (``/usr``,
+    ``/``) is answered at once. :data:`LOCK` is passed by."""
     if not os.path.lexists(path):
         return DirState("absent")
     if not os.path.isdir(path):
         return DirState("other", (os.path.basename(path),))
-    names = sorted(os.listdir(path))
-    if not names:
+    with os.scandir(path) as it:
+        entries = sorted((e for e in it if e.name != LOCK), key=lambda e: e.name)
+    if not entries:
         return DirState("empty")
-    foreign = tuple(n + ("/" if os.path.isdir(os.path.join(path, n)) else "")
-                    for n in names if not _is_run_entry(n))
+    names = [e.name for e in entries]
+    foreign = tuple(e.name + ("/" if _is_dir(e) else "") for e in entries
+                    if not _is_run_entry(e.name))
     evidence = MARKER in names or any(n in names for n in LEGACY_EVIDENCE)
     if not foreign and evidence:
         return DirState("run")
-    runs = tuple(n for n in foreign if n.endswith("/")
-                 and inspect_dir(os.path.join(path, n[:-1])).kind == "run")
+    runs = tuple(e.name + "/" for e in entries if not _is_run_entry(e.name)
+                 and e.is_dir(follow_symlinks=False) and _holds_marker(e.path))
     return DirState("other", foreign if foreign else tuple(names), runs)
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def _marked_by(folder: str, marker: str) -> bool:
+    """Whether `folder`/`marker` is this package's mark (JSON with ``written_by``)."""
+    try:
+        with open(os.path.join(folder, marker)) as f:
+            mark = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(mark, dict) and mark.get("written_by") == WRITTEN_BY
+
+
+def command_dir_state(path: str, marker: str,
+                      legacy: Optional[Callable[[str, List[str]], bool]] = None) -> DirState:
+    """Whether `path`, the output folder of a command other than a run (``experiments.report``
+    --out, ``experiments.leaderboard`` --out), may be written by it: kind "absent", "empty",
+    "mine" (it carries the command's `marker`, written by :func:`mark_command_dir`, or
+    `legacy`(path, names) says the command wrote it before markers existed) or "other" (with
+    its entries in ``foreign``). From the top level alone, as :func:`inspect_dir`."""
+    if not os.path.lexists(path):
+        return DirState("absent")
+    if not os.path.isdir(path):
+        return DirState("other", (os.path.basename(path),))
+    names = sorted(n for n in os.listdir(path) if n != LOCK)
+    if not names:
+        return DirState("empty")
+    if marker in names and _marked_by(path, marker):
+        return DirState("mine")
+    if legacy is not None and legacy(path, names):
+        return DirState("mine")
+    return DirState("other", tuple(n + ("/" if os.path.isdir(os.path.join(path, n)) else "")
+                                   for n in names))
+
+
+def mark_command_dir(path: str, marker: str, command: str) -> None:
+    """Write `marker` (``{"written_by": "deltafl_jax", "command": command}``) into `path`,
+    made if needed: the folder is the command's from now on (:func:`command_dir_state`)."""
+    os.makedirs(path, exist_ok=True)
+    with _atomic(os.path.join(path, marker)) as f:
+        json.dump({"written_by": WRITTEN_BY, "command": command}, f, indent=2)
+        f.write("\n")
 
 
 def prepare_dir(path: str, overwrite: bool) -> None:

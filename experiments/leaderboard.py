@@ -543,10 +543,26 @@ def write_readme(records: List[Dict[str, Any]]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+# The leaderboard's mark on its --out folder (written before its first program runs).
+MARKER = "deltafl_leaderboard.json"
+
+
+def _board_before_markers(path: str, names: List[str]) -> bool:
+    """A leaderboard written before :data:`MARKER` existed: only ``leaderboard.md`` and
+    folders named after settings, at least one of which holds a setting's files."""
+    known = {n for names_ in SETS.values() for n in names_}
+    folders = [n for n in names if n in known and os.path.isdir(os.path.join(path, n))]
+    return bool(folders) and all(n == "leaderboard.md" or n in folders for n in names)
+
+
 def _check_out(settings: List[Setting]) -> None:
     """A setting whose leaderboard is already written in --out is refused without
     --overwrite (one line, before anything runs). The programs of an interrupted one are read
-    back when their configuration is the same (a different one is refused when reached)."""
+    back when their configuration is the same (a different one is refused when reached).
+    --out must be absent, empty or a leaderboard's (:data:`MARKER`), and not in use by another
+    process (:mod:`deltafl_jax.run.lock`)."""
+    from deltafl_jax.outputs import command_dir_state
+    from deltafl_jax.run.lock import check_free
     if os.path.exists(FLAGS.out) and not os.path.isdir(FLAGS.out):
         raise cli.UsageError(f"--out={FLAGS.out} exists and is not a directory")
     for s in settings:
@@ -554,6 +570,27 @@ def _check_out(settings: List[Setting]) -> None:
         if os.path.exists(done) and not FLAGS.overwrite:
             raise cli.UsageError(f"--out={FLAGS.out} already holds the leaderboard of {s.name} "
                                  f"({done}); pass --overwrite or choose another --out")
+    state = command_dir_state(FLAGS.out, MARKER, _board_before_markers)
+    if state.kind == "other":
+        shown = ", ".join(state.foreign[:4]) + (
+            f" and {len(state.foreign) - 4} more" if len(state.foreign) > 4 else "")
+        raise cli.UsageError(f"--out={FLAGS.out} is not a folder of experiments.leaderboard "
+                             f"(it holds {shown} and no {MARKER}); choose a new or empty "
+                             f"folder, so that no file of yours is replaced (--overwrite "
+                             f"replaces a leaderboard, never other files)")
+    check_free(FLAGS.out, "--out")
+
+
+def run_and_write(settings: List[Setting], tune_seeds, multipliers) -> List[Dict[str, Any]]:
+    """The leaderboard's programs and files, with --out locked and marked as the
+    leaderboard's for the whole time."""
+    from deltafl_jax.outputs import mark_command_dir
+    from deltafl_jax.run.lock import locked
+    with locked(FLAGS.out, "--out", log=lambda line: print(line, flush=True)):
+        _check_out(settings)   # as it is now that it is ours
+        mark_command_dir(FLAGS.out, MARKER, "experiments.leaderboard")
+        run_all(settings, tune_seeds, multipliers)
+        return write(settings, tune_seeds)
 
 
 def estimate(settings: List[Setting], tune_seeds, multipliers) -> None:
@@ -600,8 +637,7 @@ def main(argv):
             estimate(settings, tune_seeds, multipliers)
             return
         _check_out(settings)
-        run_all(settings, tune_seeds, multipliers)
-        records = write(settings, tune_seeds)
+        records = run_and_write(settings, tune_seeds, multipliers)
         print(f"wrote {os.path.join(FLAGS.out, 'leaderboard.md')} and, per setting, "
               f"leaderboard.json, leaderboard.md, frontier.png", flush=True)
         if FLAGS.readme:

@@ -11,11 +11,13 @@ per-client values as CSV. Several run directories put their methods side by side
 of runs (e.g. ``runs/``) stands for the runs in it. Runs that are missing, still in progress
 or incomplete are skipped with one line on stderr. The library is :mod:`deltafl_jax.report`
 (runs read through :class:`deltafl_jax.outputs.RunReader`); this file only reads flags. Bad
-input prints one line and exits with code 2.
+input prints one line and exits with code 2. DIR must be absent, empty, or a report's folder
+(its :data:`MARKER`): a folder of other files is refused, never written over.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -24,6 +26,8 @@ from absl import app, flags, logging
 from experiments.command import fail, parse_flags_or_fail
 
 FLAGS = flags.FLAGS
+# The report's mark on its --out folder: a later report may write into it again.
+MARKER = "deltafl_report.json"
 
 flags.DEFINE_string("out", None, "directory for report.md, the figures and the CSV files")
 flags.DEFINE_enum("percentile", "lower", ["lower", "linear"],
@@ -37,8 +41,10 @@ flags.DEFINE_bool("best", False, "tables and figures show each baseline (q-FFL, 
 
 def check_out(out: str, run_paths) -> None:
     """--out may not be a run, nor lie inside one (a run's folder holds only what a run writes,
-    docs/reference/outputs.md: the run could not be rerun or continued there)."""
-    from deltafl_jax.outputs import inspect_dir
+    docs/reference/outputs.md: the run could not be rerun or continued there), nor be a folder
+    that is not a report's: it must be absent, empty, or one this command wrote before (it
+    carries :data:`MARKER`), so that nobody's files are replaced."""
+    from deltafl_jax.outputs import command_dir_state, inspect_dir
     target = os.path.realpath(out)
     for path in run_paths:
         root = os.path.realpath(path)
@@ -47,6 +53,38 @@ def check_out(out: str, run_paths) -> None:
                  f"folder holds only what a run writes)")
     if inspect_dir(out).kind == "run":
         fail(f"--out={out} is a run of deltafl_jax; write the report elsewhere")
+    state = command_dir_state(out, MARKER)
+    if state.kind == "other":
+        shown = ", ".join(state.foreign[:4]) + (
+            f" and {len(state.foreign) - 4} more" if len(state.foreign) > 4 else "")
+        fail(f"--out={out} is not a folder of experiments.report (it holds {shown} and no "
+             f"{MARKER}); choose a new or empty folder, so that no file of yours is replaced")
+
+
+def write(runs, skipped, warn):
+    """The report into --out; its marker first, so that the folder is the report's from the
+    start (removed again, with the folder made for it, when the report fails)."""
+    from deltafl_jax.outputs import mark_command_dir
+    from deltafl_jax.report import write_report
+    out_dir = os.path.abspath(FLAGS.out)
+    made, p = [], out_dir
+    while not os.path.isdir(p) and p != os.path.dirname(p):
+        made.append(p)
+        p = os.path.dirname(p)
+    marker = os.path.join(out_dir, MARKER)
+    fresh = not os.path.exists(marker)
+    try:
+        mark_command_dir(out_dir, MARKER, "experiments.report")
+        return write_report(runs, FLAGS.out, percentile=FLAGS.percentile, skipped=skipped,
+                            dpi=FLAGS.dpi, log=warn, best=FLAGS.best)
+    except BaseException:
+        if fresh:
+            with contextlib.suppress(OSError):
+                os.remove(marker)
+        for d in made:                      # deepest first; only those left empty
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        raise
 
 
 def main(argv):
@@ -63,7 +101,7 @@ def main(argv):
         fail(f"--dpi must be at least 10, got {FLAGS.dpi}")
     import matplotlib
     matplotlib.use("Agg")
-    from deltafl_jax.report import load, write_report
+    from deltafl_jax.report import load
 
     def warn(line):
         print(line, file=sys.stderr, flush=True)
@@ -73,8 +111,7 @@ def main(argv):
         fail(f"no complete run among {' '.join(paths)} (see the lines above)")
     check_out(FLAGS.out, [run.path for run in runs])
     try:   # written beside --out and moved in at the end: a failure leaves no folder
-        out = write_report(runs, FLAGS.out, percentile=FLAGS.percentile, skipped=skipped,
-                           dpi=FLAGS.dpi, log=warn, best=FLAGS.best)
+        out = write(runs, skipped, warn)
     except OSError as e:
         fail(f"--out={FLAGS.out} cannot be written ({e.strerror or e})")
     print(f"wrote {out['report']} ({len(runs)} run(s), {len(out['figures'])} figure(s), "

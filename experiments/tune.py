@@ -89,12 +89,20 @@ def _inputs():
         raise TuningError("nothing to tune: --notune_lr, --tune_l2="
                           f"{FLAGS.tune_l2} and --tune_param={FLAGS.tune_param} (model "
                           f"{config.model}, algorithm {config.algorithm})")
+    check_out(out_dir)
+    return config, lr_grid, decay_grid, l2_grid, tune_l2, tune_param
+
+
+def check_out(out_dir: str) -> None:
+    """TuningError when --output_dir holds tuning results (without --overwrite); ConfigError
+    when another process holds it (:mod:`deltafl_jax.run.lock`)."""
+    from deltafl_jax.run.lock import check_free
+    check_free(out_dir)
     taken = [p for p in ("lr_grid", "l2_grid", "param_grid", "tuned.flags", "tuning.json")
              if os.path.exists(os.path.join(out_dir, p))]
     if taken and not FLAGS.overwrite:
         raise TuningError(f"--output_dir={out_dir} already holds tuning results "
                           f"({', '.join(taken)}); pass --overwrite or choose another directory")
-    return config, lr_grid, decay_grid, l2_grid, tune_l2, tune_param
 
 
 def _write_flagfile(config, result, out_dir: str) -> str:
@@ -157,28 +165,41 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         cli.fail(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
-    from deltafl_jax import ConfigError, DataError, load_dataset
+    from deltafl_jax import ConfigError, DataError
+    from deltafl_jax.run.lock import locked
 
     try:
         cli.start_backend()   # XLA flags (--devices on a CPU, --deterministic) come first
         cli.import_model_module()
-        config, lr_grid, decay_grid, l2_grid, tune_l2, tune_param = _inputs()
-        data = load_dataset(config.data)
-        check(config, data, lr_grid, decay_grid, l2_grid, FLAGS.tune_lr, tune_l2, tune_param)
-        if config.clients_per_round > data.train.num_clients:
-            raise TuningError(f"--clients_per_round={config.clients_per_round} exceeds the "
-                              f"{data.train.num_clients} training clients of {data.name}")
-        os.makedirs(config.output_dir, exist_ok=True)
-        result = tune(config, data, lr_grid, decay_grid, l2_grid, tune_lr=FLAGS.tune_lr,
-                      tune_l2=tune_l2, per_theta=FLAGS.l2_per_theta,
-                      validation_seed=FLAGS.validation_seed, out_dir=config.output_dir,
-                      log=lambda s: print(s, flush=True), tune_param=tune_param)
+        inputs = _inputs()
+        out_dir = inputs[0].output_dir
+        # The folder is this process's until it ends (its grids lock their own folders).
+        with locked(out_dir, log=lambda s: print(s, flush=True)):
+            check_out(out_dir)   # as it is now that it is ours
+            flagfile = _tune_and_write(*inputs)
     except (TuningError, cli.UsageError, ConfigError, DataError) as e:
         cli.fail(str(e))
         return
+    print(f"wrote {flagfile}: python -m experiments.run --flagfile={flagfile}", flush=True)
+
+
+def _tune_and_write(config, lr_grid, decay_grid, l2_grid, tune_l2, tune_param) -> str:
+    """Load the data, check the grids, tune, and write tuned.flags, tuning.md and
+    tuning.json; returns the flagfile's path."""
+    from deltafl_jax import load_dataset
+    data = load_dataset(config.data)
+    check(config, data, lr_grid, decay_grid, l2_grid, FLAGS.tune_lr, tune_l2, tune_param)
+    if config.clients_per_round > data.train.num_clients:
+        raise TuningError(f"--clients_per_round={config.clients_per_round} exceeds the "
+                          f"{data.train.num_clients} training clients of {data.name}")
+    os.makedirs(config.output_dir, exist_ok=True)
+    result = tune(config, data, lr_grid, decay_grid, l2_grid, tune_lr=FLAGS.tune_lr,
+                  tune_l2=tune_l2, per_theta=FLAGS.l2_per_theta,
+                  validation_seed=FLAGS.validation_seed, out_dir=config.output_dir,
+                  log=lambda s: print(s, flush=True), tune_param=tune_param)
     flagfile = _write_flagfile(config, result, config.output_dir)
     _write_scores(config, result, config.output_dir, flagfile)
-    print(f"wrote {flagfile}: python -m experiments.run --flagfile={flagfile}", flush=True)
+    return flagfile
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from deltafl_jax import DataConfig, ExperimentConfig, load_dataset, run_experiment
-from deltafl_jax import report
+from deltafl_jax import outputs, report
 from deltafl_jax.report import figures
 from experiments import report as report_cli
 from test_report import parse_tables, table_of
@@ -291,10 +291,13 @@ def test_a_failing_report_leaves_no_folder(sampled_run, tmp_path, capsys, monkey
     with pytest.raises(RuntimeError, match="a figure failed"):
         cli([run_dir, f"--out={fresh}"], capsys)
     assert not (tmp_path / "new").exists()
-    kept = tmp_path / "kept"
-    kept.mkdir()
+    kept = tmp_path / "kept"      # a report's own folder (its marker) with a file added
+    outputs.mark_command_dir(str(kept), report_cli.MARKER, "experiments.report")
+    marker = (kept / report_cli.MARKER).read_bytes()
     (kept / "notes.md").write_text("mine")
     with pytest.raises(RuntimeError):
         cli([run_dir, f"--out={kept}"], capsys)
-    assert sorted(os.listdir(kept)) == ["notes.md"] and (kept / "notes.md").read_text() == "mine"
+    assert sorted(os.listdir(kept)) == [report_cli.MARKER, "notes.md"]
+    assert (kept / "notes.md").read_text() == "mine"
+    assert (kept / report_cli.MARKER).read_bytes() == marker
     assert sorted(os.listdir(tmp_path)) == ["kept"]

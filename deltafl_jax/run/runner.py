@@ -18,7 +18,7 @@ from deltafl_jax.data import FederatedDataset
 from deltafl_jax.datasets import load_dataset
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.replicas import Replicas
-from deltafl_jax.run import checkpoint as ckpt, distributed, resume, tensorboard
+from deltafl_jax.run import checkpoint as ckpt, distributed, lock, resume, tensorboard
 from deltafl_jax.run.callbacks import Callback
 from deltafl_jax.run.divergence import StopOnDivergence
 from deltafl_jax.run.experiment import Experiment, build_experiment
@@ -53,7 +53,9 @@ def check_output_dir(out: Optional[str], overwrite: bool, config=None) -> None:
       grows and the run can be continued exactly (:func:`check_continuation`), and a stopped
       run resumes when its settings (its marker's) are `config`'s, ``--num_rounds`` aside;
     - anything else (a folder holding other files, the parent of runs) is refused, with or
-      without `overwrite`, which replaces a run and never someone's files.
+      without `overwrite`, which replaces a run and never someone's files;
+    - a folder that another process holds (:mod:`deltafl_jax.run.lock`) is refused (checked
+      by process 0 of a distributed run only: it alone takes the lock).
 
     Without `config` a finished run is refused (no continuation) and a stopped one accepted.
     """
@@ -73,6 +75,8 @@ def check_output_dir(out: Optional[str], overwrite: bool, config=None) -> None:
             f"--output_dir={out} is not a run of deltafl_jax: it holds "
             f"{_listing(list(state.foreign))} (not files a run writes); choose a new or empty "
             f"directory (--overwrite replaces a run, never other files)")
+    if distributed.is_primary():   # the others of a distributed run never hold its lock
+        lock.check_free(out)       # another process writing into it: refused
     if state.kind != "run" or overwrite:
         return
     reader = outputs.RunReader(out)
@@ -286,10 +290,24 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
     round with a checkpoint (``result.stopped``). `replicas` replaces the algorithm's sweep x
     seeds (the tuner's grids); `callbacks` are added after the standard ones. Raises
     ConfigError / DataError before anything is written.
+
+    The output folder is locked for the whole run (:mod:`deltafl_jax.run.lock`): a second
+    process into it is refused (ConfigError) while this one runs, and the folder is free again
+    when this one ends, however it ends.
     """
     log = log or _print
     out = config.output_dir if distributed.is_primary() else None
     check_output_dir(out, config.overwrite, config)
+    # Only the process that writes the folder locks it (process 0 of a distributed run).
+    with lock.locked(out, log=log):
+        check_output_dir(out, config.overwrite, config)   # as it is now that it is ours
+        return _run_locked(config, data, log, replicas, callbacks, out)
+
+
+def _run_locked(config: ExperimentConfig, data: Optional[FederatedDataset], log,
+                replicas: Optional[Replicas], callbacks: Sequence[Callback],
+                out: Optional[str]) -> RunResult:
+    """:func:`run_experiment` once its output folder is locked."""
     t0 = time.perf_counter()
     data = data if data is not None else load_dataset(config.data)
     exp = build_experiment(config, data, replicas)
