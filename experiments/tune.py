@@ -93,10 +93,28 @@ def _inputs():
     return config, lr_grid, decay_grid, l2_grid, tune_l2, tune_param
 
 
+MARKER = "deltafl_tune.json"   # the folder is a tuning's (deltafl_jax.outputs.mark_command_dir)
+TUNING_ENTRIES = {"lr_grid", "l2_grid", "param_grid", "tuned.flags", "tuning.json", "tuning.md"}
+
+
+def _tuning_before_markers(path: str, names) -> bool:
+    """A folder a tuning wrote before it was marked: its entries and nothing else."""
+    return bool(names) and set(names) <= TUNING_ENTRIES
+
+
 def check_out(out_dir: str) -> None:
-    """TuningError when --output_dir holds tuning results (without --overwrite); ConfigError
-    when another process holds it (:mod:`deltafl_jax.run.lock`)."""
+    """TuningError when --output_dir is a folder of other files, or holds tuning results
+    (without --overwrite); ConfigError when another process holds it
+    (:mod:`deltafl_jax.run.lock`)."""
+    from deltafl_jax.outputs import command_dir_state
     from deltafl_jax.run.lock import check_free
+    state = command_dir_state(out_dir, MARKER, _tuning_before_markers)
+    if state.kind == "other":
+        shown = ", ".join(state.foreign[:4]) + (
+            f" and {len(state.foreign) - 4} more" if len(state.foreign) > 4 else "")
+        raise TuningError(f"--output_dir={out_dir} is not a folder of experiments.tune (it "
+                          f"holds {shown} and no {MARKER}); choose a new or empty folder, so "
+                          f"that no file of yours is replaced")
     check_free(out_dir)
     taken = [p for p in ("lr_grid", "l2_grid", "param_grid", "tuned.flags", "tuning.json")
              if os.path.exists(os.path.join(out_dir, p))]
@@ -187,12 +205,13 @@ def _tune_and_write(config, lr_grid, decay_grid, l2_grid, tune_l2, tune_param) -
     """Load the data, check the grids, tune, and write tuned.flags, tuning.md and
     tuning.json; returns the flagfile's path."""
     from deltafl_jax import load_dataset
+    from deltafl_jax.outputs import mark_command_dir
     data = load_dataset(config.data)
     check(config, data, lr_grid, decay_grid, l2_grid, FLAGS.tune_lr, tune_l2, tune_param)
     if config.clients_per_round > data.train.num_clients:
         raise TuningError(f"--clients_per_round={config.clients_per_round} exceeds the "
                           f"{data.train.num_clients} training clients of {data.name}")
-    os.makedirs(config.output_dir, exist_ok=True)
+    mark_command_dir(config.output_dir, MARKER, "experiments.tune")   # made, and ours
     result = tune(config, data, lr_grid, decay_grid, l2_grid, tune_lr=FLAGS.tune_lr,
                   tune_l2=tune_l2, per_theta=FLAGS.l2_per_theta,
                   validation_seed=FLAGS.validation_seed, out_dir=config.output_dir,

@@ -294,6 +294,13 @@ def test_leaderboard_refuses_a_folder_of_other_files(tmp_path):
                            f"(it holds leaderboard.md and no deltafl_leaderboard.json)")
 
 
+def test_tune_refuses_a_folder_of_other_files(tmp_path):
+    folder = users_folder(tmp_path, "tuning.md", "notes.txt")
+    line = refused_untouched(folder, "experiments.tune", *TINY, f"--output_dir={folder}")
+    assert line.startswith(f"error: --output_dir={folder} is not a folder of experiments.tune "
+                           f"(it holds notes.txt, tuning.md and no deltafl_tune.json)")
+
+
 # --------------------------------------------------------------------------------------------
 # Decided from the top level
 
