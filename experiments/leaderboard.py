@@ -12,9 +12,10 @@ sent140_lstm at the papers' sizes); experiment flags given here override the fla
 Board applies (or ``--methods``), each with its board's grid (``--grid=quick`` on the CPU set,
 ``full`` elsewhere), a swept flag given here (``--gifair_coeff=0.1,1``) replacing its method's
 grid. Seeds: 1, 2, 3 (or ``--seeds``) for the final runs; the tuning runs use
-``--tune_seeds`` (default: 1). Bad input (an unknown setting, a method that is not a
-leaderboard method or does not apply, a value out of range, results already in ``--out``)
-prints one line and exits 2 before anything is trained.
+``--tune_seeds`` (default: the final seeds on the cpu set, 1 elsewhere); a grid point any of
+whose validation seeds diverged is passed over. Bad input (an unknown setting, a method that
+is not a leaderboard method or does not apply, a value out of range, results already in
+``--out``) prints one line and exits 2 before anything is trained.
 
 Writes ``OUT/<setting>/`` (the programs' run directories: ``lr_grid``, ``<method>/validation``,
 ``<method>/final``; ``leaderboard.json``, ``leaderboard.md``, ``frontier.png``) and
@@ -56,8 +57,9 @@ _define(flags.DEFINE_list, "methods", [], "run only these methods (default: ever
         "leaderboard Board applies)")
 _define(flags.DEFINE_string, "out", "runs/leaderboard", "where the programs, tables and "
         "figures go")
-_define(flags.DEFINE_list, "tune_seeds", ["1"], "seeds of the tuning runs (the learning-rate "
-        "grid and the validation grids; the final runs use 1, 2, 3 or --seeds)")
+_define(flags.DEFINE_list, "tune_seeds", [], "seeds of the tuning runs (the learning-rate "
+        "grid and the validation grids; default: the final runs' seeds, 1, 2, 3 or --seeds, on "
+        "the cpu set, 1 elsewhere)")
 _define(flags.DEFINE_list, "lr_multipliers", ["0.5", "1", "2"], "the learning-rate grid: the "
         "setting's --learning_rate times these (FedAvg, smallest terminal train loss); empty: "
         "no tuning")
@@ -431,7 +433,8 @@ def method_record(setting: Setting, name: str) -> Dict[str, Any]:
     own = {k: v for k, v in final.items()
            if v["point"].get(spec.sweep.flag) not in _joined_values(setting, host)}
     validation = got.get("validation")
-    chosen = lb.choose(validation) if validation else next(iter(own))
+    chosen = (lb.choose(validation, loss_limit=lb.loss_limit_of(setting.data.num_classes))
+              if validation else next(iter(own)))
     if chosen is None:
         chosen = next(iter(own))
     tuned = validation is not None
@@ -582,6 +585,12 @@ def estimate(settings: List[Setting], tune_seeds, multipliers) -> None:
     print("\n".join(total_lines(estimates)), flush=True)
 
 
+def default_tune_seeds(settings: List[Setting]) -> Tuple[int, ...]:
+    """The tuning seeds without --tune_seeds: the final runs' seeds on the cpu set (a grid
+    point one of whose seeds diverges is then seen and passed over), seed 1 elsewhere."""
+    return tuple(settings[0].base.seeds) if FLAGS.set == "cpu" else (1,)
+
+
 def main(argv):
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
@@ -595,7 +604,7 @@ def main(argv):
             raise cli.UsageError(f"--lr_multipliers must be finite and > 0, got "
                                  f"{','.join(FLAGS.lr_multipliers)}")
         settings = plan(args)
-        tune_seeds = cli.ints("tune_seeds", FLAGS.tune_seeds) or settings[0].base.seeds
+        tune_seeds = cli.ints("tune_seeds", FLAGS.tune_seeds) or default_tune_seeds(settings)
         if FLAGS.estimate:
             estimate(settings, tune_seeds, multipliers)
             return
