@@ -559,10 +559,19 @@ def _check_out(settings: List[Setting]) -> None:
                                  f"({done}); pass --overwrite or choose another --out")
 
 
+ESTIMATE_ROUNDS = 2   # --estimate's timed rounds per program unless --estimate_rounds is given
+
+
 def estimate(settings: List[Setting], tune_seeds, multipliers) -> None:
-    """Every program built, compiled and timed (deltafl_jax.run.estimate); their sum."""
+    """Every program built and compiled, and timed for a round or two and one evaluation
+    (deltafl_jax.run.estimate, no minimum time: never the program's own rounds); a program
+    the same as one already measured (the same compiled round, examples and placement) is
+    not compiled or timed again. Their sum."""
     from deltafl_jax import tuning
     from deltafl_jax.run.estimate import estimate_run, total_lines
+    rounds = (FLAGS.estimate_rounds if "estimate_rounds" in cli.COMMAND_LINE
+              else ESTIMATE_ROUNDS)
+    timing = dict(timed_rounds=rounds, min_seconds=0.0, cache={})
     estimates = []
     for s in settings:
         lr_grid = tuple(s.base.learning_rate * m for m in multipliers)
@@ -571,14 +580,14 @@ def estimate(settings: List[Setting], tune_seeds, multipliers) -> None:
                 config = dataclasses.replace(s.base, algorithm=tuning.LR_ALGORITHM, thetas=(),
                                              seeds=tune_seeds, output_dir=None)
                 reps = tuning.lr_grid_replicas(config, lr_grid, (config.lr_decay,))
-                est = estimate_run(config, s.data, FLAGS.estimate_rounds, replicas=reps)
+                est = estimate_run(config, s.data, replicas=reps, **timing)
             else:
                 seeds = tune_seeds if stage.kind == "validation" else s.base.seeds
                 config = dataclasses.replace(_config(s, stage.host, stage.kind, seeds),
                                              output_dir=None)
                 data = (tuning.validation_split(s.data, 0) if stage.kind == "validation"
                         else s.data)
-                est = estimate_run(config, data, FLAGS.estimate_rounds)
+                est = estimate_run(config, data, **timing)
             est = dataclasses.replace(est, name=f"{s.name} {stage.host} {stage.kind}")
             print("\n".join(est.lines()), flush=True)
             estimates.append(est)
