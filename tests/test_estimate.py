@@ -347,3 +347,62 @@ def test_a_program_measured_once_is_reused(tiny_synthetic):
     other = measure(build_experiment(tiny_config(thetas=(1.0, 0.5, 0.1)), tiny_synthetic),
                     timed_rounds=1, min_seconds=0.0, name="c", cache=cache)
     assert len(cache) == 2 and other.replicas == 3
+
+
+# --------------------------------------------------------------------------------------------
+# A dataset that is not here: its known shape
+
+
+def test_known_sizes_have_the_tables_median_min_and_max():
+    """FEMNIST's Table 1 row (865 writers, median 179, min 101, max 447)."""
+    from deltafl_jax.datasets.known_shapes import KNOWN, client_sizes
+    k = KNOWN["femnist"]
+    sizes = client_sizes(k.train_clients, k.median, k.lo, k.hi)
+    assert len(sizes) == 865 and sizes.min() == 101 and sizes.max() == 447
+    assert abs(np.median(sizes) - 179) <= 1 and np.all(np.diff(sizes) >= 0)
+
+
+def test_the_data_when_present_else_its_known_shape(tmp_path):
+    """load_or_stand_in: a prepared FEMNIST (here from a TFF h5 fixture) is loaded; with none
+    and no --data_path, the stand-in has the table's clients and the real data's example
+    shape, dtype, classes and scale; a --data_path that does not exist stays an error."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from fixtures import federated_files as ff
+    from deltafl_jax.data import DataError
+    from deltafl_jax.datasets import DataConfig, load_dataset
+    from deltafl_jax.datasets.known_shapes import load_or_stand_in
+    sizes = {f"f{i:04d}_0{i}": 8 + i for i in range(8)}
+    src = ff.write_tff_h5(str(tmp_path / "h5"), ff.femnist_writers(sizes, seed=3))
+    cache = str(tmp_path / "cache")
+    real = load_dataset(DataConfig(dataset="femnist", data_path=src, data_dir=cache,
+                                   min_client_examples=8))
+    got, note = load_or_stand_in(DataConfig(dataset="femnist", data_dir=cache,
+                                            min_client_examples=8))
+    assert note is None and list(got.train.client_ids) == list(real.train.client_ids)
+    stand, note = load_or_stand_in(DataConfig(dataset="femnist",
+                                              data_dir=str(tmp_path / "empty")))
+    assert "known shape" in note and "no prepared data" in note
+    assert (stand.train.num_clients, stand.test.num_clients) == (865, 865)
+    assert stand.train.feature_shape == real.train.feature_shape
+    assert stand.train.x.dtype == real.train.x.dtype and stand.num_classes == real.num_classes
+    assert stand.x_scale == real.x_scale
+    with pytest.raises(DataError):
+        load_or_stand_in(DataConfig(dataset="femnist", data_path=str(tmp_path / "none"),
+                                    data_dir=str(tmp_path / "empty")))
+
+
+@pytest.mark.slow   # builds and compiles the ConvNet on 865 stand-in writers
+def test_the_tours_estimate_runs_offline(tmp_path, capsys):
+    """experiments.run --flagfile=experiments/emnist.flags --estimate with no FEMNIST here:
+    one block measured on the known shape; nothing written."""
+    out = tmp_path / "run"
+    flagfile = os.path.join(os.path.dirname(HERE), "experiments", "emnist.flags")
+    code, err, stdout = run_runner([f"--flagfile={flagfile}", "--estimate",
+                                    "--estimate_rounds=1", "--thetas=1.0", "--seeds=1",
+                                    "--clients_per_round=4", "--max_train_clients=20",
+                                    "--max_test_clients=4", f"--data_dir={tmp_path / 'none'}",
+                                    f"--output_dir={out}"], capsys)
+    assert code in (0, None), err
+    assert len(parse_blocks(stdout)) == 1 and "femnist's known shape" in stdout
+    assert not out.exists()

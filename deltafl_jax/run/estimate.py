@@ -50,7 +50,7 @@ import numpy as np
 
 from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import FederatedDataset
-from deltafl_jax.datasets import load_dataset
+from deltafl_jax.datasets.known_shapes import load_or_stand_in
 from deltafl_jax.engine.mesh import tree_to_host
 from deltafl_jax.run import loop, resume
 from deltafl_jax.run.callbacks import Callback, RunContext
@@ -132,6 +132,8 @@ class Estimate:
       (``peak_bytes_in_use``, ``compiled round`` or ``start-up footprint``).
     round_memory: the compiled round's :class:`RoundMemory` (None where the backend gives no
       memory analysis).
+    data_note: what the run was measured on when not its data (a dataset's known shape,
+      :mod:`deltafl_jax.datasets.known_shapes`); "" on its data.
     flops_per_round: the compiled round's FLOPs from XLA's cost analysis (None where the
       backend gives none; XLA counts a while loop's body once, so this is not the round's
       work). train_trips: the critical-path local-SGD trips of each timed round. work: the
@@ -159,6 +161,7 @@ class Estimate:
     replicas: int
     lanes: int
     round_memory: Optional[RoundMemory] = None
+    data_note: str = ""
 
     @property
     def rounds_s(self) -> float:
@@ -193,7 +196,8 @@ class Estimate:
             f"{self.evaluations_s:.3f} s",
             f"  projected run  {self.projected_s:10.3f} s ({_human(self.projected_s)})",
             f"  device memory  {_mb(self.memory_bytes)} ({self.memory_source})",
-        ] + ([] if self.round_memory is None else [_round_memory_line(self.round_memory)])
+        ] + ([] if self.round_memory is None else [_round_memory_line(self.round_memory)]) + (
+            [f"  measured on    {self.data_note}"] if self.data_note else [])
 
 
 def _round_memory_line(m: RoundMemory) -> str:
@@ -389,17 +393,23 @@ def _measure_compiled(exp, compiled, compile_round, state, pending, keys, indice
 def estimate_run(config: ExperimentConfig, data: Optional[FederatedDataset] = None,
                  timed_rounds: int = DEFAULT_TIMED_ROUNDS, min_seconds: float = DEFAULT_MIN_SECONDS,
                  log: Optional[Callable[[str], None]] = None, replicas=None,
-                 load_s: float = 0.0, cache: Optional[Dict[str, Estimate]] = None) -> Estimate:
+                 load_s: float = 0.0, cache: Optional[Dict[str, Estimate]] = None,
+                 data_note: str = "") -> Estimate:
     """Build `config`'s run as :func:`~deltafl_jax.run.runner.run_experiment` does (loading
     the data unless given, the experiment, the resume fingerprint) and :func:`measure` it
     (`cache`: as :func:`measure`'s).
     `load_s`: seconds the caller spent before (starting the process and the backend, loading
-    the `data` it passes), counted in build_s.
+    the `data` it passes), counted in build_s. Without `data`, a dataset that is not here
+    but has a known shape is measured on its stand-in
+    (:func:`deltafl_jax.datasets.known_shapes.load_or_stand_in`); `data_note` says so when
+    the caller passes such a stand-in.
     Nothing is written, whatever ``config.output_dir`` says."""
     log = log or (lambda line: None)
     log(f"estimate: building {config.method} ...")
     t0 = time.perf_counter()
-    data = data if data is not None else load_dataset(config.data)
+    if data is None:
+        data, note = load_or_stand_in(config.data)
+        data_note = note or data_note
     exp = build_experiment(config, data, replicas)
     fingerprint = resume.fingerprint(config, exp.data)   # the runner hashes the data before its rounds
     build_s = time.perf_counter() - t0 + load_s
@@ -409,8 +419,9 @@ def estimate_run(config: ExperimentConfig, data: Optional[FederatedDataset] = No
         recorder = Recorder()
         cbs = standard_callbacks(dataclasses.replace(config, output_dir=scratch, verbose=False),
                                  exp, lambda line: None, recorder, None, fingerprint)
-        return measure(exp, build_s, timed_rounds, log, min_seconds=min_seconds,
-                       callbacks=[recorder, *cbs], output_dir=scratch, cache=cache)
+        est = measure(exp, build_s, timed_rounds, log, min_seconds=min_seconds,
+                      callbacks=[recorder, *cbs], output_dir=scratch, cache=cache)
+    return dataclasses.replace(est, data_note=data_note)
 
 
 __all__ = ["Estimate", "RoundMemory", "round_memory", "WORK_METRICS", "DEFAULT_TIMED_ROUNDS", "DEFAULT_MIN_SECONDS",
