@@ -17,8 +17,8 @@ and the rounds, and the first ⌈F × seeds⌉ seeds (θ's are kept), each at le
 ``bench/out/paper_grid_<model>_<backend>[_scale<F>].json``, so a run leaves the clone clean:
 the committed figures of ``bench/results/`` are written with an explicit ``--out``) holds the configuration measured, s/round, compile s, the projected
 wall-clock of that configuration's whole run and its parts (build + compile + rounds ×
-s/round + evaluations × s/eval), the device memory (peak where the backend reports it, the
-start-up footprint otherwise), the critical-path trips of a round (the engine's
+s/round + evaluations × s/eval), the device memory (peak where the backend reports it, what
+the compiled round holds otherwise), the critical-path trips of a round (the engine's
 ``train_trips`` / ``eval_trips`` metrics), and achieved FLOP/s: the round's useful FLOPs
 (forward FLOPs per example from XLA's cost analysis of the model, times the real examples
 evaluated plus 3 × those trained) over s/round, against the device's peak from a small table

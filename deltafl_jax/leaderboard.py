@@ -155,16 +155,40 @@ def per_point(labels, final: Mapping[str, Mapping[str, float]], spec_name: str
     return out
 
 
-def choose(scores: Mapping[str, Mapping[str, Any]], metric: str = CHOICE_METRIC
-           ) -> Optional[str]:
-    """The point key with the smallest mean of `metric` over seeds among the points whose
-    every seed is finite; ties go to the first in grid order; None when none is finite."""
-    best, key = math.inf, None
+def diverged_seeds(entry: Mapping[str, Any], metric: str = CHOICE_METRIC,
+                   loss_limit: Optional[float] = None) -> List[bool]:
+    """Per seed of a point's entry (:func:`per_point`): whether that seed diverged, i.e. its
+    `metric` is not finite, or its terminal mean training loss (``train_loss_mean``, where the
+    entry has it) is not finite or exceeds `loss_limit` (None: no limit; the leaderboard passes
+    log C, the cross-entropy of the uniform prediction over C classes: a model that ends
+    worse on its own training clients than predicting uniformly has gone astray)."""
+    losses = entry.get("train_loss_mean") or [0.0] * len(entry[metric])
+    out = []
+    for value, loss in zip(entry[metric], losses):
+        astray = not math.isfinite(loss) or (loss_limit is not None and loss > loss_limit)
+        out.append(not math.isfinite(value) or astray)
+    return out
+
+
+def choose(scores: Mapping[str, Mapping[str, Any]], metric: str = CHOICE_METRIC,
+           loss_limit: Optional[float] = None) -> Optional[str]:
+    """The point key with the smallest mean of `metric` over seeds among the points none of
+    whose seeds diverged (:func:`diverged_seeds`); when every point has a diverged seed, the
+    points with the fewest diverged seeds compete on the mean over their other seeds. Ties
+    go to the first in grid order; None when every seed of every point diverged."""
+    best, key = (math.inf, math.inf), None
     for k, entry in scores.items():
-        values = entry[metric]
-        if all(math.isfinite(v) for v in values) and float(np.mean(values)) < best:
-            best, key = float(np.mean(values)), k
+        bad = diverged_seeds(entry, metric, loss_limit)
+        kept = [v for v, b in zip(entry[metric], bad) if not b]
+        rank = (sum(bad), float(np.mean(kept)) if kept else math.inf)
+        if kept and rank < best:
+            best, key = rank, k
     return key
+
+
+def loss_limit_of(num_classes: Optional[int]) -> Optional[float]:
+    """log C, the loss of the uniform prediction over C >= 2 classes (None otherwise)."""
+    return math.log(num_classes) if num_classes and num_classes >= 2 else None
 
 
 # --------------------------------------------------------------------------------------------

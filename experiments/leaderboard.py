@@ -12,9 +12,10 @@ sent140_lstm at the papers' sizes); experiment flags given here override the fla
 Board applies (or ``--methods``), each with its board's grid (``--grid=quick`` on the CPU set,
 ``full`` elsewhere), a swept flag given here (``--gifair_coeff=0.1,1``) replacing its method's
 grid. Seeds: 1, 2, 3 (or ``--seeds``) for the final runs; the tuning runs use
-``--tune_seeds`` (default: 1). Bad input (an unknown setting, a method that is not a
-leaderboard method or does not apply, a value out of range, results already in ``--out``)
-prints one line and exits 2 before anything is trained.
+``--tune_seeds`` (default: the final seeds on the cpu set, 1 elsewhere); a grid point any of
+whose validation seeds diverged is passed over. Bad input (an unknown setting, a method that
+is not a leaderboard method or does not apply, a value out of range, results already in
+``--out``) prints one line and exits 2 before anything is trained.
 
 Writes ``OUT/<setting>/`` (the programs' run directories: ``lr_grid``, ``<method>/validation``,
 ``<method>/final``; ``leaderboard.json``, ``leaderboard.md``, ``frontier.png``) and
@@ -56,8 +57,9 @@ _define(flags.DEFINE_list, "methods", [], "run only these methods (default: ever
         "leaderboard Board applies)")
 _define(flags.DEFINE_string, "out", "runs/leaderboard", "where the programs, tables and "
         "figures go")
-_define(flags.DEFINE_list, "tune_seeds", ["1"], "seeds of the tuning runs (the learning-rate "
-        "grid and the validation grids; the final runs use 1, 2, 3 or --seeds)")
+_define(flags.DEFINE_list, "tune_seeds", [], "seeds of the tuning runs (the learning-rate "
+        "grid and the validation grids; default: the final runs' seeds, 1, 2, 3 or --seeds, on "
+        "the cpu set, 1 elsewhere)")
 _define(flags.DEFINE_list, "lr_multipliers", ["0.5", "1", "2"], "the learning-rate grid: the "
         "setting's --learning_rate times these (FedAvg, smallest terminal train loss); empty: "
         "no tuning")
@@ -431,7 +433,8 @@ def method_record(setting: Setting, name: str) -> Dict[str, Any]:
     own = {k: v for k, v in final.items()
            if v["point"].get(spec.sweep.flag) not in _joined_values(setting, host)}
     validation = got.get("validation")
-    chosen = lb.choose(validation) if validation else next(iter(own))
+    chosen = (lb.choose(validation, loss_limit=lb.loss_limit_of(setting.data.num_classes))
+              if validation else next(iter(own)))
     if chosen is None:
         chosen = next(iter(own))
     tuned = validation is not None
@@ -593,10 +596,19 @@ def run_and_write(settings: List[Setting], tune_seeds, multipliers) -> List[Dict
         return write(settings, tune_seeds)
 
 
+ESTIMATE_ROUNDS = 2   # --estimate's timed rounds per program unless --estimate_rounds is given
+
+
 def estimate(settings: List[Setting], tune_seeds, multipliers) -> None:
-    """Every program built, compiled and timed (deltafl_jax.run.estimate); their sum."""
+    """Every program built and compiled, and timed for a round or two and one evaluation
+    (deltafl_jax.run.estimate, no minimum time: never the program's own rounds); a program
+    the same as one already measured (the same compiled round, examples and placement) is
+    not compiled or timed again. Their sum."""
     from deltafl_jax import tuning
     from deltafl_jax.run.estimate import estimate_run, total_lines
+    rounds = (FLAGS.estimate_rounds if "estimate_rounds" in cli.COMMAND_LINE
+              else ESTIMATE_ROUNDS)
+    timing = dict(timed_rounds=rounds, min_seconds=0.0, cache={})
     estimates = []
     for s in settings:
         lr_grid = tuple(s.base.learning_rate * m for m in multipliers)
@@ -605,18 +617,24 @@ def estimate(settings: List[Setting], tune_seeds, multipliers) -> None:
                 config = dataclasses.replace(s.base, algorithm=tuning.LR_ALGORITHM, thetas=(),
                                              seeds=tune_seeds, output_dir=None)
                 reps = tuning.lr_grid_replicas(config, lr_grid, (config.lr_decay,))
-                est = estimate_run(config, s.data, FLAGS.estimate_rounds, replicas=reps)
+                est = estimate_run(config, s.data, replicas=reps, **timing)
             else:
                 seeds = tune_seeds if stage.kind == "validation" else s.base.seeds
                 config = dataclasses.replace(_config(s, stage.host, stage.kind, seeds),
                                              output_dir=None)
                 data = (tuning.validation_split(s.data, 0) if stage.kind == "validation"
                         else s.data)
-                est = estimate_run(config, data, FLAGS.estimate_rounds)
+                est = estimate_run(config, data, **timing)
             est = dataclasses.replace(est, name=f"{s.name} {stage.host} {stage.kind}")
             print("\n".join(est.lines()), flush=True)
             estimates.append(est)
     print("\n".join(total_lines(estimates)), flush=True)
+
+
+def default_tune_seeds(settings: List[Setting]) -> Tuple[int, ...]:
+    """The tuning seeds without --tune_seeds: the final runs' seeds on the cpu set (a grid
+    point one of whose seeds diverges is then seen and passed over), seed 1 elsewhere."""
+    return tuple(settings[0].base.seeds) if FLAGS.set == "cpu" else (1,)
 
 
 def main(argv):
@@ -632,7 +650,7 @@ def main(argv):
             raise cli.UsageError(f"--lr_multipliers must be finite and > 0, got "
                                  f"{','.join(FLAGS.lr_multipliers)}")
         settings = plan(args)
-        tune_seeds = cli.ints("tune_seeds", FLAGS.tune_seeds) or settings[0].base.seeds
+        tune_seeds = cli.ints("tune_seeds", FLAGS.tune_seeds) or default_tune_seeds(settings)
         if FLAGS.estimate:
             estimate(settings, tune_seeds, multipliers)
             return

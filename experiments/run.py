@@ -86,20 +86,21 @@ def planned_configs():
 
 def estimate(configs) -> None:
     """--estimate: each program built and timed as it would run (the data loaded once per
-    dataset, as the run does), one block each, and their sum for several; nothing written."""
-    from deltafl_jax import load_dataset
+    dataset, as the run does; a dataset that is not here, at its known shape), one block each,
+    and their sum for several; nothing written."""
+    from deltafl_jax.datasets.known_shapes import load_or_stand_in
     from deltafl_jax.run.estimate import estimate_run, total_lines
 
     if FLAGS.estimate_rounds < 1:
         raise UsageError(f"--estimate_rounds must be at least 1, got {FLAGS.estimate_rounds}")
-    estimates, data, loaded = [], None, None
+    estimates, data, loaded, note = [], None, None, None
     t0 = STARTED   # the first program's build includes the start-up (imports, backend)
     for config in configs:
         if config.data != loaded:
             data, loaded = None, config.data   # free the previous seed's data first
-            data = load_dataset(config.data)
+            data, note = load_or_stand_in(config.data)   # the data, else its known shape
         estimates.append(estimate_run(config, data, FLAGS.estimate_rounds, log=_log,
-                                      load_s=time.perf_counter() - t0))
+                                      load_s=time.perf_counter() - t0, data_note=note or ""))
         t0 = time.perf_counter()
     lines = [line for e in estimates for line in e.lines()]
     if len(estimates) > 1:

@@ -73,7 +73,7 @@ def test_estimate_prints_one_block_that_adds_up_and_writes_nothing(tmp_path, cap
     assert len(blocks) == 1 and blocks[0]["name"] == "deltafl"
     assert_adds_up(blocks[0], T=6, every=3)
     mb, source = blocks[0]["memory"]
-    assert mb > 0 and ("peak_bytes_in_use" in source or "start-up footprint" in source)
+    assert mb > 0 and ("peak_bytes_in_use" in source or "compiled round" in source)
     assert not out.exists()
 
 
@@ -122,9 +122,9 @@ def test_measure_parts_and_projection(measured):
                                              + j["evaluations_s"], rel=1e-12)
     assert j["rounds_s"] == pytest.approx(j["num_rounds"] * j["round_s"], rel=1e-12)
     assert est.replicas == exp.replicas.size == 2 and est.lanes == exp.lanes
-    if est.backend == "cpu":   # XLA:CPU reports no memory stats: the engine's footprint
-        assert est.memory_bytes == exp.footprint.total
-        assert "start-up footprint" in est.memory_source
+    if est.backend == "cpu":   # XLA:CPU reports no memory stats: the compiled round's
+        assert est.memory_bytes == est.round_memory.total
+        assert "compiled round" in est.memory_source
     # The printed block says the same figures.
     b = parse_blocks("\n".join(est.lines()))[0]
     assert b["round_s"] == pytest.approx(est.round_s, abs=1e-6)
@@ -240,3 +240,169 @@ def test_measure_runs_the_callbacks_in_the_timed_rounds(tiny_synthetic, tmp_path
     assert count.started == 1
     assert count.rounds == [(i + 1, t) for i, t in enumerate(est.train_trips)]
     assert count.evals == [5, 5]
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: what the round holds, for every registered algorithm
+
+
+def _experiment_of(name, data, **kw):
+    """A tiny run of `name` (its spec's default sweep; thetas only where it sweeps them)."""
+    from deltafl_jax import ConfigError
+    from deltafl_jax.run import build_experiment
+    try:
+        return build_experiment(tiny_config(algorithm=name, seeds=(1,), clients_per_step=3,
+                                            thetas=(), **kw), data)
+    except ConfigError:
+        return build_experiment(tiny_config(algorithm=name, seeds=(1,), clients_per_step=3,
+                                            **kw), data)
+
+
+def _nbytes(tree):
+    """The bytes of the arrays of `tree` brought to NumPy (a key array: its key data)."""
+    import jax
+    return sum(np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
+        x.dtype, jax.dtypes.prng_key) else x).nbytes for x in jax.tree.leaves(tree))
+
+
+def _poisson_cases():
+    """The algorithms that sample a variable cohort; all but the first in CI's slow step."""
+    from deltafl_jax.algorithms import registry
+    names = [n for n in sorted(registry.names())
+             if registry.get(n).variable_cohort and not registry.get(n).all_clients]
+    return names[:1] + [pytest.param(n, marks=pytest.mark.slow) for n in names[1:]]
+
+
+def _check_round_memory(exp, est):
+    """The estimate's memory against the arrays the round is given and returns."""
+    import jax
+    held = est.round_memory
+    state, keys = exp.initial_state(), exp.keys()
+    data = exp.round_data(0, state)
+    splits = exp.store.device_splits
+    train = splits["train"] if splits else ()
+    assert held.state == _nbytes(state) and held.keys == _nbytes(keys)
+    assert held.data == _nbytes(splits)
+    assert held.plan == _nbytes(data) - _nbytes(train)   # the plan: every job slot
+    # The compiled round reads nothing beyond these arrays and holds the new state.
+    assert held.arguments <= held.state + held.plan + _nbytes(train) + held.keys
+    per_model = _nbytes(state.params) // exp.replicas.size
+    new_state, _ = jax.block_until_ready(exp.round_fn(state, data, keys))   # donates state
+    assert held.outputs >= _nbytes(new_state)
+    # Its lanes' step states are temporaries: at least one local model per lane.
+    assert held.temporaries >= exp.lanes * per_model
+    assert est.memory_bytes == held.total >= (held.data + held.state + held.plan
+                                              + _nbytes(new_state) - held.aliased)
+
+
+def _registry_cases():
+    """Every registered algorithm; all but the first in CI's slow step."""
+    from deltafl_jax.algorithms import registry
+    names = sorted(registry.names())
+    return names[:1] + [pytest.param(n, marks=pytest.mark.slow) for n in names[1:]]
+
+
+@pytest.mark.parametrize("name", _registry_cases())
+def test_estimate_counts_what_the_round_holds(tiny_synthetic, name):
+    """Every registered algorithm: the estimate's device memory (XLA:CPU reports no peak) is
+    the compiled round's: the actual state, plan, data and keys, its new outputs and its
+    temporaries."""
+    from deltafl_jax.run.estimate import measure
+    exp = _experiment_of(name, tiny_synthetic)
+    est = measure(exp, timed_rounds=1, min_seconds=0.0)
+    if est.backend != "cpu":
+        pytest.skip("the peak of a backend that reports one is checked elsewhere")
+    _check_round_memory(exp, est)
+    assert "compiled round" in est.memory_source
+
+
+@pytest.mark.parametrize("name", _poisson_cases())
+def test_estimate_sizes_a_poisson_plan_from_its_cap(tiny_synthetic, name):
+    """--client_sampling=poisson: the plan has cap > m slots, and the estimate counts them."""
+    from deltafl_jax.run.estimate import measure
+    exp = _experiment_of(name, tiny_synthetic, client_sampling="poisson", clients_per_round=3)
+    cap = exp.poisson.cap
+    assert cap > 3 and exp.round_plan(0).clients.shape[-1] == cap
+    est = measure(exp, timed_rounds=1, min_seconds=0.0)
+    _check_round_memory(exp, est)
+
+
+def test_a_program_measured_once_is_reused(tiny_synthetic):
+    """measure(cache=...): the same program again (another name, another number of rounds)
+    reuses the measured figures and only its own build time and rounds; a program of another
+    shape (more replicas) is measured anew."""
+    from deltafl_jax.run import build_experiment
+    from deltafl_jax.run.estimate import measure
+    cache, lines = {}, []
+    first = measure(build_experiment(tiny_config(num_rounds=4), tiny_synthetic),
+                    timed_rounds=1, min_seconds=0.0, name="a", cache=cache)
+    again = measure(build_experiment(tiny_config(num_rounds=9, eval_every=2), tiny_synthetic),
+                    timed_rounds=1, min_seconds=0.0, name="b", cache=cache, log=lines.append)
+    assert len(cache) == 1 and any("measurements reused" in line for line in lines)
+    assert (again.name, again.num_rounds, again.evaluations) == ("b", 9, 5)
+    for field in ("compile_s", "round_s", "eval_s", "memory_bytes", "train_trips"):
+        assert getattr(again, field) == getattr(first, field)
+    assert again.projected_s == pytest.approx(again.build_s + first.compile_s
+                                              + 9 * first.round_s + 5 * first.eval_s)
+    other = measure(build_experiment(tiny_config(thetas=(1.0, 0.5, 0.1)), tiny_synthetic),
+                    timed_rounds=1, min_seconds=0.0, name="c", cache=cache)
+    assert len(cache) == 2 and other.replicas == 3
+
+
+# --------------------------------------------------------------------------------------------
+# A dataset that is not here: its known shape
+
+
+def test_known_sizes_have_the_tables_median_min_and_max():
+    """FEMNIST's Table 1 row (865 writers, median 179, min 101, max 447)."""
+    from deltafl_jax.datasets.known_shapes import KNOWN, client_sizes
+    k = KNOWN["femnist"]
+    sizes = client_sizes(k.train_clients, k.median, k.lo, k.hi)
+    assert len(sizes) == 865 and sizes.min() == 101 and sizes.max() == 447
+    assert abs(np.median(sizes) - 179) <= 1 and np.all(np.diff(sizes) >= 0)
+
+
+def test_the_data_when_present_else_its_known_shape(tmp_path):
+    """load_or_stand_in: a prepared FEMNIST (here from a TFF h5 fixture) is loaded; with none
+    and no --data_path, the stand-in has the table's clients and the real data's example
+    shape, dtype, classes and scale; a --data_path that does not exist stays an error."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from fixtures import federated_files as ff
+    from deltafl_jax.data import DataError
+    from deltafl_jax.datasets import DataConfig, load_dataset
+    from deltafl_jax.datasets.known_shapes import load_or_stand_in
+    sizes = {f"f{i:04d}_0{i}": 8 + i for i in range(8)}
+    src = ff.write_tff_h5(str(tmp_path / "h5"), ff.femnist_writers(sizes, seed=3))
+    cache = str(tmp_path / "cache")
+    real = load_dataset(DataConfig(dataset="femnist", data_path=src, data_dir=cache,
+                                   min_client_examples=8))
+    got, note = load_or_stand_in(DataConfig(dataset="femnist", data_dir=cache,
+                                            min_client_examples=8))
+    assert note is None and list(got.train.client_ids) == list(real.train.client_ids)
+    stand, note = load_or_stand_in(DataConfig(dataset="femnist",
+                                              data_dir=str(tmp_path / "empty")))
+    assert "known shape" in note and "no prepared data" in note
+    assert (stand.train.num_clients, stand.test.num_clients) == (865, 865)
+    assert stand.train.feature_shape == real.train.feature_shape
+    assert stand.train.x.dtype == real.train.x.dtype and stand.num_classes == real.num_classes
+    assert stand.x_scale == real.x_scale
+    with pytest.raises(DataError):
+        load_or_stand_in(DataConfig(dataset="femnist", data_path=str(tmp_path / "none"),
+                                    data_dir=str(tmp_path / "empty")))
+
+
+@pytest.mark.slow   # builds and compiles the ConvNet on 865 stand-in writers
+def test_the_tours_estimate_runs_offline(tmp_path, capsys):
+    """experiments.run --flagfile=experiments/emnist.flags --estimate with no FEMNIST here:
+    one block measured on the known shape; nothing written."""
+    out = tmp_path / "run"
+    flagfile = os.path.join(os.path.dirname(HERE), "experiments", "emnist.flags")
+    code, err, stdout = run_runner([f"--flagfile={flagfile}", "--estimate",
+                                    "--estimate_rounds=1", "--thetas=1.0", "--seeds=1",
+                                    "--clients_per_round=4", "--max_train_clients=20",
+                                    "--max_test_clients=4", f"--data_dir={tmp_path / 'none'}",
+                                    f"--output_dir={out}"], capsys)
+    assert code in (0, None), err
+    assert len(parse_blocks(stdout)) == 1 and "femnist's known shape" in stdout
+    assert not out.exists()

@@ -36,10 +36,13 @@ class FedDyn:
     theta = mean_S theta_k - h / alpha, and records the largest gap between the two forms.
     """
 
-    def __init__(self, xs, ys, alpha, weighting, shapes, momentum=None):
+    def __init__(self, xs, ys, alpha, weighting, shapes, momentum=None, scaling="none"):
         self.xs, self.ys, self.alpha, self.momentum = xs, ys, alpha, momentum
         self.N = len(xs)
         n = np.array([len(y) for y in ys], np.float64)
+        # The code's alpha_coef / weight_list[k], weight_list = n / sum(n) * N (scaling=size).
+        self.alpha_k = alpha / (n / n.sum() * self.N) if scaling == "size" else np.full(
+            self.N, float(alpha))
         self.c = n if weighting == "weighted" else np.ones(self.N)
         self.g = [[np.zeros(s) for s in shapes] for _ in range(self.N)]
         self.h = [np.zeros(s) for s in shapes]
@@ -56,7 +59,7 @@ class FedDyn:
                 idx = order[e * nk:(e + 1) * nk][s:s + batch]
                 gl = grad_mean_xent(w[0], w[1], x[idx], y[idx])
                 for j in range(2):
-                    grad = gl[j] + self.alpha * (w[j] - theta[j] + self.g[k][j]) + l2 * w[j]
+                    grad = gl[j] + self.alpha_k[k] * (w[j] - theta[j] + self.g[k][j]) + l2 * w[j]
                     if self.momentum is not None:
                         vel[j] = self.momentum * vel[j] + grad
                         grad = vel[j]
@@ -89,15 +92,18 @@ def rows(tree, *index):
     return [np.asarray(p["kernel"][index], np.float64), np.asarray(p["bias"][index], np.float64)]
 
 
-@pytest.mark.parametrize("weighting,lanes,optimizer", [("unweighted", 1, "sgd"),
-                                                       ("weighted", 3, "sgd"),
-                                                       ("unweighted", 4, "momentum")])
-def test_three_rounds_equal_the_authors_loop(tiny_synthetic, weighting, lanes, optimizer):
+@pytest.mark.parametrize("weighting,lanes,optimizer,scaling", [
+    ("unweighted", 1, "sgd", "none"), ("weighted", 3, "sgd", "none"),
+    ("unweighted", 4, "momentum", "none"), ("unweighted", 3, "sgd", "size"),
+    ("weighted", 1, "momentum", "size")])
+def test_three_rounds_equal_the_authors_loop(tiny_synthetic, weighting, lanes, optimizer,
+                                             scaling):
     alphas = (0.1, 1.0)
     cfg = tiny_config(algorithm="feddyn", thetas=(), seeds=(1, 2), l2_reg=1e-3,
                       clients_per_round=M, local_epochs=EPOCHS, batch_size=8,
                       clients_per_step=lanes, weighting=weighting, feddyn_alpha=alphas,
-                      client_optimizer=optimizer, client_momentum=0.5)
+                      client_optimizer=optimizer, client_momentum=0.5,
+                      feddyn_alpha_scaling=scaling)
     exp = build_experiment(cfg, tiny_synthetic)
     state = run_rounds_history(exp, ROUNDS)[0]
     train = tiny_synthetic.train
@@ -107,7 +113,9 @@ def test_three_rounds_equal_the_authors_loop(tiny_synthetic, weighting, lanes, o
     assert len(exp.replicas.labels) == 4
     for r, lab in enumerate(exp.replicas.labels):
         ref = FedDyn(xs, ys, lab.param_value, weighting, shapes,
-                     momentum=0.5 if optimizer == "momentum" else None)
+                     momentum=0.5 if optimizer == "momentum" else None, scaling=scaling)
+        if scaling == "size":                       # unequal sizes: alpha_k differs per client
+            assert np.ptp(ref.alpha_k) > 0.1 * lab.param_value
         theta = [np.zeros(s) for s in shapes]
         for t in range(ROUNDS):
             theta = ref.round(theta, lab.seed, t, M, cfg.learning_rate, cfg.l2_reg,

@@ -97,6 +97,72 @@ def test_points_and_choice():
     assert lb.choose(points) == "fedmgda_epsilon=1,server_lr=0.5"
 
 
+def _validation(points):
+    """Fabricated validation records: point key -> (p90 per seed, train loss per seed)."""
+    return {k: {"point": {"feddyn_alpha": float(k.split("=")[1])}, "seeds": [1, 2, 3],
+                "test_error_p90": list(p90), "train_loss_mean": list(loss)}
+            for k, (p90, loss) in points.items()}
+
+
+def _by_hand(points, limit):
+    """The rule written out: drop the seeds whose p90 or train loss is not finite or whose
+    loss exceeds the limit; the points with the fewest dropped seeds; of those, the smallest
+    mean p90 over the kept seeds, the first on ties."""
+    ranked = []
+    for i, (k, (p90, loss)) in enumerate(points.items()):
+        keep = [p for p, l in zip(p90, loss) if math.isfinite(p) and math.isfinite(l)
+                and l <= limit]
+        if keep:
+            ranked.append((len(p90) - len(keep), sum(keep) / len(keep), i, k))
+    return min(ranked)[3] if ranked else None
+
+
+def test_a_point_one_of_whose_seeds_diverged_is_passed_over():
+    """The Shakespeare case: at alpha = 0.1 one seed of three went astray (train loss 5.06 over
+    log 53 = 3.97, p90 0.95, finite) while its mean p90 is still the smallest; the rule passes
+    it over for alpha = 0.01, whose seeds all trained."""
+    limit = lb.loss_limit_of(53)
+    assert limit == pytest.approx(np.log(53))
+    points = {"feddyn_alpha=0.01": ([0.80, 0.81, 0.82], [2.1, 2.2, 2.1]),
+              "feddyn_alpha=0.1": ([0.75, 0.76, 0.77], [2.4, 5.06, 2.4])}
+    scores = _validation(points)
+    assert lb.diverged_seeds(scores["feddyn_alpha=0.1"], loss_limit=limit) == [False, True,
+                                                                                 False]
+    assert lb.choose(scores, loss_limit=limit) == "feddyn_alpha=0.01" == _by_hand(points, limit)
+    assert lb.choose(scores) == "feddyn_alpha=0.1"       # without the limit: the finite p90s
+
+
+@pytest.mark.parametrize("case", [
+    {"a=0.01": ([0.8, 0.7, 0.9], [9.6, 2.0, 2.0]), "a=0.1": ([0.75, 0.9, 0.8], [2, 5.1, 9])},
+    {"a=0.01": ([0.8, math.nan, 0.9], [2, 2, 2]), "a=0.1": ([0.9, 0.9, 0.9], [2, 2, 2])},
+    {"a=0.01": ([0.8, 0.7, 0.9], [2, math.inf, 2]), "a=0.1": ([0.6, 0.6, 0.6], [2, 2, 9])},
+    {"a=0.01": ([0.8, 0.7, 0.9], [9, 9, 9]), "a=0.1": ([0.5, 0.6, 0.6], [9, 9, 9])},
+    {"a=0.01": ([0.7, 0.8], [2.0, 2.0]), "a=0.1": ([0.8, 0.7], [2.0, 2.0])},
+])
+def test_choice_against_the_rule_by_hand(case):
+    """Every seed diverged somewhere, a NaN p90, an infinite loss, every seed of every point
+    astray (None), a tie (the first point)."""
+    limit = lb.loss_limit_of(10)
+    scores = {k: {"point": {}, "seeds": list(range(len(p))), "test_error_p90": list(p),
+                  "train_loss_mean": list(l)} for k, (p, l) in case.items()}
+    assert lb.choose(scores, loss_limit=limit) == _by_hand(case, limit)
+
+
+@pytest.mark.parametrize("which,want", [("cpu", (1, 2, 3)), ("download", (1,)),
+                                         ("paper", (1,))])
+def test_default_tune_seeds(which, want):
+    """The cpu set tunes on the final runs' seeds, the others on seed 1."""
+    from types import SimpleNamespace
+    from experiments import leaderboard as board
+    board.FLAGS.unparse_flags()
+    board.parse_flags_or_fail(["leaderboard", f"--set={which}"])
+    try:
+        got = board.default_tune_seeds([SimpleNamespace(base=SimpleNamespace(seeds=(1, 2, 3)))])
+    finally:
+        board.FLAGS.unparse_flags()
+    assert got == want
+
+
 def test_seed_interval_is_student_t():
     v = [0.31, 0.35, 0.30]
     mean, half = lb.seed_interval(v)

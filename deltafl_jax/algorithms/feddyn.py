@@ -34,11 +34,20 @@ is finite leaves the model where it was (Delta = 0; G unchanged).
   optimality gives grad L_k(theta*) = -alpha g_k and the server's G = 0, i.e.
   sum_k n_k grad L_k(theta*) = 0: the weighted objective's stationary point.
 
+**Per-client alpha** (``--feddyn_alpha_scaling``):
+
+- ``none`` (default): every client's local problem uses alpha.
+- ``size``: client k's uses alpha_k = alpha / (n_k N / sum_j n_j) = alpha * mean_j n_j / n_k,
+  as the authors' code forms it (``train_FedDyn``: ``weight_list`` = n_k / sum n * N, then
+  ``alpha_coef / weight_list[clnt]``): the regulariser's weight shrinks on large clients and
+  grows on small ones, everywhere alpha appears in the client's gradient. The sums over the N
+  training clients are fixed at the start; g_k and the server step are unchanged.
+
 The authors' code reaches the weighted objective another way: a plain mean of the sampled
-models and of the g_k, with a per-client alpha_k = alpha / (n_k N / sum n) in the local
-problem (the same stationary point: it is FedDyn on the losses (n_k N / sum n) L_k). That
-needs the client's n_k in its client update, which the engine's ``ClientJob`` does not
-carry; on clients of equal size both coincide with ``unweighted``. The code also clips each
+models and of the g_k, with alpha_k in the local problem (the same stationary point: it is
+FedDyn on the losses (n_k N / sum n) L_k), i.e. ``--weighting=unweighted
+--feddyn_alpha_scaling=size``; on clients of equal size alpha_k = alpha and it coincides
+with ``unweighted``. The code also clips each
 local gradient to norm 10 (not done here) and reports, besides the server model, the mean of
 the sampled models; here the server model theta_t is evaluated and saved.
 
@@ -60,7 +69,7 @@ import numpy as np
 
 from deltafl_jax.algorithms.deltafl import WEIGHTING, unnormalised_alphas
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.options import Sweep, check_options
+from deltafl_jax.algorithms.options import Option, Sweep, check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import corrected_sgd, difference
@@ -74,11 +83,19 @@ class FedDynHyper(NamedTuple):
     alpha: float
 
 
+ALPHA_SCALINGS = ("none", "size")
+ALPHA_SCALING = Option(default="none", choices=ALPHA_SCALINGS,
+                       help="feddyn: per-client alpha_k: none (alpha for every client) or size "
+                            "(alpha * mean n / n_k, the authors' code)")
+
+
 @dataclasses.dataclass(frozen=True)
 class FedDynOptions:
-    """``weighting``: FedAvg's option (the same flag, default and check; module docstring)."""
+    """``weighting``: FedAvg's option (the same flag, default and check);
+    ``feddyn_alpha_scaling``: alpha_k (module docstring)."""
 
     weighting: str = WEIGHTING.field()
+    feddyn_alpha_scaling: str = ALPHA_SCALING.field()
 
 
 class FedDynState(NamedTuple):
@@ -107,6 +124,24 @@ def _final(state, client_state, params, hyper, job):
 dynamic_update = corrected_sgd(context=_shift, correct=regularised_gradient, final=_final)
 
 
+def size_scaled_update(mean_size: float):
+    """FedDyn's client update with alpha_k = alpha * mean_size / n_k (the job's n_k; a job of
+    no examples, a padding lane, keeps alpha): ``dynamic_update`` on hyper with alpha_k."""
+
+    def scaled(hyper, job):
+        size = jnp.asarray(job.size, jnp.float32)
+        factor = jnp.where(size > 0, jnp.float32(mean_size) / jnp.maximum(size, 1.0), 1.0)
+        return hyper._replace(alpha=hyper.alpha * factor)
+
+    def init(server_state, client_state, params, hyper, job):
+        return dynamic_update.init(server_state, client_state, params, scaled(hyper, job), job)
+
+    def step(state, grad_fn, hyper, job):
+        return dynamic_update.step(state, grad_fn, scaled(hyper, job), job)
+
+    return dynamic_update._replace(init=init, step=step)
+
+
 def feddyn_server_step(G, params, feedback, total):
     """(Delta, G') from the engine's sums (a_k = c_k): G' = G + delta_sum / total with total =
     sum_k c_k over the N training clients; Delta = delta_sum / weight_sum + G', or 0 when no
@@ -124,6 +159,9 @@ def feddyn(train_sizes, options: FedDynOptions = FedDynOptions()) -> FederatedAl
     weighting = options.weighting
     total = float(np.sum(train_sizes, dtype=np.float64) if weighting == "weighted"
                   else len(train_sizes))
+    update = dynamic_update
+    if options.feddyn_alpha_scaling == "size":
+        update = size_scaled_update(float(np.mean(np.asarray(train_sizes, np.float64))))
 
     def init(params, hyper):
         del hyper
@@ -146,7 +184,7 @@ def feddyn(train_sizes, options: FedDynOptions = FedDynOptions()) -> FederatedAl
     return FederatedAlgorithm(name="feddyn", init=init, client_weights=client_weights,
                               server_update=server_update, uses_losses=False,
                               client_state_init=client_state_init,
-                              client_update=dynamic_update)
+                              client_update=update)
 
 
 SPEC = AlgorithmSpec(

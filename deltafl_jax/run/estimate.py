@@ -20,9 +20,14 @@ local-SGD trips) vary as they do over the whole run. ``eval_s``: one
 evaluation of every replica on all training and test clients, after its compilation.
 
 Device memory: the peak that the backend reports (``memory_stats()['peak_bytes_in_use']``,
-the largest over the run's devices) where it reports one; on XLA:CPU, which does not, the
-start-up footprint the engine computes for its memory check
-(:func:`deltafl_jax.run.placement.compute_footprint`).
+the largest over the run's devices) where it reports one; on XLA:CPU, which does not, what the
+compiled round holds (:class:`RoundMemory`: its arguments, the state, the plan with the
+examples it indexes and the keys, plus its outputs not aliased to them and its temporaries,
+the lanes' local models and optimizer states and the per-job results among them, from XLA's
+``memory_analysis()`` of the program the run executes), whatever the algorithm keeps (APFL's
+second model, SCAFFOLD's and FedDyn's per-client state) and however many jobs its plan holds
+(a Poisson plan's cap, not m). :class:`RoundMemory` also keeps the bytes of the actual state
+and plan arrays, against which the compiled arguments are checked.
 
 Nothing is written to the run's output directory: it is neither created nor read. The timed
 rounds run on a scratch state, with the run's own callbacks (the recorder, metrics.jsonl,
@@ -35,6 +40,7 @@ are wall-clock seconds of this process on this machine.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -44,11 +50,12 @@ import numpy as np
 
 from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import FederatedDataset
-from deltafl_jax.datasets import load_dataset
+from deltafl_jax.datasets.known_shapes import load_or_stand_in
 from deltafl_jax.engine.mesh import tree_to_host
 from deltafl_jax.run import loop, resume
 from deltafl_jax.run.callbacks import Callback, RunContext
 from deltafl_jax.run.experiment import Experiment, build_experiment
+from deltafl_jax.run.placement import tree_nbytes
 from deltafl_jax.run.recorder import Recorder
 from deltafl_jax.run.runner import standard_callbacks
 
@@ -56,6 +63,60 @@ DEFAULT_TIMED_ROUNDS = 5
 DEFAULT_MIN_SECONDS = 5.0
 WORK_METRICS = ("train_trips", "eval_trips", "train_real_examples", "train_padded_examples",
                 "eval_real_examples", "eval_padded_examples")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundMemory:
+    """What the compiled round holds on a device, in bytes.
+
+    data: the clients' examples kept on the device (both splits, and the evaluation's index
+      streams once it has run; none with ``--client_data=host``).
+    state, plan, keys: the actual arrays the round is given besides them: the server state
+      (every replica's model, the algorithm's and the server optimizer's state, the per-client
+      state), the round's plan (its job slots: m, or a Poisson plan's cap; with
+      ``--client_data=host`` the round's buffer of examples too) and the replicas' keys.
+    arguments, outputs, aliased, temporaries: XLA's ``memory_analysis()`` of the compiled
+      round: the bytes of the arguments it reads (at most data's train split + state + plan
+      + keys: an input it does not read is dropped), of its outputs (the new state and the
+      metrics), of the outputs that reuse an argument's buffer, and of its temporaries (the
+      lanes' step states: local models, optimizer states, an algorithm's second model; the
+      per-job results).
+    The arrays are summed over their global shapes: on one device these are its bytes.
+    """
+
+    data: int
+    state: int
+    plan: int
+    keys: int
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+
+    @property
+    def total(self) -> int:
+        """The arrays held + the outputs that do not reuse them + the temporaries."""
+        return (self.data + self.state + self.plan + self.keys + self.outputs - self.aliased
+                + self.temporaries)
+
+
+def round_memory(compiled, exp: Experiment, state, round_data, keys) -> Optional[RoundMemory]:
+    """The :class:`RoundMemory` of `exp`'s compiled round on its arguments (None where the
+    backend gives no memory analysis)."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # pylint: disable=broad-except
+        return None
+    if m is None:
+        return None
+    splits = jax.tree.leaves(exp.store.device_splits)
+    shared = {id(x) for x in splits}    # the train split's arrays, passed in round_data too
+    plan = [x for x in jax.tree.leaves(round_data) if id(x) not in shared]
+    return RoundMemory(data=tree_nbytes(splits), state=tree_nbytes(state),
+                       plan=tree_nbytes(plan), keys=tree_nbytes(keys),
+                       arguments=int(m.argument_size_in_bytes),
+                       outputs=int(m.output_size_in_bytes), aliased=int(m.alias_size_in_bytes),
+                       temporaries=int(m.temp_size_in_bytes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +129,11 @@ class Estimate:
     build_s, compile_s, round_s, eval_s: seconds (see the module docstring).
     timed_rounds: rounds timed for round_s.
     memory_bytes: bytes held on a device; memory_source: where the figure comes from
-      (``peak_bytes_in_use`` or ``start-up footprint``).
+      (``peak_bytes_in_use``, ``compiled round`` or ``start-up footprint``).
+    round_memory: the compiled round's :class:`RoundMemory` (None where the backend gives no
+      memory analysis).
+    data_note: what the run was measured on when not its data (a dataset's known shape,
+      :mod:`deltafl_jax.datasets.known_shapes`); "" on its data.
     flops_per_round: the compiled round's FLOPs from XLA's cost analysis (None where the
       backend gives none; XLA counts a while loop's body once, so this is not the round's
       work). train_trips: the critical-path local-SGD trips of each timed round. work: the
@@ -95,6 +160,8 @@ class Estimate:
     devices: int
     replicas: int
     lanes: int
+    round_memory: Optional[RoundMemory] = None
+    data_note: str = ""
 
     @property
     def rounds_s(self) -> float:
@@ -129,7 +196,14 @@ class Estimate:
             f"{self.evaluations_s:.3f} s",
             f"  projected run  {self.projected_s:10.3f} s ({_human(self.projected_s)})",
             f"  device memory  {_mb(self.memory_bytes)} ({self.memory_source})",
-        ]
+        ] + ([] if self.round_memory is None else [_round_memory_line(self.round_memory)]) + (
+            [f"  measured on    {self.data_note}"] if self.data_note else [])
+
+
+def _round_memory_line(m: RoundMemory) -> str:
+    return (f"  round memory   {_mb(m.total)}: data {_mb(m.data)}, state {_mb(m.state)}, "
+            f"plan {_mb(m.plan)}, new outputs {_mb(m.outputs - m.aliased)}, temporaries "
+            f"{_mb(m.temporaries)} (lanes, per-job results)")
 
 
 def total_lines(estimates: List[Estimate]) -> List[str]:
@@ -157,9 +231,9 @@ def num_evaluations(num_rounds: int, eval_every: int) -> int:
     return num_rounds // eval_every + (1 if num_rounds % eval_every else 0)
 
 
-def device_memory(exp: Experiment) -> "tuple[int, str]":
-    """(bytes, source): the largest reported peak over the run's devices, else the start-up
-    footprint."""
+def device_memory(exp: Experiment, held: Optional[RoundMemory] = None) -> "tuple[int, str]":
+    """(bytes, source): the largest reported peak over the run's devices, else what the
+    compiled round holds (`held`), else the start-up footprint."""
     devices = jax.devices() if exp.mesh is None else list(exp.mesh.devices.flat)
     peaks = []
     for d in devices:
@@ -171,6 +245,9 @@ def device_memory(exp: Experiment) -> "tuple[int, str]":
             peaks.append(int(stats["peak_bytes_in_use"]))
     if peaks:
         return max(peaks), "peak_bytes_in_use"
+    if held is not None:
+        return held.total, (f"compiled round: arguments + outputs + temporaries; "
+                            f"{exp.backend} reports no memory stats")
     return int(exp.footprint.total if exp.footprint is not None else 0), (
         f"start-up footprint; {exp.backend} reports no memory stats")
 
@@ -227,17 +304,29 @@ def _time_evaluation(exp, state, T, metrics, run, callbacks) -> float:
     return time.perf_counter() - t0
 
 
+def program_key(exp: Experiment, lowered) -> str:
+    """What makes two runs' measurements the same: the round's lowered program (its shapes,
+    constants and code), the shapes of the examples on the device (the evaluation's inputs)
+    and the placement."""
+    splits = [(x.shape, str(x.dtype)) for x in jax.tree.leaves(exp.store.device_splits)]
+    text = f"{lowered.as_text()}|{splits}|{exp.placement}|{exp.backend}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def measure(exp: Experiment, build_s: float = 0.0, timed_rounds: int = DEFAULT_TIMED_ROUNDS,
             log: Optional[Callable[[str], None]] = None, name: Optional[str] = None,
             min_seconds: float = DEFAULT_MIN_SECONDS, callbacks: Sequence[Callback] = (),
-            output_dir: Optional[str] = None) -> Estimate:
+            output_dir: Optional[str] = None,
+            cache: Optional[Dict[str, Estimate]] = None) -> Estimate:
     """Compile `exp`'s round, time at least `timed_rounds` rounds (and more, up to the run's
     T, until `min_seconds` have passed: a mean over a few milliseconds-long rounds is noise on
     a shared machine) and one evaluation, and return the :class:`Estimate` (`build_s`: the
     seconds it took to build `exp`; the initial state's are added). `callbacks` (writing into
     `output_dir`, a scratch directory) run in the timed rounds and evaluation as in the run:
     the host work of the run's own callbacks (TensorBoard's scalars, metrics.jsonl) is part of
-    its rounds."""
+    its rounds. `cache` (a dict kept across calls): a program already measured
+    (:func:`program_key`) is not compiled or timed again; its measurements are reused with
+    this run's name, rounds and build time."""
     log = log or (lambda line: None)
     if timed_rounds < 1:
         raise ValueError(f"timed_rounds must be at least 1, got {timed_rounds}")
@@ -247,13 +336,32 @@ def measure(exp: Experiment, build_s: float = 0.0, timed_rounds: int = DEFAULT_T
     state, keys = exp.initial_state(), exp.keys()
     jax.block_until_ready(state)
     build_s = build_s + time.perf_counter() - t0   # the runner builds the state before round 1
-    most = max(timed_rounds, T)
-    indices = round_indices(T, most + 1)
+    indices = round_indices(T, max(timed_rounds, T) + 1)
     pending = exp.round_data(indices[0], state)
+    lowered = exp.round_fn.lower(state, pending, keys)
+    key = program_key(exp, lowered) if cache is not None else None
+    figures = dict(name=name or config.method, num_rounds=T, eval_every=config.eval_every,
+                   evaluations=num_evaluations(T, config.eval_every), build_s=float(build_s))
+    if key is not None and key in cache:
+        log(f"estimate: the program of {cache[key].name} again: its measurements reused")
+        return dataclasses.replace(cache[key], **figures)
     log(f"estimate: compiling the round of {exp.replicas.size} replicas ...")
     t0 = time.perf_counter()
-    compiled = exp.round_fn.lower(state, pending, keys).compile()
-    compile_round = time.perf_counter() - t0
+    compiled = lowered.compile()
+    measured = _measure_compiled(exp, compiled, time.perf_counter() - t0, state, pending, keys,
+                                 indices, timed_rounds, min_seconds, log, callbacks,
+                                 output_dir)
+    est = Estimate(**figures, **measured)
+    if key is not None:
+        cache[key] = est
+    return est
+
+
+def _measure_compiled(exp, compiled, compile_round, state, pending, keys, indices,
+                      timed_rounds, min_seconds, log, callbacks, output_dir) -> Dict[str, Any]:
+    """The fields of an :class:`Estimate` that the compiled round's runs measure."""
+    T = exp.config.num_rounds
+    held = round_memory(compiled, exp, state, pending, keys)
     state, metrics = compiled(state, pending, keys)   # a first run (warm-up, not timed)
     tree_to_host(metrics)
     log(f"estimate: round compiled in {compile_round:.1f} s; timing at least {timed_rounds} "
@@ -261,38 +369,47 @@ def measure(exp: Experiment, build_s: float = 0.0, timed_rounds: int = DEFAULT_T
     run = RunContext(view=exp.view(), num_rounds=T, state=state, output_dir=output_dir)
     for cb in callbacks:
         cb.on_run_start(run)
-    state, metrics, trips, work, round_s = _time_rounds(exp, compiled, state, keys, indices,
-                                                        timed_rounds, most, min_seconds, run,
-                                                        callbacks)
+    state, metrics, trips, work, round_s = _time_rounds(
+        exp, compiled, state, keys, indices, timed_rounds, max(timed_rounds, T), min_seconds,
+        run, callbacks)
     log(f"estimate: {round_s:.4f} s per round ({len(trips)} rounds); compiling and timing one "
         f"evaluation ...")
     first_eval = _time_evaluation(exp, state, T, metrics, run, callbacks)   # compiles
     eval_s = _time_evaluation(exp, state, T, metrics, run, callbacks)
     jax.block_until_ready(state)
-    memory, source = device_memory(exp)
-    return Estimate(
-        name=name or config.method, num_rounds=T, eval_every=config.eval_every,
-        evaluations=num_evaluations(T, config.eval_every), build_s=float(build_s),
+    if held is not None:   # the evaluation keeps its index streams on the device
+        held = dataclasses.replace(held, data=tree_nbytes(jax.tree.leaves(
+            exp.store.device_splits)))
+    memory, source = device_memory(exp, held)
+    return dict(
         compile_s=compile_round + max(0.0, first_eval - eval_s), round_s=round_s,
         eval_s=eval_s, timed_rounds=len(trips), memory_bytes=memory, memory_source=source,
         flops_per_round=_flops(compiled), train_trips=trips,
         work={k: float(np.mean([w[k] for w in work])) for k in work[0]}, backend=exp.backend,
-        devices=exp.placement.devices, replicas=exp.replicas.size, lanes=exp.lanes)
+        devices=exp.placement.devices, replicas=exp.replicas.size, lanes=exp.lanes,
+        round_memory=held)
 
 
 def estimate_run(config: ExperimentConfig, data: Optional[FederatedDataset] = None,
                  timed_rounds: int = DEFAULT_TIMED_ROUNDS, min_seconds: float = DEFAULT_MIN_SECONDS,
                  log: Optional[Callable[[str], None]] = None, replicas=None,
-                 load_s: float = 0.0) -> Estimate:
+                 load_s: float = 0.0, cache: Optional[Dict[str, Estimate]] = None,
+                 data_note: str = "") -> Estimate:
     """Build `config`'s run as :func:`~deltafl_jax.run.runner.run_experiment` does (loading
-    the data unless given, the experiment, the resume fingerprint) and :func:`measure` it.
+    the data unless given, the experiment, the resume fingerprint) and :func:`measure` it
+    (`cache`: as :func:`measure`'s).
     `load_s`: seconds the caller spent before (starting the process and the backend, loading
-    the `data` it passes), counted in build_s.
+    the `data` it passes), counted in build_s. Without `data`, a dataset that is not here
+    but has a known shape is measured on its stand-in
+    (:func:`deltafl_jax.datasets.known_shapes.load_or_stand_in`); `data_note` says so when
+    the caller passes such a stand-in.
     Nothing is written, whatever ``config.output_dir`` says."""
     log = log or (lambda line: None)
     log(f"estimate: building {config.method} ...")
     t0 = time.perf_counter()
-    data = data if data is not None else load_dataset(config.data)
+    if data is None:
+        data, note = load_or_stand_in(config.data)
+        data_note = note or data_note
     exp = build_experiment(config, data, replicas)
     fingerprint = resume.fingerprint(config, exp.data)   # the runner hashes the data before its rounds
     build_s = time.perf_counter() - t0 + load_s
@@ -302,10 +419,11 @@ def estimate_run(config: ExperimentConfig, data: Optional[FederatedDataset] = No
         recorder = Recorder()
         cbs = standard_callbacks(dataclasses.replace(config, output_dir=scratch, verbose=False),
                                  exp, lambda line: None, recorder, None, fingerprint)
-        return measure(exp, build_s, timed_rounds, log, min_seconds=min_seconds,
-                       callbacks=[recorder, *cbs], output_dir=scratch)
+        est = measure(exp, build_s, timed_rounds, log, min_seconds=min_seconds,
+                      callbacks=[recorder, *cbs], output_dir=scratch, cache=cache)
+    return dataclasses.replace(est, data_note=data_note)
 
 
-__all__ = ["Estimate", "WORK_METRICS", "DEFAULT_TIMED_ROUNDS", "DEFAULT_MIN_SECONDS",
-           "round_indices", "measure", "estimate_run", "total_lines", "num_evaluations",
+__all__ = ["Estimate", "RoundMemory", "round_memory", "WORK_METRICS", "DEFAULT_TIMED_ROUNDS", "DEFAULT_MIN_SECONDS",
+           "round_indices", "program_key", "measure", "estimate_run", "total_lines", "num_evaluations",
            "device_memory"]
