@@ -139,18 +139,21 @@ class Footprint:
     clients and one evaluation block instead), the replicas' state (models, the algorithm's
     and the server optimizer's state), the per-client state of an algorithm that keeps one
     (SCAFFOLD's c_k: N x |w| per replica, and the round's per-job results), one round's plan,
-    and the lanes' local models (params, anchor and optimizer state, about 3 copies of one
-    model per lane, and a job context each)."""
+    the lanes' local models (params, anchor and optimizer state, about 3 copies of one
+    model per lane, and a job context each), and the round's updates: one model per (replica,
+    sampled client), kept so that each replica's sum adds its clients in its own order
+    (:func:`deltafl_jax.engine.lanes.finish_order`)."""
 
     data: int
     state: int
     plan: int
     lanes: int
     clients: int = 0
+    updates: int = 0
 
     @property
     def total(self) -> int:
-        return self.data + self.state + self.plan + self.lanes + self.clients
+        return self.data + self.state + self.plan + self.lanes + self.clients + self.updates
 
 
 def tree_nbytes(tree) -> int:
@@ -182,7 +185,8 @@ def compute_footprint(data: FederatedDataset, model: Model, replicas: Replicas,
     return Footprint(data=int(data_bytes(data, place, caps, G)), state=state,
                      plan=4 * G * (2 * caps.eval_len + caps.train_len + 6 * m),
                      lanes=place.lanes * (3 * model_bytes + per_client),
-                     clients=clients + 2 * replicas.size * m * per_client)
+                     clients=clients + 2 * replicas.size * m * per_client,
+                     updates=replicas.size * m * model_bytes)
 
 
 def _mb(n: int) -> str:
@@ -204,7 +208,8 @@ def placement_line(place: Placement, usage: Footprint, data: FederatedDataset, n
             f"{data.test.num_clients} clients)")
     return (f"placement: {place.devices} {running} device(s) x {place.lanes} lane(s) "
             f"({place.lane_mode}{as_on}); per device: {held}, state {_mb(usage.state)}{clients}, "
-            f"round plan {_mb(usage.plan)}, lanes {_mb(usage.lanes)}")
+            f"round plan {_mb(usage.plan)}, lanes {_mb(usage.lanes)}, "
+            f"updates {_mb(usage.updates)} ({num_replicas} replicas x m)")
 
 
 def check_memory(usage: Footprint, devices) -> None:
@@ -217,6 +222,8 @@ def check_memory(usage: Footprint, devices) -> None:
                    "--max_train_clients)", usage.data),
                   ("the replicas (fewer --thetas, --server_lr values or --seeds)", usage.state),
                   ("the per-client state (fewer replicas, or --max_train_clients)", usage.clients),
-                  ("the lanes (--clients_per_step)", usage.lanes), key=lambda kv: kv[1])[0]
+                  ("the lanes (--clients_per_step)", usage.lanes),
+                  ("the round's updates (fewer replicas or --clients_per_round)", usage.updates),
+                  key=lambda kv: kv[1])[0]
     raise ConfigError(f"the run needs about {_mb(usage.total)} per device but "
                       f"{_local(devices)[0].device_kind} has {_mb(limit)}; reduce {biggest}")
