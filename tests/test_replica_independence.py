@@ -94,3 +94,51 @@ def test_fedavg_alone_equals_ditto_global_models(fedavg_alone, tiny_synthetic):
         r = replica(exp, seed=1, param_value=lam)
         for alone, together in zip(fedavg_alone, grid):
             np.testing.assert_array_equal(together[r], alone[0])
+
+
+def test_default_host_devices_is_one_per_usable_core():
+    import os
+    from deltafl_jax.engine.mesh import default_host_devices
+    assert default_host_devices() == len(os.sched_getaffinity(0))
+
+
+def _cli_run(tmp_path, name, devices=None, xla_flags=None):
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if xla_flags:
+        env["XLA_FLAGS"] = xla_flags
+    out = tmp_path / name
+    argv = [sys.executable, "-m", "experiments.run", f"--flagfile={here}/tiny.flags",
+            "--model=mlp", "--clients_per_round=6", f"--output_dir={out}"]
+    proc = subprocess.run(argv + ([f"--devices={devices}"] if devices else []),
+                          capture_output=True, text=True, timeout=900, env=env,
+                          cwd=os.path.dirname(here))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, np.load(out / "rounds.npz"), np.load(out / "clients.npz")
+
+
+LAYOUT = ("device_", "train_trips", "eval_trips", "train_padded", "eval_padded")
+
+
+@pytest.mark.slow   # three end-to-end runs in subprocesses: CI's second step
+def test_a_cpu_run_uses_every_core_by_default_and_equals_one_device(tmp_path):
+    """Without --devices a CPU run splits the host into one device per core (here also 3 fake
+    devices from XLA_FLAGS), and its outputs equal --devices=1 bit for bit: the same models,
+    per-client errors and round metrics, only the per-device work differs."""
+    import os
+    out1, r1, c1 = _cli_run(tmp_path, "one", devices=1)
+    assert "placement: 1 cpu device(s)" in out1, out1
+    cores = len(os.sched_getaffinity(0))
+    for name, flags, count in (("default", None, cores),
+                               ("three", "--xla_force_host_platform_device_count=3", 3)):
+        out, r, c = _cli_run(tmp_path, name, xla_flags=flags)
+        assert f"placement: {count} cpu device(s)" in out, out
+        assert sorted(c.files) == sorted(c1.files)
+        for k in c1.files:
+            np.testing.assert_array_equal(c[k], c1[k], err_msg=k)
+        for k in r1.files:
+            if not k.startswith(LAYOUT):
+                np.testing.assert_array_equal(r[k], r1[k], err_msg=k)

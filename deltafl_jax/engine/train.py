@@ -66,6 +66,9 @@ class LocalSGDConfig(NamedTuple):
     optimizer: (learning_rate, l2) -> the client optimizer, an optax transformation
       (:meth:`deltafl_jax.client_optimizer.ClientOptimizer.transformation`).
     unroll: K, minibatch steps per loop trip (unrolled in the loop body).
+    order_lanes: the lanes by which each replica's sum is ordered (its jobs' order of
+      finishing were it dealt alone to that many lanes, :func:`finish_order`); None: ``lanes``.
+      The same for every device count, so that the sums do not depend on it.
     branchless: run a lane's restart and a finished job's bookkeeping on every step as
       masked selects and masked sums, instead of behind a ``lax.cond`` taken only on the
       steps that need them (a cond costs a device-to-host sync on some accelerators; on
@@ -78,6 +81,7 @@ class LocalSGDConfig(NamedTuple):
     axis: DeviceAxis = SINGLE
     unroll: int = 1
     branchless: bool = False
+    order_lanes: Optional[int] = None
     clip: Optional[float] = None   # C: each job's update clipped to L2 norm C (client-level DP)
     client_update: ClientUpdate = LOCAL_SGD
     optimizer: Callable[[Any, Any], optax.GradientTransformation] = \
@@ -395,7 +399,8 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
         return jax.tree.map(lambda a: a.reshape((R, m) + a.shape[1:]), axis.sum(tree))
 
     # each replica's jobs in their order of finishing were it dealt alone to c lanes
-    order = jax.vmap(lambda s: finish_order(s, cfg.lanes))(jobs.steps.reshape(R, m))
+    order = jax.vmap(lambda s: finish_order(s, cfg.order_lanes or cfg.lanes))(
+        jobs.steps.reshape(R, m))
     update, weight = ordered_sum(per_job((out.update, out.weight)), order)
     return TrainResult(delta_sum=update, weight_sum=weight,
                        job_sqnorm=axis.sum(out.sqnorm).reshape(R, m),

@@ -39,7 +39,9 @@ class Placement:
     lanes (from the model's preferences on this backend, unless the config sets them), the
     local-SGD loop's shape (minibatch steps per while trip, conds or masked selects:
     :func:`deltafl_jax.engine.loop_shape`), and where the clients' examples are kept
-    (``client_data``: "device" or "host")."""
+    (``client_data``: "device" or "host"). ``order_lanes``: the lanes by which each replica's
+    sums are ordered (:func:`deltafl_jax.engine.lanes.finish_order`): those of one device of a
+    one-device run, whatever ``devices`` is (None: ``lanes``)."""
 
     lanes: int
     lane_mode: str
@@ -49,6 +51,7 @@ class Placement:
     unroll: int = 1
     branchless: bool = False
     client_data: str = "device"
+    order_lanes: Optional[int] = None
 
     @property
     def eval_block(self) -> int:
@@ -73,13 +76,15 @@ def choose_placement(config: ExperimentConfig, model: Model, m: int, num_replica
     per_device = (prefs.lanes(m, backend, devices) if backend == "cpu"
                   else min(m, -(-jobs // devices)))
     lanes = min(config.clients_per_step or per_device, jobs)
+    one_device = prefs.lanes(m, backend, 1) if backend == "cpu" else m
     loop = engine.loop_shape(backend)
     return Placement(lanes=lanes, lane_mode=prefs.lane_mode(backend),
                      eval_chunk=config.eval_chunk or prefs.eval_chunk(backend),
                      eval_lanes=1 if backend == "cpu" else max(1, min(num_replicas, 16)),
                      devices=devices, unroll=loop.unroll,
                      branchless=loop.branchless if config.branchless is None
-                     else config.branchless, client_data=client_data)
+                     else config.branchless, client_data=client_data,
+                     order_lanes=min(config.clients_per_step or one_device, m))
 
 
 def split_bytes(data: FederatedDataset) -> int:
