@@ -59,7 +59,7 @@ def start_backend() -> None:
         from deltafl_jax.run import distributed
         distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
                                FLAGS.process_id, FLAGS.distributed_timeout_s)
-    else:   # --devices=D > 1 on a CPU: D host devices
-        from deltafl_jax.engine.mesh import host_device_flags
-        os.environ["XLA_FLAGS"] = host_device_flags(os.environ.get("XLA_FLAGS", ""),
-                                                    FLAGS.devices)
+    else:   # on a CPU: --devices=D host devices; unset, one per core
+        from deltafl_jax.engine.mesh import default_host_devices, host_device_flags
+        devices = FLAGS.devices if FLAGS.devices is not None else default_host_devices()
+        os.environ["XLA_FLAGS"] = host_device_flags(os.environ.get("XLA_FLAGS", ""), devices)

@@ -84,6 +84,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
+# The commands split a CPU host into one device per core unless --devices or XLA_FLAGS choose;
+# the tests run on one host device (the trip counts and layouts they check), and a test that
+# wants more asks for them (its own XLA_FLAGS, last one wins, or --devices).
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=1").strip()
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 

@@ -4,7 +4,10 @@ the per-client errors of the papers' metrics (App. C.2.3).
 Evaluation items are (replica, chunk of `chunk` examples) over the packed example stream of the
 clients, so clients of ragged sizes share chunks and padding stays below one chunk per
 replica. ``lanes`` items run per trip of a ``lax.while_loop`` whose trip count comes from the
-data. Nothing here is jitted: the caller jits the round once.
+data. Each item's sums go to its own row of a [R, items per replica, S + 1] buffer, added up
+after the loop one item at a time in the replica's stream order: a replica's sums depend on its
+own stream only, neither on the other replicas of the program nor on how many devices share
+the items. Nothing here is jitted: the caller jits the round once.
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ class EvalResult(NamedTuple):
 
 class EvalCarry(NamedTuple):
     trip: jax.Array      # [] int32
-    loss_acc: jax.Array  # [R, S + 1]
-    err_acc: jax.Array   # [R, S + 1]
+    loss_acc: jax.Array  # [R, Q, S + 1] each item's sums, by (replica, chunk of its stream)
+    err_acc: jax.Array   # [R, Q, S + 1]
     real: jax.Array      # [] int32
 
 
 def _item_reader(idx, seg, length, stream_of_replica, cum, total_items, chunk, S):
-    """item u -> (replica, example ids [chunk], segments [chunk], valid [chunk])."""
+    """item u -> (replica, its chunk q, example ids [chunk], segments [chunk], valid
+    [chunk])."""
     R = stream_of_replica.shape[0]
     offs = jnp.arange(chunk, dtype=jnp.int32)
 
@@ -52,9 +56,24 @@ def _item_reader(idx, seg, length, stream_of_replica, cum, total_items, chunk, S
         ex = lax.dynamic_slice(idx, (g, start), (1, chunk))[0]
         sg = lax.dynamic_slice(seg, (g, start), (1, chunk))[0]
         valid = in_range & (start + offs < length[g])
-        return r, ex, jnp.where(valid, sg, S), valid
+        return r, q, ex, jnp.where(valid, sg, S), valid   # q past the stream: never summed
 
     return item_io
+
+
+def in_stream_order(items, n_chunks, init=None):
+    """Each replica's items ([R, Q, S + 1] pairs of sums) added one after another in stream
+    order, from `init` ((loss_sum, error_sum), each [R, S]) or zeros: [R, S + 1] each."""
+    R, Q, S1 = items[0].shape
+
+    def add(q, total):
+        live = (q < n_chunks)[:, None]
+        return tuple(jnp.where(live, t + a[:, q], t) for t, a in zip(total, items))
+
+    zeros = jnp.zeros((R, S1), jnp.float32)
+    start = (zeros, zeros) if init is None else tuple(
+        zeros.at[:, :S1 - 1].set(a.astype(jnp.float32)) for a in init)
+    return lax.fori_loop(0, Q, add, start)
 
 
 def evaluate_streams(model: Model, params, *, X, Y, idx, seg, length, stream_of_replica,
@@ -97,21 +116,19 @@ def evaluate_streams(model: Model, params, *, X, Y, idx, seg, length, stream_of_
 
     def body(c: EvalCarry) -> EvalCarry:
         u = c.trip * stride + first + jnp.arange(lanes, dtype=jnp.int32)
-        r, ex, sg, valid = jax.vmap(item_io)(u)
+        r, q, ex, sg, valid = jax.vmap(item_io)(u)
         x = jnp.take(X, ex, axis=0)
         y = jnp.take(Y, ex, axis=0)
         ls, es = run_items(gather_rows(params, r), x, y, sg, valid)
-        return EvalCarry(trip=c.trip + 1, loss_acc=c.loss_acc.at[r].add(ls),
-                         err_acc=c.err_acc.at[r].add(es), real=c.real + jnp.sum(valid))
+        return EvalCarry(trip=c.trip + 1, loss_acc=c.loss_acc.at[r, q].set(ls, mode="drop"),
+                         err_acc=c.err_acc.at[r, q].set(es, mode="drop"),
+                         real=c.real + jnp.sum(valid))
 
-    zeros = jnp.zeros((R, S + 1), jnp.float32)
-    loss0, err0 = zeros, zeros
-    if init is not None:   # carried on the first device only, so that the psum counts it once
-        first_device = axis.index() == 0
-        loss0, err0 = (zeros.at[:, :S].set(jnp.where(first_device, a.astype(jnp.float32), 0.0))
-                       for a in init)
-    start = EvalCarry(jnp.int32(0), loss0, err0, jnp.int32(0))
+    Q = ceil_div(idx.shape[1], chunk)   # the most items of one replica
+    zeros = jnp.zeros((R, Q, S + 1), jnp.float32)
+    start = EvalCarry(jnp.int32(0), zeros, zeros, jnp.int32(0))
     out = lax.while_loop(lambda c: c.trip < trips, body, start)
-    return EvalResult(loss_sum=axis.sum(out.loss_acc)[:, :S],
-                      error_sum=axis.sum(out.err_acc)[:, :S], real_examples=axis.sum(out.real),
+    loss_sum, error_sum = in_stream_order(axis.sum((out.loss_acc, out.err_acc)), n_chunks, init)
+    return EvalResult(loss_sum=loss_sum[:, :S],
+                      error_sum=error_sum[:, :S], real_examples=axis.sum(out.real),
                       padded_examples=axis.sum(trips * lanes * chunk), trips=axis.max(trips))

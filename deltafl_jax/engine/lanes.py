@@ -86,6 +86,38 @@ def deal_jobs(steps, lanes: int) -> LaneDeal:
     return LaneDeal(jobs=jobs, length=length, load=load, trips=jnp.max(load))
 
 
+def finish_order(steps, lanes: int):
+    """The jobs of one replica (steps: [m] int32; 0: no work) in the order in which they
+    finish when they are dealt alone to `lanes` lanes (:func:`deal_jobs`): by the step at
+    which they finish, then by lane; jobs without work last, in slot order. [m] int32.
+
+    The engine adds a replica's finished updates in this order, whatever the other jobs of
+    its program, so that its sums depend on its own jobs only."""
+    m = steps.shape[0]
+    deal = deal_jobs(steps, lanes)
+    real = deal.jobs < m
+    lane_steps = jnp.where(real, steps[jnp.minimum(deal.jobs, m - 1)], 0)
+    end = jnp.cumsum(lane_steps, axis=1, dtype=jnp.int32)                  # [c, Q]
+    lane = jnp.arange(lanes, dtype=jnp.int32)[:, None]
+    big = jnp.iinfo(jnp.int32).max
+    key = jnp.full((m + 1,), big, jnp.int32).at[jnp.where(real, deal.jobs, m)].set(
+        jnp.where(real, end * lanes + lane, big))[:m]
+    return jnp.argsort(key, stable=True).astype(jnp.int32)
+
+
+def ordered_sum(values, order):
+    """sum_k values[r, order[r, k]] for every replica r, added one job at a time in the order
+    given, starting from zeros (values: pytree of [R, m, ...] leaves; order: [R, m])."""
+    R, m = order.shape
+    rows = jnp.arange(R)
+
+    def add(k, total):
+        return jax.tree.map(lambda t, v: t + v[rows, order[:, k]], total, values)
+
+    zeros = jax.tree.map(lambda v: jnp.zeros(v.shape[:1] + v.shape[2:], v.dtype), values)
+    return jax.lax.fori_loop(0, m, add, zeros)
+
+
 def device_share(deal: LaneDeal, device, lanes: int) -> LaneDeal:
     """Device `device`'s lanes [device * lanes, (device + 1) * lanes) of a deal over
     devices x lanes global lanes, with that device's own trip count."""

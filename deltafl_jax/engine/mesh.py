@@ -11,7 +11,8 @@ this is used, and the round is the plain jitted function.
 On a CPU, JAX shows one device for the whole host. :func:`host_device_flags` asks XLA for
 D host devices instead (before the backend starts); each then runs its share of the lanes on
 its own thread, so the cores work on different clients at once (``--devices=D``; measured in
-bench/README.md).
+bench/README.md). The commands ask for one per core unless ``--devices`` is given
+(:func:`default_host_devices`).
 
 Multi-host: every process holds the same replicated values; :func:`replicate` builds global
 arrays from host values, and :func:`to_host` reads a replicated global array on any process.
@@ -20,6 +21,7 @@ arrays from host values, and :func:`to_host` reads a replicated global array on 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Optional
 
 import jax
@@ -59,6 +61,17 @@ class DeviceAxis:
 SINGLE = DeviceAxis()
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def default_host_devices() -> int:
+    """The host devices of a CPU run without ``--devices``: one per core this process may run
+    on. A replica's floats do not depend on the device count (each replica adds its clients
+    in its own order, :func:`deltafl_jax.engine.lanes.finish_order`), so a run on more cores
+    gives the same models bit for bit, sooner."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:   # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def host_device_flags(xla_flags: str, devices: Optional[int]) -> str:

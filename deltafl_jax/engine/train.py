@@ -4,8 +4,12 @@ Jobs are the (replica, client) pairs whose aggregation weight is positive (or ev
 client, for an algorithm whose clients all work: ``runs`` in :func:`train_jobs`); a job that
 the filter dropped costs nothing. :func:`deltafl_jax.engine.lanes.deal_jobs` deals the jobs to
 ``lanes`` lanes; each lane runs its jobs back to back, one minibatch step per trip of a
-``lax.while_loop`` that stops when the busiest lane is done. Finished jobs add
-a_j u_j to their replica's sum (if finite), which the server update then averages.
+``lax.while_loop`` that stops when the busiest lane is done. A finished job keeps a_j u_j
+(0 if not finite) in its slot of a [J, ...] buffer; after the loop each replica's sum, which
+the server update then averages, adds its jobs one at a time in the order in which they would
+finish were the replica dealt alone to the lanes (:func:`~deltafl_jax.engine.lanes.finish_order`):
+the sum of a replica depends on its own jobs only, neither on the other replicas of its program
+nor on the number of devices.
 
 What a client does is its algorithm's :class:`~deltafl_jax.engine.client.ClientUpdate`
 (fedjax's ``for_each_client``): when a lane starts a job it calls ``init`` (from w_t of the
@@ -32,7 +36,7 @@ from jax import lax
 
 from deltafl_jax.client_optimizer import ClientOptimizer
 from deltafl_jax.engine.client import LOCAL_SGD, ClientJob, ClientUpdate
-from deltafl_jax.engine.lanes import LaneTimeline, per_lane
+from deltafl_jax.engine.lanes import LaneTimeline, finish_order, ordered_sum, per_lane
 from deltafl_jax.engine.mesh import SINGLE, DeviceAxis
 from deltafl_jax.engine.trees import gather_rows, select_tree, tree_all_finite, tree_sqnorm
 from deltafl_jax.models import Model
@@ -62,6 +66,9 @@ class LocalSGDConfig(NamedTuple):
     optimizer: (learning_rate, l2) -> the client optimizer, an optax transformation
       (:meth:`deltafl_jax.client_optimizer.ClientOptimizer.transformation`).
     unroll: K, minibatch steps per loop trip (unrolled in the loop body).
+    order_lanes: the lanes by which each replica's sum is ordered (its jobs' order of
+      finishing were it dealt alone to that many lanes, :func:`finish_order`); None: ``lanes``.
+      The same for every device count, so that the sums do not depend on it.
     branchless: run a lane's restart and a finished job's bookkeeping on every step as
       masked selects and masked sums, instead of behind a ``lax.cond`` taken only on the
       steps that need them (a cond costs a device-to-host sync on some accelerators; on
@@ -74,6 +81,7 @@ class LocalSGDConfig(NamedTuple):
     axis: DeviceAxis = SINGLE
     unroll: int = 1
     branchless: bool = False
+    order_lanes: Optional[int] = None
     clip: Optional[float] = None   # C: each job's update clipped to L2 norm C (client-level DP)
     client_update: ClientUpdate = LOCAL_SGD
     optimizer: Callable[[Any, Any], optax.GradientTransformation] = \
@@ -113,8 +121,8 @@ class LaneCarry(NamedTuple):
 
     trip: jax.Array        # [] int32, loop trips done (each runs `unroll` steps)
     step: Any              # [c, ...] the lanes' step states (the client update's own)
-    delta_sum: Params      # [R, ...]
-    weight_sum: jax.Array  # [R]
+    update: Params         # [J, ...] a_j u_j of each finished, finite job (else 0)
+    weight: jax.Array      # [J] a_j of the same jobs
     sqnorm: jax.Array      # [J]
     finite: jax.Array      # [J] bool
     real: jax.Array        # [] int32 examples trained
@@ -262,13 +270,13 @@ class _LaneProgram:
         return LaneSchedule(job=js, replica=r, fresh=fresh, done=done, ex=ex, valid=valid)
 
     def finish(self, carry, js, r, done):
-        """Finished jobs add a_j u_j to their replica's sum when finite. Only the sums go
-        through the ``lax.cond``: a lane's step state passed through it would be copied on
-        every step that the cond skips."""
+        """Finished jobs keep a_j u_j (0 when not finite) and a_j in their slots. Only the
+        buffers go through the ``lax.cond``: a lane's step state passed through it would be
+        copied on every step that the cond skips."""
         c, J = self.c, self.J
 
         def taken(acc):
-            delta_sum, weight_sum, sqnorm, finite, job_state, job_output, clipped = acc
+            update, weight, sqnorm, finite, job_state, job_output, clipped = acc
             new_state, delta, output = self.end_jobs(carry.step, js, r)
             slot = jnp.where(done, js, J)
             if self.clip is not None:   # client-level DP: clip before the update is summed
@@ -277,22 +285,22 @@ class _LaneProgram:
             ok = jax.vmap(tree_all_finite)(delta) & done
             coef = jnp.where(ok, self.jobs.weight[js], 0.0)
 
-            def add(total, d):
+            def weighted(d):
                 d = jnp.where(ok.reshape((c,) + (1,) * (d.ndim - 1)), d, 0.0)
-                return total.at[r].add(coef.reshape((c,) + (1,) * (d.ndim - 1)) * d)
+                return coef.reshape((c,) + (1,) * (d.ndim - 1)) * d
 
             def put(buf, v):
                 return buf.at[slot].set(v.astype(buf.dtype), mode="drop")
 
-            return (jax.tree.map(add, delta_sum, delta), weight_sum.at[r].add(coef),
+            return (jax.tree.map(put, update, jax.tree.map(weighted, delta)), put(weight, coef),
                     sqnorm.at[slot].set(jax.vmap(tree_sqnorm)(delta), mode="drop"),
                     finite.at[slot].set(ok, mode="drop"), jax.tree.map(put, job_state, new_state),
                     jax.tree.map(put, job_output, output), clipped)
 
-        acc = (carry.delta_sum, carry.weight_sum, carry.sqnorm, carry.finite, carry.job_state,
+        acc = (carry.update, carry.weight, carry.sqnorm, carry.finite, carry.job_state,
                carry.job_output, carry.clipped)
         acc = self.when(done, taken, acc)
-        return carry._replace(delta_sum=acc[0], weight_sum=acc[1], sqnorm=acc[2],
+        return carry._replace(update=acc[0], weight=acc[1], sqnorm=acc[2],
                               finite=acc[3], job_state=acc[4], job_output=acc[5],
                               clipped=acc[6])
 
@@ -338,15 +346,15 @@ class _LaneProgram:
 
     def init(self) -> LaneCarry:
         """Every lane starts its first job."""
-        R = self.lr.shape[0]
         js0 = self.timeline.job_of(jnp.zeros((self.c,), jnp.int32))
         r0 = self.jobs.replica[js0]
         step = self.start_jobs(js0, r0)
         job_state, job_output = self.job_buffers(step, js0, r0)
         return LaneCarry(
             trip=jnp.int32(0), step=step,
-            delta_sum=jax.tree.map(jnp.zeros_like, self.params),
-            weight_sum=jnp.zeros((R,), jnp.float32), sqnorm=jnp.zeros((self.J,), jnp.float32),
+            update=jax.tree.map(lambda p: jnp.zeros((self.J,) + p.shape[1:], p.dtype),
+                                self.params),
+            weight=jnp.zeros((self.J,), jnp.float32), sqnorm=jnp.zeros((self.J,), jnp.float32),
             finite=jnp.zeros((self.J,), bool), real=jnp.int32(0),
             job_state=job_state, job_output=job_output,
             clipped=jnp.zeros((self.J,), bool) if self.clip is not None else None)
@@ -390,7 +398,11 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
     def per_job(tree):   # [J, ...] partial per device -> [R, m, ...]
         return jax.tree.map(lambda a: a.reshape((R, m) + a.shape[1:]), axis.sum(tree))
 
-    return TrainResult(delta_sum=axis.sum(out.delta_sum), weight_sum=axis.sum(out.weight_sum),
+    # each replica's jobs in their order of finishing were it dealt alone to c lanes
+    order = jax.vmap(lambda s: finish_order(s, cfg.order_lanes or cfg.lanes))(
+        jobs.steps.reshape(R, m))
+    update, weight = ordered_sum(per_job((out.update, out.weight)), order)
+    return TrainResult(delta_sum=update, weight_sum=weight,
                        job_sqnorm=axis.sum(out.sqnorm).reshape(R, m),
                        job_finite=axis.sum(out.finite.astype(jnp.int32)).reshape(R, m) > 0,
                        job_trained=(jobs.steps > 0).reshape(R, m),

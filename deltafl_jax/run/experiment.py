@@ -280,6 +280,7 @@ def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh
     local = engine.LocalSGDConfig(batch_size=config.batch_size, lanes=place.lanes,
                                   lane_mode=place.lane_mode, unroll=place.unroll,
                                   branchless=place.branchless, axis=axis,
+                                  order_lanes=place.order_lanes,
                                   clip=config.privacy.initial_clip,
                                   optimizer=config.client.transformation)
     privacy = config.privacy

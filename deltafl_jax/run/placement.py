@@ -46,7 +46,9 @@ class Placement:
     lanes (from the model's preferences on this backend, unless the config sets them), the
     local-SGD loop's shape (minibatch steps per while trip, conds or masked selects:
     :func:`deltafl_jax.engine.loop_shape`), and where the clients' examples are kept
-    (``client_data``: "device" or "host")."""
+    (``client_data``: "device" or "host"). ``order_lanes``: the lanes by which each replica's
+    sums are ordered (:func:`deltafl_jax.engine.lanes.finish_order`): those of one device of a
+    one-device run, whatever ``devices`` is (None: ``lanes``)."""
 
     lanes: int
     lane_mode: str
@@ -56,6 +58,7 @@ class Placement:
     unroll: int = 1
     branchless: bool = False
     client_data: str = "device"
+    order_lanes: Optional[int] = None
 
     @property
     def eval_block(self) -> int:
@@ -80,13 +83,15 @@ def choose_placement(config: ExperimentConfig, model: Model, m: int, num_replica
     per_device = (prefs.lanes(m, backend, devices) if backend == "cpu"
                   else min(m, -(-jobs // devices)))
     lanes = min(config.clients_per_step or per_device, jobs)
+    one_device = prefs.lanes(m, backend, 1) if backend == "cpu" else m
     loop = engine.loop_shape(backend)
     return Placement(lanes=lanes, lane_mode=prefs.lane_mode(backend),
                      eval_chunk=config.eval_chunk or prefs.eval_chunk(backend),
                      eval_lanes=1 if backend == "cpu" else max(1, min(num_replicas, 16)),
                      devices=devices, unroll=loop.unroll,
                      branchless=loop.branchless if config.branchless is None
-                     else config.branchless, client_data=client_data)
+                     else config.branchless, client_data=client_data,
+                     order_lanes=min(config.clients_per_step or one_device, m))
 
 
 def split_bytes(data: FederatedDataset) -> int:
@@ -146,18 +151,21 @@ class Footprint:
     clients and one evaluation block instead), the replicas' state (models, the algorithm's
     and the server optimizer's state), the per-client state of an algorithm that keeps one
     (SCAFFOLD's c_k: N x |w| per replica, and the round's per-job results), one round's plan,
-    and the lanes' local models (params, anchor and optimizer state, about 3 copies of one
-    model per lane, and a job context each)."""
+    the lanes' local models (params, anchor and optimizer state, about 3 copies of one
+    model per lane, and a job context each), and the round's updates: one model per (replica,
+    sampled client), kept so that each replica's sum adds its clients in its own order
+    (:func:`deltafl_jax.engine.lanes.finish_order`)."""
 
     data: int
     state: int
     plan: int
     lanes: int
     clients: int = 0
+    updates: int = 0
 
     @property
     def total(self) -> int:
-        return self.data + self.state + self.plan + self.lanes + self.clients
+        return self.data + self.state + self.plan + self.lanes + self.clients + self.updates
 
 
 def tree_nbytes(tree) -> int:
@@ -189,7 +197,8 @@ def compute_footprint(data: FederatedDataset, model: Model, replicas: Replicas,
     return Footprint(data=int(data_bytes(data, place, caps, G)), state=state,
                      plan=4 * G * (2 * caps.eval_len + caps.train_len + 6 * m),
                      lanes=place.lanes * (3 * model_bytes + per_client),
-                     clients=clients + 2 * replicas.size * m * per_client)
+                     clients=clients + 2 * replicas.size * m * per_client,
+                     updates=replicas.size * m * model_bytes)
 
 
 def _mb(n: int) -> str:
@@ -211,7 +220,8 @@ def placement_line(place: Placement, usage: Footprint, data: FederatedDataset, n
             f"{data.test.num_clients} clients)")
     return (f"placement: {place.devices} {running} device(s) x {place.lanes} lane(s) "
             f"({place.lane_mode}{as_on}); per device: {held}, state {_mb(usage.state)}{clients}, "
-            f"round plan {_mb(usage.plan)}, lanes {_mb(usage.lanes)}")
+            f"round plan {_mb(usage.plan)}, lanes {_mb(usage.lanes)}, "
+            f"updates {_mb(usage.updates)} ({num_replicas} replicas x m)")
 
 
 def check_memory(usage: Footprint, devices) -> None:
@@ -224,7 +234,9 @@ def check_memory(usage: Footprint, devices) -> None:
                    "--max_train_clients)", usage.data),
                   ("the replicas (fewer --thetas, --server_lr values or --seeds)", usage.state),
                   ("the per-client state (fewer replicas, or --max_train_clients)", usage.clients),
-                  ("the lanes (--clients_per_step)", usage.lanes), key=lambda kv: kv[1])[0]
+                  ("the lanes (--clients_per_step)", usage.lanes),
+                  ("the round's updates (fewer replicas or --clients_per_round)", usage.updates),
+                  key=lambda kv: kv[1])[0]
     raise ConfigError(f"the run needs about {_mb(usage.total)} per device but "
                       f"{_local(devices)[0].device_kind} has {_mb(limit)}; reduce {biggest}")
 
