@@ -26,10 +26,16 @@ needs_torch = pytest.mark.skipif(
            "pip install -e '.[bench]'")
 
 
-def run_json(args, tmp_path, name):
+def run_json(args, tmp_path, name, host_devices=None):
+    """Run a bench entry point into tmp_path; `host_devices`: the CPU host split into that many
+    devices (the tests run on one unless a test asks, tests/conftest.py)."""
     out = tmp_path / f"{name}.json"
+    env = dict(os.environ)
+    if host_devices:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
+                            + f" --xla_force_host_platform_device_count={host_devices}").strip()
     proc = subprocess.run([sys.executable, "-m"] + args + [f"--out={out}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -129,7 +135,7 @@ def test_peers_smoke_engine_side(tmp_path):
     """The engine half of bench/peers.py (no peer venv: --peers is empty)."""
     res = run_json(["bench.peers", "--peers=", "--models=linear", "--clients=3",
                     "--num_clients=8", "--rounds=1", "--gemm_n=256",
-                    f"--cache_dir={tmp_path / 'cache'}"], tmp_path, "peers")
+                    f"--cache_dir={tmp_path / 'cache'}"], tmp_path, "peers", host_devices=2)
     row = res["models"]["linear"]
     assert set(row["s_per_round"]) == {"engine_fedavg", "engine_deltafl_0.5",
                                        "engine_fedavg_2dev", "engine_deltafl_0.5_2dev"}
