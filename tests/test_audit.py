@@ -28,6 +28,7 @@ def test_clopper_pearson_and_the_bound_from_the_rates():
     assert math.log(50) - 0.1 < e < math.log(50)
 
 
+@pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 def test_the_audit_stays_below_the_reported_epsilon_and_finds_the_canary_without_noise():
     setting = audit.CanaryAudit()          # N = 50, q = 0.2, 3 rounds, z = 1, delta = 1e-5
     lower, reported = audit.run_audit(setting, noise=True)

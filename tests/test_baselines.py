@@ -104,6 +104,7 @@ def test_fedprox_equals_numpy(tiny_synthetic):
         assert np.max(np.abs(W - W0)) > 100 * ATOL  # the proximal term mattered
 
 
+@pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 def test_fedprox_mu_zero_is_fedavg_bit_for_bit(tiny_synthetic):
     for lanes in (1, 3):
         prox = build_experiment(tiny_config(algorithm="fedprox", fedprox_mu=(0.0,), thetas=(),

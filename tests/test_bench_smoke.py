@@ -151,6 +151,7 @@ def test_peers_smoke_engine_side(tmp_path):
     assert os.path.exists(tmp_path / "cache" / "data")
 
 
+@pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 def test_paper_grid_toy_json_adds_up(tmp_path):
     """bench.paper_grid at toy size: the flagfile's workload shrunk (emnist_linear.flags: 4
     thetas x 5 seeds, m = 100, 3000 rounds, every 50), its JSON's fields, and its whole-run

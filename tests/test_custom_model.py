@@ -131,6 +131,7 @@ TINY = ["--dataset=synthetic", "--synthetic_num_clients=24", "--synthetic_max_ex
         "--tensorboard=no"]
 
 
+@pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 def test_the_readmes_recipe_trains_through_experiments_run(tmp_path, capsys):
     path = tmp_path / "my_models.py"
     path.write_text(readme_recipe())

@@ -111,6 +111,7 @@ def _assert_same(a, b):
         assert list(sa.client_ids) == list(sb.client_ids)
 
 
+@pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 def test_concurrent_preparations_both_succeed(tmp_path):
     # 369 roles: a preparation takes a few seconds, long enough for the two to overlap (before
     # the fix, the second one failed renaming onto the first one's finished directory).

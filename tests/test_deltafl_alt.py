@@ -24,6 +24,7 @@ def leaves_equal(a, b):
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+@pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 @pytest.mark.parametrize("filter,lanes", [("exact", 1), ("exact", 3), ("reference", 2)])
 def test_eta_every_one_is_deltafl_bit_for_bit(tiny_synthetic, filter, lanes):
     kw = dict(thetas=(1.0, 0.5, 0.2), seeds=(1, 2), l2_reg=1e-3, filter=filter,

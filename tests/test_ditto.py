@@ -98,6 +98,7 @@ def test_three_rounds_equal_the_papers_algorithm(tiny_synthetic, weighting, lane
     check_against_reference(exp, state, tiny_synthetic, weighting, lambda lab: 1.0)
 
 
+@pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 def test_ditto_over_deltafl_updates_every_sampled_personal_model(tiny_synthetic):
     """theta = 0.5: only the tail's global updates are averaged, but every sampled client
     steps its personal model."""

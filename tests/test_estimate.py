@@ -327,6 +327,7 @@ def test_estimate_sizes_a_poisson_plan_from_its_cap(tiny_synthetic, name):
     _check_round_memory(exp, est)
 
 
+@pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 def test_a_program_measured_once_is_reused(tiny_synthetic):
     """measure(cache=...): the same program again (another name, another number of rounds)
     reuses the measured figures and only its own build time and rounds; a program of another

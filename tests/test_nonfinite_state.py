@@ -196,6 +196,7 @@ def test_ditto_at_a_huge_lambda_is_counted_named_and_marked(tiny_synthetic):
     assert "diverged" not in result.summary and np.asarray(result.state.active).all()
 
 
+@pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 def test_stop_on_divergence_stops_a_replica_whose_state_is_not_finite(tiny_synthetic):
     # one client lane: the good replica's clients are dealt alike whether or not the other's
     # work (as test_divergence's bit-for-bit comparison)

@@ -154,6 +154,7 @@ def test_summaries_and_the_worst_ten_percent(fedavg_run):
     np.testing.assert_allclose(worst_mean(np.arange(15.0)[None]), [(14 + 0.5 * 13) / 1.5])
 
 
+@pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 def test_training_clients_are_served_their_personal_models(tmp_path, capsys):
     out = tmp_path / "ditto"
     code, err, _ = run_runner(["--dataset=synthetic", "--synthetic_num_clients=12",

@@ -7,6 +7,7 @@ import os
 import types
 
 import numpy as np
+import pytest
 
 from conftest import run_runner
 from deltafl_jax.replicas import ReplicaLabel
@@ -56,6 +57,7 @@ def test_a_model_without_classes_is_summarised_as_losses():
     assert logged[0].splitlines()[0] == "Final per-client test error (mean over seeds):"
 
 
+@pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 def test_the_toy_and_scaffold_runs_say_so(tmp_path, capsys):
     toy = os.path.join(REPO, "experiments", "toy_gaussians.flags")
     code, err, out = run_runner([f"--flagfile={toy}", "--num_rounds=2", "--eval_every=2",

@@ -59,6 +59,7 @@ def close_arrays(a, b, what):
             np.testing.assert_array_equal(a[k], b[k], err_msg=f"{what}:{k}")
 
 
+@pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 def test_a_run_checkpointed_before_the_change_continues_to_the_uninterrupted_run(tmp_path,
                                                                                   capsys):
     saved = _saved_fingerprint()

@@ -93,6 +93,7 @@ def test_theta_one_is_fedavg_bit_for_bit(tiny_synthetic):
         assert np.array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 def test_replica_vmap_equals_separate_runs(tiny_synthetic):
     thetas, seeds = (1.0, 0.5, 0.2), (1, 2)
     joint = build_experiment(tiny_config(thetas=thetas, seeds=seeds, clients_per_step=1),
@@ -153,6 +154,7 @@ def test_jitted_round_equals_unjitted_and_round_two_does_not_recompile(tiny_synt
     assert int(s_jit.round) == 4
 
 
+@pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 def test_unrolled_lanes_equal_vmapped_lanes(tiny_synthetic):
     cfg = tiny_config(thetas=(1.0, 0.4), seeds=(1, 2), clients_per_step=3)
     exp = build_experiment(cfg, tiny_synthetic)

@@ -120,6 +120,7 @@ def test_smoothed_round_equals_numpy(tiny_synthetic):
     assert 0 < int(np.min(hist[-1]["num_selected"])) < 6
 
 
+@pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 def test_smoothed_full_participation_is_gradient_descent_to_a_stationary_point(tiny_synthetic):
     """Prop. 4 (a), (c), (d) with nu = 2 delta theta: all N clients every round (m = N), one
     full-batch local step (a gradient step on F_{theta,nu}, by Danskin), a strongly convex
