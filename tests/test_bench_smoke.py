@@ -253,6 +253,15 @@ def peer_cache_with(name, tmp_path):
     return cache
 
 
+def peer_row(peer, tmp_path):
+    """bench.peers' linear row for `peer` and the engine: 3 of 8 clients, one timed round."""
+    cache = peer_cache_with(peer, tmp_path)
+    res = run_json(["bench.peers", f"--peers={peer}", "--models=linear", "--clients=3",
+                    "--num_clients=8", "--rounds=1", "--engine_devices=1", "--gemm_n=256",
+                    f"--cache_dir={cache}"], tmp_path, "peers")
+    return res["models"]["linear"]
+
+
 @pytest.mark.slow
 def test_peers_smoke_drjax_agrees_with_engine(tmp_path):
     """The DrJAX peer's first round equals the engine's FedAvg (checked inside bench/peers.py)
@@ -260,11 +269,7 @@ def test_peers_smoke_drjax_agrees_with_engine(tmp_path):
     from bench.common import femnist_like_sizes
     from deltafl_jax.plan import sample_clients
 
-    cache = peer_cache_with("drjax", tmp_path)
-    res = run_json(["bench.peers", "--peers=drjax", "--models=linear", "--clients=3",
-                    "--num_clients=8", "--rounds=1", "--engine_devices=1", "--gemm_n=256",
-                    f"--cache_dir={cache}"], tmp_path, "peers")
-    row = res["models"]["linear"]
+    row = peer_row("drjax", tmp_path)
     assert set(row["s_per_round"]) == {"drjax_fedavg", "engine_fedavg", "engine_deltafl_0.5"}
     check = row["peer_checks"]["drjax"]
     assert check["agrees"] and check["max_abs_diff"] <= 1e-5
@@ -285,11 +290,7 @@ def test_peers_smoke_fedjax(tmp_path):
     from bench.common import femnist_like_sizes
     from deltafl_jax.plan import sample_clients
 
-    cache = peer_cache_with("fedjax", tmp_path)
-    res = run_json(["bench.peers", "--peers=fedjax", "--models=linear", "--clients=3",
-                    "--num_clients=8", "--rounds=1", "--engine_devices=1", "--gemm_n=256",
-                    f"--cache_dir={cache}"], tmp_path, "peers")
-    row = res["models"]["linear"]
+    row = peer_row("fedjax", tmp_path)
     assert set(row["s_per_round"]) == {"fedjax_fedavg", "engine_fedavg", "engine_deltafl_0.5"}
     assert row["s_per_round"]["fedjax_fedavg"] > 0 and row["peer_checks"] == {}
     chosen = femnist_like_sizes(8, seed=0)[sample_clients(1, 1, 8, 3)]   # round t = 1
