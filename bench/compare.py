@@ -40,6 +40,8 @@ flags.DEFINE_integer("warmup", 1, "untimed rounds first (compilation)")
 flags.DEFINE_float("theta", 0.5, "conformity level")
 flags.DEFINE_list("methods", ["engine", "torch", "jax_loop"], "what to time")
 flags.DEFINE_integer("clients_per_step", None, "engine lanes (default: the backend's)")
+flags.DEFINE_string("torch_device", "cpu", "where the PyTorch loop runs: cpu, or cuda for the "
+                    "GPU column (each round copies its clients' data there, inside the clock)")
 flags.DEFINE_bool("json", False, "also print the whole JSON on stdout")
 flags.DEFINE_string("out", None, "write the JSON here (default the git-ignored "
                     "bench/out/compare_<model>_<backend>.json)")
@@ -80,7 +82,7 @@ def make_torch(model_name, num_classes=62):
             nn.Flatten(), nn.Linear(7 * 7 * 64, num_classes))
     else:
         net = nn.Linear(784, num_classes)
-    return net
+    return net.to(FLAGS.torch_device)
 
 
 def torch_round(net, data, clients, theta, rng):
@@ -90,10 +92,11 @@ def torch_round(net, data, clients, theta, rng):
     B = batch_size(FLAGS.model)
     global_state = {k: v.clone() for k, v in net.state_dict().items()}
     xs, ys = [], []
+    dev = FLAGS.torch_device
     for k in clients:
         x, y = data.train.client(int(k))
-        xs.append(torch.from_numpy(x.reshape(len(x), -1).astype(np.float32) / 255.0))
-        ys.append(torch.from_numpy(y.astype(np.int64)))
+        xs.append(torch.from_numpy(x.reshape(len(x), -1).astype(np.float32) / 255.0).to(dev))
+        ys.append(torch.from_numpy(y.astype(np.int64)).to(dev))
     losses = []
     with torch.no_grad():
         for x, y in zip(xs, ys):
@@ -106,7 +109,7 @@ def torch_round(net, data, clients, theta, rng):
         net.load_state_dict(global_state)
         opt = torch.optim.SGD(net.parameters(), lr=LR)
         x, y = xs[slot], ys[slot]
-        order = torch.from_numpy(rng.permutation(len(y)))
+        order = torch.from_numpy(rng.permutation(len(y))).to(FLAGS.torch_device)
         for s in range(0, len(y), B):
             idx = order[s:s + B]
             opt.zero_grad()
@@ -118,6 +121,8 @@ def torch_round(net, data, clients, theta, rng):
                 acc[k] += pi[slot] * (v - global_state[k])
         total += pi[slot]
     net.load_state_dict({k: global_state[k] + acc[k] / total for k in global_state})
+    if FLAGS.torch_device.startswith("cuda"):
+        torch.cuda.synchronize()   # the round ends when the GPU's queued work does
     return int(np.sum(pi > 0)), trained
 
 
@@ -294,6 +299,7 @@ def main(argv):
     result = {"model": FLAGS.model, "backend": jax.default_backend(), "machine": machine(),
               "date": time.strftime("%Y-%m-%d"), "loadavg": os.getloadavg(), "theta": FLAGS.theta, "m": FLAGS.clients,
               "batch_size": batch_size(FLAGS.model), "rounds_timed": FLAGS.rounds,
+              "torch_device": FLAGS.torch_device if "torch" in FLAGS.methods else None,
               "engine_s_per_round": med.get("engine"),
               "torch_loop_s_per_round": med.get("torch"),
               "jax_loop_s_per_round": med.get("jax_loop"),
