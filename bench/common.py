@@ -16,6 +16,7 @@ of :mod:`deltafl_jax.datasets.shakespeare`, the GloVe ids and table of
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import statistics
@@ -256,16 +257,51 @@ class CompileTimer:
 
 
 def forward_flops_per_example(model) -> float:
-    """FLOPs of one example's forward pass, from XLA's cost analysis of the model alone."""
+    """FLOPs of one example's forward pass: 2 x the multiply-adds of its matrix products and
+    convolutions (:func:`jaxpr_matmul_flops`), a scan's body counted once per step. Counted
+    from the program, not from XLA's cost analysis of the compiled model, which counts a while
+    loop's body once (a recurrent model's one character, not its sequence) and, on a GPU, no
+    convolution at all (they compile to library calls)."""
     import jax
     import jax.numpy as jnp
 
     params = model.init(jax.random.key(0))
     x = jnp.zeros((64,) + tuple(model.example_shape), model.input_dtype)
-    cost = jax.jit(model.apply).lower(params, x).compile().cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0]
-    return float(cost["flops"]) / 64
+    return jaxpr_matmul_flops(jax.make_jaxpr(model.apply)(params, x).jaxpr) / 64
+
+
+def _sub_jaxprs(params):
+    """The jaxprs a higher-order primitive holds in its params (closed or open)."""
+    for v in params.values():
+        for j in (v if isinstance(v, (tuple, list)) else (v,)):
+            inner = getattr(j, "jaxpr", j)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def jaxpr_matmul_flops(jaxpr) -> float:
+    """2 x the multiply-adds of every dot_general and conv_general_dilated in `jaxpr`, through
+    nested calls; a scan's body times its length, a cond's costliest branch. Elementwise work
+    is not counted."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name, p = eqn.primitive.name, eqn.params
+        out = math.prod(eqn.outvars[0].aval.shape) if eqn.outvars else 0
+        if name == "dot_general":
+            (lhs_c, _), _ = p["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2.0 * out * math.prod(lhs[i] for i in lhs_c)
+        elif name == "conv_general_dilated":
+            rhs = eqn.invars[1].aval.shape
+            spec = p["dimension_numbers"].rhs_spec   # (out features, in features, spatial...)
+            total += 2.0 * out * rhs[spec[1]] * math.prod(rhs[i] for i in spec[2:])
+        elif name == "scan":
+            total += p["length"] * jaxpr_matmul_flops(p["jaxpr"].jaxpr)
+        elif name == "cond":
+            total += max(jaxpr_matmul_flops(b.jaxpr) for b in p["branches"])
+        else:
+            total += sum(jaxpr_matmul_flops(j) for j in _sub_jaxprs(p))
+    return total
 
 
 def gemm_peak_gflops(n: int = 2048, repeats: int = 5) -> float:

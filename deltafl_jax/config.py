@@ -135,8 +135,9 @@ class Placement:
         "auto", "device | host | auto: keep the clients' examples on every device, or on the "
         "host and ship each round's sampled clients; auto: device while both splits fit in a "
         "quarter of a device's memory")
-    conv_impl: Optional[str] = setting(None, "cnn convolutions: im2col_wgrad (CPU) | xla; "
-                                       "unset: by backend", kind="string")
+    conv_impl: Optional[str] = setting(
+        None, "cnn convolutions: im2col_wgrad (CPU, GPU) | im2col | xla (TPU); unset: by "
+        "backend", kind="string")
 
 
 @dataclasses.dataclass(frozen=True)
