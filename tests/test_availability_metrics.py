@@ -343,3 +343,82 @@ def test_a_runs_metrics_and_summary_hold_the_split(tiny_synthetic, tmp_path, mon
         for name, v in want.items():
             assert values[name] == pytest.approx(float(v[r]), nan_ok=True), name
             assert last[r][name] == pytest.approx(float(v[r]), nan_ok=True), name
+
+
+# --------------------------------------------------------------------------------------------
+# The report's figure
+
+
+def hand_made_final(summary, families, shift):
+    """summary.json's "final" with a hand-made split: replica (theta, seed) of quintile j has
+    error `stat` = 0.1 j + offset(stat) + 0.01 seed + shift + 0.2 (theta < 1), mean rate 0.1 j."""
+    offsets = {"mean": 0.0, "p90": 0.05, "worst10": 0.08}
+    final = {}
+    for lab in summary["replicas"]:
+        key = lab.get("key") or f"theta={lab['theta']:g}_seed={lab['seed']}"
+        row = {}
+        for fam in families:
+            for j in range(1, 6):
+                for stat, off in offsets.items():
+                    row[f"{fam}_avail_q{j}_error_{stat}"] = (
+                        0.1 * j + off + 0.01 * lab["seed"] + shift
+                        + 0.2 * (lab["theta"] < 1.0))
+                row[f"{fam}_avail_q{j}_rate_mean"] = 0.1 * j
+        final[key] = row
+    return final
+
+
+def test_the_report_draws_the_error_against_availability(tmp_path):
+    from deltafl_jax import report
+    from deltafl_jax.outputs import RunReader, RunWriter
+    from deltafl_jax.report.figures import method_styles
+    from tests.test_figures import fake_run
+    root = tmp_path / "runs"
+    for name, algorithm, param, values, shift in (("delta", "deltafl", None, (1.0, 0.5), 0.0),
+                                                  ("prox", "fedprox", "fedprox_mu", (0.1,),
+                                                   0.03)):
+        path = fake_run(root / name, algorithm, param, values)
+        reader = RunReader(path)
+        summary = {k: v for k, v in reader.summary().items() if k != "schema_version"}
+        keys = reader.keys()
+        final = hand_made_final(summary, ("test", "seen"), shift)
+        summary["final"] = dict(zip(keys, final.values()))
+        RunWriter(path).write_summary(summary)
+    runs, skipped = report.load([str(root)])
+    assert skipped == []
+    got = report.write_report(runs, str(tmp_path / "out"), dpi=40)
+    name = "availability_error_synthetic_linear.png"
+    assert name in got["drawn"] and os.path.exists(tmp_path / "out" / name)
+    fig = got["drawn"][name]
+    panels = [ax for ax in fig.axes if ax.get_visible() and ax.get_title()]
+    assert [ax.get_title().replace("\n", " ") for ax in panels] == [
+        f"{who}: {stat}" for who in ("test devices", "seen clients (held-out data)")
+        for stat in ("mean", "p90", "worst 10%")]
+    order = ["FedAvg [delta]", "Δ-FL, θ = 0.5 [delta]", "FedProx, μ = 0.1 [prox]"]
+    styles = method_styles(order)
+    # each line: the hand-made values' mean over seeds 1 and 2 (0.015), per quintile
+    want = {"FedAvg [delta]": 0.015, "Δ-FL, θ = 0.5 [delta]": 0.215,
+            "FedProx, μ = 0.1 [prox]": 0.045}
+    for ax, off in zip(panels, [0.0, 0.05, 0.08] * 2):
+        lines = ax.get_lines()
+        assert [ln.get_label() for ln in lines] == order
+        for ln in lines:
+            assert ln.get_color() == styles[ln.get_label()].color
+            np.testing.assert_allclose(ln.get_xdata(), [1, 2, 3, 4, 5])
+            np.testing.assert_allclose(ln.get_ydata(),
+                                       0.1 * np.arange(1, 6) + off + want[ln.get_label()])
+    FigureCanvas(fig)
+    for ax in panels[3:]:    # the lowest row: the quintiles, each with its mean rate
+        assert [t.get_text() for t in ax.get_xticklabels()] == [
+            f"q{j}\n{0.1 * j:.3g}" for j in range(1, 6)]
+    # a run without the split draws no such figure
+    plain = tmp_path / "plain"
+    fake_run(plain / "delta", "deltafl", None, (1.0, 0.5))
+    runs, _ = report.load([str(plain)])
+    assert not any(k.startswith("availability_")
+                   for k in report.write_report(runs, str(tmp_path / "out2"), dpi=40)["drawn"])
+
+
+def FigureCanvas(fig):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(fig).draw()
