@@ -124,8 +124,8 @@ def group_sums(counts, groups, num_groups: int = QUINTILES) -> np.ndarray:
     if c.shape[1:] != groups.shape:
         raise ValueError(f"the participation counts must be one per client ({groups.size}), "
                          f"got shape {np.shape(counts)}")
-    onehot = groups[:, None] == np.arange(num_groups)[None, :]
-    return c @ onehot.astype(np.float64)
+    return np.stack([np.bincount(groups, weights=row, minlength=num_groups)[:num_groups]
+                     for row in c])
 
 
 def population_split(errors, rates, clients=None, weights=None,
