@@ -108,12 +108,23 @@ def _statistics(err: np.ndarray, w: np.ndarray, member: np.ndarray, weighted: bo
     mean = sub @ ws / ws.sum() if weighted else sub.mean(axis=1)
     if method == "linear":
         p90 = percentiles(sub, None if not weighted else ws, [90], method)[:, 0]
-    else:   # the lower quantile of the group: the other clients weigh 0 (one program per K)
-        clean = np.where(np.isnan(err), 0.0, err)
-        p90 = percentiles(clean, np.where(member, w, 0.0), [90], method)[:, 0]
+    else:
+        p90 = percentiles(*_padded(sub, ws), [90], method)[:, 0]
     worst = superquantile_rows(sub, WORST_LEVEL, ws)
     bad = np.isnan(sub).any(axis=1)
     return tuple(np.where(bad, np.nan, v) for v in (mean, p90, worst))
+
+
+def _padded(values: np.ndarray, weights: np.ndarray):
+    """(values [R, P], weights [P]): the group's clients padded with clients of weight 0 (and
+    value 0; NaN read as 0, its rows are NaN anyway) to the next power of two P, so that the
+    lower quantile, which never stops at a weight of 0, is the group's own and is compiled
+    for a few sizes only."""
+    k = values.shape[1]
+    size = 1 << max(0, (k - 1).bit_length())
+    out = np.zeros((values.shape[0], size))
+    out[:, :k] = np.where(np.isnan(values), 0.0, values)
+    return out, np.concatenate([weights, np.zeros(size - k)])
 
 
 def group_sums(counts, groups, num_groups: int = QUINTILES) -> np.ndarray:
