@@ -14,6 +14,8 @@ Heterogeneity in Federated Learning: A Superquantile Approach* show:
   against its number of examples;
 - Figs. 6-11: train-loss mean and p90, test-error mean and p90 over rounds;
 - Fig. 16: clients kept per round by the filter, mean over seeds with a min/max band;
+- the error by availability quintile of the clients, for runs given their availability
+  (:mod:`~deltafl_jax.report.availability`);
 - Fig. 3 (Gaussian toy runs): the means and models, the loss of every mixture of the three
   clients (theta-model minus FedAvg) and the histogram of mixture losses for mixtures drawn
   uniformly with conformity >= theta.

@@ -16,6 +16,7 @@ import numpy as np
 
 from deltafl_jax.metrics import PERCENTILE_METHODS
 from deltafl_jax.report import figures
+from deltafl_jax.report.availability import availability_figure
 from deltafl_jax.report.io import Run
 from deltafl_jax.report.rows import tidy_rows, write_csv
 from deltafl_jax.report.tables import (BEST_NOTE, INTERVAL_NOTE, STD_NOTE, TABLES, Column,
@@ -92,6 +93,10 @@ def setting_figures(sc: Sequence[Column], setting: str, percentile: str, notes: 
         out.append((personal, f"personal_held_out_error_{name}.png",
                     "Personalised evaluation: held-out error (mean, p90, worst 10%) of unseen "
                     "devices and seen clients, without and after adaptation"))
+    by_availability = availability_figure(sc)
+    if by_availability is not None:
+        out.append((by_availability, f"availability_error_{name}.png",
+                    "The error (mean, p90, worst 10%) by availability quintile of the clients"))
     if sc[0].run.dataset == "gaussian_toy":
         means = sc[0].run.config.get("data", {}).get("toy_means")
         out.append((figures.mixture_figure(sc, means, {c.label: model_point(c) for c in sc}),

@@ -23,6 +23,7 @@ from deltafl_jax import engine, plan as plan_lib, rounds
 from deltafl_jax.engine import mesh as mesh_lib
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm
 from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.availability_metrics import AvailabilitySplit
 from deltafl_jax.config import PERCENTILES, ExperimentConfig
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.errors import ConfigError
@@ -71,6 +72,8 @@ class Experiment:
     personal: Optional[PersonalEvaluation] = None   # seen / unseen clients (--client_holdout)
     poisson: Optional[plan_lib.PoissonSampling] = None   # --client_sampling=poisson
     replica_seeds: Optional[np.ndarray] = None   # [R] each replica's seed index (the run's)
+    # the test error by availability quintile (deltafl_jax/availability_metrics.py); None: none
+    availability_split: Optional[AvailabilitySplit] = None
 
     def _place(self, tree):
         return tree if self.mesh is None else mesh_lib.replicate(tree, self.mesh)
@@ -227,6 +230,8 @@ class Experiment:
             out.update(personal_lib.summarize_populations(
                 per_client, self.personal.steps, self.data.train.num_clients,
                 self.data.test.num_clients, method))
+        if self.availability_split is not None:
+            out.update(self.availability_split.summaries(per_client, method))
         return out
 
     def view(self) -> RunView:
