@@ -406,6 +406,7 @@ def partition_splits(train_labels, test_labels, spec: PartitionSpec,
                      num_train: Optional[int] = None, num_test: Optional[int] = None):
     """The train split partitioned with ``spec.seed`` and the test split, its own devices, with
     the same partitioner and :func:`test_split_seed` (a :class:`Partition`)."""
+    check_spec(spec)
     try:
         train = partition(train_labels, spec, num_train)
     except DataError as e:
@@ -419,3 +420,29 @@ def partition_splits(train_labels, test_labels, spec: PartitionSpec,
     settings.update(setting_test_seed=tspec.seed, flwr_datasets_commit=FLOWER_COMMIT)
     return Partition(settings=settings, train=tuple(train), test=tuple(test),
                      train_ids=np.arange(len(train)), test_ids=np.arange(len(test)))
+
+
+def spec_of(config) -> PartitionSpec:
+    """The :class:`PartitionSpec` of a :class:`deltafl_jax.DataConfig` with ``partition`` set."""
+    seed = config.data_seed if config.partition_seed is None else config.partition_seed
+    return PartitionSpec(
+        method=config.partition, num_clients=config.num_clients, alpha=config.dirichlet_alpha,
+        min_partition_size=config.min_partition_size, self_balancing=config.self_balancing,
+        shards_per_client=config.shards_per_client,
+        classes_per_client=config.classes_per_client, size_law=config.size_law, seed=seed)
+
+
+def split_data(x: np.ndarray, y: Optional[np.ndarray], parts: Sequence[np.ndarray]):
+    """(x, y, offsets) of the clients `parts` (index lists), one client after another."""
+    idx = np.concatenate(parts)
+    offsets = np.concatenate([[0], np.cumsum([p.size for p in parts])]).astype(np.int64)
+    return x[idx], (None if y is None else y[idx]), offsets
+
+
+def kept(data):
+    """`data` with its partition cut to the clients and examples the client limits kept."""
+    if data.partition is None:
+        return data
+    part = data.partition.restricted(data.train.client_ids, data.train.sizes,
+                                     data.test.client_ids, data.test.sizes)
+    return dataclasses.replace(data, partition=part)
