@@ -125,9 +125,9 @@ class DataConfig:
         "from each seed, as the authors do; each seed then runs as its own program into "
         "<output_dir>/seed_<s>/")
     partition: str = setting(
-        "none", "split centralised data (an npz without train_client) into clients: none (the "
-        "dataset's own clients) | iid | dirichlet | shards | pathological | inner_dirichlet | "
-        "size (Flower Datasets' partitioners); the test split into its own test clients alike",
+        "none", "split centralised data (an npz without train_client) into clients with Flower "
+        "Datasets' partitioners, the test split into test clients of its own alike; none: the "
+        "dataset's own clients",
         choices=("none", "iid", "dirichlet", "shards", "pathological", "inner_dirichlet",
                  "size"))
     num_clients: int = setting(100, "--partition: clients of each split (train, and test)")

@@ -446,3 +446,35 @@ def kept(data):
     part = data.partition.restricted(data.train.client_ids, data.train.sizes,
                                      data.test.client_ids, data.test.sizes)
     return dataclasses.replace(data, partition=part)
+
+
+def label_histogram(split, num_classes: int) -> np.ndarray:
+    """[K, C] int64: client k's number of examples of class c (a split with labels)."""
+    client = np.repeat(np.arange(split.num_clients), split.sizes)
+    hist = np.zeros((split.num_clients, num_classes), np.int64)
+    np.add.at(hist, (client, np.asarray(split.y, dtype=np.int64)), 1)
+    return hist
+
+
+def split_stats(split, num_classes: int) -> Dict[str, Any]:
+    """A split's client sizes and, with labels, its label histogram's statistics: classes per
+    client and the mean total-variation distance of a client's label distribution from the
+    split's."""
+    sizes = split.sizes
+    out: Dict[str, Any] = {
+        "clients": int(split.num_clients), "examples": int(sizes.sum()),
+        "size_mean": float(sizes.mean()), "size_std": float(sizes.std()),
+        "size_min": int(sizes.min()), "size_median": float(np.median(sizes)),
+        "size_max": int(sizes.max())}
+    if split.y is None or num_classes < 1:
+        return out
+    hist = label_histogram(split, num_classes)
+    present = (hist > 0).sum(axis=1)
+    mix = hist / hist.sum(axis=1, keepdims=True)
+    overall = hist.sum(axis=0) / hist.sum()
+    out.update(classes_per_client_mean=float(present.mean()),
+               classes_per_client_min=int(present.min()),
+               classes_per_client_max=int(present.max()),
+               label_tv_distance_mean=float(0.5 * np.abs(mix - overall).sum(axis=1).mean()),
+               label_histogram=hist.tolist())
+    return out
