@@ -74,10 +74,14 @@ class DataConfig:
       resample_writers_per_seed: redraw the data (FEMNIST's writer subsample, every dataset's
         train/test split) for each seed, as the authors do; each seed is then its own dataset
         and its own program (:mod:`deltafl_jax.seed_programs`).
-      partition, num_clients, dirichlet_alpha, min_partition_size, self_balancing,
-        shards_per_client, classes_per_client, size_law, partition_seed: how centralised data
-        are split into clients (:mod:`deltafl_jax.datasets.partition`); partition "none": the
-        dataset's own clients.
+      partition: how centralised data are split into clients
+        (:mod:`deltafl_jax.datasets.partition`); "none": the dataset's own clients.
+      num_clients: clients of each split (train, and test) made by ``partition``.
+      dirichlet_alpha, min_partition_size, self_balancing: ``dirichlet``'s (alpha also
+        ``inner_dirichlet``'s).
+      shards_per_client: ``shards``'. classes_per_client: ``pathological``'s.
+      size_law: ``size``'s share of client k: linear, square or exponential in k.
+      partition_seed: the partition's seed (None: data_seed).
     """
 
     dataset: str = setting(
