@@ -274,6 +274,8 @@ def test_the_same_seed_gives_the_same_partition_and_another_seed_another():
     (P.PartitionSpec("iid", 3001), "3001 clients .* only 3000 examples"),
     (P.PartitionSpec("pathological", 10, classes_per_client=11), "holds? 10 classes"),
     (P.PartitionSpec("size", 60, size_law="exponential"), "leave client 0 empty"),
+    (P.PartitionSpec("iid", 10, seed=-1), "--partition_seed .* must be >= 0, got -1"),
+    (P.PartitionSpec("iid", 0), "--num_clients must be at least 1, got 0"),
 ])
 def test_impossible_partitions_are_one_line_errors(spec, message):
     with pytest.raises(DataError, match=message) as err:

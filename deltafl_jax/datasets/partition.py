@@ -92,6 +92,8 @@ def check_spec(spec: PartitionSpec) -> None:
         raise DataError(f"--partition must be one of {', '.join(METHODS)}, got {spec.method!r}")
     if spec.num_clients < 1:
         raise DataError(f"--num_clients must be at least 1, got {spec.num_clients}")
+    if spec.seed < 0:
+        raise DataError(f"--partition_seed (or --data_seed) must be >= 0, got {spec.seed}")
     if spec.method in ("dirichlet", "inner_dirichlet") and not spec.alpha > 0:
         raise DataError(f"--dirichlet_alpha must be > 0, got {spec.alpha:g}")
     if spec.method == "shards" and spec.shards_per_client < 1:
