@@ -224,6 +224,9 @@ class FederatedDataset:
       metadata: free-form facts for reports (source file, preparation rules, ...).
       holdout: every client's own held-out data (:class:`deltafl_jax.holdout.HeldOut`), set
         aside by ``--client_holdout``; None: none.
+      partition: how centralised data were split into these clients
+        (:class:`deltafl_jax.datasets.partition.Partition`, written to ``partition.npz``);
+        None: the dataset's own clients.
     """
 
     name: str
@@ -233,6 +236,7 @@ class FederatedDataset:
     x_scale: Optional[float] = None
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     holdout: Optional[Any] = None
+    partition: Optional[Any] = None
 
     def __post_init__(self):
         if self.train.feature_shape != self.test.feature_shape:

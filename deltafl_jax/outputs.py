@@ -18,6 +18,9 @@ it back (:class:`RunReader`). No other module opens these files; serving a saved
 - ``models/``: the final model of every replica and what is needed to rebuild the network;
   ``deltafl_jax.load_model(output_dir, theta=0.5, seed=1)`` serves w_theta (the paper's
   Figure 1: a user picks a conformity level and gets its model).
+- ``partition.npz`` (:data:`PARTITION`): only when ``--partition`` split the data into clients:
+  each train and test client's example indices in its source split, and the partitioner's
+  settings (:mod:`deltafl_jax.datasets.partition`).
 - ``deltafl_run.json`` (:data:`MARKER`): written first, when the run starts: this package's
   mark (``written_by``, the output format) and the run's settings (the configuration without
   the settings that change no result), so that a stopped run is recognised as one of the same
@@ -74,10 +77,11 @@ CLIENTS = "clients.npz"
 CLIENTS_HISTORY = "clients_history.npz"
 MODELS = "models"
 MARKER = "deltafl_run.json"
+PARTITION = "partition.npz"   # a partitioned dataset's clients (datasets.partition.Partition)
 WRITTEN_BY = "deltafl_jax"
 # Everything a run may leave in its directory (files and folders); --overwrite removes these.
 RESULT_FILES = (METRICS, SUMMARY, ROUNDS, CLIENTS, CLIENTS_HISTORY, MODELS, "tb", "checkpoints",
-                MARKER)
+                MARKER, PARTITION)
 TMP_SUFFIX = ".tmp"
 # The lock of the process writing the folder (deltafl_jax.run.lock); present only while it runs
 # (or left by one that was killed), never a result: inspect_dir and --overwrite pass it by.
@@ -315,6 +319,12 @@ class RunWriter:
             "train_client_ids": np.asarray(data.train.client_ids).astype(str),
             "test_client_ids": np.asarray(data.test.client_ids).astype(str),
             "replica_keys": _label_keys(labels)})
+
+    def write_partition(self, data: FederatedDataset) -> None:
+        """partition.npz, when the data were partitioned: every train and test client's example
+        indices in its source split and the partitioner's settings (``Partition.arrays``)."""
+        if data.partition is not None:
+            _write_npz(self.path(PARTITION), data.partition.arrays())
 
     def write_clients_history(self, history: Mapping[str, Any]) -> None:
         """clients_history.npz: ``rounds`` [E] and the per-client arrays [E, R, N]."""

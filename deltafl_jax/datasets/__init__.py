@@ -74,6 +74,14 @@ class DataConfig:
       resample_writers_per_seed: redraw the data (FEMNIST's writer subsample, every dataset's
         train/test split) for each seed, as the authors do; each seed is then its own dataset
         and its own program (:mod:`deltafl_jax.seed_programs`).
+      partition: how centralised data are split into clients
+        (:mod:`deltafl_jax.datasets.partition`); "none": the dataset's own clients.
+      num_clients: clients of each split (train, and test) made by ``partition``.
+      dirichlet_alpha, min_partition_size, self_balancing: ``dirichlet``'s (alpha also
+        ``inner_dirichlet``'s).
+      shards_per_client: ``shards``'. classes_per_client: ``pathological``'s.
+      size_law: ``size``'s share of client k: linear, square or exponential in k.
+      partition_seed: the partition's seed (None: data_seed).
     """
 
     dataset: str = setting(
@@ -120,6 +128,27 @@ class DataConfig:
         False, "redraw the data (femnist's writer subsample; every dataset's train/test split) "
         "from each seed, as the authors do; each seed then runs as its own program into "
         "<output_dir>/seed_<s>/")
+    partition: str = setting(
+        "none", "split centralised data (an npz without train_client) into clients with Flower "
+        "Datasets' partitioners, the test split into test clients of its own alike; none: the "
+        "dataset's own clients",
+        choices=("none", "iid", "dirichlet", "shards", "pathological", "inner_dirichlet",
+                 "size"))
+    num_clients: int = setting(100, "--partition: clients of each split (train, and test)")
+    dirichlet_alpha: float = setting(
+        0.5, "--partition=dirichlet | inner_dirichlet: the concentration alpha > 0 of Dir(alpha)")
+    min_partition_size: int = setting(
+        10, "--partition=dirichlet: every client's fewest examples (the draw is repeated up to "
+        "10 times)")
+    self_balancing: bool = setting(
+        False, "--partition=dirichlet: a client holding more than the average gets no more")
+    shards_per_client: int = setting(2, "--partition=shards: label-sorted shards per client")
+    classes_per_client: int = setting(2, "--partition=pathological: classes per client")
+    size_law: str = setting(
+        "linear", "--partition=size: client k of K holds a share of the examples proportional "
+        "to k, k^2 or e^k", choices=("linear", "square", "exponential"))
+    partition_seed: Optional[int] = setting(
+        None, "--partition: the seed of the partition; unset: --data_seed", kind="integer")
 
     @property
     def resolved_data_dir(self) -> str:
@@ -181,6 +210,10 @@ def prepare_dataset(config: "DataConfig", download: bool = False) -> str:
     return prepare(config)
 
 
+# The loaders of centralised data, which split it into clients by ``--partition``.
+PARTITIONABLE = ("npz",)
+
+
 def _loader(name: str) -> Callable[[DataConfig], FederatedDataset]:
     if name not in DATASETS:
         raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(dataset_names())}")
@@ -194,6 +227,12 @@ def load_dataset(config: DataConfig) -> FederatedDataset:
     from deltafl_jax.datasets import limits  # local import: limits imports this module
     from deltafl_jax.datasets import normalize
 
+    from deltafl_jax.datasets import partition
+
     normalize.check_method(config.normalize)
-    data = _loader(config.dataset)(config)
-    return normalize.normalize(limits.apply_limits(data, config), config.normalize)
+    if config.partition != "none" and config.dataset not in PARTITIONABLE:
+        raise DataError(f"--partition={config.partition}: --dataset={config.dataset} has its "
+                        f"own clients; --partition splits centralised data "
+                        f"({', '.join(PARTITIONABLE)} without a client column)")
+    data = partition.kept(limits.apply_limits(_loader(config.dataset)(config), config))
+    return normalize.normalize(data, config.normalize)

@@ -11,6 +11,12 @@ and optionally a scalar ``x_scale`` by which inputs are multiplied after a cast 
 (e.g. 1/255 for uint8 pixels). A client's examples need not be contiguous; they are grouped
 by id (in order of first appearance within the id's rows), clients sorted by id. The number of
 classes is max(y) + 1 over both splits.
+
+Centralised data: without ``train_client`` and ``test_client`` the file is split into clients
+by ``--partition`` (:mod:`deltafl_jax.datasets.partition`): the train split into
+``--num_clients`` training clients, the test split into as many test clients of its own (unseen
+devices) with the same partitioner and a seed of its own. ``--partition`` on a file that has
+client columns is refused (its clients are the user's).
 """
 
 from __future__ import annotations
@@ -21,16 +27,14 @@ import zipfile
 import numpy as np
 
 from deltafl_jax.data import ClientData, DataError, FederatedDataset
+from deltafl_jax.datasets import partition as partitioning
 
 REQUIRED = ("train_x", "train_client", "test_x", "test_client")
+CLIENT_COLUMNS = ("train_client", "test_client")
 
 
-def _group(x, y, client, split: str, path: str) -> ClientData:
-    if client.ndim != 1 or len(client) != len(x):
-        raise DataError(f"{path}: {split}_client must be 1-D with one id per row of {split}_x "
-                        f"({len(x)} rows), got shape {client.shape}")
-    if not np.issubdtype(client.dtype, np.integer):
-        raise DataError(f"{path}: {split}_client must hold integer client ids, got {client.dtype}")
+def _check_split(x, y, split: str, path: str) -> None:
+    """DataError naming the array when a split's inputs or labels are not usable."""
     if y is not None:
         if y.ndim != 1 or len(y) != len(x):
             raise DataError(f"{path}: {split}_y must be 1-D with one label per row of {split}_x "
@@ -48,10 +52,53 @@ def _group(x, y, client, split: str, path: str) -> ClientData:
         raise DataError(f"{path}: {split}_x holds NaN or Inf")
     if not (np.issubdtype(x.dtype, np.number) or x.dtype == bool):
         raise DataError(f"{path}: {split}_x must be numeric, got {x.dtype}")
+
+
+def _group(x, y, client, split: str, path: str) -> ClientData:
+    if client.ndim != 1 or len(client) != len(x):
+        raise DataError(f"{path}: {split}_client must be 1-D with one id per row of {split}_x "
+                        f"({len(x)} rows), got shape {client.shape}")
+    if not np.issubdtype(client.dtype, np.integer):
+        raise DataError(f"{path}: {split}_client must hold integer client ids, got {client.dtype}")
+    _check_split(x, y, split, path)
     order = np.argsort(client, kind="stable")
     ids, counts = np.unique(client[order], return_counts=True)
     return ClientData(x=x[order], y=None if y is None else y[order].astype(np.int32),
                       offsets=np.concatenate([[0], np.cumsum(counts)]), client_ids=ids)
+
+
+def _client_columns(arrays, path: str, config) -> bool:
+    """Whether the file has its own clients; DataError when it has one column of the two, or
+    none and no ``--partition`` (or both and ``--partition``)."""
+    has = [k in arrays for k in CLIENT_COLUMNS]
+    if has[0] != has[1]:
+        absent = CLIENT_COLUMNS[has.index(False)]
+        raise DataError(f"{path} lacks the array(s) {absent} (give both train_client and "
+                        f"test_client, or neither and --partition to split the data into "
+                        f"clients)")
+    if has[0] and config.partition != "none":
+        raise DataError(f"--partition={config.partition}: {path} has its own clients "
+                        f"(train_client, test_client); drop --partition or those arrays")
+    if not has[0] and config.partition == "none":
+        raise DataError(f"{path} has no train_client/test_client arrays: pass "
+                        f"--partition=iid|dirichlet|shards|pathological|inner_dirichlet|size "
+                        f"to split it into clients")
+    return has[0]
+
+
+def _partitioned(arrays, path: str, config):
+    """(train, test, Partition) of a file without client columns, split by ``--partition``."""
+    xs, ys = (arrays["train_x"], arrays["test_x"]), (arrays.get("train_y"), arrays.get("test_y"))
+    for split, x, y in zip(("train", "test"), xs, ys):
+        _check_split(x, y, split, path)
+    part = partitioning.partition_splits(ys[0], ys[1], partitioning.spec_of(config),
+                                         len(xs[0]), len(xs[1]))
+    splits = []
+    for x, y, parts in zip(xs, ys, (part.train, part.test)):
+        x, y, offsets = partitioning.split_data(x, y, parts)
+        splits.append(ClientData(x=x, y=None if y is None else y.astype(np.int32),
+                                 offsets=offsets, client_ids=np.arange(len(parts))))
+    return splits[0], splits[1], part
 
 
 def load_npz(config) -> FederatedDataset:
@@ -65,7 +112,9 @@ def load_npz(config) -> FederatedDataset:
             arrays = {k: z[k] for k in z.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
         raise DataError(f"--data_path={path} is not a readable .npz file ({e})") from None
-    missing = [k for k in REQUIRED if k not in arrays]
+    own_clients = _client_columns(arrays, path, config)
+    required = REQUIRED if own_clients else ("train_x", "test_x")
+    missing = [k for k in required if k not in arrays]
     if missing:
         raise DataError(f"{path} lacks the array(s) {', '.join(missing)} (needs train_x, "
                         f"train_client, test_x, test_client, and train_y, test_y for labels)")
@@ -76,8 +125,12 @@ def load_npz(config) -> FederatedDataset:
     if train_x.shape[1:] != test_x.shape[1:]:
         raise DataError(f"{path}: train_x rows have shape {train_x.shape[1:]} but test_x rows "
                         f"{test_x.shape[1:]}")
-    train = _group(train_x, arrays.get("train_y"), arrays["train_client"], "train", path)
-    test = _group(test_x, arrays.get("test_y"), arrays["test_client"], "test", path)
+    part = None
+    if own_clients:
+        train = _group(train_x, arrays.get("train_y"), arrays["train_client"], "train", path)
+        test = _group(test_x, arrays.get("test_y"), arrays["test_client"], "test", path)
+    else:
+        train, test, part = _partitioned(arrays, path, config)
     num_classes = 0
     if has_y[0]:
         num_classes = int(max(train.y.max(), test.y.max())) + 1
@@ -87,4 +140,5 @@ def load_npz(config) -> FederatedDataset:
         if not np.isfinite(x_scale) or x_scale <= 0:
             raise DataError(f"{path}: x_scale must be a positive number, got {x_scale}")
     return FederatedDataset(name="npz", train=train, test=test, num_classes=num_classes,
-                            x_scale=x_scale, metadata={"path": os.path.abspath(path)})
+                            x_scale=x_scale, metadata={"path": os.path.abspath(path)},
+                            partition=part)

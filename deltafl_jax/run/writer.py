@@ -1,6 +1,7 @@
 """The callback that writes a run's output directory through :class:`deltafl_jax.outputs.RunWriter`:
 ``metrics.jsonl`` at every evaluation; ``rounds.npz``, ``clients.npz``,
-``clients_history.npz``, the models and ``summary.json`` when the run ends."""
+``clients_history.npz``, ``partition.npz`` (partitioned data), the models and ``summary.json``
+when the run ends."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class OutputFiles(Callback):
         self.writer.write_rounds(result.per_round, labels)
         self.writer.write_clients_history(result.client_history)
         self.writer.write_clients(result.per_client, self.data, labels)
+        self.writer.write_partition(self.data)
         if self.save_models:
             self.writer.save_models(result.served, labels, self.model, self.model_options,
                                     self.data, personal=result.personal)
