@@ -338,6 +338,9 @@ def test_prepare_command_then_load(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("prepared mnist in ")
     assert_arrays(load_centralised("mnist", None, cache), expected, channels=1)
+    proc = run("data_prep.verify", "--dataset=mnist", f"--data_dir={cache}")
+    assert proc.returncode == 0, proc.stderr
+    assert "every file matches" in proc.stdout
 
 
 def _bad_idx(tmp_path):

@@ -159,5 +159,6 @@ def read(name: str, data_path: Optional[str], data_dir: str,
     arrays = {split: _split_arrays(builder, name, split, spec[0]) for split in SPLITS}
     metadata = {"num_classes": spec[1], "label_names": list(spec[2]), "image_shape": list(spec[0]),
                 "tfds_version": str(builder.info.version),
-                "source": os.path.abspath(os.fspath(builder.data_dir))}
+                "source": os.path.abspath(data_path) if data_path else os.fspath(
+                    builder.data_dir)}
     return arrays, metadata
