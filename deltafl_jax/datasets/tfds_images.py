@@ -12,9 +12,10 @@ Where the examples come from, without network unless asked:
 1. a copy tfds has already prepared in the ``array_record`` format, read through
    ``tfds.data_source`` (no TensorFlow needed), in ``--data_path`` (a tfds ``data_dir``), else in
    ``<data_dir>/raw/tfds/`` (where ``--download`` puts it), else in tfds' own default
-   (``$TFDS_DATA_DIR``, ``~/tensorflow_datasets``);
+   (``$TFDS_DATA_DIR``, ``~/tensorflow_datasets``); a copy in tfds' default ``tfrecord``
+   format is not read (that needs TensorFlow);
 2. with ``--download`` only: tfds downloads the authors' files and prepares them into
-   ``<data_dir>/raw/tfds/``. tfds' builders of these datasets need TensorFlow to do that
+   ``--data_path`` when given, else ``<data_dir>/raw/tfds/``. tfds' builders of these datasets need TensorFlow to do that
    (``tf.io.gfile``, ``tf.image.encode_png``); without it the error says so and names the
    route that needs none (``--dataset=cifar10 --download``, :mod:`deltafl_jax.datasets.centralised`).
 
@@ -49,11 +50,14 @@ def tfds_name(name: str) -> str:
     return bare
 
 
-def _builder(name: str, data_dir: Optional[str]):
+def _builder(name: str, data_dir: Optional[str], file_format: Optional[str] = None):
+    """tfds' builder of `name` (a prepared copy in `data_dir` keeps its own file format unless
+    `file_format` is given); DataError when tfds does not know the name."""
     tfds = tfds_module()
+    kwargs = {"file_format": file_format} if file_format else {}
     try:
         with quiet():
-            return tfds.builder(name, data_dir=data_dir, file_format="array_record")
+            return tfds.builder(name, data_dir=data_dir, **kwargs)
     except tfds.core.registered.DatasetNotFoundError:
         raise DataError(f"tensorflow-datasets has no dataset {name!r} (see "
                         f"https://www.tensorflow.org/datasets/catalog)") from None
@@ -102,15 +106,21 @@ def _split_arrays(builder, name: str, split: str, shape) -> Tuple[np.ndarray, np
     return images, labels
 
 
-def prepared_builder(name: str, data_dirs) -> Optional[object]:
-    """The builder of the first of `data_dirs` that holds `name` prepared as array_record."""
+def prepared_builder(name: str, data_dirs) -> Tuple[Optional[object], Optional[str]]:
+    """(the builder of the first of `data_dirs` that holds `name` prepared as array_record,
+    else None; a data_dir holding it in another format, else None)."""
+    other = None
     for data_dir in data_dirs:
         if data_dir is None or not os.path.isdir(data_dir):
             continue
         builder = _builder(name, data_dir)
-        if builder.is_prepared():
-            return builder
-    return None
+        if not builder.is_prepared():
+            continue
+        formats = [str(getattr(f, "value", f)) for f in builder.info.available_file_formats()]
+        if "array_record" in formats:
+            return builder, None
+        other = other or data_dir
+    return None, other
 
 
 def download_and_prepare(name: str, raw_dir: str):
@@ -118,7 +128,7 @@ def download_and_prepare(name: str, raw_dir: str):
     line) when it cannot (no TensorFlow, no network), removing `raw_dir` if it made it."""
     tfds = tfds_module()
     made = not os.path.exists(raw_dir)
-    builder = _builder(name, raw_dir)
+    builder = _builder(name, raw_dir, "array_record")
     try:
         with quiet():
             builder.download_and_prepare(
@@ -149,13 +159,15 @@ def read(name: str, data_path: Optional[str], data_dir: str,
     tfds = tfds_module()
     dirs = [data_path] if data_path else [raw_dir, os.fspath(tfds.core.constants.DATA_DIR)]
     spec = image_spec(name, _builder(name, None))  # the definition alone: no file is read
-    builder = prepared_builder(name, dirs)
-    if builder is None and download and not data_path:
-        builder = download_and_prepare(name, raw_dir)
+    builder, other = prepared_builder(name, dirs)
+    if builder is None and download:
+        builder = download_and_prepare(name, data_path or raw_dir)
     if builder is None:
         where = data_path or " or ".join(d for d in dirs if d)
-        raise DataError(f"tfds:{name}: not prepared as array_record in {where}; run python -m "
-                        f"data_prep.prepare --dataset=tfds:{name} --download")
+        found = f" (the copy in {other} is not array_record, which tfds reads without " \
+                f"TensorFlow)" if other else ""
+        raise DataError(f"tfds:{name}: not prepared as array_record in {where}{found}; run "
+                        f"python -m data_prep.prepare --dataset=tfds:{name} --download")
     arrays = {split: _split_arrays(builder, name, split, spec[0]) for split in SPLITS}
     metadata = {"num_classes": spec[1], "label_names": list(spec[2]), "image_shape": list(spec[0]),
                 "tfds_version": str(builder.info.version),
