@@ -101,7 +101,7 @@ def cifar_batch(images, labels, label_key):
 def write_cifar(folder, name, per_batch=2, n_test=3, extracted=False):
     """A tiny CIFAR-10 (5 train batches) or CIFAR-100 archive in the published layout; returns
     the expected arrays."""
-    archive, sub, batches, label_key = centralised._CIFAR_LAYOUT[name]
+    archive, sub, batches, label_key = centralised.CIFAR_LAYOUT[name]
     classes = centralised.PUBLISHED[name].num_classes
     members, expected = {}, {}
     for split, names in batches.items():
@@ -277,8 +277,9 @@ def test_records_split_into_chunks_come_back_in_order(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- tfds
 
 
-@pytest.mark.parametrize("name, shape, classes", [("cifar10", (32, 32, 3), 10),
-                                                  ("mnist", (28, 28, 1), 10)])
+@pytest.mark.parametrize("name, shape, classes", [
+    ("cifar10", (32, 32, 3), 10), ("mnist", (28, 28, 1), 10), ("cifar100", (32, 32, 3), 100),
+    ("fashion_mnist", (28, 28, 1), 10), ("emnist/balanced", (28, 28, 1), 47)])
 def test_tfds_mock_data_is_loaded_and_cached(tmp_path, monkeypatch, name, shape, classes):
     import tensorflow_datasets as tfds
 

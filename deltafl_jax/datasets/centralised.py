@@ -64,7 +64,7 @@ PUBLISHED: Dict[str, Published] = {
     "cifar100": Published("cifar", 100, (_KRIZ + "cifar-100-python.tar.gz",),
                           _KRIZ + "cifar.html"),
 }
-_CIFAR_LAYOUT = {  # archive, its folder, {split: batches}, label key
+CIFAR_LAYOUT = {  # archive, its folder, {split: batches}, label key
     "cifar10": ("cifar-10-python.tar.gz", "cifar-10-batches-py",
                 {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]},
                 "labels"),
@@ -147,7 +147,7 @@ def read_files(name: str, source: str) -> Arrays:
                             f"the file {source}")
         return {split: idx.read_split(source, prefix, spec.num_classes)
                 for split, prefix in idx.SPLITS}
-    archive, sub, batches, label_key = _CIFAR_LAYOUT[name]
+    archive, sub, batches, label_key = CIFAR_LAYOUT[name]
     return cifar_files.read_cifar(source, archive, sub, batches, label_key, spec.num_classes)
 
 
