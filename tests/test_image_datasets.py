@@ -408,3 +408,13 @@ def test_damaged_sources_are_one_line_and_cache_nothing(tmp_path, damage):
         load_centralised(name, source, str(cache))
     assert "\n" not in str(err.value)
     assert not cache.exists()
+
+
+def test_a_batch_pickled_again_by_python_3_is_read_too():
+    images = RNG.integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+    for protocol in (2, 4, 5):  # bytes through _codecs.encode (2), numpy's newer reducers
+        raw = pickle.dumps({b"data": cifar_rows(images), b"labels": [3, 7]}, protocol=protocol)
+        batch = centralised.cifar_files.load_pickle(raw, "py3")
+        x, y = centralised.cifar_files.batch_arrays(batch, "labels", 10, "py3")
+        np.testing.assert_array_equal(x, images)
+        np.testing.assert_array_equal(y, [3, 7])

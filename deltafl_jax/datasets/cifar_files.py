@@ -12,8 +12,9 @@ Images come back as [n, 32, 32, 3] (NHWC), train and test in the files' order.
 Why a restricted unpickler. Unpickling calls whatever importable function the pickle names, so a
 tampered or mislabelled archive could run arbitrary code (``os.system``) the moment it is read.
 :class:`RestrictedUnpickler` resolves only the few globals that a pickled numpy array needs
-(``numpy.core.multiarray._reconstruct``, ``numpy.ndarray``, ``numpy.dtype``, and
-``_codecs.encode``, with which Python 3 pickles bytes) and refuses any other with a
+(``numpy.core.multiarray._reconstruct``, ``numpy.ndarray``, ``numpy.dtype``; for batches pickled
+again by Python 3, ``numpy.core.numeric._frombuffer`` and ``_codecs.encode``, with which it
+pickles bytes; numpy 2's ``numpy._core`` spellings too) and refuses any other with a
 :class:`~deltafl_jax.errors.DataError`; dicts, lists, strings and numbers need no global at all.
 
 The source (``--data_path``) is the archive itself, a folder holding it, or a folder holding the
@@ -36,24 +37,28 @@ import numpy as np
 from deltafl_jax.errors import DataError
 
 
-def _reconstruct():
-    """numpy's array reconstructor (module numpy._core.multiarray since numpy 2, numpy.core
-    before)."""
-    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
-        try:
-            return getattr(importlib.import_module(module), "_reconstruct")
-        except (ImportError, AttributeError):
-            continue
-    raise ImportError("numpy has no multiarray._reconstruct")
+def _numpy_function(module: str, name: str):
+    """numpy's array reconstructor `name` of `module` (numpy._core.* since numpy 2, numpy.core.*
+    before); a loader, called only when a pickle names it."""
+    def load():
+        for prefix in ("numpy._core.", "numpy.core."):
+            try:
+                return getattr(importlib.import_module(prefix + module), name)
+            except (ImportError, AttributeError):
+                continue
+        raise DataError(f"this numpy has no {module}.{name} to read the pickle with")
+    return load
 
 
 _ALLOWED = {
-    ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
-    ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+    (f"numpy.{core}.{module}", name): _numpy_function(module, name)
+    for core in ("core", "_core")
+    for module, name in (("multiarray", "_reconstruct"), ("numeric", "_frombuffer"))}
+_ALLOWED.update({
     ("numpy", "ndarray"): lambda: np.ndarray,
     ("numpy", "dtype"): lambda: np.dtype,
     ("_codecs", "encode"): lambda: codecs.encode,
-}
+})
 
 
 class RestrictedUnpickler(pickle.Unpickler):
