@@ -1,6 +1,7 @@
 r"""Check a prepared dataset byte for byte: every file's size and sha256 against its checksums.
 
     python -m data_prep.verify --dataset=shakespeare [--data_dir=...] [--min_client_examples=K]
+    python -m data_prep.verify --dataset=tfds:cifar10
 
 Opening a prepared dataset (:func:`deltafl_jax.datasets.prepared.open_prepared`) compares only
 the files' presence and sizes with the ``checksums.json`` written at preparation, so it costs
@@ -40,13 +41,17 @@ def main(argv) -> None:
     logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         cli.fail(f"unexpected arguments {' '.join(argv[1:])!r} (flags look like --name=value)")
-    from deltafl_jax.datasets import PREPARABLE, cache, prepared
+    from deltafl_jax.datasets import CENTRALISED, PREPARABLE, cache, centralised_key, prepared
 
     name = cli.FLAGS.dataset
-    if not cli.FLAGS["dataset"].present or name not in PREPARABLE:
-        cli.fail(f"--dataset must be one of {', '.join(sorted(PREPARABLE))}")
+    if not cli.FLAGS["dataset"].present or (name not in PREPARABLE and not centralised_key(name)):
+        cli.fail(f"--dataset must be one of {', '.join(sorted(PREPARABLE) + sorted(CENTRALISED))}")
     data_dir = cli.data_config_from_flags().resolved_data_dir
-    targets = _targets(name, data_dir)
+    if centralised_key(name):
+        from deltafl_jax.datasets import centralised
+        targets = prepared.config_dirs(data_dir, centralised.storage_key(name))
+    else:
+        targets = _targets(name, data_dir)
     if not targets:
         cli.fail(f"{name}: nothing prepared under {data_dir}; run python -m data_prep.prepare "
                  f"--dataset={name}")

@@ -11,6 +11,10 @@ Every loader takes a :class:`DataConfig` and returns a
   ``python -m data_prep.prepare`` (modules :mod:`.shakespeare`, :mod:`.sent140`, :mod:`.femnist`).
 - ``stackoverflow``: TFF's StackOverflow next-word prediction (:mod:`.stackoverflow`); its
   train and test clients are TFF's train and test users (not a split of one set of clients).
+
+Centralised image data (:data:`CENTRALISED`: ``mnist``, ``fashion_mnist``, ``cifar10``,
+``cifar100``, ``tfds:NAME``) is not split into clients here: :func:`load_centralised` gives its
+train and test arrays (:mod:`.centralised`), prepared once by ``python -m data_prep.prepare``.
 """
 
 from __future__ import annotations
@@ -184,26 +188,54 @@ DOWNLOADABLE: Dict[str, str] = {
 }
 
 
+# Centralised image-classification data (:mod:`deltafl_jax.datasets.centralised`): name ->
+# "module:function" preparing it, taking (DataConfig, download). "tfds:NAME" stands for every
+# tensorflow-datasets name.
+CENTRALISED: Dict[str, str] = {
+    name: "deltafl_jax.datasets.centralised:prepare"
+    for name in ("mnist", "fashion_mnist", "cifar10", "cifar100", "tfds:NAME")}
+
+
+def centralised_key(name: str) -> Optional[str]:
+    """The key of `name` in :data:`CENTRALISED` (tfds:NAME for any tfds:...), else None."""
+    key = "tfds:NAME" if name.startswith("tfds:") else name
+    return key if key in CENTRALISED else None
+
+
+def load_centralised(name: str, data_path: Optional[str] = None,
+                     cache_dir: Optional[str] = None, download: bool = False):
+    """Centralised train/test image arrays of `name` (:data:`CENTRALISED`), prepared into the
+    cache under `cache_dir` on first use; see :func:`deltafl_jax.datasets.centralised
+    .load_centralised`."""
+    from deltafl_jax.datasets import centralised  # local import: centralised imports this module
+    return centralised.load_centralised(name, data_path, cache_dir, download)
+
+
 def dataset_names():
     return sorted(DATASETS)
 
 
 def prepare_dataset(config: "DataConfig", download: bool = False) -> str:
-    """Prepare a real dataset from its raw source (FEMNIST, StackOverflow: after downloading
-    it when `download`); returns the prepared directory. DataError for anything else."""
+    """Prepare a real dataset from its raw source (FEMNIST, StackOverflow and the centralised
+    image datasets: after downloading it when `download`); returns the prepared directory.
+    DataError for anything else."""
+    key = centralised_key(config.dataset)
+    if key is not None:
+        module_name, fn_name = CENTRALISED[key].split(":")
+        return getattr(importlib.import_module(module_name), fn_name)(config, download=download)
     if config.dataset not in DATASETS:
         raise DataError(f"unknown dataset {config.dataset!r}; choose one of "
                         f"{', '.join(dataset_names())} (this command prepares "
-                        f"{', '.join(sorted(PREPARABLE))})")
+                        f"{', '.join(sorted(PREPARABLE) + sorted(CENTRALISED))})")
     if config.dataset not in PREPARABLE:
         raise DataError(f"--dataset={config.dataset} needs no preparation; prepared datasets: "
-                        f"{', '.join(sorted(PREPARABLE))}")
+                        f"{', '.join(sorted(PREPARABLE) + sorted(CENTRALISED))}")
     module_name, fn_name = PREPARABLE[config.dataset].split(":")
     prepare = getattr(importlib.import_module(module_name), fn_name)
     if download:
         if config.dataset not in DOWNLOADABLE:
-            raise DataError(f"--download is for {' and '.join(sorted(DOWNLOADABLE))} only; "
-                            f"{config.dataset} has no download")
+            can = ", ".join(sorted(DOWNLOADABLE) + sorted(CENTRALISED))
+            raise DataError(f"--download is for {can} only; {config.dataset} has no download")
         module_name, fn_name = DOWNLOADABLE[config.dataset].split(":")
         fetch = getattr(importlib.import_module(module_name), fn_name)
         return prepare(config, source=fetch(config.resolved_data_dir))
