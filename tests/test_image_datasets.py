@@ -418,3 +418,33 @@ def test_a_batch_pickled_again_by_python_3_is_read_too():
         x, y = centralised.cifar_files.batch_arrays(batch, "labels", 10, "py3")
         np.testing.assert_array_equal(x, images)
         np.testing.assert_array_equal(y, [3, 7])
+
+
+def test_a_run_partitions_an_image_dataset_into_clients(tmp_path, capsys):
+    """--dataset=mnist --partition=iid: the published files prepared, split into train and test
+    clients by the partitioner, trained, and the partition written beside the outputs; without
+    --partition, one line and exit 2."""
+    from tests.conftest import run_runner
+    src, out = tmp_path / "src", tmp_path / "out"
+    rng = np.random.default_rng(0)
+    arrays = {"train": (rng.integers(0, 256, (40, 28, 28), dtype=np.uint8),
+                        np.arange(40, dtype=np.uint8) % 10),
+              "test": (rng.integers(0, 256, (20, 28, 28), dtype=np.uint8),
+                       np.arange(20, dtype=np.uint8) % 10)}
+    write_mnist(src, arrays)
+    common = ["--dataset=mnist", f"--data_path={src}", f"--data_dir={tmp_path / 'cache'}",
+              "--model=linear", "--num_rounds=2", "--clients_per_round=2", "--thetas=0.5",
+              "--seeds=1", "--eval_every=1", "--tensorboard=no"]
+    code, err, _ = run_runner(common + [f"--output_dir={out}"], capsys)
+    assert code == 2 and "--partition" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+    code, err, _ = run_runner(common + ["--partition=iid", "--num_clients=4",
+                                        f"--output_dir={out}"], capsys)
+    assert code == 0, err
+    with np.load(out / "partition.npz") as z:
+        for split, n in (("train", 40), ("test", 20)):   # iid: every example once, 4 clients
+            assert np.array_equal(np.sort(z[f"{split}_indices"]), np.arange(n))
+            assert np.array_equal(np.diff(z[f"{split}_offsets"]), [n // 4] * 4)
+    with np.load(out / "clients.npz") as z:
+        assert z["train_error"].shape[-1] == 4
+    assert (out / "summary.json").exists()

@@ -242,7 +242,8 @@ def prepare_dataset(config: "DataConfig", download: bool = False) -> str:
     return prepare(config)
 
 
-# The loaders of centralised data, which split it into clients by ``--partition``.
+# The loaders of centralised data, which split it into clients by ``--partition`` (and every
+# name of :data:`CENTRALISED`).
 PARTITIONABLE = ("npz",)
 
 
@@ -262,6 +263,10 @@ def load_dataset(config: DataConfig) -> FederatedDataset:
     from deltafl_jax.datasets import partition
 
     normalize.check_method(config.normalize)
+    if centralised_key(config.dataset) is not None:
+        from deltafl_jax.datasets import npz
+        data = partition.kept(limits.apply_limits(npz.load_partitioned_images(config), config))
+        return normalize.normalize(data, config.normalize)
     if config.partition != "none" and config.dataset not in PARTITIONABLE:
         raise DataError(f"--partition={config.partition}: --dataset={config.dataset} has its "
                         f"own clients; --partition splits centralised data "

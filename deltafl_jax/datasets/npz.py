@@ -91,6 +91,12 @@ def _partitioned(arrays, path: str, config):
     xs, ys = (arrays["train_x"], arrays["test_x"]), (arrays.get("train_y"), arrays.get("test_y"))
     for split, x, y in zip(("train", "test"), xs, ys):
         _check_split(x, y, split, path)
+    return partition_arrays(xs, ys, config)
+
+
+def partition_arrays(xs, ys, config):
+    """(train, test, Partition): the centralised splits xs = (train_x, test_x), ys = (train_y,
+    test_y) (None: no labels) split into clients by ``--partition``."""
     part = partitioning.partition_splits(ys[0], ys[1], partitioning.spec_of(config),
                                          len(xs[0]), len(xs[1]))
     splits = []
@@ -99,6 +105,22 @@ def _partitioned(arrays, path: str, config):
         splits.append(ClientData(x=x, y=None if y is None else y.astype(np.int32),
                                  offsets=offsets, client_ids=np.arange(len(parts))))
     return splits[0], splits[1], part
+
+
+def load_partitioned_images(config) -> FederatedDataset:
+    """A centralised image dataset (:mod:`deltafl_jax.datasets.centralised`: ``mnist``,
+    ``fashion_mnist``, ``cifar10``, ``cifar100``, ``tfds:NAME``) from the cache (prepared from
+    ``--data_path`` on first use; no download at run time), split into train and test clients
+    by ``--partition``; pixels are uint8, seen by the model as pixel / 255."""
+    from deltafl_jax.datasets import load_centralised   # local import: the registry imports us
+    if config.partition == "none":
+        raise DataError(f"--dataset={config.dataset} has no clients of its own: give "
+                        f"--partition=iid|dirichlet|shards|pathological|inner_dirichlet|size")
+    c = load_centralised(config.dataset, config.data_path, config.resolved_data_dir)
+    train, test, part = partition_arrays((c.train_x, c.test_x), (c.train_y, c.test_y), config)
+    return FederatedDataset(name=config.dataset, train=train, test=test,
+                            num_classes=c.num_classes, x_scale=1.0 / 255.0,
+                            metadata={"source": c.metadata.get("source")}, partition=part)
 
 
 def load_npz(config) -> FederatedDataset:
