@@ -357,8 +357,9 @@ def build_deltafl(config, data, options: DeltaFLOptions) -> FederatedAlgorithm:
     line = smoothing_warning(options.smoothing, getattr(data, "num_classes", None))
     if line:
         print(line, file=sys.stderr, flush=True)
+    corrected = options.deltafl_participation != "none"
     return deltafl(options, thetas=run_thetas(config), privacy=config.privacy,
-                   num_clients=data.train.num_clients)
+                   num_clients=data.train.num_clients if corrected else 0)
 
 
 SPEC = AlgorithmSpec(
