@@ -331,12 +331,14 @@ def test_a_negative_cap_exits_2_with_one_line(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_mifa_sigkill_then_rerun_is_bit_identical(tmp_path):
-    """MIFA's stored updates (per-client state) and their sum (server state) through a
-    checkpoint: a run killed with SIGKILL and rerun ends bit-identical to an uninterrupted
-    one."""
+@pytest.mark.parametrize("flags", [
+    ("--algorithm=mifa", "--thetas=1", "--weighting=unweighted", "--server_lr=0.5,1"),
+    ("--algorithm=fedau", "--thetas=1", "--fedau_cap=3")], ids=["mifa", "fedau"])
+def test_sigkill_then_rerun_is_bit_identical(tmp_path, flags):
+    """MIFA's stored updates (per-client state) and their sum (server state), FedAU's
+    estimate (server state), through a checkpoint: a run killed with SIGKILL and rerun ends
+    bit-identical to an uninterrupted one."""
     import test_resume as resume
-    flags = ("--algorithm=mifa", "--thetas=1", "--weighting=unweighted", "--server_lr=0.5,1")
     whole = str(tmp_path / "whole")
     proc = resume.run(whole, *flags)
     assert proc.returncode == 0, proc.stderr
