@@ -51,8 +51,8 @@ clients. With the correction each sampled client's weight is alpha_k c_k, c_k an
 1 / p_k: FedAU's omega_k (``fedau``, its mean participation interval, cut-off ``--fedau_cap``)
 or 1 / p_hat_k (``inverse``, p_hat_k its running participation rate, this round included)
 (:mod:`deltafl_jax.algorithms.participation`). Then sum_{k in S} alpha_k c_k 1{F_k <= x}
-estimates (up to the constant m / N) sum_{i=1..N} alpha_i 1{F_i <= x}, each client counted as
-often as it exists (a Horvitz-Thompson weight): eta and the tail weights estimate the
+estimates sum_{i=1..N} alpha_i 1{F_i <= x} (its expectation when c_k = 1 / p_k), each client
+counted as often as it exists (a Horvitz-Thompson weight; the quantile is scale-free): eta and the tail weights estimate the
 population's quantile and superquantile rather than the cohort's. Under uniform participation
 every c_k has the same expectation (N / m), so the weights are those of ``none`` in
 expectation, and exactly so when every client takes part in every round (c_k = 1). "Taking
