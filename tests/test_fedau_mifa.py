@@ -16,7 +16,7 @@ import numpy_fedau as ref
 from conftest import run_rounds_history, run_runner, tiny_config
 from deltafl_jax import build_experiment
 from deltafl_jax.algorithms import deltafl as deltafl_module
-from deltafl_jax.algorithms.fedau import FedAUOptions, fedau, known_prob
+from deltafl_jax.algorithms.fedau import FedAUOptions, KnownProbOptions, fedau, known_prob
 from deltafl_jax.algorithms.mifa import MifaOptions, mifa
 from deltafl_jax.algorithms.participation import (correction, fedau_omega, fedau_record,
                                                   init_estimator, inverse_rate, omega_all,
@@ -140,14 +140,9 @@ def test_fedau_weights_and_step_on_hand_made_inputs(weighting, denominator):
 
 
 def test_known_prob_weights_are_inverse_probabilities():
-    alg = known_prob([5, 5, 5], [0.5, 0.25, 1.0], ref_options("unweighted"))
+    alg = known_prob([5, 5, 5], [0.5, 0.25, 1.0], KnownProbOptions(weighting="unweighted"))
     a = alg.client_weights((), None, jnp.asarray([5, 5]), None, None, jnp.asarray([0, 1]))
     np.testing.assert_allclose(np.asarray(a), [2.0, 4.0])
-
-
-def ref_options(weighting):
-    from deltafl_jax.algorithms.fedau import KnownProbOptions
-    return KnownProbOptions(weighting=weighting)
 
 
 @pytest.mark.parametrize("p", [[0.5, 0.0, 1.0], [0.5, 1.5, 1.0], [0.5, 0.5]])
