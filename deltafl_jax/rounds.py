@@ -294,11 +294,13 @@ def _server(algorithm, server_tx, state, feedback, hyper, keep):
     that are not kept keep theirs. With a server optimizer, a replica whose aggregate no
     client reached (weight_sum = 0: every update dropped or not finite, or nobody kept) keeps
     its model and the optimizer's state too: its momentum is not applied to a Delta of
-    zeros. (The plain step w + Delta adds that zero Delta: the model stays.)"""
+    zeros (unless the algorithm ``steps_without_clients``). (The plain step w + Delta adds
+    that zero Delta: the model stays.)"""
     delta, algo_state, algo_metrics = jax.vmap(algorithm.server_update)(
         state.algo_state, state.params, feedback, hyper)
     params, opt_state = server_step(server_tx, state.params, delta, state.server_opt_state)
-    moved = keep if server_tx is None else keep & (feedback.weight_sum > 0)
+    moved = (keep if server_tx is None or algorithm.steps_without_clients
+             else keep & (feedback.weight_sum > 0))
 
     def kept(new, old, which=keep):
         return jax.tree.map(lambda n, o: _per_replica_where(which, n, o), new, old)

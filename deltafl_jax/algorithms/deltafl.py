@@ -33,12 +33,32 @@ evaluation is chunked.
   alpha_k g_nu'(F_k - eta*) with eta* the minimiser of Property 9 (the gradient of
   F_{theta,nu}, Prop. 4 / Algorithm 1 on the smoothed objective); it replaces the filter, and
   nu -> 0 gives the exact filter back.
+- ``deltafl_participation``: ``none`` (default), ``fedau`` or ``inverse``: each sampled client's
+  alpha_k is multiplied by its estimated inverse participation rate before the quantile and the
+  filter (below, *Participation*).
 - ``quantile``: ``sort`` (the server sorts the losses that the clients report, line 5) or
   ``secagg_mm`` (Algorithm 3): eta from ``mm_iters`` majorisation-minimisation steps whose
   every input is a secure-aggregation sum (:mod:`deltafl_jax.secagg`, App. B.1); the server
   never sees a loss, the clients filter themselves (F_k > eta, strictly, as Algorithm 3's
   LocalUpdate writes it) and keep their full alpha_k; the round metric ``secagg_calls`` counts
   mm_iters + 1 calls for eta and 1 for the model.
+
+**Participation** (``--deltafl_participation``). A client that is online in a fraction p_k
+of the rounds is in the cohort about p_k m / (sum_i p_i) as often as the others: the sampled
+losses are drawn from the participation-weighted population, and the (1 - theta)-quantile and
+the superquantile over them are those of the clients that are often online, not of the N
+clients. With the correction each sampled client's weight is alpha_k c_k, c_k an estimate of
+1 / p_k: FedAU's omega_k (``fedau``, its mean participation interval, cut-off ``--fedau_cap``)
+or 1 / p_hat_k (``inverse``, p_hat_k its running participation rate, this round included)
+(:mod:`deltafl_jax.algorithms.participation`). Then sum_{k in S} alpha_k c_k 1{F_k <= x}
+estimates sum_{i=1..N} alpha_i 1{F_i <= x} (its expectation when c_k = 1 / p_k), each client
+counted as often as it exists (a Horvitz-Thompson weight; the quantile is scale-free): eta and the tail weights estimate the
+population's quantile and superquantile rather than the cohort's. Under uniform participation
+every c_k has the same expectation (N / m), so the weights are those of ``none`` in
+expectation, and exactly so when every client takes part in every round (c_k = 1). "Taking
+part" is being sampled (the loss was seen), whether or not the filter keeps the client. The
+estimate is the algorithm's state ([N] counters per replica, restored on resume; O(m) per
+round). Private Delta-FL (``--dp_clip``) takes ``none`` only.
 
 Each is an :class:`~deltafl_jax.algorithms.spec.Option` declared once here (``FILTER``,
 ``WEIGHTING``, ...) and shared with the specs that read it (FedAvg: ``weighting``; FedAvg-Sub:
@@ -63,6 +83,8 @@ import numpy as np
 
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Option, Sweep, check_options
+from deltafl_jax.algorithms.participation import (FEDAU_CAP, check_cap, correction,
+                                                  init_estimator)
 from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, average_delta,
                                              no_state)
 from deltafl_jax.algorithms.spec import AlgorithmSpec
@@ -74,6 +96,7 @@ from deltafl_jax.superquantile import (quantile_levels, smoothed_eta, smoothed_t
 FILTERS = ("exact", "reference")
 WEIGHTINGS = ("weighted", "unweighted")
 QUANTILES = ("sort", "secagg_mm")
+PARTICIPATIONS = ("none", "fedau", "inverse")
 DEFAULT_TIE_RTOL = 1e-5
 PAPER_THETAS = (1.0, 0.8, 0.5, 0.1)
 
@@ -93,6 +116,11 @@ QUANTILE = Option(
     help="sort: the server sorts the reported losses | secagg_mm: eta from --mm_iters MM steps "
     "over secure sums, clients with F_k > eta train (Algorithm 3, App. B.1)")
 MM_ITERS = Option(default=20, help="MM steps of --quantile=secagg_mm")
+PARTICIPATION = Option(
+    default="none", choices=PARTICIPATIONS,
+    help="none | fedau: each sampled client's alpha_k times FedAU's omega_k (its estimated "
+    "participation interval) | inverse: times 1/p_hat_k (its running participation rate), so "
+    "that rarely online clients count as often as they exist")
 
 
 class DeltaFLHyper(NamedTuple):
@@ -110,9 +138,12 @@ class DeltaFLOptions:
     smoothing: float = SMOOTHING.field()
     quantile: str = QUANTILE.field()
     mm_iters: int = MM_ITERS.field()
+    deltafl_participation: str = PARTICIPATION.field()
+    fedau_cap: int = FEDAU_CAP.field()
 
     def check(self) -> None:
         """ConfigError naming the flag at fault (the choices are checked before)."""
+        check_cap(self.fedau_cap)
         nu = self.smoothing
         if isinstance(nu, bool) or not isinstance(nu, (int, float)) or not math.isfinite(nu) \
                 or nu < 0:
@@ -179,7 +210,8 @@ def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggrega
     released. None unless --quantile=secagg_mm and --weighting=unweighted (weights
     n_k would make one client's share unbounded)."""
     if not (privacy is not None and privacy.enabled and options.quantile == "secagg_mm"
-            and options.weighting == "unweighted"):
+            and options.weighting == "unweighted"
+            and options.deltafl_participation == "none"):
         return None
     ratio, iters = float(privacy.quantile_noise_ratio), options.mm_iters
     bound = float(privacy.loss_bound)
@@ -210,31 +242,52 @@ def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggrega
                             add_remove_releases=(1.0, ratio) + (ratio,) * iters)
 
 
+def participation_alphas(options: DeltaFLOptions, num_clients: int):
+    """(init, alphas, record): the algorithm's state, alpha_k of a cohort (state, sizes,
+    clients) -> [m], and the state after the round (state, sizes, clients) -> state; with
+    ``deltafl_participation=none`` no state and alpha_k alone (module docstring)."""
+    weighting = options.weighting
+    if options.deltafl_participation == "none":
+        return (no_state, lambda state, sizes, clients: unnormalised_alphas(sizes, weighting),
+                lambda state, sizes, clients: state)
+    if num_clients < 1:
+        raise ValueError("--deltafl_participation needs the number of training clients")
+    corr = correction(options.deltafl_participation, int(options.fedau_cap))
+
+    def alphas(state, sizes, clients):
+        return unnormalised_alphas(sizes, weighting) * corr.weights(state, clients)
+    return (lambda params, hyper: init_estimator(num_clients), alphas,
+            lambda state, sizes, clients: corr.record(state, clients, sizes > 0))
+
+
 def deltafl(options: DeltaFLOptions = DeltaFLOptions(), tie_rtol: float = DEFAULT_TIE_RTOL,
-            thetas: Sequence[float] = (), privacy=None) -> FederatedAlgorithm:
+            thetas: Sequence[float] = (), privacy=None,
+            num_clients: int = 0) -> FederatedAlgorithm:
     """Delta-FL with hyper.theta in (0, 1]; theta = 1 is FedAvg. `thetas`: the run's levels
     as Python floats, whose 1 - theta is taken in float64 (others: 1 - float32 theta, in
     float64). `privacy`: the run's :class:`deltafl_jax.privacy.Privacy` (its private version,
-    :func:`private_deltafl`)."""
+    :func:`private_deltafl`). `num_clients`: N, for ``--deltafl_participation``."""
     check_options(options)
     private = private_deltafl(options, privacy)
     rule = round_rule(options, tie_rtol)
     level = quantile_levels(thetas)
+    init, cohort_alphas, record = participation_alphas(options, num_clients)
 
     def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, key, clients
-        alphas = unnormalised_alphas(sizes, options.weighting)
+        del key
+        alphas = cohort_alphas(state, sizes, clients)
         return rule(losses, alphas, hyper.theta, level(hyper.theta))[0]
 
     def server_update(state, params, feedback, hyper):
         if private is not None:   # eta was noised in client_weights; the server never saw it
             return average_delta(params, feedback), state, {      # (the kept weight goes
                 "secagg_calls": jnp.int32(options.mm_iters + 2)}  # with the model's call)
-        alphas = unnormalised_alphas(feedback.sizes, options.weighting)
+        alphas = cohort_alphas(state, feedback.sizes, feedback.clients)
         _, eta, extra = rule(feedback.losses, alphas, hyper.theta, level(hyper.theta))
-        return average_delta(params, feedback), state, {"eta": eta, **extra}
+        new = record(state, feedback.sizes, feedback.clients)
+        return average_delta(params, feedback), new, {"eta": eta, **extra}
 
-    return FederatedAlgorithm(name="deltafl", init=no_state, client_weights=client_weights,
+    return FederatedAlgorithm(name="deltafl", init=init, client_weights=client_weights,
                               server_update=server_update, private=private)
 
 
@@ -304,7 +357,9 @@ def build_deltafl(config, data, options: DeltaFLOptions) -> FederatedAlgorithm:
     line = smoothing_warning(options.smoothing, getattr(data, "num_classes", None))
     if line:
         print(line, file=sys.stderr, flush=True)
-    return deltafl(options, thetas=run_thetas(config), privacy=config.privacy)
+    corrected = options.deltafl_participation != "none"
+    return deltafl(options, thetas=run_thetas(config), privacy=config.privacy,
+                   num_clients=data.train.num_clients if corrected else 0)
 
 
 SPEC = AlgorithmSpec(
@@ -314,5 +369,6 @@ SPEC = AlgorithmSpec(
     hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=DeltaFLOptions,
     column_name=column_name, tunes_l2=True, variable_cohort=True,
     leaderboard=Board(grid={"thetas": (0.8, 0.5, 0.1)}),
-    dp_requires="--quantile=secagg_mm --weighting=unweighted (private Delta-FL: eta from "
+    dp_requires="--quantile=secagg_mm --weighting=unweighted --deltafl_participation=none "
+    "(private Delta-FL: eta from "
     "Algorithm 3's noised secure sums, the clients filtering themselves at weight 1)")

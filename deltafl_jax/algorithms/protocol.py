@@ -150,6 +150,9 @@ class FederatedAlgorithm(NamedTuple):
 
     private: how its average is made differentially private (:class:`PrivateAggregate`);
       None: it has no private version (with its options), and --dp_clip is refused.
+    steps_without_clients: its Delta moves the model in a round in which no client's update
+      reached the aggregate (MIFA's stored updates); False: with a server optimizer such a
+      round keeps the model and the optimizer's state.
     """
 
     name: str
@@ -166,6 +169,7 @@ class FederatedAlgorithm(NamedTuple):
     sampling: Optional[Callable[[State], jax.Array]] = None
     probe: Optional[Callable[..., Params]] = None
     private: Optional[PrivateAggregate] = None
+    steps_without_clients: bool = False
 
 
 def scaled_delta(params, delta_sum, total):
