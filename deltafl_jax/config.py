@@ -22,6 +22,7 @@ from deltafl_jax.metrics import DEFAULT_TARGET_ACCURACY
 from deltafl_jax.models import LINEAR_MODELS
 from deltafl_jax.replicas import aligned
 from deltafl_jax.privacy import Privacy, check_private_version
+from deltafl_jax.sampling.settings import Sampling
 from deltafl_jax.server_optimizer import ServerOptimizer
 
 PERCENTILES = (10, 20, 50, 60, 80, 90, 95)
@@ -162,8 +163,8 @@ class Output:
 
 # The groups of settings, each a field of ExperimentConfig.
 GROUPS = (("training", Training), ("evaluation", Evaluation), ("server", ServerOptimizer),
-          ("client", ClientOptimizer), ("privacy", Privacy), ("personal", Personalisation),
-          ("placement", Placement), ("output", Output))
+          ("client", ClientOptimizer), ("sampling", Sampling), ("privacy", Privacy),
+          ("personal", Personalisation), ("placement", Placement), ("output", Output))
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -194,6 +195,7 @@ class ExperimentConfig:
     evaluation: Evaluation = group(Evaluation)
     server: ServerOptimizer = group(ServerOptimizer)
     client: ClientOptimizer = group(ClientOptimizer)
+    sampling: Sampling = group(Sampling)
     privacy: Privacy = group(Privacy)
     personal: Personalisation = group(Personalisation)
     placement: Placement = group(Placement)
@@ -392,8 +394,9 @@ def _check(c: ExperimentConfig):
     _check_options(c)
     c.server.check()
     c.client.check()
-    c.privacy.check()
-    check_private_version(c.privacy, spec)
+    c.sampling.check()
+    c.privacy.check(c.sampling.sampler)
+    check_private_version(c.privacy, c.sampling.sampler, spec)
     spec.check(c)
     c.l2_for(len(spec.sweep_values(c)))
     if c.use_bias is not None and c.model not in LINEAR_MODELS:

@@ -39,6 +39,7 @@ from deltafl_jax.run.personal import PersonalEvaluation
 from deltafl_jax.run.placement import (Footprint, Placement, check_memory, choose_placement,
                                        compute_footprint)
 from deltafl_jax.run.resolve import resolve
+from deltafl_jax.sampling import FixedSampler, PoissonSampler, Sampler
 
 AUTO_FULL_EVAL = 100_000    # populations up to this many clients are evaluated whole by default
 AUTO_EVAL_CLIENTS = 1000    # clients of each split per evaluation beyond it
@@ -69,8 +70,13 @@ class Experiment:
     accounting: Optional[Accounting] = None   # client-level DP: epsilon of each replica
     eval_clients: Optional[int] = None    # K clients of each split per evaluation (None: all)
     personal: Optional[PersonalEvaluation] = None   # seen / unseen clients (--client_holdout)
-    poisson: Optional[plan_lib.PoissonSampling] = None   # --client_sampling=poisson
+    sampler: Optional[Sampler] = None     # who trains (None: m of N uniformly, fixed)
     replica_seeds: Optional[np.ndarray] = None   # [R] each replica's seed index (the run's)
+
+    @property
+    def poisson(self) -> Optional[PoissonSampler]:
+        """The Poisson sampler (q, cap) under --client_sampling=poisson, else None."""
+        return self.sampler if isinstance(self.sampler, PoissonSampler) else None
 
     def _place(self, tree):
         return tree if self.mesh is None else mesh_lib.replicate(tree, self.mesh)
@@ -134,17 +140,25 @@ class Experiment:
         """The plan as the devices read it (indices into the split, or into the round's
         buffer when the host keeps the split). An algorithm that samples from its state
         (``sampling``) needs the round's state (the previous round's result)."""
-        probabilities = None
-        if self.algorithm.sampling is not None:
-            if state is None:
-                raise ValueError(f"{self.algorithm.name} samples its clients from its state: "
-                                 "give round_plan / round_data the round's state")
-            probabilities = mesh_lib.to_host(self._sampling_fn(state.algo_state))
         return plan_lib.make_round_plan(self.seeds, round_idx, self.data.train.offsets,
                                         self.num_sampled, self.work, self.caps,
-                                        packed=self.store.host, poisson=self.poisson,
-                                        cyclic=self.config.client_sampling == "cyclic",
-                                        probabilities=probabilities)
+                                        packed=self.store.host,
+                                        cohorts=self.cohorts(round_idx, state))
+
+    def cohorts(self, round_idx: int, state=None, online=None) -> list:
+        """Each plan group's cohort of the round (:mod:`deltafl_jax.sampling`), drawn among
+        `online` (one id array per group; None: every client); an algorithm that samples from
+        its state (``sampling``: by its weights) needs the round's state."""
+        sampler = self.sampler or FixedSampler(self.data.train.num_clients, self.num_sampled)
+        if self.algorithm.sampling is None:
+            return plan_lib.draw_cohorts(sampler, self.seeds, round_idx, online)
+        if state is None:
+            raise ValueError(f"{self.algorithm.name} samples its clients from its state: "
+                             "give round_plan / round_data the round's state")
+        weights = mesh_lib.to_host(self._sampling_fn(state.algo_state))
+        return [sampler.with_weights(weights[g]).cohort(
+                    seed, round_idx, None if online is None else online[g])
+                for g, seed in enumerate(self.seeds)]
 
     def round_data(self, round_idx: int, state=None) -> rounds.RoundData:
         """The round's plan and examples on the device(s) (`state`: as :meth:`round_plan`),
@@ -273,7 +287,8 @@ def eval_clients(config: ExperimentConfig, data: FederatedDataset) -> Optional[i
 
 
 def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh,
-              server_tx, expected: Optional[int] = None, correlated=None):
+              server_tx, expected: Optional[int] = None, correlated=None,
+              variable: bool = False):
     """The jitted round: plain for one device, jit(shard_map(...)) over a mesh otherwise."""
     axis = mesh_lib.SINGLE if mesh is None else mesh_lib.DeviceAxis(place.devices,
                                                                     mesh_lib.AXIS)
@@ -287,7 +302,7 @@ def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh
     raw = rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
                                 place.eval_lanes, m, server_tx, expected=expected,
                                 adaptive=privacy if privacy.adaptive else None,
-                                correlated=correlated)
+                                correlated=correlated, variable=variable)
     return jax.jit(raw if mesh is None else mesh_lib.sharded(raw, mesh, 3), donate_argnums=(0,))
 
 
@@ -337,7 +352,8 @@ def build_experiment(config: ExperimentConfig, data: FederatedDataset,
     check_memory(device_bytes, devices)
     round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx,
                          run.expected,
-                         run.accounting.correlated if run.accounting is not None else None)
+                         run.accounting.correlated if run.accounting is not None else None,
+                         variable=run.variable)
     store = ClientStore(data, model, place, caps, mesh)
     personal = None if data.holdout is None else PersonalEvaluation(
         data, model, algorithm, replicas, batch_size=config.batch_size, lanes=place.lanes,
@@ -352,4 +368,4 @@ def build_experiment(config: ExperimentConfig, data: FederatedDataset,
         served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
                    if algorithm.eval_params is not None else None), mesh=mesh,
         server_tx=server_tx, accounting=run.accounting, eval_clients=eval_clients(config, data),
-        poisson=run.poisson, replica_seeds=run.replica_seeds)
+        sampler=run.sampler, replica_seeds=run.replica_seeds)
