@@ -447,17 +447,15 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
                    num_sampled: int,
                    server_tx: Optional[optax.GradientTransformation] = None,
                    expected: Optional[int] = None, adaptive=None, correlated=None,
-                   variable: Optional[bool] = None):
+                   variable: bool = False):
     """The round of `algorithm` for `replicas`, with the server optimizer's transformation
     `server_tx` (None: the plain step w + Delta), client-level DP when ``local.clip`` is set
-    (:class:`_RoundDP`). `variable`: the plan's cohorts may leave slots empty (None: with
-    `expected`, a Poisson cohort). An unjitted pure function."""
-    variable = expected is not None if variable is None else bool(variable)
+    (:class:`_RoundDP`); `variable`: the plan's cohorts may leave slots empty (Poisson, or
+    fewer clients online than slots). An unjitted pure function."""
     dpr = _RoundDP(algorithm, local.clip, num_sampled, expected, adaptive, correlated)
     z_np = np.asarray(replicas.dp_noise, np.float32)
     local = local._replace(client_update=algorithm.client_update)
     group = jnp.asarray(replicas.group, jnp.int32)
-    m = num_sampled
     schedules = replicas.schedules
     hyper_np = jax.tree.map(lambda v: np.asarray(v, np.float32), replicas.hyper)
     l2_np = np.asarray(replicas.l2, np.float32)
@@ -468,7 +466,7 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         l2 = jnp.asarray(l2_np)
         lr = jnp.stack([jnp.asarray(s(t), jnp.float32) for s in schedules])
         if algorithm.uses_losses:
-            losses, sizes, ev = _losses(model, state, data, group, l2, m, eval_chunk,
+            losses, sizes, ev = _losses(model, state, data, group, l2, num_sampled, eval_chunk,
                                         eval_lanes, local.axis)
         else:
             losses, sizes, ev = _no_losses(data, group)

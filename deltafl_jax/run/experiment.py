@@ -40,6 +40,7 @@ from deltafl_jax.run.placement import (Footprint, Placement, check_memory, choos
                                        compute_footprint)
 from deltafl_jax.run.resolve import resolve
 from deltafl_jax.sampling import FixedSampler, PoissonSampler, Sampler
+from deltafl_jax.sampling.participation import Participation
 
 AUTO_FULL_EVAL = 100_000    # populations up to this many clients are evaluated whole by default
 AUTO_EVAL_CLIENTS = 1000    # clients of each split per evaluation beyond it
@@ -72,6 +73,7 @@ class Experiment:
     personal: Optional[PersonalEvaluation] = None   # seen / unseen clients (--client_holdout)
     sampler: Optional[Sampler] = None     # who trains (None: m of N uniformly, fixed)
     replica_seeds: Optional[np.ndarray] = None   # [R] each replica's seed index (the run's)
+    participation: Optional[Participation] = None   # online sets and participation counts
 
     @property
     def poisson(self) -> Optional[PoissonSampler]:
@@ -150,15 +152,44 @@ class Experiment:
         `online` (one id array per group; None: every client); an algorithm that samples from
         its state (``sampling``: by its weights) needs the round's state."""
         sampler = self.sampler or FixedSampler(self.data.train.num_clients, self.num_sampled)
+        if online is None and self.participation is not None:
+            online = self.participation.online(round_idx)
         if self.algorithm.sampling is None:
-            return plan_lib.draw_cohorts(sampler, self.seeds, round_idx, online)
-        if state is None:
-            raise ValueError(f"{self.algorithm.name} samples its clients from its state: "
-                             "give round_plan / round_data the round's state")
-        weights = mesh_lib.to_host(self._sampling_fn(state.algo_state))
-        return [sampler.with_weights(weights[g]).cohort(
-                    seed, round_idx, None if online is None else online[g])
-                for g, seed in enumerate(self.seeds)]
+            cohorts = plan_lib.draw_cohorts(sampler, self.seeds, round_idx, online)
+        else:
+            if state is None:
+                raise ValueError(f"{self.algorithm.name} samples its clients from its state: "
+                                 "give round_plan / round_data the round's state")
+            weights = mesh_lib.to_host(self._sampling_fn(state.algo_state))
+            cohorts = [sampler.with_weights(weights[g]).cohort(
+                           seed, round_idx, None if online is None else online[g])
+                       for g, seed in enumerate(self.seeds)]
+        if self.participation is not None:
+            self.participation.drawn(round_idx, cohorts)
+        return cohorts
+
+    def count_round(self, round_idx: int) -> Dict[str, np.ndarray]:
+        """Count round `round_idx` as trained in the participation record (once per round, in
+        order, after its plan was drawn); its per-round metric ``num_online`` [R]: the clients
+        online in each replica's plan group."""
+        if self.participation is None:
+            return {}
+        counts = self.participation.count(round_idx)
+        return {"num_online": counts[np.asarray(self.replicas.group)]}
+
+    def participation_arrays(self, clients=None) -> Dict[str, np.ndarray]:
+        """Each replica's realised participation so far, [R, N] (or [R, K] at the training
+        clients `clients`): ``train_rounds_online`` and ``train_rounds_sampled``, the rounds its
+        plan group's clients were online and sampled."""
+        if self.participation is None:
+            return {}
+        group = np.asarray(self.replicas.group)
+        out = {}
+        for name, counts in (("train_rounds_online", self.participation.online_rounds),
+                             ("train_rounds_sampled", self.participation.sampled_rounds)):
+            per = counts[group]
+            out[name] = per if clients is None else per[:, np.asarray(clients, np.int64)]
+        return out
 
     def round_data(self, round_idx: int, state=None) -> rounds.RoundData:
         """The round's plan and examples on the device(s) (`state`: as :meth:`round_plan`),
@@ -206,6 +237,7 @@ class Experiment:
             out[f"{name}_error"] = np.where(np.isfinite(loss), err, np.nan)
             if clients is not None:
                 out[f"{name}_clients"] = np.asarray(clients, np.int64)
+        out.update(self.participation_arrays(None if sample is None else sample.train))
         return out
 
     def evaluate_personal(self, state, round_idx: int) -> Dict[str, np.ndarray]:
@@ -368,4 +400,5 @@ def build_experiment(config: ExperimentConfig, data: FederatedDataset,
         served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
                    if algorithm.eval_params is not None else None), mesh=mesh,
         server_tx=server_tx, accounting=run.accounting, eval_clients=eval_clients(config, data),
-        sampler=run.sampler, replica_seeds=run.replica_seeds)
+        sampler=run.sampler, replica_seeds=run.replica_seeds,
+        participation=Participation(run.seeds, data.train.num_clients))

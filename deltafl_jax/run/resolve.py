@@ -49,8 +49,8 @@ class ResolvedRun:
     data: the dataset, each client's held-out part split off (``--client_holdout``).
     num_sampled: the plan's slots per round (m; every training client for an algorithm that
     trains them all; the cap under Poisson sampling): the sampler's slots. expected: m under
-    Poisson sampling (None otherwise). replicas: the grid (the spec's sweep x its crossed and platform values
-    x seeds, or the caller's). replica_seeds: each replica's seed index when the algorithm
+    Poisson sampling (None otherwise). replicas: the grid (the spec's sweep x its crossed and
+    platform values x seeds, or the caller's). replica_seeds: each replica's seed index when the algorithm
     samples from its own state (one plan per replica), else None. seeds: the seed of each
     plan group. accounting: client-level DP's ledger (None: not private). sampler: the run's
     client sampler (:class:`deltafl_jax.sampling.Sampler`; an algorithm that samples from its

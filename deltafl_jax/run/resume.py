@@ -5,9 +5,10 @@ same configuration continues it from there: the state comes from the checkpoint
 (:mod:`deltafl_jax.run.checkpoint`), the recorder's histories from the output files that already
 hold them (``rounds.npz``, ``clients_history.npz``, ``metrics.jsonl``; the runner writes the first
 two before every checkpoint, so they are never behind it), cut back to the checkpoint's round.
-The sampling and the shuffles are pure functions of (seed, round, client) and the PRNG keys are
-re-derived from the seeds, so the resumed run ends with the same outputs, bit for bit, as one
-that was never interrupted. A configuration that differs is refused, naming the flags that
+The sampling and the shuffles are pure functions of (seed, round, client), the PRNG keys are
+re-derived from the seeds, and the host's participation record and a stateful availability
+model's state come back from the checkpoint (its ``host`` item), so the resumed run ends with
+the same outputs, bit for bit, as one that was never interrupted. A configuration that differs is refused, naming the flags that
 differ.
 """
 
@@ -104,6 +105,9 @@ class Resume:
     per_round: metric -> [round, R] host arrays of every round (rounds.npz).
     client_history: "rounds" [E] and the per-client arrays [E, R, N] of the evaluations up to
       `round` (clients_history.npz). records: the metrics.jsonl records up to `round`.
+    host: the host's state saved with the checkpoint (the participation record and a stateful
+      availability model's state, :class:`deltafl_jax.sampling.participation.Participation`),
+      or None for a checkpoint without one.
     """
 
     round: int
@@ -111,6 +115,7 @@ class Resume:
     per_round: Dict[str, np.ndarray]
     client_history: Dict[str, np.ndarray]
     records: List[Dict[str, Any]]
+    host: Optional[Dict[str, Any]] = None
 
 
 # The one setting a run may change and still continue exactly (see continuation_obstacle).
@@ -212,4 +217,9 @@ def load(checkpointer: ckpt.Checkpointer, current: Mapping[str, Any], template_s
     if found is None:
         return None
     round, state = found
-    return Resume(round, state, *histories(output_dir, round))
+    try:
+        host = checkpointer.restore_host(round)
+    except Exception as e:  # pylint: disable=broad-except
+        raise ConfigError(f"cannot resume from {checkpointer.directory}: the host state of its "
+                          f"checkpoint of round {round} does not read ({e})") from None
+    return Resume(round, state, *histories(output_dir, round), host=host)
