@@ -149,3 +149,56 @@ def test_the_settings_group_builds_each_sampler():
     assert isinstance(Sampling().build(200, 20, rounds=1, overflow_budget=1.0), FixedSampler)
     np.testing.assert_array_equal(Sampling().build(50, 4, rounds=1, overflow_budget=1.0)
                                   .cohort(7, 3).clients, sample_clients(7, 3, 50, 4))
+
+
+class _Chain:
+    """A stateful availability for the test: client i online in round r iff (i + the number
+    of rounds drawn so far for the seed + seed) is even; its state is that number."""
+
+    def __init__(self, n):
+        self.num_clients, self.drawn = n, {}
+
+    def online(self, seed, t):
+        k = self.drawn.get(seed, 0)
+        assert k == t, "drawn in order"
+        self.drawn[seed] = k + 1
+        return np.flatnonzero((np.arange(self.num_clients) + k + seed) % 2 == 0)
+
+    def state(self, seed):
+        return {"drawn": np.asarray(self.drawn.get(seed, 0))}
+
+    def restore(self, seed, state, next_round):
+        assert int(state["drawn"]) == next_round
+        self.drawn[seed] = int(state["drawn"])
+
+
+def _run_rounds(part, sampler, rounds):
+    for t in rounds:
+        online = part.online(t)
+        part.online(t + 1)    # the run plans the next round before counting this one
+        part.drawn(t, plan.draw_cohorts(sampler, part.seeds, t, online))
+        part.count(t)
+
+
+def test_participation_counts_rounds_online_and_sampled_and_resumes_from_its_state():
+    from deltafl_jax.sampling.participation import Participation
+    N, m, seeds = 9, 3, (4, 7, 4)   # groups 0 and 2 share seed 4
+    sampler = FixedSampler(N, m)
+    whole = Participation(seeds, N, _Chain(N))
+    _run_rounds(whole, sampler, range(6))
+    online = np.zeros((3, N), np.int64)
+    sampled = np.zeros((3, N), np.int64)
+    for g, seed in enumerate(seeds):
+        for t in range(6):
+            ids = np.flatnonzero((np.arange(N) + t + seed) % 2 == 0)
+            online[g, ids] += 1
+            sampled[g, sampler.cohort(seed, t, ids).clients] += 1
+    np.testing.assert_array_equal(whole.online_rounds, online)
+    np.testing.assert_array_equal(whole.sampled_rounds, sampled)
+    first = Participation(seeds, N, _Chain(N))
+    _run_rounds(first, sampler, range(4))
+    resumed = Participation(seeds, N, _Chain(N))
+    resumed.restore(first.state())
+    _run_rounds(resumed, sampler, range(4, 6))
+    np.testing.assert_array_equal(resumed.online_rounds, online)
+    np.testing.assert_array_equal(resumed.sampled_rounds, sampled)
