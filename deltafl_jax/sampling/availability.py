@@ -450,6 +450,12 @@ class Trace(Availability):
         active = self.traces.active(self.time(round_idx))
         return np.flatnonzero(active[self.assign]).astype(np.int64)
 
+    def any_online(self) -> bool:
+        """Whether some client is online in some round of the run (stops at the first)."""
+        if self._rates is not None:
+            return bool(np.any(self._rates > 0))
+        return any(self.traces.active(self.time(r)).any() for r in range(self.num_rounds))
+
     def trace_rates(self) -> np.ndarray:
         """[K] each kept trace's fraction of the run's rounds in which it is active."""
         if self._rates is None:
@@ -481,7 +487,7 @@ def build_trace(settings: AvailabilitySettings, num_clients: int, num_rounds: in
     keep, local = np.unique(assign, return_inverse=True)
     model = Trace(TraceSet(raw, keep), local.reshape(-1).astype(np.int64),
                   settings.trace_start, settings.round_seconds, num_rounds)
-    if not np.any(model.trace_rates() > 0):
+    if not model.any_online():
         raise DataError(f"--availability_trace={settings.trace}: no client is online in any "
                         f"of the {num_rounds} rounds (times {settings.trace_start:g} s on, "
                         f"every {settings.round_seconds:g} s)")
