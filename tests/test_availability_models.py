@@ -362,6 +362,34 @@ def test_flash_trace_mapped_to_rounds(tmp_path):
     assert model.rates()[1] == 0.0
 
 
+STATE_TRACE = "\n".join([
+    "2020-01-02 00:00:10\tscreen_lock", "2020-01-02 00:00:20\twifi",
+    "2020-01-02 00:00:30\tbattery_charged_on",     # locked, WiFi, charging: ready from 30 s
+    "2020-01-02 00:00:40\t55%", "2020-01-02 00:01:00\tscreen_unlock",        # ... to 60 s
+    "2020-01-02 00:01:30\tscreen_lock", "2020-01-02 00:01:40\t4g",          # 90 s to 100 s
+    "2020-01-02 00:03:20\tscreen_on", ""])                                    # the end: 200 s
+
+
+def test_flash_state_traces_give_the_timers_ready_times(tmp_path):
+    """FLASH's state_traces.json form: ready [[30, 60], [90, 100]], trace 10 s .. 200 s, so
+    at t = 10 r: now = 10 + ((10 r - 10) mod 190), ready iff r mod 19 in {3, 4, 5, 6, 9, 10};
+    a device with a line FLASH cannot split is never ready; the same ready times given as
+    FLASH's cached timer replay the same rounds."""
+    data = {"7": {"guid": "a", "model": "phone", "messages": STATE_TRACE},
+            "8": {"guid": "b", "model": "phone", "messages": "2020-01-02 00:00:10 no tab\n"},
+            "9": {"isSuccess": True, "trace_start": 10, "trace_end": 200,
+                  "ready_time": [[30, 60], [90, 100]]}}
+    path = tmp_path / "state_traces.json"
+    path.write_text(json.dumps(data))
+    model = build(num_clients=3, num_rounds=40, model="trace", trace=str(path),
+                  round_seconds=10.0)
+    on = history(model, rounds=40)
+    expected = np.array([r % 19 in (3, 4, 5, 6, 9, 10) for r in range(40)])
+    np.testing.assert_array_equal(on[:, 0], expected)
+    np.testing.assert_array_equal(on[:, 1], False)
+    np.testing.assert_array_equal(on[:, 2], expected)
+
+
 class Boom:
     """A pickle that would create a folder when loaded."""
 
@@ -396,6 +424,8 @@ def test_a_pickle_that_names_code_is_refused_unrun(tmp_path):
     (json.dumps({"g": {"isSuccess": True, "trace_start": 0, "trace_end": 9,
                        "ready_time": [[1, 2, 3]]}}).encode(), "t.json",
      "'ready_time' must be a list of \\[start, end\\] pairs"),
+    (json.dumps({"u": {"messages": "2020-01-02 00:00:10\tphone_on"}}).encode(), "t.json",
+     "device 'u': unknown state 'phone_on'"),
     (pickle.dumps({1: {"active": [500], "inactive": [600], "finish_time": 1000}}), "t.pkl",
      "no client is online in any of the 10 rounds"),
 ])

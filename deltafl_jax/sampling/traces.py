@@ -12,12 +12,17 @@ train, read at the times t_r = start + r x round_seconds of the rounds:
   ...}}``; device k is active at time t iff a_j <= t mod F <= e_j for some j (the trace
   repeats every F seconds). FedScale gives client c the trace of the key at position c mod K
   of the dict's keys (``user_trace_keys``).
-- FLASH's ready times (PKU-Chengxu/FLASH, commit 70e47eb2, models/timer.py ``Timer``, its
-  ``cached_timers.json``): JSON ``{guid: {"isSuccess": bool, "trace_start": s, "trace_end":
-  e, "ready_time": [[s_0, e_0], ...]}}``; a device whose isSuccess is false, or whose trace
-  lasts under a second, is never ready; otherwise it is ready at t iff s_j <= now <= e_j for
-  some j, now = trace_start + (int(t - trace_start) mod int(trace_end - trace_start)) (int
-  truncating toward 0, the mod of Python: in [0, length)).
+- FLASH's traces (PKU-Chengxu/FLASH, commit 70e47eb2, models/timer.py ``Timer`` and
+  models/client.py), a JSON object with one entry per device, in either of FLASH's two forms:
+  its ready times (the Timer's ``cached_timers.json``): ``{guid: {"isSuccess": bool,
+  "trace_start": s, "trace_end": e, "ready_time": [[s_0, e_0], ...]}}``; or its state trace
+  (``data/state_traces.json``): ``{uid: {"guid": ..., "model": ..., "messages":
+  "YYYY-mm-dd HH:MM:SS\tstate\n..."}}``, from which the ready times are derived as the Timer
+  does (:func:`flash_ready_times`). A device whose isSuccess is false, or whose trace lasts
+  under a second, is never ready; otherwise it is ready at t iff s_j <= now <= e_j for some
+  j, now = trace_start + (int(t - trace_start) mod int(trace_end - trace_start)) (int
+  truncating toward 0, the mod of Python: in [0, length)). Times are seconds since
+  2020-01-02 00:00:00 (FLASH's reference time).
 
 A pickle can run code when it is loaded. :func:`load_fedscale` reads it with an unpickler
 that builds only dicts, lists, tuples, strings and numbers (and NumPy scalars): a pickle that
@@ -33,6 +38,7 @@ for K traces of M intervals in all; exact for times that are whole seconds up to
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import pickle
@@ -144,11 +150,70 @@ def load_fedscale(path: str) -> RawTraces:
                      valid=np.ones(k, bool), truncate=False, starts=starts, ends=ends)
 
 
+FLASH_REFERENCE = datetime.datetime(2020, 1, 2)   # FLASH's refer_time, 2020-01-02 00:00:00
+# FLASH's states: what each sets (charged, wifi, locked); a battery level "NN%" sets nothing.
+_FLASH_STATES = {"battery_charged_on": ("charged", True), "battery_charged_off": ("charged", False),
+                 "wifi": ("wifi", True), "unknown": ("wifi", False), "2g": ("wifi", False),
+                 "3g": ("wifi", False), "4g": ("wifi", False), "5g": ("wifi", False),
+                 "screen_on": ("screen_off", False), "screen_off": ("screen_off", True),
+                 "screen_lock": ("locked", True), "screen_unlock": ("locked", False)}
+
+
+def _flash_seconds(stamp: str) -> float:
+    moment = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S")
+    return (moment - FLASH_REFERENCE).total_seconds()
+
+
+def flash_ready_times(where: str, messages: str):
+    """(ready [[start, end], ...], trace_start, trace_end) of one device's FLASH messages, or
+    None where FLASH's Timer finds the trace invalid (never ready). Ready: screen locked, on
+    WiFi and charging; an interval still open at the trace's end is dropped, as there. Times
+    are differences of wall-clock stamps (FLASH's ``time.mktime`` differences in a time zone
+    without daylight saving)."""
+    status = {"charged": False, "wifi": False, "locked": False, "screen_off": False}
+    ready, opened, times = [], None, []
+    try:
+        for line in messages.split("\n"):
+            if not line.strip():
+                continue
+            stamp, state = line.strip().split("\t")
+            t, state = _flash_seconds(stamp.strip()), state.strip().lower()
+            if state in _FLASH_STATES:
+                status[_FLASH_STATES[state][0]] = _FLASH_STATES[state][1]
+            elif state.endswith("%"):
+                float(state[:-1])
+            else:
+                raise DataError(f"{where}: unknown state {state!r} (FLASH's Timer stops on it)")
+            on = status["locked"] and status["wifi"] and status["charged"]
+            if on and opened is None:
+                opened = t
+            elif opened is not None and not on:
+                ready.append([opened, t])
+                opened = None
+            times.append(t)
+    except DataError:
+        raise
+    except ValueError:     # a line FLASH cannot split or parse: its Timer drops the trace
+        return None
+    if not ready:
+        return None
+    start = next((t for t in times if t), times[-1])   # FLASH keeps the first nonzero time
+    if int(times[-1] - start) == 0:
+        return None
+    return ready, start, times[-1]
+
+
 def _flash_entry(path: str, key, entry):
     where = f"--availability_trace={path}: device {key!r}"
+    if isinstance(entry, dict) and isinstance(entry.get("messages"), str):
+        derived = flash_ready_times(where, entry["messages"])
+        if derived is None:
+            return np.zeros(0), np.zeros(0), 0.0, 0.0
+        entry = {"isSuccess": True, "ready_time": derived[0], "trace_start": derived[1],
+                 "trace_end": derived[2]}
     if not isinstance(entry, dict) or "isSuccess" not in entry:
-        raise DataError(f"{where}: not a dict with 'isSuccess', 'trace_start', 'trace_end' "
-                        f"and 'ready_time'")
+        raise DataError(f"{where}: not a dict with 'messages' (a state trace) or "
+                        f"'isSuccess', 'trace_start', 'trace_end' and 'ready_time'")
     if not entry["isSuccess"]:
         return np.zeros(0), np.zeros(0), 0.0, 0.0
     if not {"trace_start", "trace_end", "ready_time"} <= set(entry):
@@ -164,7 +229,8 @@ def _flash_entry(path: str, key, entry):
 
 
 def load_flash(path: str) -> RawTraces:
-    """FLASH's ready-time JSON (its Timer's cached_timers.json)."""
+    """FLASH's JSON: ready times (cached_timers.json) or state traces (state_traces.json),
+    entry by entry."""
     try:
         with open(path, "rb") as f:
             data = json.loads(f.read())
@@ -175,8 +241,7 @@ def load_flash(path: str) -> RawTraces:
                         f"({type(e).__name__}: {e})".replace("\n", " ")) from None
     if not isinstance(data, dict) or not data:
         raise DataError(f"--availability_trace={path}: a FLASH trace is a non-empty JSON "
-                        f"object {{guid: {{'isSuccess', 'trace_start', 'trace_end', "
-                        f"'ready_time'}}}}")
+                        f"object with one entry per device")
     starts, ends, origin, length = [], [], [], []
     for key, entry in data.items():
         s, e, o, n = _flash_entry(path, key, entry)
