@@ -22,6 +22,7 @@ from deltafl_jax.metrics import DEFAULT_TARGET_ACCURACY
 from deltafl_jax.models import LINEAR_MODELS
 from deltafl_jax.replicas import aligned
 from deltafl_jax.privacy import Privacy, check_private_version
+from deltafl_jax.sampling.availability import AvailabilitySettings
 from deltafl_jax.sampling.settings import Sampling
 from deltafl_jax.server_optimizer import ServerOptimizer
 
@@ -163,7 +164,8 @@ class Output:
 
 # The groups of settings, each a field of ExperimentConfig.
 GROUPS = (("training", Training), ("evaluation", Evaluation), ("server", ServerOptimizer),
-          ("client", ClientOptimizer), ("sampling", Sampling), ("privacy", Privacy),
+          ("client", ClientOptimizer), ("sampling", Sampling),
+          ("online", AvailabilitySettings), ("privacy", Privacy),
           ("personal", Personalisation), ("placement", Placement), ("output", Output))
 
 
@@ -196,6 +198,7 @@ class ExperimentConfig:
     server: ServerOptimizer = group(ServerOptimizer)
     client: ClientOptimizer = group(ClientOptimizer)
     sampling: Sampling = group(Sampling)
+    online: AvailabilitySettings = group(AvailabilitySettings)   # --availability and its flags
     privacy: Privacy = group(Privacy)
     personal: Personalisation = group(Personalisation)
     placement: Placement = group(Placement)
@@ -396,6 +399,10 @@ def _check(c: ExperimentConfig):
     c.client.check()
     c.sampling.check()
     c.privacy.check(c.sampling.sampler)
+    if c.privacy.enabled and c.online.model != "always":
+        raise ConfigError(f"--dp_clip with --availability={c.online.model}: the DP "
+                          f"accountant assumes every client can be sampled in every round; "
+                          f"client-level DP runs with --availability=always")
     check_private_version(c.privacy, c.sampling.sampler, spec)
     spec.check(c)
     c.l2_for(len(spec.sweep_values(c)))

@@ -96,6 +96,12 @@ def _define_sampling_flags() -> None:
     _define_settings(Sampling)
 
 
+def _define_availability_flags() -> None:
+    """Client availability (deltafl_jax.sampling.availability; docs/guides/availability.md)."""
+    from deltafl_jax.sampling.availability import AvailabilitySettings
+    _define_settings(AvailabilitySettings)
+
+
 def _define_privacy_flags() -> None:
     """Client-level differential privacy (deltafl_jax.privacy; docs/guides/privacy.md)."""
     from deltafl_jax.privacy import Privacy
@@ -173,6 +179,7 @@ def define_experiment_flags() -> None:
     _define_server_flags()
     _define_client_flags()
     _define_sampling_flags()
+    _define_availability_flags()
     _define_privacy_flags()
     _define_placement_flags()
     _define_device_flags()

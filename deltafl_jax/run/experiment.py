@@ -401,4 +401,4 @@ def build_experiment(config: ExperimentConfig, data: FederatedDataset,
                    if algorithm.eval_params is not None else None), mesh=mesh,
         server_tx=server_tx, accounting=run.accounting, eval_clients=eval_clients(config, data),
         sampler=run.sampler, replica_seeds=run.replica_seeds,
-        participation=Participation(run.seeds, data.train.num_clients))
+        participation=Participation(run.seeds, data.train.num_clients, run.availability))

@@ -40,6 +40,7 @@ from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import personal as personal_lib
 from deltafl_jax.run.placement import check_streams
 from deltafl_jax.sampling import PoissonSampler, Sampler, WeightedSampler
+from deltafl_jax.sampling.availability import Availability, build_availability
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -55,7 +56,9 @@ class ResolvedRun:
     plan group. accounting: client-level DP's ledger (None: not private). sampler: the run's
     client sampler (:class:`deltafl_jax.sampling.Sampler`; an algorithm that samples from its
     state: a :class:`~deltafl_jax.sampling.WeightedSampler` given its weights each round).
-    variable: a cohort may leave slots empty (the round gives them weight 0).
+    variable: a cohort may leave slots empty (the round gives them weight 0). availability:
+    who is online in each round (:mod:`deltafl_jax.sampling.availability`), None when every
+    client always is (``--availability=always``: no online sets drawn).
     """
 
     config: ExperimentConfig
@@ -73,6 +76,7 @@ class ResolvedRun:
     accounting: Optional[Accounting]
     sampler: Sampler
     variable: bool
+    availability: Optional[Availability] = None
 
     @property
     def poisson(self) -> Optional[PoissonSampler]:
@@ -99,6 +103,7 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
     accounting = None if noise is None else noise.accounting(
         tuple(float(z) for z in replicas.dp_noise))   # each replica's own z, in replica order
     sampler = _sampler(config, spec, algorithm, m, data.train.num_clients, accounting)
+    availability = _availability(config, spec, data)
     if accounting is not None and isinstance(sampler, PoissonSampler):
         accounting = dataclasses.replace(accounting, cap=sampler.cap)
     local_steps = spec.local_steps if spec.local_steps is not None else config.local_steps
@@ -114,7 +119,9 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
                        algorithm=algorithm, num_sampled=sampler.slots,
                        expected=m if sampler.variable else None, replicas=replicas,
                        replica_seeds=replica_seeds, seeds=seeds, work=work,
-                       accounting=accounting, sampler=sampler, variable=sampler.variable)
+                       accounting=accounting, sampler=sampler,
+                       variable=sampler.variable or availability is not None,
+                       availability=availability)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +246,42 @@ def _sampler(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: Federated
         if eps:
             budget = accounting.delta / OVERFLOW_SHARE / (1.0 + math.exp(min(max(eps), 700)))
     return settings.build(num_clients, m, rounds=config.num_rounds, overflow_budget=budget)
+
+
+def _availability(config: ExperimentConfig, spec: AlgorithmSpec,
+                  data: FederatedDataset) -> Optional[Availability]:
+    """The run's availability model, built once from the training split (None for
+    ``always``). ConfigError for an algorithm whose round needs a full cohort of m clients
+    (fewer may be online) or that trains every client every round."""
+    settings = config.online
+    if settings.model == "always":
+        return None
+    if spec.all_clients or not spec.variable_cohort:
+        raise ConfigError(f"--availability={settings.model}: --algorithm={spec.name} needs a "
+                          f"fixed cohort of m clients a round (it runs with "
+                          f"--availability=always)")
+    needs_labels = settings.probabilities == "data" or (
+        settings.model == "cyclic" and settings.cyclic == "labels")
+    train = data.train
+    return build_availability(settings, num_clients=train.num_clients, sizes=train.sizes,
+                              label_counts=label_counts(train, data.num_classes)
+                              if needs_labels else None, num_rounds=config.num_rounds)
+
+
+def label_counts(split, num_classes: int) -> Optional[np.ndarray]:
+    """[N, C] int64: each client's examples per label (None: a split without labels)."""
+    if num_classes <= 0 or not split.has_labels:
+        return None
+    counts = np.zeros((split.num_clients, num_classes), np.int64)
+    y = getattr(split, "y", None)
+    if y is not None:
+        rows = np.repeat(np.arange(split.num_clients), split.sizes)
+        np.add.at(counts, (rows, np.asarray(y, np.int64)), 1)
+        return counts
+    for k in range(split.num_clients):   # a generated split: its clients one by one
+        counts[k] = np.bincount(np.asarray(split.gather([k])[1], np.int64),
+                                minlength=num_classes)[:num_classes]
+    return counts
 
 
 def _plan_groups(config: ExperimentConfig, algorithm: FederatedAlgorithm, replicas: Replicas):
