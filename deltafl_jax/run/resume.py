@@ -78,23 +78,67 @@ def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Li
     """The names of the settings whose values differ between two fingerprints (sorted).
 
     Values are compared as the checkpoint stores them (JSON: a tuple equals the list of its
-    items, NaN equals NaN); a setting present on one side only differs. Nested dicts are
+    items, NaN equals NaN); a setting present on one side only differs, except a setting of
+    the configuration's groups that the saved side lacks and the current side holds at its
+    default (a fingerprint saved before the setting existed resumes). Nested dicts are
     compared key by key and named "outer.inner". The :data:`FREE_FIELDS` are left out on
     both sides (a fingerprint saved when one of them was still part of it resumes).
     """
     names: List[str] = []
+    defaults = _group_defaults()
 
     def walk(a, b, prefix):
         for key in sorted(set(a) | set(b)):
             name = f"{prefix}{key}"
             if key in a and key in b and isinstance(a[key], dict) and isinstance(b[key], dict):
                 walk(a[key], b[key], name + ".")
+            elif not prefix and key not in a and key in defaults and \
+                    _canonical(b[key]) == defaults[key]:
+                continue
             elif key not in a or key not in b or _canonical(a[key]) != _canonical(b[key]):
                 names.append(name)
 
     walk(*(json.loads(_canonical({k: v for k, v in dict(side).items() if k not in FREE_FIELDS}))
            for side in (saved, current)), "")
     return names
+
+
+def _group_defaults() -> Dict[str, str]:
+    """flag -> the canonical JSON of its default, for every setting of the configuration's
+    groups."""
+    from deltafl_jax.config import GROUPS
+    from deltafl_jax.declared import flat_values
+    out: Dict[str, str] = {}
+    for _, cls in GROUPS:
+        out.update({k: _canonical(v) for k, v in
+                    json.loads(_canonical(flat_values(cls()))).items()})
+    return out
+
+
+def backfill_participation(exp, found: "Resume") -> None:
+    """A checkpoint saved without the host's state (before participation was recorded): its
+    rounds are counted again from their draws (every sampler is a function of (seed, round,
+    online set), the availability models of (seed, round)), and the output files' histories
+    get the per-round ``num_online`` and each evaluation's participation arrays they lack.
+    Nothing for an algorithm that samples from its state (its cohorts cannot be drawn
+    again)."""
+    if exp.participation is None or found.host is not None or exp.algorithm.sampling:
+        return
+    history = found.client_history
+    evals = {int(t): i for i, t in enumerate(history.get("rounds", []))}
+    online, snapshots = [], {}
+    for t in range(found.round):
+        exp.cohorts(t)
+        online.append(exp.count_round(t)["num_online"])
+        if t + 1 in evals:
+            clients = history["train_clients"][evals[t + 1]] if "train_clients" in history \
+                else None
+            snapshots[evals[t + 1]] = exp.participation_arrays(clients)
+    if online and "num_online" not in found.per_round:
+        found.per_round["num_online"] = np.stack(online)
+    if evals and len(snapshots) == len(evals):
+        for name in snapshots[0]:
+            history.setdefault(name, np.stack([snapshots[i][name] for i in range(len(evals))]))
 
 
 @dataclasses.dataclass

@@ -266,9 +266,10 @@ def _resume(exp: Experiment, checkpointer, fingerprint, recorder: Recorder, log)
         writer.write_marker(resume.settings(config))
     if found is None:
         return 0, state
-    recorder.resume(found)
     if found.host is not None and exp.participation is not None:
         exp.participation.restore(found.host)
+    resume.backfill_participation(exp, found)
+    recorder.resume(found)
     if found.round == config.num_rounds:   # killed after its last checkpoint
         metrics = {k: v[-1] for k, v in found.per_round.items()}
         recorder.last = evaluate(exp, found.state, found.round, metrics, 0.0)
