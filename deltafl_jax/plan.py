@@ -12,7 +12,7 @@ the engine loops over the real length of each stream (see :mod:`deltafl_jax.engi
 Per group g (one per seed) the plan holds:
 
 - ``clients [G, m]``: the sampled clients, without replacement;
-- ``sizes [G, m]``: their example counts n_k (0 marks an empty slot of a Poisson cohort);
+- ``sizes [G, m]``: their example counts n_k (0 marks an empty slot);
 - ``eval_idx [G, Le]`` / ``eval_seg [G, Le]`` / ``eval_len [G]``: the examples of the sampled
   clients one after another, with the slot (0..m-1) each belongs to, for F_k(w_t);
 - ``train_idx [G, Lt]`` / ``train_start [G, m]``: for slot i, `epochs` fresh permutations of

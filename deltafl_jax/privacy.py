@@ -40,7 +40,7 @@ accountant's (replace-one relation) for t self-compositions of that event
 independently with probability q and takes add-or-remove neighbours: :func:`poisson_event`,
 which the tests use to reproduce a published figure.
 
-Poisson client sampling (``--client_sampling=poisson``, :mod:`deltafl_jax.plan`): each
+Poisson client sampling (``--client_sampling=poisson``, :mod:`deltafl_jax.sampling.samplers`): each
 training client joins a round independently with probability q = m / N, and two neighbouring
 populations differ by one client added or removed. Each release's multiplier is then its noise
 std over the add-or-remove sensitivity: z for the update (one client adds at most C a_max), z
