@@ -39,12 +39,20 @@ class Participation:
         self.num_clients = int(num_clients)
         self.availability = availability
         G = len(self.seeds)
-        self.online_rounds = np.zeros((G, self.num_clients), np.int64)
+        self._online_counts = np.zeros((G, self.num_clients if availability else 0), np.int64)
         self.sampled_rounds = np.zeros((G, self.num_clients), np.int64)
         self.counted = 0
         self._online: Dict[int, List[np.ndarray]] = {}
         self._after: Dict[int, Dict[int, dict]] = {}   # round -> seed -> model state after it
         self._cohorts: Dict[int, list] = {}
+
+    @property
+    def online_rounds(self) -> np.ndarray:
+        """[G, N] int64: the rounds each client was online (every counted round when every
+        client always is: no per-round work of O(N))."""
+        if self.availability is None:
+            return np.full(self.sampled_rounds.shape, self.counted, np.int64)
+        return self._online_counts
 
     def online(self, round_idx: int) -> Optional[List[np.ndarray]]:
         """Each group's online ids in round `round_idx` (sorted), or None when every client is
@@ -71,17 +79,16 @@ class Participation:
         count [G]."""
         t = int(round_idx)
         if t == 0:   # a run from its start (an experiment may run more than once)
-            self.online_rounds[:] = 0
+            self._online_counts[:] = 0
             self.sampled_rounds[:] = 0
         online = self.online(t)
         cohorts = self._cohorts.pop(t)
         if online is None:
-            self.online_rounds += 1
             counts = np.full((len(self.seeds),), self.num_clients, np.int64)
         else:
             counts = np.array([ids.size for ids in online], np.int64)
             for g, ids in enumerate(online):
-                self.online_rounds[g, ids] += 1
+                self._online_counts[g, ids] += 1
         for g, cohort in enumerate(cohorts):
             ids = np.unique(np.asarray(cohort.clients)[np.asarray(cohort.present, bool)])
             self.sampled_rounds[g, ids] += 1
@@ -107,9 +114,10 @@ class Participation:
     def restore(self, state: Dict[str, object]) -> None:
         """Continue from a :meth:`state` (the counts, and the model's state: its next round is
         the first not counted)."""
-        self.online_rounds = np.asarray(state[ONLINE], np.int64).copy()
         self.sampled_rounds = np.asarray(state[SAMPLED], np.int64).copy()
         self.counted = int(np.asarray(state[COUNTED]))
+        if self.availability is not None:
+            self._online_counts = np.asarray(state[ONLINE], np.int64).copy()
         self._online, self._after, self._cohorts = {}, {}, {}
         model = state.get(MODEL)
         if model and self.availability is not None:
