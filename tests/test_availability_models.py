@@ -463,3 +463,14 @@ def test_probabilities_above_one_and_never_online_are_refused():
         build(num_clients=4, model="markov", p=0.0)
     with pytest.raises(ConfigError, match="needs the clients' label counts"):
         build(num_clients=4, model="bernoulli", probabilities="data")
+
+
+def test_cyclic_keeps_a_client_of_availability_zero_one_round_a_period():
+    """FedAU's A_i = max(1, round(P p_i)): p_i = 0 is still on once every P rounds, so cyclic
+    is not refused where bernoulli and markov are."""
+    model = build(num_clients=5, model="cyclic", p=0.0, period=8)
+    on = history(model, rounds=64)
+    np.testing.assert_array_equal(on.sum(axis=0), np.full(5, 8))
+    with pytest.raises(DataError, match="label counts of 4 clients for 5 clients"):
+        build(num_clients=5, label_counts=np.eye(4, dtype=np.int64), model="cyclic",
+              cyclic="labels")

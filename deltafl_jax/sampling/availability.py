@@ -526,14 +526,14 @@ def build_availability(settings: AvailabilitySettings, *, num_clients: int,
         return build_replay(settings, num_clients, num_rounds)
     if settings.model == "cyclic" and settings.cyclic == "labels":
         model = CyclicLabels(label_counts, settings.period or 24, settings.cyclic_beta)
-        if not np.any(model.rates() > 0):
-            raise ConfigError("--availability_cyclic=labels with --availability_cyclic_beta=1:"
-                              " no client's window holds any round")
-        return model
+        if model.num_clients != num_clients:
+            raise DataError(f"availability: label counts of {model.num_clients} clients for "
+                            f"{num_clients} clients")
+        return model      # the clients holding label M are in the window at t = T - 1
     p = client_probabilities(settings, num_clients, sizes, label_counts)
+    if settings.model == "cyclic":     # on at least one round in every period, whatever p_i
+        return Cyclic(p, settings.period or 100)
     _never_online(p, settings)
     if settings.model == "bernoulli":
         return Bernoulli(p)
-    if settings.model == "markov":
-        return Markov(p, settings.markov_off_on)
-    return Cyclic(p, settings.period or 100)
+    return Markov(p, settings.markov_off_on)
