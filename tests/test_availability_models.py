@@ -272,7 +272,7 @@ def test_schedule_replays_exactly(tmp_path):
     (np.ones((10, 8), bool), "available", r"must be \[rounds, 9\].*got \[10, 8\]"),
     (np.ones((10, 9), np.int8), "available", "must be bool, got int8"),
     (np.ones((4, 9), bool), "available", "covers 4 rounds, the run has 10"),
-    (np.ones((10, 9), bool), "avail", "no array 'available' in it"),
+    (np.ones((10, 9), bool), "avail", "no array 'available' in it .it holds avail.$"),
     (np.zeros((10, 9), bool), "available", "no client is online in any of the run's 10"),
 ])
 def test_bad_schedules_are_refused(tmp_path, available, key, match):
@@ -286,6 +286,11 @@ def test_a_schedule_that_is_not_an_npz_is_refused(tmp_path):
     path.write_bytes(b"not a zip at all")
     with pytest.raises(DataError, match="not a readable .npz"):
         build(num_clients=9, num_rounds=10, model="schedule", schedule=str(path))
+    np.save(tmp_path / "one.npy", np.ones((10, 9), bool))
+    with pytest.raises(DataError, match="a single .npy array, not an .npz"):
+        build(num_clients=9, num_rounds=10, model="schedule", schedule=str(tmp_path / "one.npy"))
+    with pytest.raises(DataError, match="not a readable .npz .FileNotFoundError"):
+        build(num_clients=9, num_rounds=10, model="schedule", schedule=str(tmp_path / "no.npz"))
     with pytest.raises(ConfigError, match="needs --availability_schedule=PATH"):
         AvailabilitySettings(model="schedule")
 
