@@ -272,7 +272,7 @@ def test_schedule_replays_exactly(tmp_path):
     (np.ones((10, 8), bool), "available", r"must be \[rounds, 9\].*got \[10, 8\]"),
     (np.ones((10, 9), np.int8), "available", "must be bool, got int8"),
     (np.ones((4, 9), bool), "available", "covers 4 rounds, the run has 10"),
-    (np.ones((10, 9), bool), "avail", "no array 'available' in it"),
+    (np.ones((10, 9), bool), "avail", "no array 'available' in it .it holds avail.$"),
     (np.zeros((10, 9), bool), "available", "no client is online in any of the run's 10"),
 ])
 def test_bad_schedules_are_refused(tmp_path, available, key, match):
@@ -286,6 +286,11 @@ def test_a_schedule_that_is_not_an_npz_is_refused(tmp_path):
     path.write_bytes(b"not a zip at all")
     with pytest.raises(DataError, match="not a readable .npz"):
         build(num_clients=9, num_rounds=10, model="schedule", schedule=str(path))
+    np.save(tmp_path / "one.npy", np.ones((10, 9), bool))
+    with pytest.raises(DataError, match="a single .npy array, not an .npz"):
+        build(num_clients=9, num_rounds=10, model="schedule", schedule=str(tmp_path / "one.npy"))
+    with pytest.raises(DataError, match="not a readable .npz .FileNotFoundError"):
+        build(num_clients=9, num_rounds=10, model="schedule", schedule=str(tmp_path / "no.npz"))
     with pytest.raises(ConfigError, match="needs --availability_schedule=PATH"):
         AvailabilitySettings(model="schedule")
 
@@ -463,3 +468,14 @@ def test_probabilities_above_one_and_never_online_are_refused():
         build(num_clients=4, model="markov", p=0.0)
     with pytest.raises(ConfigError, match="needs the clients' label counts"):
         build(num_clients=4, model="bernoulli", probabilities="data")
+
+
+def test_cyclic_keeps_a_client_of_availability_zero_one_round_a_period():
+    """FedAU's A_i = max(1, round(P p_i)): p_i = 0 is still on once every P rounds, so cyclic
+    is not refused where bernoulli and markov are."""
+    model = build(num_clients=5, model="cyclic", p=0.0, period=8)
+    on = history(model, rounds=64)
+    np.testing.assert_array_equal(on.sum(axis=0), np.full(5, 8))
+    with pytest.raises(DataError, match="label counts of 4 clients for 5 clients"):
+        build(num_clients=5, label_counts=np.eye(4, dtype=np.int64), model="cyclic",
+              cyclic="labels")

@@ -3,9 +3,10 @@
 Availability is decided on the host, per client and round, before the server samples its
 cohort among the clients online (see :mod:`deltafl_jax.sampling`). Every model is a pure
 function of (seed, round) drawn with NumPy from ``SeedSequence`` keys of four words whose
-third word is one of this module's stream ids (0xA7A1..0xA7A3); :mod:`deltafl_jax.plan`'s
-keys are three words with a third word in 0..4, and a SeedSequence key pads with zeros, so no
-key here equals one of theirs:
+third word is one of this module's stream ids (0xA7A1..0xA7A3) and whose fourth is >= 1. A
+SeedSequence key pads with zeros, so no three-word key of the project (:mod:`deltafl_jax.plan`'s
+``[seed, round, 0..4]``, the evaluation sample's, the synthetic clients') equals one here,
+and no other four-word key has these third words:
 
 - ``[seed, round, STREAM, model]``: the round's draws (a Bernoulli round, a Markov step);
 - ``[seed, 0, SEED_STREAM, model]``: a seed's draws made once (Markov's start, cyclic phases);
@@ -526,14 +527,14 @@ def build_availability(settings: AvailabilitySettings, *, num_clients: int,
         return build_replay(settings, num_clients, num_rounds)
     if settings.model == "cyclic" and settings.cyclic == "labels":
         model = CyclicLabels(label_counts, settings.period or 24, settings.cyclic_beta)
-        if not np.any(model.rates() > 0):
-            raise ConfigError("--availability_cyclic=labels with --availability_cyclic_beta=1:"
-                              " no client's window holds any round")
-        return model
+        if model.num_clients != num_clients:
+            raise DataError(f"availability: label counts of {model.num_clients} clients for "
+                            f"{num_clients} clients")
+        return model      # the clients holding label M are in the window at t = T - 1
     p = client_probabilities(settings, num_clients, sizes, label_counts)
+    if settings.model == "cyclic":     # on at least one round in every period, whatever p_i
+        return Cyclic(p, settings.period or 100)
     _never_online(p, settings)
     if settings.model == "bernoulli":
         return Bernoulli(p)
-    if settings.model == "markov":
-        return Markov(p, settings.markov_off_on)
-    return Cyclic(p, settings.period or 100)
+    return Markov(p, settings.markov_off_on)

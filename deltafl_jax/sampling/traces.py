@@ -42,6 +42,7 @@ import datetime
 import io
 import json
 import pickle
+import zipfile
 from typing import List, NamedTuple, Sequence
 
 import numpy as np
@@ -58,14 +59,19 @@ _ALLOWED = {("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "sca
 def load_schedule(path: str, num_clients: int, num_rounds: int) -> np.ndarray:
     """The array ``available`` [R, N] bool of the schedule at `path` (R >= num_rounds)."""
     try:
-        with np.load(path, allow_pickle=False) as f:
-            if "available" not in f.files:
-                raise DataError(f"--availability_schedule={path}: no array 'available' in it "
-                                f"(it holds {', '.join(f.files) or 'nothing'})")
-            available = f["available"]
-    except (OSError, ValueError, EOFError) as e:
+        f = np.load(path, allow_pickle=False)
+        names = f.files if isinstance(f, np.lib.npyio.NpzFile) else None
+        available = f["available"] if names is not None and "available" in names else None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise DataError(f"--availability_schedule={path}: not a readable .npz "
                         f"({type(e).__name__}: {e})".replace("\n", " ")) from None
+    if names is None:
+        raise DataError(f"--availability_schedule={path}: a single .npy array, not an .npz "
+                        f"holding 'available'")
+    f.close()
+    if available is None:
+        raise DataError(f"--availability_schedule={path}: no array 'available' in it (it "
+                        f"holds {', '.join(names) or 'nothing'})")
     if available.dtype != np.bool_:
         raise DataError(f"--availability_schedule={path}: 'available' must be bool, got "
                         f"{available.dtype}")
