@@ -22,6 +22,8 @@ from deltafl_jax.metrics import DEFAULT_TARGET_ACCURACY
 from deltafl_jax.models import LINEAR_MODELS
 from deltafl_jax.replicas import aligned
 from deltafl_jax.privacy import Privacy, check_private_version
+from deltafl_jax.sampling.availability import AvailabilitySettings
+from deltafl_jax.sampling.settings import Sampling
 from deltafl_jax.server_optimizer import ServerOptimizer
 
 PERCENTILES = (10, 20, 50, 60, 80, 90, 95)
@@ -163,8 +165,9 @@ class Output:
 
 # The groups of settings, each a field of ExperimentConfig.
 GROUPS = (("training", Training), ("evaluation", Evaluation), ("server", ServerOptimizer),
-          ("client", ClientOptimizer), ("privacy", Privacy), ("personal", Personalisation),
-          ("placement", Placement), ("output", Output))
+          ("client", ClientOptimizer), ("sampling", Sampling),
+          ("online", AvailabilitySettings), ("privacy", Privacy),
+          ("personal", Personalisation), ("placement", Placement), ("output", Output))
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -195,6 +198,8 @@ class ExperimentConfig:
     evaluation: Evaluation = group(Evaluation)
     server: ServerOptimizer = group(ServerOptimizer)
     client: ClientOptimizer = group(ClientOptimizer)
+    sampling: Sampling = group(Sampling)
+    online: AvailabilitySettings = group(AvailabilitySettings)   # --availability and its flags
     privacy: Privacy = group(Privacy)
     personal: Personalisation = group(Personalisation)
     placement: Placement = group(Placement)
@@ -393,8 +398,13 @@ def _check(c: ExperimentConfig):
     _check_options(c)
     c.server.check()
     c.client.check()
-    c.privacy.check()
-    check_private_version(c.privacy, spec)
+    c.sampling.check()
+    c.privacy.check(c.sampling.sampler)
+    if c.privacy.enabled and c.online.model != "always":
+        raise ConfigError(f"--dp_clip with --availability={c.online.model}: the DP "
+                          f"accountant assumes every client can be sampled in every round; "
+                          f"client-level DP runs with --availability=always")
+    check_private_version(c.privacy, c.sampling.sampler, spec)
     spec.check(c)
     c.l2_for(len(spec.sweep_values(c)))
     if c.use_bias is not None and c.model not in LINEAR_MODELS:

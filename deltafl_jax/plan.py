@@ -12,7 +12,7 @@ the engine loops over the real length of each stream (see :mod:`deltafl_jax.engi
 Per group g (one per seed) the plan holds:
 
 - ``clients [G, m]``: the sampled clients, without replacement;
-- ``sizes [G, m]``: their example counts n_k (0 marks an empty slot of a Poisson cohort);
+- ``sizes [G, m]``: their example counts n_k (0 marks an empty slot);
 - ``eval_idx [G, Le]`` / ``eval_seg [G, Le]`` / ``eval_len [G]``: the examples of the sampled
   clients one after another, with the slot (0..m-1) each belongs to, for F_k(w_t);
 - ``train_idx [G, Lt]`` / ``train_start [G, m]``: for slot i, `epochs` fresh permutations of
@@ -28,53 +28,27 @@ rows: the round computes the same numbers. Planning costs O(m + the sampled exam
 O(N). Evaluation streams longer than a device buffer are cut into blocks
 (:func:`stream_blocks`) that add up as one stream.
 
-Three samplers (``--client_sampling``). ``fixed`` (the default): m distinct clients drawn
-uniformly each round (:func:`sample_clients`). ``poisson``: every training client joins a
-round independently with probability q = m / N (:func:`poisson_cohort`), so the cohort size
-is Binomial(N, q). Its plan keeps fixed shapes: ``cap`` slots (:class:`PoissonSampling`),
-the cohort in the first slots in increasing id order and the rest empty (size 0, no examples,
-no local step). A cohort larger than the cap (an overflow) keeps a uniformly random ``cap``
-of its clients; the cap is chosen so that an overflow anywhere in the run is negligible
-(:func:`poisson_cap`), and :mod:`deltafl_jax.privacy` adds its probability to delta.
-``cyclic`` (DP-FTRL's participation): the training clients are split once per seed into
-G = floor(N / m) fixed groups of m (a seeded permutation; the N - G m left over never take
-part), and round t trains group t mod G (:func:`cyclic_cohort`), so every client takes part
-at most every G rounds, ceil(T / G) times in T rounds.
+Who trains is decided before the plan: a :class:`deltafl_jax.sampling.Cohort` per group (the
+sampled clients in the m slots and a ``present`` mask), drawn by the run's sampler
+(:mod:`deltafl_jax.sampling.samplers`: fixed, Poisson, cyclic, by weights) among the clients
+online in the round. The plan keeps fixed shapes whatever the cohort's size: an empty slot
+(``present`` False, a Poisson cohort below its cap or fewer clients online than m) has size 0,
+no examples and no local step, and the round gives it weight 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-_SAMPLE_STREAM = 0
+from deltafl_jax.sampling.samplers import (Cohort, FixedSampler, cyclic_cohort,  # noqa: F401
+                                           overflow_probability, poisson_cap, poisson_cohort,
+                                           sample_by_weights, sample_clients)
+
 _SHUFFLE_STREAM = 1
-_POISSON_STREAM = 2
-_CYCLIC_STREAM = 3
 _PROBE_STREAM = 4
-
-
-def sample_clients(seed: int, round_idx: int, num_clients: int, m: int) -> np.ndarray:
-    """m distinct clients drawn uniformly (Algorithm 2, line 2); a pure function of
-    (seed, round)."""
-    if not 0 < m <= num_clients:
-        raise ValueError(f"cannot sample {m} of {num_clients} clients")
-    rng = np.random.default_rng([int(seed), int(round_idx), _SAMPLE_STREAM])
-    return np.sort(rng.choice(num_clients, size=m, replace=False)).astype(np.int32)
-
-
-def sample_by_weights(seed: int, round_idx: int, probabilities, m: int) -> np.ndarray:
-    """m clients drawn independently with the given probabilities [N] (with replacement: a
-    client may appear several times; DRFA's sampling by its mixing weights lambda), sorted;
-    a pure function of (seed, round, probabilities)."""
-    p = np.asarray(probabilities, np.float64)
-    if p.ndim != 1 or not np.all(np.isfinite(p)) or np.any(p < 0) or p.sum() <= 0:
-        raise ValueError(f"cannot sample clients by the weights {p!r}")
-    rng = np.random.default_rng([int(seed), int(round_idx), _SAMPLE_STREAM])
-    return np.sort(rng.choice(p.size, size=m, replace=True, p=p / p.sum())).astype(np.int32)
 
 
 class ProbePlan(NamedTuple):
@@ -113,75 +87,6 @@ def make_probe_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m
     sizes = (offsets[clients + 1] - offsets[clients]).astype(np.int32)
     return ProbePlan(clients=clients, sizes=sizes, eval_idx=eval_idx, eval_seg=eval_seg,
                      eval_len=eval_len)
-
-
-def poisson_cohort(seed: int, round_idx: int, num_clients: int, q: float,
-                   cap: Optional[int] = None) -> np.ndarray:
-    """The clients of a Poisson round: each of `num_clients` joins independently with
-    probability q; a pure function of (seed, round). Drawn as a Binomial(N, q) count and a
-    uniform subset of that size (the same law as N coin flips, in O(cohort) work); a cohort
-    above `cap` keeps `cap` of its clients, uniformly (the subset's first `cap`, in its
-    random order). Sorted ids."""
-    if not 0.0 < q <= 1.0:
-        raise ValueError(f"Poisson sampling needs q in (0, 1], got {q}")
-    rng = np.random.default_rng([int(seed), int(round_idx), _POISSON_STREAM])
-    size = int(rng.binomial(num_clients, q))
-    chosen = rng.choice(num_clients, size=size, replace=False)
-    if cap is not None:
-        chosen = chosen[:cap]
-    return np.sort(chosen).astype(np.int32)
-
-
-def cyclic_cohort(seed: int, round_idx: int, num_clients: int, m: int) -> np.ndarray:
-    """Group round_idx mod G of the seed's split of the clients into G = N // m groups of m
-    (module docstring); sorted ids."""
-    groups = num_clients // m
-    if groups < 1:
-        raise ValueError(f"cannot form a group of {m} of {num_clients} clients")
-    perm = np.random.default_rng([int(seed), _CYCLIC_STREAM]).permutation(num_clients)
-    g = int(round_idx) % groups
-    return np.sort(perm[g * m:(g + 1) * m]).astype(np.int32)
-
-
-def _log_binomial_pmf(n: int, q: float, k: int) -> float:
-    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
-            + k * math.log(q) + (n - k) * math.log1p(-q))
-
-
-def overflow_probability(num_clients: int, q: float, cap: int) -> float:
-    """P(Binomial(N, q) > cap): the chance that one Poisson round overflows the cap."""
-    if cap >= num_clients or q <= 0:
-        return 0.0
-    if q >= 1:
-        return 1.0
-    total, k = 0.0, cap + 1
-    while k <= num_clients:
-        term = math.exp(_log_binomial_pmf(num_clients, q, k))
-        total += term
-        if k > num_clients * q and term < 1e-300 + total * 1e-17:
-            break
-        k += 1
-    return min(total, 1.0)
-
-
-def poisson_cap(num_clients: int, q: float, rounds: int, budget: float) -> int:
-    """The smallest cap >= ceil(q N) whose overflow probability over `rounds` rounds is at
-    most `budget` (union bound: rounds x P(Binomial(N + 1, q) > cap); N + 1 covers the
-    neighbouring population with one more client)."""
-    n = num_clients + 1
-    cap = max(1, math.ceil(q * num_clients))
-    while cap < num_clients and rounds * overflow_probability(n, q, cap) > budget:
-        cap += 1
-    return min(cap, num_clients)
-
-
-@dataclasses.dataclass(frozen=True)
-class PoissonSampling:
-    """``--client_sampling=poisson``: each client joins a round with probability q; plans
-    have `cap` slots."""
-
-    q: float
-    cap: int
 
 
 def client_permutations(seed: int, round_idx: int, client: int, n: int, epochs: int) -> np.ndarray:
@@ -254,17 +159,23 @@ def capacities(sizes: np.ndarray, m: int, work: LocalWork, eval_chunk: int,
     return Capacities(eval_len=eval_len, train_len=train_len)
 
 
+def draw_cohorts(sampler, seeds: Sequence[int], round_idx: int, online=None) -> list:
+    """One :class:`~deltafl_jax.sampling.Cohort` per seed: `sampler`'s draw for the round
+    among `online` (one array of online ids per seed, or None: every client online)."""
+    return [sampler.cohort(seed, round_idx, None if online is None else online[g])
+            for g, seed in enumerate(seeds)]
+
+
 def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m: int,
                     work: LocalWork, caps: Capacities, packed: bool = False,
-                    poisson: Optional[PoissonSampling] = None,
-                    cyclic: bool = False, probabilities=None) -> RoundPlan:
-    """The plan of round `round_idx` for each seed in `seeds` (one group per seed); `packed`:
-    indices into the round's buffer (module docstring) instead of the split. `poisson`: a
-    Poisson cohort in m = poisson.cap slots, the empty ones of size 0; `cyclic`: the cyclic
-    groups of m (:func:`cyclic_cohort`); `probabilities` [G, N]: group g's m clients drawn
-    with replacement with those probabilities (:func:`sample_by_weights`)."""
+                    cohorts: Optional[Sequence[Cohort]] = None) -> RoundPlan:
+    """The plan of round `round_idx` for each seed in `seeds` (one group per seed) of the
+    `cohorts` (one per seed, each in m slots; None: m clients drawn uniformly from all,
+    :class:`~deltafl_jax.sampling.FixedSampler`); `packed`: indices into the round's buffer
+    (module docstring) instead of the split. Empty slots have size 0 and no step."""
     offsets = np.asarray(offsets, dtype=np.int64)
-    num_clients = offsets.size - 1
+    if cohorts is None:
+        cohorts = draw_cohorts(FixedSampler(offsets.size - 1, m), seeds, round_idx)
     G = len(seeds)
     clients = np.zeros((G, m), np.int32)
     eval_idx = np.zeros((G, caps.eval_len), np.int32)
@@ -272,17 +183,10 @@ def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m
     eval_len = np.zeros((G,), np.int32)
     train_idx = np.zeros((G, caps.train_len), np.int32)
     train_start = np.zeros((G, m), np.int32)
-    present = np.ones((G, m), bool)
+    present = np.stack([np.asarray(c.present, bool) for c in cohorts]) if G else \
+        np.ones((0, m), bool)
     for g, seed in enumerate(seeds):
-        if probabilities is not None:
-            chosen = sample_by_weights(seed, round_idx, probabilities[g], m)
-        elif cyclic:
-            chosen = cyclic_cohort(seed, round_idx, num_clients, m)
-        elif poisson is None:
-            chosen = sample_clients(seed, round_idx, num_clients, m)
-        else:
-            chosen = poisson_cohort(seed, round_idx, num_clients, poisson.q, m)
-            present[g, chosen.size:] = False
+        chosen = np.asarray(cohorts[g].clients)[present[g]]
         clients[g, :chosen.size] = chosen
         n = offsets[chosen + 1] - offsets[chosen]
         starts = (g * caps.eval_len + np.cumsum(n) - n) if packed else offsets[chosen]
@@ -299,18 +203,24 @@ def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m
             train_start[g, i] = pos
             train_idx[g, pos:pos + perm.size] = start + perm
             pos += perm.size
+    return _streams(clients, present, offsets, work, eval_idx, eval_seg, eval_len,
+                    train_idx, train_start)
+
+
+def _streams(clients, present, offsets, work: LocalWork, eval_idx, eval_seg, eval_len,
+             train_idx, train_start) -> RoundPlan:
+    """The plan of the slots' clients: sizes, segment lengths and steps; an empty slot (not
+    `present`) has no examples and no steps (one empty batch an epoch)."""
     sizes = (offsets[clients + 1] - offsets[clients]).astype(np.int32)
-    if poisson is not None:   # empty slots: no examples, no steps (one empty batch an epoch)
-        sizes = np.where(present, sizes, 0).astype(np.int32)
+    sizes = np.where(present, sizes, 0).astype(np.int32)
     if work.local_steps is None:
         seg_len = sizes
     else:
         seg_len = (work.epochs_for(np.maximum(sizes, 1)) * sizes).astype(np.int32)
     batches_per_epoch = (-(-seg_len // work.batch_size)).astype(np.int32)
     steps = work.steps_for(sizes).astype(np.int32)
-    if poisson is not None:
-        batches_per_epoch = np.where(present, batches_per_epoch, 1).astype(np.int32)
-        steps = np.where(present, steps, 0).astype(np.int32)
+    batches_per_epoch = np.where(present, batches_per_epoch, 1).astype(np.int32)
+    steps = np.where(present, steps, 0).astype(np.int32)
     return RoundPlan(clients=clients, sizes=sizes, eval_idx=eval_idx, eval_seg=eval_seg,
                      eval_len=eval_len, train_idx=train_idx, train_start=train_start,
                      seg_len=seg_len, batches_per_epoch=batches_per_epoch, steps=steps)

@@ -40,7 +40,7 @@ accountant's (replace-one relation) for t self-compositions of that event
 independently with probability q and takes add-or-remove neighbours: :func:`poisson_event`,
 which the tests use to reproduce a published figure.
 
-Poisson client sampling (``--client_sampling=poisson``, :mod:`deltafl_jax.plan`): each
+Poisson client sampling (``--client_sampling=poisson``, :mod:`deltafl_jax.sampling.samplers`): each
 training client joins a round independently with probability q = m / N, and two neighbouring
 populations differ by one client added or removed. Each release's multiplier is then its noise
 std over the add-or-remove sensitivity: z for the update (one client adds at most C a_max), z
@@ -50,7 +50,8 @@ the one Gaussian mechanism equivalent to the composition of Gaussians with multi
 on the same sample (their joint privacy loss is that Gaussian's; dp-accounting's RDP
 accountant reduces them the same way), self-composed over the rounds, under dp-accounting's
 PLD accountant (``--dp_accountant=pld``, the default under Poisson; ``rdp`` keeps the RDP
-accountant). The plan has a fixed number of slots, the cap M (:func:`deltafl_jax.plan.poisson_cap`):
+accountant). The plan has a fixed number of slots, the cap M
+(:func:`deltafl_jax.sampling.samplers.poisson_cap`):
 a round whose cohort overflows it trains a uniform M of its clients. Truncation changes the
 mechanism only on the overflow event, so with P the probability that any round of the run
 overflows (union bound, population N + 1) the truncated run is (epsilon, delta + (1 + e^eps) P)
@@ -110,7 +111,6 @@ UPDATE_RELEASE_ADD_REMOVE = 1.0
 ACCOUNTANT = ("dp-accounting RDP, replace-one neighbours, m of N sampled without replacement "
               "each round")
 CLIP_STREAM = 0xC11    # folded into a replica's round key for the clip count's noise
-SAMPLERS = ("fixed", "poisson", "cyclic")
 ACCOUNTANTS = ("pld", "rdp")
 ADAPTIVE = "adaptive"
 KEPT_WEIGHTS = ("noised", "expected")   # private Delta-FL's denominator
@@ -153,13 +153,14 @@ def clip_flag(name: str, value):
             from None
 
 
-def check_private_version(privacy: "Privacy", spec, algorithm=None,
+def check_private_version(privacy: "Privacy", sampler: str, spec, algorithm=None,
                           tuned: bool = False) -> None:
     """With --dp_clip: ConfigError unless the algorithm has a private version that this run
     can use. The one place that refuses a private run for its algorithm: the configuration
     calls it with the spec alone (an algorithm with no private version at all, refused before
     any data is loaded), the resolve step with the built `algorithm` (its options may leave
-    it none; the tuner's grid, adaptive clipping and cyclic sampling need more of it)."""
+    it none; the tuner's grid, adaptive clipping and cyclic sampling need more of it).
+    `sampler`: the run's ``--client_sampling`` (:class:`deltafl_jax.sampling.Sampling`)."""
     if not privacy.enabled:
         return
     if not spec.dp_requires:
@@ -180,7 +181,7 @@ def check_private_version(privacy: "Privacy", spec, algorithm=None,
                           f"denominator (DP-FedAvg; private Delta-FL with "
                           f"--dp_kept_weight=expected); --algorithm={spec.name}'s private "
                           f"version divides by a noised kept weight")
-    if privacy.sampler == "cyclic" and (private.denominator is None or private.releases):
+    if sampler == "cyclic" and (private.denominator is None or private.releases):
         raise ConfigError(f"--client_sampling=cyclic with --dp_clip: --algorithm={spec.name}'s "
                           f"private version releases more than its update (DP-FTRL's account "
                           f"covers DP-FedAvg and DP-FedProx)")
@@ -188,16 +189,17 @@ def check_private_version(privacy: "Privacy", spec, algorithm=None,
 
 @dataclasses.dataclass(frozen=True)
 class Privacy:
-    """The DP settings of a run (module docstring) and its client sampling; ``clip`` None =
-    not private.
+    """The DP settings of a run (module docstring); ``clip`` None = not private. The sampler
+    they account is the run's ``--client_sampling`` (:class:`deltafl_jax.sampling.Sampling`),
+    which the checks and the accountant take as `sampler`.
 
     clip: C, or "adaptive" (the clip adapts from clip_init toward the unclipped fraction
     clip_quantile at rate clip_lr, its count noised at clip_count_noise x z; the clip applied
     first is :attr:`initial_clip`). noise_multipliers: z, one per value (several: swept as
     replicas). target_epsilons: epsilon per value instead of z, each calibrated to a z for the
     run's rounds (inf: z = 0). delta: None = 1 / N^1.1. quantile_noise_ratio: z_q / z for
-    private Delta-FL's secure sums. loss_bound: B. mm_floor: xi. sampler: fixed | poisson |
-    cyclic (--client_sampling). accountant: pld | rdp (None: by sampler). kept_weight: private
+    private Delta-FL's secure sums. loss_bound: B. mm_floor: xi. accountant: pld | rdp (None:
+    by sampler, :meth:`accountant_for`). kept_weight: private
     Delta-FL's denominator, the noised kept weight or its expectation theta m.
     """
 
@@ -251,12 +253,6 @@ class Privacy:
     mm_floor: float = setting(
         0.1, "private Delta-FL: the MM weights are 1 / max(|F_k - mu|, xi), which bounds their "
         "sensitivity", flag="dp_mm_floor")
-    sampler: str = setting(
-        "fixed", "fixed: m distinct clients drawn uniformly each round | poisson: each client "
-        "joins a round independently with probability q = m / N (DP's add-or-remove "
-        "accounting) | cyclic: G = N // m fixed groups of m, round t trains group t mod G "
-        "(DP-FTRL's participation)", flag="client_sampling", choices=SAMPLERS)
-
     def __post_init__(self):
         for name in ("noise_multipliers", "target_epsilons"):
             v = getattr(self, name)
@@ -276,18 +272,14 @@ class Privacy:
         """The clip of the first round: C, or C_0 with --dp_clip=adaptive (None: not private)."""
         return self.clip_init if self.adaptive else self.clip
 
-    @property
-    def accountant_name(self) -> str:
+    def accountant_for(self, sampler: str) -> str:
         """pld or rdp: as given, else rdp for fixed sampling and pld for Poisson."""
         if self.accountant is not None:
             return self.accountant
-        return "rdp" if self.sampler == "fixed" else "pld"
+        return "rdp" if sampler == "fixed" else "pld"
 
-    def check(self) -> None:
-        """ConfigError naming the flag at fault."""
-        if self.sampler not in SAMPLERS:
-            raise ConfigError(f"--client_sampling must be one of {', '.join(SAMPLERS)}, got "
-                              f"{self.sampler!r}")
+    def check(self, sampler: str = "fixed") -> None:
+        """ConfigError naming the flag at fault; `sampler`: the run's --client_sampling."""
         if isinstance(self.clip, str) and self.clip != ADAPTIVE:
             raise ConfigError(f"--dp_clip must be a number C > 0 or 'adaptive', got "
                               f"{self.clip!r}")
@@ -297,8 +289,8 @@ class Privacy:
             self._check_unset()
             return
         _positive("dp_clip_init" if self.adaptive else "dp_clip", self.initial_clip)
-        self._check_sampling()
-        self._check_adaptive()
+        self._check_sampling(sampler)
+        self._check_adaptive(sampler)
         for z in self.noise_multipliers:
             _number("dp_noise_multiplier", z, 0.0)
         for e in self.target_epsilons:
@@ -345,12 +337,12 @@ class Privacy:
             raise ConfigError(f"--{given[0]} needs --dp_clip (the clip norm C of the "
                               f"clients' updates)")
 
-    def _check_sampling(self) -> None:
+    def _check_sampling(self, sampler: str) -> None:
         """The accountant, the mechanism and the kept weight against the sampler."""
         if self.mechanism not in MECHANISMS:
             raise ConfigError(f"--dp_mechanism must be one of {', '.join(MECHANISMS)}, got "
                               f"{self.mechanism!r}")
-        if self.mechanism == "bandmf" and self.sampler != "cyclic":
+        if self.mechanism == "bandmf" and sampler != "cyclic":
             raise ConfigError("--dp_mechanism=bandmf needs --client_sampling=cyclic: its "
                               "sensitivity assumes a client's rounds at least G = N // m apart")
         if self.bands is not None:
@@ -365,12 +357,12 @@ class Privacy:
         if self.accountant is not None and self.accountant not in ACCOUNTANTS:
             raise ConfigError(f"--dp_accountant must be one of {', '.join(ACCOUNTANTS)}, got "
                               f"{self.accountant!r}")
-        if self.accountant is not None and self.sampler == "fixed" and self.accountant != "rdp":
+        if self.accountant is not None and sampler == "fixed" and self.accountant != "rdp":
             raise ConfigError("--dp_accountant=pld needs --client_sampling=poisson: "
                               "dp-accounting's PLD accountant has no event for m of N sampled "
                               "without replacement (fixed sampling uses its RDP accountant)")
 
-    def _check_adaptive(self) -> None:
+    def _check_adaptive(self, sampler: str) -> None:
         """--dp_clip=adaptive's settings, and none of them without it."""
         d = Privacy()
         if not self.adaptive:
@@ -381,7 +373,7 @@ class Privacy:
                 if v != dv:
                     raise ConfigError(f"--{flag} needs --dp_clip=adaptive")
             return
-        if self.sampler == "cyclic":
+        if sampler == "cyclic":
             raise ConfigError("--dp_clip=adaptive applies with --client_sampling=fixed or "
                               "poisson, not cyclic (its count would need its own "
                               "multi-participation accounting)")
@@ -413,7 +405,8 @@ class Privacy:
 
     def noise_multipliers_for(self, m: int, rounds: int, num_clients: int,
                               releases: Sequence[float],
-                              correlated: Optional["Correlated"] = None) -> Tuple[float, ...]:
+                              correlated: Optional["Correlated"] = None,
+                              sampler: str = "fixed") -> Tuple[float, ...]:
         """z for each swept value: as given, or calibrated to each target epsilon; each a
         float32 number (the round's), rounded up so that the accounted z is the applied one
         and a calibrated epsilon stays within its target."""
@@ -421,8 +414,8 @@ class Privacy:
             zs = tuple(float(z) for z in self.noise_multipliers)
         else:
             delta = self.delta_for(num_clients)
-            zs = tuple(calibrate(e, num_clients, m, rounds, delta, releases, self.sampler,
-                                 self.accountant_name, correlated)
+            zs = tuple(calibrate(e, num_clients, m, rounds, delta, releases, sampler,
+                                 self.accountant_for(sampler), correlated)
                        for e in self.target_epsilons)
         return tuple(float32_at_least(z) for z in zs)
 
@@ -720,7 +713,7 @@ class Accounting:
         the probability that some round of the run overflows the cap."""
         if self.sampler != "poisson" or self.cap is None:
             return 0.0
-        from deltafl_jax.plan import overflow_probability
+        from deltafl_jax.sampling.samplers import overflow_probability
         p = min(1.0, self.rounds * overflow_probability(self.population + 1,
                                                         self.m / self.population, self.cap))
         return 0.0 if p == 0 else (math.inf if eps > 700 else (1.0 + math.exp(eps)) * p)

@@ -382,18 +382,26 @@ def _private(algorithm, clip, m, adaptive=None, correlated=None):
 
 def _cohort_weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z,
                     expected: Optional[int]):
-    """(losses, weights) of step 2; with `expected` (a Poisson cohort of that expected size)
-    loss and weight 0 on the empty slots (size 0), and a_max on every sampled client of a
-    fixed-denominator private version (:func:`deltafl_jax.privacy.poisson_weights`)."""
-    if expected is None:
-        return losses, _weights(algorithm, private, state, losses, sizes, hyper, keys,
-                                clients, z)
-    losses = jnp.where(sizes > 0, losses, 0.0)
+    """The weights of step 2; with `expected` (a Poisson cohort of that expected size) a_max
+    on every sampled client of a fixed-denominator private version
+    (:func:`deltafl_jax.privacy.poisson_weights`). Empty slots are masked by the round
+    (:func:`_masked_weights`)."""
     weights = _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z)
-    weights = jnp.where(sizes > 0, weights, 0.0)
-    if private is not None:
+    if expected is not None and private is not None:
         weights = jax.vmap(lambda w, h: poisson_weights(private, w, h, expected))(weights, hyper)
-    return losses, weights
+    return weights
+
+
+def _masked_weights(dpr, algorithm, state, losses, sizes, hyper, keys, clients, z,
+                    variable: bool):
+    """(losses, weights) of step 2. A cohort whose size varies (`variable`: Poisson sampling,
+    or fewer clients online than slots) has empty slots (size 0): their loss and weight are
+    0 for every algorithm, before and after its weighting, so they count in none of its sums."""
+    if not variable:
+        return losses, dpr.weights(algorithm, state, losses, sizes, hyper, keys, clients, z)
+    losses = jnp.where(sizes > 0, losses, 0.0)
+    weights = dpr.weights(algorithm, state, losses, sizes, hyper, keys, clients, z)
+    return losses, jnp.where(sizes > 0, weights, 0.0)
 
 
 def _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z):
@@ -440,15 +448,16 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
                    local: engine.LocalSGDConfig, eval_chunk: int, eval_lanes: int,
                    num_sampled: int,
                    server_tx: Optional[optax.GradientTransformation] = None,
-                   expected: Optional[int] = None, adaptive=None, correlated=None):
+                   expected: Optional[int] = None, adaptive=None, correlated=None,
+                   variable: bool = False):
     """The round of `algorithm` for `replicas`, with the server optimizer's transformation
     `server_tx` (None: the plain step w + Delta), client-level DP when ``local.clip`` is set
-    (:class:`_RoundDP`). An unjitted pure function."""
+    (:class:`_RoundDP`); `variable`: the plan's cohorts may leave slots empty (Poisson, or
+    fewer clients online than slots). An unjitted pure function."""
     dpr = _RoundDP(algorithm, local.clip, num_sampled, expected, adaptive, correlated)
     z_np = np.asarray(replicas.dp_noise, np.float32)
     local = local._replace(client_update=algorithm.client_update)
     group = jnp.asarray(replicas.group, jnp.int32)
-    m = num_sampled
     schedules = replicas.schedules
     hyper_np = jax.tree.map(lambda v: np.asarray(v, np.float32), replicas.hyper)
     l2_np = np.asarray(replicas.l2, np.float32)
@@ -459,14 +468,15 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         l2 = jnp.asarray(l2_np)
         lr = jnp.stack([jnp.asarray(s(t), jnp.float32) for s in schedules])
         if algorithm.uses_losses:
-            losses, sizes, ev = _losses(model, state, data, group, l2, m, eval_chunk,
+            losses, sizes, ev = _losses(model, state, data, group, l2, num_sampled, eval_chunk,
                                         eval_lanes, local.axis)
         else:
             losses, sizes, ev = _no_losses(data, group)
         keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(key)
         clients = data.plan.clients[group]                          # [R, m] client ids
         z = jnp.asarray(z_np)
-        losses, weights = dpr.weights(algorithm, state, losses, sizes, hyper, keys, clients, z)
+        losses, weights = _masked_weights(dpr, algorithm, state, losses, sizes, hyper, keys,
+                                          clients, z, variable)
         keep = (state.active if state.active is not None
                 else jnp.ones((weights.shape[0],), bool))
         weights = jnp.where(keep[:, None], weights, 0.0)

@@ -90,9 +90,20 @@ def _define_client_flags() -> None:
     _define_settings(ClientOptimizer)
 
 
+def _define_sampling_flags() -> None:
+    """Client sampling (deltafl_jax.sampling; docs/guides/sampling.md)."""
+    from deltafl_jax.sampling import Sampling
+    _define_settings(Sampling)
+
+
+def _define_availability_flags() -> None:
+    """Client availability (deltafl_jax.sampling.availability; docs/guides/availability.md)."""
+    from deltafl_jax.sampling.availability import AvailabilitySettings
+    _define_settings(AvailabilitySettings)
+
+
 def _define_privacy_flags() -> None:
-    """Client-level differential privacy and client sampling (deltafl_jax.privacy;
-    docs/guides/privacy.md)."""
+    """Client-level differential privacy (deltafl_jax.privacy; docs/guides/privacy.md)."""
     from deltafl_jax.privacy import Privacy
     _define_settings(Privacy)
 
@@ -167,6 +178,8 @@ def define_experiment_flags() -> None:
     _define_training_flags()
     _define_server_flags()
     _define_client_flags()
+    _define_sampling_flags()
+    _define_availability_flags()
     _define_privacy_flags()
     _define_placement_flags()
     _define_device_flags()

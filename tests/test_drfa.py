@@ -171,6 +171,7 @@ def test_draws_with_replacement_fit_the_round_streams():
     m times its size (m distinct clients would bound them by the m largest, too short), and
     the round plan of such a draw fills them exactly."""
     from deltafl_jax.plan import LocalWork, capacities, make_round_plan
+    from deltafl_jax.sampling import WeightedSampler
     sizes = np.array([3, 50, 7, 9, 4], np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     work = LocalWork(batch_size=4, local_epochs=2, local_steps=None)
@@ -180,7 +181,8 @@ def test_draws_with_replacement_fit_the_round_streams():
     assert caps.train_len == m * 2 * 50 + 4
     assert capacities(sizes, m, work, eval_chunk=1).eval_len == 50 + 9 + 7
     onto_largest = np.array([[0.0, 1.0, 0.0, 0.0, 0.0]])
-    plan = make_round_plan([1], 0, offsets, m, work, caps, probabilities=onto_largest)
+    cohort = WeightedSampler(sizes.size, m, onto_largest[0]).cohort(1, 0)
+    plan = make_round_plan([1], 0, offsets, m, work, caps, cohorts=[cohort])
     assert plan.clients.tolist() == [[1, 1, 1]]
     assert int(plan.eval_len[0]) == caps.eval_len
     np.testing.assert_array_equal(plan.eval_idx[0], np.tile(np.arange(3, 53), m))

@@ -24,6 +24,7 @@ from conftest import run_runner, tiny_config
 from deltafl_jax import FederatedDataset, build_experiment, plan, privacy
 from deltafl_jax.data import split_clients
 from deltafl_jax.datasets.synthetic import synthetic_clients
+from deltafl_jax.sampling import PoissonSampler, samplers
 
 ADD_OR_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 
@@ -95,9 +96,10 @@ def test_overflow_probability_and_the_cap():
 def test_the_poisson_plan_holds_the_cohort_and_empty_slots():
     offsets = np.concatenate([[0], np.cumsum(np.arange(5, 25))])      # 20 clients
     work = plan.LocalWork(batch_size=4, local_epochs=2)
-    sampling = plan.PoissonSampling(q=0.3, cap=12)
+    sampling = PoissonSampler(num_clients=20, q=0.3, slots=12)
     caps = plan.capacities(np.diff(offsets), 12, work, 8)
-    p = plan.make_round_plan([5, 6], 3, offsets, 12, work, caps, poisson=sampling)
+    p = plan.make_round_plan([5, 6], 3, offsets, 12, work, caps,
+                             cohorts=plan.draw_cohorts(sampling, [5, 6], 3))
     for g, seed in enumerate((5, 6)):
         cohort = plan.poisson_cohort(seed, 3, 20, 0.3, 12)
         k = cohort.size
@@ -121,7 +123,7 @@ def same_cohort_runs(tiny_synthetic, monkeypatch, rounds_, **kw):
     outs = []
     for t in range(rounds_):
         kw2 = {k: v for k, v in kw.items() if k != "clients_per_round"}
-        monkeypatch.setattr(plan, "sample_clients",
+        monkeypatch.setattr(samplers, "sample_clients",
                             lambda seed, r, n, m, t=t: cohorts[t])
         fixed = build_experiment(tiny_config(clients_per_round=cohorts[t].size, **kw2),
                                  tiny_synthetic)

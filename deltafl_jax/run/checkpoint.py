@@ -8,7 +8,11 @@ saved by one :class:`orbax.checkpoint.CheckpointManager` composite save:
   copied to host NumPy arrays; orbax's standard (PyTree/OCDBT) handler. Zero-size leaves are
   saved as None (orbax stores no zero-size array) and rebuilt from the template.
 - ``meta``: JSON: the round, the configuration fingerprint, the jax and orbax versions, and the
-  dtype, shape and sha256 of every state leaf (so a restore is checked bit for bit).
+  dtype, shape and sha256 of every state leaf (so a restore is checked bit for bit);
+- ``host`` (when the run gives one): the host's own state after the round, a nested dict of
+  NumPy arrays: the participation counts and a stateful availability model's state
+  (:class:`deltafl_jax.sampling.participation.Participation`), its leaves listed in ``meta``
+  (``host``) as the state's are; zero-size leaves are not stored and are rebuilt from there.
 
 The recorder's histories are not in the checkpoint: the output files hold them
 (:mod:`deltafl_jax.run.resume` reads them back). PRNG keys are not saved: the run re-derives
@@ -188,10 +192,12 @@ class Checkpointer:
 
     # -- saving
 
-    def save(self, round: int, state, fingerprint: Mapping[str, Any]) -> None:
+    def save(self, round: int, state, fingerprint: Mapping[str, Any],
+             host: Optional[Mapping[str, Any]] = None) -> None:
         """Save checkpoint `round` (rounds completed) of `state`, the ServerState pytree
         (device or host arrays; copied before this returns, so the caller may donate its
-        buffers at once), with `fingerprint`, the JSON-able settings a resume must match.
+        buffers at once), with `fingerprint`, the JSON-able settings a resume must match, and
+        `host`, the host's state after the round (a nested dict of arrays; None: none).
 
         A checkpoint already saved for `round` is kept as it is; any for later rounds (left
         from an earlier life of this directory) are deleted first, so the newest checkpoint
@@ -221,9 +227,19 @@ class Checkpointer:
                 "state": {p: {"dtype": a.dtype.str, "shape": list(a.shape), "sha256": _sha256(a)}
                           for p, a in zip(leaf_paths(copies), leaves)}}
         stored = jax.tree.map(lambda a: a if a.size else None, copies)
-        items = {"meta": self._ocp.args.JsonSave(meta)}
+        items = {}
         if jax.tree.leaves(stored):
             items["state"] = self._ocp.args.StandardSave(stored)
+        if host is not None:
+            host_copies = jax.tree.map(lambda a: np.array(a, copy=True), dict(host))
+            meta["host"] = {p: {"dtype": a.dtype.str, "shape": list(a.shape),
+                                "sha256": _sha256(a)}
+                            for p, a in zip(leaf_paths(host_copies),
+                                            jax.tree.leaves(host_copies))}
+            host_stored = jax.tree.map(lambda a: a if a.size else None, host_copies)
+            if jax.tree.leaves(host_stored):
+                items["host"] = self._ocp.args.StandardSave(host_stored)
+        items["meta"] = self._ocp.args.JsonSave(meta)
         os.makedirs(self.directory, exist_ok=True)
         with _quiet():
             self._manager.save(round, args=self._ocp.args.Composite(**items), force=True)
@@ -283,6 +299,31 @@ class Checkpointer:
                 continue
             return int(meta["round"]), meta["fingerprint"]
         return None
+
+    def restore_host(self, step: int) -> Optional[Dict[str, Any]]:
+        """The host state saved with checkpoint `step` (a nested dict of NumPy arrays), or None
+        when it has none. CheckpointError when a leaf fails its sha256 check."""
+        saved = self._read_meta(step).get("host")
+        if saved is None:
+            return None
+        host: Dict[str, Any] = {}
+        if any(int(np.prod(v["shape"])) for v in saved.values()):
+            host = self._restore_items(step, {"host": self._ocp.args.StandardRestore()})["host"]
+        out: Dict[str, Any] = {}
+        for path, want in saved.items():
+            node, parts = host, path.split("/")
+            for part in parts:
+                node = node.get(part) if isinstance(node, dict) else None
+            array = (np.asarray(node) if node is not None else
+                     np.empty(want["shape"], np.dtype(want["dtype"])))
+            if (array.dtype.str, list(array.shape)) != (want["dtype"], want["shape"]) or \
+                    _sha256(array) != want["sha256"]:
+                raise CheckpointError(f"host state {path} fails its check")
+            where = out
+            for part in parts[:-1]:
+                where = where.setdefault(part, {})
+            where[parts[-1]] = array
+        return out
 
     def restore(self, template_state) -> Optional[Tuple[int, Any]]:
         """(round, state) of the newest complete, intact checkpoint, or None when there is none.
@@ -395,6 +436,8 @@ class CheckpointCallback(Callback):
         histories to the output files there, so that they are never behind a checkpoint).
       agree: `agree([due, stop])` gives the flags every process agrees on (any of them) in a
         run of several processes, whose saves are collective; None: one process.
+      host: `host()` gives the host's state to save with the round's (the participation
+        record, :meth:`Checkpointer.save`); None: none.
     """
 
     def __init__(self, checkpointer: Checkpointer, fingerprint: Mapping[str, Any],
@@ -402,7 +445,9 @@ class CheckpointCallback(Callback):
                  every_s: float = DEFAULT_CHECKPOINT_EVERY_S,
                  evaluated: Optional[Callable[[int], bool]] = None,
                  before_save: Optional[Callable[[int], None]] = None,
-                 agree: Optional[Callable[[List[bool]], List[bool]]] = None):
+                 agree: Optional[Callable[[List[bool]], List[bool]]] = None,
+                 host: Optional[Callable[[], Mapping[str, Any]]] = None):
+        self.host = host
         self.checkpointer = checkpointer
         self.fingerprint = dict(fingerprint)
         self.every = int(every or 0)
@@ -435,7 +480,8 @@ class CheckpointCallback(Callback):
     def _save(self, run: RunContext, round: int) -> None:
         if self.before_save is not None:
             self.before_save(round)
-        self.checkpointer.save(round, run.state, self.fingerprint)
+        self.checkpointer.save(round, run.state, self.fingerprint,
+                               host=self.host() if self.host is not None else None)
         if run.stop_requested:
             self.checkpointer.wait()
         self.saved_round = round

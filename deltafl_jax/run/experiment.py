@@ -40,6 +40,8 @@ from deltafl_jax.run.personal import PersonalEvaluation
 from deltafl_jax.run.placement import (Footprint, Placement, check_memory, choose_placement,
                                        compute_footprint)
 from deltafl_jax.run.resolve import resolve
+from deltafl_jax.sampling import FixedSampler, PoissonSampler, Sampler
+from deltafl_jax.sampling.participation import Participation
 
 AUTO_FULL_EVAL = 100_000    # populations up to this many clients are evaluated whole by default
 AUTO_EVAL_CLIENTS = 1000    # clients of each split per evaluation beyond it
@@ -70,10 +72,16 @@ class Experiment:
     accounting: Optional[Accounting] = None   # client-level DP: epsilon of each replica
     eval_clients: Optional[int] = None    # K clients of each split per evaluation (None: all)
     personal: Optional[PersonalEvaluation] = None   # seen / unseen clients (--client_holdout)
-    poisson: Optional[plan_lib.PoissonSampling] = None   # --client_sampling=poisson
+    sampler: Optional[Sampler] = None     # who trains (None: m of N uniformly, fixed)
     replica_seeds: Optional[np.ndarray] = None   # [R] each replica's seed index (the run's)
     # the test error by availability quintile (deltafl_jax/availability_metrics.py); None: none
     availability_split: Optional[AvailabilitySplit] = None
+    participation: Optional[Participation] = None   # online sets and participation counts
+
+    @property
+    def poisson(self) -> Optional[PoissonSampler]:
+        """The Poisson sampler (q, cap) under --client_sampling=poisson, else None."""
+        return self.sampler if isinstance(self.sampler, PoissonSampler) else None
 
     def _place(self, tree):
         return tree if self.mesh is None else mesh_lib.replicate(tree, self.mesh)
@@ -137,17 +145,54 @@ class Experiment:
         """The plan as the devices read it (indices into the split, or into the round's
         buffer when the host keeps the split). An algorithm that samples from its state
         (``sampling``) needs the round's state (the previous round's result)."""
-        probabilities = None
-        if self.algorithm.sampling is not None:
+        return plan_lib.make_round_plan(self.seeds, round_idx, self.data.train.offsets,
+                                        self.num_sampled, self.work, self.caps,
+                                        packed=self.store.host,
+                                        cohorts=self.cohorts(round_idx, state))
+
+    def cohorts(self, round_idx: int, state=None, online=None) -> list:
+        """Each plan group's cohort of the round (:mod:`deltafl_jax.sampling`), drawn among
+        `online` (one id array per group; None: every client); an algorithm that samples from
+        its state (``sampling``: by its weights) needs the round's state."""
+        sampler = self.sampler or FixedSampler(self.data.train.num_clients, self.num_sampled)
+        if online is None and self.participation is not None:
+            online = self.participation.online(round_idx)
+        if self.algorithm.sampling is None:
+            cohorts = plan_lib.draw_cohorts(sampler, self.seeds, round_idx, online)
+        else:
             if state is None:
                 raise ValueError(f"{self.algorithm.name} samples its clients from its state: "
                                  "give round_plan / round_data the round's state")
-            probabilities = mesh_lib.to_host(self._sampling_fn(state.algo_state))
-        return plan_lib.make_round_plan(self.seeds, round_idx, self.data.train.offsets,
-                                        self.num_sampled, self.work, self.caps,
-                                        packed=self.store.host, poisson=self.poisson,
-                                        cyclic=self.config.client_sampling == "cyclic",
-                                        probabilities=probabilities)
+            weights = mesh_lib.to_host(self._sampling_fn(state.algo_state))
+            cohorts = [sampler.with_weights(weights[g]).cohort(
+                           seed, round_idx, None if online is None else online[g])
+                       for g, seed in enumerate(self.seeds)]
+        if self.participation is not None:
+            self.participation.drawn(round_idx, cohorts)
+        return cohorts
+
+    def count_round(self, round_idx: int) -> Dict[str, np.ndarray]:
+        """Count round `round_idx` as trained in the participation record (once per round, in
+        order, after its plan was drawn); its per-round metric ``num_online`` [R]: the clients
+        online in each replica's plan group."""
+        if self.participation is None:
+            return {}
+        counts = self.participation.count(round_idx)
+        return {"num_online": counts[np.asarray(self.replicas.group)]}
+
+    def participation_arrays(self, clients=None) -> Dict[str, np.ndarray]:
+        """Each replica's realised participation so far, [R, N] (or [R, K] at the training
+        clients `clients`): ``train_rounds_online`` and ``train_rounds_sampled``, the rounds its
+        plan group's clients were online and sampled."""
+        if self.participation is None:
+            return {}
+        group = np.asarray(self.replicas.group)
+        out = {}
+        for name, counts in (("train_rounds_online", self.participation.online_rounds),
+                             ("train_rounds_sampled", self.participation.sampled_rounds)):
+            per = counts[group]
+            out[name] = per if clients is None else per[:, np.asarray(clients, np.int64)]
+        return out
 
     def round_data(self, round_idx: int, state=None) -> rounds.RoundData:
         """The round's plan and examples on the device(s) (`state`: as :meth:`round_plan`),
@@ -195,6 +240,7 @@ class Experiment:
             out[f"{name}_error"] = np.where(np.isfinite(loss), err, np.nan)
             if clients is not None:
                 out[f"{name}_clients"] = np.asarray(clients, np.int64)
+        out.update(self.participation_arrays(None if sample is None else sample.train))
         return out
 
     def evaluate_personal(self, state, round_idx: int) -> Dict[str, np.ndarray]:
@@ -278,7 +324,8 @@ def eval_clients(config: ExperimentConfig, data: FederatedDataset) -> Optional[i
 
 
 def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh,
-              server_tx, expected: Optional[int] = None, correlated=None):
+              server_tx, expected: Optional[int] = None, correlated=None,
+              variable: bool = False):
     """The jitted round: plain for one device, jit(shard_map(...)) over a mesh otherwise."""
     axis = mesh_lib.SINGLE if mesh is None else mesh_lib.DeviceAxis(place.devices,
                                                                     mesh_lib.AXIS)
@@ -292,7 +339,7 @@ def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh
     raw = rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
                                 place.eval_lanes, m, server_tx, expected=expected,
                                 adaptive=privacy if privacy.adaptive else None,
-                                correlated=correlated)
+                                correlated=correlated, variable=variable)
     return jax.jit(raw if mesh is None else mesh_lib.sharded(raw, mesh, 3), donate_argnums=(0,))
 
 
@@ -342,7 +389,8 @@ def build_experiment(config: ExperimentConfig, data: FederatedDataset,
     check_memory(device_bytes, devices)
     round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx,
                          run.expected,
-                         run.accounting.correlated if run.accounting is not None else None)
+                         run.accounting.correlated if run.accounting is not None else None,
+                         variable=run.variable)
     store = ClientStore(data, model, place, caps, mesh)
     personal = None if data.holdout is None else PersonalEvaluation(
         data, model, algorithm, replicas, batch_size=config.batch_size, lanes=place.lanes,
@@ -357,4 +405,5 @@ def build_experiment(config: ExperimentConfig, data: FederatedDataset,
         served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
                    if algorithm.eval_params is not None else None), mesh=mesh,
         server_tx=server_tx, accounting=run.accounting, eval_clients=eval_clients(config, data),
-        poisson=run.poisson, replica_seeds=run.replica_seeds)
+        sampler=run.sampler, replica_seeds=run.replica_seeds,
+        participation=Participation(run.seeds, data.train.num_clients, run.availability))

@@ -76,7 +76,7 @@ def run_rounds(exp, state, callbacks: Sequence[Callback] = (), start_round: int 
         if t + 1 < T:
             pending = exp.round_data(t + 1, state)   # host work overlaps the device round
             #         (an algorithm that samples from its state waits for the round here)
-        metrics = tree_to_host(metrics)
+        metrics = {**tree_to_host(metrics), **exp.count_round(t)}   # + the host's counts
         run.state = state
         _emit(callbacks, "on_round_end", run, t + 1, metrics)
         if (t + 1) % exp.config.eval_every == 0 or t + 1 == T:

@@ -3,7 +3,8 @@ on a device.
 
 :func:`resolve` is the one step between the settings and the program: the model, the
 algorithm built by its spec, the clients sampled per round, the replica grid, the client-level
-DP accounting (built once, from the grid's noise multipliers) and Poisson sampling's cap; and
+DP accounting (built once, from the grid's noise multipliers) and the client sampler
+(:mod:`deltafl_jax.sampling`; Poisson sampling's cap); and
 the refusals that need the data or the built algorithm (a configuration's own checks are
 :class:`deltafl_jax.ExperimentConfig`'s; a private run's, with or without the built
 algorithm, are :func:`deltafl_jax.privacy.check_private_version`). The runner, the tuner (its grids
@@ -38,6 +39,8 @@ from deltafl_jax.privacy import (OVERFLOW_PLAIN, OVERFLOW_SHARE, UPDATE_RELEASE,
 from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import personal as personal_lib
 from deltafl_jax.run.placement import check_streams
+from deltafl_jax.sampling import PoissonSampler, Sampler, WeightedSampler
+from deltafl_jax.sampling.availability import Availability, build_availability
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -46,12 +49,16 @@ class ResolvedRun:
 
     data: the dataset, each client's held-out part split off (``--client_holdout``).
     num_sampled: the plan's slots per round (m; every training client for an algorithm that
-    trains them all; the cap under Poisson sampling). expected: m under Poisson sampling
-    (None otherwise). replicas: the grid (the spec's sweep x its crossed and platform values
-    x seeds, or the caller's). replica_seeds: each replica's seed index when the algorithm
+    trains them all; the cap under Poisson sampling): the sampler's slots. expected: m under
+    Poisson sampling (None otherwise). replicas: the grid (the spec's sweep x its crossed and
+    platform values x seeds, or the caller's). replica_seeds: each replica's seed index when the algorithm
     samples from its own state (one plan per replica), else None. seeds: the seed of each
-    plan group. accounting: client-level DP's ledger (None: not private). poisson: Poisson
-    sampling's q and cap (None: fixed or cyclic sampling).
+    plan group. accounting: client-level DP's ledger (None: not private). sampler: the run's
+    client sampler (:class:`deltafl_jax.sampling.Sampler`; an algorithm that samples from its
+    state: a :class:`~deltafl_jax.sampling.WeightedSampler` given its weights each round).
+    variable: a cohort may leave slots empty (the round gives them weight 0). availability:
+    who is online in each round (:mod:`deltafl_jax.sampling.availability`), None when every
+    client always is (``--availability=always``: no online sets drawn).
     """
 
     config: ExperimentConfig
@@ -67,7 +74,14 @@ class ResolvedRun:
     seeds: Tuple[int, ...]
     work: plan_lib.LocalWork
     accounting: Optional[Accounting]
-    poisson: Optional[plan_lib.PoissonSampling]
+    sampler: Sampler
+    variable: bool
+    availability: Optional[Availability] = None
+
+    @property
+    def poisson(self) -> Optional[PoissonSampler]:
+        """The Poisson sampler (q, cap) under --client_sampling=poisson, else None."""
+        return self.sampler if isinstance(self.sampler, PoissonSampler) else None
 
 
 def resolve(config: ExperimentConfig, data: FederatedDataset,
@@ -80,31 +94,34 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
     spec = registry.get(config.algorithm)
     m = _sampled(config, spec, data)
     algorithm = spec.make(config, data)
-    check_private_version(config.privacy, spec, algorithm, tuned=replicas is not None)
+    check_private_version(config.privacy, config.sampling.sampler, spec, algorithm,
+                          tuned=replicas is not None)
     noise = _noise(config, spec, algorithm, m, data.train.num_clients)
     replicas = replicas or replica_grid.grid_for(
         spec, config, noise.per_value if noise is not None else (0.0,)).build()
     replicas, replica_seeds, seeds = _plan_groups(config, algorithm, replicas)
     accounting = None if noise is None else noise.accounting(
         tuple(float(z) for z in replicas.dp_noise))   # each replica's own z, in replica order
-    poisson = _poisson(config, spec, m, data.train.num_clients, accounting)
-    if accounting is not None and poisson is not None:
-        accounting = dataclasses.replace(accounting, cap=poisson.cap)
+    sampler = _sampler(config, spec, algorithm, m, data.train.num_clients, accounting)
+    availability = _availability(config, spec, data)
+    if accounting is not None and isinstance(sampler, PoissonSampler):
+        accounting = dataclasses.replace(accounting, cap=sampler.cap)
     local_steps = spec.local_steps if spec.local_steps is not None else config.local_steps
     work = plan_lib.LocalWork(batch_size=config.batch_size, local_epochs=config.local_epochs,
                               local_steps=local_steps)
-    check_streams(_streams(config, data, work, poisson.cap if poisson is not None else m,
+    check_streams(_streams(config, data, work, sampler.slots,
                            len(set(int(g) for g in replicas.group)),
                            algorithm.sampling is not None))
     warning = config.privacy.delta_warning(data.train.num_clients) if noise else None
     if warning:   # a valid private run whose default delta is large
         print(warning, file=sys.stderr, flush=True)
     return ResolvedRun(config=config, data=data, model=model, model_options=options, spec=spec,
-                       algorithm=algorithm,
-                       num_sampled=poisson.cap if poisson is not None else m,
-                       expected=m if poisson is not None else None, replicas=replicas,
+                       algorithm=algorithm, num_sampled=sampler.slots,
+                       expected=m if sampler.variable else None, replicas=replicas,
                        replica_seeds=replica_seeds, seeds=seeds, work=work,
-                       accounting=accounting, poisson=poisson)
+                       accounting=accounting, sampler=sampler,
+                       variable=sampler.variable or availability is not None,
+                       availability=availability)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +158,8 @@ def _noise(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: FederatedAl
         return None
     T = config.num_rounds
     correlated = None
-    if privacy.sampler == "cyclic":
+    sampler = config.sampling.sampler
+    if sampler == "cyclic":
         groups = num_clients // m
         bands = 1 if privacy.mechanism == "gaussian" else (privacy.bands or min(groups, T))
         correlated = Correlated(coef=bandmf_coefficients(T, bands), min_sep=groups, rounds=T)
@@ -149,14 +167,15 @@ def _noise(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: FederatedAl
     else:
         count = ((privacy.clip_count_noise,) if privacy.adaptive else ())
         private = algorithm.private
-        if privacy.sampler == "poisson":
+        if sampler == "poisson":
             releases = (UPDATE_RELEASE_ADD_REMOVE,) + tuple(private.add_remove_releases) + count
         else:
             releases = (UPDATE_RELEASE,) + tuple(private.releases) + count
-    per_value = privacy.noise_multipliers_for(m, T, num_clients, releases, correlated)
+    per_value = privacy.noise_multipliers_for(m, T, num_clients, releases, correlated,
+                                              sampler=sampler)
     return _Noise(population=num_clients, m=m, releases=releases,
                   delta=privacy.delta_for(num_clients), per_value=per_value,
-                  sampler=privacy.sampler, accountant=privacy.accountant_name, rounds=T,
+                  sampler=sampler, accountant=privacy.accountant_for(sampler), rounds=T,
                   correlated=correlated)
 
 
@@ -206,25 +225,63 @@ def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDatas
     return int(data.train.num_clients) if spec.all_clients else m
 
 
-def _poisson(config: ExperimentConfig, spec: AlgorithmSpec, m: int, num_clients: int,
-             accounting: Optional[Accounting]) -> Optional[plan_lib.PoissonSampling]:
-    """--client_sampling=poisson: q = m / N and the cap (:func:`deltafl_jax.plan.poisson_cap`):
-    a private run's overflow term (1 + e^eps) P at most delta / OVERFLOW_SHARE at its largest
-    finite epsilon; a non-private run's P at most OVERFLOW_PLAIN. ConfigError for an
-    algorithm whose round needs a fixed cohort."""
-    if config.client_sampling != "poisson":
-        return None
-    if spec.all_clients or not spec.variable_cohort:
-        raise ConfigError(f"--client_sampling=poisson: --algorithm={spec.name} needs a fixed "
-                          f"cohort of m clients a round (it supports --client_sampling=fixed)")
-    q = m / num_clients
+def _sampler(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: FederatedAlgorithm,
+             m: int, num_clients: int, accounting: Optional[Accounting]) -> Sampler:
+    """The run's sampler: the algorithm's own (``sampling``: by its weights, m draws) or
+    --client_sampling's (:meth:`deltafl_jax.sampling.Sampling.build`) of m of the N training
+    clients (m = N for an algorithm that trains them all). A Poisson cap's overflow budget: a
+    private run's overflow term (1 + e^eps) P at most delta / OVERFLOW_SHARE at its largest
+    finite epsilon; a non-private run's P at most OVERFLOW_PLAIN. ConfigError for a sampler
+    whose cohorts vary in size with an algorithm whose round needs a fixed cohort."""
+    settings = config.sampling
+    if settings.variable and (spec.all_clients or not spec.variable_cohort):
+        raise ConfigError(f"--client_sampling={settings.sampler}: --algorithm={spec.name} "
+                          f"needs a fixed cohort of m clients a round (it supports "
+                          f"--client_sampling=fixed)")
+    if algorithm.sampling is not None:
+        return WeightedSampler(num_clients=num_clients, slots=m)
     budget = OVERFLOW_PLAIN
-    if accounting is not None:
+    if accounting is not None and settings.variable:
         eps = [float(e) for e in accounting.epsilons(config.num_rounds) if math.isfinite(e)]
         if eps:
             budget = accounting.delta / OVERFLOW_SHARE / (1.0 + math.exp(min(max(eps), 700)))
-    return plan_lib.PoissonSampling(q=q, cap=plan_lib.poisson_cap(num_clients, q,
-                                                                  config.num_rounds, budget))
+    return settings.build(num_clients, m, rounds=config.num_rounds, overflow_budget=budget)
+
+
+def _availability(config: ExperimentConfig, spec: AlgorithmSpec,
+                  data: FederatedDataset) -> Optional[Availability]:
+    """The run's availability model, built once from the training split (None for
+    ``always``). ConfigError for an algorithm whose round needs a full cohort of m clients
+    (fewer may be online) or that trains every client every round."""
+    settings = config.online
+    if settings.model == "always":
+        return None
+    if spec.all_clients or not spec.variable_cohort:
+        raise ConfigError(f"--availability={settings.model}: --algorithm={spec.name} needs a "
+                          f"fixed cohort of m clients a round (it runs with "
+                          f"--availability=always)")
+    needs_labels = settings.probabilities == "data" or (
+        settings.model == "cyclic" and settings.cyclic == "labels")
+    train = data.train
+    return build_availability(settings, num_clients=train.num_clients, sizes=train.sizes,
+                              label_counts=label_counts(train, data.num_classes)
+                              if needs_labels else None, num_rounds=config.num_rounds)
+
+
+def label_counts(split, num_classes: int) -> Optional[np.ndarray]:
+    """[N, C] int64: each client's examples per label (None: a split without labels)."""
+    if num_classes <= 0 or not split.has_labels:
+        return None
+    counts = np.zeros((split.num_clients, num_classes), np.int64)
+    y = getattr(split, "y", None)
+    if y is not None:
+        rows = np.repeat(np.arange(split.num_clients), split.sizes)
+        np.add.at(counts, (rows, np.asarray(y, np.int64)), 1)
+        return counts
+    for k in range(split.num_clients):   # a generated split: its clients one by one
+        counts[k] = np.bincount(np.asarray(split.gather([k])[1], np.int64),
+                                minlength=num_classes)[:num_classes]
+    return counts
 
 
 def _plan_groups(config: ExperimentConfig, algorithm: FederatedAlgorithm, replicas: Replicas):

@@ -5,9 +5,10 @@ same configuration continues it from there: the state comes from the checkpoint
 (:mod:`deltafl_jax.run.checkpoint`), the recorder's histories from the output files that already
 hold them (``rounds.npz``, ``clients_history.npz``, ``metrics.jsonl``; the runner writes the first
 two before every checkpoint, so they are never behind it), cut back to the checkpoint's round.
-The sampling and the shuffles are pure functions of (seed, round, client) and the PRNG keys are
-re-derived from the seeds, so the resumed run ends with the same outputs, bit for bit, as one
-that was never interrupted. A configuration that differs is refused, naming the flags that
+The sampling and the shuffles are pure functions of (seed, round, client), the PRNG keys are
+re-derived from the seeds, and the host's participation record and a stateful availability
+model's state come back from the checkpoint (its ``host`` item), so the resumed run ends with
+the same outputs, bit for bit, as one that was never interrupted. A configuration that differs is refused, naming the flags that
 differ.
 """
 
@@ -77,23 +78,67 @@ def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Li
     """The names of the settings whose values differ between two fingerprints (sorted).
 
     Values are compared as the checkpoint stores them (JSON: a tuple equals the list of its
-    items, NaN equals NaN); a setting present on one side only differs. Nested dicts are
+    items, NaN equals NaN); a setting present on one side only differs, except a setting of
+    the configuration's groups that the saved side lacks and the current side holds at its
+    default (a fingerprint saved before the setting existed resumes). Nested dicts are
     compared key by key and named "outer.inner". The :data:`FREE_FIELDS` are left out on
     both sides (a fingerprint saved when one of them was still part of it resumes).
     """
     names: List[str] = []
+    defaults = _group_defaults()
 
     def walk(a, b, prefix):
         for key in sorted(set(a) | set(b)):
             name = f"{prefix}{key}"
             if key in a and key in b and isinstance(a[key], dict) and isinstance(b[key], dict):
                 walk(a[key], b[key], name + ".")
+            elif not prefix and key not in a and key in defaults and \
+                    _canonical(b[key]) == defaults[key]:
+                continue
             elif key not in a or key not in b or _canonical(a[key]) != _canonical(b[key]):
                 names.append(name)
 
     walk(*(json.loads(_canonical({k: v for k, v in dict(side).items() if k not in FREE_FIELDS}))
            for side in (saved, current)), "")
     return names
+
+
+def _group_defaults() -> Dict[str, str]:
+    """flag -> the canonical JSON of its default, for every setting of the configuration's
+    groups."""
+    from deltafl_jax.config import GROUPS
+    from deltafl_jax.declared import flat_values
+    out: Dict[str, str] = {}
+    for _, cls in GROUPS:
+        out.update({k: _canonical(v) for k, v in
+                    json.loads(_canonical(flat_values(cls()))).items()})
+    return out
+
+
+def backfill_participation(exp, found: "Resume") -> None:
+    """A checkpoint saved without the host's state (before participation was recorded): its
+    rounds are counted again from their draws (every sampler is a function of (seed, round,
+    online set), the availability models of (seed, round)), and the output files' histories
+    get the per-round ``num_online`` and each evaluation's participation arrays they lack.
+    Nothing for an algorithm that samples from its state (its cohorts cannot be drawn
+    again)."""
+    if exp.participation is None or found.host is not None or exp.algorithm.sampling:
+        return
+    history = found.client_history
+    evals = {int(t): i for i, t in enumerate(history.get("rounds", []))}
+    online, snapshots = [], {}
+    for t in range(found.round):
+        exp.cohorts(t)
+        online.append(exp.count_round(t)["num_online"])
+        if t + 1 in evals:
+            clients = history["train_clients"][evals[t + 1]] if "train_clients" in history \
+                else None
+            snapshots[evals[t + 1]] = exp.participation_arrays(clients)
+    if online and "num_online" not in found.per_round:
+        found.per_round["num_online"] = np.stack(online)
+    if evals and len(snapshots) == len(evals):
+        for name in snapshots[0]:
+            history.setdefault(name, np.stack([snapshots[i][name] for i in range(len(evals))]))
 
 
 @dataclasses.dataclass
@@ -104,6 +149,9 @@ class Resume:
     per_round: metric -> [round, R] host arrays of every round (rounds.npz).
     client_history: "rounds" [E] and the per-client arrays [E, R, N] of the evaluations up to
       `round` (clients_history.npz). records: the metrics.jsonl records up to `round`.
+    host: the host's state saved with the checkpoint (the participation record and a stateful
+      availability model's state, :class:`deltafl_jax.sampling.participation.Participation`),
+      or None for a checkpoint without one.
     """
 
     round: int
@@ -111,6 +159,7 @@ class Resume:
     per_round: Dict[str, np.ndarray]
     client_history: Dict[str, np.ndarray]
     records: List[Dict[str, Any]]
+    host: Optional[Dict[str, Any]] = None
 
 
 # The one setting a run may change and still continue exactly (see continuation_obstacle).
@@ -212,4 +261,9 @@ def load(checkpointer: ckpt.Checkpointer, current: Mapping[str, Any], template_s
     if found is None:
         return None
     round, state = found
-    return Resume(round, state, *histories(output_dir, round))
+    try:
+        host = checkpointer.restore_host(round)
+    except Exception as e:  # pylint: disable=broad-except
+        raise ConfigError(f"cannot resume from {checkpointer.directory}: the host state of its "
+                          f"checkpoint of round {round} does not read ({e})") from None
+    return Resume(round, state, *histories(output_dir, round), host=host)

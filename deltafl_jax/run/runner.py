@@ -232,7 +232,8 @@ def standard_callbacks(config, exp, log, recorder, checkpointer, fingerprint) ->
             checkpointer, fingerprint, every=config.checkpoint_every,
             every_s=config.checkpoint_every_s, evaluated=lambda r: r % every == 0 or r == T,
             before_save=(lambda r: _write_histories(out, recorder, exp)) if out else None,
-            agree=distributed.any_process if several else None))
+            agree=distributed.any_process if several else None,
+            host=exp.participation.state if exp.participation is not None else None))
     return cbs
 
 
@@ -265,6 +266,9 @@ def _resume(exp: Experiment, checkpointer, fingerprint, recorder: Recorder, log)
         writer.write_marker(resume.settings(config))
     if found is None:
         return 0, state
+    if found.host is not None and exp.participation is not None:
+        exp.participation.restore(found.host)
+    resume.backfill_participation(exp, found)
     recorder.resume(found)
     if found.round == config.num_rounds:   # killed after its last checkpoint
         metrics = {k: v[-1] for k, v in found.per_round.items()}
