@@ -421,3 +421,26 @@ def test_crop_flip_run_killed_and_resumed_is_bit_identical(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stdout.count("resuming") == 1, resumed.stdout
     assert_same_outputs(str(cut), str(whole))
+
+
+def test_the_guides_cnn_block_trains_on_the_fast_path():
+    """docs/guides/own-model.md's `# my_cnn.py` block, as written: it registers small_cnn,
+    whose forward is NumPy's VALID convolution and dense layer, on unrolled lanes."""
+    from deltafl_jax.models import MODELS
+    text = open(os.path.join(REPO, "docs", "guides", "own-model.md")).read()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    (block,) = [b for b in blocks if b.startswith("# my_cnn.py")]
+    MODELS.pop("small_cnn", None)
+    exec(compile(block, "my_cnn.py", "exec"), {})
+    data = image_data()
+    model = build_model("small_cnn", data, ModelOptions(conv_impl="im2col_wgrad"))
+    assert model.lanes.lane_mode("cpu") == "unroll"
+    params = jax.jit(model.init)(jax.random.key(0))
+    x = data.train.x[:3]
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), jax.device_get(params))
+    xf = x.astype(np.float32) * np.float32(1 / 255)
+    h = relu(np_conv(xf.astype(np.float64), p["conv"]))
+    ref = h.reshape(3, -1) @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"]
+    np.testing.assert_allclose(np.asarray(jax.jit(model.apply)(params, x)), ref, rtol=1e-4,
+                               atol=1e-4)
+    MODELS.pop("small_cnn", None)
