@@ -444,3 +444,36 @@ def test_the_guides_cnn_block_trains_on_the_fast_path():
     np.testing.assert_allclose(np.asarray(jax.jit(model.apply)(params, x)), ref, rtol=1e-4,
                                atol=1e-4)
     MODELS.pop("small_cnn", None)
+
+
+def test_a_checkpoint_saved_before_augment_existed_resumes_without_it():
+    """A fingerprint saved before --augment existed lacks it: it matches --augment=none (the
+    training it recorded), not crop_flip."""
+    from deltafl_jax.run import resume
+    base = dict(output_dir="x", num_rounds=3)
+    saved = resume.settings(ExperimentConfig(DataConfig("synthetic"), **base))
+    del saved["augment"]
+    plain = resume.settings(ExperimentConfig(DataConfig("synthetic"), **base))
+    cropped = resume.settings(ExperimentConfig(DataConfig("synthetic"), augment="crop_flip",
+                                               **base))
+    assert resume.fingerprint_diff(saved, plain) == []
+    assert resume.fingerprint_diff(saved, cropped) == ["augment"]
+
+
+@pytest.mark.slow   # compiles four rounds of convolutional networks: CI's second step
+@pytest.mark.parametrize("model", ["pfl_cnn", "tiny_resnet_gn"])
+def test_vmapped_lanes_equal_unrolled_lanes(model):
+    """The accelerator's program (--placement_backend=gpu on this CPU: every sampled client a
+    vmapped lane, XLA's own convolutions) trains the same models as the CPU's unrolled lanes
+    on the fast path, to float rounding; crop_flip on."""
+    data = image_data()
+    runs = {}
+    for backend in ("cpu", "gpu"):
+        exp = build_experiment(image_config(algorithm="deltafl", thetas=(1.0, 0.5), model=model,
+                                            augment="crop_flip", placement_backend=backend),
+                               data)
+        runs[backend] = exp, run_rounds_history(exp, 2)[0]
+    assert runs["gpu"][0].placement.lane_mode == "vmap"
+    assert runs["gpu"][0].placement.lanes == 4
+    for a, b in zip(jax.tree.leaves(runs["cpu"][1].params), jax.tree.leaves(runs["gpu"][1].params)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)

@@ -35,6 +35,10 @@ from deltafl_jax.run import checkpoint as ckpt
 FREE_FIELDS = ("output_dir", "overwrite", "verbose", "tensorboard", "checkpoint_every",
                "checkpoint_every_s", "save_models", "devices", "client_data", "target_accuracy")
 
+# Settings that change training, added after checkpoints were written without them: a saved
+# fingerprint that lacks one matches the value that reproduces the training it recorded.
+ADDED_SETTINGS = {"augment": "none"}
+
 
 def data_digest(data) -> str:
     """sha256 of every array of the dataset's two splits."""
@@ -79,7 +83,8 @@ def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Li
     Values are compared as the checkpoint stores them (JSON: a tuple equals the list of its
     items, NaN equals NaN); a setting present on one side only differs. Nested dicts are
     compared key by key and named "outer.inner". The :data:`FREE_FIELDS` are left out on
-    both sides (a fingerprint saved when one of them was still part of it resumes).
+    both sides (a fingerprint saved when one of them was still part of it resumes); a saved
+    fingerprint without one of the :data:`ADDED_SETTINGS` holds its value there.
     """
     names: List[str] = []
 
@@ -91,6 +96,7 @@ def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Li
             elif key not in a or key not in b or _canonical(a[key]) != _canonical(b[key]):
                 names.append(name)
 
+    saved = {**{k: v for k, v in ADDED_SETTINGS.items() if k in current}, **dict(saved)}
     walk(*(json.loads(_canonical({k: v for k, v in dict(side).items() if k not in FREE_FIELDS}))
            for side in (saved, current)), "")
     return names
