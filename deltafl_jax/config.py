@@ -39,8 +39,7 @@ class Training:
     steps."""
 
     model: str = setting("linear", "linear | cnn | mlp | mean | gru | lstm | sent140_linear | "
-                         "lstm_nwp | fedavg_cnn | pfl_cnn | resnet18_gn, or a model of your own "
-                         "registered by --model_module")
+                         "lstm_nwp, or a model of your own registered by --model_module")
     use_bias: Optional[bool] = setting(
         None, "linear and sent140_linear: add a bias b (L2 then applies to it too); unset: no "
         "bias on femnist and sent140 (the papers' w in R^{62x784}, w in R^50), a bias on every "
