@@ -27,8 +27,8 @@
   averages without meaning (the server's model would be evaluated with a mixture of the
   clients' statistics). GroupNorm normalises each example by itself, over groups of channels,
   so training and evaluation compute the same function and nothing but parameters is
-  averaged. Two groups per layer, as in Hsieh et al.'s GroupNorm networks and the federated
-  benchmarks that follow them (Reddi et al. 2021, "Adaptive Federated Optimization"): each
+  averaged. Two groups per layer, as the federated ResNet benchmarks after Hsieh et al. use
+  (Reddi et al. 2021, "Adaptive Federated Optimization", two groups in each layer): each
   group then spans half the channels, so its statistics are averages over 16 x 16 x 64 values
   at the first stage and still 4 x 4 x 256 at the last, where Wu & He's 32 groups (chosen for
   ImageNet's 224 x 224 inputs) leave 4 x 4 x 16. ``ResNetGN(groups=...)`` takes another
