@@ -27,8 +27,8 @@
   averages without meaning (the server's model would be evaluated with a mixture of the
   clients' statistics). GroupNorm normalises each example by itself, over groups of channels,
   so training and evaluation compute the same function and nothing but parameters is
-  averaged. Two groups per layer, as the federated ResNet benchmarks after Hsieh et al. use
-  (Reddi et al. 2021, "Adaptive Federated Optimization", two groups in each layer): each
+  averaged. Two groups per layer, Hsieh et al.'s choice (their GroupNorm AlexNet has 2 groups,
+  and the authors found 2 groups best for their GroupNorm ResNet-20): each
   group then spans half the channels, so its statistics are averages over 16 x 16 x 64 values
   at the first stage and still 4 x 4 x 256 at the last, where Wu & He's 32 groups (chosen for
   ImageNet's 224 x 224 inputs) leave 4 x 4 x 16. ``ResNetGN(groups=...)`` takes another
