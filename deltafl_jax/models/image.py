@@ -29,7 +29,7 @@
   so training and evaluation compute the same function and nothing but parameters is
   averaged. Two groups per layer, Hsieh et al.'s choice (their GroupNorm AlexNet has 2 groups,
   and the authors found 2 groups best for their GroupNorm ResNet-20): each
-  group then spans half the channels, so its statistics are averages over 16 x 16 x 64 values
+  group then spans half the channels, so its statistics are averages over 32 x 32 x 32 values
   at the first stage and still 4 x 4 x 256 at the last, where Wu & He's 32 groups (chosen for
   ImageNet's 224 x 224 inputs) leave 4 x 4 x 16. ``ResNetGN(groups=...)`` takes another
   count.
