@@ -20,6 +20,7 @@ from deltafl_jax.declared import (default_of, flag_of, flat_values, group, ints,
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.metrics import DEFAULT_TARGET_ACCURACY
 from deltafl_jax.models import LINEAR_MODELS
+from deltafl_jax.models.augment import AUGMENTS
 from deltafl_jax.replicas import aligned
 from deltafl_jax.privacy import Privacy, check_private_version
 from deltafl_jax.sampling.availability import AvailabilitySettings
@@ -40,7 +41,8 @@ class Training:
     steps."""
 
     model: str = setting("linear", "linear | cnn | mlp | mean | gru | lstm | sent140_linear | "
-                         "lstm_nwp, or a model of your own registered by --model_module")
+                         "lstm_nwp | fedavg_cnn | pfl_cnn | resnet18_gn, or a model of your own "
+                         "registered by --model_module")
     use_bias: Optional[bool] = setting(
         None, "linear and sent140_linear: add a bias b (L2 then applies to it too); unset: no "
         "bias on femnist and sent140 (the papers' w in R^{62x784}, w in R^50), a bias on every "
@@ -66,6 +68,11 @@ class Training:
     stop_on_divergence: bool = setting(
         False, "stop a replica whose mean training loss is NaN or above 3x its value at w_0 (the "
         "reference code's rule); the others go on")
+    # Data augmentation of the local steps (deltafl_jax.models.augment).
+    augment: str = setting(
+        "none", "random transformation of each local step's minibatch, keyed by (seed, round, "
+        "client, step): none | crop_flip (images: 4-pixel zero-padded random crop and "
+        "horizontal flip)", choices=AUGMENTS)
 
     def __post_init__(self):
         l2 = self.l2_reg
@@ -410,5 +417,7 @@ def _check(c: ExperimentConfig):
     if c.use_bias is not None and c.model not in LINEAR_MODELS:
         raise ConfigError(f"--use_bias applies to the linear models ({', '.join(LINEAR_MODELS)}),"
                           f" not --model={c.model}")
+    if c.augment not in AUGMENTS:
+        raise ConfigError(f"--augment must be one of {', '.join(AUGMENTS)}, got {c.augment!r}")
     if not c.output_dir and c.save_models:
         raise ConfigError("--output_dir is required")

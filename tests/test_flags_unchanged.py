@@ -26,6 +26,9 @@ HELP_UPDATED = {
     # the GPU default became im2col_wgrad (measured on an H100), and im2col was added
     "conv_impl": "cnn convolutions: im2col_wgrad (CPU, GPU) | im2col | xla (TPU); unset: by "
                  "backend",
+    # the image models
+    "model": "linear | cnn | mlp | mean | gru | lstm | sent140_linear | lstm_nwp | fedavg_cnn | "
+             "pfl_cnn | resnet18_gn, or a model of your own registered by --model_module",
     # the centralised image datasets download too
     "download": "femnist / stackoverflow / the image datasets only: fetch the published files "
                 "first (emnist_all.sqlite.lzma; stackoverflow.sqlite.lzma and "

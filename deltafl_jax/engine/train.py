@@ -65,6 +65,9 @@ class LocalSGDConfig(NamedTuple):
     client_update: the algorithm's :class:`ClientUpdate` (default: local SGD).
     optimizer: (learning_rate, l2) -> the client optimizer, an optax transformation
       (:meth:`deltafl_jax.client_optimizer.ClientOptimizer.transformation`).
+    augment: ``(x [B, ...], key) -> x``, a random transformation of each step's raw minibatch
+      (``--augment``, :mod:`deltafl_jax.models.augment`) with the step's key
+      ``fold_in(fold_in(round key, client), local step)``; None: the minibatch as stored.
     unroll: K, minibatch steps per loop trip (unrolled in the loop body).
     order_lanes: the lanes by which each replica's sum is ordered (its jobs' order of
       finishing were it dealt alone to that many lanes, :func:`finish_order`); None: ``lanes``.
@@ -86,6 +89,7 @@ class LocalSGDConfig(NamedTuple):
     client_update: ClientUpdate = LOCAL_SGD
     optimizer: Callable[[Any, Any], optax.GradientTransformation] = \
         ClientOptimizer().transformation
+    augment: Optional[Callable] = None
 
 
 class TrainResult(NamedTuple):
@@ -135,7 +139,7 @@ class LaneSchedule(NamedTuple):
     """Where every lane stands at steps t0 .. t0 + K - 1 (arrays [c, K], x indices [c, K, B]).
 
     job: the lane's job (clipped to a valid id); replica: its replica; fresh: the step is the
-    job's first; done: the step is the job's last;
+    job's first; done: the step is the job's last; local_step: the step's index within its job;
     ex / valid: the examples the step reads and which of them are real.
     """
 
@@ -145,6 +149,7 @@ class LaneSchedule(NamedTuple):
     done: jax.Array
     ex: jax.Array
     valid: jax.Array
+    local_step: jax.Array = None
 
 
 def make_jobs(plan, replica_group, job_weight, runs=None) -> Jobs:
@@ -199,6 +204,7 @@ class _LaneProgram:
         self.clients = clients if clients is not None else ClientInputs((), (), None)
         self.clip = cfg.clip
         self.clip_r = clip   # [R] a traced clip per replica (adaptive clipping), or None
+        self.augment = cfg.augment
 
     # ---------------------------------------------------------------- one lane's client work
 
@@ -267,7 +273,21 @@ class _LaneProgram:
         valid = (within < sl[..., None]) & active[..., None]
         where_ = plan.train_start[g, i][..., None] + (e * sl)[..., None] + within
         ex = plan.train_idx[g[..., None], jnp.where(valid, where_, 0)]
-        return LaneSchedule(job=js, replica=r, fresh=fresh, done=done, ex=ex, valid=valid)
+        return LaneSchedule(job=js, replica=r, fresh=fresh, done=done, ex=ex, valid=valid,
+                            local_step=s)
+
+    def augmented(self, x, sch: LaneSchedule):
+        """x [c, K, B, ...] transformed by ``cfg.augment``, each step's minibatch with its key
+        fold_in(fold_in(round key, client), local step): the same draws whichever lane or
+        device runs the step."""
+        slot = self.jobs.slot[sch.job]
+        client = slot if self.clients.ids is None else self.clients.ids[sch.replica, slot]
+
+        def key(r, cid, s):
+            return jax.random.fold_in(jax.random.fold_in(self.keys[r], cid), s)
+
+        keys = jax.vmap(jax.vmap(key))(sch.replica, client, sch.local_step)
+        return jax.vmap(jax.vmap(self.augment))(x, keys)
 
     def finish(self, carry, js, r, done):
         """Finished jobs keep a_j u_j (0 when not finite) and a_j in their slots. Only the
@@ -340,6 +360,8 @@ class _LaneProgram:
     def body(self, carry: LaneCarry) -> LaneCarry:
         sch = self.schedule(carry.trip * self.K)
         x, y = jnp.take(self.X, sch.ex, axis=0), jnp.take(self.Y, sch.ex, axis=0)
+        if self.augment is not None:
+            x = self.augmented(x, sch)
         for k in range(self.K):
             carry = self.step(carry, sch, x, y, k)
         return carry._replace(trip=carry.trip + 1, real=carry.real + jnp.sum(sch.valid))

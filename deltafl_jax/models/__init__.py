@@ -4,8 +4,11 @@ One module per job: the model type and its loss kinds (:mod:`deltafl_jax.models.
 the engine runs a model's client work (:mod:`deltafl_jax.models.lane_preferences`), what a
 model reads of its dataset (:mod:`deltafl_jax.models.inputs`), the built-in models on numeric
 features (:mod:`deltafl_jax.models.builtin`: linear, cnn, mlp, mean), the text models
-(:mod:`deltafl_jax.models.text`: gru, lstm, sent140_linear, lstm_nwp, resolved lazily) and the
-registry (:mod:`deltafl_jax.models.registry`). Their public names are imported from here.
+(:mod:`deltafl_jax.models.text`: gru, lstm, sent140_linear, lstm_nwp, resolved lazily), the
+image models (:mod:`deltafl_jax.models.image`: fedavg_cnn, pfl_cnn, resnet18_gn, resolved lazily;
+their convolutions on the fast CPU path in :mod:`deltafl_jax.models.image_conv`), the local
+steps' augmentation (:mod:`deltafl_jax.models.augment`) and the registry
+(:mod:`deltafl_jax.models.registry`). Their public names are imported from here.
 
 Models are looked up by name with :func:`build_model`.
 

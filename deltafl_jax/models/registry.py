@@ -26,6 +26,9 @@ LAZY_MODELS: Dict[str, str] = {
     "lstm": "deltafl_jax.models.text:lstm",
     "sent140_linear": "deltafl_jax.models.text:sent140_linear",
     "lstm_nwp": "deltafl_jax.models.text:lstm_nwp",
+    "fedavg_cnn": "deltafl_jax.models.image:fedavg_cnn",
+    "pfl_cnn": "deltafl_jax.models.image:pfl_cnn",
+    "resnet18_gn": "deltafl_jax.models.image:resnet18_gn",
 }
 
 

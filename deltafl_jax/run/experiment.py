@@ -30,6 +30,7 @@ from deltafl_jax.errors import ConfigError
 from deltafl_jax.eval_sample import EvalSampler, summarize_sample
 from deltafl_jax.metrics import summarize
 from deltafl_jax.models import Model, ModelOptions
+from deltafl_jax.models.augment import augmentation
 from deltafl_jax.privacy import Accounting
 from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import placement as placement_lib
@@ -323,9 +324,18 @@ def eval_clients(config: ExperimentConfig, data: FederatedDataset) -> Optional[i
     return int(k)
 
 
+def _augment(config: ExperimentConfig, data: FederatedDataset) -> Optional[Callable]:
+    """The local steps' augmentation (``--augment``; None: none); ConfigError for images it
+    cannot read."""
+    try:
+        return augmentation(config.augment, data)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh,
               server_tx, expected: Optional[int] = None, correlated=None,
-              variable: bool = False):
+              variable: bool = False, augment=None):
     """The jitted round: plain for one device, jit(shard_map(...)) over a mesh otherwise."""
     axis = mesh_lib.SINGLE if mesh is None else mesh_lib.DeviceAxis(place.devices,
                                                                     mesh_lib.AXIS)
@@ -334,7 +344,7 @@ def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh
                                   branchless=place.branchless, axis=axis,
                                   order_lanes=place.order_lanes,
                                   clip=config.privacy.initial_clip,
-                                  optimizer=config.client.transformation)
+                                  optimizer=config.client.transformation, augment=augment)
     privacy = config.privacy
     raw = rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
                                 place.eval_lanes, m, server_tx, expected=expected,
@@ -390,7 +400,7 @@ def build_experiment(config: ExperimentConfig, data: FederatedDataset,
     round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx,
                          run.expected,
                          run.accounting.correlated if run.accounting is not None else None,
-                         variable=run.variable)
+                         variable=run.variable, augment=_augment(config, data))
     store = ClientStore(data, model, place, caps, mesh)
     personal = None if data.holdout is None else PersonalEvaluation(
         data, model, algorithm, replicas, batch_size=config.batch_size, lanes=place.lanes,

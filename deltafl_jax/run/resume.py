@@ -105,13 +105,17 @@ def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Li
 
 def _group_defaults() -> Dict[str, str]:
     """flag -> the canonical JSON of its default, for every setting of the configuration's
-    groups."""
+    groups, of the data settings and of the algorithms' options."""
     from deltafl_jax.config import GROUPS
+    from deltafl_jax.datasets import DataConfig
     from deltafl_jax.declared import flat_values
     out: Dict[str, str] = {}
     for _, cls in GROUPS:
         out.update({k: _canonical(v) for k, v in
                     json.loads(_canonical(flat_values(cls()))).items()})
+    data = json.loads(_canonical(flat_values(DataConfig(dataset=""))))
+    out.update({k: _canonical(v) for k, v in data.items() if k != "dataset"})
+    out.update({flag: _canonical(option.default) for flag, option in registry.options()})
     return out
 
 
