@@ -139,3 +139,42 @@ def test_a_markov_run_killed_and_rerun_is_bit_identical(tmp_path):
     assert resumed.stdout.count("resuming") == 1, resumed.stdout
     assert_same_outputs(out, whole)
     assert _rounds(out)["num_online"].min() < 20   # some clients were offline
+
+
+def test_evaluations_split_the_error_by_the_availability_of_both_populations(tiny_synthetic):
+    """With availability, the evaluation splits the test devices' and the seen clients' errors
+    by quintile of p_i: the training clients' p_i from the run's model, the test devices' from
+    the same model over the test split, the seen clients' rounds online and sampled summed
+    per quintile; without it, nothing of the kind is reported."""
+    from deltafl_jax.availability_metrics import population_split
+    from deltafl_jax.run.experiment import build_experiment
+    from deltafl_jax.run.resolve import label_counts
+    from deltafl_jax.sampling.availability import AvailabilitySettings, build_availability
+    base = dict(algorithm="deltafl", thetas=(0.5,), num_rounds=4, clients_per_round=6,
+                client_holdout=0.3)
+    plain = build_experiment(tiny_config(**base), tiny_synthetic)
+    assert plain.availability_split is None
+    cfg = tiny_config(**base, availability="bernoulli", availability_probs="data")
+    exp = build_experiment(cfg, tiny_synthetic)
+    settings = AvailabilitySettings(model="bernoulli", probabilities="data")
+    for split, rates in ((exp.data.train, exp.availability_split.train_rates),
+                         (exp.data.test, exp.availability_split.test_rates)):
+        want = build_availability(settings, num_clients=split.num_clients, sizes=split.sizes,
+                                  label_counts=label_counts(split, exp.data.num_classes),
+                                  num_rounds=4).rates()
+        np.testing.assert_array_equal(rates, want)
+    assert np.ptp(exp.availability_split.train_rates) > 0   # data-correlated: they differ
+    state = exp.initial_state()
+    keys = exp.keys()
+    for t in range(4):
+        state, _ = exp.round_fn(state, exp.round_data(t), keys)
+        exp.count_round(t)
+    per_client = exp.evaluate(exp.served_params(state), 4)
+    per_client.update(exp.evaluate_personal(state, 4))
+    out = exp.summarize(per_client)
+    ref = population_split(per_client["test_error"], exp.availability_split.test_rates)
+    for j in range(1, 6):
+        np.testing.assert_allclose(out[f"test_avail_q{j}_error_mean"], ref[f"q{j}_error_mean"])
+    assert "seen_avail_q1_train_rounds_online" in out
+    total = sum(out[f"seen_avail_q{j}_train_rounds_sampled"] for j in range(1, 6))
+    np.testing.assert_array_equal(total, per_client["train_rounds_sampled"].sum(axis=1))

@@ -40,7 +40,7 @@ from deltafl_jax.run.client_store import ClientStore
 from deltafl_jax.run.personal import PersonalEvaluation
 from deltafl_jax.run.placement import (Footprint, Placement, check_memory, choose_placement,
                                        compute_footprint)
-from deltafl_jax.run.resolve import resolve
+from deltafl_jax.run.resolve import resolve, test_availability
 from deltafl_jax.sampling import FixedSampler, PoissonSampler, Sampler
 from deltafl_jax.sampling.participation import Participation
 
@@ -372,6 +372,18 @@ def _check_probe(spec: AlgorithmSpec, algorithm: FederatedAlgorithm, place: Plac
                           "the training split on the device: use --client_data=device")
 
 
+def _availability_split(config: ExperimentConfig, data: FederatedDataset,
+                        availability) -> Optional[AvailabilitySplit]:
+    """Every evaluation's error split by availability quintile (None without availability):
+    the training clients by their model's p_i (the seen clients of ``--client_holdout``, with
+    their rounds online and sampled), the test devices by the same model over them."""
+    if availability is None:
+        return None
+    test = test_availability(config, data)
+    return AvailabilitySplit(availability.rates(), None if test is None else test.rates(),
+                             ("train_rounds_online", "train_rounds_sampled"))
+
+
 def build_experiment(config: ExperimentConfig, data: FederatedDataset,
                      replicas: Optional[Replicas] = None) -> Experiment:
     """The run of `config` on `data` (loaded by the caller) resolved
@@ -416,4 +428,5 @@ def build_experiment(config: ExperimentConfig, data: FederatedDataset,
                    if algorithm.eval_params is not None else None), mesh=mesh,
         server_tx=server_tx, accounting=run.accounting, eval_clients=eval_clients(config, data),
         sampler=run.sampler, replica_seeds=run.replica_seeds,
-        participation=Participation(run.seeds, data.train.num_clients, run.availability))
+        participation=Participation(run.seeds, data.train.num_clients, run.availability),
+        availability_split=_availability_split(config, data, run.availability))

@@ -260,12 +260,28 @@ def _availability(config: ExperimentConfig, spec: AlgorithmSpec,
         raise ConfigError(f"--availability={settings.model}: --algorithm={spec.name} needs a "
                           f"fixed cohort of m clients a round (it runs with "
                           f"--availability=always)")
+    return _built(config, data.train, data.num_classes)
+
+
+def _built(config: ExperimentConfig, split, num_classes: int) -> Availability:
+    """``--availability``'s model over the clients of `split` (their sizes, and their label
+    counts when the model reads them)."""
+    settings = config.online
     needs_labels = settings.probabilities == "data" or (
         settings.model == "cyclic" and settings.cyclic == "labels")
-    train = data.train
-    return build_availability(settings, num_clients=train.num_clients, sizes=train.sizes,
-                              label_counts=label_counts(train, data.num_classes)
+    return build_availability(settings, num_clients=split.num_clients, sizes=split.sizes,
+                              label_counts=label_counts(split, num_classes)
                               if needs_labels else None, num_rounds=config.num_rounds)
+
+
+def test_availability(config: ExperimentConfig, data: FederatedDataset) -> Optional[Availability]:
+    """The same availability model over the test devices, so that their errors can be split by
+    availability as the training clients' are: the generated models' law (the same settings
+    and ``--availability_seed``) and a trace's devices assigned alike; None for ``always`` and
+    for a schedule, which covers the training clients only."""
+    if config.online.model in ("always", "schedule"):
+        return None
+    return _built(config, data.test, data.num_classes)
 
 
 def label_counts(split, num_classes: int) -> Optional[np.ndarray]:
