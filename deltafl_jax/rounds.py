@@ -282,10 +282,10 @@ def _feedback(tr, losses, sizes, weights, lr, clients) -> ClientFeedback:
 
 
 def _write_back(client_state, ids, new, ok):
-    """client_state [N, ...] with rows ids [m] replaced by new [m, ...] where ok [m]."""
+    """client_state [N, ...] with rows ids [m] replaced by new [m, ...] where ok [m]; a slot
+    that is not ok writes nothing (an empty slot's padded id may be a real client's)."""
     def put(a, n):
-        keep = ok.reshape(ok.shape + (1,) * (n.ndim - 1))
-        return a.at[ids].set(jnp.where(keep, n.astype(a.dtype), a[ids]))
+        return a.at[jnp.where(ok, ids, a.shape[0])].set(n.astype(a.dtype), mode="drop")
     return jax.tree.map(put, client_state, new)
 
 
@@ -496,7 +496,7 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         client_state = state.client_state
         if jax.tree.leaves(client_state):
             client_state = jax.vmap(_write_back)(client_state, clients, tr.job_state,
-                                                 tr.job_finite)
+                                                 tr.job_finite & (sizes > 0))
         metrics = {**_round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics,
                                     algorithm.uses_losses), **extra}
         new = state.replace(params=params, algo_state=algo_state, round=t + 1, dp=dp,

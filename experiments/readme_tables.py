@@ -89,8 +89,13 @@ def main(argv) -> None:
         dirs = _run_dirs(out, _algorithm_order(flagfile)) if os.path.isdir(out) else []
         if not dirs:
             cli.fail(f"no finished run in {out}; pass --run or --run_dir")
-        personal = "client_holdout" in open(flagfile).read()
-        table = readme.render_personal(dirs) if personal else readme.render(dirs)
+        text = open(flagfile).read()
+        if "--availability=" in text and "--availability=always" not in text:
+            table = readme.render_availability(dirs)
+        elif "client_holdout" in text:
+            table = readme.render_personal(dirs)
+        else:
+            table = readme.render(dirs)
         source = source_text(flagfile, out, FLAGS.run, FLAGS.run_dir is None)
     differs = False
     for path in paths:

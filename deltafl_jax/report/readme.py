@@ -144,6 +144,37 @@ def render_personal(run_dirs: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+AVAILABILITY_COLUMNS = (("seen_error_mean", "mean"), ("seen_error_p90", "p90"),
+                        ("seen_error_worst10", "worst 10%"),
+                        ("seen_avail_q1_error_mean", "least available fifth: mean"),
+                        ("seen_avail_q1_error_p90", "least available fifth: p90"),
+                        ("seen_avail_q1_error_worst10", "least available fifth: worst 10%"),
+                        ("seen_avail_q5_error_p90", "most available fifth: p90"))
+
+
+def render_availability(run_dirs: Sequence[str]) -> str:
+    """The table of runs with availability and ``--client_holdout``: one row per method,
+    columns the seen clients' held-out error (%): over all of them, and over the fifth of them
+    least (and most) often online by the availability model (``seen_avail_q{j}``:
+    :mod:`deltafl_jax.availability_metrics`), each the mean +- std over seeds, the lowest
+    mean of a column in bold."""
+    rows: Dict[str, Dict[str, List[float]]] = {}
+    for reader, summary, naming in _summaries(run_dirs):
+        final = summary["final"]
+        for lab in reader.labels():
+            col = rows.setdefault(method_label(lab, naming), {})
+            for key, _ in AVAILABILITY_COLUMNS:
+                col.setdefault(key, []).append(final[lab.key()][key])
+    items = list(rows.items())
+    multi = any(len(c["seen_error_mean"]) > 1 for _, c in items)
+    cells = {key: _cells(items, key, 100.0, 1, multi) for key, _ in AVAILABILITY_COLUMNS}
+    lines = ["| method | " + " | ".join(t for _, t in AVAILABILITY_COLUMNS) + " |",
+             "|---|" + "---|" * len(AVAILABILITY_COLUMNS)]
+    lines += [f"| {name} | " + " | ".join(cells[k][i] for k, _ in AVAILABILITY_COLUMNS) + " |"
+              for i, (name, _) in enumerate(items)]
+    return "\n".join(lines)
+
+
 def cells(table: str) -> Tuple[List[str], List[List[str]]]:
     """(the names: the header row's cells and each row's first cell; the numbers: every other
     cell, row by row) of a Markdown table."""
