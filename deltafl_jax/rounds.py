@@ -282,10 +282,13 @@ def _feedback(tr, losses, sizes, weights, lr, clients) -> ClientFeedback:
 
 
 def _write_back(client_state, ids, new, ok):
-    """client_state [N, ...] with rows ids [m] replaced by new [m, ...] where ok [m]."""
+    """client_state [N, ...] with rows ids [m] replaced by new [m, ...] where ok [m]. The
+    slots not ok write nothing (their index is sent out of range and dropped), so an empty
+    slot's padding id cannot overwrite the row of the client that holds that id."""
+    rows = jnp.where(ok, ids, jax.tree.leaves(client_state)[0].shape[0])
+
     def put(a, n):
-        keep = ok.reshape(ok.shape + (1,) * (n.ndim - 1))
-        return a.at[ids].set(jnp.where(keep, n.astype(a.dtype), a[ids]))
+        return a.at[rows].set(n.astype(a.dtype), mode="drop")
     return jax.tree.map(put, client_state, new)
 
 

@@ -107,4 +107,4 @@ SPEC = AlgorithmSpec(
     factory=lambda config, data, options: mifa(data.train.sizes, options),
     hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=MifaOptions,
     values=theta_one("mifa", "trains every sampled client (theta = 1)"), names_value=False,
-    fixed_sweep=True)
+    fixed_sweep=True, variable_cohort=True)
