@@ -26,10 +26,12 @@ its m clients' entries (O(m)).
 
 **Known probabilities** (``--algorithm=known_prob``): omega_i = 1 / p_i, p_i the probability
 that client i takes part in a round, given when the algorithm is built (:func:`known_prob`'s
-`probabilities`, [N]); the estimator is then unbiased for (1/N) sum_i Delta_i. The spec's
-factory passes the default samplers' p_i = m / N for every client
-(:func:`sampling_probabilities`); an availability model that knows its rates r_i passes
-r_i x (the sampler's probability among the available clients) there instead.
+`probabilities`, [N]); the estimator is then unbiased for (1/N) sum_i Delta_i. The spec takes
+them from the run (``participation``): the run computes p_i from its availability model and
+sampler (:func:`deltafl_jax.run.resolve.participation_probabilities`: m / N with every client
+online; the replayed schedule's or trace's expected share of rounds in which i trains; r_i
+times the sampler's probability among the online clients for a generated model), and the
+factory falls back to m / N (:func:`sampling_probabilities`) when none are given.
 
 **Weighting** (``--weighting``, Delta-FL's option): ``unweighted`` is the authors' 1/N;
 ``weighted`` (the default, this package's objective sum_i (n_i / n) F_i) puts n_i / n in place
@@ -137,8 +139,8 @@ def sampling_probabilities(num_clients: int, clients_per_round: int) -> np.ndarr
 
 def build_known_prob(config, data, options: KnownProbOptions,
                      probabilities: Optional[Sequence[float]] = None) -> FederatedAlgorithm:
-    """The spec's factory: :func:`known_prob` with `probabilities`, by default the sampler's
-    (:func:`sampling_probabilities`)."""
+    """The spec's factory: :func:`known_prob` with `probabilities` (the run's, from its
+    availability and sampler), by default m / N (:func:`sampling_probabilities`)."""
     sizes = data.train.sizes
     if probabilities is None:
         probabilities = sampling_probabilities(len(sizes), config.clients_per_round)
@@ -161,4 +163,4 @@ KNOWN_PROB = AlgorithmSpec(
     factory=build_known_prob,
     hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=KnownProbOptions,
     values=theta_one("known_prob", "trains every sampled client (theta = 1)"),
-    names_value=False, fixed_sweep=True, variable_cohort=True)
+    names_value=False, fixed_sweep=True, variable_cohort=True, participation=True)
