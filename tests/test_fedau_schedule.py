@@ -3,7 +3,12 @@ replayed availability schedule (``--availability=schedule``) whose participation
 by client, every online client sampled (m >= the most clients online in any round), against
 the NumPy loops written from the authors' code of FedAU (tests/numpy_fedau.py; IBM/fedau at
 commit 6e9cce9b2e568666b5c3e0fab8f092a539884d7b) fed the same schedule as the participation
-matrix: the model after every round, within 1e-5."""
+matrix: the model after every round, within 1e-5. Then the run's p_i of known-probability
+weighting (run.resolve.participation_probabilities) against the fixed sampler's draws over many
+seeds and the closed forms, and MIFA and FedVARP with Poisson cohorts (empty slots, no
+availability)."""
+
+import functools
 
 import jax
 import numpy as np
@@ -175,3 +180,35 @@ def test_p_of_generated_availability_by_sampler():
     np.testing.assert_allclose(probabilities(model, 2), r)              # sum r = 1.5 <= 2
     cfg = tiny_config(clients_per_round=3)
     np.testing.assert_allclose(participation_probabilities(cfg, None, 12, 3), np.full(12, 0.25))
+
+
+@pytest.mark.parametrize("algorithm", ["mifa", "fedvarp"])
+def test_poisson_cohorts_with_stored_updates_follow_the_authors_loop(tiny_synthetic, algorithm):
+    """A variable cohort without availability (--client_sampling=poisson, q = 4/12): the
+    participation matrix is the plan's cohorts; the model after 6 rounds and every client's
+    stored update equal the NumPy loop's."""
+    rounds = 6
+    cfg = tiny_config(algorithm=algorithm, thetas=(), seeds=(1,), l2_reg=1e-3,
+                      local_epochs=EPOCHS, batch_size=8, num_rounds=rounds,
+                      clients_per_round=4, client_sampling="poisson", weighting="unweighted")
+    exp = build_experiment(cfg, tiny_synthetic)
+    N = tiny_synthetic.train.num_clients
+    took = np.zeros((rounds, N), bool)
+    state, keys = exp.initial_state(), exp.keys()
+    for t in range(rounds):
+        (cohort,) = exp.cohorts(t)
+        took[t, cohort.clients[cohort.present]] = True
+        state, _ = exp.round_fn(state, exp.round_data(t, state), keys)
+    assert took[:, 0].any() and not took.all(axis=1).any()
+    assert (took.sum(axis=1) < exp.num_sampled).any()             # some slots were empty
+    xs, ys = client_lists(tiny_synthetic.train)
+    local = ref.local_fn(xs, ys, 1, cfg.learning_rate, cfg.l2_reg, 8, EPOCHS)
+    W0 = np.zeros((xs[0].shape[1], tiny_synthetic.num_classes))
+    beta = np.full(N, 1.0 / N)
+    loop = ref.mifa if algorithm == "mifa" else functools.partial(ref.fedvarp, a=np.ones(N))
+    want, stored = loop([W0, np.zeros(W0.shape[1])], took, local, beta)
+    assert_every_round([jax.device_get(state.params)], [want])
+    kept = jax.device_get(state.client_state)["Dense_0"]
+    for k in range(N):          # every client's stored update (0 if it never trained)
+        for got, w in zip((kept["kernel"][0, k], kept["bias"][0, k]), stored[k]):
+            np.testing.assert_allclose(got, w, atol=1e-5, rtol=1e-5, err_msg=f"client {k}")
