@@ -182,7 +182,7 @@ def test_p_of_generated_availability_by_sampler():
     np.testing.assert_allclose(participation_probabilities(cfg, None, 12, 3), np.full(12, 0.25))
 
 
-@pytest.mark.parametrize("algorithm", ["mifa", "fedvarp"])
+@pytest.mark.parametrize("algorithm", ["mifa", pytest.param("fedvarp", marks=pytest.mark.slow)])
 def test_poisson_cohorts_with_stored_updates_follow_the_authors_loop(tiny_synthetic, algorithm):
     """A variable cohort without availability (--client_sampling=poisson, q = 4/12): the
     participation matrix is the plan's cohorts; the model after 6 rounds and every client's

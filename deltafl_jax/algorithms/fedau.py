@@ -17,8 +17,8 @@ over the clients that take part and is divided by N: a round in which no client 
 nothing (Delta = 0; the model stays). "Taking part" is training this round: with the default
 samplers every client is available, and it takes part when it is sampled (every sampled client
 trains, omega_i > 0); under ``--availability`` the sampler draws among the online clients and
-an empty slot takes no part (it records nothing). eta_g is ``--server_lr`` (``--server_optimizer=sgd``, the authors'
-``-lr-global``).
+an empty slot takes no part (it records nothing). eta_g is ``--server_lr``
+(``--server_optimizer=sgd``, the authors' ``-lr-global``).
 
 The estimator (round of each client's last participation, sum and count of its recorded
 intervals; :class:`~deltafl_jax.algorithms.participation.Estimator`, arrays [N]) is the
