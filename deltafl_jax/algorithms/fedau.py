@@ -16,8 +16,9 @@ after its use; absences cut into pieces of K = ``--fedau_cap``). As the authors,
 over the clients that take part and is divided by N: a round in which no client trains adds
 nothing (Delta = 0; the model stays). "Taking part" is training this round: with the default
 samplers every client is available, and it takes part when it is sampled (every sampled client
-trains, omega_i > 0). eta_g is ``--server_lr`` (``--server_optimizer=sgd``, the authors'
-``-lr-global``).
+trains, omega_i > 0); under ``--availability`` the sampler draws among the online clients and
+an empty slot takes no part (it records nothing). eta_g is ``--server_lr``
+(``--server_optimizer=sgd``, the authors' ``-lr-global``).
 
 The estimator (round of each client's last participation, sum and count of its recorded
 intervals; :class:`~deltafl_jax.algorithms.participation.Estimator`, arrays [N]) is the
@@ -26,10 +27,12 @@ its m clients' entries (O(m)).
 
 **Known probabilities** (``--algorithm=known_prob``): omega_i = 1 / p_i, p_i the probability
 that client i takes part in a round, given when the algorithm is built (:func:`known_prob`'s
-`probabilities`, [N]); the estimator is then unbiased for (1/N) sum_i Delta_i. The spec's
-factory passes the default samplers' p_i = m / N for every client
-(:func:`sampling_probabilities`); an availability model that knows its rates r_i passes
-r_i x (the sampler's probability among the available clients) there instead.
+`probabilities`, [N]); the estimator is then unbiased for (1/N) sum_i Delta_i. The spec takes
+them from the run (``participation``): the run computes p_i from its availability model and
+sampler (:func:`deltafl_jax.run.resolve.participation_probabilities`: m / N with every client
+online; the replayed schedule's or trace's expected share of rounds in which i trains; r_i
+times the sampler's probability among the online clients for a generated model), and the
+factory falls back to m / N (:func:`sampling_probabilities`) when none are given.
 
 **Weighting** (``--weighting``, Delta-FL's option): ``unweighted`` is the authors' 1/N;
 ``weighted`` (the default, this package's objective sum_i (n_i / n) F_i) puts n_i / n in place
@@ -137,8 +140,8 @@ def sampling_probabilities(num_clients: int, clients_per_round: int) -> np.ndarr
 
 def build_known_prob(config, data, options: KnownProbOptions,
                      probabilities: Optional[Sequence[float]] = None) -> FederatedAlgorithm:
-    """The spec's factory: :func:`known_prob` with `probabilities`, by default the sampler's
-    (:func:`sampling_probabilities`)."""
+    """The spec's factory: :func:`known_prob` with `probabilities` (the run's, from its
+    availability and sampler), by default m / N (:func:`sampling_probabilities`)."""
     sizes = data.train.sizes
     if probabilities is None:
         probabilities = sampling_probabilities(len(sizes), config.clients_per_round)
@@ -161,4 +164,4 @@ KNOWN_PROB = AlgorithmSpec(
     factory=build_known_prob,
     hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=KnownProbOptions,
     values=theta_one("known_prob", "trains every sampled client (theta = 1)"),
-    names_value=False, fixed_sweep=True, variable_cohort=True)
+    names_value=False, fixed_sweep=True, variable_cohort=True, participation=True)

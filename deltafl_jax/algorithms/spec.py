@@ -61,6 +61,9 @@ class AlgorithmSpec:
       be for it (the one line of the refusal otherwise); empty: it has none.
     variable_cohort: its round takes a cohort of varying size (--client_sampling=poisson):
       empty slots (size 0) get weight 0 and count in none of its sums or normalisations.
+    participation: its factory takes ``probabilities=`` [N], each training client's
+      probability of taking part in a round under the run's availability and sampler
+      (:func:`deltafl_jax.run.resolve.participation_probabilities`), passed by :meth:`make`.
     own_server_step: why the server step is the algorithm's own (non-empty: it refuses a
       server optimizer other than the default w + Delta); empty: the round's server optimizer
       applies to its Delta. A list of --server_lr values is crossed like `cross`, after it
@@ -105,6 +108,7 @@ class AlgorithmSpec:
     fixed_sweep: bool = False
     tunes_l2: bool = False
     variable_cohort: bool = False
+    participation: bool = False
     leaderboard: Any = None
     cautions: Optional[Callable[[Any, Any], Tuple[str, ...]]] = None
 
@@ -160,8 +164,13 @@ class AlgorithmSpec:
         names = self.option_flags()
         return self.options_type(**{k: given[k] for k in names if k in given})
 
-    def make(self, config, data) -> FederatedAlgorithm:
-        """The algorithm of a run: the factory with the config's typed options."""
+    def make(self, config, data, probabilities=None) -> FederatedAlgorithm:
+        """The algorithm of a run: the factory with the config's typed options, and with
+        `probabilities` [N] (each client's probability of taking part in a round) when it
+        takes them (`participation`) and they are given."""
+        if self.participation and probabilities is not None:
+            return self.factory(config, data, self.options_for(config),
+                                probabilities=probabilities)
         return self.factory(config, data, self.options_for(config))
 
     def sweep_of(self, label: ReplicaLabel) -> Optional[Sweep]:

@@ -40,7 +40,8 @@ from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import personal as personal_lib
 from deltafl_jax.run.placement import check_streams
 from deltafl_jax.sampling import PoissonSampler, Sampler, WeightedSampler
-from deltafl_jax.sampling.availability import Availability, build_availability
+from deltafl_jax.sampling.availability import (Availability, Schedule, Trace,
+                                               build_availability)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -93,7 +94,9 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
     model, options = _model(config, data)
     spec = registry.get(config.algorithm)
     m = _sampled(config, spec, data)
-    algorithm = spec.make(config, data)
+    availability = _availability(config, spec, data)
+    algorithm = spec.make(config, data, participation_probabilities(
+        config, availability, data.train.num_clients, m) if spec.participation else None)
     check_private_version(config.privacy, config.sampling.sampler, spec, algorithm,
                           tuned=replicas is not None)
     noise = _noise(config, spec, algorithm, m, data.train.num_clients)
@@ -103,7 +106,6 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
     accounting = None if noise is None else noise.accounting(
         tuple(float(z) for z in replicas.dp_noise))   # each replica's own z, in replica order
     sampler = _sampler(config, spec, algorithm, m, data.train.num_clients, accounting)
-    availability = _availability(config, spec, data)
     if accounting is not None and isinstance(sampler, PoissonSampler):
         accounting = dataclasses.replace(accounting, cap=sampler.cap)
     local_steps = spec.local_steps if spec.local_steps is not None else config.local_steps
@@ -282,6 +284,39 @@ def test_availability(config: ExperimentConfig, data: FederatedDataset) -> Optio
     if config.online.model in ("always", "schedule"):
         return None
     return _built(config, data.test, data.num_classes)
+
+
+def participation_probabilities(config: ExperimentConfig, availability: Optional[Availability],
+                                num_clients: int, m: int) -> np.ndarray:
+    """[N] each training client's probability p_i of taking part in a round (being online and
+    chosen), under the run's availability (r_i its rate, ``rates()``) and sampler:
+
+    - every client online: m / N (1 when m >= N);
+    - Poisson: r_i q, q = m / N (exact: each online client joins with probability q);
+    - cyclic: r_i m / N (its group's turn comes every N // m rounds; approximate);
+    - fixed, a replay (schedule, trace: the same online sets O_t for every seed): the expected
+      fraction of the run's T rounds in which client i trains, (1/T) sum_t 1[i in O_t]
+      min(1, m / |O_t|) (exact);
+    - fixed, a generated model: r_i min(1, m / sum_j r_j), the online count replaced by its
+      mean (approximate; exact when the mean is at most m and at most m are ever online).
+
+    A client with p_i = 0 never takes part, so its 1 / p_i is never used: it gets 1."""
+    q = min(1.0, m / num_clients)
+    if availability is None:
+        return np.full((num_clients,), q, np.float64)
+    sampler = config.sampling.sampler
+    if sampler != "fixed":
+        p = availability.rates() * q
+    elif isinstance(availability, (Schedule, Trace)):
+        p = np.zeros((num_clients,), np.float64)
+        for t in range(config.num_rounds):
+            ids = availability.online(0, t)
+            p[ids] += min(1.0, m / max(ids.size, 1))
+        p /= config.num_rounds
+    else:
+        rates = availability.rates()
+        p = rates * min(1.0, m / max(float(rates.sum()), 1e-300))
+    return np.where(p > 0, p, 1.0)
 
 
 def label_counts(split, num_classes: int) -> Optional[np.ndarray]:
