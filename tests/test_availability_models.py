@@ -16,8 +16,8 @@ from scipy import stats
 
 from deltafl_jax.declared import declared
 from deltafl_jax.errors import CheckpointMismatch, ConfigError, DataError
-from deltafl_jax.sampling.availability import (AvailabilitySettings, Bernoulli, Cyclic, Markov,
-                                               build_availability)
+from deltafl_jax.sampling.availability import (SEED_STREAM, STREAM, AvailabilitySettings,
+                                               Bernoulli, Cyclic, Markov, build_availability)
 
 ROUNDS = 10_000
 SIGMAS = 5.0      # every bound is five standard deviations (a false alarm ~ 6e-7 per check)
@@ -152,6 +152,28 @@ def test_markov_transitions_run_lengths_and_rate(q, ps):
         sd_mean = np.sqrt(pi * (1 - pi) / ROUNDS * (1 + lam) / (1 - lam))
         assert abs(x.mean() - pi) <= SIGMAS * sd_mean, (i, x.mean())
     np.testing.assert_array_equal(model.rates(), p)
+
+
+def test_markov_draws_equal_a_per_client_loop():
+    """Every round's online set equals a loop over the clients written from the module's law:
+    round 0 on with probability p_i from SeedSequence([seed, 0, SEED_STREAM, 2]), then one step
+    per round from [seed, r, STREAM, 2]'s uniforms, FedAU's transition probabilities
+    (fedau_markov), on -> on iff u >= a_i, off -> on iff u < b_i (2: the markov model's word).
+    Clients with p_i = 0 (never on) and p_i = 1 (never off) are among them."""
+    p = np.concatenate([[0.0, 1.0], np.linspace(0.02, 0.98, 38)])
+    q, seed, rounds = 0.3, 5, 60
+    model = Markov(p, q)
+    on = np.random.default_rng([seed, 0, SEED_STREAM, 2]).random(p.size) < p
+    for r in range(rounds):
+        if r:
+            u = np.random.default_rng([seed, r, STREAM, 2]).random(p.size)
+            nxt = np.zeros_like(on)
+            for i, pi in enumerate(p):
+                b, a = (0.0, 1.0) if pi == 0 else fedau_markov(pi, q)
+                nxt[i] = u[i] >= a if on[i] else u[i] < b
+            on = nxt
+        np.testing.assert_array_equal(model.online(seed, r), np.flatnonzero(on), err_msg=r)
+    assert not on[0] and on[1]
 
 
 def test_markov_starts_from_the_stationary_law():

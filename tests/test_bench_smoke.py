@@ -333,6 +333,34 @@ def test_population_smoke_reports_every_row(tmp_path):
     assert [r["client_data"] for r in res["femnist_rows"]] == ["device", "host"]
 
 
+@pytest.mark.slow
+def test_availability_smoke_pairs_and_parts(tmp_path):
+    """bench.availability at toy size: the fixed sampler and bernoulli rows of one model and the
+    markov rows of two populations, ratios as the rows give them, each round's host parts
+    adding up to less than the round, and every client online under the fixed sampler."""
+    res = run_json(["bench.availability", "--models=linear:5", "--rounds=2",
+                    "--sizes=1000,20000", "--clients=10"], tmp_path, "availability")
+    (pair,) = res["bernoulli"]
+    fixed, bern = pair["rows"]
+    assert (fixed["availability"], bern["availability"]) == ("always", "bernoulli")
+    assert fixed["online_clients_per_round"] == fixed["clients"] == bern["clients"]
+    assert 5 <= bern["online_clients_per_round"] < bern["clients"]
+    assert res["ratios"]["bernoulli_over_fixed (linear, m = 5)"] == pytest.approx(
+        bern["s_per_round"] / fixed["s_per_round"])
+    small, large = res["markov"]["rows"]
+    assert (small["clients"], large["clients"]) == (1000, 20000)
+    assert (small["train_clients"], large["train_clients"]) == (500, 10000)
+    assert 10 <= small["online_clients_per_round"] < 500 < large["online_clients_per_round"]
+    assert res["ratios"]["markov_N20000_over_N1000"] == pytest.approx(
+        large["s_per_round"] / small["s_per_round"])
+    assert res["ratios"]["markov_peak_rss_gb"] == pytest.approx(
+        res["markov"]["peak_rss_mb"] / 1024)
+    for row in pair["rows"] + res["markov"]["rows"]:
+        assert len(row["round_s"]) == 2 and row["trained_examples_per_round"] > 0
+        assert 0 < row["host_s"] and row["wait_s"] >= 0
+        assert row["host_s"] <= max(row["round_s"])
+
+
 def test_benchmarks_write_a_git_ignored_default_and_print_one_screen(tmp_path, monkeypatch,
                                                                       capsys):
     """A benchmark run without --out leaves the clone clean (bench/out/ is
@@ -419,6 +447,7 @@ def test_code_paths_smoke(tmp_path):
 # at toy size ("file::name"; a test of this file by its name). The peers' scripts run inside
 # the pinned venvs bench/peers.py makes, through bench/peers.py.
 SMOKE_RUNS = {
+    "availability.py": ["test_availability_smoke_pairs_and_parts"],
     "before_after.py": ["test_bench_before_after.py::test_before_after_smoke"],
     "code_paths.py": ["test_code_paths_smoke"],
     "compare.py": ["test_compare_smoke_engine_and_jax_loop", "test_compare_smoke"],

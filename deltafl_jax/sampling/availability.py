@@ -304,7 +304,9 @@ class Markov(Availability):
     def _step(self, seed: int, round_idx: int, on: np.ndarray) -> np.ndarray:
         rng = np.random.default_rng([int(seed), int(round_idx), STREAM, _MARKOV])
         u = rng.random(self.num_clients)
-        return np.where(on, u >= self.on_off, u < self.off_on)
+        # on -> on when u >= a_i, off -> on when u < b_i: np.where(on, u >= a, u < b) written
+        # with bitwise operators (the same booleans; a few times faster on [N] bool arrays)
+        return (on & (u >= self.on_off)) | (~on & (u < self.off_on))
 
     def online(self, seed: int, round_idx: int) -> np.ndarray:
         last = self._last.get(int(seed))
