@@ -446,10 +446,24 @@ def test_code_paths_smoke(tmp_path):
 # Every bench/ entry point (a bench/*.py with a __main__) and the tests that run it end to end
 # at toy size ("file::name"; a test of this file by its name). The peers' scripts run inside
 # the pinned venvs bench/peers.py makes, through bench/peers.py.
+@pytest.mark.slow
+def test_image_convs_smoke_times_every_case_three_ways(tmp_path):
+    """bench.image_convs at one step and one repeat: every case's three variants timed, and
+    the ratios those times' ratios."""
+    res = run_json(["bench.image_convs", "--steps=1", "--repeats=1"], tmp_path, "image_convs")
+    assert res["benchmark"] == "image_convs" and res["rows"]
+    for r in res["rows"]:
+        ms = r["ms_per_step"]
+        assert set(ms) == {"xla", "via_same", "same"} and min(ms.values()) > 0
+        assert r["xla_over_same"] == pytest.approx(ms["xla"] / ms["same"])
+        assert r["xla_over_via_same"] == pytest.approx(ms["xla"] / ms["via_same"])
+
+
 SMOKE_RUNS = {
     "availability.py": ["test_availability_smoke_pairs_and_parts"],
     "before_after.py": ["test_bench_before_after.py::test_before_after_smoke"],
     "code_paths.py": ["test_code_paths_smoke"],
+    "image_convs.py": ["test_image_convs_smoke_times_every_case_three_ways"],
     "compare.py": ["test_compare_smoke_engine_and_jax_loop", "test_compare_smoke"],
     "loop_shape.py": ["test_loop_shape_smoke_trains_identical_models"],
     "paper_grid.py": ["test_paper_grid_toy_json_adds_up"],
