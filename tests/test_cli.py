@@ -101,7 +101,9 @@ def bad_inputs(tmp_path):
         "theta negative": (["--thetas=-0.1"], "--thetas"),
         "theta not a number": (["--thetas=abc"], "--thetas must be a comma-separated list"),
         "m > clients": (["--clients_per_round=999"], "--clients_per_round=999 exceeds"),
-        "unknown dataset": (["--dataset=mnist"], "unknown dataset 'mnist'"),
+        "unknown dataset": (["--dataset=mnsit"], "unknown dataset 'mnsit'"),
+        "image dataset without --partition": (["--dataset=mnist"],
+                                              "--dataset=mnist has no clients of its own"),
         "unknown model": (["--model=resnet"], "unknown model 'resnet'"),
         "unknown algorithm": (["--algorithm=sgd"], "unknown algorithm 'sgd'"),
         # An option with choices is an enum flag (the specs' Option): absl refuses the value.
@@ -195,7 +197,8 @@ def test_option_flags_come_from_the_specs_and_each_method_gets_its_own(tmp_path)
     finally:
         runner.FLAGS.unparse_flags()
     assert configs["deltafl"].options == {"filter": "reference", "weighting": "unweighted",
-                                          "smoothing": 0.0, "quantile": "sort", "mm_iters": 20}
+                                          "smoothing": 0.0, "quantile": "sort", "mm_iters": 20,
+                                          "deltafl_participation": "none", "fedau_cap": 0}
     assert configs["fedavg"].options == {"weighting": "unweighted"}
     assert configs["fedavg_sub"].options == {"filter": "reference"}
     assert configs["qffl"].options == {}

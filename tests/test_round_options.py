@@ -363,7 +363,7 @@ def test_each_option_is_declared_once_and_shared_by_the_specs_that_read_it():
     declared = {name: dict(declared_options(registry.get(name).options_type))
                 for name in registry.names()}
     assert list(declared["deltafl"]) == ["filter", "weighting", "smoothing", "quantile",
-                                         "mm_iters"]
+                                         "mm_iters", "deltafl_participation", "fedau_cap"]
     assert list(declared["fedavg"]) == ["weighting"]
     assert list(declared["fedavg_sub"]) == ["filter"]
     assert list(declared["deltafl_alt"]) == ["filter", "weighting"]
