@@ -24,10 +24,11 @@ def measured(name, build, compile_, round_s, eval_s, rounds=200, every=50, repli
                     replicas=replicas, lanes=2)
 
 
-def work(steps, examples, rounds=200, every=50, replicas=3):
+def work(steps, examples, rounds=200, every=50, replicas=3, losses=0.0):
     evaluations = rounds // every + (1 if rounds % every else 0)
     return ProgramWork(replicas=replicas, rounds=rounds, eval_every=every,
-                       evaluations=evaluations, train_steps=steps, eval_examples=examples)
+                       evaluations=evaluations, train_steps=steps, loss_examples=losses,
+                       eval_examples=examples)
 
 
 def test_one_calibration_scales_by_the_work_ratio():
@@ -56,12 +57,30 @@ def test_two_calibrations_pool_their_cost_per_step():
     assert est.replicas == 12 and est.projected_from == "a, b"
     lines = est.lines()
     assert lines[0].startswith("estimate of c (projected from a, b): 12 replicas, 200 rounds")
-    assert "1000 local steps a round" in lines[3]
+    assert "(1000 local steps x 6.000e-05 s + 0 loss examples x 0.000e+00 s)" in lines[3]
     total = total_lines([cals[0][0], cals[1][0], est])[0]
+    summed = cals[0][0].projected_s + cals[1][0].projected_s + est.projected_s
     assert total.startswith("estimate of all 3 programs (2 measured, 1 projected): projected "
-                            f"run {cals[0][0].projected_s + cals[1][0].projected_s + est.projected_s:.3f} s")
+                            f"run {summed:.3f} s")
     with pytest.raises(ValueError):
         project("d", work(1.0, 1.0), [])
+
+
+def test_a_round_without_losses_and_one_with_fix_both_costs():
+    """FedAvg evaluates no loss: its round fixes the cost of a step; Delta-FL's round, which
+    evaluates its sampled clients' losses, then fixes the cost of a loss-evaluated example."""
+    fedavg = (measured("fedavg", 1.0, 10.0, 0.02, 0.1), work(400.0, 2000.0))
+    deltafl = (measured("deltafl", 1.0, 10.0, 0.045, 0.1), work(300.0, 2000.0, losses=6000.0))
+    a, b = 0.02 / 400, (0.045 - 300 * 0.02 / 400) / 6000          # 5e-5, 5e-6
+    est = project("q-FFL", work(100.0, 2000.0, losses=3000.0), [fedavg, deltafl])
+    assert est.round_s == pytest.approx(100 * a + 3000 * b)       # 0.02
+    for cal, w in (fedavg, deltafl):                               # their own rounds back
+        assert project("x", w, [fedavg, deltafl]).round_s == pytest.approx(cal.round_s)
+    # a negative cost per loss example (here Delta-FL's rounds faster than its steps alone
+    # cost at FedAvg's rate) is not fitted: one pooled cost per step instead
+    fast = (measured("deltafl", 1.0, 10.0, 0.01, 0.1), deltafl[1])
+    est = project("q-FFL", work(100.0, 2000.0, losses=3000.0), [fedavg, fast])
+    assert est.round_s == pytest.approx(100 * (0.02 + 0.01) / (400 + 300))
 
 
 def test_calibration_programs_are_the_first_and_the_largest_other():
@@ -69,6 +88,9 @@ def test_calibration_programs_are_the_first_and_the_largest_other():
     # program 1 shares program 0's algorithm; of the others, 3 has the most steps in all
     assert calibration_programs(["a", "a", "b", "c"], w) == [0, 3]
     assert calibration_programs(["a", "a"], w[:2]) == [0]
+    # the first evaluates no loss: the other that evaluates the most loss examples in all
+    w[2] = work(500.0, 1.0, losses=10.0)
+    assert calibration_programs(["a", "a", "b", "c"], w) == [0, 2]
     assert calibration_programs([], []) == []
 
 
@@ -85,6 +107,8 @@ def test_program_work_counts_by_hand():
     w = program_work(config, data)
     # 2 seeds x (theta 0.5 + theta 1): Delta-FL keeps the mass theta of the sampled clients
     assert w.train_steps == pytest.approx(2 * (0.5 + 1.0) * 5 * mean_steps)
+    # every replica evaluates its 5 sampled clients' losses F_k(w_t), which its filter reads
+    assert w.loss_examples == pytest.approx(4 * 5 * sum(sizes) / len(sizes))
     assert (w.replicas, w.rounds, w.evaluations) == (4, 7, 3)
     assert w.eval_examples == 4 * (sum(sizes) + int(data.test.num_examples))
 
@@ -95,7 +119,9 @@ def test_program_work_reads_the_specs_declared_work():
                          batch_size=8, clients_per_round=6)
     data = load_dataset(config.data)
     mean_steps = np.mean(_steps_by_hand([int(n) for n in data.train.sizes], 1, 8))
-    assert program_work(config, data).train_steps == pytest.approx(2 * 6 * mean_steps)
+    w = program_work(config, data)
+    assert w.train_steps == pytest.approx(2 * 6 * mean_steps)
+    assert w.loss_examples == 0   # over FedAvg, whose round evaluates no loss
     # AFL: every training client, one local step (its spec's all_clients, local_steps=1)
     config = tiny_config(algorithm="afl", seeds=(1,), clients_per_round=6)
     data = load_dataset(config.data)

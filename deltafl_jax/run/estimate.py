@@ -136,8 +136,9 @@ class Estimate:
       :mod:`deltafl_jax.datasets.known_shapes`); "" on its data.
     projected_from: "" for a program measured (built, compiled and timed); for one projected
       from others' measurements (:func:`project`), their names; its `work` then holds the
-      cost model's figures (``train_steps``, ``s_per_step``, ``eval_examples``,
-      ``s_per_example``) and nothing of it was compiled or timed.
+      cost model's figures (``train_steps``, ``s_per_step``, ``loss_examples``,
+      ``s_per_loss_example``, ``eval_examples``, ``s_per_example``) and nothing of it was
+      compiled or timed.
     flops_per_round: the compiled round's FLOPs from XLA's cost analysis (None where the
       backend gives none; XLA counts a while loop's body once, so this is not the round's
       work). train_trips: the critical-path local-SGD trips of each timed round. work: the
@@ -215,7 +216,8 @@ class Estimate:
             f"  build          {self.build_s:10.3f} s (as measured)",
             f"  compile        {self.compile_s:10.3f} s (as measured)",
             f"  rounds         {self.num_rounds} x {self.round_s:.6f} s = {self.rounds_s:.3f} s "
-            f"({w['train_steps']:.0f} local steps a round x {w['s_per_step']:.3e} s)",
+            f"({w['train_steps']:.0f} local steps x {w['s_per_step']:.3e} s + "
+            f"{w['loss_examples']:.0f} loss examples x {w['s_per_loss_example']:.3e} s)",
             f"  evaluations    {self.evaluations} x {self.eval_s:.6f} s = "
             f"{self.evaluations_s:.3f} s ({w['eval_examples']:.0f} examples x "
             f"{w['s_per_example']:.3e} s)",
@@ -468,6 +470,10 @@ class ProgramWork:
       w_r: sum_r w_r x m x mean_k s_k, with s_k the steps of training client k
       (:meth:`deltafl_jax.plan.LocalWork.steps_for`) and m the clients a round samples
       (uniformly, m of N: the expected sum of the sampled clients' steps is m x their mean).
+    loss_examples: the expected examples of one round's loss evaluations over every
+      replica: R x m x mean_k n_k for an algorithm that reads the sampled clients' losses
+      F_k(w_t) (``uses_losses``; FedAvg's round skips them), and as many again for one that
+      evaluates a second sample (``probe``, DRFA).
     eval_examples: the examples one evaluation reads: R x (training + test examples).
     """
 
@@ -476,6 +482,7 @@ class ProgramWork:
     eval_every: int
     evaluations: int
     train_steps: float
+    loss_examples: float
     eval_examples: float
 
 
@@ -487,14 +494,33 @@ def program_work(config: ExperimentConfig, data: FederatedDataset,
     from deltafl_jax.run.resolve import resolve
     run = resolve(config, data, replicas)
     m = run.expected if run.expected is not None else run.num_sampled
-    per_client = float(np.mean(run.work.steps_for(run.data.train.sizes)))
+    sizes = run.data.train.sizes
+    per_client = float(np.mean(run.work.steps_for(sizes)))
     weights = sum(run.spec.expected_work(label) for label in run.replicas.labels)
+    evaluated = int(run.algorithm.uses_losses) + int(run.algorithm.probe is not None)
     examples = run.data.train.num_examples + run.data.test.num_examples
-    T, every = config.num_rounds, config.eval_every
-    return ProgramWork(replicas=run.replicas.size, rounds=T, eval_every=every,
+    T, every, R = config.num_rounds, config.eval_every, run.replicas.size
+    return ProgramWork(replicas=R, rounds=T, eval_every=every,
                        evaluations=num_evaluations(T, every),
                        train_steps=weights * m * per_client,
-                       eval_examples=float(run.replicas.size * examples))
+                       loss_examples=float(evaluated * R * m * np.mean(sizes)),
+                       eval_examples=float(R * examples))
+
+
+def round_costs(calibrations: Sequence["tuple[Estimate, ProgramWork]"]
+                ) -> "tuple[float, float]":
+    """(seconds per local step, seconds per loss-evaluated example) of a round, fitted to the
+    measured programs' round_s = a x train_steps + b x loss_examples: solved by least squares
+    when their work spans both (e.g. FedAvg, which evaluates no loss, and Delta-FL), and both
+    come out >= 0; otherwise b = 0 and a = (sum of their round_s) / (sum of their
+    train_steps)."""
+    A = np.array([[w.train_steps, w.loss_examples] for _, w in calibrations], np.float64)
+    y = np.array([e.round_s for e, _ in calibrations], np.float64)
+    if len(y) >= 2 and np.linalg.matrix_rank(A) == 2:
+        (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
+        if a >= 0 and b >= 0:
+            return float(a), float(b)
+    return float(y.sum() / max(A[:, 0].sum(), 1e-12)), 0.0
 
 
 def project(name: str, work: ProgramWork,
@@ -502,18 +528,17 @@ def project(name: str, work: ProgramWork,
     """The :class:`Estimate` of a program that is not built, compiled or timed, from the
     measured `calibrations` (each a measured Estimate and its program's ProgramWork):
 
-        round_s   = train_steps   x (sum of their round_s) / (sum of their train_steps)
-        eval_s    = eval_examples x (sum of their eval_s)  / (sum of their eval_examples)
+        round_s   = train_steps x a + loss_examples x b      (a, b: :func:`round_costs`)
+        eval_s    = eval_examples x (sum of their eval_s) / (sum of their eval_examples)
         compile_s, build_s = the mean of theirs (each program compiles its round and its
                              evaluation once, as they did)
 
-    so that a program with the work of a calibration gets its measurements back. Device
-    memory is not projected (0)."""
+    so that a program with the work of a calibration gets its measurements back (exactly
+    when one calibration or two that fix a and b). Device memory is not projected (0)."""
     if not calibrations:
         raise ValueError("project needs at least one measured program")
     measured = [e for e, _ in calibrations]
-    s_step = (sum(e.round_s for e in measured)
-              / max(sum(w.train_steps for _, w in calibrations), 1e-12))
+    s_step, s_loss = round_costs(calibrations)
     s_example = (sum(e.eval_s for e in measured)
                  / max(sum(w.eval_examples for _, w in calibrations), 1e-12))
     first = measured[0]
@@ -522,11 +547,12 @@ def project(name: str, work: ProgramWork,
         evaluations=work.evaluations,
         build_s=float(np.mean([e.build_s for e in measured])),
         compile_s=float(np.mean([e.compile_s for e in measured])),
-        round_s=work.train_steps * s_step, eval_s=work.eval_examples * s_example,
-        timed_rounds=0, memory_bytes=0,
+        round_s=work.train_steps * s_step + work.loss_examples * s_loss,
+        eval_s=work.eval_examples * s_example, timed_rounds=0, memory_bytes=0,
         memory_source="not measured (a projected program is never built)",
         flops_per_round=None, train_trips=[],
         work=dict(train_steps=work.train_steps, s_per_step=s_step,
+                  loss_examples=work.loss_examples, s_per_loss_example=s_loss,
                   eval_examples=work.eval_examples, s_per_example=s_example),
         backend=first.backend, devices=first.devices, replicas=work.replicas, lanes=0,
         projected_from=", ".join(e.name for e in measured))
@@ -534,17 +560,25 @@ def project(name: str, work: ProgramWork,
 
 def calibration_programs(hosts: Sequence[str], works: Sequence[ProgramWork]) -> List[int]:
     """Which programs of a setting to measure (the rest are projected from them): its first
-    program, and of the programs of another algorithm (`hosts`: each program's), the one with
-    the most local steps in all (rounds x train_steps); one program when all share the
-    first's algorithm."""
+    program, and of the programs of another algorithm (`hosts`: each program's) the one with
+    the most local steps in all (rounds x train_steps), or, when the first evaluates no loss,
+    the most loss-evaluated examples in all (so that the two fix both costs of
+    :func:`round_costs`); one program when all share the first's algorithm."""
     if not works:
         return []
     others = [i for i, h in enumerate(hosts) if h != hosts[0]]
     if not others:
         return [0]
-    return [0, max(others, key=lambda i: (works[i].rounds * works[i].train_steps, -i))]
+    by_losses = works[0].loss_examples == 0
 
+    def size(i):
+        w = works[i]
+        return ((w.rounds * w.loss_examples if by_losses else 0.0), w.rounds * w.train_steps,
+                -i)
+
+    return [0, max(others, key=size)]
 
 __all__ = ["Estimate", "RoundMemory", "round_memory", "WORK_METRICS", "DEFAULT_TIMED_ROUNDS", "DEFAULT_MIN_SECONDS",
            "round_indices", "program_key", "measure", "estimate_run", "total_lines", "num_evaluations",
-           "device_memory", "ProgramWork", "program_work", "project", "calibration_programs"]
+           "device_memory", "ProgramWork", "program_work", "project", "round_costs",
+           "calibration_programs"]
