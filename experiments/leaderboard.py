@@ -622,10 +622,9 @@ def _program(setting: Setting, stage: Stage, tune_seeds, lr_grid):
 
 
 def estimate(settings: List[Setting], tune_seeds, multipliers) -> None:
-    """Per setting, two programs built, compiled and timed (their first, and the one of
-    another algorithm with the most local steps: :func:`deltafl_jax.run.estimate.
-    calibration_programs`), every other one projected from their cost per local step and per
-    evaluated example and its own work counts, counted on the host
+    """Per setting, two programs built, compiled and timed (:func:`deltafl_jax.run.estimate.
+    calibration_programs`), every other one projected from their costs per local step, per
+    loss-evaluated and per evaluated example and its own work counts, counted on the host
     (:func:`~deltafl_jax.run.estimate.program_work`, :func:`~deltafl_jax.run.estimate.project`).
     With --estimate_exact every program is built, compiled and timed for a round or two and
     one evaluation (a program the same as one already measured is not compiled again). Their

@@ -88,7 +88,7 @@ def test_calibration_programs_are_the_first_and_the_largest_other():
     # program 1 shares program 0's algorithm; of the others, 3 has the most steps in all
     assert calibration_programs(["a", "a", "b", "c"], w) == [0, 3]
     assert calibration_programs(["a", "a"], w[:2]) == [0]
-    # the first evaluates no loss: the other that evaluates the most loss examples in all
+    # the first evaluates no loss: of the others that evaluate losses, the most steps in all
     w[2] = work(500.0, 1.0, losses=10.0)
     assert calibration_programs(["a", "a", "b", "c"], w) == [0, 2]
     assert calibration_programs([], []) == []

@@ -561,9 +561,9 @@ def project(name: str, work: ProgramWork,
 def calibration_programs(hosts: Sequence[str], works: Sequence[ProgramWork]) -> List[int]:
     """Which programs of a setting to measure (the rest are projected from them): its first
     program, and of the programs of another algorithm (`hosts`: each program's) the one with
-    the most local steps in all (rounds x train_steps), or, when the first evaluates no loss,
-    the most loss-evaluated examples in all (so that the two fix both costs of
-    :func:`round_costs`); one program when all share the first's algorithm."""
+    the most local steps in all (rounds x train_steps), among those that evaluate losses when
+    the first evaluates none (so that the two fix both costs of :func:`round_costs`); one
+    program when all share the first's algorithm."""
     if not works:
         return []
     others = [i for i, h in enumerate(hosts) if h != hosts[0]]
@@ -573,8 +573,7 @@ def calibration_programs(hosts: Sequence[str], works: Sequence[ProgramWork]) -> 
 
     def size(i):
         w = works[i]
-        return ((w.rounds * w.loss_examples if by_losses else 0.0), w.rounds * w.train_steps,
-                -i)
+        return (by_losses and w.loss_examples > 0, w.rounds * w.train_steps, -i)
 
     return [0, max(others, key=size)]
 
