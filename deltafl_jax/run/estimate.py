@@ -213,8 +213,8 @@ class Estimate:
             f"estimate of {self.name} (projected from {self.projected_from}): "
             f"{self.replicas} replicas, {self.num_rounds} rounds, {self.evaluations} "
             f"evaluations (every {self.eval_every}), {self.devices} {self.backend} device(s)",
-            f"  build          {self.build_s:10.3f} s (as measured)",
-            f"  compile        {self.compile_s:10.3f} s (as measured)",
+            f"  build          {self.build_s:10.3f} s (the measured programs' mean)",
+            f"  compile        {self.compile_s:10.3f} s (the measured programs' mean)",
             f"  rounds         {self.num_rounds} x {self.round_s:.6f} s = {self.rounds_s:.3f} s "
             f"({w['train_steps']:.0f} local steps x {w['s_per_step']:.3e} s + "
             f"{w['loss_examples']:.0f} loss examples x {w['s_per_loss_example']:.3e} s)",
