@@ -67,6 +67,9 @@ _define(flags.DEFINE_enum, "grid", "auto", "the methods' grids: quick (the CPU s
         "auto (quick on the cpu set)", enum_values=["auto", "quick", "full"])
 _define(flags.DEFINE_bool, "readme", False, "write the tables into the documentation page that "
         "holds their markers (docs/results/leaderboard.md)")
+_define(flags.DEFINE_bool, "estimate_exact", False, "with --estimate: build, compile and time "
+        "every program (about as long as the run's own compiling), instead of two per setting "
+        "and the rest projected from their cost per local step")
 _define(flags.DEFINE_string, "readme_path", None, "the Markdown page to write (default: the "
         "repository's page, README.md or docs/, that holds the markers)")
 
@@ -596,39 +599,80 @@ def run_and_write(settings: List[Setting], tune_seeds, multipliers) -> List[Dict
         return write(settings, tune_seeds)
 
 
-ESTIMATE_ROUNDS = 2   # --estimate's timed rounds per program unless --estimate_rounds is given
+ESTIMATE_ROUNDS = 2   # --estimate_exact's timed rounds per program unless --estimate_rounds
+CALIBRATION_ROUNDS = 3   # --estimate's timed rounds per measured program (and at least:)
+CALIBRATION_SECONDS = 1.0
+
+
+def _program(setting: Setting, stage: Stage, tune_seeds, lr_grid):
+    """(config, data, replicas) of a program as the run builds it (no output directory)."""
+    from deltafl_jax import tuning
+    if stage.kind == "lr":
+        config = dataclasses.replace(setting.base, algorithm=tuning.LR_ALGORITHM, thetas=(),
+                                     seeds=tune_seeds, output_dir=None,
+                                     l2_reg=setting.base.l2_for(1)[0])
+        return config, setting.data, tuning.lr_grid_replicas(config, lr_grid,
+                                                             (config.lr_decay,))
+    seeds = tune_seeds if stage.kind == "validation" else setting.base.seeds
+    config = dataclasses.replace(_config(setting, stage.host, stage.kind, seeds),
+                                 output_dir=None)
+    data = (tuning.validation_split(setting.data, 0) if stage.kind == "validation"
+            else setting.data)
+    return config, data, None
 
 
 def estimate(settings: List[Setting], tune_seeds, multipliers) -> None:
-    """Every program built and compiled, and timed for a round or two and one evaluation
-    (deltafl_jax.run.estimate, no minimum time: never the program's own rounds); a program
-    the same as one already measured (the same compiled round, examples and placement) is
-    not compiled or timed again. Their sum."""
-    from deltafl_jax import tuning
-    from deltafl_jax.run.estimate import estimate_run, total_lines
-    rounds = (FLAGS.estimate_rounds if "estimate_rounds" in cli.COMMAND_LINE
-              else ESTIMATE_ROUNDS)
-    timing = dict(timed_rounds=rounds, min_seconds=0.0, cache={})
-    estimates = []
+    """Per setting, two programs built, compiled and timed (:func:`deltafl_jax.run.estimate.
+    calibration_programs`), every other one projected from their costs per local step, per
+    loss-evaluated and per evaluated example and its own work counts, counted on the host
+    (:func:`~deltafl_jax.run.estimate.program_work`, :func:`~deltafl_jax.run.estimate.project`).
+    With --estimate_exact every program is built, compiled and timed for a round or two and
+    one evaluation (a program the same as one already measured is not compiled again). Their
+    sum."""
+    from deltafl_jax.run.estimate import total_lines
+    estimates, cache = [], {}
     for s in settings:
         lr_grid = tuple(s.base.learning_rate * m for m in multipliers)
-        for stage in stages(s, tune_seeds, lr_grid):
-            if stage.kind == "lr":
-                config = dataclasses.replace(s.base, algorithm=tuning.LR_ALGORITHM, thetas=(),
-                                             seeds=tune_seeds, output_dir=None)
-                reps = tuning.lr_grid_replicas(config, lr_grid, (config.lr_decay,))
-                est = estimate_run(config, s.data, replicas=reps, **timing)
-            else:
-                seeds = tune_seeds if stage.kind == "validation" else s.base.seeds
-                config = dataclasses.replace(_config(s, stage.host, stage.kind, seeds),
-                                             output_dir=None)
-                data = (tuning.validation_split(s.data, 0) if stage.kind == "validation"
-                        else s.data)
-                est = estimate_run(config, data, **timing)
-            est = dataclasses.replace(est, name=f"{s.name} {stage.host} {stage.kind}")
+        programs = [(stage, *_program(s, stage, tune_seeds, lr_grid))
+                    for stage in stages(s, tune_seeds, lr_grid)]
+        for est in (_exact(s, programs, cache) if FLAGS.estimate_exact
+                    else _projected(s, programs)):
             print("\n".join(est.lines()), flush=True)
             estimates.append(est)
     print("\n".join(total_lines(estimates)), flush=True)
+
+
+def _exact(setting: Setting, programs, cache):
+    """Every program measured (:func:`deltafl_jax.run.estimate.estimate_run`; `cache`: its
+    programs already measured)."""
+    from deltafl_jax.run.estimate import estimate_run
+    rounds = (FLAGS.estimate_rounds if "estimate_rounds" in cli.COMMAND_LINE
+              else ESTIMATE_ROUNDS)
+    for stage, config, data, replicas in programs:
+        est = estimate_run(config, data, replicas=replicas, timed_rounds=rounds,
+                           min_seconds=0.0, cache=cache)
+        yield dataclasses.replace(est, name=f"{setting.name} {stage.host} {stage.kind}")
+
+
+def _projected(setting: Setting, programs):
+    """The setting's calibration programs measured, the others projected from them."""
+    from deltafl_jax.run.estimate import (calibration_programs, estimate_run, program_work,
+                                          project)
+    rounds = (FLAGS.estimate_rounds if "estimate_rounds" in cli.COMMAND_LINE
+              else CALIBRATION_ROUNDS)
+    works = [program_work(config, data, replicas) for _, config, data, replicas in programs]
+    chosen = calibration_programs([p[0].host for p in programs], works)
+    measured = {}
+    for i in chosen:
+        stage, config, data, replicas = programs[i]
+        est = estimate_run(config, data, replicas=replicas, timed_rounds=rounds,
+                           min_seconds=CALIBRATION_SECONDS)
+        measured[i] = dataclasses.replace(est, name=f"{setting.name} {stage.host} {stage.kind}")
+    calibrations = [(measured[i], works[i]) for i in chosen]
+    for i, (stage, *_) in enumerate(programs):
+        yield (dataclasses.replace(measured[i], name=measured[i].name + " (measured)")
+               if i in measured else project(f"{setting.name} {stage.host} {stage.kind}",
+                                             works[i], calibrations))
 
 
 def default_tune_seeds(settings: List[Setting]) -> Tuple[int, ...]:

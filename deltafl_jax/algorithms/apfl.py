@@ -209,6 +209,7 @@ SPEC = AlgorithmSpec(
     "alpha_k v_k + (1 - alpha_k) w; the global model averaged as FedAvg's",
     factory=lambda config, data, options: apfl(options), hyper=APFLHyper,
     options_type=APFLOptions, validate=check_alphas,
+    local_work=2.0,   # the steps of w and of v on each minibatch
     sweep=Sweep(flag="apfl_alpha", field="alpha0", default=DEFAULT_ALPHA, minimum=0.0,
                 help="apfl: initial mixing weights alpha in [0, 1], swept", symbol="α₀"),
     # The leaderboard evaluates the global model on unseen test clients: FedAvg's, whatever

@@ -184,6 +184,7 @@ SPEC = AlgorithmSpec(
     factory=lambda config, data, options: ditto(fedavg(options)), hyper=DittoHyper,
     options_type=FedAvgOptions, dp_requires=DP_REQUIRES, sweep=LAMBDA_SWEEP,
     fixed={"theta": 1.0}, cautions=stability_cautions,
+    local_work=2.0,   # a personal step beside the global one on each minibatch
     # The leaderboard evaluates the global model on unseen test clients: FedAvg's, whatever
     # lambda (only the personal models v_k depend on it), so the CPU set trains one value.
     leaderboard=Board(grid={"ditto_lambda": DEFAULT_LAMBDA}, quick={"ditto_lambda": (1.0,)}))

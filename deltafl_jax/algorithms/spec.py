@@ -83,6 +83,10 @@ class AlgorithmSpec:
       stability bound that the algorithm knows (Ditto's proximal step: eta (lambda + l2)
       >= 2 with SGD); the runner prints each as a warning before the first round
       (:meth:`warnings`). `replicas`: the run's :class:`~deltafl_jax.replicas.Replicas`.
+    local_work: the cost of one local minibatch step of a client relative to FedAvg's (one
+      model's gradient step): 2 for a client that steps a personal model beside the global
+      one (Ditto, APFL). A hint for projected estimates (:meth:`expected_work`), never used
+      by the round itself.
 
     Hyper fields that the active sweep and `cross` do not set take their value from `fixed`.
     """
@@ -111,6 +115,7 @@ class AlgorithmSpec:
     participation: bool = False
     leaderboard: Any = None
     cautions: Optional[Callable[[Any, Any], Tuple[str, ...]]] = None
+    local_work: float = 1.0
 
     def __post_init__(self):
         declared_options(self.options_type)   # TypeError unless a frozen dataclass of Options
@@ -182,6 +187,15 @@ class AlgorithmSpec:
         """The lines of its `cautions` for a run of `config` training `replicas`; () when it
         declares none."""
         return tuple(self.cautions(config, replicas)) if self.cautions is not None else ()
+
+    def expected_work(self, label: ReplicaLabel) -> float:
+        """The expected local work of a replica's sampled clients in a round relative to
+        FedAvg's (every sampled client taking its steps of one model): `local_work` x the
+        label's theta, the share of the sampled clients' weight that trains (Delta-FL's
+        filter keeps the mass theta; theta = 1 for a method that trains every sampled
+        client). With weights proportional to n_k, and n_k independent of the losses, that
+        is also the expected share of their local steps."""
+        return float(self.local_work) * min(max(float(label.theta), 0.0), 1.0)
 
     def check(self, config) -> None:
         self.sweep_values(config)

@@ -134,6 +134,11 @@ class Estimate:
       memory analysis).
     data_note: what the run was measured on when not its data (a dataset's known shape,
       :mod:`deltafl_jax.datasets.known_shapes`); "" on its data.
+    projected_from: "" for a program measured (built, compiled and timed); for one projected
+      from others' measurements (:func:`project`), their names; its `work` then holds the
+      cost model's figures (``train_steps``, ``s_per_step``, ``loss_examples``,
+      ``s_per_loss_example``, ``eval_examples``, ``s_per_example``) and nothing of it was
+      compiled or timed.
     flops_per_round: the compiled round's FLOPs from XLA's cost analysis (None where the
       backend gives none; XLA counts a while loop's body once, so this is not the round's
       work). train_trips: the critical-path local-SGD trips of each timed round. work: the
@@ -162,6 +167,7 @@ class Estimate:
     lanes: int
     round_memory: Optional[RoundMemory] = None
     data_note: str = ""
+    projected_from: str = ""
 
     @property
     def rounds_s(self) -> float:
@@ -184,6 +190,8 @@ class Estimate:
 
     def lines(self) -> List[str]:
         """The printed block (its figures are the fields, so a reader can redo the sum)."""
+        if self.projected_from:
+            return self._projected_lines()
         return [
             f"estimate of {self.name}: {self.replicas} replicas, {self.num_rounds} rounds, "
             f"{self.evaluations} evaluations (every {self.eval_every}), {self.devices} "
@@ -199,6 +207,24 @@ class Estimate:
         ] + ([] if self.round_memory is None else [_round_memory_line(self.round_memory)]) + (
             [f"  measured on    {self.data_note}"] if self.data_note else [])
 
+    def _projected_lines(self) -> List[str]:
+        w = self.work
+        return [
+            f"estimate of {self.name} (projected from {self.projected_from}): "
+            f"{self.replicas} replicas, {self.num_rounds} rounds, {self.evaluations} "
+            f"evaluations (every {self.eval_every}), {self.devices} {self.backend} device(s)",
+            f"  build          {self.build_s:10.3f} s (the measured programs' mean)",
+            f"  compile        {self.compile_s:10.3f} s (the measured programs' mean)",
+            f"  rounds         {self.num_rounds} x {self.round_s:.6f} s = {self.rounds_s:.3f} s "
+            f"({w['train_steps']:.0f} local steps x {w['s_per_step']:.3e} s + "
+            f"{w['loss_examples']:.0f} loss examples x {w['s_per_loss_example']:.3e} s)",
+            f"  evaluations    {self.evaluations} x {self.eval_s:.6f} s = "
+            f"{self.evaluations_s:.3f} s ({w['eval_examples']:.0f} examples x "
+            f"{w['s_per_example']:.3e} s)",
+            f"  projected run  {self.projected_s:10.3f} s ({_human(self.projected_s)})",
+            f"  device memory  {self.memory_source}",
+        ]
+
 
 def _round_memory_line(m: RoundMemory) -> str:
     return (f"  round memory   {_mb(m.total)}: data {_mb(m.data)}, state {_mb(m.state)}, "
@@ -209,9 +235,13 @@ def _round_memory_line(m: RoundMemory) -> str:
 def total_lines(estimates: List[Estimate]) -> List[str]:
     """The closing lines of several programs (a multi-method run): their sum."""
     total = sum(e.projected_s for e in estimates)
-    return [f"estimate of all {len(estimates)} programs: projected run {total:.3f} s "
+    projected = sum(1 for e in estimates if e.projected_from)
+    how = (f" ({len(estimates) - projected} measured, {projected} projected)" if projected
+           else "")
+    return [f"estimate of all {len(estimates)} programs{how}: projected run {total:.3f} s "
             f"({_human(total)}), compile {sum(e.compile_s for e in estimates):.3f} s, device "
-            f"memory at most {_mb(max(e.memory_bytes for e in estimates))}"]
+            f"memory at most {_mb(max(e.memory_bytes for e in estimates))}"
+            + (" (of the measured programs)" if projected else "")]
 
 
 def _human(seconds: float) -> str:
@@ -424,6 +454,130 @@ def estimate_run(config: ExperimentConfig, data: Optional[FederatedDataset] = No
     return dataclasses.replace(est, data_note=data_note)
 
 
+# --------------------------------------------------------------------------------------------
+# Projection: a program's cost from other programs' measurements and its own work counts
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramWork:
+    """What a program computes, counted on the host from its resolved configuration, without
+    building or compiling it (the cost model of :func:`project`).
+
+    replicas, rounds, eval_every, evaluations: R, T, the evaluation period and how many
+      evaluations the loop does.
+    train_steps: the expected local minibatch steps of one round over every replica's jobs,
+      each weighted by its spec's :meth:`~deltafl_jax.algorithms.spec.AlgorithmSpec.expected_work`
+      w_r: sum_r w_r x m x mean_k s_k, with s_k the steps of training client k
+      (:meth:`deltafl_jax.plan.LocalWork.steps_for`) and m the clients a round samples
+      (uniformly, m of N: the expected sum of the sampled clients' steps is m x their mean).
+    loss_examples: the expected examples of one round's loss evaluations over every
+      replica: R x m x mean_k n_k for an algorithm that reads the sampled clients' losses
+      F_k(w_t) (``uses_losses``; FedAvg's round skips them), and as many again for one that
+      evaluates a second sample (``probe``, DRFA).
+    eval_examples: the examples one evaluation reads: R x (training + test examples).
+    """
+
+    replicas: int
+    rounds: int
+    eval_every: int
+    evaluations: int
+    train_steps: float
+    loss_examples: float
+    eval_examples: float
+
+
+def program_work(config: ExperimentConfig, data: FederatedDataset,
+                 replicas=None) -> ProgramWork:
+    """The :class:`ProgramWork` of `config`'s run on `data` (`replicas`: as
+    :func:`~deltafl_jax.run.experiment.build_experiment`'s), from its resolved run
+    (:func:`deltafl_jax.run.resolve.resolve`: host-side, nothing placed or compiled)."""
+    from deltafl_jax.run.resolve import resolve
+    run = resolve(config, data, replicas)
+    m = run.expected if run.expected is not None else run.num_sampled
+    sizes = run.data.train.sizes
+    per_client = float(np.mean(run.work.steps_for(sizes)))
+    weights = sum(run.spec.expected_work(label) for label in run.replicas.labels)
+    evaluated = int(run.algorithm.uses_losses) + int(run.algorithm.probe is not None)
+    examples = run.data.train.num_examples + run.data.test.num_examples
+    T, every, R = config.num_rounds, config.eval_every, run.replicas.size
+    return ProgramWork(replicas=R, rounds=T, eval_every=every,
+                       evaluations=num_evaluations(T, every),
+                       train_steps=weights * m * per_client,
+                       loss_examples=float(evaluated * R * m * np.mean(sizes)),
+                       eval_examples=float(R * examples))
+
+
+def round_costs(calibrations: Sequence["tuple[Estimate, ProgramWork]"]
+                ) -> "tuple[float, float]":
+    """(seconds per local step, seconds per loss-evaluated example) of a round, fitted to the
+    measured programs' round_s = a x train_steps + b x loss_examples: solved by least squares
+    when their work spans both (e.g. FedAvg, which evaluates no loss, and Delta-FL), and both
+    come out >= 0; otherwise b = 0 and a = (sum of their round_s) / (sum of their
+    train_steps)."""
+    A = np.array([[w.train_steps, w.loss_examples] for _, w in calibrations], np.float64)
+    y = np.array([e.round_s for e, _ in calibrations], np.float64)
+    if len(y) >= 2 and np.linalg.matrix_rank(A) == 2:
+        (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
+        if a >= 0 and b >= 0:
+            return float(a), float(b)
+    return float(y.sum() / max(A[:, 0].sum(), 1e-12)), 0.0
+
+
+def project(name: str, work: ProgramWork,
+            calibrations: Sequence["tuple[Estimate, ProgramWork]"]) -> Estimate:
+    """The :class:`Estimate` of a program that is not built, compiled or timed, from the
+    measured `calibrations` (each a measured Estimate and its program's ProgramWork):
+
+        round_s   = train_steps x a + loss_examples x b      (a, b: :func:`round_costs`)
+        eval_s    = eval_examples x (sum of their eval_s) / (sum of their eval_examples)
+        compile_s, build_s = the mean of theirs (each program compiles its round and its
+                             evaluation once, as they did)
+
+    so that a program with the work of a calibration gets its measurements back (exactly
+    when one calibration or two that fix a and b). Device memory is not projected (0)."""
+    if not calibrations:
+        raise ValueError("project needs at least one measured program")
+    measured = [e for e, _ in calibrations]
+    s_step, s_loss = round_costs(calibrations)
+    s_example = (sum(e.eval_s for e in measured)
+                 / max(sum(w.eval_examples for _, w in calibrations), 1e-12))
+    first = measured[0]
+    return Estimate(
+        name=name, num_rounds=work.rounds, eval_every=work.eval_every,
+        evaluations=work.evaluations,
+        build_s=float(np.mean([e.build_s for e in measured])),
+        compile_s=float(np.mean([e.compile_s for e in measured])),
+        round_s=work.train_steps * s_step + work.loss_examples * s_loss,
+        eval_s=work.eval_examples * s_example, timed_rounds=0, memory_bytes=0,
+        memory_source="not measured (a projected program is never built)",
+        flops_per_round=None, train_trips=[],
+        work=dict(train_steps=work.train_steps, s_per_step=s_step,
+                  loss_examples=work.loss_examples, s_per_loss_example=s_loss,
+                  eval_examples=work.eval_examples, s_per_example=s_example),
+        backend=first.backend, devices=first.devices, replicas=work.replicas, lanes=0,
+        projected_from=", ".join(e.name for e in measured))
+
+
+def calibration_programs(hosts: Sequence[str], works: Sequence[ProgramWork]) -> List[int]:
+    """Which programs of a setting to measure (the rest are projected from them): its first
+    program, and of the programs of another algorithm (`hosts`: each program's) the one with
+    the most local steps in all (rounds x train_steps), among those that evaluate losses when
+    the first evaluates none (so that the two fix both costs of :func:`round_costs`); one
+    program when all share the first's algorithm."""
+    if not works:
+        return []
+    others = [i for i, h in enumerate(hosts) if h != hosts[0]]
+    if not others:
+        return [0]
+    by_losses = works[0].loss_examples == 0
+
+    def size(i):
+        w = works[i]
+        return (by_losses and w.loss_examples > 0, w.rounds * w.train_steps, -i)
+
+    return [0, max(others, key=size)]
+
 __all__ = ["Estimate", "RoundMemory", "round_memory", "WORK_METRICS", "DEFAULT_TIMED_ROUNDS", "DEFAULT_MIN_SECONDS",
            "round_indices", "program_key", "measure", "estimate_run", "total_lines", "num_evaluations",
-           "device_memory"]
+           "device_memory", "ProgramWork", "program_work", "project", "round_costs",
+           "calibration_programs"]
