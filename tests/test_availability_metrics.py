@@ -368,6 +368,7 @@ def hand_made_final(summary, families, shift):
     return final
 
 
+@pytest.mark.slow   # a run or a figure end to end: CI's second step
 def test_the_report_draws_the_error_against_availability(tmp_path):
     from deltafl_jax import report
     from deltafl_jax.outputs import RunReader, RunWriter

@@ -420,6 +420,7 @@ def test_a_batch_pickled_again_by_python_3_is_read_too():
         np.testing.assert_array_equal(y, [3, 7])
 
 
+@pytest.mark.slow   # a run or a figure end to end: CI's second step
 def test_a_run_partitions_an_image_dataset_into_clients(tmp_path, capsys):
     """--dataset=mnist --partition=iid: the published files prepared, split into train and test
     clients by the partitioner, trained, and the partition written beside the outputs; without
