@@ -160,3 +160,30 @@ def test_start_up_counts_the_per_client_state_and_refuses_a_run_that_cannot_fit(
     with pytest.raises(ConfigError, match="per-client state") as e:
         check_memory(dataclasses.replace(fp, clients=10 * fp.total), [_Device(2 * fp.total)])
     assert "\n" not in str(e.value) and "fake accelerator" in str(e.value)
+
+
+class _HostDevice(_Device):
+    """A device that reports no memory (XLA:CPU's host devices)."""
+
+    device_kind = "cpu"
+
+    def memory_stats(self):
+        return None
+
+
+def test_on_a_cpu_the_devices_and_the_host_built_state_must_fit_this_machine(monkeypatch):
+    """XLA:CPU reports no device memory: the run is refused in one line, before anything is
+    built, when its host devices' footprints plus the per-client state (built on the host
+    first) pass 80% of this machine's memory, and named by its largest part."""
+    from deltafl_jax.errors import ConfigError
+    from deltafl_jax.run import placement
+    from deltafl_jax.run.experiment import Footprint, check_memory
+    monkeypatch.setattr(placement, "host_memory", lambda: 1000)
+    two = [_HostDevice(0), _HostDevice(0)]
+    fits = Footprint(data=100, state=50, plan=10, lanes=10, clients=100, updates=10)
+    check_memory(fits, two)                                    # 2 x 280 + 100 = 660 <= 800
+    big = dataclasses.replace(fits, clients=200)               # 2 x 380 + 200 = 960 > 800
+    with pytest.raises(ConfigError, match="per-client state") as e:
+        check_memory(big, two)
+    assert "\n" not in str(e.value) and "2 host device(s)" in str(e.value)
+    check_memory(big, two[:1])                                 # 380 + 200 = 580 on one device

@@ -224,21 +224,38 @@ def placement_line(place: Placement, usage: Footprint, data: FederatedDataset, n
             f"updates {_mb(usage.updates)} ({num_replicas} replicas x m)")
 
 
+HOST_STATE_SHARE = 0.8   # of this machine's memory that a CPU run's devices and state may take
+
+
 def check_memory(usage: Footprint, devices) -> None:
-    """ConfigError before compiling when the run cannot fit in a device's memory (backends
-    whose devices report memory_stats(); XLA:CPU does not)."""
+    """ConfigError before compiling when the run cannot fit: in a device's memory (backends
+    whose devices report memory_stats()), or, on XLA:CPU, which reports none, in this
+    machine's memory, which its host devices share, the per-client state being built on the
+    host first (every device's footprint plus one more copy of that state)."""
     limit = _bytes_limit(devices)
-    if not limit or usage.total <= 0.9 * limit:
+    if limit:
+        if usage.total > 0.9 * limit:
+            raise ConfigError(f"the run needs about {_mb(usage.total)} per device but "
+                              f"{_local(devices)[0].device_kind} has {_mb(limit)}; reduce "
+                              f"{_biggest(usage)}")
         return
-    biggest = max(("the data (--client_data=host, --max_examples_per_client, "
-                   "--max_train_clients)", usage.data),
-                  ("the replicas (fewer --thetas, --server_lr values or --seeds)", usage.state),
-                  ("the per-client state (fewer replicas, or --max_train_clients)", usage.clients),
-                  ("the lanes (--clients_per_step)", usage.lanes),
-                  ("the round's updates (fewer replicas or --clients_per_round)", usage.updates),
-                  key=lambda kv: kv[1])[0]
-    raise ConfigError(f"the run needs about {_mb(usage.total)} per device but "
-                      f"{_local(devices)[0].device_kind} has {_mb(limit)}; reduce {biggest}")
+    host, n = host_memory(), len(_local(devices))
+    need = n * usage.total + usage.clients
+    if host and need > HOST_STATE_SHARE * host:
+        raise ConfigError(f"the run needs about {_mb(need)} of this machine's {_mb(host)} "
+                          f"({n} host device(s) x {_mb(usage.total)}, and the per-client state "
+                          f"built on the host first); reduce {_biggest(usage)}")
+
+
+def _biggest(usage: Footprint) -> str:
+    """What to reduce: the largest part of `usage`, named by its flags."""
+    return max(("the data (--client_data=host, --max_examples_per_client, "
+                "--max_train_clients)", usage.data),
+               ("the replicas (fewer --thetas, --server_lr values or --seeds)", usage.state),
+               ("the per-client state (fewer replicas, or --max_train_clients)", usage.clients),
+               ("the lanes (--clients_per_step)", usage.lanes),
+               ("the round's updates (fewer replicas or --clients_per_round)", usage.updates),
+               key=lambda kv: kv[1])[0]
 
 
 def host_memory() -> Optional[int]:
