@@ -29,7 +29,7 @@ from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, DeltaFLHyper, check_the
                                             unnormalised_alphas)
 from deltafl_jax.algorithms.fedau import population_total
 from deltafl_jax.algorithms.mifa import (LATEST_UPDATE, MifaOptions, MifaState,
-                                         zeros_like_params)
+                                         init_stored_sum, zeros_like_params)
 from deltafl_jax.algorithms.options import check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm, scaled_delta
 from deltafl_jax.algorithms.spec import AlgorithmSpec
@@ -40,9 +40,6 @@ def fedvarp(train_sizes, options: MifaOptions = MifaOptions()) -> FederatedAlgor
     check_options(options)
     weighting = options.weighting
     total = jnp.float32(population_total(train_sizes, weighting))
-
-    def init(params, hyper):
-        return MifaState(total=zeros_like_params(params, hyper))
 
     def client_weights(state, losses, sizes, hyper, key, clients):
         del state, losses, hyper, key, clients
@@ -58,7 +55,7 @@ def fedvarp(train_sizes, options: MifaOptions = MifaOptions()) -> FederatedAlgor
                          feedback.delta_sum)
         return delta, MifaState(total=s), {}
 
-    return FederatedAlgorithm(name="fedvarp", init=init, client_weights=client_weights,
+    return FederatedAlgorithm(name="fedvarp", init=init_stored_sum, client_weights=client_weights,
                               server_update=server_update, uses_losses=False,
                               client_update=LATEST_UPDATE, client_state_init=zeros_like_params)
 

@@ -76,14 +76,16 @@ def zeros_like_params(params, hyper):
     return jax.tree.map(jnp.zeros_like, params)
 
 
+def init_stored_sum(params, hyper) -> MifaState:
+    """The server state before any client has trained: S = 0 (MIFA's and FedVARP's)."""
+    return MifaState(total=zeros_like_params(params, hyper))
+
+
 def mifa(train_sizes, options: MifaOptions = MifaOptions()) -> FederatedAlgorithm:
     """MIFA over training clients of sizes `train_sizes` (module docstring)."""
     check_options(options)
     weighting = options.weighting
     total = jnp.float32(population_total(train_sizes, weighting))
-
-    def init(params, hyper):
-        return MifaState(total=zeros_like_params(params, hyper))
 
     def client_weights(state, losses, sizes, hyper, key, clients):
         del state, losses, hyper, key, clients
@@ -94,7 +96,7 @@ def mifa(train_sizes, options: MifaOptions = MifaOptions()) -> FederatedAlgorith
         s = jax.tree.map(lambda a, d: a + d.astype(a.dtype), state.total, feedback.delta_sum)
         return s, MifaState(total=s), {}
 
-    return FederatedAlgorithm(name="mifa", init=init, client_weights=client_weights,
+    return FederatedAlgorithm(name="mifa", init=init_stored_sum, client_weights=client_weights,
                               server_update=server_update, uses_losses=False,
                               client_update=LATEST_UPDATE, client_state_init=zeros_like_params,
                               steps_without_clients=True)
