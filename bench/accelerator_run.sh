@@ -4,7 +4,7 @@
 # that fails or runs out is logged and the next one starts, and every JSON written so far is in
 # $RESULTS (a folder) when the script ends, whatever happened.
 #
-#   RESULTS=bench/results DEADLINE_S=540 PYTHON=python3 bash bench/accelerator_run.sh
+#   RESULTS=bench/results DEADLINE_S=540 PYTHON=python3 [SUFFIX=h200] bash bench/accelerator_run.sh
 #
 # Step 0 is a toy run (seconds): if the stack cannot run the engine at all, the script stops
 # there, before the minutes are spent.
@@ -13,6 +13,7 @@ PY=${PYTHON:-python3}
 RESULTS=${RESULTS:-bench/out}
 DEADLINE_S=${DEADLINE_S:-540}
 B=${BACKEND:-gpu}
+S=${SUFFIX:-$B}  # the JSON names' suffix: the card, e.g. h200, when several GPU kinds are compared
 mkdir -p "$RESULTS"
 START=$(date +%s)
 export PYTHONUNBUFFERED=1
@@ -43,17 +44,18 @@ rm -f "$RESULTS/toy.json"
 
 for m in cnn linear gru lstm; do
   step "paper_grid $m" 150 "$PY" -m bench.paper_grid --model=$m \
-    --out="$RESULTS/paper_grid_${m}_$B.json"
+    --out="$RESULTS/paper_grid_${m}_$S.json"
 done
 step "estimate emnist" 90 "$PY" -m experiments.run --flagfile=experiments/emnist.flags --estimate
 step "estimate emnist --deterministic" 90 "$PY" -m experiments.run \
   --flagfile=experiments/emnist.flags --estimate --deterministic
 step "scaling cnn" 90 "$PY" -m bench.scaling --platform=$B --devices=1 --model=cnn \
-  --out="$RESULTS/scaling_$B.json"
+  --out="$RESULTS/scaling_$S.json"
 step "loop_shape cnn" 90 "$PY" -m bench.loop_shape --model=cnn \
-  --out="$RESULTS/loop_shape_cnn_$B.json"
+  --out="$RESULTS/loop_shape_cnn_$S.json"
 step "loop_shape linear" 60 "$PY" -m bench.loop_shape --model=linear \
-  --out="$RESULTS/loop_shape_linear_$B.json"
+  --out="$RESULTS/loop_shape_linear_$S.json"
 step "compare cnn" 120 "$PY" -m bench.compare --model=cnn --torch_device=cuda \
-  --out="$RESULTS/compare_cnn_$B.json"
+  --out="$RESULTS/compare_cnn_$S.json"
+step "image_convs" 60 "$PY" -m bench.image_convs --out="$RESULTS/image_convs_$S.json"
 echo "=== done in $(( $(date +%s) - START )) s"

@@ -33,7 +33,7 @@ import math
 import os
 import sys
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -77,13 +77,14 @@ def scaled(n: int, scale: float, least: int = 1) -> int:
     return max(least, int(round(n * scale)))
 
 
-def flagfile_config(model: str, scale: float):
-    """The flagfile's configuration, scaled: (config, train clients, test clients)."""
+def flagfile_config(model: str, scale: float, extra: Sequence[str] = ()):
+    """The flagfile's configuration, scaled, with ``extra`` experiment flags after it:
+    (config, train clients, test clients)."""
     from experiments import cli
     cli.define_experiment_flags()
     path = os.path.join(REPO, "experiments", FLAGFILES[model])
     cli.FLAGS.unparse_flags()
-    cli.FLAGS(["paper_grid", f"--flagfile={path}"])
+    cli.FLAGS(["paper_grid", f"--flagfile={path}", *extra])
     base = cli.config_from_flags()
     train, test = {"cnn": (865, 865), "linear": (865, 865), "gru": (544, 545),
                    "lstm": (438, 439)}[model]
@@ -93,7 +94,7 @@ def flagfile_config(model: str, scale: float):
     cli.FLAGS.unparse_flags()
     cli.FLAGS(["paper_grid", f"--flagfile={path}", f"--clients_per_round={m}",
                f"--num_rounds={rounds}", f"--eval_every={min(base.eval_every, rounds)}",
-               f"--seeds={','.join(str(s) for s in seeds)}", "--nosave_models", "--output_dir="])
+               f"--seeds={','.join(str(s) for s in seeds)}", "--nosave_models", "--output_dir=", *extra])
     return cli.config_from_flags(), scaled(train, scale, m + 1), scaled(test, scale, 2)
 
 
@@ -111,13 +112,13 @@ def dataset(model: str, config, train: int, test: int):
     return normalize.normalize(data, config.data.normalize, warn=lambda line: None)
 
 
-def run(model: str, scale: float, rounds: int, min_seconds: float,
+def run(model: str, scale: float, rounds: int, min_seconds: float, extra: Sequence[str] = (),
         log=lambda line: print(line, file=sys.stderr, flush=True)) -> Dict:
     import jax
     from bench import common
     from deltafl_jax.run.estimate import estimate_run
 
-    config, train, test = flagfile_config(model, scale)
+    config, train, test = flagfile_config(model, scale, extra)
     log(f"paper_grid: {model} ({FLAGFILES[model]}) at scale {scale:g}: {train} train / {test} "
         f"test clients, m={config.clients_per_round}, {config.num_rounds} rounds")
     t0 = time.perf_counter()
@@ -134,6 +135,7 @@ def run(model: str, scale: float, rounds: int, min_seconds: float,
     peak, basis = device_peak(kind) if jax.default_backend() != "cpu" else (None, "unknown")
     return {
         "model": model, "flagfile": f"experiments/{FLAGFILES[model]}", "scale": scale,
+        "extra_flags": list(extra),
         "machine": common.machine(),
         "config": {"replicas": est.replicas, "thetas": list(config.thetas),
                    "seeds": list(config.seeds), "clients_per_round": config.clients_per_round,
@@ -208,6 +210,9 @@ def parse(argv):
     p.add_argument("--scale", type=float, default=1.0, help="0 < F <= 1: shrink the run")
     p.add_argument("--rounds", type=int, default=5, help="rounds timed at least")
     p.add_argument("--min_seconds", type=float, default=5.0, help="seconds of rounds at least")
+    p.add_argument("--flag", action="append", default=[], dest="extra",
+                   help="an experiment flag added after the flagfile's, e.g. --flag=--lanes=64 "
+                   "(repeatable)")
     p.add_argument("--out", default=None, help="the JSON (default the git-ignored "
                    "bench/out/paper_grid_<model>_<backend>[_scale<F>].json)")
     args = p.parse_args(argv)
@@ -228,7 +233,7 @@ def main(argv=None) -> None:
         sys.exit(2)
     import jax
     from bench import common
-    result = run(args.model, args.scale, args.rounds, args.min_seconds)
+    result = run(args.model, args.scale, args.rounds, args.min_seconds, args.extra)
     common.emit(result, args.out or default_out(args.model, args.scale, jax.default_backend()),
                 summary=summary(result))
 
