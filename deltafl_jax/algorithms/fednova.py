@@ -9,7 +9,7 @@ Read from the authors' code: JYWa/FedNova at commit 47b4e096dfb19dc43c728896fff3
 In round t every sampled client k trains from w_t with the run's client optimizer for its own
 tau_k local steps (its local epochs of its n_k examples, or ``--local_steps``, or fewer when
 the round's clock caps its work) and keeps, beside its model, its **norm vector** a_k
-(eq. 6 of the paper, ``local_normalizing_vec`` in the code), counted one local step at a time
+(the paper's ||a_i||_1, ``local_normalizing_vec`` in the code), counted one local step at a time
 in the client update's step state (:class:`NovaStep`):
 
 - plain SGD (``--client_optimizer=sgd``): a_k = tau_k;
@@ -23,8 +23,9 @@ update; d_k the paper's normalised gradient) and (tau_k, a_k) as its output. The
 with p_k = n_k / sum_S n (``--weighting=unweighted``: 1 / |S|) over the sampled clients whose
 update is finite,
 
-    tau_eff = sum_k p_k a_k,    Delta = tau_eff sum_k p_k u_k     (eq. 7: w_t - gamma tau_eff
-                                                                   sum_k p_k d_k),
+    tau_eff = sum_k p_k a_k,    Delta = tau_eff sum_k p_k u_k,
+
+i.e. the paper's normalised averaging w_{t+1} = w_t - gamma tau_eff sum_k p_k d_k,
 
 and the round's server optimizer applies Delta: the default w + Delta is the paper's and the
 code's plain step; ``--server_optimizer=momentum --server_momentum=beta --server_lr=1`` is the
@@ -121,7 +122,7 @@ def normalised_update(momentum: float) -> ClientUpdate:
 
 
 def nova_delta(params, feedback):
-    """(Delta, tau_eff) of eq. 7 from the round's feedback: p_k the aggregation weights of the
+    """(Delta, tau_eff) of the normalised averaging from the round's feedback: p_k the aggregation weights of the
     clients whose update is finite, u_k their normalised updates, a_k their norm vectors
     (``client_outputs.norm``); Delta = tau_eff sum p_k u_k / sum p_k with tau_eff = sum p_k a_k
     / sum p_k (zero when no update is finite)."""
