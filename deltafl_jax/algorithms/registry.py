@@ -13,7 +13,7 @@ from typing import Dict, Iterable, Optional, Tuple
 from deltafl_jax.algorithms import afl, afl_qffl, deltafl, fedavg, fedavg_sub, fedprox, qffl, term
 from deltafl_jax.algorithms import (apfl, deltafl_alt, ditto, drfa, feddyn, fedmgda, gifair,
                                     propfair, scaffold)
-from deltafl_jax.algorithms import fedau, fedvarp, mifa
+from deltafl_jax.algorithms import fedau, fednova, fedvarp, mifa
 from deltafl_jax.algorithms.options import Option, Sweep, declared_options
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.errors import ConfigError
@@ -40,6 +40,7 @@ SPECS: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
     fedau.KNOWN_PROB,
     mifa.SPEC,
     fedvarp.SPEC,
+    fednova.SPEC,
 )}
 
 # Layers over any algorithm, named after '+' in a method name (``deltafl+ditto``): a
