@@ -150,3 +150,17 @@ def test_bad_settings_name_the_flag():
 
 def test_staleness_weight():
     np.testing.assert_allclose(staleness_weight([0, 3, 8]), [1.0, 0.5, 1.0 / 3.0])
+
+
+def test_settings_group_refuses_bad_flags():
+    from deltafl_jax.declared import declared
+    from deltafl_jax.sampling.asynchronous import AsyncSettings
+    assert {f.name for _, f in declared(AsyncSettings)} == {"concurrency", "buffer_size",
+                                                            "max_staleness"}
+    assert AsyncSettings(concurrency=20, buffer_size=10, max_staleness=3).ring == 5
+    with pytest.raises(ConfigError, match="--buffer_size=21"):
+        AsyncSettings(concurrency=20, buffer_size=21)
+    with pytest.raises(ConfigError, match="--concurrency=0"):
+        AsyncSettings(concurrency=0, buffer_size=1)
+    with pytest.raises(ConfigError, match="--concurrency=20: more than the 8"):
+        AsyncSettings().check(8)

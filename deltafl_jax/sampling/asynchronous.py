@@ -3,7 +3,8 @@ and when the server steps (FedBuff, Nguyen et al., AISTATS 2022, Algorithm 1).
 
 Host-side, pure NumPy and deterministic from the seed, so a run is the same on every machine
 and device count. :class:`AsyncScheduler` simulates the events; the device then trains each
-server step's K jobs in lanes, each from its own base version (:mod:`deltafl_jax.algorithms.fedbuff`).
+server step's K jobs in lanes, each from its own base version
+(:mod:`deltafl_jax.algorithms.fedbuff`).
 
 The events (virtual seconds; a job's duration is ``seconds([client])``, e.g. the job time of
 :mod:`deltafl_jax.sampling.speeds`):
@@ -42,10 +43,12 @@ dict of arrays, and :meth:`restore` takes it back.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, NamedTuple, Optional
 
 import numpy as np
 
+from deltafl_jax.declared import setting
 from deltafl_jax.errors import CheckpointMismatch, ConfigError, RunError
 
 STREAM = 0xA5C1   # SeedSequence([seed, serial, STREAM]): the client that starts job `serial`
@@ -79,6 +82,33 @@ def check_async(num_clients: int, concurrency: int, buffer_size: int,
                           f"{concurrency} (K updates are buffered from C clients in flight)")
     if max_staleness is not None and max_staleness < 0:
         raise ConfigError(f"--max_staleness={max_staleness}: must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncSettings:
+    """Buffered asynchronous aggregation (FedBuff; the module docstring)."""
+
+    concurrency: int = setting(
+        20, "asynchronous runs: C, the clients training at once; a finished client's slot "
+        "starts a new online client at once", flag="concurrency")
+    buffer_size: int = setting(
+        10, "asynchronous runs: K, the updates the server buffers before each step (<= "
+        "--concurrency)", flag="buffer_size")
+    max_staleness: Optional[int] = setting(
+        None, "asynchronous runs: drop an update whose base version is more than this many "
+        "server steps old; unset: keep every update", flag="max_staleness", kind="integer")
+
+    def __post_init__(self):
+        check_async(self.concurrency, self.concurrency, self.buffer_size, self.max_staleness)
+
+    def check(self, num_clients: int) -> None:
+        """ConfigError naming the flag, the number of training clients known."""
+        check_async(num_clients, self.concurrency, self.buffer_size, self.max_staleness)
+
+    @property
+    def ring(self) -> int:
+        """The model versions the device keeps per replica (:func:`ring_size`)."""
+        return ring_size(self.concurrency, self.buffer_size, self.max_staleness)
 
 
 def check_ring_fits(ring: int, version_bytes: int, free_bytes: int) -> None:
