@@ -15,7 +15,8 @@ import heapq
 import numpy as np
 import pytest
 
-from deltafl_jax.sampling.clock import examples_done, finish, keep_cohort
+from deltafl_jax.errors import ConfigError
+from deltafl_jax.sampling.clock import check_deadline, examples_done, finish, keep_cohort
 from deltafl_jax.sampling.samplers import Cohort
 from deltafl_jax.sampling.speeds import TimingSettings, build_speeds
 
@@ -211,3 +212,16 @@ def test_keep_cohort_puts_the_kept_in_m_slots_sorted():
     kept, steps = keep_cohort(cohort, fin, 3)
     assert kept.clients.tolist() == [4, 9, 0] and kept.present.tolist() == [True, True, False]
     assert steps.tolist() == [1, 2, 0] and kept.probabilities[2] == 0.0
+
+
+def test_a_deadline_no_client_can_meet_is_refused():
+    speeds = uniform_speeds(num_clients=3)
+    sizes, planned = np.array([100, 30, 50]), np.array([10, 3, 5])
+    # the fastest full job: client 1, 2 s of transfers + 0.3 s; its first step alone: 2.1 s
+    for deadline, partial in ((2.3, False), (2.1, True), (None, False)):
+        check_deadline(deadline, speeds, sizes, planned, 10, 1024, partial_work=partial)
+    with pytest.raises(ConfigError, match=r"--round_deadline=2.29: no client can meet it in any "
+                                          r"round \(the fastest needs 2.3 s for its local work"):
+        check_deadline(2.29, speeds, sizes, planned, 10, 1024, partial_work=False)
+    with pytest.raises(ConfigError, match=r"the fastest needs 2.1 s for one local step"):
+        check_deadline(2.05, speeds, sizes, planned, 10, 1024, partial_work=True)
