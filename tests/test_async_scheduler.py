@@ -164,3 +164,17 @@ def test_settings_group_refuses_bad_flags():
         AsyncSettings(concurrency=0, buffer_size=1)
     with pytest.raises(ConfigError, match="--concurrency=20: more than the 8"):
         AsyncSettings().check(8)
+
+
+def test_job_durations_time_the_planned_steps():
+    """A uniform device of 0.01 s an example and 1000 B/s, a model of 500 bytes: 1 s of
+    transfer; two epochs of batches of 4 over 10 examples, or 3 steps of 4 examples."""
+    from deltafl_jax.plan import LocalWork
+    from deltafl_jax.sampling.asynchronous import job_durations
+    from deltafl_jax.sampling.speeds import DeviceSpeeds
+    speeds = DeviceSpeeds(3, 0.01, 1000.0)
+    sizes = np.asarray([10, 3, 4])
+    epochs = job_durations(speeds, sizes, LocalWork(batch_size=4, local_epochs=2), 500)
+    np.testing.assert_allclose(epochs(np.asarray([0, 1, 2])), [1.2, 1.06, 1.08])
+    steps = job_durations(speeds, sizes, LocalWork(batch_size=4, local_steps=3), 500)
+    np.testing.assert_allclose(steps(np.asarray([1, 0])), [1.12, 1.12])

@@ -6,8 +6,8 @@ and device count. :class:`AsyncScheduler` simulates the events; the device then 
 server step's K jobs in lanes, each from its own base version
 (:mod:`deltafl_jax.algorithms.fedbuff`).
 
-The events (virtual seconds; a job's duration is ``seconds([client])``, e.g. the job time of
-:mod:`deltafl_jax.sampling.speeds`):
+The events (virtual seconds; a job's duration is ``seconds([client])``, the job time of
+:mod:`deltafl_jax.sampling.speeds` for the client's planned local steps, :func:`job_durations`):
 
 - at time 0, version 0, C = ``concurrency`` jobs start; a job records its client, its *base
   version* (the server's version when it starts), its start and its end;
@@ -50,10 +50,30 @@ import numpy as np
 
 from deltafl_jax.declared import setting
 from deltafl_jax.errors import CheckpointMismatch, ConfigError, RunError
+from deltafl_jax.sampling.clock import examples_done
+from deltafl_jax.sampling.speeds import DeviceSpeeds, job_seconds
 
 STREAM = 0xA5C1   # SeedSequence([seed, serial, STREAM]): the client that starts job `serial`
 
 _JOB_FIELDS = ("client", "base", "start", "end", "serial")
+
+
+def job_durations(speeds: DeviceSpeeds, sizes: np.ndarray, work, model_bytes: int
+                  ) -> Callable[[np.ndarray], np.ndarray]:
+    """ids -> [k] virtual seconds of a whole job of each client: its planned local steps
+    (`work`, a :class:`deltafl_jax.plan.LocalWork`) over its `sizes` [N] examples, timed as a
+    synchronous round times them (:func:`deltafl_jax.sampling.clock.examples_done`,
+    :func:`deltafl_jax.sampling.speeds.job_seconds`)."""
+    sizes = np.asarray(sizes, np.int64)
+    full = work.local_steps is not None
+
+    def seconds(ids):
+        ids = np.asarray(ids, np.int64)
+        n = sizes[ids]
+        examples = examples_done(work.steps_for(n), n, work.batch_size, full_batches=full)
+        return job_seconds(speeds, ids, examples, model_bytes)
+
+    return seconds
 
 
 def staleness_weight(tau) -> np.ndarray:
