@@ -193,7 +193,8 @@ class BufferedRun:
             seed=s, availability=availability) for s in self.seeds]
         self.caps = plan_lib.capacities(np.diff(offsets), self.K, work, eval_chunk,
                                         with_replacement=True)
-        self.step_fn = jax.jit(build_buffered_step(model, replicas, local, server_tx))
+        self.step_fn = jax.jit(build_buffered_step(model, replicas, local, server_tx),
+                               donate_argnums=(0,))
 
     def next_step(self, index: int):
         """(the plan, the :class:`BufferedInputs`, the schedulers' :class:`ServerStep` s) of
