@@ -21,7 +21,7 @@ from deltafl_jax.models import build_model
 from deltafl_jax.replicas import Replicas
 from deltafl_jax.rounds import RoundData
 from deltafl_jax.sampling import Cohort
-from deltafl_jax.sampling.asynchronous import AsyncScheduler
+from deltafl_jax.sampling.asynchronous import AsyncScheduler, ServerStep
 
 SIZES = (6, 9, 12, 7, 10, 8)
 FEATURES, CLASSES, K, EPOCHS, BATCH, STEPS = 4, 3, 3, 2, 16, 7
@@ -171,3 +171,39 @@ def test_buffered_run_resumes_bit_for_bit(tmp_path):
     assert np.stack(times)[:, 3:6].sum() > 0 and np.stack(times)[:, 6:].max() > 0
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_step_without_a_finite_update_keeps_the_model():
+    """A replica whose every buffered update is NaN (learning rate NaN) writes its current
+    version again, under FedBuff and FedAsync alike, also when the update's base is another
+    version than the current one (FedAsync's mix reads both); the other replica moves."""
+    data = dataset()
+    model = build_model("linear", data)
+    replicas = Replicas(group=np.zeros(2, np.int32), hyper=(), l2=np.zeros(2, np.float32),
+                        schedules=(optax.constant_schedule(0.1),
+                                   optax.constant_schedule(float("nan"))), labels=())
+    keys = jax.vmap(jax.random.key)(np.zeros(2, np.uint32))
+    w0 = jax.vmap(model.init)(keys)
+    w0 = jax.tree.map(lambda p: p + 0.1, w0)
+    work = plan_lib.LocalWork(batch_size=BATCH, local_epochs=1)
+    caps = plan_lib.capacities(np.asarray(SIZES), 1, work, eval_chunk=8)
+    plan = plan_lib.make_round_plan([0], 0, data.train.offsets, 1, work, caps,
+                                    cohorts=[Cohort(np.asarray([2], np.int32),
+                                                    np.ones(1, bool), np.ones(1))])
+    inputs = step_inputs([ServerStep(2, 1.0, np.asarray([2]), np.asarray([0]),
+                                     np.asarray([1]), np.asarray([0]), np.zeros(1),
+                                     np.ones(1), np.asarray([0], np.int32), 1, 2, 0)])
+    local = LocalSGDConfig(batch_size=BATCH, lanes=1)
+    for fn in (build_buffered_step(model, replicas, local),
+               build_fedasync_step(model, replicas, local, 0.5)):
+        state = init_buffered_state(w0, 3)     # version 0 in slot 0, version 1 in slot 1
+        state = state.replace(current=np.ones(2, np.int32), ring=jax.tree.map(
+            lambda a: a.at[:, 1].set(a[:, 0] * 2.0), state.ring))
+        w1 = current_params(state)
+        state, metrics = jax.jit(fn)(state, RoundData(data.train.x, data.train.y, plan),
+                                     inputs, keys)
+        served = current_params(state)
+        for a, b in zip(jax.tree.leaves(served), jax.tree.leaves(w1)):
+            np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(b)[1])
+            assert not np.allclose(np.asarray(a)[0], np.asarray(b)[0])
+        assert int(metrics["num_rejected"][1]) == 1

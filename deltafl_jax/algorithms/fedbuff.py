@@ -120,6 +120,12 @@ def buffered_mean(delta_sum, state, slots, weights):
     return jax.tree.map(lambda d: d / K, delta_sum)
 
 
+def kept_rows(keep, new, old):
+    """new where keep [R], else old, leaf by leaf (leaves [R, ...])."""
+    return jax.tree.map(lambda n, o: jnp.where(keep.reshape(keep.shape + (1,) * (n.ndim - 1)),
+                                               n, o), new, old)
+
+
 def build_buffered_step(model, replicas: Replicas, local: engine.LocalSGDConfig,
                         server_tx: Optional[optax.GradientTransformation] = None,
                         aggregate=buffered_mean):
@@ -132,7 +138,9 @@ def build_buffered_step(model, replicas: Replicas, local: engine.LocalSGDConfig,
     :class:`BufferedInputs`, `key` the replicas' root keys (the step's keys fold in the new
     version's number); `aggregate(delta_sum, state, slots, weights) -> Delta` turns the
     sum of the updates weighted by s(tau_k) into the server's Delta (FedBuff's
-    :func:`buffered_mean`; FedAsync's mixing, :mod:`deltafl_jax.algorithms.fedasync`)."""
+    :func:`buffered_mean`; FedAsync's mixing, :mod:`deltafl_jax.algorithms.fedasync`). A
+    replica none of whose K updates is finite keeps its model and its server optimizer's
+    state (the new version is the current one again)."""
     group = jnp.asarray(replicas.group, jnp.int32)
     hyper_np = jax.tree.map(lambda v: np.asarray(v, np.float32), replicas.hyper)
     l2_np = np.asarray(replicas.l2, np.float32)
@@ -152,7 +160,11 @@ def build_buffered_step(model, replicas: Replicas, local: engine.LocalSGDConfig,
                                clients=engine.ClientInputs((), (), data.plan.clients[group]))
         delta = aggregate(tr.delta_sum, state, slots, weights)
         current = current_params(state)
+        reached = tr.weight_sum > 0
+        delta = kept_rows(reached, delta, jax.tree.map(jnp.zeros_like, delta))
         params, opt_state = server_step(server_tx, current, delta, state.server_opt_state)
+        params = kept_rows(reached, params, current)
+        opt_state = kept_rows(reached, opt_state, state.server_opt_state)
         new_slot = inputs.new_slot[group]
         ring = jax.tree.map(lambda a, p: jax.vmap(lambda x, s, v: x.at[s].set(v))(a, new_slot, p),
                             state.ring, params)
