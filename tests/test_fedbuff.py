@@ -207,3 +207,57 @@ def test_a_step_without_a_finite_update_keeps_the_model():
             np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(b)[1])
             assert not np.allclose(np.asarray(a)[0], np.asarray(b)[0])
         assert int(metrics["num_rejected"][1]) == 1
+
+
+DEVICES_SCRIPT = r"""
+import json, os, sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+import jax, numpy as np, optax
+sys.path.insert(0, sys.argv[1])
+from test_fedbuff import SIZES, dataset
+from deltafl_jax import plan as plan_lib
+from deltafl_jax.algorithms.fedbuff import BufferedRun, current_params, init_buffered_state
+from deltafl_jax.engine import LocalSGDConfig
+from deltafl_jax.engine.mesh import make_mesh
+from deltafl_jax.models import build_model
+from deltafl_jax.replicas import Replicas
+from deltafl_jax.sampling.asynchronous import AsyncSettings
+data = dataset()
+model = build_model("linear", data)
+seconds = np.random.default_rng(9).lognormal(0.0, 1.0, size=len(SIZES))
+replicas = Replicas(group=np.asarray([0, 1], np.int32), hyper=(), l2=np.zeros(2, np.float32),
+                    schedules=(optax.constant_schedule(0.2),) * 2, labels=())
+keys = jax.vmap(jax.random.key)(np.asarray([1, 2], np.uint32))
+out = {}
+for d in (1, 2):
+    run = BufferedRun(model, replicas, LocalSGDConfig(batch_size=4, lanes=2, order_lanes=2),
+                      seeds=(1, 2), settings=AsyncSettings(5, 3, 2), offsets=data.train.offsets,
+                      work=plan_lib.LocalWork(batch_size=4, local_epochs=1),
+                      seconds=lambda ids: seconds[ids], mesh=make_mesh(d) if d > 1 else None)
+    state = init_buffered_state(jax.vmap(model.init)(keys), run.schedulers[0].V)
+    trips = []
+    for _ in range(5):
+        state, m = run.step(state, data.train.x, data.train.y, keys)
+        trips.append(np.asarray(m["device_train_trips"]).tolist())
+    out[d] = {"params": [np.asarray(x).ravel().tolist()
+                         for x in jax.tree.leaves(current_params(state))], "trips": trips}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow   # a subprocess with two fake devices: CI's second step
+def test_one_and_two_devices_agree():
+    """Five server steps of two seeds on 1 and on 2 fake CPU devices (jobs dealt across
+    both) give the same models within 1e-5."""
+    import json
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", DEVICES_SCRIPT, here], capture_output=True,
+                          text=True, cwd=os.path.dirname(here), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for a, b in zip(out["1"]["params"], out["2"]["params"]):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert len(out["2"]["trips"][0]) == 2 and len(out["1"]["trips"][0]) == 1

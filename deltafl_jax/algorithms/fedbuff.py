@@ -43,6 +43,7 @@ import optax
 
 from deltafl_jax import engine
 from deltafl_jax import plan as plan_lib
+from deltafl_jax.engine import mesh as mesh_lib
 from deltafl_jax.replicas import Replicas
 from deltafl_jax.rounds import RoundData
 from deltafl_jax.sampling.asynchronous import (AsyncScheduler, AsyncSettings, ServerStep,
@@ -171,7 +172,8 @@ def build_buffered_step(model, replicas: Replicas, local: engine.LocalSGDConfig,
         metrics = {"staleness_mean": jnp.mean(inputs.staleness[group].astype(jnp.float32), 1),
                    "num_rejected": jnp.sum(tr.job_trained & ~tr.job_finite, axis=1),
                    "learning_rate": lr, "train_real_examples": tr.real_examples,
-                   "train_trips": tr.trips,
+                   "train_trips": tr.trips, "device_train_trips": tr.device_trips,
+                   "device_train_jobs": tr.device_jobs,
                    "server_step_norm": jnp.sqrt(jax.vmap(engine.tree_sqnorm)(
                        jax.tree.map(jnp.subtract, params, current)))}
         return BufferedState(ring=ring, current=new_slot, version=t + 1,
@@ -188,13 +190,16 @@ class BufferedRun:
 
     seconds: ids [k] -> [k] float64 the virtual duration of a job of each client;
     availability: who is online at each version (None: everyone); offsets: the training
-    split's [N + 1] row offsets.
+    split's [N + 1] row offsets; mesh: a 1-D device mesh (``engine.mesh.make_mesh``) over
+    whose devices the step's jobs are dealt (None: one device). Set ``local.order_lanes``
+    for sums that do not depend on the device count.
     """
 
     def __init__(self, model, replicas: Replicas, local: engine.LocalSGDConfig, *,
                  seeds: Sequence[int], settings: AsyncSettings, offsets: np.ndarray,
                  work: plan_lib.LocalWork, seconds, eval_chunk: int = 8,
-                 server_tx: Optional[optax.GradientTransformation] = None, availability=None):
+                 server_tx: Optional[optax.GradientTransformation] = None, availability=None,
+                 mesh=None):
         offsets = np.asarray(offsets, np.int64)
         settings.check(offsets.size - 1)
         self.seeds, self.offsets, self.work = [int(s) for s in seeds], offsets, work
@@ -205,8 +210,13 @@ class BufferedRun:
             seed=s, availability=availability) for s in self.seeds]
         self.caps = plan_lib.capacities(np.diff(offsets), self.K, work, eval_chunk,
                                         with_replacement=True)
-        self.step_fn = jax.jit(build_buffered_step(model, replicas, local, server_tx),
-                               donate_argnums=(0,))
+        if mesh is not None and mesh.size > 1:
+            local = local._replace(axis=mesh_lib.DeviceAxis(mesh.size, mesh_lib.AXIS))
+            raw = mesh_lib.sharded(build_buffered_step(model, replicas, local, server_tx),
+                                   mesh, 4)
+        else:
+            raw = build_buffered_step(model, replicas, local, server_tx)
+        self.step_fn = jax.jit(raw, donate_argnums=(0,))
 
     def next_step(self, index: int):
         """(the plan, the :class:`BufferedInputs`, the schedulers' :class:`ServerStep` s) of
