@@ -261,3 +261,23 @@ def test_one_and_two_devices_agree():
     for a, b in zip(out["1"]["params"], out["2"]["params"]):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     assert len(out["2"]["trips"][0]) == 2 and len(out["1"]["trips"][0]) == 1
+
+
+def test_a_ring_that_cannot_fit_is_refused_in_one_line():
+    """C = 6, K = 3, no staleness bound: V = 9 versions of two replicas' 4 x 3 + 3 floats
+    (120 bytes each) need 1080 bytes."""
+    from deltafl_jax.algorithms.fedbuff import BufferedRun, version_bytes
+    from deltafl_jax.errors import ConfigError
+    from deltafl_jax.sampling.asynchronous import AsyncSettings
+    data = dataset()
+    model = build_model("linear", data)
+    replicas = Replicas(group=np.zeros(2, np.int32), hyper=(), l2=np.zeros(2, np.float32),
+                        schedules=(optax.constant_schedule(0.1),) * 2, labels=())
+    assert version_bytes(model, 2) == 2 * (FEATURES * CLASSES + CLASSES) * 4
+    kw = dict(seeds=(0,), settings=AsyncSettings(6, 3, None), offsets=data.train.offsets,
+              work=plan_lib.LocalWork(batch_size=4), seconds=lambda ids: np.ones(len(ids)))
+    with pytest.raises(ConfigError, match="the 9 model versions"):
+        BufferedRun(model, replicas, LocalSGDConfig(batch_size=4, lanes=1),
+                    memory_bytes=1079, **kw)
+    BufferedRun(model, replicas, LocalSGDConfig(batch_size=4, lanes=1), memory_bytes=1080,
+                **kw)

@@ -47,7 +47,7 @@ from deltafl_jax.engine import mesh as mesh_lib
 from deltafl_jax.replicas import Replicas
 from deltafl_jax.rounds import RoundData
 from deltafl_jax.sampling.asynchronous import (AsyncScheduler, AsyncSettings, ServerStep,
-                                               staleness_weight)
+                                               check_ring_fits, staleness_weight)
 from deltafl_jax.sampling.samplers import Cohort
 from deltafl_jax.server_optimizer import init_states, server_step
 
@@ -182,6 +182,22 @@ def build_buffered_step(model, replicas: Replicas, local: engine.LocalSGDConfig,
     return step_fn
 
 
+def version_bytes(model, replicas: int) -> int:
+    """Bytes of one model version of every replica (one slot of the ring)."""
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    return replicas * sum(int(np.prod(x.shape)) * x.dtype.itemsize
+                          for x in jax.tree.leaves(shapes))
+
+
+def device_free_bytes() -> Optional[int]:
+    """The first device's bytes_limit - bytes_in_use (memory_stats), None where it reports
+    none (XLA:CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
 class BufferedRun:
     """The host side of a FedBuff run: one :class:`AsyncScheduler` per seed, each server
     step's plan (the K buffered jobs of every seed in the plan's K slots; a job's examples
@@ -190,7 +206,9 @@ class BufferedRun:
 
     seconds: ids [k] -> [k] float64 the virtual duration of a job of each client;
     availability: who is online at each version (None: everyone); offsets: the training
-    split's [N + 1] row offsets; mesh: a 1-D device mesh (``engine.mesh.make_mesh``) over
+    split's [N + 1] row offsets; memory_bytes: the device memory the ring of versions may
+    take (None: what the first device reports free; no check on a backend that reports
+    none, XLA:CPU); mesh: a 1-D device mesh (``engine.mesh.make_mesh``) over
     whose devices the step's jobs are dealt (None: one device). Set ``local.order_lanes``
     for sums that do not depend on the device count.
     """
@@ -199,9 +217,11 @@ class BufferedRun:
                  seeds: Sequence[int], settings: AsyncSettings, offsets: np.ndarray,
                  work: plan_lib.LocalWork, seconds, eval_chunk: int = 8,
                  server_tx: Optional[optax.GradientTransformation] = None, availability=None,
-                 mesh=None):
+                 mesh=None, memory_bytes: Optional[int] = None):
         offsets = np.asarray(offsets, np.int64)
         settings.check(offsets.size - 1)
+        check_ring_fits(settings.ring, version_bytes(model, replicas.size),
+                        device_free_bytes() if memory_bytes is None else memory_bytes)
         self.seeds, self.offsets, self.work = [int(s) for s in seeds], offsets, work
         self.K, self.group = settings.buffer_size, np.asarray(replicas.group, np.int64)
         self.schedulers = [AsyncScheduler(

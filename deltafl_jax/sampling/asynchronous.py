@@ -131,14 +131,16 @@ class AsyncSettings:
         return ring_size(self.concurrency, self.buffer_size, self.max_staleness)
 
 
-def check_ring_fits(ring: int, version_bytes: int, free_bytes: int) -> None:
+def check_ring_fits(ring: int, version_bytes: int, free_bytes: Optional[int]) -> None:
     """ConfigError when the ring of `ring` versions of `version_bytes` bytes each (every
-    replica's model) does not fit `free_bytes`."""
+    replica's model) does not fit `free_bytes` (None: unknown, no check)."""
+    if free_bytes is None:
+        return
     need = int(ring) * int(version_bytes)
     if need > free_bytes:
         raise ConfigError(f"the {ring} model versions that --concurrency, --buffer_size and "
-                          f"--max_staleness keep need {need / 2**20:.1f} MiB, more than the "
-                          f"{free_bytes / 2**20:.1f} MiB free on a device; lower "
+                          f"--max_staleness keep need {need / 2**20:.3g} MiB, more than the "
+                          f"{free_bytes / 2**20:.3g} MiB free on a device; lower "
                           "--max_staleness or --concurrency")
 
 
