@@ -10,7 +10,7 @@ import pytest
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.sampling.asynchronous import (AsyncScheduler, check_ring_fits, ring_size,
                                                staleness_weight)
-from deltafl_jax.sampling.availability import Bernoulli
+from deltafl_jax.sampling.availability import Bernoulli, Markov
 
 
 def speeds_file(tmp_path, seconds):
@@ -120,16 +120,23 @@ def test_starts_idle_online_clients():
     assert not np.array_equal(np.concatenate(a), np.concatenate(b))
 
 
-def test_state_restores_mid_run(tmp_path):
+@pytest.mark.parametrize("markov", [False, True])
+def test_state_restores_mid_run(tmp_path, markov):
+    """Nine steps straight equal four, a save through an .npz and five more from a fresh
+    scheduler (and, for a Markov availability, a fresh model: its chain is restored)."""
     seconds = np.random.default_rng(3).lognormal(0.0, 1.0, size=12)
-    whole = scheduler(seconds, K=3, S=2, C=6)
+
+    def avail():
+        return Markov(np.full(12, 0.6), 0.3) if markov else None
+
+    whole = scheduler(seconds, K=3, S=2, C=6, availability=avail())
     expected = [whole.next_step() for _ in range(9)]
-    first = scheduler(seconds, K=3, S=2, C=6)
+    first = scheduler(seconds, K=3, S=2, C=6, availability=avail())
     for _ in range(4):
         first.next_step()
     np.savez(tmp_path / "s.npz", **first.state())
     with np.load(tmp_path / "s.npz") as saved:
-        resumed = scheduler(seconds, K=3, S=2, C=6)
+        resumed = scheduler(seconds, K=3, S=2, C=6, availability=avail())
         resumed.restore(dict(saved))
     for want in expected[4:]:
         got = resumed.next_step()

@@ -37,8 +37,9 @@ updates and of the jobs in flight that can still be accepted (base >= v + 1 - S)
 and the new version. The new version takes the lowest slot that holds none of them.
 
 Everything a resumed run needs (the clock, the jobs in flight with their base versions, the
-buffer, the ring's versions, the online set of the current version) is :meth:`state`, a
-dict of arrays, and :meth:`restore` takes it back.
+buffer, the ring's versions, the online set of the current version and a stateful
+availability model's state) is :meth:`state`, a dict of arrays, and :meth:`restore` takes it
+back.
 """
 
 from __future__ import annotations
@@ -308,6 +309,9 @@ class AsyncScheduler:
                "online": online, "online_version": np.int64(self.online_version)}
         out.update({f"flight_{k}": v.copy() for k, v in self.flight.items()})
         out.update({f"buffer_{k}": v.copy() for k, v in self.buffer.items()})
+        if self.availability is not None:
+            out.update({f"availability_{k}": v
+                        for k, v in self.availability.state(self.seed).items()})
         return {k: np.asarray(v) for k, v in out.items()}
 
     def restore(self, state: Dict[str, np.ndarray]) -> None:
@@ -327,3 +331,8 @@ class AsyncScheduler:
             self.flight[k] = np.asarray(state[f"flight_{k}"], self.flight[k].dtype).copy()
         for k in self.buffer:
             self.buffer[k] = np.asarray(state[f"buffer_{k}"], self.buffer[k].dtype).copy()
+        if self.availability is not None:
+            self.availability.restore(self.seed, {k[len("availability_"):]: v for k, v in
+                                                  state.items()
+                                                  if k.startswith("availability_")},
+                                      self.online_version + 1)
