@@ -17,7 +17,8 @@ sum divided by its size K, no weighting by n_k) with the paper's polynomial stal
 (SymbioticLab/FedScale, commit 1539103) differs: it weighs the clients' *models* by
 1/(1 + tau) and divides by the sum of those weights.
 
-Why an algorithm (``--algorithm=fedbuff``) rather than an asynchronous mode that every
+Why an algorithm of its own (to be ``--algorithm=fedbuff``; the command line does not drive
+it yet: :class:`BufferedRun` is its host side) rather than an asynchronous mode that every
 algorithm's aggregation could use: the other algorithms' server updates read a synchronous
 cohort's quantities at one global model w_t (Delta-FL's filter of the losses F_k(w_t) and
 its superquantile, SCAFFOLD's and MIFA's per-client memories of the same round, q-FFL's
