@@ -253,7 +253,7 @@ class BufferedRun:
         """One server step of every replica: (state, metrics); the metrics add each
         replica's virtual time ``virtual_time`` and its stale updates dropped since the
         previous step ``dropped_updates``."""
-        plan, inputs, steps = self.next_step(int(state.version))
+        plan, inputs, steps = self.next_step(self.schedulers[0].version)
         state, metrics = self.step_fn(state, RoundData(x=x, y=y, plan=plan), inputs, keys)
         group = self.group
         metrics = {**metrics,
