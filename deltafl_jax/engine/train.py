@@ -13,10 +13,12 @@ nor on the number of devices.
 
 What a client does is its algorithm's :class:`~deltafl_jax.engine.client.ClientUpdate`
 (fedjax's ``for_each_client``): when a lane starts a job it calls ``init`` (from w_t of the
-job's replica, the algorithm's state and the client's own state) and carries the returned step
-state; each step calls ``step`` with the step's minibatch gradient function; when the job ends
-``final`` gives the client's new state, its update u_j (w_j - w_t for the averaging methods)
-and an output, kept per job and returned besides the sums. The default,
+job's replica, or from the job's own base version among its replica's kept versions under
+buffered asynchronous aggregation: ``base`` in :func:`train_jobs`; the algorithm's state and
+the client's own state) and carries the returned step state; each step calls ``step`` with
+the step's minibatch gradient function; when the job ends ``final`` gives the client's new
+state, its update u_j (w_j - w_t for the averaging methods) and an output, kept per job and
+returned besides the sums. The default,
 :data:`~deltafl_jax.engine.client.LOCAL_SGD`, is the papers' local SGD: with the default
 client optimizer the step is w <- (1 - gamma lambda) w - gamma grad (App. C.2.2). The client
 optimizer is built inside the step from the job's replica's learning rate and lambda of the
@@ -185,8 +187,10 @@ class _LaneProgram:
     """
 
     def __init__(self, model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
-                 hyper, cfg, clients: Optional[ClientInputs] = None, clip=None, keys=None):
+                 hyper, cfg, clients: Optional[ClientInputs] = None, clip=None, keys=None,
+                 base=None):
         self.model = model
+        self.base = base   # [R, m] each job's version in params' [R, V, ...] leaves, or None
         # [R] the replicas' round keys (ClientJob.key); a fixed key when none is given
         self.keys = (keys if keys is not None else
                      jax.random.split(jax.random.key(0), learning_rate.shape[0]))
@@ -238,16 +242,24 @@ class _LaneProgram:
         cid = self.clients.ids[r, self.jobs.slot[js]]
         return jax.tree.map(lambda a: a[r, cid], self.clients.client_state)
 
+    def start_params(self, js, r):
+        """The model each of the lanes' jobs js starts from [c, ...]: its replica's w_t, or
+        with ``base`` the version base[r, slot] of its replica's versions."""
+        if self.base is None:
+            return gather_rows(self.params, r)
+        v = self.base[r, self.jobs.slot[js]]
+        return jax.tree.map(lambda a: a[r, v], self.params)
+
     def start_jobs(self, js, r):
         """The client update's init for the lanes' jobs js: step states [c, ...]."""
         return jax.vmap(self._lane_init)(gather_rows(self.clients.server_state, r),
-                                         self.client_rows(js, r), gather_rows(self.params, r),
+                                         self.client_rows(js, r), self.start_params(js, r),
                                          *self.job_args(js, r))
 
     def end_jobs(self, step, js, r):
         """The client update's final for the lanes: (client states', updates, outputs)."""
         return jax.vmap(self._lane_final)(step, self.client_rows(js, r),
-                                          gather_rows(self.params, r), *self.job_args(js, r))
+                                          self.start_params(js, r), *self.job_args(js, r))
 
     # ---------------------------------------------------------------- the loop
 
@@ -374,8 +386,9 @@ class _LaneProgram:
         job_state, job_output = self.job_buffers(step, js0, r0)
         return LaneCarry(
             trip=jnp.int32(0), step=step,
-            update=jax.tree.map(lambda p: jnp.zeros((self.J,) + p.shape[1:], p.dtype),
-                                self.params),
+            update=jax.tree.map(
+                lambda p: jnp.zeros((self.J,) + p.shape[1 if self.base is None else 2:],
+                                    p.dtype), self.params),
             weight=jnp.zeros((self.J,), jnp.float32), sqnorm=jnp.zeros((self.J,), jnp.float32),
             finite=jnp.zeros((self.J,), bool), real=jnp.int32(0),
             job_state=job_state, job_output=job_output,
@@ -384,7 +397,7 @@ class _LaneProgram:
 
 def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, learning_rate,
                l2, hyper, cfg: LocalSGDConfig, clients: Optional[ClientInputs] = None,
-               runs=None, clip=None, keys=None) -> TrainResult:
+               runs=None, clip=None, keys=None, base=None) -> TrainResult:
     """LocalUpdate for every job (r, i) with job_weight[r, i] > 0 (or `runs`[r, i]), and the
     weighted sums.
 
@@ -403,6 +416,9 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
       clip: [R] each replica's clip, traced (adaptive clipping), instead of ``cfg.clip``
         (which must then be set).
       keys: [R] the replicas' round keys, which each job's ``ClientJob.key`` carries.
+      base: [R, m] int32, each job's starting model among V versions per replica, params
+        then having leaves [R, V, ...] (buffered asynchronous aggregation: every job from its
+        own base version); None: every job starts from its replica's params [R, ...].
 
     ``trips`` counts minibatch steps of the busiest lane (the critical path); the loop runs
     ceil(trips / cfg.unroll) trips, and ``padded_examples`` counts trips * lanes * batch (the
@@ -411,7 +427,7 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
     R, m = job_weight.shape
     jobs = make_jobs(plan, replica_group, job_weight, runs)
     prog = _LaneProgram(model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
-                        hyper, cfg, clients, clip, keys)
+                        hyper, cfg, clients, clip, keys, base)
     trips = prog.deal.trips
     loop_trips = (trips + prog.K - 1) // prog.K
     out = lax.while_loop(lambda cr: cr.trip < loop_trips, prog.body, prog.init())

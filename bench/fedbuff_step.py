@@ -1,0 +1,92 @@
+r"""The cost of a FedBuff server step of K jobs against a synchronous FedAvg round of K clients.
+
+    python -m bench.fedbuff_step [--shapes=linear,cnn] [--buffer_size=10] [--repeats=7]
+
+Both on the same FEMNIST-like population, model, batch and lanes: the FedAvg round is the
+experiment's jitted round (``--algorithm=fedavg``, m = K); the FedBuff step is
+:class:`deltafl_jax.algorithms.fedbuff.BufferedRun`'s (C = 2K jobs in flight, lognormal job
+times), the host's event simulation and plan included, as the round's plan is. The two are
+timed interleaved, one of each in turn after a warm-up, and the medians and their ratio are
+printed as one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from absl import app, flags
+
+flags.DEFINE_list("shapes", ["linear", "cnn"], "model shapes to time")
+flags.DEFINE_integer("buffer_size", 10, "K: the FedBuff buffer, and FedAvg's m")
+flags.DEFINE_integer("num_clients", 200, "training clients")
+flags.DEFINE_integer("repeats", 7, "timed steps of each (interleaved)")
+flags.DEFINE_integer("lanes", 2, "clients_per_step of both")
+FLAGS = flags.FLAGS
+
+SHAPES = {"linear": dict(model="linear", batch_size=10, flat=True),
+          "cnn": dict(model="cnn", batch_size=16, flat=False)}
+
+
+def time_shape(shape: str) -> dict:
+    import jax
+    import numpy as np
+
+    from bench.common import femnist_like_dataset, median
+    from deltafl_jax import DataConfig, ExperimentConfig, build_experiment, engine
+    from deltafl_jax.algorithms.fedbuff import BufferedRun, init_buffered_state
+    from deltafl_jax.sampling.asynchronous import AsyncSettings
+
+    spec, K = SHAPES[shape], FLAGS.buffer_size
+    data = femnist_like_dataset(FLAGS.num_clients, seed=0, flat=spec["flat"])
+    cfg = ExperimentConfig(data=DataConfig("femnist_like"), model=spec["model"],
+                           algorithm="fedavg", thetas=(), seeds=(1,), num_rounds=100,
+                           clients_per_round=K, batch_size=spec["batch_size"],
+                           learning_rate=0.05, clients_per_step=FLAGS.lanes, output_dir=None,
+                           save_models=False, verbose=False)
+    exp = build_experiment(cfg, data)
+    place = exp.placement
+    local = engine.LocalSGDConfig(batch_size=cfg.batch_size, lanes=place.lanes,
+                                  lane_mode=place.lane_mode, unroll=place.unroll,
+                                  branchless=place.branchless, order_lanes=place.order_lanes,
+                                  optimizer=cfg.client.transformation)
+    speeds = np.random.default_rng(0).lognormal(0.0, 1.0, FLAGS.num_clients)
+    run = BufferedRun(exp.model, exp.replicas, local, seeds=(1,),
+                      settings=AsyncSettings(2 * K, K, None), offsets=data.train.offsets,
+                      work=exp.work, seconds=lambda ids: speeds[ids])
+    sync_state, keys = exp.initial_state(), exp.keys()
+    async_state = init_buffered_state(sync_state.params, run.schedulers[0].V)
+    x, y = jax.device_put(data.train.x), jax.device_put(data.train.y)
+    sync_t, async_t, t = [], [], [0]
+
+    def sync_round():
+        nonlocal sync_state
+        sync_state, m = exp.round_fn(sync_state, exp.round_data(t[0]), keys)
+        jax.block_until_ready(sync_state.params)
+
+    def async_step():
+        nonlocal async_state
+        async_state, m = run.step(async_state, x, y, keys)
+        jax.block_until_ready(async_state.ring)
+
+    for _ in range(2):   # compile and warm up
+        sync_round(), async_step()
+        t[0] += 1
+    for _ in range(FLAGS.repeats):
+        for fn, out in ((sync_round, sync_t), (async_step, async_t)):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+        t[0] += 1
+    return {"fedavg_round_s": median(sync_t), "fedbuff_step_s": median(async_t),
+            "ratio": median(async_t) / median(sync_t), "K": K, "lanes": place.lanes,
+            "backend": jax.default_backend()}
+
+
+def main(argv):
+    del argv
+    print(json.dumps({shape: time_shape(shape) for shape in FLAGS.shapes}, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)
