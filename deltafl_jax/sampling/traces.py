@@ -98,7 +98,7 @@ class RawTraces(NamedTuple):
     ends: List[np.ndarray]
 
 
-class _DataOnly(pickle.Unpickler):
+class DataOnlyUnpickler(pickle.Unpickler):
     """An unpickler that builds only Python's plain data types and NumPy scalars."""
 
     def find_class(self, module, name):
@@ -136,7 +136,7 @@ def load_fedscale(path: str) -> RawTraces:
     docstring)."""
     try:
         with open(path, "rb") as f:
-            data = _DataOnly(io.BytesIO(f.read())).load()
+            data = DataOnlyUnpickler(io.BytesIO(f.read())).load()
     except OSError as e:
         raise DataError(f"--availability_trace={path}: cannot read it ({e.strerror})") from None
     except Exception as e:   # a damaged pickle raises anything; none is trusted
