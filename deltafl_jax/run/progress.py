@@ -148,13 +148,16 @@ def evaluation_line(run: RunContext, ev: Evaluation) -> str:
 
 def virtual_text(summary) -> str:
     """', virtual 1.25 h': the virtual clock at the evaluation (the seeds' mean; with their
-    range when they differ), or '' without one."""
+    range when they differ), in s, min or h, or '' without one."""
     if "virtual_time" not in summary:
         return ""
-    v = np.asarray(summary["virtual_time"], np.float64) / 3600.0
+    v = np.asarray(summary["virtual_time"], np.float64)
+    top = float(v.max())
+    scale, unit = (1.0, "s") if top < 120 else (60.0, "min") if top < 7200 else (3600.0, "h")
+    v = v / scale
     lo, hi = float(v.min()), float(v.max())
     spread = f" [{lo:.3g}, {hi:.3g}]" if hi > lo else ""
-    return f", virtual {float(v.mean()):.3g} h{spread}"
+    return f", virtual {float(v.mean()):.3g} {unit}{spread}"
 
 
 # The closing table's tail columns (deltafl_jax.metrics), when every final has them.

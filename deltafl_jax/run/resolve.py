@@ -43,7 +43,6 @@ from deltafl_jax.sampling import PoissonSampler, Sampler, WeightedSampler
 from deltafl_jax.sampling.availability import (Availability, Schedule, Trace,
                                                build_availability)
 from deltafl_jax.sampling.speeds import DeviceSpeeds, build_speeds
-from deltafl_jax.sampling.timeline import selected_slots
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -142,7 +141,7 @@ def _speeds(config: ExperimentConfig, data: FederatedDataset, m: int) -> Optiona
     settings = config.timing
     if not settings.active:
         return None
-    slots = selected_slots(m, settings.over_select)
+    slots = settings.slots(m)
     if slots > data.train.num_clients:
         raise ConfigError(f"--over_select={settings.over_select:g}: ceil(r m) = {slots} exceeds "
                           f"the {data.train.num_clients} training clients of {data.name}")

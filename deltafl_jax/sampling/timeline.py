@@ -25,7 +25,6 @@ Everything here is host NumPy, deterministic from the seeds.
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -38,11 +37,6 @@ TIME = "virtual_time"
 SELECTED = "selected_rounds"
 DROPPED = "dropped_rounds"
 COUNTED = "counted_rounds"
-
-
-def selected_slots(m: int, over_select: float) -> int:
-    """M = ceil(r m), the slots the server selects with ``--over_select=r`` (r >= 1)."""
-    return max(int(m), int(math.ceil(float(over_select) * int(m) - 1e-9)))
 
 
 class VirtualClock:
@@ -64,7 +58,7 @@ class VirtualClock:
         self.m = int(m)
         self.work = work
         self.model_bytes = int(model_bytes)
-        self.slots = selected_slots(m, settings.over_select)
+        self.slots = max(self.m, settings.slots(self.m))
         G, N = len(self.seeds), self.sizes.size
         self.now = np.zeros((G,), np.float64)
         self.selected_rounds = np.zeros((G, N), np.int64)
@@ -89,7 +83,8 @@ class VirtualClock:
         t = self.settings
         return finish(self.speeds, clients, present, planned, self.work.batch_size, n,
                       self.model_bytes, m=self.m, deadline=t.round_deadline,
-                      partial_work=t.partial_work)
+                      partial_work=t.partial_work,
+                      full_batches=self.work.local_steps is not None)
 
     def select(self, round_idx: int, cohorts: Sequence[Cohort]
                ) -> Tuple[List[Cohort], np.ndarray]:
