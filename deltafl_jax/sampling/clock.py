@@ -35,6 +35,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from deltafl_jax.errors import ConfigError
 from deltafl_jax.sampling.samplers import Cohort
 from deltafl_jax.sampling.speeds import DeviceSpeeds
 
@@ -176,3 +177,35 @@ def keep_cohort(cohort: Cohort, fin: Finish, m: int) -> Tuple[Cohort, np.ndarray
     probabilities[:k] = np.asarray(cohort.probabilities)[kept]
     steps[:k] = fin.steps[kept]
     return Cohort(clients, present, probabilities), steps
+
+
+def fastest_job(speeds: DeviceSpeeds, sizes: np.ndarray, planned_steps: np.ndarray,
+                batch_size: int, model_bytes: int, *, partial_work: bool,
+                full_batches: bool = False) -> float:
+    """The shortest job any of the N clients can send (sizes, planned_steps [N] by client id):
+    its full job, or with partial work its first step's; O(N), in blocks of 2^16 clients."""
+    sizes = np.asarray(sizes, np.int64)
+    steps = np.asarray(planned_steps, np.int64)
+    best = np.inf
+    for lo in range(0, sizes.size, 1 << 16):
+        ids = np.arange(lo, min(lo + (1 << 16), sizes.size), dtype=np.int64)
+        work = np.minimum(steps[ids], 1) if partial_work else steps[ids]
+        done = examples_done(work, sizes[ids], batch_size, full_batches=full_batches)
+        seconds = (2.0 * float(model_bytes) / speeds.bandwidth_Bps(ids)
+                   + speeds.per_example_s(ids) * done)
+        best = min(best, float(seconds.min()))
+    return best
+
+
+def check_deadline(deadline: Optional[float], speeds: DeviceSpeeds, sizes: np.ndarray,
+                   planned_steps: np.ndarray, batch_size: int, model_bytes: int, *,
+                   partial_work: bool, full_batches: bool = False) -> None:
+    """ConfigError (one line) when no client can meet `deadline` in any round of the run."""
+    if deadline is None:
+        return
+    best = fastest_job(speeds, sizes, planned_steps, batch_size, model_bytes,
+                       partial_work=partial_work, full_batches=full_batches)
+    if best > deadline:
+        what = "one local step and its transfers" if partial_work else "its local work"
+        raise ConfigError(f"--round_deadline={deadline:g}: no client can meet it in any round "
+                          f"(the fastest needs {best:.4g} s for {what})")

@@ -95,7 +95,7 @@ class TimingSettings:
     client_speed: str = setting(
         "none", "each client's device speed, which puts rounds on a virtual clock: none (no "
         "clock) | uniform (every client --client_speed_example_s and --client_speed_kbps) | "
-        "lognormal (FedScale's: example_s x exp(mu + sigma Z) a example, kbps x exp(sigma_b "
+        "lognormal (FedScale's: example_s x exp(mu + sigma Z) an example, kbps x exp(sigma_b "
         "Z')) | capacity_trace (--client_speed_trace)", choices=MODELS)
     client_speed_trace: str = setting(
         "", "--client_speed=capacity_trace: FedScale's client_device_capacity pickle "
