@@ -104,7 +104,7 @@ def _define_availability_flags() -> None:
 
 def _define_timing_flags() -> None:
     """Device speeds and the virtual clock (deltafl_jax.sampling.speeds, clock;
-    docs/guides/virtual-clock.md)."""
+    docs/guides/device-speeds.md)."""
     from deltafl_jax.sampling.speeds import TimingSettings
     _define_settings(TimingSettings)
 

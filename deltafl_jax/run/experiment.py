@@ -43,7 +43,7 @@ from deltafl_jax.run.placement import (Footprint, Placement, check_memory, choos
 from deltafl_jax.run.resolve import resolve, test_availability
 from deltafl_jax.sampling import FixedSampler, PoissonSampler, Sampler
 from deltafl_jax.sampling.participation import Participation
-from deltafl_jax.sampling.timeline import VirtualClock, check_deadline
+from deltafl_jax.sampling.timeline import VirtualClock
 
 CLOCK = "clock"   # the virtual clock's part of the checkpointed host state
 
@@ -460,7 +460,7 @@ def build_experiment(config: ExperimentConfig, data: FederatedDataset,
         config.timing, run.speeds, run.seeds, data.train.sizes, m, run.work,
         placement_lib.tree_nbytes(jax.eval_shape(model.init, jax.random.key(0))))
     if clock is not None:
-        check_deadline(clock)
+        clock.check()
     round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx,
                          run.expected,
                          run.accounting.correlated if run.accounting is not None else None,

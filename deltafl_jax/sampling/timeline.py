@@ -29,8 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from deltafl_jax.errors import ConfigError
-from deltafl_jax.sampling.clock import finish, keep_cohort
+from deltafl_jax.sampling.clock import check_deadline, finish, keep_cohort
 from deltafl_jax.sampling.samplers import Cohort, FixedSampler, Sampler
 
 TIME = "virtual_time"
@@ -135,6 +134,16 @@ class VirtualClock:
         """Every group's clock is at or past `stop_at` (None: never)."""
         return stop_at is not None and self.counted > 0 and bool(np.all(self.now >= stop_at))
 
+    def check(self) -> None:
+        """ConfigError (one line) when no training client could meet ``--round_deadline``
+        in any round (:func:`deltafl_jax.sampling.clock.check_deadline`: speeds are fixed per
+        client, so the fastest job decides for the whole run)."""
+        t = self.settings
+        check_deadline(t.round_deadline, self.speeds, self.sizes,
+                       self.work.steps_for(np.maximum(self.sizes, 1)), self.work.batch_size,
+                       self.model_bytes, partial_work=t.partial_work,
+                       full_batches=self.work.local_steps is not None)
+
     def state(self) -> Dict[str, np.ndarray]:
         """What a checkpoint after `counted` rounds keeps."""
         return {TIME: self.now.copy(), SELECTED: self.selected_rounds.copy(),
@@ -148,24 +157,3 @@ class VirtualClock:
         self.dropped_rounds = np.asarray(state[DROPPED], np.int64).copy()
         self.counted = int(np.asarray(state[COUNTED]))
         self._rounds = {}
-
-
-def check_deadline(clock: VirtualClock) -> None:
-    """ConfigError when no training client could meet ``--round_deadline`` in any round:
-    every client's job, alone in its cohort, finishes past it (with ``--partial_work``: it
-    completes no local step by then). Speeds are fixed per client, so this is the whole run's
-    answer, at the cost of one vectorised finish over the N clients."""
-    deadline = clock.settings.round_deadline
-    if deadline is None:
-        return
-    N = clock.sizes.size
-    everyone = Cohort(np.arange(N, dtype=np.int32), np.ones((N,), bool),
-                      np.ones((N,), np.float64))
-    fin = clock.finish_of(everyone)
-    if not np.any(np.asarray(fin.keep, bool)):
-        fastest = float(np.min(np.asarray(fin.seconds)))
-        raise ConfigError(
-            f"--round_deadline={deadline:g}: no client can meet it in any round (the fastest "
-            f"job takes {fastest:.4g} virtual seconds"
-            + (", and none completes one local step by then" if clock.settings.partial_work
-               else "") + ")")
