@@ -212,17 +212,6 @@ def test_stop_at_virtual_time_ends_the_run_complete(tiny_synthetic, tmp_path):
     assert sorted({r["round"] for r in recs}) == [3, 4]
 
 
-def test_without_a_speed_flag_nothing_of_the_clock_is_written(tiny_synthetic, tmp_path):
-    out = str(tmp_path / "run")
-    run_experiment(tiny_config(num_rounds=2, eval_every=2, output_dir=out), tiny_synthetic)
-    recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    assert all("virtual_time" not in r for r in recs)
-    with np.load(os.path.join(out, "rounds.npz")) as r:
-        assert not {"virtual_time", "num_dropped", "num_late", "round_seconds"} & set(r.files)
-    with np.load(os.path.join(out, "clients.npz")) as c:
-        assert not {"train_rounds_selected", "train_rounds_dropped"} & set(c.files)
-
-
 @pytest.mark.parametrize("args,message", [
     (["--client_speed=uniform", "--round_deadline=0"], "--round_deadline"),
     (["--client_speed=uniform", "--round_deadline=-3"], "--round_deadline"),
@@ -321,3 +310,24 @@ def test_the_report_draws_the_error_against_virtual_time(tiny_synthetic, tmp_pat
     (plain_run,), _ = report.load([plain])
     out = report.write_report([plain_run], str(tmp_path / "rep2"))
     assert not any("virtual_time_error" in f for f in out["figures"])
+
+
+def test_the_clock_alone_changes_no_result(tiny_synthetic, tmp_path):
+    """--client_speed without a deadline or over-selection only measures: the same cohorts,
+    steps and models as a run without it, which writes nothing of the clock."""
+    out = str(tmp_path / "run")
+    plain = run_experiment(tiny_config(num_rounds=3, eval_every=3, clients_per_round=4,
+                                       output_dir=out), tiny_synthetic)
+    recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert all("virtual_time" not in r for r in recs)
+    with np.load(os.path.join(out, "rounds.npz")) as r:
+        assert not {"virtual_time", "num_dropped", "num_late", "round_seconds"} & set(r.files)
+    with np.load(os.path.join(out, "clients.npz")) as c:
+        assert not {"train_rounds_selected", "train_rounds_dropped"} & set(c.files)
+    clocked = run_experiment(tiny_config(num_rounds=3, eval_every=3, clients_per_round=4,
+                                         client_speed="lognormal"), tiny_synthetic)
+    for k in ("num_selected", "train_real_examples"):
+        np.testing.assert_array_equal(plain.per_round[k], clocked.per_round[k], err_msg=k)
+    import jax
+    jax.tree.map(np.testing.assert_array_equal, plain.served, clocked.served)
+    assert np.all(np.diff(clocked.per_round["virtual_time"], axis=0) > 0)
