@@ -191,9 +191,11 @@ class Experiment:
         return cohorts, steps
 
     def count_round(self, round_idx: int) -> Dict[str, np.ndarray]:
-        """Count round `round_idx` as trained in the participation record (once per round, in
-        order, after its plan was drawn); its per-round metric ``num_online`` [R]: the clients
-        online in each replica's plan group."""
+        """Count round `round_idx` as trained in the participation record and on the virtual
+        clock (once per round, in order, after its plan was drawn); its per-round metrics [R]:
+        ``num_online``, the clients online in each replica's plan group, and with the clock
+        ``virtual_time``, ``round_seconds``, ``num_dropped`` and ``num_late``
+        (:meth:`deltafl_jax.sampling.timeline.VirtualClock.count`)."""
         out = {}
         group = np.asarray(self.replicas.group)
         if self.participation is not None:
