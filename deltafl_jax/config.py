@@ -25,6 +25,7 @@ from deltafl_jax.replicas import aligned
 from deltafl_jax.privacy import Privacy, check_private_version
 from deltafl_jax.sampling.availability import AvailabilitySettings
 from deltafl_jax.sampling.settings import Sampling
+from deltafl_jax.sampling.speeds import TimingSettings
 from deltafl_jax.server_optimizer import ServerOptimizer
 
 PERCENTILES = (10, 20, 50, 60, 80, 90, 95)
@@ -173,7 +174,7 @@ class Output:
 # The groups of settings, each a field of ExperimentConfig.
 GROUPS = (("training", Training), ("evaluation", Evaluation), ("server", ServerOptimizer),
           ("client", ClientOptimizer), ("sampling", Sampling),
-          ("online", AvailabilitySettings), ("privacy", Privacy),
+          ("online", AvailabilitySettings), ("timing", TimingSettings), ("privacy", Privacy),
           ("personal", Personalisation), ("placement", Placement), ("output", Output))
 
 
@@ -207,6 +208,7 @@ class ExperimentConfig:
     client: ClientOptimizer = group(ClientOptimizer)
     sampling: Sampling = group(Sampling)
     online: AvailabilitySettings = group(AvailabilitySettings)   # --availability and its flags
+    timing: TimingSettings = group(TimingSettings)   # --client_speed, --round_deadline, ...
     privacy: Privacy = group(Privacy)
     personal: Personalisation = group(Personalisation)
     placement: Placement = group(Placement)
@@ -391,6 +393,29 @@ def _check_options(c: ExperimentConfig):
         known[flag].check(flag, value)
 
 
+def _check_timing(c: ExperimentConfig, spec) -> None:
+    """The clock's settings (their own checks) and what they cannot run with: a deadline or
+    over-selection changes who is aggregated, so it needs an algorithm that takes a cohort of
+    fewer than m clients, a sampler of m distinct clients (over-selection draws ceil(r m) of
+    them), and no client-level DP (its accountant assumes the sampler's cohorts)."""
+    t = c.timing
+    t.check()
+    if not t.active or (t.round_deadline is None and t.over_select == 1.0):
+        return
+    what = "--round_deadline" if t.round_deadline is not None else "--over_select"
+    if spec.all_clients or not spec.variable_cohort:
+        raise ConfigError(f"{what}: --algorithm={spec.name} needs a fixed cohort of m clients a "
+                          f"round (it runs with --client_speed and no deadline or "
+                          f"over-selection)")
+    if c.privacy.enabled:
+        raise ConfigError(f"{what} with --dp_clip: the DP accountant assumes the sampler's "
+                          f"cohorts; client-level DP runs without a deadline or over-selection")
+    if t.over_select != 1.0 and c.sampling.sampler != "fixed":
+        raise ConfigError(f"--over_select with --client_sampling={c.sampling.sampler}: "
+                          f"over-selection draws ceil(r m) distinct clients "
+                          f"(--client_sampling=fixed)")
+
+
 def _check(c: ExperimentConfig):
     _check_numbers(c)
     _check_seeds(c)
@@ -411,6 +436,7 @@ def _check(c: ExperimentConfig):
         raise ConfigError(f"--dp_clip with --availability={c.online.model}: the DP "
                           f"accountant assumes every client can be sampled in every round; "
                           f"client-level DP runs with --availability=always")
+    _check_timing(c, spec)
     check_private_version(c.privacy, c.sampling.sampler, spec)
     spec.check(c)
     c.l2_for(len(spec.sweep_values(c)))

@@ -168,11 +168,14 @@ def draw_cohorts(sampler, seeds: Sequence[int], round_idx: int, online=None) -> 
 
 def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m: int,
                     work: LocalWork, caps: Capacities, packed: bool = False,
-                    cohorts: Optional[Sequence[Cohort]] = None) -> RoundPlan:
+                    cohorts: Optional[Sequence[Cohort]] = None,
+                    steps: Optional[np.ndarray] = None) -> RoundPlan:
     """The plan of round `round_idx` for each seed in `seeds` (one group per seed) of the
     `cohorts` (one per seed, each in m slots; None: m clients drawn uniformly from all,
     :class:`~deltafl_jax.sampling.FixedSampler`); `packed`: indices into the round's buffer
-    (module docstring) instead of the split. Empty slots have size 0 and no step."""
+    (module docstring) instead of the split. Empty slots have size 0 and no step. `steps`
+    [G, m] caps each slot's local steps (the virtual clock's: a client past the deadline keeps
+    the steps it completed, :mod:`deltafl_jax.sampling.timeline`); None: the work's."""
     offsets = np.asarray(offsets, dtype=np.int64)
     if cohorts is None:
         cohorts = draw_cohorts(FixedSampler(offsets.size - 1, m), seeds, round_idx)
@@ -204,13 +207,14 @@ def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m
             train_idx[g, pos:pos + perm.size] = start + perm
             pos += perm.size
     return _streams(clients, present, offsets, work, eval_idx, eval_seg, eval_len,
-                    train_idx, train_start)
+                    train_idx, train_start, steps)
 
 
 def _streams(clients, present, offsets, work: LocalWork, eval_idx, eval_seg, eval_len,
-             train_idx, train_start) -> RoundPlan:
-    """The plan of the slots' clients: sizes, segment lengths and steps; an empty slot (not
-    `present`) has no examples and no steps (one empty batch an epoch)."""
+             train_idx, train_start, cap=None) -> RoundPlan:
+    """The plan of the slots' clients: sizes, segment lengths and steps (at most `cap`
+    [G, m] when given); an empty slot (not `present`) has no examples and no steps (one empty
+    batch an epoch)."""
     sizes = (offsets[clients + 1] - offsets[clients]).astype(np.int32)
     sizes = np.where(present, sizes, 0).astype(np.int32)
     if work.local_steps is None:
@@ -221,6 +225,8 @@ def _streams(clients, present, offsets, work: LocalWork, eval_idx, eval_seg, eva
     steps = work.steps_for(sizes).astype(np.int32)
     batches_per_epoch = np.where(present, batches_per_epoch, 1).astype(np.int32)
     steps = np.where(present, steps, 0).astype(np.int32)
+    if cap is not None:
+        steps = np.minimum(steps, np.asarray(cap, np.int64)).astype(np.int32)
     return RoundPlan(clients=clients, sizes=sizes, eval_idx=eval_idx, eval_seg=eval_seg,
                      eval_len=eval_len, train_idx=train_idx, train_start=train_start,
                      seg_len=seg_len, batches_per_epoch=batches_per_epoch, steps=steps)

@@ -102,6 +102,13 @@ def _define_availability_flags() -> None:
     _define_settings(AvailabilitySettings)
 
 
+def _define_timing_flags() -> None:
+    """Device speeds and the virtual clock (deltafl_jax.sampling.speeds, clock;
+    docs/guides/device-speeds.md)."""
+    from deltafl_jax.sampling.speeds import TimingSettings
+    _define_settings(TimingSettings)
+
+
 def _define_privacy_flags() -> None:
     """Client-level differential privacy (deltafl_jax.privacy; docs/guides/privacy.md)."""
     from deltafl_jax.privacy import Privacy
@@ -180,6 +187,7 @@ def define_experiment_flags() -> None:
     _define_client_flags()
     _define_sampling_flags()
     _define_availability_flags()
+    _define_timing_flags()
     _define_privacy_flags()
     _define_placement_flags()
     _define_device_flags()

@@ -17,6 +17,7 @@ import numpy as np
 from deltafl_jax.metrics import PERCENTILE_METHODS
 from deltafl_jax.report import figures
 from deltafl_jax.report.availability import availability_figure
+from deltafl_jax.report.virtual_time import virtual_time_figure
 from deltafl_jax.report.io import Run
 from deltafl_jax.report.rows import tidy_rows, write_csv
 from deltafl_jax.report.tables import (BEST_NOTE, INTERVAL_NOTE, STD_NOTE, TABLES, Column,
@@ -97,6 +98,11 @@ def setting_figures(sc: Sequence[Column], setting: str, percentile: str, notes: 
     if by_availability is not None:
         out.append((by_availability, f"availability_error_{name}.png",
                     "The error (mean, p90, worst 10%) by availability quintile of the clients"))
+    by_clock = virtual_time_figure(sc, percentile)
+    if by_clock is not None:
+        out.append((by_clock, f"virtual_time_error_{name}.png",
+                    "The test error (mean, p90) against virtual time (the clients' device "
+                    "speeds, deadline and over-selection)"))
     if sc[0].run.dataset == "gaussian_toy":
         means = sc[0].run.config.get("data", {}).get("toy_means")
         out.append((figures.mixture_figure(sc, means, {c.label: model_point(c) for c in sc}),

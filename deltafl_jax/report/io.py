@@ -318,7 +318,9 @@ def read_run(path: str, name: Optional[str] = None) -> Run:
                           else len(clients[f"{split}_sizes"]) for split in ("train", "test")))
     history = read_history(reader, shape, notes)
     rounds = read_rounds(reader, len(keys), notes)
-    records = read_records(reader, summary.get("config", {}).get("num_rounds"), notes)
+    ended = summary.get("ended", {}).get("round")   # a run that ended early, complete
+    records = read_records(reader, ended if ended is not None else
+                           summary.get("config", {}).get("num_rounds"), notes)
     return Run(path=path, name=name or os.path.basename(os.path.normpath(path)),
                summary=summary, labels=labels, keys=keys, clients=clients, history=history,
                rounds=rounds, records=records, record_replicas=reader.record_replicas(records),

@@ -86,6 +86,7 @@ class RunContext:
       same structure; the next round starts from that.
     output_dir: where outputs go (None: nothing is written).
     stop_requested: a callback sets it to end the run after the current round.
+    end_reason: why a complete run ended before its last round ("" : it did not).
     """
 
     view: Optional[RunView]
@@ -95,6 +96,7 @@ class RunContext:
     output_dir: Optional[str] = None
     stop_requested: bool = False
     stop_reason: str = ""
+    end_reason: str = ""
 
 
 class Callback:

@@ -43,6 +43,9 @@ from deltafl_jax.run.placement import (Footprint, Placement, check_memory, choos
 from deltafl_jax.run.resolve import resolve, test_availability
 from deltafl_jax.sampling import FixedSampler, PoissonSampler, Sampler
 from deltafl_jax.sampling.participation import Participation
+from deltafl_jax.sampling.timeline import VirtualClock
+
+CLOCK = "clock"   # the virtual clock's part of the checkpointed host state
 
 AUTO_FULL_EVAL = 100_000    # populations up to this many clients are evaluated whole by default
 AUTO_EVAL_CLIENTS = 1000    # clients of each split per evaluation beyond it
@@ -78,6 +81,7 @@ class Experiment:
     # the test error by availability quintile (deltafl_jax/availability_metrics.py); None: none
     availability_split: Optional[AvailabilitySplit] = None
     participation: Optional[Participation] = None   # online sets and participation counts
+    clock: Optional[VirtualClock] = None   # the virtual clock (--client_speed; None: none)
 
     @property
     def poisson(self) -> Optional[PoissonSampler]:
@@ -146,16 +150,27 @@ class Experiment:
         """The plan as the devices read it (indices into the split, or into the round's
         buffer when the host keeps the split). An algorithm that samples from its state
         (``sampling``) needs the round's state (the previous round's result)."""
+        cohorts, steps = self.kept_cohorts(round_idx, state)
         return plan_lib.make_round_plan(self.seeds, round_idx, self.data.train.offsets,
                                         self.num_sampled, self.work, self.caps,
-                                        packed=self.store.host,
-                                        cohorts=self.cohorts(round_idx, state))
+                                        packed=self.store.host, cohorts=cohorts, steps=steps)
 
     def cohorts(self, round_idx: int, state=None, online=None) -> list:
         """Each plan group's cohort of the round (:mod:`deltafl_jax.sampling`), drawn among
         `online` (one id array per group; None: every client); an algorithm that samples from
-        its state (``sampling``: by its weights) needs the round's state."""
+        its state (``sampling``: by its weights) needs the round's state. With the virtual
+        clock, the clients it keeps of those selected (:meth:`kept_cohorts`)."""
+        return self.kept_cohorts(round_idx, state, online)[0]
+
+    def kept_cohorts(self, round_idx: int, state=None, online=None):
+        """(cohorts, steps): each plan group's cohort of the round and the local steps [G, m]
+        that cap its slots' (None: the work's). With the virtual clock the server selects
+        (M slots under ``--over_select``) and keeps the m first to finish by the deadline
+        (:mod:`deltafl_jax.sampling.timeline`)."""
         sampler = self.sampler or FixedSampler(self.data.train.num_clients, self.num_sampled)
+        if self.clock is not None and self.clock.over_selects and \
+                self.algorithm.sampling is None:
+            sampler = self.clock.selection_sampler()
         if online is None and self.participation is not None:
             online = self.participation.online(round_idx)
         if self.algorithm.sampling is None:
@@ -168,18 +183,48 @@ class Experiment:
             cohorts = [sampler.with_weights(weights[g]).cohort(
                            seed, round_idx, None if online is None else online[g])
                        for g, seed in enumerate(self.seeds)]
+        steps = None
+        if self.clock is not None:
+            cohorts, steps = self.clock.select(round_idx, cohorts)
         if self.participation is not None:
             self.participation.drawn(round_idx, cohorts)
-        return cohorts
+        return cohorts, steps
 
     def count_round(self, round_idx: int) -> Dict[str, np.ndarray]:
-        """Count round `round_idx` as trained in the participation record (once per round, in
-        order, after its plan was drawn); its per-round metric ``num_online`` [R]: the clients
-        online in each replica's plan group."""
-        if self.participation is None:
-            return {}
-        counts = self.participation.count(round_idx)
-        return {"num_online": counts[np.asarray(self.replicas.group)]}
+        """Count round `round_idx` as trained in the participation record and on the virtual
+        clock (once per round, in order, after its plan was drawn); its per-round metrics [R]:
+        ``num_online``, the clients online in each replica's plan group, and with the clock
+        ``virtual_time``, ``round_seconds``, ``num_dropped`` and ``num_late``
+        (:meth:`deltafl_jax.sampling.timeline.VirtualClock.count`)."""
+        out = {}
+        group = np.asarray(self.replicas.group)
+        if self.participation is not None:
+            out["num_online"] = self.participation.count(round_idx)[group]
+        if self.clock is not None:
+            out.update({k: v[group] for k, v in self.clock.count(round_idx).items()})
+        return out
+
+    def virtual_time(self) -> Optional[np.ndarray]:
+        """[R] each replica's virtual time (seconds) at the end of the rounds counted so far,
+        or None without the virtual clock."""
+        if self.clock is None:
+            return None
+        return self.clock.now[np.asarray(self.replicas.group)].copy()
+
+    def host_state(self) -> Dict[str, object]:
+        """The host's state that a checkpoint keeps: the participation record, and the
+        virtual clock's under ``clock``."""
+        out = dict(self.participation.state()) if self.participation is not None else {}
+        if self.clock is not None:
+            out[CLOCK] = self.clock.state()
+        return out
+
+    def restore_host(self, host: Dict[str, object]) -> None:
+        """Continue from a :meth:`host_state`."""
+        if self.participation is not None:
+            self.participation.restore(host)
+        if self.clock is not None:
+            self.clock.restore(host[CLOCK])
 
     def participation_arrays(self, clients=None) -> Dict[str, np.ndarray]:
         """Each replica's realised participation so far, [R, N] (or [R, K] at the training
@@ -189,9 +234,13 @@ class Experiment:
             return {}
         group = np.asarray(self.replicas.group)
         out = {}
-        for name, counts in (("train_rounds_online", self.participation.online_rounds),
-                             ("train_rounds_sampled", self.participation.sampled_rounds)):
-            per = counts[group]
+        counts = [("train_rounds_online", self.participation.online_rounds),
+                  ("train_rounds_sampled", self.participation.sampled_rounds)]
+        if self.clock is not None:
+            counts += [("train_rounds_selected", self.clock.selected_rounds),
+                       ("train_rounds_dropped", self.clock.dropped_rounds)]
+        for name, per_group in counts:
+            per = per_group[group]
             out[name] = per if clients is None else per[:, np.asarray(clients, np.int64)]
         return out
 
@@ -409,6 +458,11 @@ def build_experiment(config: ExperimentConfig, data: FederatedDataset,
         model, algorithm, replicas, run.seeds, server_tx, data.train.num_clients))
     device_bytes = compute_footprint(data, model, replicas, place, caps, m, state_shape)
     check_memory(device_bytes, devices)
+    clock = None if run.speeds is None else VirtualClock(
+        config.timing, run.speeds, run.seeds, data.train.sizes, m, run.work,
+        placement_lib.tree_nbytes(jax.eval_shape(model.init, jax.random.key(0))))
+    if clock is not None:
+        clock.check()
     round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx,
                          run.expected,
                          run.accounting.correlated if run.accounting is not None else None,
@@ -429,4 +483,5 @@ def build_experiment(config: ExperimentConfig, data: FederatedDataset,
         server_tx=server_tx, accounting=run.accounting, eval_clients=eval_clients(config, data),
         sampler=run.sampler, replica_seeds=run.replica_seeds,
         participation=Participation(run.seeds, data.train.num_clients, run.availability),
+        clock=clock,
         availability_split=_availability_split(config, data, run.availability))

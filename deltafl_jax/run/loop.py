@@ -43,9 +43,20 @@ def evaluate(exp, state, t: int, metrics, elapsed: float) -> Evaluation:
     summary = exp.summarize(per_client)
     if exp.accounting is not None:   # client-level DP: epsilon of each replica so far
         summary = {**summary, "dp_epsilon": exp.accounting.epsilons(t)}
+    clock = exp.virtual_time()
+    if clock is not None:   # the virtual clock: seconds at the end of round t
+        summary = {**summary, "virtual_time": clock}
     return Evaluation(round=t, per_client=per_client, summary=summary,
                       records=evaluation_records(exp, t, summary, metrics, elapsed),
                       elapsed_s=elapsed)
+
+
+def ends_at(exp, t: int) -> bool:
+    """Round `t` (1-based, counted) is the run's last by the virtual clock: every plan
+    group's clock has reached ``--stop_at_virtual_time``."""
+    clock = getattr(exp, "clock", None)
+    return clock is not None and clock.counted == t and \
+        clock.reached(exp.config.timing.stop_at_virtual_time)
 
 
 def _emit(callbacks: Sequence[Callback], hook: str, *args) -> None:
@@ -78,12 +89,16 @@ def run_rounds(exp, state, callbacks: Sequence[Callback] = (), start_round: int 
             #         (an algorithm that samples from its state waits for the round here)
         metrics = {**tree_to_host(metrics), **exp.count_round(t)}   # + the host's counts
         run.state = state
+        ended = ends_at(exp, t + 1)
+        if ended:
+            run.end_reason = (f"--stop_at_virtual_time={exp.config.timing.stop_at_virtual_time:g}"
+                              f" reached after round {t + 1}")
         _emit(callbacks, "on_round_end", run, t + 1, metrics)
-        if (t + 1) % exp.config.eval_every == 0 or t + 1 == T:
+        if (t + 1) % exp.config.eval_every == 0 or t + 1 == T or ended:
             ev = evaluate(exp, state, t + 1, metrics, time.perf_counter() - t_start)
             _emit(callbacks, "on_evaluation", run, ev)
         state = run.state   # a callback may replace it (e.g. stop a diverged replica)
-        if run.stop_requested:
+        if run.stop_requested or ended:
             break
     jax.block_until_ready(state)
     result = recorder.result(run)

@@ -143,7 +143,21 @@ def evaluation_line(run: RunContext, ev: Evaluation) -> str:
     done = ev.round - run.start_round
     eta = ev.elapsed_s / max(done, 1) * (T - ev.round)
     return (f"[round {ev.round:>{len(str(T))}}/{T}] {ev.elapsed_s:7.1f}s elapsed, ETA "
-            f"{eta:6.0f}s | " + " | ".join(parts))
+            f"{eta:6.0f}s{virtual_text(ev.summary)} | " + " | ".join(parts))
+
+
+def virtual_text(summary) -> str:
+    """', virtual 1.25 h': the virtual clock at the evaluation (the seeds' mean; with their
+    range when they differ), in s, min or h, or '' without one."""
+    if "virtual_time" not in summary:
+        return ""
+    v = np.asarray(summary["virtual_time"], np.float64)
+    top = float(v.max())
+    scale, unit = (1.0, "s") if top < 120 else (60.0, "min") if top < 7200 else (3600.0, "h")
+    v = v / scale
+    lo, hi = float(v.min()), float(v.max())
+    spread = f" [{lo:.3g}, {hi:.3g}]" if hi > lo else ""
+    return f", virtual {float(v.mean()):.3g} {unit}{spread}"
 
 
 # The closing table's tail columns (deltafl_jax.metrics), when every final has them.
@@ -323,6 +337,8 @@ class Progress(Callback):
         self._clear_bar()
         if result.stopped or not result.final:
             return
+        if run.end_reason:
+            self.log(f"deltafl_jax: run ended: {run.end_reason}")
         what = "test error" if run.view.facts.classify else "test loss"
         self.log("\n".join([f"Final per-client {what} (mean over seeds):"]
                            + closing_table(result, run.view.labels,

@@ -124,6 +124,8 @@ class Recorder(Callback):
         total_s = time.perf_counter() - self._t0 if self._t0 is not None else 0.0
         summary = _summary(view, final, total_s, self.first_round_s, self.build_s)
         summary["nonfinite"] = self.nonfinite(run)
+        if run.end_reason:   # a complete run that ended before its last round
+            summary["ended"] = {"round": self.rounds_done, "reason": run.end_reason}
         return RunResult(
             final=final, history=self.history, state=run.state, summary=summary,
             per_round=self.per_round_arrays(),

@@ -42,6 +42,7 @@ from deltafl_jax.run.placement import check_streams
 from deltafl_jax.sampling import PoissonSampler, Sampler, WeightedSampler
 from deltafl_jax.sampling.availability import (Availability, Schedule, Trace,
                                                build_availability)
+from deltafl_jax.sampling.speeds import DeviceSpeeds, build_speeds
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -59,7 +60,8 @@ class ResolvedRun:
     state: a :class:`~deltafl_jax.sampling.WeightedSampler` given its weights each round).
     variable: a cohort may leave slots empty (the round gives them weight 0). availability:
     who is online in each round (:mod:`deltafl_jax.sampling.availability`), None when every
-    client always is (``--availability=always``: no online sets drawn).
+    client always is (``--availability=always``: no online sets drawn). speeds: the clients'
+    device speeds of the virtual clock (``--client_speed``; None: no clock).
     """
 
     config: ExperimentConfig
@@ -78,6 +80,7 @@ class ResolvedRun:
     sampler: Sampler
     variable: bool
     availability: Optional[Availability] = None
+    speeds: Optional[DeviceSpeeds] = None
 
     @property
     def poisson(self) -> Optional[PoissonSampler]:
@@ -122,8 +125,28 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
                        expected=m if sampler.variable else None, replicas=replicas,
                        replica_seeds=replica_seeds, seeds=seeds, work=work,
                        accounting=accounting, sampler=sampler,
-                       variable=sampler.variable or availability is not None,
-                       availability=availability)
+                       variable=(sampler.variable or availability is not None
+                                 or _drops(config)),
+                       availability=availability, speeds=_speeds(config, data, m))
+
+
+def _drops(config: ExperimentConfig) -> bool:
+    """The virtual clock may aggregate fewer than m clients (a deadline)."""
+    return config.timing.active and config.timing.round_deadline is not None
+
+
+def _speeds(config: ExperimentConfig, data: FederatedDataset, m: int) -> Optional[DeviceSpeeds]:
+    """The training clients' device speeds (None without ``--client_speed``); ConfigError
+    when over-selection asks for more clients than there are."""
+    settings = config.timing
+    if not settings.active:
+        return None
+    slots = settings.slots(m)
+    if slots > data.train.num_clients:
+        raise ConfigError(f"--over_select={settings.over_select:g}: ceil(r m) = {slots} exceeds "
+                          f"the {data.train.num_clients} training clients of {data.name}")
+    return build_speeds(settings, num_clients=data.train.num_clients,
+                        data_seed=config.data.data_seed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from deltafl_jax.run import checkpoint as ckpt, distributed, lock, resume, tenso
 from deltafl_jax.run.callbacks import Callback
 from deltafl_jax.run.divergence import StopOnDivergence
 from deltafl_jax.run.experiment import Experiment, build_experiment
-from deltafl_jax.run.loop import evaluate, run_rounds
+from deltafl_jax.run.loop import ends_at, evaluate, run_rounds
 from deltafl_jax.run.preemption import Preemption
 from deltafl_jax.run.progress import Progress
 from deltafl_jax.run.recorder import Recorder, RunResult
@@ -233,7 +233,7 @@ def standard_callbacks(config, exp, log, recorder, checkpointer, fingerprint) ->
             every_s=config.checkpoint_every_s, evaluated=lambda r: r % every == 0 or r == T,
             before_save=(lambda r: _write_histories(out, recorder, exp)) if out else None,
             agree=distributed.any_process if several else None,
-            host=exp.participation.state if exp.participation is not None else None))
+            host=exp.host_state))
     return cbs
 
 
@@ -266,8 +266,8 @@ def _resume(exp: Experiment, checkpointer, fingerprint, recorder: Recorder, log)
         writer.write_marker(resume.settings(config))
     if found is None:
         return 0, state
-    if found.host is not None and exp.participation is not None:
-        exp.participation.restore(found.host)
+    if found.host is not None:
+        exp.restore_host(found.host)
     resume.backfill_participation(exp, found)
     recorder.resume(found)
     if found.round == config.num_rounds:   # killed after its last checkpoint

@@ -1,0 +1,159 @@
+"""The virtual clock of synchronous rounds: who of a round's selected clients is aggregated,
+and when each plan group's round ends in virtual time.
+
+With ``--client_speed`` every sampled client's job has a virtual duration
+(:mod:`deltafl_jax.sampling.speeds`: compute per example x examples + the model's download and
+upload over the client's bandwidth). Each round of each plan group (one per seed):
+
+1. the server selects M clients among the online ones: the run's sampler, or with
+   ``--over_select=r`` M = ceil(r m) distinct clients drawn uniformly (FedScale's
+   over-commitment);
+2. :func:`deltafl_jax.sampling.clock.finish` keeps the m first to finish by
+   ``--round_deadline`` (ties by client id; with ``--partial_work`` a late client keeps the
+   local steps it completed by the deadline), and gives the round's virtual duration;
+3. :func:`deltafl_jax.sampling.clock.keep_cohort` puts the kept clients in the plan's m slots
+   with their steps, which cap the plan's (:func:`deltafl_jax.plan.make_round_plan`).
+
+The round starts when the previous one ended: its virtual end is the sum of the durations of
+rounds 0..t. :class:`VirtualClock` keeps, per plan group, that sum after the rounds counted so
+far and each training client's rounds selected and dropped (selected but not aggregated: past
+the deadline, or beyond the m first); the run plans a round ahead, so a round is counted when
+it is trained (:meth:`VirtualClock.count`), and :meth:`VirtualClock.state` /
+:meth:`VirtualClock.restore` carry the counted clock through a checkpoint bit for bit.
+Everything here is host NumPy, deterministic from the seeds.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from deltafl_jax.sampling.clock import check_deadline, finish, keep_cohort
+from deltafl_jax.sampling.samplers import Cohort, FixedSampler, Sampler
+
+TIME = "virtual_time"
+SELECTED = "selected_rounds"
+DROPPED = "dropped_rounds"
+COUNTED = "counted_rounds"
+
+
+class VirtualClock:
+    """The clock and the deadline's drops of the plan groups of a run.
+
+    settings: the run's :class:`~deltafl_jax.sampling.speeds.TimingSettings`; speeds: its
+    :class:`~deltafl_jax.sampling.speeds.DeviceSpeeds`; seeds: each plan group's seed;
+    sizes: the training clients' example counts n_k; m: the plan's slots; work: the clients'
+    local work (:class:`deltafl_jax.plan.LocalWork`); model_bytes: the model's size, sent
+    down and up once per job.
+    """
+
+    def __init__(self, settings, speeds, seeds: Sequence[int], sizes: np.ndarray, m: int,
+                 work, model_bytes: int):
+        self.settings = settings
+        self.speeds = speeds
+        self.seeds = tuple(int(s) for s in seeds)
+        self.sizes = np.asarray(sizes, np.int64)
+        self.m = int(m)
+        self.work = work
+        self.model_bytes = int(model_bytes)
+        self.slots = max(self.m, settings.slots(self.m))
+        G, N = len(self.seeds), self.sizes.size
+        self.now = np.zeros((G,), np.float64)
+        self.selected_rounds = np.zeros((G, N), np.int64)
+        self.dropped_rounds = np.zeros((G, N), np.int64)
+        self.counted = 0
+        self._rounds: Dict[int, dict] = {}
+
+    @property
+    def over_selects(self) -> bool:
+        return self.slots > self.m
+
+    def selection_sampler(self) -> Sampler:
+        """The sampler of the M slots under over-selection (M distinct clients, uniformly)."""
+        return FixedSampler(num_clients=self.sizes.size, slots=self.slots)
+
+    def finish_of(self, cohort: Cohort):
+        """:func:`~deltafl_jax.sampling.clock.finish` of one group's selected cohort."""
+        clients = np.asarray(cohort.clients, np.int64)
+        present = np.asarray(cohort.present, bool)
+        n = np.where(present, self.sizes[clients], 0)
+        planned = np.where(present, self.work.steps_for(np.maximum(n, 1)), 0).astype(np.int32)
+        t = self.settings
+        return finish(self.speeds, clients, present, planned, self.work.batch_size, n,
+                      self.model_bytes, m=self.m, deadline=t.round_deadline,
+                      partial_work=t.partial_work,
+                      full_batches=self.work.local_steps is not None)
+
+    def select(self, round_idx: int, cohorts: Sequence[Cohort]
+               ) -> Tuple[List[Cohort], np.ndarray]:
+        """The kept cohorts of round `round_idx` (m slots each) and their steps [G, m], from
+        each group's selected cohort; the round's durations and drops are kept until it is
+        counted."""
+        kept, steps, seconds, late, sel, drop = [], [], [], [], [], []
+        deadline = self.settings.round_deadline
+        for cohort in cohorts:
+            fin = self.finish_of(cohort)
+            k, s = keep_cohort(cohort, fin, self.m)
+            kept.append(k)
+            steps.append(np.asarray(s, np.int32))
+            present = np.asarray(cohort.present, bool)
+            ids = np.asarray(cohort.clients, np.int64)
+            seconds.append(float(fin.round_seconds))
+            late.append(int(np.sum(present & (np.asarray(fin.seconds) > deadline)))
+                        if deadline is not None else 0)
+            sel.append(ids[present])
+            drop.append(ids[present & ~np.asarray(fin.keep, bool)])
+        self._rounds[int(round_idx)] = {"seconds": np.asarray(seconds, np.float64),
+                                        "late": np.asarray(late, np.int64),
+                                        "selected": sel, "dropped": drop}
+        return kept, np.stack(steps) if steps else np.zeros((0, self.m), np.int32)
+
+    def count(self, round_idx: int) -> Dict[str, np.ndarray]:
+        """Count round `round_idx` as trained (round 0 starts afresh); its per-group metrics
+        [G]: ``virtual_time`` (the round's virtual end), ``round_seconds``, ``num_dropped``
+        (selected, not aggregated) and ``num_late`` (past the deadline)."""
+        t = int(round_idx)
+        if t == 0:   # a run from its start (an experiment may run more than once)
+            self.now[:] = 0.0
+            self.selected_rounds[:] = 0
+            self.dropped_rounds[:] = 0
+        r = self._rounds.pop(t)
+        self.now = self.now + r["seconds"]
+        for g, (sel, drop) in enumerate(zip(r["selected"], r["dropped"])):
+            self.selected_rounds[g, np.unique(sel)] += 1
+            self.dropped_rounds[g, np.unique(drop)] += 1
+        self.counted = t + 1
+        for old in [k for k in self._rounds if k <= t]:
+            self._rounds.pop(old)
+        return {TIME: self.now.copy(), "round_seconds": r["seconds"].copy(),
+                "num_dropped": np.array([d.size for d in r["dropped"]], np.int64),
+                "num_late": r["late"].copy()}
+
+    def reached(self, stop_at: Optional[float]) -> bool:
+        """Every group's clock is at or past `stop_at` (None: never)."""
+        return stop_at is not None and self.counted > 0 and bool(np.all(self.now >= stop_at))
+
+    def check(self) -> None:
+        """ConfigError (one line) when no training client could meet ``--round_deadline``
+        in any round (:func:`deltafl_jax.sampling.clock.check_deadline`: speeds are fixed per
+        client, so the fastest job decides for the whole run)."""
+        t = self.settings
+        check_deadline(t.round_deadline, self.speeds, self.sizes,
+                       self.work.steps_for(np.maximum(self.sizes, 1)), self.work.batch_size,
+                       self.model_bytes, partial_work=t.partial_work,
+                       full_batches=self.work.local_steps is not None)
+
+    def state(self) -> Dict[str, np.ndarray]:
+        """What a checkpoint after `counted` rounds keeps."""
+        return {TIME: self.now.copy(), SELECTED: self.selected_rounds.copy(),
+                DROPPED: self.dropped_rounds.copy(),
+                COUNTED: np.asarray(self.counted, np.int64)}
+
+    def restore(self, state: Dict[str, np.ndarray]) -> None:
+        """Continue from a :meth:`state`."""
+        self.now = np.asarray(state[TIME], np.float64).copy()
+        self.selected_rounds = np.asarray(state[SELECTED], np.int64).copy()
+        self.dropped_rounds = np.asarray(state[DROPPED], np.int64).copy()
+        self.counted = int(np.asarray(state[COUNTED]))
+        self._rounds = {}
