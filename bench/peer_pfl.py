@@ -400,7 +400,7 @@ def flop_check(rows: dict) -> list:
 
 
 def bench() -> None:
-    from bench.common import emit, gemm_peak_gflops, machine
+    from bench.common import backend_name, emit, gemm_peak_gflops, machine
 
     if FLAGS.rounds < 1 or FLAGS.warmup < 0:
         raise app.UsageError("--rounds must be >= 1 and --warmup >= 0")
@@ -437,7 +437,7 @@ def bench() -> None:
             result["profile_ms"][f"torch_sgd_step_{name}"] = 1e3 * sides[name].info[
                 "torch_step_s"]
     result["loadavg_end"] = os.getloadavg()
-    emit(result, FLAGS.out, name="peer_pfl_cpu")
+    emit(result, FLAGS.out, name=f"peer_pfl_{backend_name()}")
     bad = flop_check(result["sides"])
     if bad:
         print("; ".join(bad), file=sys.stderr)

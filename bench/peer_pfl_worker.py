@@ -26,10 +26,10 @@ the last round, so only round 0 (untimed warm-up) evaluates and every timed roun
 
 Protocol (``peer_common.serve``): ``READY <json>`` (versions, torch threads, the network's
 parameter count, FLOPs of one training example counted by ``torch.utils.flop_counter``, and
-torch's float32 GEMM rate and the median time of a bare PyTorch SGD step on one batch), then for each ``round T`` line one federated round, ``DONE <json>``
-with its seconds (from the end of the previous round's callback to the end of this round's
-``after_central_iteration``: pfl's whole round, sampling and aggregation included) and the
-examples its local steps computed. ``quit`` (or the end of stdin) stops pfl's run at the next
+torch's float32 GEMM rate and the median time of a bare PyTorch SGD step on one batch), then
+for each ``round T`` line one federated round, ``DONE <json>`` with its seconds (from the end
+of the previous round's callback to the end of this round's ``after_central_iteration``: pfl's
+whole round, sampling and aggregation included) and the examples its local steps computed. ``quit`` (or the end of stdin) stops pfl's run at the next
 callback.
 """
 
@@ -93,8 +93,9 @@ def train_step_flops(net, batch: int, side: int, channels: int, num_classes: int
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    x = torch.randn(batch, side, side, channels)
-    y = torch.randint(0, num_classes, (batch,))
+    device = next(net.parameters()).device
+    x = torch.randn(batch, side, side, channels, device=device)
+    y = torch.randint(0, num_classes, (batch,), device=device)
     with FlopCounterMode(display=False) as counter:
         net.loss(x, y).backward()
     net.zero_grad()
@@ -112,45 +113,58 @@ def sgd_step_seconds(net, batch: int, side: int, channels: int, num_classes: int
 
     net = copy.deepcopy(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    x = torch.randn(batch, side, side, channels)
-    y = torch.randint(0, num_classes, (batch,))
+    device = next(net.parameters()).device
+    x = torch.randn(batch, side, side, channels, device=device)
+    y = torch.randint(0, num_classes, (batch,), device=device)
     times = []
     for _ in range(repeats + 3):
         t0 = time.perf_counter()
         opt.zero_grad()
         net.loss(x, y).backward()
         opt.step()
+        synchronize()
         times.append(time.perf_counter() - t0)
     times = sorted(times[3:])
     return times[len(times) // 2]
 
 
-def gemm_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """torch's float32 n x n GEMM rate (best of `repeats`)."""
+def synchronize():
+    """Wait for the GPU's queued work (nothing on a CPU)."""
     import torch
-    a = torch.ones(n, n)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def gemm_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """torch's float32 n x n GEMM rate on pfl's device (best of `repeats`)."""
+    import torch
+    from pfl.internal.ops.pytorch_ops import get_default_device
+    a = torch.ones(n, n, device=get_default_device())
     torch.mm(a, a)
+    synchronize()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         torch.mm(a, a)
+        synchronize()
         best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best / 1e9
 
 
 def federated_data(args):
     """1000 users of 50 random CIFAR-shaped images each, as ``FederatedDataset.from_slices``
-    takes them (torch tensors, as the benchmark's ``numpy_to_tensor``)."""
+    takes them (torch tensors on pfl's device, as the benchmark's ``numpy_to_tensor``)."""
     import numpy as np
     import torch
     from pfl.data import FederatedDataset
     from pfl.data.sampling import get_user_sampler
+    from pfl.internal.ops.pytorch_ops import to_tensor
 
     rng = np.random.default_rng(args.seed)
     n = args.num_clients * args.client_size
-    x = torch.from_numpy(rng.standard_normal((n, args.side, args.side, args.channels),
-                                             dtype=np.float32))
-    y = torch.from_numpy(rng.integers(0, args.num_classes, n).astype(np.int64))
+    x = to_tensor(rng.standard_normal((n, args.side, args.side, args.channels),
+                                      dtype=np.float32))
+    y = to_tensor(rng.integers(0, args.num_classes, n).astype(np.int64))
     k = args.client_size
     users = {u: [x[u * k:(u + 1) * k], y[u * k:(u + 1) * k]] for u in range(args.num_clients)}
     return FederatedDataset.from_slices(users, get_user_sampler("random", list(users)))
@@ -165,13 +179,14 @@ def run(args):
     from pfl.callback.base import TrainingProcessCallback
     from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
     from pfl.metrics import Metrics
+    from pfl.internal.ops.pytorch_ops import get_default_device
     from pfl.model.pytorch import PyTorchModel
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
-    net = build_network(args.num_classes, args.side, args.channels)
+    net = build_network(args.num_classes, args.side, args.channels).to(get_default_device())
     flops = train_step_flops(net, args.batch_size, args.side, args.channels, args.num_classes)
     params = sum(p.numel() for p in net.parameters())
     model = PyTorchModel(model=net, local_optimizer_create=torch.optim.SGD,
@@ -195,6 +210,7 @@ def run(args):
             self.round = first[1]
 
         def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
+            synchronize()
             dt = time.perf_counter() - self.t0
             print("DONE " + json.dumps({"round": self.round, "seconds": dt,
                                         "real_examples": net.examples,
