@@ -29,8 +29,8 @@ parameter count, FLOPs of one training example counted by ``torch.utils.flop_cou
 torch's float32 GEMM rate and the median time of a bare PyTorch SGD step on one batch), then
 for each ``round T`` line one federated round, ``DONE <json>`` with its seconds (from the end
 of the previous round's callback to the end of this round's ``after_central_iteration``: pfl's
-whole round, sampling and aggregation included) and the examples its local steps computed. ``quit`` (or the end of stdin) stops pfl's run at the next
-callback.
+whole round, sampling and aggregation included) and the examples its local steps computed.
+``quit`` (or the end of stdin) stops pfl's run at the next callback.
 """
 
 from __future__ import annotations
@@ -164,10 +164,38 @@ def federated_data(args):
     n = args.num_clients * args.client_size
     x = to_tensor(rng.standard_normal((n, args.side, args.side, args.channels),
                                       dtype=np.float32))
-    y = to_tensor(rng.integers(0, args.num_classes, n).astype(np.int64))
+    y = to_tensor(rng.integers(0, args.num_classes, n).astype(np.int64), dtype=None)
     k = args.client_size
     users = {u: [x[u * k:(u + 1) * k], y[u * k:(u + 1) * k]] for u in range(args.num_clients)}
     return FederatedDataset.from_slices(users, get_user_sampler("random", list(users)))
+
+
+def round_callback(net, commands, first_round: int):
+    """A pfl callback that reports each round's time and work (``DONE``), then waits for the
+    next command: ``round T`` goes on, anything else stops pfl's run."""
+    from pfl.callback.base import TrainingProcessCallback
+    from pfl.metrics import Metrics
+
+    class Rounds(TrainingProcessCallback):
+        def __init__(self):
+            self.t0 = time.perf_counter()
+            self.round = first_round
+
+        def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
+            synchronize()
+            dt = time.perf_counter() - self.t0
+            print("DONE " + json.dumps({"round": self.round, "seconds": dt,
+                                        "real_examples": net.examples,
+                                        "padded_examples": net.examples}), flush=True)
+            net.examples = 0
+            cmd = next(commands, None)
+            if cmd is None or cmd[0] != "round":
+                return True, Metrics()
+            self.round = cmd[1]
+            self.t0 = time.perf_counter()
+            return False, Metrics()
+
+    return Rounds()
 
 
 def run(args):
@@ -176,9 +204,7 @@ def run(args):
     from pfl.aggregate.simulate import SimulatedBackend
     from pfl.aggregate.weighting import WeightByUser
     from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
-    from pfl.callback.base import TrainingProcessCallback
     from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
-    from pfl.metrics import Metrics
     from pfl.internal.ops.pytorch_ops import get_default_device
     from pfl.model.pytorch import PyTorchModel
 
@@ -201,28 +227,7 @@ def run(args):
     first = next(commands, None)
     if first is None or first[0] != "round":
         return
-
-    class Rounds(TrainingProcessCallback):
-        """Report each round's time and work, then wait for the next command."""
-
-        def __init__(self):
-            self.t0 = time.perf_counter()
-            self.round = first[1]
-
-        def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
-            synchronize()
-            dt = time.perf_counter() - self.t0
-            print("DONE " + json.dumps({"round": self.round, "seconds": dt,
-                                        "real_examples": net.examples,
-                                        "padded_examples": net.examples}), flush=True)
-            net.examples = 0
-            cmd = next(commands, None)
-            if cmd is None or cmd[0] != "round":
-                return True, Metrics()
-            self.round = cmd[1]
-            self.t0 = time.perf_counter()
-            return False, Metrics()
-
+    rounds = round_callback(net, commands, first[1])
     FederatedAveraging().run(
         algorithm_params=NNAlgorithmParams(
             central_num_iterations=args.max_rounds, evaluation_frequency=args.max_rounds + 1,
@@ -232,7 +237,7 @@ def run(args):
                                               local_num_epochs=1,
                                               local_batch_size=args.batch_size),
         model_eval_params=NNEvalHyperParams(local_batch_size=args.batch_size),
-        callbacks=[Rounds()])
+        callbacks=[rounds])
 
 
 def main():
