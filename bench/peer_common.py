@@ -1,4 +1,4 @@
-"""What the peer scripts (``peer_fedjax.py``, ``peer_drjax.py``) share. They run as files in
+"""What the peer scripts (``peer_fedjax.py``, ``peer_drjax.py``, ``peer_pfl_worker.py``) share. They run as files in
 their own venvs, where this package is not installed, so this module uses the standard library
 only and is imported as their sibling."""
 
@@ -20,11 +20,12 @@ def versions(packages) -> dict:
     return out
 
 
-def serve(packages):
-    """Say READY with the versions of `packages`, then yield each command bench/peers.py sends
-    on stdin, one per line, as (verb, round, the other words), until "quit" or the end."""
+def serve(packages, extra=None):
+    """Say READY with the versions of `packages` (and the entries of `extra`), then yield each
+    command the bench script sends on stdin, one per line, as (verb, round, the other words),
+    until "quit" or the end."""
     import json
-    print("READY " + json.dumps(versions(packages)), flush=True)
+    print("READY " + json.dumps({**versions(packages), **(extra or {})}), flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] == "quit":

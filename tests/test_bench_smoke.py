@@ -6,7 +6,9 @@ and only they are skipped, with the reason in pytest's summary: bench/compare.py
 (the `bench` extra, `pip install -e '.[bench]'`; the engine and the JAX loop run without it) and
 the peers' own scripts (bench/peer_fedjax.py, bench/peer_drjax.py), which run in the pinned
 venvs `python -m bench.peers` creates from the package index (the engine's half runs without
-them)."""
+them), and pfl-research's side of bench/peer_pfl.py (bench/peer_pfl_worker.py), which runs in a
+venv holding `pfl` and torch that is no dependency of this package (docs/benchmarks/
+pfl-research.md: `.venv-pfl/` at the repository's root, or the python named by $PFL_PYTHON)."""
 
 import importlib.util
 import json
@@ -459,6 +461,68 @@ def test_image_convs_smoke_times_every_case_three_ways(tmp_path):
         assert r["xla_over_via_same"] == pytest.approx(ms["xla"] / ms["via_same"])
 
 
+# bench/peer_pfl.py at toy size: 12 x 12 x 3 images, 6 clients of 10, cohort 3 (one batch each).
+PFL_TOY = ["--num_clients=6", "--client_size=10", "--cohort=3", "--side=12", "--rounds=1",
+           "--gemm_n=256"]
+PFL_PYTHON = os.environ.get("PFL_PYTHON") or os.path.join(REPO, ".venv-pfl", "bin", "python")
+needs_pfl = pytest.mark.skipif(
+    not os.path.exists(PFL_PYTHON),
+    reason="no venv with pfl and torch (not dependencies of this package): create .venv-pfl as "
+           "docs/benchmarks/pfl-research.md shows, or set PFL_PYTHON")
+
+
+def toy_pfl_cnn_flops() -> float:
+    """pfl_cnn's training FLOPs per example on 12 x 12 x 3 images, by hand: conv 3x3 3->32
+    (10 x 10 outputs), conv 3x3 32->64 (8 x 8), dense 4*4*64 -> 128, dense 128 -> 10; each
+    layer's multiply-adds twice forward, twice for the weight gradient, twice for the input
+    gradient except the first layer's."""
+    macs = [10 * 10 * 32 * 27, 8 * 8 * 64 * 288, 4 * 4 * 64 * 128, 128 * 10]
+    return 2.0 * (3 * sum(macs) - macs[0])
+
+
+@pytest.mark.slow
+def test_peer_pfl_smoke_engine_side(tmp_path):
+    """bench/peer_pfl.py without --pfl_python: the engine on 1 and 2 host devices, each round
+    training the cohort's examples, the network's FLOPs as counted by hand."""
+    res = run_json(["bench.peer_pfl", "--engines=devices=1,devices=2+clients_per_step=2",
+                    *PFL_TOY], tmp_path, "peer_pfl")
+    assert set(res["sides"]) == {"engine_devices=1", "engine_devices=2+clients_per_step=2"}
+    assert res["speedup_vs_pfl"] == {}
+    for name, devices, lanes in (("engine_devices=1", 1, 2),
+                                 ("engine_devices=2+clients_per_step=2", 2, 2)):
+        row = res["sides"][name]
+        info = row["info"]
+        assert info["jax_devices"] == devices and info["placement"]["devices"] == devices
+        assert info["placement"]["lanes"] == lanes
+        assert row["train_examples_per_round"] == 30
+        assert info["network_flops_per_example"] == toy_pfl_cnn_flops()
+        # the SAME-then-crop convolutions compute the border too
+        assert info["engine_flops_per_example"] > info["network_flops_per_example"]
+        assert row["network_gflop_per_round"] == pytest.approx(30 * toy_pfl_cnn_flops() / 1e9)
+        assert 0 < row["fraction_of_gemm_peak"] and row["s_per_round"] > 0
+    assert res["engine_command_lines"]["engine_devices=1"].startswith(
+        "--model=pfl_cnn --algorithm=fedavg --clients_per_round=3 --batch_size=10")
+    assert len(res["load"]) == 2 * 2   # a warm-up and a timed round per side
+
+
+@needs_pfl
+@pytest.mark.slow
+def test_peer_pfl_smoke_against_pfl(tmp_path):
+    """pfl-research's FedAvg (bench/peer_pfl_worker.py in its own venv) beside the engine: the
+    same network (parameter count), the same FLOPs per example by PyTorch's counter and by
+    hand, and the same examples trained per round."""
+    res = run_json(["bench.peer_pfl", f"--pfl_python={PFL_PYTHON}", "--engines=devices=1",
+                    "--profile_repeats=1",
+                    *PFL_TOY], tmp_path, "peer_pfl")
+    pfl, eng = res["sides"]["pfl"], res["sides"]["engine_devices=1"]
+    assert pfl["info"]["pfl"] == "0.6.0"
+    assert pfl["info"]["parameters"] == eng["info"]["parameters"] == 151882
+    assert pfl["info"]["train_flops_per_example"] == toy_pfl_cnn_flops()
+    assert pfl["train_examples_per_round"] == eng["train_examples_per_round"] == 30
+    assert set(res["speedup_vs_pfl"]) == {"pfl_over_engine_devices=1"}
+    assert res["gemm_gflops"]["torch_pfl"] > 0 and res["profile_ms"]["torch_sgd_step_pfl"] > 0
+
+
 SMOKE_RUNS = {
     "availability.py": ["test_availability_smoke_pairs_and_parts"],
     "before_after.py": ["test_bench_before_after.py::test_before_after_smoke"],
@@ -469,6 +533,8 @@ SMOKE_RUNS = {
     "paper_grid.py": ["test_paper_grid_toy_json_adds_up"],
     "peer_drjax.py": ["test_peers_smoke_drjax_agrees_with_engine"],
     "peer_fedjax.py": ["test_peers_smoke_fedjax"],
+    "peer_pfl.py": ["test_peer_pfl_smoke_engine_side"],
+    "peer_pfl_worker.py": ["test_peer_pfl_smoke_against_pfl"],
     "peers.py": ["test_peers_smoke_engine_side"],
     "personal_cost.py": ["test_personal_cost_smoke"],
     "population.py": ["test_population_smoke_reports_every_row"],

@@ -1,0 +1,456 @@
+r"""The engine against pfl-research on pfl-research's own CIFAR-10 benchmark, round by round.
+
+    python -m bench.peer_pfl --pfl_python=.venv-pfl/bin/python [--rounds=3] [--warmup=1]
+        [--engines=default,devices=1,devices=2] [--out=bench/results/peer_pfl_cpu.json]
+
+The configuration is pfl-research's ``benchmarks/image_classification/configs/baseline.yaml``
+(CIFAR-10 IID, ``simple_cnn``, FedAvg): 1000 users of 50 images (the 50,000 CIFAR-10 training
+images, ``mean_datapoints_per_user: 50`` constant), cohort 50, one local epoch of batch 10 at
+local learning rate 0.1, central SGD at learning rate 1, users weighted equally. The images are
+random and CIFAR-shaped (32 x 32 x 3, 10 classes): a round's work does not depend on the
+pixels. Neither side has dropout (the engine's local step draws no masks).
+
+Sides, each a process of its own that runs one round per request (``peer_common.serve``):
+
+- ``pfl``: ``bench/peer_pfl_worker.py`` in the python given by ``--pfl_python`` (a venv with
+  ``pfl`` and PyTorch; this repository's venv needs neither), pfl's own simulation
+  (``FederatedAveraging.run`` over a ``SimulatedBackend``; see that file);
+- ``engine_<flags>``: this engine through :func:`deltafl_jax.build_experiment`, configured as
+  the command line would be by ``--model=pfl_cnn --algorithm=fedavg --clients_per_round=50
+  --batch_size=10 --learning_rate=0.1 --local_epochs=1`` plus each entry of ``--engines``
+  (``default``: no placement flag, so, as the command line does on a CPU, one host device per
+  core; ``devices=1``; ``devices=2``; several flags joined by ``+``, e.g.
+  ``devices=2+clients_per_step=2``). A process's host devices are set in its XLA_FLAGS before
+  JAX starts (``--xla_force_host_platform_device_count``), as the command line sets them. A
+  round is timed from the host's round plan (``round_data``) to the new model on the host.
+
+Rounds alternate: in round t every side runs its round t, in an order that rotates every round
+so no side always runs right after another; ``os.getloadavg()`` is recorded around each. The
+figure per side is the median of ``--rounds`` rounds after ``--warmup`` (compilation; pfl's
+round 0 also evaluates its cohort before and after training, which later rounds do not).
+
+Work per round, counted on both sides: the FLOPs of one training example's forward and
+backward pass times the examples trained in the round (2500). pfl's count is PyTorch's own
+``FlopCounterMode`` on a training step; the engine's are the matrix products and convolutions
+of the jaxpr of the loss's gradient (:func:`bench.common.jaxpr_matmul_flops`), once for the
+network as written with XLA's VALID convolutions (the same network: it must equal pfl's count;
+the script exits 2 after writing the JSON when they differ by more than 1%) and once as the
+engine runs it (its convolutions on the SAME-then-crop path compute the border too). GFLOP/s is
+the network's FLOPs per round over s/round; the fraction of the GEMM peak divides it by the
+fastest float32 GEMM measured in this run (numpy, jax and torch, 2048 x 2048).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+flags.DEFINE_string("pfl_python", None, "python of a venv holding pfl and torch (empty: time "
+                    "the engine only)")
+flags.DEFINE_list("pfl_threads", ["0"], "one pfl side per entry, with torch on that many "
+                  "threads (0: torch's default, one per core)")
+flags.DEFINE_list("engines", ["default", "devices=1", "devices=2"],
+                  "engine configurations: 'default' or flag=value joined by '+'")
+flags.DEFINE_integer("rounds", 3, "timed rounds (median reported)")
+flags.DEFINE_integer("warmup", 1, "untimed rounds first (compilation)")
+flags.DEFINE_integer("num_clients", 1000, "users in the population")
+flags.DEFINE_integer("client_size", 50, "images per user")
+flags.DEFINE_integer("cohort", 50, "users trained per round")
+flags.DEFINE_integer("batch_size", 10, "local minibatch size")
+flags.DEFINE_float("learning_rate", 0.1, "local learning rate")
+flags.DEFINE_integer("side", 32, "image side (32: CIFAR)")
+flags.DEFINE_integer("gemm_n", 2048, "matrix size of the GEMM-peak measurements")
+flags.DEFINE_string("out", None, "write the JSON here (default the git-ignored "
+                    "bench/out/peer_pfl_<backend>.json)")
+flags.DEFINE_integer("profile_repeats", 0, "time the pieces of one local step of pfl_cnn this "
+                     "many times each (median; 0: no profile)")
+flags.DEFINE_enum("role", "bench", ["bench", "engine"], "internal: 'engine' is one engine side")
+flags.DEFINE_string("engine_flags", "", "internal: the engine side's flags")
+FLAGS = flags.FLAGS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+CHANNELS, CLASSES, SEED = 3, 10, 1
+FLOP_TOLERANCE = 0.01   # the two sides' counts of the same network's FLOPs
+
+
+def engine_settings(entry: str) -> dict:
+    """'devices=2+clients_per_step=2' -> {'devices': 2, 'clients_per_step': 2}; 'default' ->
+    {}."""
+    out = {}
+    for part in ([] if entry in ("", "default") else entry.split("+")):
+        name, sep, value = part.partition("=")
+        if not sep or not name:
+            raise app.UsageError(f"--engines: {part!r} is not flag=value")
+        for cast in (int, float):
+            try:
+                out[name] = cast(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[name] = {"true": True, "false": False}.get(value, value)
+    return out
+
+
+def user_flags(settings: dict) -> str:
+    """The command line that configures the same engine run."""
+    base = {"model": "pfl_cnn", "algorithm": "fedavg", "clients_per_round": FLAGS.cohort,
+            "batch_size": FLAGS.batch_size, "learning_rate": FLAGS.learning_rate,
+            "local_epochs": 1}
+    return " ".join(f"--{k}={v}" for k, v in {**base, **settings}.items())
+
+
+def cifar_like_dataset():
+    """`--num_clients` clients of `--client_size` random uint8 side x side x 3 images (pixels
+    scaled by 1/255 as the CIFAR loaders'), 10 classes; two test clients (a round does not
+    evaluate)."""
+    from deltafl_jax import ClientData, FederatedDataset
+    rng = np.random.default_rng(0)
+
+    def split(clients):
+        n = clients * FLAGS.client_size
+        return ClientData(
+            x=rng.integers(0, 256, (n, FLAGS.side, FLAGS.side, CHANNELS), dtype=np.uint8),
+            y=rng.integers(0, CLASSES, n).astype(np.int32),
+            offsets=np.arange(clients + 1, dtype=np.int64) * FLAGS.client_size,
+            client_ids=np.arange(clients))
+
+    return FederatedDataset("cifar_like", split(FLAGS.num_clients), split(2),
+                            num_classes=CLASSES, x_scale=1 / 255)
+
+
+def matmul_flops_list(jaxpr) -> list:
+    """The FLOPs of each matrix product and convolution of a forward jaxpr, in order."""
+    from bench.common import jaxpr_matmul_flops
+    out = []
+    for eqn in jaxpr.eqns:
+        one = type(jaxpr)(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, [eqn])
+        flops = jaxpr_matmul_flops(one)
+        if flops:
+            out.append(flops)
+    return out
+
+
+def network_train_flops(model, batch: int) -> float:
+    """FLOPs of one training example's forward and backward pass, counted as PyTorch's
+    ``FlopCounterMode`` counts them: each matrix product or convolution of the forward pass
+    (the jaxpr of the network with XLA's convolutions) once forward, once for its weight
+    gradient and once for its input gradient, except the first layer's input gradient, which
+    no SGD step computes."""
+    import jax
+    import jax.numpy as jnp
+
+    params = model.init(jax.random.key(0))
+    x = jnp.zeros((batch,) + tuple(model.example_shape), jnp.float32)
+    layers = matmul_flops_list(jax.make_jaxpr(model.apply)(params, x).jaxpr)
+    return (3 * sum(layers) - layers[0]) / batch
+
+
+def executed_train_flops(model, batch: int) -> float:
+    """Matrix-product and convolution FLOPs of the mean cross-entropy's gradient (parameters
+    only, as an SGD step) as the model computes it (every product counted whole, the zeros of a
+    padded convolution included), per example."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.common import jaxpr_matmul_flops
+
+    params = model.init(jax.random.key(0))
+    x = jnp.zeros((batch,) + tuple(model.example_shape), jnp.float32)
+    y = jnp.zeros((batch,), jnp.int32)
+
+    def loss(p):
+        logits = model.apply(p, x)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+    return jaxpr_matmul_flops(jax.make_jaxpr(jax.grad(loss))(params).jaxpr) / batch
+
+
+def engine_side() -> None:
+    """One engine configuration, serving rounds on stdin (peer_common.serve)."""
+    import jax
+
+    from bench.common import gemm_peak_gflops
+    from bench.peer_common import serve
+    from deltafl_jax import DataConfig, ExperimentConfig, build_experiment
+    from deltafl_jax.models import ModelOptions, build_model
+
+    settings = engine_settings(FLAGS.engine_flags)
+    data = cifar_like_dataset()
+    cfg = ExperimentConfig(
+        data=DataConfig("npz"), model="pfl_cnn", algorithm="fedavg", seeds=(SEED,),
+        num_rounds=10000, clients_per_round=FLAGS.cohort, batch_size=FLAGS.batch_size,
+        learning_rate=FLAGS.learning_rate, local_epochs=1, output_dir=None, save_models=False,
+        verbose=False, **settings)
+    exp = build_experiment(cfg, data)
+    network = build_model("pfl_cnn", data, ModelOptions(conv_impl="xla"))
+    extra = {"placement": vars(exp.placement), "jax_devices": jax.local_device_count(),
+             "parameters": int(sum(np.size(a) for a in
+                                   jax.tree.leaves(network.init(jax.random.key(0))))),
+             "network_flops_per_example": network_train_flops(network, FLAGS.batch_size),
+             "engine_flops_per_example": executed_train_flops(exp.model, FLAGS.batch_size),
+             "jax_gemm_gflops": gemm_peak_gflops(FLAGS.gemm_n)}
+    state, keys = exp.initial_state(), exp.keys()
+    for _, t, _ in serve(("jax", "jaxlib", "flax", "numpy"), extra):
+        t0 = time.perf_counter()
+        rd = exp.round_data(t)
+        t1 = time.perf_counter()
+        state, met = exp.round_fn(state, rd, keys)
+        met = jax.device_get(met)
+        dt = time.perf_counter() - t0
+        trained = int(np.sum(met["train_real_examples"]))
+        print("DONE " + json.dumps({"round": t, "seconds": dt, "host_plan_s": t1 - t0,
+                                    "real_examples": trained,
+                                    "padded_examples": int(np.sum(met["train_padded_examples"])),
+                                    "eval_examples": int(np.sum(met["eval_real_examples"]))}),
+              flush=True)
+
+
+def step_pieces(side: int, batch: int) -> dict:
+    """Jitted pieces of one local SGD step of pfl_cnn on `batch` images, one client, one
+    device: {name: (function, arguments)}."""
+    import jax
+    import jax.numpy as jnp
+
+    from deltafl_jax.models.image import PflCNN
+    from deltafl_jax.models.image_conv import conv_valid
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((batch, side, side, CHANNELS)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, CLASSES, batch), jnp.int32)
+    out = {}
+    for impl in ("im2col_wgrad", "xla"):
+        net = PflCNN(CLASSES, conv_impl=impl)
+        params = net.init(jax.random.key(0), x)
+
+        def loss(p, net=net):
+            logp = jax.nn.log_softmax(net.apply(p, x))
+            return -jnp.mean(jnp.take_along_axis(logp, y[:, None], 1))
+
+        def step(p, loss=loss):
+            g = jax.grad(loss)(p)
+            return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+        out[f"sgd_step_{impl}"] = (jax.jit(step), (params,))
+        out[f"forward_{impl}"] = (jax.jit(lambda p, net=net: net.apply(p, x)), (params,))
+        for name, cin, cout, hw in (("conv1", CHANNELS, 32, side),
+                                    ("conv2", 32, 64, side - 2)):
+            a = jnp.asarray(rng.standard_normal((batch, hw, hw, cin)), jnp.float32)
+            w = jnp.asarray(rng.standard_normal((3, 3, cin, cout)), jnp.float32) * 0.1
+            f = lambda a, w, impl=impl: jnp.sum(jnp.square(conv_valid(a, w, impl)))
+            out[f"{name}_forward_{impl}"] = (jax.jit(f), (a, w))
+            out[f"{name}_weight_grad_{impl}"] = (jax.jit(jax.grad(f, 1)), (a, w))
+            out[f"{name}_input_grad_{impl}"] = (jax.jit(jax.grad(f, 0)), (a, w))
+    feats = ((side - 4) // 2) ** 2 * 64
+    h = jnp.asarray(rng.standard_normal((batch, feats)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((feats, 128)), jnp.float32) * 0.01
+    dense = lambda h, w: jnp.sum(jnp.square(jax.nn.relu(h @ w)))
+    out["dense1_forward_and_grads"] = (jax.jit(jax.grad(dense, (0, 1))), (h, w1))
+    return out
+
+
+def profile_step(side: int, batch: int, repeats: int) -> dict:
+    """Median milliseconds of each piece of one local step (:func:`step_pieces`), outside the
+    engine's lanes and loops, on this process's one device."""
+    import jax
+
+    from bench.common import median_time
+
+    out = {}
+    for name, (fn, args) in step_pieces(side, batch).items():
+        jax.block_until_ready(fn(*args))
+        out[name] = 1e3 * float(np.median(median_time(
+            lambda fn=fn, args=args: jax.block_until_ready(fn(*args)), repeats)))
+    return out
+
+
+class Side:
+    """One side's process, one round per request."""
+
+    def __init__(self, cmd, env=None):
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1, env=env, cwd=REPO)
+        self.info = json.loads(self._expect("READY"))
+        self.rounds = []
+
+    def _expect(self, word: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(word + " "):
+                return line[len(word) + 1:]
+        raise RuntimeError(f"{self.proc.args[:3]} exited (code {self.proc.wait()}) "
+                           f"before {word}")
+
+    def round(self, t: int) -> float:
+        self.proc.stdin.write(f"round {t}\n")
+        done = json.loads(self._expect("DONE"))
+        self.rounds.append(done)
+        return float(done["seconds"])
+
+    def close(self):
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+        finally:
+            self.proc.wait(timeout=120)
+
+
+def start_sides() -> dict:
+    """The pfl side (with --pfl_python) and one engine side per --engines entry."""
+    from deltafl_jax.engine.mesh import HOST_DEVICES_FLAG, default_host_devices
+
+    sides = {}
+    if FLAGS.pfl_python:
+        if not os.path.exists(FLAGS.pfl_python):
+            raise app.UsageError(f"--pfl_python={FLAGS.pfl_python} does not exist")
+        for threads in (int(n) for n in FLAGS.pfl_threads):
+            sides["pfl" + (f"_threads{threads}" if threads else "")] = Side(
+                [FLAGS.pfl_python, os.path.join(HERE, "peer_pfl_worker.py"),
+                 f"--num_clients={FLAGS.num_clients}", f"--client_size={FLAGS.client_size}",
+                 f"--cohort={FLAGS.cohort}", f"--batch_size={FLAGS.batch_size}",
+                 f"--learning_rate={FLAGS.learning_rate}", f"--side={FLAGS.side}",
+                 f"--torch_threads={threads}"])
+    common = [f"--{k}={getattr(FLAGS, k)}" for k in
+              ("num_clients", "client_size", "cohort", "batch_size", "learning_rate", "side",
+               "gemm_n")]
+    for entry in FLAGS.engines:
+        settings = engine_settings(entry)
+        devices = settings.get("devices", default_host_devices())
+        env = dict(os.environ)   # this side's host devices, whatever the caller's flags say
+        kept = [f for f in env.get("XLA_FLAGS", "").split()
+                if not f.startswith(HOST_DEVICES_FLAG)]
+        env["XLA_FLAGS"] = " ".join(kept + [f"{HOST_DEVICES_FLAG}={int(devices)}"])
+        sides[f"engine_{entry}"] = Side(
+            [sys.executable, "-m", "bench.peer_pfl", "--role=engine", f"--engine_flags={entry}",
+             *common], env)
+    return sides
+
+
+def numpy_gemm_gflops(n: int, repeats: int = 5) -> float:
+    a = np.ones((n, n), np.float32)
+    a @ a
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9
+
+
+def alternate(sides: dict) -> tuple:
+    """Every side's rounds, interleaved; returns (times per side, load records)."""
+    names = list(sides)
+    times = {k: [] for k in names}
+    loads = []
+    for t in range(FLAGS.warmup + FLAGS.rounds):
+        for name in names[t % len(names):] + names[:t % len(names)]:
+            before = os.getloadavg()[0]
+            dt = sides[name].round(t)
+            if t >= FLAGS.warmup:
+                times[name].append(dt)
+            loads.append({"round": t, "side": name, "seconds": dt, "load1_before": before,
+                          "load1_after": os.getloadavg()[0]})
+        print(f"# round {t}: " + ", ".join(f"{k} {sides[k].rounds[-1]['seconds']:.2f}s"
+                                           for k in names), file=sys.stderr, flush=True)
+    return times, loads
+
+
+def summarise(sides: dict, times: dict, peaks: dict) -> dict:
+    """s/round, work, GFLOP/s and the share of the GEMM peak per side, and the ratios."""
+    peak = max(peaks.values())
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    rows = {}
+    for name, side in sides.items():
+        timed = side.rounds[FLAGS.warmup:]
+        examples = float(np.mean([r["real_examples"] for r in timed]))
+        per_example = side.info.get("train_flops_per_example",
+                                    side.info.get("network_flops_per_example"))
+        gflop = per_example * examples / 1e9
+        rows[name] = {"s_per_round": med[name], "round_times_s": times[name],
+                      "train_examples_per_round": examples,
+                      "network_gflop_per_round": gflop, "gflops": gflop / med[name],
+                      "fraction_of_gemm_peak": gflop / med[name] / peak,
+                      "info": side.info}
+        if "engine_flops_per_example" in side.info:
+            rows[name]["engine_executed_gflop_per_round"] = (
+                side.info["engine_flops_per_example"] * examples / 1e9)
+            rows[name]["host_plan_s_median"] = float(np.median([r["host_plan_s"]
+                                                                for r in timed]))
+    pfl = [k for k in med if k.startswith("pfl")]
+    ratios = {f"{p}_over_{k}": med[p] / med[k] for p in pfl for k in med
+              if k.startswith("engine")}
+    return {"sides": rows, "s_per_round": med, "speedup_vs_pfl": ratios,
+            "gemm_peak_gflops": peak}
+
+
+def flop_check(rows: dict) -> list:
+    """The sides' counts of the network's FLOPs per example must agree."""
+    counts = {k: r["info"].get("train_flops_per_example", r["info"].get(
+        "network_flops_per_example")) for k, r in rows.items()}
+    lo, hi = min(counts.values()), max(counts.values())
+    if hi > lo * (1 + FLOP_TOLERANCE):
+        return [f"the sides count different FLOPs per training example: {counts}"]
+    return []
+
+
+def bench() -> None:
+    from bench.common import backend_name, emit, gemm_peak_gflops, machine
+
+    if FLAGS.rounds < 1 or FLAGS.warmup < 0:
+        raise app.UsageError("--rounds must be >= 1 and --warmup >= 0")
+    for entry in FLAGS.engines:
+        engine_settings(entry)
+    result = {"benchmark": "peer_pfl", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+              "loadavg_start": os.getloadavg(),
+              "configuration": {"num_clients": FLAGS.num_clients,
+                                "client_size": FLAGS.client_size, "cohort": FLAGS.cohort,
+                                "local_epochs": 1, "batch_size": FLAGS.batch_size,
+                                "local_learning_rate": FLAGS.learning_rate,
+                                "central_learning_rate": 1.0,
+                                "image": [FLAGS.side, FLAGS.side, CHANNELS],
+                                "classes": CLASSES, "dropout": False,
+                                "rounds_timed": FLAGS.rounds, "warmup": FLAGS.warmup},
+              "engine_command_lines": {f"engine_{e}": user_flags(engine_settings(e))
+                                       for e in FLAGS.engines}}
+    sides = start_sides()
+    try:
+        times, loads = alternate(sides)
+    finally:
+        for side in sides.values():
+            side.close()
+    peaks = {"numpy": numpy_gemm_gflops(FLAGS.gemm_n), "jax": gemm_peak_gflops(FLAGS.gemm_n)}
+    for name in (k for k in sides if k.startswith("pfl")):
+        peaks[f"torch_{name}"] = sides[name].info["torch_gemm_gflops"]
+    result.update(summarise(sides, times, peaks))
+    result["gemm_gflops"] = peaks
+    result["load"] = loads
+    result["load1_mean"] = float(np.mean([r["load1_before"] for r in loads]))
+    if FLAGS.profile_repeats:
+        result["profile_ms"] = profile_step(FLAGS.side, FLAGS.batch_size, FLAGS.profile_repeats)
+        for name in (k for k in sides if k.startswith("pfl")):
+            result["profile_ms"][f"torch_sgd_step_{name}"] = 1e3 * sides[name].info[
+                "torch_step_s"]
+    result["loadavg_end"] = os.getloadavg()
+    emit(result, FLAGS.out, name=f"peer_pfl_{backend_name()}")
+    bad = flop_check(result["sides"])
+    if bad:
+        print("; ".join(bad), file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv):
+    del argv
+    if FLAGS.role == "engine":
+        engine_side()
+    else:
+        bench()
+
+
+if __name__ == "__main__":
+    app.run(main)
