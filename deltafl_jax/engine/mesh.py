@@ -49,6 +49,13 @@ class DeviceAxis:
     def max(self, x):
         return jax.lax.pmax(x, self.name) if self.name else x
 
+    def exchange(self, x):
+        """x [S, D * k] on every device -> [D * S, k]: column block i of every device's x,
+        stacked in device order, on device i (one all-to-all; x itself when D = 1)."""
+        if not self.name:
+            return x
+        return jax.lax.all_to_all(x, self.name, 1, 0, tiled=True)
+
     def spread(self, x):
         """[D]: every device's value of the scalar x, in device order (one all-reduce)."""
         x = jax.numpy.asarray(x)
