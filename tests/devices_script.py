@@ -14,6 +14,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's
 from conftest import tiny_config  # noqa: E402
 from deltafl_jax import DataConfig, build_experiment, load_dataset  # noqa: E402
 

@@ -132,33 +132,48 @@ def ordered_sum(values, rows):
     return jax.lax.fori_loop(0, m, add, zeros)
 
 
-def device_ordered_sum(values, rows, axis):
-    """:func:`ordered_sum` of the rows of the D devices' slot tables stacked in device order
-    (values: pytree of this device's [S, ...] leaves; rows: [R, m] int32 into the D x S
-    stacked rows, D x S: nothing), the same [R, ...] sums on every device.
-
-    With D > 1 (``axis``, a :class:`~deltafl_jax.engine.mesh.DeviceAxis`) no device holds
-    every row: device i adds, over all the rows, the i-th of D blocks of each leaf's elements,
-    which one all-to-all brings it from every device, and one psum of the [R, ...] sums joins
-    the blocks (the other devices' blocks are zeros there, and a sum that starts from +0 is
-    never -0, so adding them changes no bit). Every element is added in the same order as on
-    one device."""
-    D = axis.count
-    if D == 1:
-        return ordered_sum(values, rows)
-
-    def block(v):   # [S, ...] -> [D * S, k]: this device's block of every device's rows
+def slot_blocks(tree, blocks: int):
+    """Leaves [c, ...] -> [blocks, c, k]: each row flattened, padded with zeros to blocks x k
+    elements (k = ceil(size / blocks)) and cut into `blocks` consecutive blocks."""
+    def one(v):
         size = math.prod(v.shape[1:])
-        k = ceil_div(size, D)
-        return axis.exchange(jnp.pad(v.reshape(v.shape[0], size), ((0, 0), (0, D * k - size))))
+        k = ceil_div(size, blocks)
+        flat = jnp.pad(v.reshape(v.shape[0], size), ((0, 0), (0, blocks * k - size)))
+        return flat.reshape(v.shape[0], blocks, k).transpose(1, 0, 2)
+    return jax.tree.map(one, tree)
+
+
+def slot_tables(like, slots: int, blocks: int):
+    """Zeros [blocks, slots, k] for each leaf of `like` (leaves [R, ...]; one slot holds a
+    [...] row cut into blocks as by :func:`slot_blocks`)."""
+    return jax.tree.map(lambda v: jnp.zeros(
+        (blocks, slots, ceil_div(math.prod(v.shape[1:]), blocks)), v.dtype), like)
+
+
+def device_ordered_sum(tables, rows, axis, like):
+    """:func:`ordered_sum` of the rows of the D devices' slot tables stacked in device order,
+    the same [R, ...] sums (the leaves of `like` without their first axis) on every device.
+
+    tables: this device's :func:`slot_tables` [D, S, k] (D = ``axis.count`` blocks per row);
+    rows: [R, m] int32 into the D x S stacked rows (device j's slot s: j * S + s; D x S:
+    nothing). No device holds every row: device i adds, over all the rows, block i of each
+    row, which one all-to-all brings it from every device (``axis.exchange``), and one psum of
+    the [R, D, k] sums joins the blocks (the other devices' blocks are zeros there, and a sum
+    that starts from +0 is never -0, so adding them changes no bit). Every element is added
+    in the same order as on one device."""
+    D = axis.count
+
+    def stacked(t):   # [D, S, k] -> [D * S, k]: block i of every device's rows
+        return axis.exchange(t).reshape(-1, t.shape[-1])
 
     def join(part, v):   # [R, k] -> [R, ...]
         R, k = part.shape
-        mine = jnp.zeros((R, D, k), part.dtype).at[:, axis.index()].set(part)
-        flat = axis.sum(mine).reshape(R, D * k)[:, :math.prod(v.shape[1:])]
+        if D > 1:
+            part = axis.sum(jnp.zeros((R, D, k), part.dtype).at[:, axis.index()].set(part))
+        flat = part.reshape(R, D * k)[:, :math.prod(v.shape[1:])]
         return flat.reshape((R,) + v.shape[1:])
 
-    return jax.tree.map(join, ordered_sum(jax.tree.map(block, values), rows), values)
+    return jax.tree.map(join, ordered_sum(jax.tree.map(stacked, tables), rows), like)
 
 
 def device_share(deal: LaneDeal, device, lanes: int) -> LaneDeal:
@@ -178,8 +193,8 @@ class LaneTimeline:
     Lane l runs its jobs back to back from step 0: its q-th job covers steps
     [start[l, q], start[l, q + 1]). A job's steps are numbered 0 .. steps - 1 within it.
     A device's jobs have ``slots`` = lanes x Q rows (lane l's q-th job: row l * Q + q);
-    ``rows`` [J] gives each job's row in the devices' tables stacked in device order
-    (``first_row`` is this device's first; count x slots: a job not dealt).
+    ``rows`` [J] gives each job's row in the ``devices`` tables stacked in device order
+    (``first_row`` is this device's first; devices x slots: a job not dealt).
     """
 
     def __init__(self, steps, lanes: int, axis=None):
@@ -189,7 +204,7 @@ class LaneTimeline:
         device = axis.index() if count > 1 else 0
         self.deal = device_share(full, device, lanes) if count > 1 else full
         # the jobs' rows in the devices' slot tables stacked in device order ([count * slots])
-        self.slots = lanes * full.jobs.shape[1]
+        self.slots, self.devices = lanes * full.jobs.shape[1], count
         self.rows = deal_rows(full, self.J)
         self.first_row = device * self.slots
         lane_steps = jnp.where(self.deal.jobs < self.J,

@@ -37,7 +37,8 @@ from jax import lax
 
 from deltafl_jax.client_optimizer import ClientOptimizer
 from deltafl_jax.engine.client import LOCAL_SGD, ClientJob, ClientUpdate
-from deltafl_jax.engine.lanes import LaneTimeline, device_ordered_sum, finish_order, per_lane
+from deltafl_jax.engine.lanes import (LaneTimeline, device_ordered_sum, finish_order, per_lane,
+                                      slot_blocks, slot_tables)
 from deltafl_jax.engine.mesh import SINGLE, DeviceAxis
 from deltafl_jax.engine.trees import gather_rows, select_tree, tree_all_finite, tree_sqnorm
 from deltafl_jax.models import Model
@@ -126,8 +127,8 @@ class LaneCarry(NamedTuple):
 
     trip: jax.Array        # [] int32, loop trips done (each runs `unroll` steps)
     step: Any              # [c, ...] the lanes' step states (the client update's own)
-    update: Params         # [S, ...] a_j u_j of each finished, finite job (else 0), by slot
-    weight: jax.Array      # [S] a_j of the same jobs
+    update: Params         # [D, S, k] a_j u_j of each finished, finite job (else 0), by slot
+    weight: jax.Array      # [D, S, 1] a_j of the same jobs (D blocks per row: slot_tables)
     sqnorm: jax.Array      # [J]
     finite: jax.Array      # [J] bool
     real: jax.Array        # [] int32 examples trained
@@ -206,6 +207,7 @@ class _LaneProgram:
         self.clip = cfg.clip
         self.clip_r = clip   # [R] a traced clip per replica (adaptive clipping), or None
         self.augment = cfg.augment
+        self.weight_like = jax.ShapeDtypeStruct(learning_rate.shape, jnp.float32)   # [R]
 
     # ---------------------------------------------------------------- one lane's client work
 
@@ -312,13 +314,15 @@ class _LaneProgram:
                 d = jnp.where(ok.reshape((c,) + (1,) * (d.ndim - 1)), d, 0.0)
                 return coef.reshape((c,) + (1,) * (d.ndim - 1)) * d
 
-            def put_at(at):
-                return lambda buf, v: buf.at[at].set(v.astype(buf.dtype), mode="drop")
+            def put(buf, v):
+                return buf.at[slot].set(v.astype(buf.dtype), mode="drop")
 
-            put, put_row = put_at(slot), put_at(row)
+            def put_row(table, v):   # v [D, c, k]: the lanes' rows cut into D blocks
+                return table.at[:, row].set(v.astype(table.dtype), mode="drop")
 
-            return (jax.tree.map(put_row, update, jax.tree.map(weighted, delta)),
-                    put_row(weight, coef),
+            return (jax.tree.map(put_row, update,
+                                 slot_blocks(jax.tree.map(weighted, delta), tl.devices)),
+                    put_row(weight, slot_blocks(coef, tl.devices)),
                     sqnorm.at[slot].set(jax.vmap(tree_sqnorm)(delta), mode="drop"),
                     finite.at[slot].set(ok, mode="drop"), jax.tree.map(put, job_state, new_state),
                     jax.tree.map(put, job_output, output), clipped)
@@ -381,8 +385,9 @@ class _LaneProgram:
         S = self.timeline.slots
         return LaneCarry(
             trip=jnp.int32(0), step=step,
-            update=jax.tree.map(lambda p: jnp.zeros((S,) + p.shape[1:], p.dtype), self.params),
-            weight=jnp.zeros((S,), jnp.float32), sqnorm=jnp.zeros((self.J,), jnp.float32),
+            update=slot_tables(self.params, S, self.timeline.devices),
+            weight=slot_tables(self.weight_like, S, self.timeline.devices),
+            sqnorm=jnp.zeros((self.J,), jnp.float32),
             finite=jnp.zeros((self.J,), bool), real=jnp.int32(0),
             job_state=job_state, job_output=job_output,
             clipped=jnp.zeros((self.J,), bool) if self.clip is not None else None)
@@ -430,7 +435,8 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
     order = jax.vmap(lambda s: finish_order(s, cfg.order_lanes or cfg.lanes))(
         jobs.steps.reshape(R, m))
     rows = prog.timeline.rows[jnp.arange(R, dtype=jnp.int32)[:, None] * m + order]
-    update, weight = device_ordered_sum((out.update, out.weight), rows, axis)
+    update, weight = device_ordered_sum((out.update, out.weight), rows, axis,
+                                        (params, prog.weight_like))
     return TrainResult(delta_sum=update, weight_sum=weight,
                        job_sqnorm=axis.sum(out.sqnorm).reshape(R, m),
                        job_finite=axis.sum(out.finite.astype(jnp.int32)).reshape(R, m) > 0,
