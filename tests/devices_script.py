@@ -1,6 +1,7 @@
 """Run by tests/test_devices.py in a subprocess with 8 fake CPU devices (the XLA flag must be
 set before JAX starts): trains the same configuration on D = 1, 2, 4, 8 devices and prints one
-JSON line per D with its metrics and final parameters, and the compiled HLO of D = 4."""
+JSON line per D with its metrics and final parameters, and the compiled HLO of D = 4 (with
+its jobs per round, model size and per-client state size)."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's
 from conftest import tiny_config  # noqa: E402
 from deltafl_jax import DataConfig, build_experiment, load_dataset  # noqa: E402
 
@@ -66,6 +68,11 @@ def main(which):
         if D == 4:
             data0 = exp.round_data(0, state)
             out["hlo"] = exp.round_fn.lower(state, data0, exp.keys()).compile().as_text()
+            R = jax.tree.leaves(state.params)[0].shape[0]
+            out["jobs"] = R * exp.config.clients_per_round
+            out["model_size"] = sum(x.size for x in jax.tree.leaves(state.params)) // R
+            out["client_state_size"] = sum(x.size // (x.shape[0] * x.shape[1])
+                                           for x in jax.tree.leaves(state.client_state))
         print(json.dumps(out), flush=True)
 
 

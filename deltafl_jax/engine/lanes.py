@@ -12,6 +12,7 @@ copies that XLA:CPU runs concurrently while each keeps ordinary convolutions).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -105,17 +106,74 @@ def finish_order(steps, lanes: int):
     return jnp.argsort(key, stable=True).astype(jnp.int32)
 
 
-def ordered_sum(values, order):
-    """sum_k values[r, order[r, k]] for every replica r, added one job at a time in the order
-    given, starting from zeros (values: pytree of [R, m, ...] leaves; order: [R, m])."""
-    R, m = order.shape
-    rows = jnp.arange(R)
+def deal_rows(deal: LaneDeal, J: int):
+    """[J] int32: each job's row in the deal's table read lane by lane (lane l's q-th job:
+    l * Q + q); c * Q for a job that is not dealt (no steps)."""
+    flat = deal.jobs.reshape(-1)
+    n = flat.shape[0]
+    return jnp.full((J + 1,), n, jnp.int32).at[flat].set(jnp.arange(n, dtype=jnp.int32))[:J]
+
+
+def ordered_sum(values, rows):
+    """sum_k values[rows[r, k]] for every replica r, added one row at a time in the order
+    given, starting from zeros (values: pytree of [S, ...] leaves; rows: [R, m] int32; a row
+    >= S adds nothing). Each element is added in the same order whatever the leaves' shape,
+    so a slice of the elements sums to the same bits alone."""
+    rows = jnp.asarray(rows)
+    R, m = rows.shape
 
     def add(k, total):
-        return jax.tree.map(lambda t, v: t + v[rows, order[:, k]], total, values)
+        def one(t, v):
+            keep = (rows[:, k] < v.shape[0]).reshape((R,) + (1,) * (v.ndim - 1))
+            return t + jnp.where(keep, v[jnp.minimum(rows[:, k], v.shape[0] - 1)], 0)
+        return jax.tree.map(one, total, values)
 
-    zeros = jax.tree.map(lambda v: jnp.zeros(v.shape[:1] + v.shape[2:], v.dtype), values)
+    zeros = jax.tree.map(lambda v: jnp.zeros((R,) + v.shape[1:], v.dtype), values)
     return jax.lax.fori_loop(0, m, add, zeros)
+
+
+def slot_blocks(tree, blocks: int):
+    """Leaves [c, ...] -> [blocks, c, k]: each row flattened, padded with zeros to blocks x k
+    elements (k = ceil(size / blocks)) and cut into `blocks` consecutive blocks."""
+    def one(v):
+        size = math.prod(v.shape[1:])
+        k = ceil_div(size, blocks)
+        flat = jnp.pad(v.reshape(v.shape[0], size), ((0, 0), (0, blocks * k - size)))
+        return flat.reshape(v.shape[0], blocks, k).transpose(1, 0, 2)
+    return jax.tree.map(one, tree)
+
+
+def slot_tables(like, slots: int, blocks: int):
+    """Zeros [blocks, slots, k] for each leaf of `like` (leaves [R, ...]; one slot holds a
+    [...] row cut into blocks as by :func:`slot_blocks`)."""
+    return jax.tree.map(lambda v: jnp.zeros(
+        (blocks, slots, ceil_div(math.prod(v.shape[1:]), blocks)), v.dtype), like)
+
+
+def device_ordered_sum(tables, rows, axis, like):
+    """:func:`ordered_sum` of the rows of the D devices' slot tables stacked in device order,
+    the same [R, ...] sums (the leaves of `like` without their first axis) on every device.
+
+    tables: this device's :func:`slot_tables` [D, S, k] (D = ``axis.count`` blocks per row);
+    rows: [R, m] int32 into the D x S stacked rows (device j's slot s: j * S + s; D x S:
+    nothing). No device holds every row: device i adds, over all the rows, block i of each
+    row, which one all-to-all brings it from every device (``axis.exchange``), and one psum of
+    the [R, D, k] sums joins the blocks (the other devices' blocks are zeros there, and a sum
+    that starts from +0 is never -0, so adding them changes no bit). Every element is added
+    in the same order as on one device."""
+    D = axis.count
+
+    def stacked(t):   # [D, S, k] -> [D * S, k]: block i of every device's rows
+        return axis.exchange(t).reshape(-1, t.shape[-1])
+
+    def join(part, v):   # [R, k] -> [R, ...]
+        R, k = part.shape
+        if D > 1:
+            part = axis.sum(jnp.zeros((R, D, k), part.dtype).at[:, axis.index()].set(part))
+        flat = part.reshape(R, D * k)[:, :math.prod(v.shape[1:])]
+        return flat.reshape((R,) + v.shape[1:])
+
+    return jax.tree.map(join, ordered_sum(jax.tree.map(stacked, tables), rows), like)
 
 
 def device_share(deal: LaneDeal, device, lanes: int) -> LaneDeal:
@@ -134,14 +192,21 @@ class LaneTimeline:
 
     Lane l runs its jobs back to back from step 0: its q-th job covers steps
     [start[l, q], start[l, q + 1]). A job's steps are numbered 0 .. steps - 1 within it.
+    A device's jobs have ``slots`` = lanes x Q rows (lane l's q-th job: row l * Q + q);
+    ``rows`` [J] gives each job's row in the ``devices`` tables stacked in device order
+    (``first_row`` is this device's first; devices x slots: a job not dealt).
     """
 
     def __init__(self, steps, lanes: int, axis=None):
         self.J, self.c, self.steps = steps.shape[0], lanes, steps
-        if axis is not None and axis.count > 1:
-            self.deal = device_share(deal_jobs(steps, lanes * axis.count), axis.index(), lanes)
-        else:
-            self.deal = deal_jobs(steps, lanes)
+        count = axis.count if axis is not None else 1
+        full = deal_jobs(steps, lanes * count)
+        device = axis.index() if count > 1 else 0
+        self.deal = device_share(full, device, lanes) if count > 1 else full
+        # the jobs' rows in the devices' slot tables stacked in device order ([count * slots])
+        self.slots, self.devices = lanes * full.jobs.shape[1], count
+        self.rows = deal_rows(full, self.J)
+        self.first_row = device * self.slots
         lane_steps = jnp.where(self.deal.jobs < self.J,
                                steps[jnp.minimum(self.deal.jobs, self.J - 1)], 0)
         self.start = jnp.concatenate([jnp.zeros((lanes, 1), jnp.int32),

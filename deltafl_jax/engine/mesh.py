@@ -4,7 +4,9 @@ With D > 1 devices the round is ``jit(shard_map(round_fn))`` over a 1-D mesh (ax
 ``"devices"``). The state, the training split and the round plan are replicated; the client
 work is dealt across D x c global lanes (:func:`deltafl_jax.engine.lanes.deal_jobs`,
 evaluation items round-robin), each device runs its own while loops to its own trip counts, and
-the partial sums are reduced once after the loops (``psum``; no collective inside a loop body).
+the partial sums are reduced once after the loops (``psum``; the jobs' updates cross the
+devices through one ``all_to_all`` instead, :func:`deltafl_jax.engine.lanes.device_ordered_sum`;
+no collective inside a loop body).
 The filter and the server update then run identically on every device. With D = 1 none of
 this is used, and the round is the plain jitted function.
 
@@ -48,6 +50,13 @@ class DeviceAxis:
 
     def max(self, x):
         return jax.lax.pmax(x, self.name) if self.name else x
+
+    def exchange(self, x):
+        """x [D, ...] on every device -> [D, ...]: x[i] of every device, in device order, on
+        device i (one all-to-all; x itself when D = 1)."""
+        if not self.name:
+            return x
+        return jax.lax.all_to_all(x, self.name, 0, 0, tiled=True)
 
     def spread(self, x):
         """[D]: every device's value of the scalar x, in device order (one all-reduce)."""

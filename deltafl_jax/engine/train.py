@@ -5,11 +5,12 @@ client, for an algorithm whose clients all work: ``runs`` in :func:`train_jobs`)
 the filter dropped costs nothing. :func:`deltafl_jax.engine.lanes.deal_jobs` deals the jobs to
 ``lanes`` lanes; each lane runs its jobs back to back, one minibatch step per trip of a
 ``lax.while_loop`` that stops when the busiest lane is done. A finished job keeps a_j u_j
-(0 if not finite) in its slot of a [J, ...] buffer; after the loop each replica's sum, which
-the server update then averages, adds its jobs one at a time in the order in which they would
-finish were the replica dealt alone to the lanes (:func:`~deltafl_jax.engine.lanes.finish_order`):
-the sum of a replica depends on its own jobs only, neither on the other replicas of its program
-nor on the number of devices.
+(0 if not finite) in its row of its device's [lanes x Q, ...] slot table; after the loop each
+replica's sum, which the server update then averages, adds its jobs one at a time in the order
+in which they would finish were the replica dealt alone to the lanes
+(:func:`~deltafl_jax.engine.lanes.finish_order`,
+:func:`~deltafl_jax.engine.lanes.device_ordered_sum`): the sum of a replica depends on its own
+jobs only, neither on the other replicas of its program nor on the number of devices.
 
 What a client does is its algorithm's :class:`~deltafl_jax.engine.client.ClientUpdate`
 (fedjax's ``for_each_client``): when a lane starts a job it calls ``init`` (from w_t of the
@@ -38,7 +39,8 @@ from jax import lax
 
 from deltafl_jax.client_optimizer import ClientOptimizer
 from deltafl_jax.engine.client import LOCAL_SGD, ClientJob, ClientUpdate
-from deltafl_jax.engine.lanes import LaneTimeline, finish_order, ordered_sum, per_lane
+from deltafl_jax.engine.lanes import (LaneTimeline, device_ordered_sum, finish_order, per_lane,
+                                      slot_blocks, slot_tables)
 from deltafl_jax.engine.mesh import SINGLE, DeviceAxis
 from deltafl_jax.engine.trees import gather_rows, select_tree, tree_all_finite, tree_sqnorm
 from deltafl_jax.models import Model
@@ -121,14 +123,14 @@ class Jobs(NamedTuple):
 
 
 class LaneCarry(NamedTuple):
-    """The while-loop state; c lanes, R replicas, J jobs. Where each lane stands is not in
-    the carry: it follows from the trip number and the lanes' job schedule
-    (:class:`LaneSchedule`)."""
+    """The while-loop state; c lanes, R replicas, J jobs, S = this device's slots
+    (:class:`LaneTimeline`). Where each lane stands is not in the carry: it follows from the
+    trip number and the lanes' job schedule (:class:`LaneSchedule`)."""
 
     trip: jax.Array        # [] int32, loop trips done (each runs `unroll` steps)
     step: Any              # [c, ...] the lanes' step states (the client update's own)
-    update: Params         # [J, ...] a_j u_j of each finished, finite job (else 0)
-    weight: jax.Array      # [J] a_j of the same jobs
+    update: Params         # [D, S, k] a_j u_j of each finished, finite job (else 0), by slot
+    weight: jax.Array      # [D, S, 1] a_j of the same jobs (D blocks per row: slot_tables)
     sqnorm: jax.Array      # [J]
     finite: jax.Array      # [J] bool
     real: jax.Array        # [] int32 examples trained
@@ -209,6 +211,10 @@ class _LaneProgram:
         self.clip = cfg.clip
         self.clip_r = clip   # [R] a traced clip per replica (adaptive clipping), or None
         self.augment = cfg.augment
+        self.weight_like = jax.ShapeDtypeStruct(learning_rate.shape, jnp.float32)   # [R]
+        # leaves [R, ...]: one model per replica (params without the versions' axis V)
+        self.update_like = params if base is None else jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(p.shape[:1] + p.shape[2:], p.dtype), params)
 
     # ---------------------------------------------------------------- one lane's client work
 
@@ -302,15 +308,17 @@ class _LaneProgram:
         return jax.vmap(jax.vmap(self.augment))(x, keys)
 
     def finish(self, carry, js, r, done):
-        """Finished jobs keep a_j u_j (0 when not finite) and a_j in their slots. Only the
-        buffers go through the ``lax.cond``: a lane's step state passed through it would be
-        copied on every step that the cond skips."""
-        c, J = self.c, self.J
+        """Finished jobs keep a_j u_j (0 when not finite) and a_j in their rows of the
+        device's slot table, the rest by job. Only the buffers go through the ``lax.cond``: a
+        lane's step state passed through it would be copied on every step that the cond
+        skips."""
+        c, J, tl = self.c, self.J, self.timeline
 
         def taken(acc):
             update, weight, sqnorm, finite, job_state, job_output, clipped = acc
             new_state, delta, output = self.end_jobs(carry.step, js, r)
             slot = jnp.where(done, js, J)
+            row = jnp.where(done, tl.rows[js] - tl.first_row, tl.slots)
             if self.clip is not None:   # client-level DP: clip before the update is summed
                 delta, long_ = self.clipped_updates(delta, r)
                 clipped = clipped.at[slot].set(long_, mode="drop")
@@ -324,7 +332,12 @@ class _LaneProgram:
             def put(buf, v):
                 return buf.at[slot].set(v.astype(buf.dtype), mode="drop")
 
-            return (jax.tree.map(put, update, jax.tree.map(weighted, delta)), put(weight, coef),
+            def put_row(table, v):   # v [D, c, k]: the lanes' rows cut into D blocks
+                return table.at[:, row].set(v.astype(table.dtype), mode="drop")
+
+            return (jax.tree.map(put_row, update,
+                                 slot_blocks(jax.tree.map(weighted, delta), tl.devices)),
+                    put_row(weight, slot_blocks(coef, tl.devices)),
                     sqnorm.at[slot].set(jax.vmap(tree_sqnorm)(delta), mode="drop"),
                     finite.at[slot].set(ok, mode="drop"), jax.tree.map(put, job_state, new_state),
                     jax.tree.map(put, job_output, output), clipped)
@@ -384,12 +397,12 @@ class _LaneProgram:
         r0 = self.jobs.replica[js0]
         step = self.start_jobs(js0, r0)
         job_state, job_output = self.job_buffers(step, js0, r0)
+        S = self.timeline.slots
         return LaneCarry(
             trip=jnp.int32(0), step=step,
-            update=jax.tree.map(
-                lambda p: jnp.zeros((self.J,) + p.shape[1 if self.base is None else 2:],
-                                    p.dtype), self.params),
-            weight=jnp.zeros((self.J,), jnp.float32), sqnorm=jnp.zeros((self.J,), jnp.float32),
+            update=slot_tables(self.update_like, S, self.timeline.devices),
+            weight=slot_tables(self.weight_like, S, self.timeline.devices),
+            sqnorm=jnp.zeros((self.J,), jnp.float32),
             finite=jnp.zeros((self.J,), bool), real=jnp.int32(0),
             job_state=job_state, job_output=job_output,
             clipped=jnp.zeros((self.J,), bool) if self.clip is not None else None)
@@ -439,7 +452,9 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
     # each replica's jobs in their order of finishing were it dealt alone to c lanes
     order = jax.vmap(lambda s: finish_order(s, cfg.order_lanes or cfg.lanes))(
         jobs.steps.reshape(R, m))
-    update, weight = ordered_sum(per_job((out.update, out.weight)), order)
+    rows = prog.timeline.rows[jnp.arange(R, dtype=jnp.int32)[:, None] * m + order]
+    update, weight = device_ordered_sum((out.update, out.weight), rows, axis,
+                                        (prog.update_like, prog.weight_like))
     return TrainResult(delta_sum=update, weight_sum=weight,
                        job_sqnorm=axis.sum(out.sqnorm).reshape(R, m),
                        job_finite=axis.sum(out.finite.astype(jnp.int32)).reshape(R, m) > 0,
