@@ -21,8 +21,8 @@ evaluates that jaxpr again with
   gradient that routes each window's cotangent to its first maximal element, the element that
   XLA's select-and-scatter picks, so values and gradients are unchanged even at ties;
 
-and every other operation bound as it was (the jaxprs of nested ``jit`` calls are evaluated the
-same way, inline).
+and every other operation bound as it was (the jaxprs of nested ``jit`` calls that hold such
+operations are evaluated the same way, inline). A forward pass without them runs as it is.
 
 Why a rewrite of the traced program rather than a drop-in module: a user's network, the guides'
 examples and networks copied from elsewhere are written with Flax's layers (or ``lax`` itself);
@@ -161,6 +161,12 @@ def _replacement(eqn, invals, impl: str):
     return None
 
 
+def _is_target(eqn) -> bool:
+    """Whether :func:`_replacement` may replace `eqn` (the kind of operation; its shapes decide)."""
+    return eqn.primitive.name == "conv_general_dilated" or (
+        eqn.primitive.name == "reduce_window_max" and _disjoint_pool(eqn.params))
+
+
 def _evaluate(jaxpr, consts, args, impl: str):
     """Evaluate `jaxpr` on `args` with :func:`_replacement`'s computations."""
     env = {}
@@ -174,7 +180,8 @@ def _evaluate(jaxpr, consts, args, impl: str):
         env[v] = a
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in ("jit", "pjit"):
+        if eqn.primitive.name in ("jit", "pjit") and any(
+                map(_is_target, _equations(eqn.params["jaxpr"].jaxpr))):
             inner = eqn.params["jaxpr"]
             outs = _evaluate(inner.jaxpr, inner.consts, invals, impl)
         else:
@@ -199,6 +206,8 @@ def rewritten(fn: Callable, impl: Optional[str]) -> Callable:
 
     def run(*args):
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        if not any(map(_is_target, _equations(closed.jaxpr))):
+            return fn(*args)
         outs = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(args), impl)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 

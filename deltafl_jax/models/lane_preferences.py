@@ -9,9 +9,10 @@ from typing import Optional
 DENSE_LANE_MODE, DENSE_EVAL_CHUNK = "vmap", 2048
 # Convolutional networks on CPU: a vmap over per-client kernels is a grouped convolution, and
 # their activations make large evaluation chunks mostly padding and memory. Measured with
-# pfl-research's CIFAR CNN written with nn.Conv (bench/own_model_conv.py's setup, 2-core CPU,
-# one run): 2 vmapped lanes and chunks of 2048 took 2.1x the s/round of 2 unrolled lanes and
-# chunks of 128; 2 vmapped lanes and chunks of 128, 1.16x.
+# pfl-research's CIFAR CNN written with nn.Conv on the fast convolution path (the setup of
+# bench/own_model_conv.py, 3 rounds each interleaved, 2-core CPU at load average 14): 2
+# vmapped lanes and chunks of 2048 took 1.96x the s/round of 2 unrolled lanes and chunks of
+# 128; 2 vmapped lanes and chunks of 128, 1.16x.
 CONV_LANE_MODE, CONV_EVAL_CHUNK = "unroll", 128
 
 
