@@ -59,8 +59,9 @@ class Model:
         but "squared" is; a "custom" model says so here, default True).
       conv_impl: how the module's convolutions and max-poolings compute their gradients
         (:mod:`deltafl_jax.models.conv_intercept`): "im2col_wgrad", "im2col" or "xla" (the
-        module as it is); None: ``ModelOptions.conv_impl`` when :func:`~deltafl_jax.models.build_model`
-        builds it, else :func:`~deltafl_jax.models.default_conv_impl` of the backend.
+        module as it is); None: ``ModelOptions.conv_impl`` when
+        :func:`~deltafl_jax.models.build_model` builds it, else
+        :func:`~deltafl_jax.models.default_conv_impl` of the backend.
     """
 
     name: str
@@ -105,7 +106,9 @@ class Model:
         return x.astype(jnp.float32) * jnp.float32(self.input_scale)
 
     def apply(self, params: Params, x):
-        """Outputs on raw (stored-dtype) inputs x: [B, ...] -> [B, ...]."""
+        """Outputs on raw (stored-dtype) inputs x: [B, ...] -> [B, ...], the module's
+        convolutions and max-poolings on the fast path of ``conv_impl``
+        (:func:`deltafl_jax.models.conv_intercept.rewritten`)."""
         forward = rewritten(lambda p, x: self.module.apply({"params": p}, x),
                             self.conv_impl or default_conv_impl())
         return forward(params, self.preprocess(x))
