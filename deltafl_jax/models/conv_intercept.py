@@ -21,7 +21,10 @@ evaluates that jaxpr again with
 - every max ``reduce_window`` whose windows do not overlap (window = stride, no padding or
   dilation: ``nn.max_pool(x, (k, k), strides=(k, k))``) computed as a reshape and a max, with a
   gradient that routes each window's cotangent to its first maximal element, the element that
-  XLA's select-and-scatter picks, so values and gradients are unchanged even at ties;
+  XLA's select-and-scatter picks, so values and gradients are unchanged even at ties
+  (overlapping windows keep XLA's own: for a 3x3 stride-2 SAME pool of 24 x 24 x 64 in 2
+  lanes, a max of strided slices with the same first-maximum gradient measured 26.5 ms a step
+  against XLA's 15.2 ms);
 
 and every other operation bound as it was (the jaxprs of nested ``jit`` calls that hold such
 operations are evaluated the same way, inline). A forward pass without them runs as it is.
