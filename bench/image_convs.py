@@ -1,20 +1,23 @@
 r"""The image models' convolutions in lanes on this machine: XLA's own VALID and stride-2
-convolutions against the project's fast SAME path at the same sizes.
+convolutions against the project's fast path at the same sizes.
 
     python -m bench.image_convs [--steps=3] [--repeats=5] [--out=bench/results/image_convs_cpu.json]
 
-:mod:`deltafl_jax.models.conv` rewrites the weight gradient of a SAME, stride-1 convolution as
-an im2col product, because XLA:CPU's own weight-gradient convolution is slow inside loops. The
-image models (:mod:`deltafl_jax.models.image`) also need VALID convolutions (pfl-research's
-CNN) and stride-2 ones (ResNet-18's downsampling and shortcuts). For each such layer, at
-batch 10, this times one local step's forward and backward (gradients of sum(conv(x, w) * t)
-with respect to x and w) of 2 unrolled lanes with their own weights inside a
-``lax.fori_loop`` of ``--steps`` steps, as the engine runs them, for
+:mod:`deltafl_jax.models.conv` rewrites the weight gradient of a convolution as an im2col
+product, because XLA:CPU's own weight-gradient convolution is slow inside loops. The image
+models (:mod:`deltafl_jax.models.image`) need VALID convolutions (pfl-research's CNN) and
+stride-2 ones (ResNet-18's downsampling and shortcuts). For each such layer, at batch 10, this
+times one local step's forward and backward (gradients of sum(sin(conv(x, w))) with respect to
+x and w) of 2 unrolled lanes with their own weights inside a ``lax.fori_loop`` of ``--steps``
+steps, as the engine runs them, for
 
 - ``xla``: XLA's convolution with that padding and stride, plain autodiff;
-- ``via_same``: what the models use on CPU (:mod:`deltafl_jax.models.image_conv`): the SAME
-  fast path then a crop (VALID) or the even rows and columns (stride 2); for 1 x 1 stride 2
-  the subsampled input times the kernel;
+- ``fast``: what the models use on CPU (:mod:`deltafl_jax.models.image_conv`), and every
+  ``nn.Conv`` of a model of one's own (:mod:`deltafl_jax.models.conv_intercept`):
+  :func:`~deltafl_jax.models.conv.conv_general` with that padding and stride; for 1 x 1
+  stride 2 the subsampled input times the kernel;
+- ``via_same``: the SAME, stride-1 fast path then a crop (VALID) or the even rows and columns
+  (stride 2), the image models' earlier way; for 1 x 1 stride 2 as ``fast``;
 - ``same``: the SAME, stride-1 fast path on the same input and kernel (the reference).
 
 Variants run interleaved, each repeat in turn; each figure is the median over ``--repeats`` of
@@ -50,9 +53,23 @@ CASES = (
 )
 
 
+def via_same(kind: str):
+    """The SAME fast path and a slice: VALID crops (k - 1) / 2 at each border, stride 2 keeps
+    the even rows and columns."""
+    def conv(x, w):
+        y = conv2d(x, w, "im2col_wgrad")
+        if kind == "stride2":
+            return y[:, ::2, ::2, :]
+        ph, pw = (w.shape[0] - 1) // 2, (w.shape[1] - 1) // 2
+        return y[:, ph:y.shape[1] - ph, pw:y.shape[2] - pw, :]
+    return conv
+
+
 def conv_of(kind: str, variant: str):
     if variant == "same":
         return lambda x, w: conv2d(x, w, "im2col_wgrad")
+    if variant == "via_same" and kind != "1x1stride2":
+        return via_same(kind)
     impl = "xla" if variant == "xla" else "im2col_wgrad"
     if kind == "valid":
         return lambda x, w: conv_valid(x, w, impl)
@@ -88,7 +105,7 @@ def time_case(case, steps: int, repeats: int):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(LANES, BATCH) + shape), jnp.float32)
     w = jnp.asarray(rng.normal(size=(LANES,) + kshape) * 0.05, jnp.float32)
-    variants = ("xla", "via_same", "same")
+    variants = ("xla", "fast", "via_same", "same")
     fns = {v: program(conv_of(kind, v), steps) for v in variants}
     for f in fns.values():          # compile
         jax.block_until_ready(f(x, w))
@@ -103,7 +120,9 @@ def time_case(case, steps: int, repeats: int):
             "ms_per_step": ms, "all_ms_per_step": times,
             "xla_over_same": ms["xla"] / ms["same"],
             "via_same_over_same": ms["via_same"] / ms["same"],
-            "xla_over_via_same": ms["xla"] / ms["via_same"]}
+            "xla_over_via_same": ms["xla"] / ms["via_same"],
+            "xla_over_fast": ms["xla"] / ms["fast"],
+            "via_same_over_fast": ms["via_same"] / ms["fast"]}
 
 
 def main():
@@ -117,10 +136,10 @@ def main():
     result = {"benchmark": "image_convs", "machine": machine(),
               "load_average_before": load_before, "load_average_after": os.getloadavg(),
               "steps": a.steps, "repeats": a.repeats, "rows": rows}
-    summary = [f"{r['case']}: xla {r['ms_per_step']['xla']:.1f} ms, via_same "
-               f"{r['ms_per_step']['via_same']:.1f} ms, same {r['ms_per_step']['same']:.1f} ms "
-               f"(xla/same {r['xla_over_same']:.2f}, xla/via_same "
-               f"{r['xla_over_via_same']:.2f})" for r in rows]
+    summary = [f"{r['case']}: xla {r['ms_per_step']['xla']:.1f} ms, fast "
+               f"{r['ms_per_step']['fast']:.1f} ms, via_same {r['ms_per_step']['via_same']:.1f} "
+               f"ms, same {r['ms_per_step']['same']:.1f} ms (xla/fast {r['xla_over_fast']:.2f}, "
+               f"via_same/fast {r['via_same_over_fast']:.2f})" for r in rows]
     summary.append(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     emit(result, a.out, summary=summary)
 

@@ -146,8 +146,8 @@ class Placement:
         "host and ship each round's sampled clients; auto: device while both splits fit in a "
         "quarter of a device's memory")
     conv_impl: Optional[str] = setting(
-        None, "cnn convolutions: im2col_wgrad (CPU, GPU) | im2col | xla (TPU); unset: by "
-        "backend", kind="string")
+        None, "convolutions (the built-in networks' and every nn.Conv): im2col_wgrad (CPU, "
+        "GPU) | im2col | xla (TPU; the module as written); unset: by backend", kind="string")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -449,16 +449,33 @@ def test_code_paths_smoke(tmp_path):
 # at toy size ("file::name"; a test of this file by its name). The peers' scripts run inside
 # the pinned venvs bench/peers.py makes, through bench/peers.py.
 @pytest.mark.slow
-def test_image_convs_smoke_times_every_case_three_ways(tmp_path):
-    """bench.image_convs at one step and one repeat: every case's three variants timed, and
+def test_image_convs_smoke_times_every_case_four_ways(tmp_path):
+    """bench.image_convs at one step and one repeat: every case's four variants timed, and
     the ratios those times' ratios."""
     res = run_json(["bench.image_convs", "--steps=1", "--repeats=1"], tmp_path, "image_convs")
     assert res["benchmark"] == "image_convs" and res["rows"]
     for r in res["rows"]:
         ms = r["ms_per_step"]
-        assert set(ms) == {"xla", "via_same", "same"} and min(ms.values()) > 0
+        assert set(ms) == {"xla", "fast", "via_same", "same"} and min(ms.values()) > 0
         assert r["xla_over_same"] == pytest.approx(ms["xla"] / ms["same"])
-        assert r["xla_over_via_same"] == pytest.approx(ms["xla"] / ms["via_same"])
+        assert r["xla_over_fast"] == pytest.approx(ms["xla"] / ms["fast"])
+        assert r["via_same_over_fast"] == pytest.approx(ms["via_same"] / ms["fast"])
+
+
+@pytest.mark.slow
+def test_own_model_conv_smoke_times_both_networks(tmp_path):
+    """bench.own_model_conv at toy size: the guide's network and the built-in one, each with
+    pfl-research's parameter count, timed round by round, and the ratio of their medians."""
+    res = run_json(["bench.own_model_conv", "--rounds=1", "--clients=2", "--examples=10"],
+                   tmp_path, "own_model_conv")
+    rows = res["variants"]
+    assert set(rows) == {"own_model", "builtin"}
+    assert rows["own_model"]["model"] == "cifar_cnn" and rows["builtin"]["model"] == "pfl_cnn"
+    assert all(len(r["round_times_s"]) == 1 and r["s_per_round"] > 0 for r in rows.values())
+    assert res["own_model_over_builtin"] == pytest.approx(
+        rows["own_model"]["s_per_round"] / rows["builtin"]["s_per_round"])
+    assert res["own_model_over_builtin_paired_median"] == pytest.approx(
+        rows["own_model"]["round_times_s"][0] / rows["builtin"]["round_times_s"][0])
 
 
 # bench/peer_pfl.py at toy size: 12 x 12 x 3 images, 6 clients of 10, cohort 3 (one batch each).
@@ -527,7 +544,8 @@ SMOKE_RUNS = {
     "availability.py": ["test_availability_smoke_pairs_and_parts"],
     "before_after.py": ["test_bench_before_after.py::test_before_after_smoke"],
     "code_paths.py": ["test_code_paths_smoke"],
-    "image_convs.py": ["test_image_convs_smoke_times_every_case_three_ways"],
+    "image_convs.py": ["test_image_convs_smoke_times_every_case_four_ways"],
+    "own_model_conv.py": ["test_own_model_conv_smoke_times_both_networks"],
     "compare.py": ["test_compare_smoke_engine_and_jax_loop", "test_compare_smoke"],
     "loop_shape.py": ["test_loop_shape_smoke_trains_identical_models"],
     "paper_grid.py": ["test_paper_grid_toy_json_adds_up"],

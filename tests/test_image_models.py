@@ -423,27 +423,35 @@ def test_crop_flip_run_killed_and_resumed_is_bit_identical(tmp_path):
     assert_same_outputs(str(cut), str(whole))
 
 
-def test_the_guides_cnn_block_trains_on_the_fast_path():
-    """docs/guides/own-model.md's `# my_cnn.py` block, as written: it registers small_cnn,
-    whose forward is NumPy's VALID convolution and dense layer, on unrolled lanes."""
+def test_the_guides_cnn_block_is_pfl_researchs_cnn_on_unrolled_lanes():
+    """docs/guides/own-model.md's `# my_cifar_cnn.py` block, as written: it registers
+    cifar_cnn, whose forward is NumPy's VALID convolutions, 2x2 max-pool and dense layers, with
+    pfl-research's 1,626,442 parameters on 32x32x3 images, and which gets unrolled lanes and
+    the convolutional evaluation chunk on CPU without asking for them."""
     from deltafl_jax.models import MODELS
     text = open(os.path.join(REPO, "docs", "guides", "own-model.md")).read()
     blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
-    (block,) = [b for b in blocks if b.startswith("# my_cnn.py")]
-    MODELS.pop("small_cnn", None)
-    exec(compile(block, "my_cnn.py", "exec"), {})
-    data = image_data()
-    model = build_model("small_cnn", data, ModelOptions(conv_impl="im2col_wgrad"))
-    assert model.lanes.lane_mode("cpu") == "unroll"
-    params = jax.jit(model.init)(jax.random.key(0))
-    x = data.train.x[:3]
-    p = jax.tree.map(lambda a: np.asarray(a, np.float64), jax.device_get(params))
-    xf = x.astype(np.float32) * np.float32(1 / 255)
-    h = relu(np_conv(xf.astype(np.float64), p["conv"]))
-    ref = h.reshape(3, -1) @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"]
-    np.testing.assert_allclose(np.asarray(jax.jit(model.apply)(params, x)), ref, rtol=1e-4,
-                               atol=1e-4)
-    MODELS.pop("small_cnn", None)
+    (block,) = [b for b in blocks if b.startswith("# my_cifar_cnn.py")]
+    MODELS.pop("cifar_cnn", None)
+    exec(compile(block, "my_cifar_cnn.py", "exec"), {})
+    try:
+        assert count(build_model("cifar_cnn", image_data(shape=(32, 32, 3)))) == 1_626_442
+        data = image_data()
+        model = build_model("cifar_cnn", data)
+        assert (model.lanes.lane_mode("cpu"), model.lanes.eval_chunk("cpu")) == ("unroll", 128)
+        params = jax.jit(model.init)(jax.random.key(0))
+        x = data.train.x[:3]
+        p = jax.tree.map(lambda a: np.asarray(a, np.float64), jax.device_get(params))
+        h = np.asarray(x, np.float32) * np.float32(1 / 255)
+        for name in ("Conv_0", "Conv_1"):
+            h = relu(np_conv(h.astype(np.float64), p[name]["kernel"]) + p[name]["bias"])
+        h = h.reshape(3, 2, 2, 2, 2, 64).max(axis=(2, 4)).reshape(3, -1)
+        h = relu(h @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"])
+        ref = h @ p["Dense_1"]["kernel"] + p["Dense_1"]["bias"]
+        np.testing.assert_allclose(np.asarray(jax.jit(model.apply)(params, x)), ref, rtol=1e-4,
+                                   atol=1e-4)
+    finally:
+        MODELS.pop("cifar_cnn", None)
 
 
 def test_a_checkpoint_saved_before_augment_existed_resumes_without_it():

@@ -6,7 +6,9 @@ model reads of its dataset (:mod:`deltafl_jax.models.inputs`), the built-in mode
 features (:mod:`deltafl_jax.models.builtin`: linear, cnn, mlp, mean), the text models
 (:mod:`deltafl_jax.models.text`: gru, lstm, sent140_linear, lstm_nwp, resolved lazily), the
 image models (:mod:`deltafl_jax.models.image`: fedavg_cnn, pfl_cnn, resnet18_gn, resolved lazily;
-their convolutions on the fast CPU path in :mod:`deltafl_jax.models.image_conv`), the local
+their convolutions on the fast CPU path in :mod:`deltafl_jax.models.image_conv`), the fast
+path that every model's own ``nn.Conv`` and ``nn.max_pool`` layers take
+(:mod:`deltafl_jax.models.conv_intercept`), the local
 steps' augmentation (:mod:`deltafl_jax.models.augment`) and the registry
 (:mod:`deltafl_jax.models.registry`). Their public names are imported from here.
 

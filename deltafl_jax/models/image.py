@@ -34,7 +34,8 @@
   ImageNet's 224 x 224 inputs) leave 4 x 4 x 16. ``ResNetGN(groups=...)`` takes another
   count.
 
-Every convolution goes through :mod:`deltafl_jax.models.image_conv`, which keeps XLA:CPU's
+Every convolution goes through :mod:`deltafl_jax.models.image_conv` (the fast path of
+:func:`deltafl_jax.models.conv.conv_general`), which keeps XLA:CPU's
 weight gradients out of the lanes' loops; the models run unrolled lanes on CPU like ``cnn``.
 """
 

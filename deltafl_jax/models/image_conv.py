@@ -1,24 +1,20 @@
 """The convolutions and pooling of the image models (:mod:`deltafl_jax.models.image`), each
-written so that its weight gradient goes through the fast SAME path of
-:mod:`deltafl_jax.models.conv` on the CPU.
+on the fast path of :func:`deltafl_jax.models.conv.conv_general` (the forward convolution XLA's
+own, the weight gradient an im2col product, the input gradient an ordinary convolution), the
+path that every ``nn.Conv`` of a model of one's own takes as well
+(:mod:`deltafl_jax.models.conv_intercept`):
 
-XLA:CPU's own weight-gradient convolution is slow inside the lanes' loops (see
-:mod:`deltafl_jax.models.conv`), and :func:`~deltafl_jax.models.conv.conv2d` covers SAME
-padding at stride 1 only. The other convolutions the image models need are that convolution
-followed by a slice, exactly (the same sums over the same pixels):
+- :func:`conv_same`: SAME, stride 1;
+- :func:`conv_valid`: VALID, stride 1;
+- :func:`conv_stride2`: k x k at stride 2 with padding (k - 1) / 2 on each side (PyTorch's
+  ``padding=1`` for 3 x 3, the ResNets' downsampling convolution);
+- :func:`conv1x1_stride2`: 1 x 1 at stride 2 (the ResNets' projection shortcut): the input at
+  the even rows and columns times the [C_in, C_out] kernel, a matrix product.
 
-- VALID, odd k: the SAME output with (k - 1) / 2 rows and columns cropped at each border;
-- k x k at stride 2 with padding (k - 1) / 2 on each side (PyTorch's ``padding=1`` for 3 x 3,
-  the ResNets' downsampling convolution): the SAME output at the even rows and columns;
-- 1 x 1 at stride 2 (the ResNets' projection shortcut): the input at the even rows and columns
-  times the [C_in, C_out] kernel, a matrix product.
-
-The first two compute the full-resolution output and throw part of it away (for 3 x 3 VALID
-on 32 x 32 about 14% more multiplies; for stride 2 four times the forward multiplies of that
-layer); ``bench/image_convs.py`` measured them in lanes against XLA's own VALID and strided
-convolutions (docs/guides/own-model.md quotes the ratios). ``impl="xla"`` keeps XLA's
-convolutions and plain autodiff, the better choice where the backend's convolution gradients
-are fast (GPU cuDNN, TPU).
+``bench/image_convs.py`` measures them in lanes against XLA's own convolutions
+(docs/reference/models.md quotes the ratios). ``impl="xla"`` keeps XLA's convolutions and plain
+autodiff, the better choice where the backend's convolution gradients are fast (TPU);
+``impl="im2col"`` computes the forward pass as a matrix product too.
 """
 
 from __future__ import annotations
@@ -26,9 +22,19 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from deltafl_jax.models.conv import conv2d
+from deltafl_jax.models.conv import conv2d, conv_general, im2col_forward
 
 _DN = ("NHWC", "HWIO", "NHWC")
+
+
+def conv_padded(x, w, strides, pads, impl: str):
+    """NHWC x HWIO convolution with explicit (lo, hi) `pads` per spatial axis on the path of
+    `impl`: "xla", "im2col" or "im2col_wgrad"."""
+    if impl == "xla":
+        return lax.conv_general_dilated(x, w, strides, pads, dimension_numbers=_DN)
+    if impl == "im2col":
+        return im2col_forward(x, w, strides, pads)
+    return conv_general(x, w, tuple(strides), tuple(pads), (1, 1), 1)
 
 
 def conv_same(x, w, impl: str):
@@ -37,26 +43,15 @@ def conv_same(x, w, impl: str):
 
 
 def conv_valid(x, w, impl: str):
-    """VALID, stride 1, odd kernel: out[b, i, j] = sum_{di, dj, c} x[b, i + di, j + dj, c]
-    w[di, dj, c]."""
-    kh, kw = w.shape[:2]
-    if impl == "xla":
-        return lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=_DN)
-    if kh % 2 == 0 or kw % 2 == 0:
-        raise ValueError(f"conv_valid: the SAME path needs an odd kernel, got {kh}x{kw}")
-    ph, pw = (kh - 1) // 2, (kw - 1) // 2
-    y = conv2d(x, w, impl)
-    return y[:, ph:y.shape[1] - ph, pw:y.shape[2] - pw, :]
+    """VALID, stride 1: out[b, i, j] = sum_{di, dj, c} x[b, i + di, j + dj, c] w[di, dj, c]."""
+    return conv_padded(x, w, (1, 1), ((0, 0), (0, 0)), impl)
 
 
 def conv_stride2(x, w, impl: str):
-    """k x k (odd), stride 2, padding (k - 1) / 2 on each side: out[b, i] reads input rows
-    2i - (k - 1)/2 .. 2i + (k - 1)/2 (zeros outside), output size ceil(H / 2)."""
+    """k x k, stride 2, padding (k - 1) // 2 on each side: out[b, i] reads input rows
+    2i - (k - 1)/2 .. 2i + (k - 1)/2 (zeros outside)."""
     kh, kw = w.shape[:2]
-    if impl == "xla":
-        pads = (((kh - 1) // 2,) * 2, ((kw - 1) // 2,) * 2)
-        return lax.conv_general_dilated(x, w, (2, 2), pads, dimension_numbers=_DN)
-    return conv2d(x, w, impl)[:, ::2, ::2, :]
+    return conv_padded(x, w, (2, 2), (((kh - 1) // 2,) * 2, ((kw - 1) // 2,) * 2), impl)
 
 
 def conv1x1_stride2(x, w):

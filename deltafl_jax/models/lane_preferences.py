@@ -4,6 +4,16 @@ lanes, and examples per evaluation work item."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
+
+DENSE_LANE_MODE, DENSE_EVAL_CHUNK = "vmap", 2048
+# Convolutional networks on CPU: a vmap over per-client kernels is a grouped convolution, and
+# their activations make large evaluation chunks mostly padding and memory. Measured with
+# pfl-research's CIFAR CNN written with nn.Conv on the fast convolution path (the setup of
+# bench/own_model_conv.py, 3 rounds each interleaved, 2-core CPU at load average 14): 2
+# vmapped lanes and chunks of 2048 took 1.96x the s/round of 2 unrolled lanes and chunks of
+# 128; 2 vmapped lanes and chunks of 128, 1.16x.
+CONV_LANE_MODE, CONV_EVAL_CHUNK = "unroll", 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,14 +24,28 @@ class LanePreferences:
     cpu_lanes: client lanes per step on CPU.
     cpu_lane_mode: "vmap" (one batched step) or "unroll" (independent unbatched copies, for
       convolutions: a vmap over per-client weights is a grouped convolution, ~5x slower on
-      XLA:CPU).
-    cpu_eval_chunk / accelerator_eval_chunk: examples per evaluation work item.
+      XLA:CPU). None: "vmap", or "unroll" for a registered model whose forward pass has a
+      convolution (:meth:`filled`, which :func:`~deltafl_jax.models.build_model` applies).
+    cpu_eval_chunk / accelerator_eval_chunk: examples per evaluation work item. cpu_eval_chunk
+      None: 2048, or 128 for a registered convolutional model (as cpu_lane_mode).
     """
 
     cpu_lanes: int = 2
-    cpu_lane_mode: str = "vmap"
-    cpu_eval_chunk: int = 2048
+    cpu_lane_mode: Optional[str] = None
+    cpu_eval_chunk: Optional[int] = None
     accelerator_eval_chunk: int = 1024
+
+    @property
+    def unset(self) -> bool:
+        """Whether the CPU's lane mode or evaluation chunk is left to the model's layers."""
+        return self.cpu_lane_mode is None or self.cpu_eval_chunk is None
+
+    def filled(self, convolutional: bool) -> "LanePreferences":
+        """The unset CPU choices filled in for a model with or without convolutions."""
+        mode, chunk = ((CONV_LANE_MODE, CONV_EVAL_CHUNK) if convolutional
+                       else (DENSE_LANE_MODE, DENSE_EVAL_CHUNK))
+        return dataclasses.replace(self, cpu_lane_mode=self.cpu_lane_mode or mode,
+                                   cpu_eval_chunk=self.cpu_eval_chunk or chunk)
 
     def lanes(self, m: int, backend: str, devices: int = 1) -> int:
         """Lanes per device. On CPU, unrolled lanes are independent op streams that keep the
@@ -30,12 +54,13 @@ class LanePreferences:
         2 x 2, bench/README.md). Vmapped lanes batch one op and keep cpu_lanes."""
         if backend != "cpu":
             return m
-        if self.cpu_lane_mode == "unroll":
+        if self.lane_mode(backend) == "unroll":
             return min(m, max(1, self.cpu_lanes // max(1, devices)))
         return min(m, self.cpu_lanes)
 
     def lane_mode(self, backend: str) -> str:
-        return self.cpu_lane_mode if backend == "cpu" else "vmap"
+        return (self.cpu_lane_mode or DENSE_LANE_MODE) if backend == "cpu" else "vmap"
 
     def eval_chunk(self, backend: str) -> int:
-        return self.cpu_eval_chunk if backend == "cpu" else self.accelerator_eval_chunk
+        return ((self.cpu_eval_chunk or DENSE_EVAL_CHUNK) if backend == "cpu"
+                else self.accelerator_eval_chunk)

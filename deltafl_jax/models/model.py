@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import flax.linen as nn
 import numpy as np
 
+from deltafl_jax.models.conv import default_conv_impl
+from deltafl_jax.models.conv_intercept import rewritten
 from deltafl_jax.models.lane_preferences import LanePreferences
 
 Params = Any
@@ -55,6 +57,11 @@ class Model:
         y the labels, None for a dataset without labels).
       error_rate: the error is a misclassification rate, shown in % (None: every loss kind
         but "squared" is; a "custom" model says so here, default True).
+      conv_impl: how the module's convolutions and max-poolings compute their gradients
+        (:mod:`deltafl_jax.models.conv_intercept`): "im2col_wgrad", "im2col" or "xla" (the
+        module as it is); None: ``ModelOptions.conv_impl`` when
+        :func:`~deltafl_jax.models.build_model` builds it, else
+        :func:`~deltafl_jax.models.default_conv_impl` of the backend.
     """
 
     name: str
@@ -69,6 +76,7 @@ class Model:
     error_ignore_ids: tuple = ()
     loss_fn: Optional[Callable] = None
     error_rate: Optional[bool] = None
+    conv_impl: Optional[str] = None
 
     def __post_init__(self):
         if self.loss_kind not in LOSS_KINDS:
@@ -98,8 +106,12 @@ class Model:
         return x.astype(jnp.float32) * jnp.float32(self.input_scale)
 
     def apply(self, params: Params, x):
-        """Outputs on raw (stored-dtype) inputs x: [B, ...] -> [B, ...]."""
-        return self.module.apply({"params": params}, self.preprocess(x))
+        """Outputs on raw (stored-dtype) inputs x: [B, ...] -> [B, ...], the module's
+        convolutions and max-poolings on the fast path of ``conv_impl``
+        (:func:`deltafl_jax.models.conv_intercept.rewritten`)."""
+        forward = rewritten(lambda p, x: self.module.apply({"params": p}, x),
+                            self.conv_impl or default_conv_impl())
+        return forward(params, self.preprocess(x))
 
     def losses_and_errors(self, params: Params, x, y):
         """Per-example (loss [B], error [B]) on a batch of raw inputs."""

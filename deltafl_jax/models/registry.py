@@ -3,11 +3,15 @@ registered with :func:`register_model`; :func:`build_model` builds one for a dat
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Callable, Dict
 
+import jax
+
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.models import builtin
+from deltafl_jax.models.conv_intercept import has_convolution
 from deltafl_jax.models.model import Model, ModelOptions
 
 LINEAR_MODELS = ("linear", "sent140_linear")
@@ -58,14 +62,29 @@ def register_model(name: str, factory: Callable[[FederatedDataset, ModelOptions]
     MODELS[name] = factory
 
 
+def _completed(model: Model, options: ModelOptions, registered: bool) -> Model:
+    """`model` with its ``conv_impl`` from `options` unless its factory set one; a
+    registered model's CPU lane choices that its preferences leave unset filled in by
+    whether its forward pass has a convolution (:meth:`LanePreferences.filled`)."""
+    if model.conv_impl is None and options.conv_impl is not None:
+        model = dataclasses.replace(model, conv_impl=options.conv_impl)
+    if registered and model.lanes.unset:
+        example = jax.ShapeDtypeStruct((1,) + tuple(model.example_shape), model.input_dtype)
+        conv = has_convolution(model.module, jax.eval_shape(model.preprocess, example))
+        model = dataclasses.replace(model, lanes=model.lanes.filled(conv))
+    return model
+
+
 def build_model(name: str, data: FederatedDataset, options: ModelOptions = ModelOptions()) -> Model:
-    """The model `name` for `data`. Raises ValueError for an unknown name (saying how a model
-    of one's own is registered) or a mismatch."""
+    """The model `name` for `data`, completed by :func:`_completed`.
+    Raises ValueError for an unknown name (saying how a model of one's own is
+    registered) or a mismatch."""
     if name in MODELS:
-        return MODELS[name](data, options)
+        return _completed(MODELS[name](data, options), options, name not in BUILT_IN)
     if name in LAZY_MODELS:
         module_name, fn_name = LAZY_MODELS[name].split(":")
-        return getattr(importlib.import_module(module_name), fn_name)(data, options)
+        factory = getattr(importlib.import_module(module_name), fn_name)
+        return _completed(factory(data, options), options, False)
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(model_names())}, or "
                      f"register yours first: import the module that calls "
                      f"deltafl_jax.register_model({name!r}, ...) (on the command line: "
