@@ -28,6 +28,7 @@ FOREIGN = {
     "xla_cpu_use_xnnpack": "an XLA:CPU flag (measured in the benchmarks)",
     "xla_cpu_prefer_vector_width": "an XLA:CPU flag (measured in the benchmarks)",
     "index": "pip's --index-url",
+    "extra": "pip's --extra-index-url",
     "dist": "pytest-xdist's --dist",
     "strict": "mkdocs build --strict",
     "detach": "git worktree add --detach",
