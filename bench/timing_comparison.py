@@ -149,14 +149,17 @@ def drops(run_dir: str, method: str, theta: float):
     run = read_run(os.path.join(run_dir, method))
     for col in columns([run]):
         thetas = {float(run.labels[r].theta) for r in col.replicas}
-        if method != "deltafl" or thetas == {theta}:
+        if thetas == {theta}:   # theta 1 for the methods without one
             got = column_drop_rates(col)
             return None if got is None else (1000 * got[0], got[1])
     return None
 
 
 def method_name(algorithm: str, theta: float) -> str:
-    return {"fedavg": "FedAvg", "fednova": "FedNova"}.get(algorithm, f"Δ-FL, θ = {theta:g}")
+    """'FedAvg', 'FedNova', 'Δ-FL, θ = 0.5': the spec's display name, and its swept θ."""
+    from deltafl_jax.algorithms import registry
+    spec = registry.get(algorithm)
+    return spec.display_name + (f", θ = {theta:g}" if spec.names_value else "")
 
 
 def analyse(run_dirs: dict, at_hours, target) -> dict:
