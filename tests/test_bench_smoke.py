@@ -540,8 +540,53 @@ def test_peer_pfl_smoke_against_pfl(tmp_path):
     assert res["gemm_gflops"]["torch_pfl"] > 0 and res["profile_ms"]["torch_sgd_step_pfl"] > 0
 
 
+@pytest.mark.slow
+def test_virtual_clock_smoke_times_both_rows_alike(tmp_path):
+    """bench.virtual_clock at toy size: the run without the clock and the clock alone train the
+    same examples every round (the clock only measures), only the clock's row has a virtual
+    time, and the ratio is the rows' own."""
+    res = run_json(["bench.virtual_clock", "--models=linear:5", "--rounds=2"], tmp_path,
+                   "virtual_clock")
+    (pair,) = res["pairs"]
+    plain, clocked = pair["rows"]
+    assert (plain["client_speed"], clocked["client_speed"]) == ("none", "lognormal")
+    assert plain["trained_examples"] == clocked["trained_examples"]
+    assert plain["virtual_time_end"] is None and clocked["virtual_time_end"] > 0
+    assert res["ratios"]["clock_over_none (linear, m = 5)"] == pytest.approx(
+        clocked["s_per_round"] / plain["s_per_round"])
+    for row in pair["rows"]:
+        assert len(row["round_s"]) == 2 and 0 < row["host_s"] <= max(row["round_s"])
+
+
+@pytest.mark.slow
+def test_timing_comparison_smoke_reads_every_setting(tmp_path):
+    """bench.timing_comparison at toy size: a row per setting and method, the p90 at the fixed
+    time read from the runs' own evaluations, and drops only where the deadline drops."""
+    runs = tmp_path / "runs"
+    res = run_json(["bench.timing_comparison", "--rounds=4", "--seeds=1", "--eval_every=2",
+                    "--virtual_hours=0.004",
+                    f"--runs_dir={runs}"], tmp_path, "timing_comparison")
+    got = {(r["setting"], r["method"]) for r in res["rows"]}
+    assert got == {(s, m) for s in ("no_deadline", "deadline_overselect", "partial_work")
+                   for m in ("FedAvg", "Δ-FL, θ = 0.8", "Δ-FL, θ = 0.5")} | {
+        ("partial_work", "FedNova")}
+    at = res["fixed_virtual_hours"] * 3600
+    for r in res["rows"]:
+        recs = [json.loads(line) for line in open(
+            runs / r["setting"] / r["algorithm"] / "metrics.jsonl")]
+        recs = [x for x in recs if x.get("theta", 1.0) == r["theta"] and x["virtual_time"] <= at]
+        want = recs[-1]["test_error_p90"] if recs else None
+        assert (r["p90_at_fixed_time"][0] == pytest.approx(want) if want is not None
+                else np.isnan(r["p90_at_fixed_time"][0]))
+        assert len(r["drop_rate_by_speed_quintile"][0]) == 5
+        if r["setting"] == "no_deadline":
+            assert r["drop_rate_by_speed_quintile"] == [[0.0] * 5]
+
+
 SMOKE_RUNS = {
     "availability.py": ["test_availability_smoke_pairs_and_parts"],
+    "timing_comparison.py": ["test_timing_comparison_smoke_reads_every_setting"],
+    "virtual_clock.py": ["test_virtual_clock_smoke_times_both_rows_alike"],
     "before_after.py": ["test_bench_before_after.py::test_before_after_smoke"],
     "code_paths.py": ["test_code_paths_smoke"],
     "image_convs.py": ["test_image_convs_smoke_times_every_case_four_ways"],

@@ -16,6 +16,9 @@ Heterogeneity in Federated Learning: A Superquantile Approach* show:
 - Fig. 16: clients kept per round by the filter, mean over seeds with a min/max band;
 - the error by availability quintile of the clients, for runs given their availability
   (:mod:`~deltafl_jax.report.availability`);
+- for runs on the virtual clock, the test error against virtual time
+  (:mod:`~deltafl_jax.report.virtual_time`) and, beside it, the table of the deadline's drop
+  rate by compute-speed quintile (:mod:`~deltafl_jax.report.speed_drops`);
 - Fig. 3 (Gaussian toy runs): the means and models, the loss of every mixture of the three
   clients (theta-model minus FedAvg) and the histogram of mixture losses for mixtures drawn
   uniformly with conformity >= theta.

@@ -17,6 +17,7 @@ import numpy as np
 from deltafl_jax.metrics import PERCENTILE_METHODS
 from deltafl_jax.report import figures
 from deltafl_jax.report.availability import availability_figure
+from deltafl_jax.report.speed_drops import DROP_NOTE, drop_table
 from deltafl_jax.report.virtual_time import virtual_time_figure
 from deltafl_jax.report.io import Run
 from deltafl_jax.report.rows import tidy_rows, write_csv
@@ -43,6 +44,7 @@ FILES_SECTION = [
     "rejected (Fig. 16).", ""]
 
 Figure = Tuple[str, str, str]   # (setting, caption, file name)
+CLOCK_FIGURE = "virtual_time_error_"   # the error against virtual time, then the drop table
 
 
 def slug(text: str) -> str:
@@ -100,7 +102,7 @@ def setting_figures(sc: Sequence[Column], setting: str, percentile: str, notes: 
                     "The error (mean, p90, worst 10%) by availability quintile of the clients"))
     by_clock = virtual_time_figure(sc, percentile)
     if by_clock is not None:
-        out.append((by_clock, f"virtual_time_error_{name}.png",
+        out.append((by_clock, f"{CLOCK_FIGURE}{name}.png",
                     "The test error (mean, p90) against virtual time (the clients' device "
                     "speeds, deadline and over-selection)"))
     if sc[0].run.dataset == "gaussian_toy":
@@ -243,6 +245,9 @@ def markdown(runs: Sequence[Run], cols: Sequence[Column], percentile: str,
     md += ["## Figures", ""]
     for setting, caption, name in saved:
         md += [f"**{setting}. {caption}.**", "", f"![{caption}]({name})", ""]
+        if name.startswith(CLOCK_FIGURE):
+            drops = drop_table([c for c in cols if c.setting == setting])
+            md += [] if drops is None else [f"{DROP_NOTE}", "", drops, ""]
     return "\n".join(md + FILES_SECTION)
 
 

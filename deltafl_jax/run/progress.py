@@ -9,7 +9,8 @@ mean over the seeds of a swept value. When the evaluation samples its clients
 metrics follow (:mod:`deltafl_jax.metrics`): ``worst10`` the mean error of the worst 10% of
 the test clients (with its interval on a sampled evaluation), ``std`` the std of the client
 errors, ``acc<0.5`` the share of test clients below the target accuracy. On a terminal a
-bar with rounds done, rounds per second and the ETA is redrawn after every round. The run
+bar with rounds done, rounds per second and the ETA (and, on the virtual clock, the virtual
+time, e.g. ``virtual 12.4 min [12.1, 12.8]``) is redrawn after every round. The run
 ends with a table of the final test error (mean, p90 and the tail metrics) per swept value
 and the output directory. A part of a replica's state that is not finite (the round's state
 check, :mod:`deltafl_jax.run.divergence`) is a warning line the first time, naming the round,
@@ -160,6 +161,16 @@ def virtual_text(summary) -> str:
     return f", virtual {float(v.mean()):.3g} {unit}{spread}"
 
 
+def bar_text(round: int, T: int, rate: float, eta: float, metrics) -> str:
+    """The live bar after round `round` of `T`: its fill, rounds/s, the ETA and, on the
+    virtual clock, the virtual time at the end of the round (the round's ``virtual_time``
+    metric [R], as :func:`virtual_text` shows it)."""
+    width = 24
+    fill = int(width * round / T)
+    return (f"[{'#' * fill}{'.' * (width - fill)}] round {round}/{T}, {rate:.2f} rounds/s, "
+            f"ETA {eta:.0f}s{virtual_text(metrics)} ")
+
+
 # The closing table's tail columns (deltafl_jax.metrics), when every final has them.
 TAIL_COLUMNS = (("test_error_worst10", "worst 10%"), ("test_error_std", "std"),
                 ("test_share_below_target", "below tgt"))
@@ -248,8 +259,9 @@ class Progress(Callback):
         self.log = log
         self.stream = stream if stream is not None else sys.stderr
         self.bar = bar if bar is not None else bool(getattr(self.stream, "isatty", lambda: False)())
-        self._t0 = None
+        self._t0 = time.perf_counter()   # on_run_start starts it again
         self._reported = set()
+        self._bar_width = 0
 
     def on_run_start(self, run: RunContext) -> None:
         self._t0 = time.perf_counter()
@@ -292,11 +304,7 @@ class Progress(Callback):
         elapsed = time.perf_counter() - self._t0
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (T - round) / rate if rate > 0 else float("nan")
-        width = 24
-        fill = int(width * round / T)
-        self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] round {round}/{T}, "
-                          f"{rate:.2f} rounds/s, ETA {eta:.0f}s ")
-        self.stream.flush()
+        self._bar_line(bar_text(round, T, rate, eta, metrics))
 
     def _nonfinite_lines(self, run: RunContext, round: int, metrics) -> None:
         """A warning the first time each part of a replica's state is not finite (the round's
@@ -318,9 +326,16 @@ class Progress(Callback):
                             "it trains on (--stop_on_divergence stops it) and the metrics "
                             "computed from a non-finite model are NaN"))
 
+    def _bar_line(self, text: str) -> None:
+        """Redraw the bar as `text`, blanking what a longer previous bar left."""
+        self.stream.write("\r" + text.ljust(self._bar_width))
+        self._bar_width = len(text)
+        self.stream.flush()
+
     def _clear_bar(self):
         if self.bar:
-            self.stream.write("\r" + " " * 72 + "\r")
+            self.stream.write("\r" + " " * max(72, self._bar_width) + "\r")
+            self._bar_width = 0
             self.stream.flush()
 
     def on_evaluation(self, run: RunContext, evaluation: Evaluation) -> None:
