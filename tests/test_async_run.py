@@ -177,3 +177,32 @@ def test_an_asynchronous_run_killed_and_rerun_is_bit_identical(tmp_path, algorit
     with np.load(os.path.join(out, "rounds.npz")) as r:
         assert np.all(np.diff(r["virtual_time"], axis=0) >= 0)
         assert r["staleness_mean"].max() > 0
+
+
+def test_the_report_draws_fedbuff_beside_synchronous_rounds(tiny_synthetic, tmp_path):
+    """A FedBuff run and a clocked FedAvg run on the same data share the report's row: the
+    figure of the error against virtual time draws both, FedBuff's line from its own steps'
+    virtual times and evaluations (hand-read: from the later seed's first evaluation, each
+    seed's last evaluation at or before that time)."""
+    from deltafl_jax import report
+    from deltafl_jax.report.virtual_time import clock_data, virtual_time_figure
+    buff, sync = str(tmp_path / "fedbuff"), str(tmp_path / "fedavg")
+    run_experiment(async_config(buff, num_rounds=4, eval_every=2), tiny_synthetic)
+    run_experiment(tiny_config(algorithm="fedavg", thetas=(1.0,), seeds=SEEDS, num_rounds=4,
+                               eval_every=2, client_speed="lognormal", output_dir=sync),
+                   tiny_synthetic)
+    runs, _ = report.load([buff, sync])
+    cols = report.columns(runs)
+    assert len({c.setting for c in cols}) == 1 and len(cols) == 2
+    (col,) = [c for c in cols if c.run.path.rstrip("/") == buff]
+    with np.load(os.path.join(buff, "rounds.npz")) as r:
+        clock = r["virtual_time"]
+    recs = [json.loads(line) for line in open(os.path.join(buff, "metrics.jsonl"))]
+    p90 = {(x["round"], x["seed"]): x["test_error_p90"] for x in recs}
+    times, mean, _, _ = clock_data(col, "test_error_p90")
+    assert times[0] == max(clock[1]) and times[-1] == min(clock[3])
+    want = [p90[(2 if times[0] < clock[3, g] else 4, g + 1)] for g in range(2)]
+    assert mean[0] == pytest.approx(np.mean(want), abs=1e-6)
+    fig = virtual_time_figure(cols)
+    labels = {line.get_label() for line in fig.axes[0].get_lines()}
+    assert {c.label for c in cols} <= labels and any("FedBuff" in x for x in labels)
