@@ -206,3 +206,32 @@ def test_the_report_draws_fedbuff_beside_synchronous_rounds(tiny_synthetic, tmp_
     fig = virtual_time_figure(cols)
     labels = {line.get_label() for line in fig.axes[0].get_lines()}
     assert {c.label for c in cols} <= labels and any("FedBuff" in x for x in labels)
+
+
+@pytest.mark.slow
+def test_one_and_two_devices_agree(tmp_path):
+    """The same FedBuff run on one and on two (XLA:CPU) devices: the same models and metrics
+    within 1e-5."""
+    import flax.serialization
+    outs = []
+    for d in (1, 2):
+        out = str(tmp_path / f"d{d}")
+        proc = subprocess.run(
+            [sys.executable, "-m", "experiments.run", f"--flagfile={TINY}",
+             f"--output_dir={out}", "--algorithm=fedbuff", "--thetas=1", "--concurrency=6",
+             "--buffer_size=3", "--client_speed=lognormal", f"--devices={d}",
+             "--tensorboard=no"], cwd=REPO, capture_output=True, text=True, timeout=300,
+            env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+        assert proc.returncode == 0, proc.stderr
+        assert f"placement: {d} cpu device(s)" in proc.stdout
+        outs.append(out)
+    recs = [[json.loads(line) for line in open(os.path.join(o, "metrics.jsonl"))] for o in outs]
+    for a, b in zip(*recs):
+        for k in ("train_loss_mean", "test_error_mean", "test_error_p90", "virtual_time"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+    for f in sorted(f for f in os.listdir(os.path.join(outs[0], "models"))
+                    if f.endswith(".msgpack")):
+        ta, tb = (flax.serialization.msgpack_restore(open(os.path.join(o, "models", f),
+                                                          "rb").read()) for o in outs)
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6),
+                     ta, tb)
