@@ -65,13 +65,18 @@ def async_config(out=None, **kw):
     return tiny_config(**{**base, **kw})
 
 
-@pytest.mark.parametrize("algorithm", ["fedbuff", "fedasync"])
-def test_the_run_equals_buffered_run_driven_by_hand(tiny_synthetic, tmp_path, algorithm):
+@pytest.mark.parametrize("algorithm, client_data", [("fedbuff", "device"),
+                                                     ("fedasync", "device"),
+                                                     ("fedbuff", "host")])
+def test_the_run_equals_buffered_run_driven_by_hand(tiny_synthetic, tmp_path, algorithm,
+                                                    client_data):
     """Lognormal speeds, Bernoulli availability, C = 5 of 12 clients, S = 2: the served
     models and every step's virtual time of the run are those of BufferedRun stepped by hand
-    (FedAsync: K = 1 whatever --buffer_size says, the mixing of --fedasync_alpha)."""
+    (FedAsync: K = 1 whatever --buffer_size says, the mixing of --fedasync_alpha), with the
+    split on the device or kept by the host (each step's examples packed)."""
     extra = {"fedasync_alpha": 0.7} if algorithm == "fedasync" else {}
-    config = async_config(str(tmp_path / "run"), algorithm=algorithm, **extra)
+    config = async_config(str(tmp_path / "run"), algorithm=algorithm, client_data=client_data,
+                          **extra)
     result = run_experiment(config, tiny_synthetic)
     settings = AsyncSettings(5, 1 if algorithm == "fedasync" else 3, 2)
     served, times = by_hand(tiny_synthetic, config, settings,
