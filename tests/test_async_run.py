@@ -65,9 +65,10 @@ def async_config(out=None, **kw):
     return tiny_config(**{**base, **kw})
 
 
-@pytest.mark.parametrize("algorithm, client_data", [("fedbuff", "device"),
-                                                     ("fedasync", "device"),
-                                                     ("fedbuff", "host")])
+@pytest.mark.parametrize("algorithm, client_data", [
+    ("fedbuff", "device"),
+    pytest.param("fedasync", "device", marks=pytest.mark.slow),   # CI's second step
+    pytest.param("fedbuff", "host", marks=pytest.mark.slow)])
 def test_the_run_equals_buffered_run_driven_by_hand(tiny_synthetic, tmp_path, algorithm,
                                                     client_data):
     """Lognormal speeds, Bernoulli availability, C = 5 of 12 clients, S = 2: the served
