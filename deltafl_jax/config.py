@@ -25,6 +25,7 @@ from deltafl_jax.replicas import aligned
 from deltafl_jax.privacy import Privacy, check_private_version
 from deltafl_jax.sampling.availability import AvailabilitySettings
 from deltafl_jax.sampling.settings import Sampling
+from deltafl_jax.sampling.asynchronous import AsyncSettings
 from deltafl_jax.sampling.speeds import TimingSettings
 from deltafl_jax.server_optimizer import ServerOptimizer
 
@@ -174,7 +175,8 @@ class Output:
 # The groups of settings, each a field of ExperimentConfig.
 GROUPS = (("training", Training), ("evaluation", Evaluation), ("server", ServerOptimizer),
           ("client", ClientOptimizer), ("sampling", Sampling),
-          ("online", AvailabilitySettings), ("timing", TimingSettings), ("privacy", Privacy),
+          ("online", AvailabilitySettings), ("timing", TimingSettings),
+          ("asynchronous", AsyncSettings), ("privacy", Privacy),
           ("personal", Personalisation), ("placement", Placement), ("output", Output))
 
 
@@ -209,6 +211,7 @@ class ExperimentConfig:
     sampling: Sampling = group(Sampling)
     online: AvailabilitySettings = group(AvailabilitySettings)   # --availability and its flags
     timing: TimingSettings = group(TimingSettings)   # --client_speed, --round_deadline, ...
+    asynchronous: AsyncSettings = group(AsyncSettings)   # --concurrency, --buffer_size, ...
     privacy: Privacy = group(Privacy)
     personal: Personalisation = group(Personalisation)
     placement: Placement = group(Placement)

@@ -109,6 +109,13 @@ def _define_timing_flags() -> None:
     _define_settings(TimingSettings)
 
 
+def _define_async_flags() -> None:
+    """Buffered asynchronous aggregation (deltafl_jax.sampling.asynchronous;
+    docs/guides/asynchronous.md)."""
+    from deltafl_jax.sampling.asynchronous import AsyncSettings
+    _define_settings(AsyncSettings)
+
+
 def _define_privacy_flags() -> None:
     """Client-level differential privacy (deltafl_jax.privacy; docs/guides/privacy.md)."""
     from deltafl_jax.privacy import Privacy
@@ -188,6 +195,7 @@ def define_experiment_flags() -> None:
     _define_sampling_flags()
     _define_availability_flags()
     _define_timing_flags()
+    _define_async_flags()
     _define_privacy_flags()
     _define_placement_flags()
     _define_device_flags()

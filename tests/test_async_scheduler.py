@@ -166,9 +166,9 @@ def test_settings_group_refuses_bad_flags():
                                                             "max_staleness"}
     assert AsyncSettings(concurrency=20, buffer_size=10, max_staleness=3).ring == 5
     with pytest.raises(ConfigError, match="--buffer_size=21"):
-        AsyncSettings(concurrency=20, buffer_size=21)
+        AsyncSettings(concurrency=20, buffer_size=21).check()
     with pytest.raises(ConfigError, match="--concurrency=0"):
-        AsyncSettings(concurrency=0, buffer_size=1)
+        AsyncSettings(concurrency=0, buffer_size=1).check()
     with pytest.raises(ConfigError, match="--concurrency=20: more than the 8"):
         AsyncSettings().check(8)
 

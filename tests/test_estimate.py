@@ -296,9 +296,10 @@ def _check_round_memory(exp, est):
 
 
 def _registry_cases():
-    """Every registered algorithm; all but the first in CI's slow step."""
+    """Every registered algorithm of synchronous rounds (--estimate refuses the asynchronous
+    ones); all but the first in CI's slow step."""
     from deltafl_jax.algorithms import registry
-    names = sorted(registry.names())
+    names = [n for n in sorted(registry.names()) if registry.get(n).asynchronous is None]
     return names[:1] + [pytest.param(n, marks=pytest.mark.slow) for n in names[1:]]
 
 

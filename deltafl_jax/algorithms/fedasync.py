@@ -16,15 +16,27 @@ ring besides the current one.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
 import optax
 
 from deltafl_jax import engine
-from deltafl_jax.algorithms.fedbuff import build_buffered_step, current_params, versions_at
+from deltafl_jax.algorithms.deltafl import THETA_SWEEP, DeltaFLHyper, check_thetas, theta_one
+from deltafl_jax.algorithms.fedavg import fedavg
+from deltafl_jax.algorithms.fedbuff import (AsyncStep, build_buffered_step, check_asynchronous,
+                                            current_params, versions_at)
+from deltafl_jax.algorithms.options import Option
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.replicas import Replicas
+
+
+def check_alpha(alpha: float) -> None:
+    """ConfigError unless 0 < alpha <= 1."""
+    if not 0.0 < alpha <= 1.0:
+        raise ConfigError(f"--fedasync_alpha={alpha}: the mixing weight must be in (0, 1]")
 
 
 def mixing(alpha: float):
@@ -52,6 +64,30 @@ def build_fedasync_step(model, replicas: Replicas, local: engine.LocalSGDConfig,
                         alpha: float, server_tx: Optional[optax.GradientTransformation] = None):
     """FedAsync's server step (the step function of
     :func:`~deltafl_jax.algorithms.fedbuff.build_buffered_step`), for 0 < alpha <= 1."""
-    if not 0.0 < alpha <= 1.0:
-        raise ConfigError(f"--fedasync_alpha={alpha}: the mixing weight must be in (0, 1]")
+    check_alpha(alpha)
     return build_buffered_step(model, replicas, local, server_tx, aggregate=mixing(alpha))
+
+
+@dataclasses.dataclass(frozen=True)
+class FedAsyncOptions:
+    """``fedasync_alpha``: the mixing weight alpha (Xie et al. run 0.6 and 0.9)."""
+
+    fedasync_alpha: float = Option(
+        0.6, "fedasync: the mixing weight alpha in (0, 1]; each update is mixed in with "
+        "alpha / sqrt(1 + staleness)").field()
+
+    def check(self) -> None:
+        check_alpha(self.fedasync_alpha)
+
+
+FEDASYNC = AsyncStep(aggregate=lambda options: mixing(options.fedasync_alpha), buffer_size=1)
+
+SPEC = AlgorithmSpec(
+    name="fedasync", display_name="FedAsync",
+    help="FedAsync: each update mixed into the model as it arrives, weight alpha / sqrt(1 + "
+         "staleness) (--concurrency, --max_staleness, --fedasync_alpha; K = 1)",
+    factory=lambda config, data, options: fedavg()._replace(name="fedasync"),
+    hyper=DeltaFLHyper, sweep=THETA_SWEEP, options_type=FedAsyncOptions,
+    validate=lambda config: (check_thetas(config), check_asynchronous(config, FEDASYNC)),
+    values=theta_one("fedasync", "trains every update it mixes in (theta = 1)"),
+    names_value=False, fixed_sweep=True, asynchronous=FEDASYNC)

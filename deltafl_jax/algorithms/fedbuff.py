@@ -17,8 +17,8 @@ sum divided by its size K, no weighting by n_k) with the paper's polynomial stal
 (SymbioticLab/FedScale, commit 1539103) differs: it weighs the clients' *models* by
 1/(1 + tau) and divides by the sum of those weights.
 
-Why an algorithm of its own (to be ``--algorithm=fedbuff``; the command line does not drive
-it yet: :class:`BufferedRun` is its host side) rather than an asynchronous mode that every
+Why an algorithm of its own (``--algorithm=fedbuff``; :class:`BufferedRun` is its host
+side, driven by the run loop through :mod:`deltafl_jax.run.buffered`) rather than an asynchronous mode that every
 algorithm's aggregation could use: the other algorithms' server updates read a synchronous
 cohort's quantities at one global model w_t (Delta-FL's filter of the losses F_k(w_t) and
 its superquantile, SCAFFOLD's and MIFA's per-client memories of the same round, q-FFL's
@@ -34,7 +34,8 @@ group), so the step's inputs (:class:`BufferedInputs`) carry a leading group axi
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
+import dataclasses
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import flax.struct
 import jax
@@ -44,7 +45,11 @@ import optax
 
 from deltafl_jax import engine
 from deltafl_jax import plan as plan_lib
+from deltafl_jax.algorithms.deltafl import THETA_SWEEP, DeltaFLHyper, check_thetas, theta_one
+from deltafl_jax.algorithms.fedavg import fedavg
+from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine import mesh as mesh_lib
+from deltafl_jax.errors import ConfigError
 from deltafl_jax.replicas import Replicas
 from deltafl_jax.rounds import RoundData
 from deltafl_jax.sampling.asynchronous import (AsyncScheduler, AsyncSettings, ServerStep,
@@ -211,14 +216,17 @@ class BufferedRun:
     take (None: what the first device reports free; no check on a backend that reports
     none, XLA:CPU); mesh: a 1-D device mesh (``engine.mesh.make_mesh``) over
     whose devices the step's jobs are dealt (None: one device). Set ``local.order_lanes``
-    for sums that do not depend on the device count.
+    for sums that do not depend on the device count. aggregate: the step's aggregate
+    (:func:`build_buffered_step`; None: FedBuff's :func:`buffered_mean`); packed: the plan
+    indexes the step's packed buffer (the host keeps the split, ``--client_data=host``).
     """
 
     def __init__(self, model, replicas: Replicas, local: engine.LocalSGDConfig, *,
                  seeds: Sequence[int], settings: AsyncSettings, offsets: np.ndarray,
                  work: plan_lib.LocalWork, seconds, eval_chunk: int = 8,
                  server_tx: Optional[optax.GradientTransformation] = None, availability=None,
-                 mesh=None, memory_bytes: Optional[int] = None):
+                 mesh=None, memory_bytes: Optional[int] = None, aggregate=None,
+                 packed: bool = False):
         offsets = np.asarray(offsets, np.int64)
         settings.check(offsets.size - 1)
         check_ring_fits(settings.ring, version_bytes(model, replicas.size),
@@ -231,12 +239,14 @@ class BufferedRun:
             seed=s, availability=availability) for s in self.seeds]
         self.caps = plan_lib.capacities(np.diff(offsets), self.K, work, eval_chunk,
                                         with_replacement=True)
+        self.packed = bool(packed)
+        aggregate = aggregate or buffered_mean
         if mesh is not None and mesh.size > 1:
             local = local._replace(axis=mesh_lib.DeviceAxis(mesh.size, mesh_lib.AXIS))
-            raw = mesh_lib.sharded(build_buffered_step(model, replicas, local, server_tx),
-                                   mesh, 4)
+            raw = mesh_lib.sharded(build_buffered_step(model, replicas, local, server_tx,
+                                                       aggregate), mesh, 4)
         else:
-            raw = build_buffered_step(model, replicas, local, server_tx)
+            raw = build_buffered_step(model, replicas, local, server_tx, aggregate)
         self.step_fn = jax.jit(raw, donate_argnums=(0,))
 
     def next_step(self, index: int):
@@ -246,7 +256,7 @@ class BufferedRun:
         cohorts = [Cohort(s.clients.astype(np.int32), np.ones(self.K, bool),
                           np.ones(self.K, np.float64)) for s in steps]
         plan = plan_lib.make_round_plan(self.seeds, index, self.offsets, self.K, self.work,
-                                        self.caps, cohorts=cohorts)
+                                        self.caps, packed=self.packed, cohorts=cohorts)
         return plan, step_inputs(steps), steps
 
     def step(self, state: BufferedState, x, y, keys):
@@ -270,3 +280,61 @@ class BufferedRun:
         for g, s in enumerate(self.schedulers):
             prefix = f"{g}/"
             s.restore({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+
+
+# ---------------------------------------------------------------------- the spec
+
+@dataclasses.dataclass(frozen=True)
+class AsyncStep:
+    """What an asynchronous spec (``AlgorithmSpec.asynchronous``) gives the run.
+
+    aggregate: the spec's typed options -> the step's aggregate (:func:`build_buffered_step`);
+    buffer_size: the K the method fixes (FedAsync: 1), None: ``--buffer_size``.
+    """
+
+    aggregate: Callable[[Any], Callable]
+    buffer_size: Optional[int] = None
+
+    def settings(self, given: AsyncSettings) -> AsyncSettings:
+        """The run's settings: `given` (the ``asynchronous`` group), K fixed where the method
+        fixes it."""
+        if self.buffer_size is None:
+            return given
+        return dataclasses.replace(given, buffer_size=self.buffer_size)
+
+
+def check_asynchronous(config, step: AsyncStep) -> None:
+    """ConfigError (one line naming the flag) for what an asynchronous run cannot combine
+    with: a synchronous round's deadline and over-selection, a client sampler other than the
+    scheduler's uniform draw, client-level DP (its accountant counts synchronous cohorts), a
+    personalised evaluation; and its own settings (K <= C)."""
+    name = config.algorithm
+    t = config.timing
+    flag = ("--round_deadline" if t.round_deadline is not None else "--partial_work"
+            if t.partial_work else "--over_select" if t.over_select != 1.0 else None)
+    if flag:
+        raise ConfigError(f"{flag}: --algorithm={name} has no rounds to end by a deadline; its "
+                          "clients train as slots free up (--concurrency, --buffer_size)")
+    if config.sampling.sampler != "fixed":
+        raise ConfigError(f"--client_sampling={config.sampling.sampler}: --algorithm={name} "
+                          "starts an idle online client, uniformly, whenever a slot frees up")
+    if config.privacy.enabled:
+        raise ConfigError(f"--dp_clip: --algorithm={name} has no private version (the DP "
+                          "accountant counts synchronous cohorts)")
+    if config.personal.client_holdout > 0:
+        raise ConfigError(f"--client_holdout: --algorithm={name} has no personalised "
+                          "evaluation")
+    step.settings(config.asynchronous).check()
+
+
+FEDBUFF = AsyncStep(aggregate=lambda options: buffered_mean)
+
+SPEC = AlgorithmSpec(
+    name="fedbuff", display_name="FedBuff",
+    help="FedBuff: buffered asynchronous aggregation of K staleness-weighted updates from C "
+         "clients in flight (--concurrency, --buffer_size, --max_staleness)",
+    factory=lambda config, data, options: fedavg()._replace(name="fedbuff"),
+    hyper=DeltaFLHyper, sweep=THETA_SWEEP,
+    validate=lambda config: (check_thetas(config), check_asynchronous(config, FEDBUFF)),
+    values=theta_one("fedbuff", "trains every update it buffers (theta = 1)"),
+    names_value=False, fixed_sweep=True, asynchronous=FEDBUFF)

@@ -13,7 +13,7 @@ from typing import Dict, Iterable, Optional, Tuple
 from deltafl_jax.algorithms import afl, afl_qffl, deltafl, fedavg, fedavg_sub, fedprox, qffl, term
 from deltafl_jax.algorithms import (apfl, deltafl_alt, ditto, drfa, feddyn, fedmgda, gifair,
                                     propfair, scaffold)
-from deltafl_jax.algorithms import fedau, fednova, fedvarp, mifa
+from deltafl_jax.algorithms import fedasync, fedau, fedbuff, fednova, fedvarp, mifa
 from deltafl_jax.algorithms.options import Option, Sweep, declared_options
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.errors import ConfigError
@@ -41,6 +41,8 @@ SPECS: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
     mifa.SPEC,
     fedvarp.SPEC,
     fednova.SPEC,
+    fedbuff.SPEC,
+    fedasync.SPEC,
 )}
 
 # Layers over any algorithm, named after '+' in a method name (``deltafl+ditto``): a
@@ -63,7 +65,8 @@ def _layered(name: str) -> Optional[AlgorithmSpec]:
     if name in SPECS:
         return SPECS[name]
     base, plus, layer = name.partition("+")
-    if plus and base in SPECS and layer in LAYERS and not _clash(base, layer):
+    if plus and base in SPECS and layer in LAYERS and not _clash(base, layer) and \
+            SPECS[base].asynchronous is None:
         if name not in _COMPOSED:
             _COMPOSED[name] = LAYERS[layer](SPECS[base])
         return _COMPOSED[name]
@@ -84,6 +87,10 @@ def get(name: str) -> AlgorithmSpec:
     """The spec called `name` (or BASE+LAYER); ConfigError naming the choices otherwise."""
     spec = _layered(name)
     base, plus, layer = name.partition("+")
+    if spec is None and plus and base in SPECS and layer in LAYERS and \
+            SPECS[base].asynchronous is not None:
+        raise ConfigError(f"{name!r} puts the {layer} layer over {base}, which is "
+                          f"asynchronous; a layer goes over an algorithm of synchronous rounds")
     if spec is None and plus and base in SPECS and layer in LAYERS:
         flags = ", ".join(f"--{f}" for f in _clash(base, layer))
         raise ConfigError(f"{name!r} puts the {layer} layer over {base}, which sweeps {flags} "

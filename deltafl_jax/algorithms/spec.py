@@ -83,6 +83,10 @@ class AlgorithmSpec:
       stability bound that the algorithm knows (Ditto's proximal step: eta (lambda + l2)
       >= 2 with SGD); the runner prints each as a warning before the first round
       (:meth:`warnings`). `replicas`: the run's :class:`~deltafl_jax.replicas.Replicas`.
+    asynchronous: the server step of buffered asynchronous aggregation
+      (:class:`deltafl_jax.algorithms.fedbuff.AsyncStep`: FedBuff, FedAsync); the run then
+      steps the server whenever K updates have arrived (:mod:`deltafl_jax.run.buffered`)
+      instead of running synchronous rounds; None: synchronous rounds (`factory`'s).
     local_work: the cost of one local minibatch step of a client relative to FedAvg's (one
       model's gradient step): 2 for a client that steps a personal model beside the global
       one (Ditto, APFL). A hint for projected estimates (:meth:`expected_work`), never used
@@ -116,6 +120,7 @@ class AlgorithmSpec:
     leaderboard: Any = None
     cautions: Optional[Callable[[Any, Any], Tuple[str, ...]]] = None
     local_work: float = 1.0
+    asynchronous: Any = None
 
     def __post_init__(self):
         declared_options(self.options_type)   # TypeError unless a frozen dataclass of Options

@@ -48,10 +48,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import jax
 import numpy as np
 
+from deltafl_jax.algorithms import registry
 from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.datasets.known_shapes import load_or_stand_in
 from deltafl_jax.engine.mesh import tree_to_host
+from deltafl_jax.errors import ConfigError
 from deltafl_jax.run import loop, resume
 from deltafl_jax.run.callbacks import Callback, RunContext
 from deltafl_jax.run.experiment import Experiment, build_experiment
@@ -435,6 +437,9 @@ def estimate_run(config: ExperimentConfig, data: Optional[FederatedDataset] = No
     the caller passes such a stand-in.
     Nothing is written, whatever ``config.output_dir`` says."""
     log = log or (lambda line: None)
+    if registry.get(config.algorithm).asynchronous is not None:
+        raise ConfigError(f"--estimate: --algorithm={config.algorithm} is asynchronous; "
+                          "--estimate measures synchronous rounds only")
     log(f"estimate: building {config.method} ...")
     t0 = time.perf_counter()
     if data is None:

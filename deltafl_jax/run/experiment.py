@@ -36,6 +36,7 @@ from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import placement as placement_lib
 from deltafl_jax.run.callbacks import RunFacts, RunView
 from deltafl_jax.run import personal as personal_lib
+from deltafl_jax.run.buffered import AsyncRound, async_speeds
 from deltafl_jax.run.client_store import ClientStore
 from deltafl_jax.run.personal import PersonalEvaluation
 from deltafl_jax.run.placement import (Footprint, Placement, check_memory, choose_placement,
@@ -66,7 +67,7 @@ class Experiment:
     caps: plan_lib.Capacities
     placement: Placement
     num_sampled: int       # m: clients sampled per round (AFL: all training clients; Poisson:
-                           # the cap, the plan's slots)
+                           # the cap, the plan's slots; an asynchronous run: K)
     round_fn: Callable     # jitted round_fn(state, data, keys) -> (state, metrics)
     store: ClientStore     # the clients' examples, on the devices or on the host
     served_fn: Optional[Callable] = None  # jitted (algo_state, params) -> served params
@@ -81,7 +82,8 @@ class Experiment:
     # the test error by availability quintile (deltafl_jax/availability_metrics.py); None: none
     availability_split: Optional[AvailabilitySplit] = None
     participation: Optional[Participation] = None   # online sets and participation counts
-    clock: Optional[VirtualClock] = None   # the virtual clock (--client_speed; None: none)
+    clock: Optional[Any] = None   # the virtual clock (--client_speed; an asynchronous run's)
+    buffered: Optional[AsyncRound] = None   # an asynchronous run's step (None: rounds)
 
     @property
     def poisson(self) -> Optional[PoissonSampler]:
@@ -115,10 +117,13 @@ class Experiment:
         privacy = self.config.privacy
         correlated = self.accounting.correlated if self.accounting is not None else None
         clip = privacy.initial_clip if privacy.adaptive else None
-        return self._place(rounds.init_state(self.model, self.algorithm, self.replicas,
-                                             self.seeds, self.server_tx,
-                                             self.data.train.num_clients, clip=clip,
-                                             bands=len(correlated.coef) if correlated else 0))
+        state = rounds.init_state(self.model, self.algorithm, self.replicas, self.seeds,
+                                  self.server_tx, self.data.train.num_clients, clip=clip,
+                                  bands=len(correlated.coef) if correlated else 0)
+        if self.buffered is not None:   # the same w_0 in the ring of versions
+            state = self.buffered.initial_state(state.params, self.server_tx,
+                                                self.replicas.server_lr)
+        return self._place(state)
 
     def keys(self):
         return self._place(rounds.replica_keys(self.replicas, self.seeds))
@@ -126,6 +131,8 @@ class Experiment:
     def served_params(self, state):
         """The models that are evaluated and saved, [R, ...]: w_t, or what the algorithm
         serves instead (AFL: the averaged iterate)."""
+        if self.buffered is not None:
+            return self.buffered.served_params(state)
         if self.served_fn is None:
             return state.params
         return self.served_fn(state.algo_state, state.params)
@@ -229,16 +236,15 @@ class Experiment:
     def participation_arrays(self, clients=None) -> Dict[str, np.ndarray]:
         """Each replica's realised participation so far, [R, N] (or [R, K] at the training
         clients `clients`): ``train_rounds_online`` and ``train_rounds_sampled``, the rounds its
-        plan group's clients were online and sampled."""
-        if self.participation is None:
-            return {}
+        plan group's clients were online and sampled; with a clock, its counts
+        (``client_counts``)."""
         group = np.asarray(self.replicas.group)
         out = {}
-        counts = [("train_rounds_online", self.participation.online_rounds),
-                  ("train_rounds_sampled", self.participation.sampled_rounds)]
+        counts = [] if self.participation is None else [
+            ("train_rounds_online", self.participation.online_rounds),
+            ("train_rounds_sampled", self.participation.sampled_rounds)]
         if self.clock is not None:
-            counts += [("train_rounds_selected", self.clock.selected_rounds),
-                       ("train_rounds_dropped", self.clock.dropped_rounds)]
+            counts += self.clock.client_counts()
         for name, per_group in counts:
             per = per_group[group]
             out[name] = per if clients is None else per[:, np.asarray(clients, np.int64)]
@@ -246,7 +252,11 @@ class Experiment:
 
     def round_data(self, round_idx: int, state=None) -> rounds.RoundData:
         """The round's plan and examples on the device(s) (`state`: as :meth:`round_plan`),
-        with the probe sample of an algorithm that has one."""
+        with the probe sample of an algorithm that has one. An asynchronous run's: server
+        step `round_idx`'s data and its inputs (:class:`deltafl_jax.run.buffered.AsyncClock`)."""
+        if self.buffered is not None:
+            plan, inputs = self.clock.plan(round_idx)
+            return self.store.round_data(plan), inputs
         data = self.store.round_data(self.round_plan(round_idx, state))
         if self.algorithm.probe is None:
             return data
@@ -382,18 +392,23 @@ def _augment(config: ExperimentConfig, data: FederatedDataset) -> Optional[Calla
         raise ConfigError(str(e)) from None
 
 
+def _local_config(config, place: Placement, mesh, augment=None) -> engine.LocalSGDConfig:
+    """The clients' local SGD on `place` (over `mesh`'s devices; None: one device)."""
+    axis = mesh_lib.SINGLE if mesh is None else mesh_lib.DeviceAxis(place.devices,
+                                                                    mesh_lib.AXIS)
+    return engine.LocalSGDConfig(batch_size=config.batch_size, lanes=place.lanes,
+                                 lane_mode=place.lane_mode, unroll=place.unroll,
+                                 branchless=place.branchless, axis=axis,
+                                 order_lanes=place.order_lanes,
+                                 clip=config.privacy.initial_clip,
+                                 optimizer=config.client.transformation, augment=augment)
+
+
 def _round_fn(model, algorithm, replicas, config, place: Placement, m: int, mesh,
               server_tx, expected: Optional[int] = None, correlated=None,
               variable: bool = False, augment=None):
     """The jitted round: plain for one device, jit(shard_map(...)) over a mesh otherwise."""
-    axis = mesh_lib.SINGLE if mesh is None else mesh_lib.DeviceAxis(place.devices,
-                                                                    mesh_lib.AXIS)
-    local = engine.LocalSGDConfig(batch_size=config.batch_size, lanes=place.lanes,
-                                  lane_mode=place.lane_mode, unroll=place.unroll,
-                                  branchless=place.branchless, axis=axis,
-                                  order_lanes=place.order_lanes,
-                                  clip=config.privacy.initial_clip,
-                                  optimizer=config.client.transformation, augment=augment)
+    local = _local_config(config, place, mesh, augment)
     privacy = config.privacy
     raw = rounds.build_round_fn(model, algorithm, replicas, local, place.eval_chunk,
                                 place.eval_lanes, m, server_tx, expected=expected,
@@ -443,30 +458,24 @@ def build_experiment(config: ExperimentConfig, data: FederatedDataset,
     tuner's learning-rate / l2 grids); by default they are the spec's sweep x seeds.
     """
     run = resolve(config, data, replicas)
-    data, model, algorithm, replicas, m = (run.data, run.model, run.algorithm, run.replicas,
-                                           run.num_sampled)
+    data, model, algorithm, replicas = run.data, run.model, run.algorithm, run.replicas
+    settings = (None if run.spec.asynchronous is None
+                else run.spec.asynchronous.settings(config.asynchronous))
+    m = run.num_sampled if settings is None else settings.buffer_size   # the plan's slots
     mesh = _mesh(config)
     devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
     place = choose_placement(config, model, m, replicas.size, devices=len(devices),
                              client_data=placement_lib.client_data_mode(config.client_data,
                                                                         data, devices))
     _check_probe(run.spec, algorithm, place)
-    caps = plan_lib.capacities(capacity_sizes(data.train, m), m, run.work, place.eval_chunk,
-                               with_replacement=algorithm.sampling is not None)
     server_tx = config.server.transformation()
+    steps = (_synchronous(run, place, mesh, server_tx) if settings is None
+             else _asynchronous(run, settings, place, mesh, server_tx))
+    caps = steps["caps"]
     state_shape = jax.eval_shape(lambda: rounds.init_state(
         model, algorithm, replicas, run.seeds, server_tx, data.train.num_clients))
     device_bytes = compute_footprint(data, model, replicas, place, caps, m, state_shape)
     check_memory(device_bytes, devices)
-    clock = None if run.speeds is None else VirtualClock(
-        config.timing, run.speeds, run.seeds, data.train.sizes, m, run.work,
-        placement_lib.tree_nbytes(jax.eval_shape(model.init, jax.random.key(0))))
-    if clock is not None:
-        clock.check()
-    round_fn = _round_fn(model, algorithm, replicas, config, place, m, mesh, server_tx,
-                         run.expected,
-                         run.accounting.correlated if run.accounting is not None else None,
-                         variable=run.variable, augment=_augment(config, data))
     store = ClientStore(data, model, place, caps, mesh)
     personal = None if data.holdout is None else PersonalEvaluation(
         data, model, algorithm, replicas, batch_size=config.batch_size, lanes=place.lanes,
@@ -475,13 +484,54 @@ def build_experiment(config: ExperimentConfig, data: FederatedDataset,
         finetune_lr=config.finetune_lr, put=store.put, mesh=mesh)
     return Experiment(
         config=config, data=data, model=model, model_options=run.model_options, spec=run.spec,
-        algorithm=algorithm, replicas=replicas, work=run.work,
-        caps=caps, placement=place, footprint=device_bytes, num_sampled=m, round_fn=round_fn,
-        store=store, personal=personal,
+        algorithm=algorithm, replicas=replicas, work=run.work, placement=place,
+        footprint=device_bytes, num_sampled=m, store=store, personal=personal,
         served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
                    if algorithm.eval_params is not None else None), mesh=mesh,
         server_tx=server_tx, accounting=run.accounting, eval_clients=eval_clients(config, data),
-        sampler=run.sampler, replica_seeds=run.replica_seeds,
-        participation=Participation(run.seeds, data.train.num_clients, run.availability),
-        clock=clock,
-        availability_split=_availability_split(config, data, run.availability))
+        sampler=run.sampler, replica_seeds=run.replica_seeds, **steps)
+
+
+def _model_bytes(model) -> int:
+    return placement_lib.tree_nbytes(jax.eval_shape(model.init, jax.random.key(0)))
+
+
+def _synchronous(run, place: Placement, mesh, server_tx) -> Dict[str, Any]:
+    """The synchronous rounds' parts of the :class:`Experiment`: the plan's capacities, the
+    jitted round, the virtual clock (with ``--client_speed``), the participation record and
+    the error by availability quintile."""
+    config, data, m = run.config, run.data, run.num_sampled
+    caps = plan_lib.capacities(capacity_sizes(data.train, m), m, run.work, place.eval_chunk,
+                               with_replacement=run.algorithm.sampling is not None)
+    clock = None if run.speeds is None else VirtualClock(
+        config.timing, run.speeds, run.seeds, data.train.sizes, m, run.work,
+        _model_bytes(run.model))
+    if clock is not None:
+        clock.check()
+    round_fn = _round_fn(run.model, run.algorithm, run.replicas, config, place, m, mesh,
+                         server_tx, run.expected,
+                         run.accounting.correlated if run.accounting is not None else None,
+                         variable=run.variable, augment=_augment(config, data))
+    return dict(caps=caps, round_fn=round_fn, clock=clock,
+                participation=Participation(run.seeds, data.train.num_clients,
+                                            run.availability),
+                availability_split=_availability_split(config, data, run.availability))
+
+
+def _asynchronous(run, settings, place: Placement, mesh, server_tx) -> Dict[str, Any]:
+    """An asynchronous run's parts of the :class:`Experiment` (:mod:`deltafl_jax.run.buffered`):
+    the server step as its round, its clock and the plan's capacities (K slots). The
+    schedulers ask the availability model who is online at each version, so no
+    participation record of rounds is kept."""
+    config, data = run.config, run.data
+    settings.check(data.train.num_clients)
+    buffered = AsyncRound(
+        run.model, run.replicas, _local_config(config, place, None, _augment(config, data)),
+        seeds=run.seeds, settings=settings, data=data, work=run.work,
+        speeds=async_speeds(config.timing, data.train.num_clients, config.data.data_seed),
+        model_bytes=_model_bytes(run.model), server_tx=server_tx,
+        aggregate=run.spec.asynchronous.aggregate(run.spec.options_for(config)),
+        availability=run.availability, mesh=mesh, eval_chunk=place.eval_chunk,
+        packed=place.client_data == "host")
+    return dict(caps=buffered.run.caps, round_fn=buffered.round_fn, clock=buffered.clock,
+                buffered=buffered)

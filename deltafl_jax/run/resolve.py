@@ -281,7 +281,8 @@ def _availability(config: ExperimentConfig, spec: AlgorithmSpec,
     settings = config.online
     if settings.model == "always":
         return None
-    if spec.all_clients or not spec.variable_cohort:
+    if spec.asynchronous is None and (spec.all_clients or not spec.variable_cohort):
+        # (an asynchronous run's scheduler starts online clients only)
         raise ConfigError(f"--availability={settings.model}: --algorithm={spec.name} needs a "
                           f"fixed cohort of m clients a round (it runs with "
                           f"--availability=always)")

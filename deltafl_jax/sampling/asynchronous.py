@@ -119,12 +119,10 @@ class AsyncSettings:
         None, "asynchronous runs: drop an update whose base version is more than this many "
         "server steps old; unset: keep every update", flag="max_staleness", kind="integer")
 
-    def __post_init__(self):
-        check_async(self.concurrency, self.concurrency, self.buffer_size, self.max_staleness)
-
-    def check(self, num_clients: int) -> None:
-        """ConfigError naming the flag, the number of training clients known."""
-        check_async(num_clients, self.concurrency, self.buffer_size, self.max_staleness)
+    def check(self, num_clients: Optional[int] = None) -> None:
+        """ConfigError naming the flag (`num_clients`: the training clients, when known)."""
+        check_async(self.concurrency if num_clients is None else num_clients,
+                    self.concurrency, self.buffer_size, self.max_staleness)
 
     @property
     def ring(self) -> int:

@@ -130,6 +130,11 @@ class VirtualClock:
                 "num_dropped": np.array([d.size for d in r["dropped"]], np.int64),
                 "num_late": r["late"].copy()}
 
+    def client_counts(self):
+        """(name, [G, N]) of the per-client counts the evaluations record."""
+        return [("train_rounds_selected", self.selected_rounds),
+                ("train_rounds_dropped", self.dropped_rounds)]
+
     def reached(self, stop_at: Optional[float]) -> bool:
         """Every group's clock is at or past `stop_at` (None: never)."""
         return stop_at is not None and self.counted > 0 and bool(np.all(self.now >= stop_at))
