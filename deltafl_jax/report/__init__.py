@@ -16,6 +16,8 @@ Heterogeneity in Federated Learning: A Superquantile Approach* show:
 - Fig. 16: clients kept per round by the filter, mean over seeds with a min/max band;
 - the error by availability quintile of the clients, for runs given their availability
   (:mod:`~deltafl_jax.report.availability`);
+- the clients x classes heat map of a run that partitioned its data with ``--partition``
+  (:mod:`~deltafl_jax.report.partition`);
 - Fig. 3 (Gaussian toy runs): the means and models, the loss of every mixture of the three
   clients (theta-model minus FedAvg) and the histogram of mixture losses for mixtures drawn
   uniformly with conformity >= theta.

@@ -18,6 +18,7 @@ from deltafl_jax.metrics import PERCENTILE_METHODS
 from deltafl_jax.report import figures
 from deltafl_jax.report.availability import availability_figure
 from deltafl_jax.report.io import Run
+from deltafl_jax.report.partition import partition_figure
 from deltafl_jax.report.rows import tidy_rows, write_csv
 from deltafl_jax.report.tables import (BEST_NOTE, INTERVAL_NOTE, STD_NOTE, TABLES, Column,
                                        available, best_columns, columns, markdown_table,
@@ -97,6 +98,10 @@ def setting_figures(sc: Sequence[Column], setting: str, percentile: str, notes: 
     if by_availability is not None:
         out.append((by_availability, f"availability_error_{name}.png",
                     "The error (mean, p90, worst 10%) by availability quintile of the clients"))
+    by_partition = partition_figure(sc)
+    if by_partition is not None:
+        out.append((by_partition, f"partition_clients_classes_{name}.png",
+                    "The partition: each client's examples per class (clients × classes)"))
     if sc[0].run.dataset == "gaussian_toy":
         means = sc[0].run.config.get("data", {}).get("toy_means")
         out.append((figures.mixture_figure(sc, means, {c.label: model_point(c) for c in sc}),
