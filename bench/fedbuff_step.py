@@ -1,18 +1,19 @@
 r"""The cost of a FedBuff server step of K jobs against a synchronous FedAvg round of K clients.
 
-    python -m bench.fedbuff_step [--shapes=linear,cnn] [--buffer_size=10] [--repeats=7]
+    python -m bench.fedbuff_step [--shapes=linear,cnn] [--buffer_size=10] [--repeats=7] \
+        [--out=bench/results/fedbuff_step_cpu.json]
 
 Both on the same FEMNIST-like population, model, batch and lanes: the FedAvg round is the
 experiment's jitted round (``--algorithm=fedavg``, m = K); the FedBuff step is
 :class:`deltafl_jax.algorithms.fedbuff.BufferedRun`'s (C = 2K jobs in flight, lognormal job
 times), the host's event simulation and plan included, as the round's plan is. The two are
-timed interleaved, one of each in turn after a warm-up, and the medians and their ratio are
-printed as one JSON object.
+timed interleaved, one of each in turn after a warm-up; the JSON (``--out``, by default the
+git-ignored ``bench/out/fedbuff_step.json``) holds each shape's medians, their ratio, every
+timing and the machine's load average before and after.
 """
 
 from __future__ import annotations
 
-import json
 import time
 
 from absl import app, flags
@@ -22,6 +23,7 @@ flags.DEFINE_integer("buffer_size", 10, "K: the FedBuff buffer, and FedAvg's m")
 flags.DEFINE_integer("num_clients", 200, "training clients")
 flags.DEFINE_integer("repeats", 7, "timed steps of each (interleaved)")
 flags.DEFINE_integer("lanes", 2, "clients_per_step of both")
+flags.DEFINE_string("out", None, "the JSON (default bench/out/fedbuff_step.json)")
 FLAGS = flags.FLAGS
 
 SHAPES = {"linear": dict(model="linear", batch_size=10, flat=True),
@@ -80,12 +82,24 @@ def time_shape(shape: str) -> dict:
         t[0] += 1
     return {"fedavg_round_s": median(sync_t), "fedbuff_step_s": median(async_t),
             "ratio": median(async_t) / median(sync_t), "K": K, "lanes": place.lanes,
-            "backend": jax.default_backend()}
+            "backend": jax.default_backend(), "fedavg_round_times_s": sync_t,
+            "fedbuff_step_times_s": async_t}
 
 
 def main(argv):
     del argv
-    print(json.dumps({shape: time_shape(shape) for shape in FLAGS.shapes}, indent=1))
+    import os
+
+    from bench.common import emit, machine
+    load_before = os.getloadavg()[0]
+    shapes = {shape: time_shape(shape) for shape in FLAGS.shapes}
+    result = {"benchmark": "fedbuff_step", "machine": machine(), "buffer_size": FLAGS.buffer_size,
+              "num_clients": FLAGS.num_clients, "repeats": FLAGS.repeats,
+              "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+              "shapes": shapes}
+    emit(result, FLAGS.out, summary=[
+        f"{k}: FedBuff step {v['fedbuff_step_s']:.4g} s, FedAvg round {v['fedavg_round_s']:.4g} s,"
+        f" ratio {v['ratio']:.3f}" for k, v in shapes.items()])
 
 
 if __name__ == "__main__":

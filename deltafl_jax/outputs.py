@@ -19,8 +19,9 @@ it back (:class:`RunReader`). No other module opens these files; serving a saved
   ``deltafl_jax.load_model(output_dir, theta=0.5, seed=1)`` serves w_theta (the paper's
   Figure 1: a user picks a conformity level and gets its model).
 - ``partition.npz`` (:data:`PARTITION`): only when ``--partition`` split the data into clients:
-  each train and test client's example indices in its source split, and the partitioner's
-  settings (:mod:`deltafl_jax.datasets.partition`).
+  each train and test client's example indices in its source split, the partitioner's
+  settings and, for labelled data, each client's examples per class
+  (``train_label_histogram``, ``test_label_histogram`` [K, C]; :mod:`deltafl_jax.datasets.partition`).
 - ``deltafl_run.json`` (:data:`MARKER`): written first, when the run starts: this package's
   mark (``written_by``, the output format) and the run's settings (the configuration without
   the settings that change no result), so that a stopped run is recognised as one of the same
@@ -561,6 +562,12 @@ class RunReader:
     def clients(self) -> Dict[str, np.ndarray]:
         """clients.npz: final per-client arrays [R, N], sizes, ids and ``replica_keys``."""
         return self._npz(CLIENTS)
+
+    def partition(self) -> Optional[Dict[str, np.ndarray]]:
+        """partition.npz (the clients' example indices, the partitioner's settings and, for
+        labelled data, ``<split>_label_histogram`` [K, C]), or None when the run partitioned
+        nothing."""
+        return self._npz(PARTITION) if self.has(PARTITION) else None
 
     def clients_history(self) -> Dict[str, np.ndarray]:
         """clients_history.npz: ``rounds`` [E] and per-client arrays [E, R, N]."""

@@ -1,13 +1,17 @@
 r"""The tail leaderboard: every method that applies to a dataset, tuned by the papers' protocol,
 3 seeds, one Markdown table and one figure per dataset (:mod:`deltafl_jax.leaderboard`).
 
-    python -m experiments.leaderboard [--set=cpu|download|paper] [--out=runs/leaderboard]
+    python -m experiments.leaderboard [--set=cpu|download|paper|image] [--out=runs/leaderboard]
     python -m experiments.leaderboard --set=paper --estimate
     python -m experiments.leaderboard --settings=leaderboard_synthetic_1_1 --methods=fedavg,gifair
 
 Each dataset (a *setting*) is a flagfile of experiments/ (``--set=cpu``: the three below,
 offline; ``download``: sent140_linear and emnist_cpu; ``paper``: emnist, shakespeare and
-sent140_lstm at the papers' sizes); experiment flags given here override the flagfile's (e.g.
+sent140_lstm at the papers' sizes; ``image``: cifar10_dirichlet and fmnist_shards, CIFAR-10
+Dir(0.1) and Fashion-MNIST shards over 100 clients); a dataset that is not prepared is refused
+in one line unless ``--download`` is given, which fetches and prepares it first, and
+``--estimate`` measures a missing dataset on its known shape
+(:mod:`deltafl_jax.datasets.known_shapes`); experiment flags given here override the flagfile's (e.g.
 ``--num_rounds=20`` for a quick try). Methods: every spec of the registry whose leaderboard
 Board applies (or ``--methods``), each with its board's grid (``--grid=quick`` on the CPU set,
 ``full`` elsewhere), a swept flag given here (``--gifair_coeff=0.1,1``) replacing its method's
@@ -50,8 +54,11 @@ def _define(kind, name, default, help, **kw):
 
 
 _define(flags.DEFINE_enum, "set", "cpu", "which datasets: cpu (offline, 2-core CPU) | download "
-        "(Sent140 linear, FEMNIST CPU) | paper (the papers' sizes, an accelerator)",
-        enum_values=["cpu", "download", "paper"])
+        "(Sent140 linear, FEMNIST CPU) | paper (the papers' sizes, an accelerator) | image "
+        "(CIFAR-10 Dir(0.1), Fashion-MNIST shards)",
+        enum_values=["cpu", "download", "paper", "image"])
+_define(flags.DEFINE_bool, "download", False, "fetch and prepare a setting's dataset that is "
+        "not prepared yet (as python -m data_prep.prepare --download does) before planning")
 _define(flags.DEFINE_list, "settings", [], "run only these settings (flagfile names) of the set")
 _define(flags.DEFINE_list, "methods", [], "run only these methods (default: every method whose "
         "leaderboard Board applies)")
@@ -79,6 +86,7 @@ SETS = {
             "leaderboard_shakespeare_cpu"),
     "download": ("sent140_linear", "emnist_cpu"),
     "paper": ("emnist", "shakespeare", "sent140_lstm"),
+    "image": ("cifar10_dirichlet", "fmnist_shards"),
 }
 TITLES = {
     "leaderboard_synthetic_1_1": "Synthetic(1, 1)",
@@ -87,6 +95,8 @@ TITLES = {
     "sent140_linear": "Sent140, linear", "emnist_cpu": "FEMNIST (CPU configuration)",
     "emnist": "FEMNIST, ConvNet", "shakespeare": "Shakespeare, GRU",
     "sent140_lstm": "Sent140, LSTM",
+    "cifar10_dirichlet": "CIFAR-10, Dir(0.1), CNN",
+    "fmnist_shards": "Fashion-MNIST, shards, ConvNet",
 }
 DEFAULT_SEEDS = (1, 2, 3)
 # Rough cost of one replica-round relative to softmax regression, for the ETA of programs
@@ -179,15 +189,38 @@ def _settings_of_set() -> List[str]:
     return names
 
 
+def _setting_data(name: str, base):
+    """The setting's data: loaded; not prepared yet, fetched and prepared first with
+    --download, measured on its known shape with --estimate, else DataError (one line)."""
+    from deltafl_jax import DataError, load_dataset
+    from deltafl_jax.datasets import DOWNLOADABLE, centralised_key, prepare_dataset
+    from deltafl_jax.datasets.known_shapes import load_or_stand_in
+    if FLAGS.estimate and not FLAGS.download:
+        data, note = load_or_stand_in(base.data)
+        if note:
+            print(f"{name}: measured on {note}", flush=True)
+        return data
+    try:
+        return load_dataset(base.data)
+    except DataError as e:
+        if not FLAGS.download:
+            fetchable = (base.data.dataset in DOWNLOADABLE
+                         or centralised_key(base.data.dataset) is not None)
+            hint = " (or pass --download to this command)" if fetchable else ""
+            raise DataError(f"{name}: {str(e).splitlines()[0]}{hint}") from None
+    print(f"{name}: fetching and preparing {base.data.dataset} (--download)", flush=True)
+    prepare_dataset(base.data, download=True)
+    return load_dataset(base.data)
+
+
 def plan(argv: List[str]) -> List[Setting]:
     """Every setting with its data, methods and grids, each checked (ConfigError, one line)."""
     from deltafl_jax import leaderboard as lb
-    from deltafl_jax import load_dataset
     from deltafl_jax.algorithms.leaderboard import BoardSetting
     settings = []
     for name in _settings_of_set():
         base = _setting_config(os.path.join(REPO, "experiments", f"{name}.flags"), argv)
-        data = load_dataset(base.data)
+        data = _setting_data(name, base)
         facts = BoardSetting(dataset=data.name, model=base.model,
                              train_clients=data.train.num_clients,
                              clients_per_round=base.clients_per_round)

@@ -559,6 +559,17 @@ def test_virtual_clock_smoke_times_both_rows_alike(tmp_path):
 
 
 @pytest.mark.slow
+def test_fedbuff_step_smoke_times_both(tmp_path):
+    """bench.fedbuff_step at toy size: one row per shape, the ratio its medians' own, as many
+    timings of each as repeats."""
+    res = run_json(["bench.fedbuff_step", "--shapes=linear", "--buffer_size=2",
+                    "--num_clients=8", "--repeats=2"], tmp_path, "fedbuff_step")
+    row = res["shapes"]["linear"]
+    assert row["K"] == 2 and len(row["fedbuff_step_times_s"]) == len(row["fedavg_round_times_s"]) == 2
+    assert row["ratio"] == pytest.approx(row["fedbuff_step_s"] / row["fedavg_round_s"])
+
+
+@pytest.mark.slow
 def test_timing_comparison_smoke_reads_every_setting(tmp_path):
     """bench.timing_comparison at toy size: a row per setting and method, the p90 at the fixed
     time read from the runs' own evaluations, and drops only where the deadline drops."""
@@ -584,6 +595,7 @@ def test_timing_comparison_smoke_reads_every_setting(tmp_path):
 
 
 SMOKE_RUNS = {
+    "fedbuff_step.py": ["test_fedbuff_step_smoke_times_both"],
     "availability.py": ["test_availability_smoke_pairs_and_parts"],
     "timing_comparison.py": ["test_timing_comparison_smoke_reads_every_setting"],
     "virtual_clock.py": ["test_virtual_clock_smoke_times_both_rows_alike"],

@@ -19,6 +19,15 @@ compiled program, the plan's shapes and the local-step trips are those of the re
 the values change (nothing, for dense arithmetic) is not modelled. The run's client limits
 (``--max_train_clients``, ``--max_examples_per_client``, ...) and normalisation apply to it as
 to the real data.
+
+The centralised image datasets (``cifar10``, ``cifar100``, ``fashion_mnist``, ``mnist``) have a
+known shape of their source splits (:data:`KNOWN_CENTRALISED`: images per split, image shape,
+classes; the authors' published counts). Their stand-in is the centralised arrays (pixels of 1,
+labels cycling over the classes, so every class holds the same number of examples, as CIFAR's
+and Fashion-MNIST's do), split into clients by the run's own ``--partition``: the client sizes
+of a label-skewed partition are drawn as on the real data, from the same per-class counts.
+MNIST's classes are not balanced (5,421 to 6,742 training images), so its stand-in's client
+sizes follow the balanced counts instead.
 """
 
 from __future__ import annotations
@@ -60,6 +69,34 @@ KNOWN = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class CentralisedShape:
+    """train, test: the images of each source split; image_shape: one image (uint8, NHWC);
+    num_classes; source: where the figures come from."""
+
+    train: int
+    test: int
+    image_shape: Tuple[int, ...]
+    num_classes: int
+    source: str
+
+
+KNOWN_CENTRALISED = {
+    "cifar10": CentralisedShape(50000, 10000, (32, 32, 3), 10,
+                                "Krizhevsky 2009: 50,000 / 10,000 images of 32 x 32 x 3, 10 "
+                                "classes of 5,000 / 1,000"),
+    "cifar100": CentralisedShape(50000, 10000, (32, 32, 3), 100,
+                                 "Krizhevsky 2009: 50,000 / 10,000 images of 32 x 32 x 3, 100 "
+                                 "classes of 500 / 100"),
+    "fashion_mnist": CentralisedShape(60000, 10000, (28, 28, 1), 10,
+                                      "Xiao et al. 2017: 60,000 / 10,000 images of 28 x 28, 10 "
+                                      "classes of 6,000 / 1,000"),
+    "mnist": CentralisedShape(60000, 10000, (28, 28, 1), 10,
+                              "LeCun et al. 1998: 60,000 / 10,000 images of 28 x 28, 10 "
+                              "classes (balanced in the stand-in)"),
+}
+
+
 def client_sizes(num_clients: int, median: int, lo: int, hi: int) -> np.ndarray:
     """`num_clients` sizes of the given median, minimum and maximum (module docstring)."""
     if not lo <= median <= hi or lo < 1:
@@ -92,12 +129,56 @@ def stand_in(name: str) -> FederatedDataset:
         metadata={"source": f"stand-in of the known shape ({shape.source})"})
 
 
+def centralised_stand_in(name: str):
+    """The centralised stand-in of `name` (:data:`KNOWN_CENTRALISED`; KeyError when it has
+    none): constant pixels, labels cycling over the classes."""
+    from deltafl_jax.datasets.centralised import Centralised
+    shape = KNOWN_CENTRALISED[name]
+
+    def split(n):
+        return (np.ones((n, *shape.image_shape), np.uint8),
+                (np.arange(n) % shape.num_classes).astype(np.int32))
+
+    (train_x, train_y), (test_x, test_y) = split(shape.train), split(shape.test)
+    return Centralised(name=name, train_x=train_x, train_y=train_y, test_x=test_x,
+                       test_y=test_y, num_classes=shape.num_classes,
+                       metadata={"source": f"stand-in of the known shape ({shape.source})"})
+
+
+def _centralised_or_stand_in(config) -> Tuple[FederatedDataset, Optional[str]]:
+    """A centralised image dataset partitioned by the run's flags: its data when they load,
+    else (no ``--data_path``) its stand-in's, with a note."""
+    from deltafl_jax.datasets import (limits, load_centralised, load_dataset, normalize, npz,
+                                      partition)
+    try:
+        return load_dataset(config), None
+    except DataError as e:
+        if config.data_path or config.partition == "none":
+            raise
+        try:   # only a missing source falls back: a partition error on real data is raised
+            load_centralised(config.dataset, None, config.resolved_data_dir)
+        except DataError:
+            pass
+        else:
+            raise
+        why = str(e)
+    shape = KNOWN_CENTRALISED[config.dataset]
+    data = npz.partitioned_images(centralised_stand_in(config.dataset), config)
+    data = normalize.normalize(partition.kept(limits.apply_limits(data, config)),
+                               config.normalize)
+    return data, (f"{config.dataset}'s known shape, not its data ({shape.source}; "
+                  f"{data.train.num_clients} / {data.test.num_clients} clients by "
+                  f"--partition={config.partition}): {why.splitlines()[0]}")
+
+
 def load_or_stand_in(config) -> Tuple[FederatedDataset, Optional[str]]:
     """(data, note): the dataset of DataConfig `config` when it loads; when it does not (no
     prepared data and no source) and no ``--data_path`` was given, the stand-in of its known
     shape, with the client limits and normalisation applied, and a note saying so. Any other
     DataError is raised."""
     from deltafl_jax.datasets import limits, load_dataset, normalize
+    if config.dataset in KNOWN_CENTRALISED:
+        return _centralised_or_stand_in(config)
     try:
         return load_dataset(config), None
     except DataError as e:
@@ -112,4 +193,5 @@ def load_or_stand_in(config) -> Tuple[FederatedDataset, Optional[str]]:
                   f"{shape.lo}-{shape.hi} examples): {why.splitlines()[0]}")
 
 
-__all__ = ["KNOWN", "KnownShape", "client_sizes", "stand_in", "load_or_stand_in"]
+__all__ = ["KNOWN", "KNOWN_CENTRALISED", "CentralisedShape", "KnownShape", "centralised_stand_in",
+           "client_sizes", "stand_in", "load_or_stand_in"]

@@ -117,6 +117,12 @@ def load_partitioned_images(config) -> FederatedDataset:
         raise DataError(f"--dataset={config.dataset} has no clients of its own: give "
                         f"--partition=iid|dirichlet|shards|pathological|inner_dirichlet|size")
     c = load_centralised(config.dataset, config.data_path, config.resolved_data_dir)
+    return partitioned_images(c, config)
+
+
+def partitioned_images(c, config) -> FederatedDataset:
+    """Centralised arrays `c` (:class:`deltafl_jax.datasets.centralised.Centralised`) split into
+    train and test clients by ``--partition``; pixels are uint8, seen as pixel / 255."""
     train, test, part = partition_arrays((c.train_x, c.test_x), (c.train_y, c.test_y), config)
     return FederatedDataset(name=config.dataset, train=train, test=test,
                             num_classes=c.num_classes, x_scale=1.0 / 255.0,

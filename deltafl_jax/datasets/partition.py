@@ -363,13 +363,17 @@ class Partition:
     source split, and the settings that made it (written to ``partition.npz``).
 
     train, test: per client, int64 indices. train_ids, test_ids: the clients' ids (0..K-1 as
-    made; fewer after ``--max_train_clients`` / ``--max_test_clients``)."""
+    made; fewer after ``--max_train_clients`` / ``--max_test_clients``). train_labels,
+    test_labels: the source splits' labels (None: unlabelled), from which
+    :meth:`label_histograms` counts each client's classes."""
 
     settings: Mapping[str, Any]
     train: Tuple[np.ndarray, ...]
     test: Tuple[np.ndarray, ...]
     train_ids: np.ndarray
     test_ids: np.ndarray
+    train_labels: Optional[np.ndarray] = None
+    test_labels: Optional[np.ndarray] = None
 
     def restricted(self, train_ids, train_sizes, test_ids, test_sizes) -> "Partition":
         """The partition of the clients kept (by id), each cut to its first `sizes` examples
@@ -395,6 +399,23 @@ class Partition:
             out[f"{split}_client_ids"] = np.asarray(ids, dtype=np.int64)
         for key, value in self.settings.items():
             out[key] = np.asarray("" if value is None else value)
+        out.update(self.label_histograms())
+        return out
+
+    def label_histograms(self) -> Dict[str, np.ndarray]:
+        """``<split>_label_histogram`` [K, C] int64 of each labelled split: client k's examples
+        of class c, over the classes 0..C-1 of both splits (C = the largest label + 1)."""
+        labelled = [(split, parts, labels) for split, parts, labels in
+                    (("train", self.train, self.train_labels),
+                     ("test", self.test, self.test_labels)) if labels is not None]
+        sizes = [int(labels.max()) + 1 for _, _, labels in labelled if labels.size]
+        width = max(sizes, default=0)
+        out = {}
+        for split, parts, labels in labelled:
+            hist = np.zeros((len(parts), width), np.int64)
+            for k, part in enumerate(parts):
+                hist[k] = np.bincount(labels[part], minlength=width)[:width]
+            out[f"{split}_label_histogram"] = hist
         return out
 
 
@@ -421,7 +442,12 @@ def partition_splits(train_labels, test_labels, spec: PartitionSpec,
     settings = {f"setting_{k}": v for k, v in dataclasses.asdict(spec).items()}
     settings.update(setting_test_seed=tspec.seed, flwr_datasets_commit=FLOWER_COMMIT)
     return Partition(settings=settings, train=tuple(train), test=tuple(test),
-                     train_ids=np.arange(len(train)), test_ids=np.arange(len(test)))
+                     train_ids=np.arange(len(train)), test_ids=np.arange(len(test)),
+                     train_labels=_labels(train_labels), test_labels=_labels(test_labels))
+
+
+def _labels(labels) -> Optional[np.ndarray]:
+    return None if labels is None else np.asarray(labels, dtype=np.int64)
 
 
 def spec_of(config) -> PartitionSpec:

@@ -19,6 +19,8 @@ Heterogeneity in Federated Learning: A Superquantile Approach* show:
 - for runs on the virtual clock, the test error against virtual time
   (:mod:`~deltafl_jax.report.virtual_time`) and, beside it, the table of the deadline's drop
   rate by compute-speed quintile (:mod:`~deltafl_jax.report.speed_drops`);
+- the clients x classes heat map of a run that partitioned its data with ``--partition``
+  (:mod:`~deltafl_jax.report.partition`);
 - Fig. 3 (Gaussian toy runs): the means and models, the loss of every mixture of the three
   clients (theta-model minus FedAvg) and the histogram of mixture losses for mixtures drawn
   uniformly with conformity >= theta.

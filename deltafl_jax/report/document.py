@@ -20,6 +20,7 @@ from deltafl_jax.report.availability import availability_figure
 from deltafl_jax.report.speed_drops import DROP_NOTE, drop_table
 from deltafl_jax.report.virtual_time import virtual_time_figure
 from deltafl_jax.report.io import Run
+from deltafl_jax.report.partition import partition_figure
 from deltafl_jax.report.rows import tidy_rows, write_csv
 from deltafl_jax.report.tables import (BEST_NOTE, INTERVAL_NOTE, STD_NOTE, TABLES, Column,
                                        available, best_columns, columns, markdown_table,
@@ -105,6 +106,10 @@ def setting_figures(sc: Sequence[Column], setting: str, percentile: str, notes: 
         out.append((by_clock, f"{CLOCK_FIGURE}{name}.png",
                     "The test error (mean, p90) against virtual time (the clients' device "
                     "speeds, deadline and over-selection)"))
+    by_partition = partition_figure(sc)
+    if by_partition is not None:
+        out.append((by_partition, f"partition_clients_classes_{name}.png",
+                    "The partition: each client's examples per class (clients × classes)"))
     if sc[0].run.dataset == "gaussian_toy":
         means = sc[0].run.config.get("data", {}).get("toy_means")
         out.append((figures.mixture_figure(sc, means, {c.label: model_point(c) for c in sc}),
