@@ -1,15 +1,17 @@
-r"""Who finishes, and when: the synchronous rounds of FedAvg, FedNova and Delta-FL on the
-virtual clock, compared by virtual time (docs/results/timing.md).
+r"""Who finishes, and when: the synchronous rounds of FedAvg, FedNova and Delta-FL and
+FedBuff's buffered asynchronous steps on the virtual clock, compared by virtual time
+(docs/results/timing.md).
 
     python -m bench.timing_comparison --out=bench/results/timing_comparison_cpu.json
     python -m bench.timing_comparison --rounds=4 --seeds=1 --eval_every=2   # toy size
     python -m bench.timing_comparison --reuse    # read the runs already written again
+    python -m bench.timing_comparison --reuse=no_deadline,partial_work  # run only the others
 
 Every run is ``experiments/async_synthetic.flags`` (Synthetic(1, 0.5), 200 training clients,
 softmax regression, m = 20, one local epoch, FedScale's lognormal device speeds, Markov
 availability with p = 0.5), 3 seeds, each run until the same virtual time (``--virtual_hours``,
-1 h: ``--stop_at_virtual_time``), in three synchronous settings, each run by
-``python -m experiments.run`` in its own process, one after another:
+1 h: ``--stop_at_virtual_time``), in three synchronous settings and an asynchronous one, each
+run by ``python -m experiments.run`` in its own process, one after another:
 
 - ``no_deadline``: FedAvg and Delta-FL (theta 0.8, 0.5), no deadline and no over-selection
   (the flags' ``--round_deadline`` and ``--over_select`` removed): every round waits for its
@@ -18,7 +20,13 @@ availability with p = 0.5), 3 seeds, each run until the same virtual time (``--v
   selected, the 20 first to finish within 3 virtual seconds kept;
 - ``partial_work``: FedNova, FedAvg and Delta-FL with the 3 s deadline and
   ``--partial_work`` (no over-selection): a client past the deadline keeps the local steps
-  it completed and uploaded by then.
+  it completed and uploaded by then;
+- ``asynchronous``: FedBuff (C = 20 clients in flight, a server step at every K = 10
+  updates, staleness weights 1/sqrt(1 + tau)) from ``experiments/async_synthetic_fedbuff.flags``
+  (the same data, speeds and availability; no deadline, which FedBuff refuses). A round is a
+  server step, so ``--rounds`` caps the steps. It drops nothing by deadline; the stale updates
+  it drops (``--max_staleness``, unset in that flagfile: none) are read from rounds.npz
+  (``dropped_updates``), with the updates aggregated (``num_selected``), per seed.
 
 What is read back, per method column (algorithm, theta) and seed, from each run's
 metrics.jsonl (the test error's p90 and the virtual time at every evaluation) and clients.npz:
@@ -49,14 +57,19 @@ import time
 import numpy as np
 
 FLAGFILE = os.path.join("experiments", "async_synthetic.flags")
-# setting: (algorithms, flags changed (None: removed), evaluations every so many rounds: about
-# a virtual minute apart in each, a round without deadline lasting about 7x one with)
+ASYNC_FLAGFILE = os.path.join("experiments", "async_synthetic_fedbuff.flags")
+# setting: (flagfile, algorithms, flags changed (None: removed), evaluations every so many
+# rounds: about a virtual minute apart in each, a round without deadline lasting about 7x one
+# with, a FedBuff step about 1.2 virtual seconds)
 SETTINGS = {
-    "no_deadline": ("fedavg,deltafl", {"round_deadline": None, "over_select": None}, 3),
-    "deadline_overselect": ("fedavg,deltafl", {}, 20),
-    "partial_work": ("fednova,fedavg,deltafl", {"over_select": None, "partial_work": ""}, 20),
+    "no_deadline": (FLAGFILE, "fedavg,deltafl", {"round_deadline": None, "over_select": None},
+                    3),
+    "deadline_overselect": (FLAGFILE, "fedavg,deltafl", {}, 20),
+    "partial_work": (FLAGFILE, "fednova,fedavg,deltafl",
+                     {"over_select": None, "partial_work": ""}, 20),
+    "asynchronous": (ASYNC_FLAGFILE, "fedbuff", {}, 50),
 }
-METHOD_DIRS = ("fedavg", "deltafl", "fednova")
+METHOD_DIRS = ("fedavg", "deltafl", "fednova", "fedbuff")
 
 
 def _parse(argv):
@@ -73,12 +86,19 @@ def _parse(argv):
                         "virtual minute apart)")
     p.add_argument("--runs_dir", default=os.path.join("bench", "out", "timing_runs"),
                    help="where the runs are written (git-ignored by default)")
-    p.add_argument("--reuse", action="store_true",
-                   help="read runs already in --runs_dir instead of running them")
+    p.add_argument("--reuse", nargs="?", const="all", default="",
+                   help="read the runs of these settings (comma-separated; bare: all) "
+                        "already in --runs_dir instead of running them")
     p.add_argument("--at_hours", type=float, default=None)
     p.add_argument("--target_p90", type=float, default=None, help="a fraction, e.g. 0.6")
     p.add_argument("--out", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    named = args.settings.split(",") + ([] if args.reuse in ("", "all") else
+                                         args.reuse.split(","))
+    unknown = [s for s in named if s not in SETTINGS]
+    if unknown:
+        p.error(f"unknown setting {unknown[0]!r} (known: {', '.join(SETTINGS)})")
+    return args
 
 
 def flagfile_flags(path: str = FLAGFILE) -> dict:
@@ -93,10 +113,13 @@ def flagfile_flags(path: str = FLAGFILE) -> dict:
 
 
 def command(setting: str, args, run_dir: str) -> list:
-    algorithms, changes, every = SETTINGS[setting]
-    flags = flagfile_flags()
+    """The run's command line; a single algorithm's run is written to its method folder
+    under `run_dir`, as the runs of several algorithms write theirs."""
+    flagfile, algorithms, changes, every = SETTINGS[setting]
+    flags = flagfile_flags(flagfile)
+    out_dir = run_dir if "," in algorithms else os.path.join(run_dir, algorithms)
     flags.update({"algorithm": algorithms, "seeds": args.seeds,
-                  "eval_every": str(args.eval_every or every), "output_dir": run_dir,
+                  "eval_every": str(args.eval_every or every), "output_dir": out_dir,
                   "num_rounds": str(args.rounds),
                   "stop_at_virtual_time": f"{3600 * args.virtual_hours:g}",
                   "save_models": "false", "checkpoint_every": "0"})
@@ -155,6 +178,42 @@ def drops(run_dir: str, method: str, theta: float):
     return None
 
 
+ASYNC_FIELDS = ("updates_aggregated", "stale_updates_dropped", "staleness_mean",
+                "update_share_by_speed_quintile")
+
+
+def async_counts(run_dir: str, method: str) -> dict:
+    """Per seed of an asynchronous run: the updates aggregated and the stale updates dropped
+    (summed over its server steps, rounds.npz), the mean staleness of the updates aggregated
+    (steps), and the share of the updates aggregated from each compute-speed quintile (q1 the
+    fastest fifth, clients.npz ``train_updates_aggregated``); every field None for a
+    synchronous run."""
+    from deltafl_jax.report.io import read_run
+    from deltafl_jax.report.speed_drops import run_per_example_s, speed_quintiles
+    out = dict.fromkeys(ASYNC_FIELDS)
+    path = os.path.join(run_dir, method, "rounds.npz")
+    if not os.path.exists(path):
+        return out
+    with np.load(path) as r:
+        if "dropped_updates" not in r:
+            return out
+        taken = np.asarray(r["num_selected"], np.float64)
+        out["updates_aggregated"] = taken.sum(axis=0).astype(int).tolist()
+        out["stale_updates_dropped"] = np.asarray(r["dropped_updates"]).sum(axis=0) \
+            .astype(int).tolist()
+        out["staleness_mean"] = ((np.asarray(r["staleness_mean"]) * taken).sum(axis=0)
+                                 / taken.sum(axis=0)).tolist()
+    run = read_run(os.path.join(run_dir, method))
+    x = run_per_example_s(run)
+    if x is not None:
+        q = speed_quintiles(x)
+        u = np.atleast_2d(np.asarray(run.clients["train_updates_aggregated"], np.float64))
+        by_quintile = np.stack([u[:, q == j].sum(axis=1) for j in range(5)], axis=1)
+        out["update_share_by_speed_quintile"] = \
+            (by_quintile / u.sum(axis=1, keepdims=True)).tolist()
+    return out
+
+
 def method_name(algorithm: str, theta: float) -> str:
     """'FedAvg', 'FedNova', 'Δ-FL, θ = 0.5': the spec's display name, and its swept θ."""
     from deltafl_jax.algorithms import registry
@@ -172,6 +231,7 @@ def analyse(run_dirs: dict, at_hours, target) -> dict:
         for (method, algorithm, theta), seeds in cols.items():
             p90_at = [value_at(t, v, at) for t, v in seeds.values()]
             got = drops(run_dirs[setting], method, theta)
+            counts = async_counts(run_dirs[setting], method)
             row_seeds.append(seeds)
             rows.append({"setting": setting, "method": method_name(algorithm, theta),
                          "algorithm": algorithm, "theta": theta, "seeds": sorted(seeds),
@@ -181,7 +241,8 @@ def analyse(run_dirs: dict, at_hours, target) -> dict:
                          "final_p90": [float(v[-1]) for _, v in seeds.values()],
                          "drop_rate_by_speed_quintile":
                              None if got is None else got[1].tolist(),
-                         "quintile_ms_per_example": None if got is None else got[0].tolist()})
+                         "quintile_ms_per_example": None if got is None else got[0].tolist(),
+                         **counts})
     if target is None:
         means = [np.mean(r["p90_at_fixed_time"]) for r in rows]
         target = float(np.nanmax(means)) if np.any(np.isfinite(means)) else float("nan")
@@ -219,12 +280,14 @@ def table(result: dict) -> list:
 def main(argv=None):
     args = _parse(sys.argv[1:] if argv is None else argv)
     from bench.common import backend_name, emit, machine
+    settings = args.settings.split(",")
+    reuse = set(settings if args.reuse == "all" else args.reuse.split(","))
     run_dirs, commands, seconds = {}, {}, {}
-    for setting in args.settings.split(","):
+    for setting in settings:
         run_dir = os.path.join(args.runs_dir, setting)
         cmd = command(setting, args, run_dir)
         run_dirs[setting], commands[setting] = run_dir, shlex.join(cmd[1:])
-        if not args.reuse:
+        if setting not in reuse:
             t0 = time.perf_counter()
             subprocess.run(cmd + ["--overwrite"], check=True, stdout=subprocess.DEVNULL)
             seconds[setting] = round(time.perf_counter() - t0, 1)

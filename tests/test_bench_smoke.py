@@ -572,15 +572,23 @@ def test_fedbuff_step_smoke_times_both(tmp_path):
 @pytest.mark.slow
 def test_timing_comparison_smoke_reads_every_setting(tmp_path):
     """bench.timing_comparison at toy size: a row per setting and method, the p90 at the fixed
-    time read from the runs' own evaluations, and drops only where the deadline drops."""
+    time read from the runs' own evaluations, drops only where the deadline drops, and
+    FedBuff's updates counted as its clients' own counts; --reuse of the synchronous
+    settings runs only the asynchronous one and reads the others' runs back."""
     runs = tmp_path / "runs"
-    res = run_json(["bench.timing_comparison", "--rounds=4", "--seeds=1", "--eval_every=2",
-                    "--virtual_hours=0.004",
-                    f"--runs_dir={runs}"], tmp_path, "timing_comparison")
+    toy = ["bench.timing_comparison", "--rounds=4", "--seeds=1", "--eval_every=2",
+           "--virtual_hours=0.004", f"--runs_dir={runs}"]
+    sync = "no_deadline,deadline_overselect,partial_work"
+    first = run_json(toy + [f"--settings={sync}"], tmp_path, "timing_comparison")
+    res = run_json(toy + [f"--reuse={sync}"], tmp_path, "timing_comparison")
+    assert set(first["wall_seconds"]) == set(sync.split(","))
+    assert set(res["wall_seconds"]) == {"asynchronous"}
+    for key in ("final_p90", "final_virtual_hours", "drop_rate_by_speed_quintile"):
+        assert [r[key] for r in first["rows"]] == [r[key] for r in res["rows"][:-1]]
     got = {(r["setting"], r["method"]) for r in res["rows"]}
     assert got == {(s, m) for s in ("no_deadline", "deadline_overselect", "partial_work")
                    for m in ("FedAvg", "Δ-FL, θ = 0.8", "Δ-FL, θ = 0.5")} | {
-        ("partial_work", "FedNova")}
+        ("partial_work", "FedNova"), ("asynchronous", "FedBuff")}
     at = res["fixed_virtual_hours"] * 3600
     for r in res["rows"]:
         recs = [json.loads(line) for line in open(
@@ -589,6 +597,14 @@ def test_timing_comparison_smoke_reads_every_setting(tmp_path):
         want = recs[-1]["test_error_p90"] if recs else None
         assert (r["p90_at_fixed_time"][0] == pytest.approx(want) if want is not None
                 else np.isnan(r["p90_at_fixed_time"][0]))
+        if r["setting"] == "asynchronous":
+            assert r["drop_rate_by_speed_quintile"] is None     # no deadline, no rounds
+            clients = np.load(runs / "asynchronous" / "fedbuff" / "clients.npz")
+            assert r["updates_aggregated"] == [int(clients["train_updates_aggregated"].sum())]
+            assert r["stale_updates_dropped"] == [0]             # --max_staleness unset
+            assert sum(r["update_share_by_speed_quintile"][0]) == pytest.approx(1.0)
+            continue
+        assert r["updates_aggregated"] is None
         assert len(r["drop_rate_by_speed_quintile"][0]) == 5
         if r["setting"] == "no_deadline":
             assert r["drop_rate_by_speed_quintile"] == [[0.0] * 5]
