@@ -124,7 +124,8 @@ def test_download_fetches_and_prepares_what_is_missing(tmp_path, capsys, monkeyp
     cache = tmp_path / "cache"
     board.FLAGS.unparse_flags()
     argv = ["leaderboard", "--set=image", "--download", f"--data_dir={cache}",
-            "--num_clients=4", "--clients_per_round=2", "--methods=deltafl,fedavg"]
+            f"--out={tmp_path / 'board'}", "--num_clients=4", "--clients_per_round=2",
+            "--methods=deltafl,fedavg"]
     board.parse_flags_or_fail(argv)
     board.ARGS[:] = argv
     settings = board.plan(argv)
