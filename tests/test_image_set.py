@@ -124,7 +124,8 @@ def test_download_fetches_and_prepares_what_is_missing(tmp_path, capsys, monkeyp
     cache = tmp_path / "cache"
     board.FLAGS.unparse_flags()
     argv = ["leaderboard", "--set=image", "--download", f"--data_dir={cache}",
-            "--num_clients=4", "--clients_per_round=2", "--methods=deltafl,fedavg"]
+            f"--out={tmp_path / 'board'}", "--num_clients=4", "--clients_per_round=2",
+            "--methods=deltafl,fedavg"]
     board.parse_flags_or_fail(argv)
     board.ARGS[:] = argv
     settings = board.plan(argv)
@@ -155,3 +156,18 @@ def test_the_image_set_at_toy_size(tmp_path, capsys, monkeypatch):
         assert {m["name"] for m in record["methods"]} == {"deltafl", "fedavg"}
         assert (out / name / "deltafl" / "final" / "partition.npz").exists()
     assert os.path.exists(out / "leaderboard.md") and fetched == ["cifar10", "fashion_mnist"]
+
+
+@pytest.mark.slow   # builds and compiles four programs: CI's second step
+def test_the_image_set_estimate_runs_offline_on_the_known_shapes(tmp_path, capsys):
+    cache, out = tmp_path / "cache", tmp_path / "board"
+    code, err, stdout = run_board(
+        ["--set=image", "--estimate", "--estimate_rounds=1", "--methods=fedavg",
+         "--num_rounds=2", "--max_examples_per_client=20", "--model=linear", "--augment=none",
+         f"--data_dir={cache}", f"--out={out}"], capsys)
+    assert code in (0, None), err
+    for name, dataset in (("cifar10_dirichlet", "cifar10"), ("fmnist_shards", "fashion_mnist")):
+        assert f"{name}: measured on {dataset}'s known shape" in stdout
+        assert f"estimate of {name} fedavg lr (measured)" in stdout
+    assert "estimate of all 6 programs" in stdout
+    assert not out.exists() and not cache.exists()
