@@ -49,15 +49,23 @@ def private_fedavg(weighting: str) -> Optional[PrivateAggregate]:
                             denominator=lambda hyper, m: 1.0)
 
 
-def fedavg(options: FedAvgOptions = FedAvgOptions()) -> FederatedAlgorithm:
-    """FedAvg: a_k = alpha_k / sum(alpha) for every sampled client; the losses are not used."""
-    check_options(options)
-    weighting = options.weighting
+def size_weights(weighting: str):
+    """FedAvg's ``client_weights``: a_k = alpha_k / sum(alpha) over the sampled clients
+    (alpha_k = n_k, or 1 with ``unweighted``); the losses are not used."""
 
     def client_weights(state, losses, sizes, hyper, key, clients):
         del state, losses, hyper, key, clients
         alphas = unnormalised_alphas(sizes, weighting)
         return alphas / jnp.sum(alphas)
+
+    return client_weights
+
+
+def fedavg(options: FedAvgOptions = FedAvgOptions()) -> FederatedAlgorithm:
+    """FedAvg: a_k = alpha_k / sum(alpha) for every sampled client; the losses are not used."""
+    check_options(options)
+    weighting = options.weighting
+    client_weights = size_weights(weighting)
 
     def server_update(state, params, feedback, hyper):
         del hyper

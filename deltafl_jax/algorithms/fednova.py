@@ -54,7 +54,8 @@ import jax
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
-                                            theta_one, unnormalised_alphas)
+                                            theta_one)
+from deltafl_jax.algorithms.fedavg import size_weights
 from deltafl_jax.algorithms.options import check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta, no_state
 from deltafl_jax.algorithms.spec import AlgorithmSpec
@@ -138,12 +139,7 @@ def fednova(momentum: float = 0.0, options: FedNovaOptions = FedNovaOptions()
             ) -> FederatedAlgorithm:
     """FedNova with the client optimizer's momentum rho (0: plain SGD)."""
     check_options(options)
-    weighting = options.weighting
-
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, losses, hyper, key, clients
-        alphas = unnormalised_alphas(sizes, weighting)
-        return alphas / jnp.sum(alphas)
+    client_weights = size_weights(options.weighting)   # p_k, as FedAvg's
 
     def server_update(state, params, feedback, hyper):
         del hyper
