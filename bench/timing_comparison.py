@@ -31,7 +31,7 @@ run by ``python -m experiments.run`` in its own process, one after another:
 
 ``--flagfiles=shakespeare`` runs the same four settings on
 ``experiments/async_shakespeare_cpu.flags`` and ``experiments/async_shakespeare_cpu_fedbuff.flags``
-instead (the CPU cut of Shakespeare, GRU, m = 10, a 5.5 s deadline with ceil(1.3 x 10) = 13
+instead (the CPU cut of Shakespeare, GRU, m = 10, a 7 s deadline with ceil(1.3 x 10) = 13
 selected; FedBuff C = 20, K = 10), writes its runs under bench/out/timing_runs_shakespeare and
 its JSON, by default, to bench/out/timing_comparison_shakespeare_<backend>.json, with the two
 flagfiles named in it.
@@ -69,7 +69,7 @@ ASYNC_FLAGFILE = os.path.join("experiments", "async_synthetic_fedbuff.flags")
 # --flagfiles: (synchronous flagfile, FedBuff's flagfile, evaluations every so many rounds
 # per setting: about a virtual minute apart on Synthetic, where a round without deadline
 # lasts about 7x one with and a FedBuff step about 1.2 virtual seconds; on Shakespeare a
-# deadline round lasts 5.5 s, so every 10 rounds)
+# deadline round lasts 7 s, so every 10 rounds)
 PAIRS = {
     "synthetic": (FLAGFILE, ASYNC_FLAGFILE, (3, 20, 20, 50)),
     "shakespeare": (os.path.join("experiments", "async_shakespeare_cpu.flags"),
