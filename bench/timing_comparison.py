@@ -6,6 +6,7 @@ FedBuff's buffered asynchronous steps on the virtual clock, compared by virtual 
     python -m bench.timing_comparison --rounds=4 --seeds=1 --eval_every=2   # toy size
     python -m bench.timing_comparison --reuse    # read the runs already written again
     python -m bench.timing_comparison --reuse=no_deadline,partial_work  # run only the others
+    python -m bench.timing_comparison --flagfiles=shakespeare --seeds=1 --virtual_hours=0.125
 
 Every run is ``experiments/async_synthetic.flags`` (Synthetic(1, 0.5), 200 training clients,
 softmax regression, m = 20, one local epoch, FedScale's lognormal device speeds, Markov
@@ -27,6 +28,13 @@ run by ``python -m experiments.run`` in its own process, one after another:
   server step, so ``--rounds`` caps the steps. It drops nothing by deadline; the stale updates
   it drops (``--max_staleness``, unset in that flagfile: none) are read from rounds.npz
   (``dropped_updates``), with the updates aggregated (``num_selected``), per seed.
+
+``--flagfiles=shakespeare`` runs the same four settings on
+``experiments/async_shakespeare_cpu.flags`` and ``experiments/async_shakespeare_cpu_fedbuff.flags``
+instead (the CPU cut of Shakespeare, GRU, m = 10, a 7 s deadline with ceil(1.3 x 10) = 13
+selected; FedBuff C = 20, K = 10), writes its runs under bench/out/timing_runs_shakespeare and
+its JSON, by default, to bench/out/timing_comparison_shakespeare_<backend>.json, with the two
+flagfiles named in it.
 
 What is read back, per method column (algorithm, theta) and seed, from each run's
 metrics.jsonl (the test error's p90 and the virtual time at every evaluation) and clients.npz:
@@ -58,23 +66,42 @@ import numpy as np
 
 FLAGFILE = os.path.join("experiments", "async_synthetic.flags")
 ASYNC_FLAGFILE = os.path.join("experiments", "async_synthetic_fedbuff.flags")
-# setting: (flagfile, algorithms, flags changed (None: removed), evaluations every so many
-# rounds: about a virtual minute apart in each, a round without deadline lasting about 7x one
-# with, a FedBuff step about 1.2 virtual seconds)
-SETTINGS = {
-    "no_deadline": (FLAGFILE, "fedavg,deltafl", {"round_deadline": None, "over_select": None},
-                    3),
-    "deadline_overselect": (FLAGFILE, "fedavg,deltafl", {}, 20),
-    "partial_work": (FLAGFILE, "fednova,fedavg,deltafl",
-                     {"over_select": None, "partial_work": ""}, 20),
-    "asynchronous": (ASYNC_FLAGFILE, "fedbuff", {}, 50),
+# --flagfiles: (synchronous flagfile, FedBuff's flagfile, evaluations every so many rounds
+# per setting: about a virtual minute apart on Synthetic, where a round without deadline
+# lasts about 7x one with and a FedBuff step about 1.2 virtual seconds; on Shakespeare a
+# deadline round lasts 7 s, so every 10 rounds)
+PAIRS = {
+    "synthetic": (FLAGFILE, ASYNC_FLAGFILE, (3, 20, 20, 50)),
+    "shakespeare": (os.path.join("experiments", "async_shakespeare_cpu.flags"),
+                    os.path.join("experiments", "async_shakespeare_cpu_fedbuff.flags"),
+                    (5, 10, 10, 25)),
 }
+# setting: (which flagfile of the pair, algorithms, flags changed (None: removed))
+SETTING_RUNS = {
+    "no_deadline": (0, "fedavg,deltafl", {"round_deadline": None, "over_select": None}),
+    "deadline_overselect": (0, "fedavg,deltafl", {}),
+    "partial_work": (0, "fednova,fedavg,deltafl", {"over_select": None, "partial_work": ""}),
+    "asynchronous": (1, "fedbuff", {}),
+}
+
+
+def settings_of(pair: str = "synthetic") -> dict:
+    """setting: (flagfile, algorithms, flags changed, evaluations every so many rounds)."""
+    files, every = PAIRS[pair][:2], PAIRS[pair][2]
+    return {name: (files[which], algorithms, changes, every[i])
+            for i, (name, (which, algorithms, changes)) in enumerate(SETTING_RUNS.items())}
+
+
+SETTINGS = settings_of()
 METHOD_DIRS = ("fedavg", "deltafl", "fednova", "fedbuff")
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flagfiles", default="synthetic", choices=sorted(PAIRS),
+                   help="the pair of flagfiles the settings run: synthetic "
+                        "(async_synthetic*.flags) or shakespeare (async_shakespeare_cpu*.flags)")
     p.add_argument("--settings", default=",".join(SETTINGS), help="which settings to run")
     p.add_argument("--virtual_hours", type=float, default=1.0,
                    help="every run ends at this virtual time (--stop_at_virtual_time)")
@@ -84,8 +111,9 @@ def _parse(argv):
     p.add_argument("--eval_every", type=int, default=None,
                    help="evaluate every so many rounds (default: per setting, about a "
                         "virtual minute apart)")
-    p.add_argument("--runs_dir", default=os.path.join("bench", "out", "timing_runs"),
-                   help="where the runs are written (git-ignored by default)")
+    p.add_argument("--runs_dir", default=None,
+                   help="where the runs are written (default, git-ignored: "
+                        "bench/out/timing_runs, or timing_runs_shakespeare)")
     p.add_argument("--reuse", nargs="?", const="all", default="",
                    help="read the runs of these settings (comma-separated; bare: all) "
                         "already in --runs_dir instead of running them")
@@ -93,6 +121,9 @@ def _parse(argv):
     p.add_argument("--target_p90", type=float, default=None, help="a fraction, e.g. 0.6")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.runs_dir is None:
+        args.runs_dir = os.path.join("bench", "out", "timing_runs" + (
+            "" if args.flagfiles == "synthetic" else f"_{args.flagfiles}"))
     named = args.settings.split(",") + ([] if args.reuse in ("", "all") else
                                          args.reuse.split(","))
     unknown = [s for s in named if s not in SETTINGS]
@@ -115,7 +146,8 @@ def flagfile_flags(path: str = FLAGFILE) -> dict:
 def command(setting: str, args, run_dir: str) -> list:
     """The run's command line; a single algorithm's run is written to its method folder
     under `run_dir`, as the runs of several algorithms write theirs."""
-    flagfile, algorithms, changes, every = SETTINGS[setting]
+    pair = getattr(args, "flagfiles", "synthetic")
+    flagfile, algorithms, changes, every = settings_of(pair)[setting]
     flags = flagfile_flags(flagfile)
     out_dir = run_dir if "," in algorithms else os.path.join(run_dir, algorithms)
     flags.update({"algorithm": algorithms, "seeds": args.seeds,
@@ -297,8 +329,11 @@ def main(argv=None):
               "load_average": os.getloadavg(), "commands": commands,
               "wall_seconds": seconds,
               **analyse(run_dirs, args.at_hours, args.target_p90)}
+    if args.flagfiles != "synthetic":
+        result["flagfiles"] = list(PAIRS[args.flagfiles][:2])
     result["table"] = table(result)
-    emit(result, args.out, name=f"timing_comparison_{backend_name()}",
+    infix = "" if args.flagfiles == "synthetic" else f"{args.flagfiles}_"
+    emit(result, args.out, name=f"timing_comparison_{infix}{backend_name()}",
          summary=result["table"])
 
 

@@ -610,6 +610,35 @@ def test_timing_comparison_smoke_reads_every_setting(tmp_path):
             assert r["drop_rate_by_speed_quintile"] == [[0.0] * 5]
 
 
+
+def test_timing_comparison_shakespeare_pair_runs_its_flagfiles(tmp_path):
+    """--flagfiles=shakespeare: each setting's command is its flagfile's own lines (read here
+    from the file), with the setting's changes; the default still runs the synthetic pair."""
+    from bench import timing_comparison as tc
+
+    def lines(path):
+        return {ln.strip() for ln in open(path) if ln.strip().startswith("--")}
+
+    def got(args, setting):
+        cmd = tc.command(setting, args, str(tmp_path / setting))
+        return {a.split("=")[0] for a in cmd[3:]}, set(cmd[3:])
+
+    shk = tc._parse(["--flagfiles=shakespeare"])
+    syn = tc._parse([])
+    assert shk.runs_dir != syn.runs_dir
+    cases = {"deadline_overselect": "experiments/async_shakespeare_cpu.flags",
+             "asynchronous": "experiments/async_shakespeare_cpu_fedbuff.flags"}
+    for setting, path in cases.items():
+        names, flags = got(shk, setting)
+        own = {ln for ln in lines(path) if ln.split("=")[0] not in (
+            "--algorithm", "--seeds", "--eval_every", "--output_dir", "--num_rounds")}
+        assert own <= flags and "--dataset=shakespeare" in flags
+    names, flags = got(shk, "no_deadline")
+    assert "--round_deadline" not in names and "--over_select" not in names
+    assert "--partial_work" in got(shk, "partial_work")[1]
+    assert "--dataset=synthetic" in got(syn, "asynchronous")[1]
+    assert "--round_deadline=3" in got(syn, "deadline_overselect")[1]
+
 SMOKE_RUNS = {
     "fedbuff_step.py": ["test_fedbuff_step_smoke_times_both"],
     "availability.py": ["test_availability_smoke_pairs_and_parts"],
