@@ -43,6 +43,8 @@ import subprocess
 import sys
 import time
 
+from bench.common import SteppedRun
+
 PARTS = ("online", "plan", "ship", "count", "wait")
 
 
@@ -92,55 +94,28 @@ def _synthetic_config(n: int, m: int, p: float):
                             online=_online("markov", p))
 
 
-class _Timed:
-    """One experiment stepped round by round as the run loop does, each part timed."""
+class _Timed(SteppedRun):
+    """One experiment stepped round by round as the run loop does, each part timed, and the
+    number of clients online in every round."""
 
     def __init__(self, exp):
-        import jax
         if exp.algorithm.probe is not None or exp.algorithm.sampling is not None:
             raise ValueError("bench.availability times algorithms without a probe or a "
                              "state-driven sampler")
-        self.exp, self.keys = exp, exp.keys()
-        self.state, _ = exp.round_fn(exp.initial_state(), exp.round_data(0), self.keys)
-        jax.block_until_ready(self.state)   # compiles
-        exp.count_round(0)
-        self.pending = exp.round_data(1)
-        self.parts = {k: [] for k in PARTS + ("round", "online_clients", "trained_examples")}
+        super().__init__(exp, extras=("online_clients",))
 
     def step(self, t: int) -> None:
-        """Round t (its data already on the device), round t+1's host work meanwhile."""
-        from deltafl_jax.engine.mesh import tree_to_host
-        exp, clock = self.exp, time.perf_counter
-        t0 = clock()
-        self.state, metrics = exp.round_fn(self.state, self.pending, self.keys)
-        t1 = clock()
-        if exp.participation is not None:
-            exp.participation.online(t + 1)
-        t2 = clock()
-        plan = exp.round_plan(t + 1)
-        t3 = clock()
-        self.pending = exp.store.round_data(plan)
-        t4 = clock()
-        metrics = tree_to_host(metrics)
-        t5 = clock()
-        counted = exp.count_round(t)
-        t6 = clock()
-        for k, v in (("online", t2 - t1), ("plan", t3 - t2), ("ship", t4 - t3),
-                     ("count", t6 - t5), ("wait", t5 - t4), ("round", t6 - t0),
-                     ("trained_examples", int(metrics["train_real_examples"])),
-                     ("online_clients", int(counted["num_online"][0]) if counted else
-                      exp.data.train.num_clients)):
-            self.parts[k].append(v)
+        _, counted = super().step(t)
+        self.parts["online_clients"].append(int(counted["num_online"][0]) if counted else
+                                            self.exp.data.train.num_clients)
 
     def row(self, **labels) -> dict:
         import numpy as np
         from bench.common import median
         p = self.parts
-        host = [sum(p[k][i] for k in ("online", "plan", "ship", "count"))
-                for i in range(len(p["round"]))]
         fp = self.exp.footprint
         return {**labels, "s_per_round": median(p["round"]),
-                "host_s": median(host), **{f"{k}_s": median(p[k]) for k in PARTS},
+                "host_s": self.host_s(), **{f"{k}_s": median(p[k]) for k in PARTS},
                 "round_s": [round(x, 4) for x in p["round"]],
                 "s_per_1000_trained_examples":
                     float(1000 * np.sum(p["round"]) / np.sum(p["trained_examples"])),

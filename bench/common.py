@@ -338,3 +338,53 @@ def critical_path(metrics, placement) -> Dict:
             "critical_path_steps": eval_steps + train_steps, "unroll": unroll,
             "train_loop_trips": loop_trips,
             "critical_path_loop_trips": eval_steps + loop_trips}
+
+
+class SteppedRun:
+    """One experiment stepped round by round as the run loop does, each of a round's host parts
+    timed: ``online`` (the participation's online sets, when the run tracks them), ``plan``
+    (round t+1's plan), ``ship`` (its data to the device), ``wait`` (round t's metrics back)
+    and ``count`` (the host's count of round t), and ``round`` (all of it). ``extras`` names
+    per-round values a subclass appends itself (:meth:`step` returns round t's metrics and
+    count)."""
+
+    PARTS = ("online", "plan", "ship", "count", "wait")
+
+    def __init__(self, exp, extras=()):
+        import jax
+        self.exp, self.keys = exp, exp.keys()
+        self.state, _ = exp.round_fn(exp.initial_state(), exp.round_data(0), self.keys)
+        jax.block_until_ready(self.state)   # compiles
+        exp.count_round(0)
+        self.pending = exp.round_data(1)
+        self.parts = {k: [] for k in self.PARTS + ("round", "trained_examples") + tuple(extras)}
+
+    def step(self, t: int):
+        """Round t (its data already on the device), round t+1's host work meanwhile:
+        (round t's metrics on the host, its count)."""
+        from deltafl_jax.engine.mesh import tree_to_host
+        exp, clock = self.exp, time.perf_counter
+        t0 = clock()
+        self.state, metrics = exp.round_fn(self.state, self.pending, self.keys)
+        t1 = clock()
+        if exp.participation is not None:
+            exp.participation.online(t + 1)
+        t2 = clock()
+        plan = exp.round_plan(t + 1)
+        t3 = clock()
+        self.pending = exp.store.round_data(plan)
+        t4 = clock()
+        metrics = tree_to_host(metrics)
+        t5 = clock()
+        counted = exp.count_round(t)
+        t6 = clock()
+        for k, v in (("online", t2 - t1), ("plan", t3 - t2), ("ship", t4 - t3),
+                     ("count", t6 - t5), ("wait", t5 - t4), ("round", t6 - t0),
+                     ("trained_examples", int(metrics["train_real_examples"]))):
+            self.parts[k].append(v)
+        return metrics, counted
+
+    def host_s(self, parts=("online", "plan", "ship", "count")) -> float:
+        """The median over rounds of the host's parts of a round."""
+        p = self.parts
+        return median([sum(p[k][i] for k in parts) for i in range(len(p["round"]))])

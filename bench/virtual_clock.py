@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 
+from bench.common import SteppedRun
+
 PARTS = ("plan", "ship", "count", "wait")
 SPEEDS = ("none", "lognormal")
 
@@ -58,47 +60,24 @@ def _config(model: str, m: int, client_speed: str):
                             eval_clients=0, timing=TimingSettings(client_speed=client_speed))
 
 
-class _Timed:
-    """One experiment stepped round by round as the run loop does, each part timed."""
+class _Timed(SteppedRun):
+    """One experiment stepped round by round as the run loop does, each part timed, and the
+    clock's virtual time at the end of every round."""
 
     def __init__(self, exp):
-        import jax
-        self.exp, self.keys = exp, exp.keys()
-        self.state, _ = exp.round_fn(exp.initial_state(), exp.round_data(0), self.keys)
-        jax.block_until_ready(self.state)   # compiles
-        exp.count_round(0)
-        self.pending = exp.round_data(1)
-        self.parts = {k: [] for k in PARTS + ("round", "trained_examples", "virtual_time")}
+        super().__init__(exp, extras=("virtual_time",))
 
     def step(self, t: int) -> None:
-        """Round t (its data already on the device), round t+1's host work meanwhile."""
-        from deltafl_jax.engine.mesh import tree_to_host
-        exp, clock = self.exp, time.perf_counter
-        t0 = clock()
-        self.state, metrics = exp.round_fn(self.state, self.pending, self.keys)
-        t1 = clock()
-        plan = exp.round_plan(t + 1)
-        t2 = clock()
-        self.pending = exp.store.round_data(plan)
-        t3 = clock()
-        metrics = tree_to_host(metrics)
-        t4 = clock()
-        counted = exp.count_round(t)
-        t5 = clock()
+        _, counted = super().step(t)
         vt = counted.get("virtual_time")
-        for k, v in (("plan", t2 - t1), ("ship", t3 - t2), ("wait", t4 - t3),
-                     ("count", t5 - t4), ("round", t5 - t0),
-                     ("trained_examples", int(metrics["train_real_examples"])),
-                     ("virtual_time", None if vt is None else float(vt[0]))):
-            self.parts[k].append(v)
+        self.parts["virtual_time"].append(None if vt is None else float(vt[0]))
 
     def row(self, **labels) -> dict:
         from bench.common import median
         p = self.parts
         return {**labels, "s_per_round": median(p["round"]),
                 **{f"{k}_s": median(p[k]) for k in PARTS},
-                "host_s": median([p["plan"][i] + p["ship"][i] + p["count"][i]
-                                  for i in range(len(p["round"]))]),
+                "host_s": self.host_s(("plan", "ship", "count")),
                 "round_s": [round(x, 5) for x in p["round"]],
                 "trained_examples": p["trained_examples"],
                 "virtual_time_end": p["virtual_time"][-1]}

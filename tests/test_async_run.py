@@ -6,7 +6,6 @@ its refusals, and a run killed and resumed."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -165,21 +164,11 @@ def test_an_asynchronous_run_killed_and_rerun_is_bit_identical(tmp_path, algorit
     """SIGKILL after a checkpoint in the middle of the run, rerun: the same outputs, bit for
     bit, as a run never stopped (the ring of versions, the server optimizer's state, the
     schedulers' clocks, jobs in flight, buffers and Markov chains come back)."""
-    from test_resume import assert_same_outputs, run, start_and_kill
-    flags = (f"--algorithm={algorithm}", "--thetas=1", "--client_speed=lognormal",
-             "--concurrency=6", "--buffer_size=3", "--max_staleness=3",
-             "--availability=markov", "--availability_p=0.7", "--server_optimizer=adam",
-             "--server_lr=0.05")
-    whole = str(tmp_path / "whole")
-    done = run(whole, *flags)
-    assert done.returncode == 0, done.stderr
-    out = str(tmp_path / "run")
-    proc = start_and_kill(out, signal.SIGKILL, *flags, after_checkpoint=10)
-    assert proc.returncode == -signal.SIGKILL
-    resumed = run(out, *flags)
-    assert resumed.returncode == 0, resumed.stderr
-    assert resumed.stdout.count("resuming") == 1, resumed.stdout
-    assert_same_outputs(out, whole)
+    from test_resume import killed_and_rerun
+    out = killed_and_rerun(tmp_path, f"--algorithm={algorithm}", "--thetas=1",
+                           "--client_speed=lognormal", "--concurrency=6", "--buffer_size=3",
+                           "--max_staleness=3", "--availability=markov", "--availability_p=0.7",
+                           "--server_optimizer=adam", "--server_lr=0.05")
     with np.load(os.path.join(out, "rounds.npz")) as r:
         assert np.all(np.diff(r["virtual_time"], axis=0) >= 0)
         assert r["staleness_mean"].max() > 0

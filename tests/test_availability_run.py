@@ -125,19 +125,9 @@ def test_a_markov_run_killed_and_rerun_is_bit_identical(tmp_path):
     """SIGKILL after a checkpoint, rerun: the same outputs, bit for bit, as a run never
     stopped (the markov chains' state and the participation counts come back from the
     checkpoint)."""
-    import signal
-    from test_resume import assert_same_outputs, run, start_and_kill
-    flags = ("--availability=markov", "--availability_p=0.5",
-             "--availability_markov_off_on=0.3")
-    whole = str(tmp_path / "whole")
-    assert run(whole, *flags).returncode == 0
-    out = str(tmp_path / "run")
-    proc = start_and_kill(out, signal.SIGKILL, *flags, after_checkpoint=10)
-    assert proc.returncode == -signal.SIGKILL
-    resumed = run(out, *flags)
-    assert resumed.returncode == 0, resumed.stderr
-    assert resumed.stdout.count("resuming") == 1, resumed.stdout
-    assert_same_outputs(out, whole)
+    from test_resume import killed_and_rerun
+    out = killed_and_rerun(tmp_path, "--availability=markov", "--availability_p=0.5",
+                           "--availability_markov_off_on=0.3")
     assert _rounds(out)["num_online"].min() < 20   # some clients were offline
 
 

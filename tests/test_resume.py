@@ -74,6 +74,23 @@ def assert_same_outputs(a, b):
             jax.tree.map(np.testing.assert_array_equal, ta, tb)
 
 
+
+def killed_and_rerun(tmp_path, *flags, after_checkpoint=10) -> str:
+    """A run with `flags` SIGKILLed after its checkpoint of round `after_checkpoint`, then run
+    again: asserts it resumed once and ended with the same outputs, bit for bit, as the same
+    run never stopped; returns the resumed run's folder."""
+    whole = str(tmp_path / "whole")
+    done = run(whole, *flags)
+    assert done.returncode == 0, done.stderr
+    out = str(tmp_path / "run")
+    proc = start_and_kill(out, signal.SIGKILL, *flags, after_checkpoint=after_checkpoint)
+    assert proc.returncode == -signal.SIGKILL
+    resumed = run(out, *flags)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.count("resuming") == 1, resumed.stdout
+    assert_same_outputs(out, whole)
+    return out
+
 # The runs that are killed: Delta-FL, Tilted-ERM (algorithm state), Delta-FL with a server
 # optimizer swept over two learning rates (Adam's moments in the state: theta x eta x seeds =
 # 8 replicas), SCAFFOLD (per-client control variates), private Delta-FL (noise), private

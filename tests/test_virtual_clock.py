@@ -7,7 +7,6 @@ deadline when fewer arrive)."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -257,19 +256,10 @@ def test_a_deadline_no_client_can_meet_is_refused_by_the_command(tiny_synthetic,
 def test_a_clocked_run_killed_and_rerun_is_bit_identical(tmp_path):
     """SIGKILL after a checkpoint, rerun: the same outputs, bit for bit, as a run never
     stopped (the clock and the drop counts come back from the checkpoint)."""
-    from test_resume import assert_same_outputs, run, start_and_kill
-    flags = ("--algorithm=fedavg", "--thetas=1", "--client_speed=lognormal", "--round_deadline=3",
-             "--partial_work", "--over_select=1.3")
-    whole = str(tmp_path / "whole")
-    done = run(whole, *flags)
-    assert done.returncode == 0, done.stderr
-    out = str(tmp_path / "run")
-    proc = start_and_kill(out, signal.SIGKILL, *flags, after_checkpoint=10)
-    assert proc.returncode == -signal.SIGKILL
-    resumed = run(out, *flags)
-    assert resumed.returncode == 0, resumed.stderr
-    assert resumed.stdout.count("resuming") == 1, resumed.stdout
-    assert_same_outputs(out, whole)
+    from test_resume import killed_and_rerun
+    out = killed_and_rerun(tmp_path, "--algorithm=fedavg", "--thetas=1",
+                           "--client_speed=lognormal", "--round_deadline=3", "--partial_work",
+                           "--over_select=1.3")
     with np.load(os.path.join(out, "rounds.npz")) as r:
         assert r["num_dropped"].sum() > 0 and np.all(np.diff(r["virtual_time"], axis=0) > 0)
 
