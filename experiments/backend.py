@@ -50,8 +50,12 @@ def import_model_module() -> None:
 
 
 def start_backend() -> None:
-    """What must happen before JAX starts its backend: XLA flags and joining a distributed
-    run. Raises ConfigError when the run cannot be joined."""
+    """What must happen before JAX starts its backend: XLA flags (a built-in model's GPU
+    flags, ``--deterministic``'s, ``--devices``') and joining a distributed run. Raises
+    ConfigError when the run cannot be joined."""
+    from deltafl_jax.models.registry import gpu_xla_flags
+    os.environ["XLA_FLAGS"] = gpu_xla_flags(os.environ.get("XLA_FLAGS", ""),
+                                            getattr(FLAGS, "model", ""))
     if FLAGS.deterministic:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + " --xla_gpu_deterministic_ops=true").strip()

@@ -485,3 +485,16 @@ def test_vmapped_lanes_equal_unrolled_lanes(model):
     assert runs["gpu"][0].placement.lanes == 4
     for a, b in zip(jax.tree.leaves(runs["cpu"][1].params), jax.tree.leaves(runs["gpu"][1].params)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+
+
+def test_gpu_xla_flags_hand_cases():
+    """A built-in model's GPU flags are added once, after the user's; a flag the user set
+    keeps the user's value; other models get none."""
+    from deltafl_jax.models.registry import gpu_xla_flags
+    off = "--xla_gpu_enable_triton_gemm=false"
+    assert gpu_xla_flags("", "resnet18_gn") == off
+    assert gpu_xla_flags("--xla_cpu_foo=1", "resnet18_gn") == "--xla_cpu_foo=1 " + off
+    assert gpu_xla_flags(gpu_xla_flags("", "resnet18_gn"), "resnet18_gn") == off
+    assert gpu_xla_flags("--xla_gpu_enable_triton_gemm=true", "resnet18_gn") == \
+        "--xla_gpu_enable_triton_gemm=true"
+    assert gpu_xla_flags("--xla_cpu_foo=1", "pfl_cnn") == "--xla_cpu_foo=1"

@@ -36,6 +36,26 @@ LAZY_MODELS: Dict[str, str] = {
 }
 
 
+# XLA flags a built-in model needs on a GPU, added to XLA_FLAGS by the command line before JAX
+# starts its backend (:func:`gpu_xla_flags`). ResNet-18-GN's round makes XLA:GPU's Triton GEMM
+# tiling pass abort the process (jax 0.11.2: ``triton_tiling_propagation.cc: Check failed:
+# subdim_size_accumulator == dim_size (256 vs. 32)``, with --conv_impl=xla too); with Triton's
+# GEMMs off its products go to cuBLAS and the round compiles and runs (measured on one H200,
+# docs/benchmarks/accelerators.md). The CPU and TPU compilers do not read these flags.
+GPU_XLA_FLAGS: Dict[str, tuple] = {
+    "resnet18_gn": ("--xla_gpu_enable_triton_gemm=false",),
+}
+
+
+def gpu_xla_flags(xla_flags: str, model: str) -> str:
+    """`xla_flags` with the GPU flags that built-in `model` needs (:data:`GPU_XLA_FLAGS`) added,
+    each unless the flags already set it (the user's value wins)."""
+    for flag in GPU_XLA_FLAGS.get(model, ()):
+        if flag.split("=")[0] not in xla_flags:
+            xla_flags = f"{xla_flags} {flag}".strip()
+    return xla_flags
+
+
 def model_names():
     return sorted(set(MODELS) | set(LAZY_MODELS))
 
