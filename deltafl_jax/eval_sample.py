@@ -89,11 +89,17 @@ from fractions import Fraction
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
-from scipy import stats
 
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.metrics import (DEFAULT_TARGET_ACCURACY, WORST_LEVEL, share_below_target,
                                  superquantile_rows)
+
+def scipy_stats():
+    """scipy.stats, imported on first use: it takes about a third of the package's import
+    time, and most runs draw no evaluation sample."""
+    from scipy import stats
+    return stats
+
 
 STREAM = 2   # default_rng([seed, round, STREAM]); plan.py uses streams 0 and 1
 INTERVAL_SUFFIXES = ("_lo", "_hi")
@@ -170,8 +176,8 @@ def quantile_interval_ranks(k: int, percent: float, confidence: float = 0.95
     tail = (1.0 - confidence) / 2.0
     j = np.arange(k + 1)
     p = float(percent) / 100.0
-    cdf = stats.binom.cdf(j, k, p)      # P(B <= j)
-    sf = stats.binom.sf(j, k, p)        # P(B > j) = P(B >= j + 1)
+    cdf = scipy_stats().binom.cdf(j, k, p)      # P(B <= j)
+    sf = scipy_stats().binom.sf(j, k, p)        # P(B > j) = P(B >= j + 1)
     lo = int(np.count_nonzero(cdf <= tail))          # P(B <= l - 1) <= tail for l <= this
     hi = int(np.count_nonzero(sf > tail)) + 1        # smallest u with P(B >= u) <= tail
     return lo, hi
@@ -181,8 +187,8 @@ def interval_coverage(k: int, lo: int, hi: int, percent: float) -> float:
     """P(lo <= B <= hi - 1), B ~ Binomial(k, p/100): the guaranteed coverage of the ranks
     (an infinite bound, rank 0 or k + 1, counts as always covering)."""
     p = float(percent) / 100.0
-    below = stats.binom.cdf(lo - 1, k, p) if lo >= 1 else 0.0
-    above = stats.binom.sf(hi - 1, k, p) if hi <= k else 0.0
+    below = scipy_stats().binom.cdf(lo - 1, k, p) if lo >= 1 else 0.0
+    above = scipy_stats().binom.sf(hi - 1, k, p) if hi <= k else 0.0
     return float(1.0 - below - above)
 
 
@@ -223,7 +229,7 @@ def _mean_interval(values: np.ndarray, confidence: float,
     se = values.std(axis=1, ddof=1) / math.sqrt(k)
     if population is not None and population > 1:
         se = se * math.sqrt(max(population - k, 0) / (population - 1))
-    z = stats.norm.ppf(0.5 + confidence / 2.0)
+    z = scipy_stats().norm.ppf(0.5 + confidence / 2.0)
     return mean - z * se, mean + z * se
 
 
@@ -334,8 +340,8 @@ def share_interval(count: int, k: int, confidence: float = 0.95,
     without it."""
     tail = (1.0 - confidence) / 2.0
     if population is None:
-        lo = 0.0 if count == 0 else float(stats.beta.ppf(tail, count, k - count + 1))
-        hi = 1.0 if count == k else float(stats.beta.ppf(1.0 - tail, count + 1, k - count))
+        lo = 0.0 if count == 0 else float(scipy_stats().beta.ppf(tail, count, k - count + 1))
+        hi = 1.0 if count == k else float(scipy_stats().beta.ppf(1.0 - tail, count + 1, k - count))
         return lo, hi
     n = int(population)
     if k >= n:
@@ -343,8 +349,8 @@ def share_interval(count: int, k: int, confidence: float = 0.95,
     # M ranges over [count, n - (k - count)]; P(X >= count; M) rises with M (1 at the top),
     # P(X <= count; M) falls (1 at the bottom).
     top = n - (k - count)
-    lower = _first_true(lambda m: stats.hypergeom.sf(count - 1, n, m, k) > tail, count, top)
-    upper = top - _first_true(lambda j: stats.hypergeom.cdf(count, n, top - j, k) > tail,
+    lower = _first_true(lambda m: scipy_stats().hypergeom.sf(count - 1, n, m, k) > tail, count, top)
+    upper = top - _first_true(lambda j: scipy_stats().hypergeom.cdf(count, n, top - j, k) > tail,
                               0, top - count)
     return lower / n, upper / n
 
