@@ -147,14 +147,13 @@ def finish(speeds: DeviceSpeeds, clients: np.ndarray, present: np.ndarray,
         arrive = np.where(late, np.inf, arrive)
     else:
         late = np.zeros(ids.shape, bool)
-    lost = np.zeros(ids.shape, bool)
+    lost, gone = np.zeros(ids.shape, bool), None
     if online_for is not None:
         stay = np.asarray(online_for, np.float64)[present]
         lost = np.isfinite(arrive) & (stay < arrive)
         arrive = np.where(lost, np.inf, arrive)
         gone = np.maximum(stay[lost], 0.0)
-    fin = _first_m(present, ids, done, full, arrive, m, deadline,
-                   gone if online_for is not None else None)
+    fin = _first_m(present, ids, done, full, arrive, m, deadline, gone)
     return fin._replace(late=_on_slots(present, late), offline=_on_slots(present, lost))
 
 
