@@ -330,9 +330,9 @@ def test_a_bad_session_leaves_a_finished_run_untouched(tiny_synthetic, tmp_path)
     out = tmp_path / "run"
     run_experiment(tiny_config(num_rounds=1, eval_every=1, output_dir=str(out)),
                    tiny_synthetic)
-    tree = lambda p: {os.path.relpath(os.path.join(d, f), p): open(os.path.join(d, f),
-                                                                    "rb").read()
-                      for d, _, files in os.walk(p) for f in files}
+    def tree(path):
+        return {os.path.relpath(os.path.join(d, f), path): open(os.path.join(d, f), "rb").read()
+                for d, _, files in os.walk(path) for f in files}
     before = tree(str(out))
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.run", f"--flagfile={TINY}", f"--output_dir={out}",
