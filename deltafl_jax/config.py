@@ -403,9 +403,12 @@ def _check_timing(c: ExperimentConfig, spec) -> None:
     them), and no client-level DP (its accountant assumes the sampler's cohorts)."""
     t = c.timing
     t.check()
-    if not t.active or (t.round_deadline is None and t.over_select == 1.0):
+    sync_offline = t.mean_online_seconds is not None and spec.asynchronous is None
+    if not t.active or (t.round_deadline is None and t.over_select == 1.0
+                        and not sync_offline):
         return
-    what = "--round_deadline" if t.round_deadline is not None else "--over_select"
+    what = ("--round_deadline" if t.round_deadline is not None else "--over_select"
+            if t.over_select != 1.0 else "--mean_online_seconds")
     if spec.all_clients or not spec.variable_cohort:
         raise ConfigError(f"{what}: --algorithm={spec.name} needs a fixed cohort of m clients a "
                           f"round (it runs with --client_speed and no deadline or "

@@ -218,7 +218,9 @@ class BufferedRun:
     whose devices the step's jobs are dealt (None: one device). Set ``local.order_lanes``
     for sums that do not depend on the device count. aggregate: the step's aggregate
     (:func:`build_buffered_step`; None: FedBuff's :func:`buffered_mean`); packed: the plan
-    indexes the step's packed buffer (the host keeps the split, ``--client_data=host``).
+    indexes the step's packed buffer (the host keeps the split, ``--client_data=host``);
+    mean_online_seconds: clients go offline mid-job with sessions of this mean
+    (:class:`AsyncScheduler`; None: never).
     """
 
     def __init__(self, model, replicas: Replicas, local: engine.LocalSGDConfig, *,
@@ -226,7 +228,7 @@ class BufferedRun:
                  work: plan_lib.LocalWork, seconds, eval_chunk: int = 8,
                  server_tx: Optional[optax.GradientTransformation] = None, availability=None,
                  mesh=None, memory_bytes: Optional[int] = None, aggregate=None,
-                 packed: bool = False):
+                 packed: bool = False, mean_online_seconds: Optional[float] = None):
         offsets = np.asarray(offsets, np.int64)
         settings.check(offsets.size - 1)
         check_ring_fits(settings.ring, version_bytes(model, replicas.size),
@@ -236,7 +238,8 @@ class BufferedRun:
         self.schedulers = [AsyncScheduler(
             num_clients=offsets.size - 1, concurrency=settings.concurrency,
             buffer_size=self.K, max_staleness=settings.max_staleness, seconds=seconds,
-            seed=s, availability=availability) for s in self.seeds]
+            seed=s, availability=availability,
+            mean_online_seconds=mean_online_seconds) for s in self.seeds]
         self.caps = plan_lib.capacities(np.diff(offsets), self.K, work, eval_chunk,
                                         with_replacement=True)
         self.packed = bool(packed)

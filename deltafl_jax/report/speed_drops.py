@@ -1,10 +1,14 @@
 """Which devices the deadline drops: the drop rate of a run on the virtual clock by the
-training clients' compute-speed quintile.
+training clients' compute-speed quintile, in all and by cause.
 
 A run with ``--client_speed`` writes, per replica and training client, the rounds the client
 was selected and the rounds it was selected but not aggregated (clients.npz,
 ``train_rounds_selected`` and ``train_rounds_dropped`` [R, N]; :mod:`deltafl_jax.sampling.
-timeline`). The speeds themselves are not written: they are rebuilt here from the run's
+timeline`), and of those, with a deadline, the rounds it was past the deadline
+(``train_rounds_late``) and, when clients may go offline mid-job, the rounds it went offline
+before its work arrived (``train_rounds_offline``); the rest of the drops are the clients
+beyond the m first under over-selection. The speeds themselves are not written: they are
+rebuilt here from the run's
 config (:func:`deltafl_jax.sampling.speeds.build_speeds` of its ``timing`` settings and data
 seed; a generated model needs no file, a capacity trace must still be readable at its path).
 
@@ -13,7 +17,9 @@ as :func:`deltafl_jax.availability_metrics.availability_quintiles` cuts availabi
 (ties by client index, groups as equal as N allows), here q1 the **fastest** fifth and q5 the
 slowest. A quintile's drop rate is the sum over its clients of the rounds dropped over the
 sum of the rounds selected (NaN when none of its clients was ever selected), per replica;
-the table shows the mean over the seeds.
+the table shows the mean over the seeds, a row for every drop and, where the run recorded
+them, a row per cause (the same denominator, so the causes' rates add up to at most the
+whole's).
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from deltafl_jax.report.tables import Column
 
 SELECTED = "train_rounds_selected"
 DROPPED = "train_rounds_dropped"
+LATE = "train_rounds_late"
+OFFLINE = "train_rounds_offline"
+CAUSES = ((LATE, "deadline"), (OFFLINE, "offline"))
 
 
 def speed_quintiles(per_example_s) -> np.ndarray:
@@ -76,20 +85,21 @@ def run_per_example_s(run) -> Optional[np.ndarray]:
     return speeds.per_example_s(np.arange(len(run.clients["train_sizes"]), dtype=np.int64))
 
 
-def column_drop_rates(col: Column):
+def column_drop_rates(col: Column, key: str = DROPPED):
     """([5] mean seconds per example of each quintile, [S, 5] drop rates of each seed) of a
-    report column, or None when a run of it has no clock or no drop counts."""
+    report column, counting the drops of clients.npz's `key` (every drop, or one cause's);
+    None when a run of it has no clock or no such counts."""
     rows, speeds = [], None
     for run, reps in col.parts:
         x = run_per_example_s(run)
         c = run.clients
-        if x is None or SELECTED not in c or DROPPED not in c or \
+        if x is None or SELECTED not in c or key not in c or \
                 np.shape(c[SELECTED])[-1] != x.size:
             return None
         q = speed_quintiles(x)
         speeds = np.array([x[q == j].mean() if np.any(q == j) else np.nan
                            for j in range(QUINTILES)])
-        rows.append(drop_rates(np.asarray(c[SELECTED])[reps], np.asarray(c[DROPPED])[reps], q))
+        rows.append(drop_rates(np.asarray(c[SELECTED])[reps], np.asarray(c[key])[reps], q))
     return speeds, np.concatenate(rows)
 
 
@@ -108,9 +118,17 @@ def drop_table(cols: Sequence[Column]) -> Optional[str]:
     lines: List[str] = ["| method | " + " | ".join(heads) + " | all |",
                         "|---|" + "---|" * (QUINTILES + 1)]
     for col, (_, rates) in got:
-        cells = [_cell(rates[:, j]) for j in range(QUINTILES)]
-        lines.append(f"| {col.label} | " + " | ".join(cells) + f" | {_overall(col)} |")
+        lines.append(_row(col.label, rates, _overall(col)))
+        for key, cause in CAUSES:
+            by_cause = column_drop_rates(col, key)
+            if by_cause is not None:
+                lines.append(_row(f"{col.label}: {cause}", by_cause[1], _overall(col, key)))
     return "\n".join(lines)
+
+
+def _row(label: str, rates: np.ndarray, overall: str) -> str:
+    cells = [_cell(rates[:, j]) for j in range(QUINTILES)]
+    return f"| {label} | " + " | ".join(cells) + f" | {overall} |"
 
 
 def _cell(values: np.ndarray) -> str:
@@ -124,13 +142,14 @@ def _cell(values: np.ndarray) -> str:
     return f"{100 * v.mean():.1f} [{100 * v.min():.1f}, {100 * v.max():.1f}]"
 
 
-def _overall(col: Column) -> str:
-    """The column's drop rate over every training client (%, mean over seeds)."""
+def _overall(col: Column, key: str = DROPPED) -> str:
+    """The column's drop rate (drops counted by `key`) over every training client (%, mean
+    over seeds)."""
     vals = []
     for run, reps in col.parts:
         c = run.clients
         sel = np.asarray(c[SELECTED], np.float64)[reps].sum(axis=-1)
-        drop = np.asarray(c[DROPPED], np.float64)[reps].sum(axis=-1)
+        drop = np.asarray(c[key], np.float64)[reps].sum(axis=-1)
         vals.append(np.where(sel > 0, drop / np.maximum(sel, 1), np.nan))
     return _cell(np.concatenate(vals))
 
@@ -138,4 +157,7 @@ def _overall(col: Column) -> str:
 DROP_NOTE = ("Drop rate by compute-speed quintile (rounds a client was selected but not "
              "aggregated, over the rounds it was selected, summed over the quintile's "
              "training clients; q1 the fastest fifth by compute seconds per example, with the "
-             "quintile's mean; % mean over seeds, [min, max] over seeds).")
+             "quintile's mean; % mean over seeds, [min, max] over seeds). The rows "
+             "'deadline' and 'offline' count only the drops of that cause: past the "
+             "deadline, or gone offline before the work arrived; the rest of a method's drops "
+             "are the clients beyond the m first under over-selection.")

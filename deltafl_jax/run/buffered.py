@@ -78,7 +78,8 @@ class AsyncClock:
     def count(self, step: int) -> Dict[str, np.ndarray]:
         """Count server step `step` as taken; its per-group metrics [G]: ``virtual_time``
         (the step's time), ``num_selected`` (K, the updates aggregated) and
-        ``dropped_updates`` (the stale updates dropped since the previous step)."""
+        ``dropped_updates`` (the stale updates dropped since the previous step) and, when
+        clients may go offline mid-job, ``lost_jobs`` (the jobs lost since then)."""
         t = int(step)
         if t == 0:
             self.now[:] = 0.0
@@ -90,9 +91,12 @@ class AsyncClock:
         for g, s in enumerate(steps):
             np.add.at(self.aggregated[g], s.clients, 1)
         self.counted = t + 1
-        return {TIME: self.now.copy(),
-                "num_selected": np.asarray([s.clients.size for s in steps], np.int64),
-                "dropped_updates": np.asarray([s.dropped for s in steps], np.int64)}
+        out = {TIME: self.now.copy(),
+               "num_selected": np.asarray([s.clients.size for s in steps], np.int64),
+               "dropped_updates": np.asarray([s.dropped for s in steps], np.int64)}
+        if self.run.schedulers[0].mean_online is not None:
+            out["lost_jobs"] = np.asarray([s.lost for s in steps], np.int64)
+        return out
 
     def reached(self, stop_at: Optional[float]) -> bool:
         """Every seed's clock is at or past `stop_at` (None: never)."""
@@ -126,13 +130,13 @@ class AsyncRound:
 
     def __init__(self, model, replicas, local, *, seeds, settings, data, work, speeds,
                  model_bytes: int, server_tx, aggregate, availability, mesh, eval_chunk: int,
-                 packed: bool):
+                 packed: bool, mean_online_seconds: Optional[float] = None):
         seconds = job_durations(speeds, data.train.sizes, work, model_bytes)
         self.run = BufferedRun(model, replicas, local, seeds=seeds, settings=settings,
                                offsets=data.train.offsets, work=work, seconds=seconds,
                                eval_chunk=eval_chunk, server_tx=server_tx,
                                availability=availability, mesh=mesh, aggregate=aggregate,
-                               packed=packed)
+                               packed=packed, mean_online_seconds=mean_online_seconds)
         self.clock = AsyncClock(self.run, data.train.num_clients)
         self.buffer_size = settings.buffer_size
 

@@ -505,7 +505,7 @@ def _synchronous(run, place: Placement, mesh, server_tx) -> Dict[str, Any]:
                                with_replacement=run.algorithm.sampling is not None)
     clock = None if run.speeds is None else VirtualClock(
         config.timing, run.speeds, run.seeds, data.train.sizes, m, run.work,
-        _model_bytes(run.model))
+        _model_bytes(run.model), availability=run.availability)
     if clock is not None:
         clock.check()
     round_fn = _round_fn(run.model, run.algorithm, run.replicas, config, place, m, mesh,
@@ -532,6 +532,7 @@ def _asynchronous(run, settings, place: Placement, mesh, server_tx) -> Dict[str,
         model_bytes=_model_bytes(run.model), server_tx=server_tx,
         aggregate=run.spec.asynchronous.aggregate(run.spec.options_for(config)),
         availability=run.availability, mesh=mesh, eval_chunk=place.eval_chunk,
-        packed=place.client_data == "host")
+        packed=place.client_data == "host",
+        mean_online_seconds=config.timing.mean_online_seconds)
     return dict(caps=buffered.run.caps, round_fn=buffered.round_fn, clock=buffered.clock,
                 buffered=buffered)

@@ -131,8 +131,10 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
 
 
 def _drops(config: ExperimentConfig) -> bool:
-    """The virtual clock may aggregate fewer than m clients (a deadline)."""
-    return config.timing.active and config.timing.round_deadline is not None
+    """The virtual clock may aggregate fewer than m clients (a deadline, or clients going
+    offline during their jobs)."""
+    t = config.timing
+    return t.active and (t.round_deadline is not None or t.mean_online_seconds is not None)
 
 
 def _speeds(config: ExperimentConfig, data: FederatedDataset, m: int) -> Optional[DeviceSpeeds]:

@@ -28,7 +28,15 @@ stream of the project uses). Availability maps to asynchronous time through the 
 the online set at version v is ``availability.online(seed, v)``, the set of the v-th
 "round", asked once per version, in increasing order as the stateful models require. A
 slot with no idle online client stays empty and is tried again after every later event and
-every server step; a job that started runs to its end (a client does not drop out mid-job).
+every server step.
+
+Going offline mid-job (``mean_online_seconds`` T, :mod:`deltafl_jax.sampling.offline`): when
+job `serial` of client c starts, its client's remaining online session E is drawn,
+exponential with mean T, from ``SeedSequence([seed, serial, offline.STREAM, offline.ASYNC])``
+hashed with c. If E < the job's duration the job is *lost* at start + E, the moment the
+client goes offline: at that event (ordered with the completions by time, then client id)
+its slot frees, the loss is counted (``lost``, reported with the next server step as
+``dropped`` is) and a new idle online client starts at once. Without T a job runs to its end.
 
 The versions still needed live in a ring of V device slots (:meth:`AsyncScheduler.ring_size`):
 when version v + 1 is written, the versions still read are the bases of the K buffered
@@ -36,10 +44,10 @@ updates and of the jobs in flight that can still be accepted (base >= v + 1 - S)
 [v - S, v] and at most C + K - 1 of them, so V = min(S + 2, C + K) slots always hold them
 and the new version. The new version takes the lowest slot that holds none of them.
 
-Everything a resumed run needs (the clock, the jobs in flight with their base versions, the
-buffer, the ring's versions, the online set of the current version and a stateful
-availability model's state) is :meth:`state`, a dict of arrays, and :meth:`restore` takes it
-back.
+Everything a resumed run needs (the clock, the jobs in flight with their base versions and,
+with T, whether each will be lost, the buffer, the ring's versions, the online set of the
+current version, the losses not yet reported and a stateful availability model's state) is
+:meth:`state`, a dict of arrays, and :meth:`restore` takes it back.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ import numpy as np
 from deltafl_jax.declared import setting
 from deltafl_jax.errors import CheckpointMismatch, ConfigError, RunError
 from deltafl_jax.sampling.clock import examples_done
+from deltafl_jax.sampling.offline import ASYNC, check_sessions, exponential_sessions
 from deltafl_jax.sampling.speeds import DeviceSpeeds, job_seconds
 
 STREAM = 0xA5C1   # SeedSequence([seed, serial, STREAM]): the client that starts job `serial`
@@ -152,7 +161,8 @@ class ServerStep(NamedTuple):
     start, end: [K] float64 the jobs' virtual start and end; slots: [K] int32 the ring slots
     of their bases; current_slot: the slot of version - 1 (the server optimizer's base);
     new_slot: the slot the new version is written to; dropped: the stale updates dropped
-    since the previous step.
+    since the previous step; lost: the jobs lost since the previous step (their client went
+    offline).
     """
 
     version: int
@@ -167,6 +177,7 @@ class ServerStep(NamedTuple):
     current_slot: int
     new_slot: int
     dropped: int
+    lost: int = 0
 
 
 def _empty_jobs(n: int) -> Dict[str, np.ndarray]:
@@ -181,18 +192,24 @@ class AsyncScheduler:
     num_clients: N; concurrency: C jobs in flight; buffer_size: K updates per server step;
     max_staleness: S (None: every update is kept); seconds: ids [k] -> [k] float64 > 0 the
     virtual duration of a job of each client; seed: the run's seed; availability: an
-    :class:`~deltafl_jax.sampling.availability.Availability` (None: every client online).
+    :class:`~deltafl_jax.sampling.availability.Availability` (None: every client online);
+    mean_online_seconds: T, the mean online session (None: no job is lost).
     """
 
     def __init__(self, *, num_clients: int, concurrency: int, buffer_size: int,
                  max_staleness: Optional[int], seconds: Callable[[np.ndarray], np.ndarray],
-                 seed: int, availability=None):
+                 seed: int, availability=None, mean_online_seconds: Optional[float] = None):
         check_async(num_clients, concurrency, buffer_size, max_staleness)
         self.N, self.C, self.K = int(num_clients), int(concurrency), int(buffer_size)
         self.S = None if max_staleness is None else int(max_staleness)
         self.seconds, self.seed, self.availability = seconds, int(seed), availability
+        self.mean_online = None if mean_online_seconds is None else float(mean_online_seconds)
+        if self.mean_online is not None:
+            check_sessions(self.mean_online,
+                           float(np.min(seconds(np.arange(self.N, dtype=np.int64)))))
         self.V = ring_size(self.C, self.K, self.S)
-        self.clock, self.version, self.serial, self.dropped = 0.0, 0, 0, 0
+        self.clock, self.version, self.serial, self.dropped, self.lost = 0.0, 0, 0, 0, 0
+        self.flight_lost = np.zeros(self.C, bool)
         self.flight = _empty_jobs(self.C)
         self.buffer = {**_empty_jobs(self.K), "staleness": np.zeros(self.K, np.int64)}
         self.buffered = 0
@@ -223,10 +240,17 @@ class AsyncScheduler:
         duration = float(np.asarray(self.seconds(np.asarray([client], np.int64)))[0])
         if not duration > 0 or not np.isfinite(duration):
             raise RunError(f"client {client}'s job would take {duration} virtual seconds")
+        lost = False
+        if self.mean_online is not None:
+            stay = float(exponential_sessions(self.mean_online, self.seed, self.serial,
+                                              np.asarray([client], np.int64), ASYNC)[0])
+            lost = stay < duration
+            duration = stay if lost else duration
         job = {"client": client, "base": self.version, "start": self.clock,
                "end": self.clock + duration, "serial": self.serial}
         for k, v in job.items():
             self.flight[k][slot] = v
+        self.flight_lost[slot] = lost
         self.serial += 1
 
     def fill(self) -> None:
@@ -246,10 +270,15 @@ class AsyncScheduler:
         return int(busy[order[0]])
 
     def complete(self, slot: int) -> bool:
-        """Process the completion in `slot`: drop or buffer it; True when the buffer is full."""
+        """Process the event in `slot`: a loss (counted), or a completion, dropped or
+        buffered; True when the buffer is full."""
         job = {k: self.flight[k][slot] for k in _JOB_FIELDS}
         self.flight["client"][slot] = -1
         self.clock = float(job["end"])
+        if self.flight_lost[slot]:
+            self.flight_lost[slot] = False
+            self.lost += 1
+            return False
         tau = self.version - int(job["base"])
         if self.S is not None and tau > self.S:
             self.dropped += 1
@@ -291,8 +320,8 @@ class AsyncScheduler:
                           staleness=self.buffer["staleness"].copy(),
                           serial=self.buffer["serial"].copy(), start=self.buffer["start"].copy(),
                           end=self.buffer["end"].copy(), slots=slots, current_slot=current,
-                          new_slot=new, dropped=self.dropped)
-        self.buffered, self.dropped = 0, 0
+                          new_slot=new, dropped=self.dropped, lost=self.lost)
+        self.buffered, self.dropped, self.lost = 0, 0, 0
         return step
 
     # ------------------------------------------------------------------ checkpoints
@@ -306,6 +335,8 @@ class AsyncScheduler:
                "buffered": np.int64(self.buffered), "ring": self.ring.copy(),
                "online": online, "online_version": np.int64(self.online_version)}
         out.update({f"flight_{k}": v.copy() for k, v in self.flight.items()})
+        if self.mean_online is not None:
+            out.update(lost=np.int64(self.lost), flight_lost=self.flight_lost.copy())
         out.update({f"buffer_{k}": v.copy() for k, v in self.buffer.items()})
         if self.availability is not None:
             out.update({f"availability_{k}": v
@@ -317,8 +348,8 @@ class AsyncScheduler:
         mine = self.state()
         if set(state) != set(mine) or any(np.shape(state[k]) != mine[k].shape for k in mine):
             raise CheckpointMismatch("the asynchronous scheduler's checkpoint does not match "
-                                     "--concurrency, --buffer_size, --max_staleness or the "
-                                     "number of clients")
+                                     "--concurrency, --buffer_size, --max_staleness, "
+                                     "--mean_online_seconds or the number of clients")
         self.clock = float(state["clock"])
         self.version, self.serial = int(state["version"]), int(state["serial"])
         self.dropped, self.buffered = int(state["dropped"]), int(state["buffered"])
@@ -327,6 +358,9 @@ class AsyncScheduler:
         self.online_version = int(state["online_version"])
         for k in self.flight:
             self.flight[k] = np.asarray(state[f"flight_{k}"], self.flight[k].dtype).copy()
+        if self.mean_online is not None:
+            self.lost = int(state["lost"])
+            self.flight_lost = np.asarray(state["flight_lost"], bool).copy()
         for k in self.buffer:
             self.buffer[k] = np.asarray(state[f"buffer_{k}"], self.buffer[k].dtype).copy()
         if self.availability is not None:

@@ -21,12 +21,18 @@ Who is kept (:func:`finish`):
   T_c > d instead stops after s* steps, the most with 2 D / w_c + x_c E(s*) <= d (it must
   still upload by the deadline), and arrives then with s* steps (FedProx's partial
   solutions); s* = 0 drops it;
-- over-selection (M slots sampled for m): the m first to arrive are kept, ties broken by the
-  smaller client id (FedScale's simulator keeps the m shortest jobs the same way).
+- going offline (``online_for``, :mod:`deltafl_jax.sampling.offline`): a slot whose client
+  stays online o_c seconds from the job's start, with o_c < its arrival a_c (full or
+  partial), is lost: its upload never completes, partial work included. A slot already
+  dropped by the deadline counts as late, not lost (it could not have arrived in time);
+- over-selection (M slots sampled for m): the m first to arrive are kept among the slots
+  neither late nor lost, ties broken by the smaller client id (FedScale's simulator keeps the
+  m shortest jobs the same way).
 
 The round lasts until the m-th kept arrival; when fewer than m arrive it lasts until the
-deadline (the server waits for it), or, with no deadline, until the last arrival (0 with
-nobody present).
+deadline (the server waits for it), or, with no deadline, until the server has heard from
+every present slot: the later of the last arrival and the last loss (a lost client is
+noticed when it goes offline, at o_c), 0 with nobody present.
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ class Finish(NamedTuple):
     seconds [M] float64: each present slot's full virtual duration T_c (inf on empty slots);
     round_seconds: the round's virtual duration;
     arrival [M] float64: when the slot's kept work reaches the server (T_c, or the partial
-    job's end), inf where not kept.
+    job's end), inf where not kept;
+    late [M] bool: dropped by the deadline; offline [M] bool: lost by going offline before
+    its work (in time for the deadline) arrived.
     """
 
     keep: np.ndarray
@@ -57,6 +65,8 @@ class Finish(NamedTuple):
     seconds: np.ndarray
     round_seconds: float
     arrival: np.ndarray
+    late: Optional[np.ndarray] = None
+    offline: Optional[np.ndarray] = None
 
 
 def examples_done(steps: np.ndarray, sizes: np.ndarray, batch_size: int, *,
@@ -107,12 +117,14 @@ def partial_steps(compute_s: np.ndarray, transfer_s: np.ndarray, planned: np.nda
 def finish(speeds: DeviceSpeeds, clients: np.ndarray, present: np.ndarray,
            planned_steps: np.ndarray, batch_size: int, sizes: np.ndarray, model_bytes: int,
            *, m: int, deadline: Optional[float], partial_work: bool,
-           full_batches: bool = False) -> Finish:
+           full_batches: bool = False, online_for: Optional[np.ndarray] = None) -> Finish:
     """Who of M sampled slots finishes: the m first to finish (ties by client id) among those
-    done by the deadline; with partial_work a client past the deadline keeps the local steps it
-    completed by then (dropped if none). clients, present, planned_steps, sizes [M]: the
-    slots' clients, whether a slot holds one, its planned local steps and its client's example
-    count; full_batches: the run uses --local_steps (module docstring)."""
+    done by the deadline and still online when their work arrives; with partial_work a client
+    past the deadline keeps the local steps it completed by then (dropped if none). clients,
+    present, planned_steps, sizes [M]: the slots' clients, whether a slot holds one, its
+    planned local steps and its client's example count; full_batches: the run uses
+    --local_steps; online_for [M]: the seconds each slot's client stays online from the job's
+    start (None: it never goes offline) (module docstring)."""
     present = np.asarray(present, bool)
     ids = np.asarray(clients, np.int64)[present]
     planned = np.asarray(planned_steps, np.int64)[present]
@@ -133,11 +145,27 @@ def finish(speeds: DeviceSpeeds, clients: np.ndarray, present: np.ndarray,
         else:
             late = full > deadline
         arrive = np.where(late, np.inf, arrive)
-    return _first_m(present, ids, done, full, arrive, m, deadline)
+    else:
+        late = np.zeros(ids.shape, bool)
+    lost, gone = np.zeros(ids.shape, bool), None
+    if online_for is not None:
+        stay = np.asarray(online_for, np.float64)[present]
+        lost = np.isfinite(arrive) & (stay < arrive)
+        arrive = np.where(lost, np.inf, arrive)
+        gone = np.maximum(stay[lost], 0.0)
+    fin = _first_m(present, ids, done, full, arrive, m, deadline, gone)
+    return fin._replace(late=_on_slots(present, late), offline=_on_slots(present, lost))
 
 
-def _first_m(present, ids, done, full, arrive, m: int, deadline) -> Finish:
-    """Keep the m first arrivals (ties by client id) of the present slots."""
+def _on_slots(present: np.ndarray, values: np.ndarray) -> np.ndarray:
+    out = np.zeros(present.size, bool)
+    out[np.flatnonzero(present)] = values
+    return out
+
+
+def _first_m(present, ids, done, full, arrive, m: int, deadline, gone=None) -> Finish:
+    """Keep the m first arrivals (ties by client id) of the present slots; `gone`: the times
+    at which lost slots went offline (the server waits for them without a deadline)."""
     slot = np.flatnonzero(present)
     order = np.lexsort((ids, arrive))
     order = order[np.isfinite(arrive[order])][:m]
@@ -156,6 +184,8 @@ def _first_m(present, ids, done, full, arrive, m: int, deadline) -> Finish:
         round_seconds = float(deadline)
     else:
         round_seconds = float(arrive[order].max()) if order.size else 0.0
+        if gone is not None and gone.size:
+            round_seconds = max(round_seconds, float(gone.max()))
     return Finish(keep=keep, steps=steps, seconds=seconds, round_seconds=round_seconds,
                   arrival=arrival)
 

@@ -131,6 +131,11 @@ class TimingSettings:
     stop_at_virtual_time: Optional[float] = setting(
         None, "end the run at the first round that ends at or after this many virtual "
         "seconds", kind="float")
+    mean_online_seconds: Optional[float] = setting(
+        None, "clients go offline in the middle of a job: an online client's remaining online "
+        "session is exponential with this mean (seconds of virtual time), so a job of d "
+        "seconds survives with probability exp(-d / mean); a lost job is not aggregated; "
+        "unset: a started job always finishes", kind="float")
 
     def check(self) -> None:
         """ConfigError (one line naming the flag) for a setting that cannot run."""
@@ -152,7 +157,7 @@ class TimingSettings:
         self._check_clock()
 
     def _check_clock(self) -> None:
-        for name in ("round_deadline", "stop_at_virtual_time"):
+        for name in ("round_deadline", "stop_at_virtual_time", "mean_online_seconds"):
             value = getattr(self, name)
             if value is not None and not (value > 0.0 and math.isfinite(value)):
                 raise ConfigError(f"{_flag(name, float(value))}: must be > 0 seconds")
@@ -163,7 +168,7 @@ class TimingSettings:
                               "stops)")
         if not self.active:
             for name, off in (("round_deadline", None), ("stop_at_virtual_time", None),
-                              ("over_select", 1.0)):
+                              ("over_select", 1.0), ("mean_online_seconds", None)):
                 if getattr(self, name) != off:
                     raise ConfigError(f"--{name} needs a virtual clock: give --client_speed="
                                       f"uniform|lognormal|capacity_trace")
