@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from deltafl_jax.sampling.clock import check_deadline, finish, keep_cohort
+from deltafl_jax.sampling.inclusion import KeepOrder, arrivals, keep_order, kept_probability
 from deltafl_jax.sampling.samplers import Cohort, FixedSampler, Sampler
 
 TIME = "virtual_time"
@@ -64,6 +65,7 @@ class VirtualClock:
         self.dropped_rounds = np.zeros((G, N), np.int64)
         self.counted = 0
         self._rounds: Dict[int, dict] = {}
+        self._order: Optional[KeepOrder] = None
 
     @property
     def over_selects(self) -> bool:
@@ -72,6 +74,25 @@ class VirtualClock:
     def selection_sampler(self) -> Sampler:
         """The sampler of the M slots under over-selection (M distinct clients, uniformly)."""
         return FixedSampler(num_clients=self.sizes.size, slots=self.slots)
+
+    def keep_order(self) -> KeepOrder:
+        """The training clients' order of arrival in any round
+        (:func:`deltafl_jax.sampling.inclusion.keep_order`), built once: speeds and planned
+        work are fixed per client."""
+        if self._order is None:
+            t, sizes = self.settings, self.sizes
+            self._order = keep_order(arrivals(
+                self.speeds, sizes, self.work.steps_for(np.maximum(sizes, 1)),
+                self.work.batch_size, self.model_bytes, deadline=t.round_deadline,
+                partial_work=t.partial_work, full_batches=self.work.local_steps is not None))
+        return self._order
+
+    def kept_probabilities(self, online=None):
+        """clients -> the probability that each is kept this round under over-selection,
+        given the round's `online` ids (None: every client;
+        :func:`deltafl_jax.sampling.inclusion.kept_probability`)."""
+        order = self.keep_order()
+        return lambda clients: kept_probability(order, clients, self.slots, self.m, online)
 
     def finish_of(self, cohort: Cohort):
         """:func:`~deltafl_jax.sampling.clock.finish` of one group's selected cohort."""
@@ -85,16 +106,20 @@ class VirtualClock:
                       partial_work=t.partial_work,
                       full_batches=self.work.local_steps is not None)
 
-    def select(self, round_idx: int, cohorts: Sequence[Cohort]
+    def select(self, round_idx: int, cohorts: Sequence[Cohort], online=None
                ) -> Tuple[List[Cohort], np.ndarray]:
         """The kept cohorts of round `round_idx` (m slots each) and their steps [G, m], from
-        each group's selected cohort; the round's durations and drops are kept until it is
-        counted."""
+        each group's selected cohort (drawn among `online`, one id array per group; None:
+        every client); the round's durations and drops are kept until it is counted. Under
+        over-selection each kept client carries its probability of being kept this round
+        (:mod:`deltafl_jax.sampling.inclusion`), else the selection sampler's."""
         kept, steps, seconds, late, sel, drop = [], [], [], [], [], []
         deadline = self.settings.round_deadline
-        for cohort in cohorts:
+        for g, cohort in enumerate(cohorts):
             fin = self.finish_of(cohort)
-            k, s = keep_cohort(cohort, fin, self.m)
+            exact = None if not self.over_selects else self.kept_probabilities(
+                None if online is None else online[g])
+            k, s = keep_cohort(cohort, fin, self.m, exact)
             kept.append(k)
             steps.append(np.asarray(s, np.int32))
             present = np.asarray(cohort.present, bool)
