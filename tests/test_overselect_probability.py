@@ -166,8 +166,9 @@ def test_known_prob_on_an_over_selected_run_weighs_by_the_kept_probability(tiny_
     """--algorithm=known_prob with lognormal speeds, a deadline, --over_select=1.5 (M = 6 of
     the 12 training clients, m = 4): its weight of client i is 1 / p_i, p_i enumerated over
     the 924 subsets (1 where p_i = 0: never kept, never used), so the round's update
-    sum_{kept} Delta_i / p_i has mean sum_{i: p_i > 0} Delta_i exactly, where m / N (the
-    selection's probability, the weight before) is off by p_i N / m, more for slower devices."""
+    sum_{kept} Delta_i / p_i has mean sum_{i: p_i > 0} Delta_i exactly, where dividing by
+    m / N (the weight before) gives Delta_i the mean weight p_i N / m, unequal across
+    devices."""
     data = tiny_synthetic
     sizes = np.asarray(data.train.sizes, np.int64)
     N, d = sizes.size, int(np.prod(data.train.feature_shape))

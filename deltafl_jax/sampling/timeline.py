@@ -12,7 +12,9 @@ upload over the client's bandwidth). Each round of each plan group (one per seed
    ``--round_deadline`` (ties by client id; with ``--partial_work`` a late client keeps the
    local steps it completed by the deadline), and gives the round's virtual duration;
 3. :func:`deltafl_jax.sampling.clock.keep_cohort` puts the kept clients in the plan's m slots
-   with their steps, which cap the plan's (:func:`deltafl_jax.plan.make_round_plan`).
+   with their steps, which cap the plan's (:func:`deltafl_jax.plan.make_round_plan`); under
+   over-selection each carries its exact probability of being kept this round
+   (:mod:`deltafl_jax.sampling.inclusion`).
 
 The round starts when the previous one ended: its virtual end is the sum of the durations of
 rounds 0..t. :class:`VirtualClock` keeps, per plan group, that sum after the rounds counted so
