@@ -20,8 +20,8 @@ from deltafl_jax.run.resolve import participation_probabilities, resolve
 from deltafl_jax.sampling.availability import Bernoulli, Schedule
 from deltafl_jax.sampling.clock import finish
 from deltafl_jax.sampling.inclusion import (arrivals, expected_kept_probability,
-                                            hypergeom_cdf, keep_order, kept_probability,
-                                            mean_kept_probability)
+                                            hypergeom_cdf, hypergeom_cdf_by_marked, keep_order,
+                                            kept_probability, mean_kept_probability)
 from deltafl_jax.sampling.speeds import DeviceSpeeds, TimingSettings, build_speeds
 from deltafl_jax.sampling.timeline import VirtualClock
 
@@ -85,8 +85,9 @@ def test_the_formula_with_lognormal_speeds_and_every_client_online(deadline, par
 
 
 def test_the_tail_equals_scipys_hypergeometric_cdf():
-    """P(X <= x) on random parameters (populations 1 to 10^6, tails down to 1e-250) and on
-    every number marked of a population of 10^6 (the start-up vector of a million clients)."""
+    """P(X <= x) on random parameters (populations 1 to 10^6, tails down to 1e-250), and for
+    every number marked of 10^6 - 1 (the all-client vector of a million clients: one by one,
+    and by the recurrence over the number marked)."""
     rng = np.random.default_rng(0)
     for total in (1, 2, 7, 50, 1000, 10**6):
         K = rng.integers(0, total + 1, 300)
@@ -97,11 +98,12 @@ def test_the_tail_equals_scipys_hypergeometric_cdf():
         tiny = want < 1e-250
         np.testing.assert_allclose(got[~tiny], want[~tiny], rtol=1e-7, atol=0)
         assert np.all(got[tiny] < 1e-240)
-    marked = np.arange(0, 10**6, 7)
+    marked = np.arange(0, 10**6, 97)
     want = stats.hypergeom.cdf(99, 10**6 - 1, marked, 129)
-    got = hypergeom_cdf(99, 10**6 - 1, marked, 129)
     ok = want > 1e-250
-    np.testing.assert_allclose(got[ok], want[ok], rtol=1e-7, atol=0)
+    every = hypergeom_cdf_by_marked(99, 10**6 - 1, 129)         # F = 0 .. 10^6 - 1
+    for got in (every[marked], hypergeom_cdf(99, 10**6 - 1, marked, 129)):
+        np.testing.assert_allclose(got[ok], want[ok], rtol=1e-7, atol=0)
 
 
 def clock(over_select, m, deadline, partial):
