@@ -4,9 +4,10 @@
 The round (:mod:`deltafl_jax.sampling.timeline`): among the n clients online, the server
 draws M' = min(M, n) distinct ones uniformly (M = ceil(r m)), and keeps the m first to arrive
 (ties by the smaller client id), never one that cannot arrive by the deadline. A client's
-arrival time a_i is fixed for the whole run: its speeds and its planned local work are
-(:func:`deltafl_jax.sampling.clock.finish`; a_i = inf where it cannot arrive by the deadline,
-with ``--partial_work`` the end of its partial job, and it is then never kept).
+arrival time a_i is the same in every round, since its speeds and its planned local work are
+(:func:`deltafl_jax.sampling.clock.finish`: its full job, or with ``--partial_work`` the end
+of its partial job when the full one is late; a_i = inf where it cannot arrive by the
+deadline, and it is then never kept). A drawn client is taken to finish the job it starts.
 
 Sort the N clients once by (a_i, id): client j *precedes* i when it comes first in that
 order and a_j is finite. With F_i the online clients that precede i, client i (online, a_i
@@ -27,10 +28,10 @@ below the mode; one minus the upper tail at or above it).
 
 Per round (:func:`kept_probability`) only the kept clients' p_i are needed: F_i is read off
 the order, O(n log m) for n online clients (each one's place among the m kept; O(1) per client
-when every client is online), then m tails. Every online client's at once
-(:func:`mean_kept_probability`) takes one sort of the n online and the tail for every F at
-once, O(n) (:func:`hypergeom_cdf_by_marked`). Over a run (:func:`mean_kept_probability`, :func:`expected_kept_probability`),
-each training client's mean over rounds, the p_i a known-probability method divides by.
+when every client is online), then m tails. Over a run (:func:`mean_kept_probability`,
+:func:`expected_kept_probability`): each training client's mean over rounds, the p_i a
+known-probability method divides by; every online client's p_i at once takes one sort of
+the n online and the tail for every F, O(n) (:func:`hypergeom_cdf_by_marked`).
 """
 
 from __future__ import annotations
