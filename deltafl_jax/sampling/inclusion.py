@@ -27,8 +27,8 @@ mode so that the sum is never a difference of nearly equal numbers (the lower ta
 below the mode; one minus the upper tail at or above it).
 
 Per round (:func:`kept_probability`) only the kept clients' p_i are needed: F_i is read off
-the order, O(n log m) for n online clients (each one's place among the m kept; O(1) per client
-when every client is online), then m tails. Over a run (:func:`mean_kept_probability`,
+the order, one sort of the n online clients' ranks, O(n log n) (O(1) per client when every
+client is online), then m tails. Over a run (:func:`mean_kept_probability`,
 :func:`expected_kept_probability`): each training client's mean over rounds, the p_i a
 known-probability method divides by; every online client's p_i at once takes one sort of
 the n online and the tail for every F, O(n) (:func:`hypergeom_cdf_by_marked`).
@@ -189,10 +189,8 @@ def kept_probability(order: KeepOrder, clients, M: int, m: int, online=None) -> 
     else:
         online = np.asarray(online, np.int64)
         n = online.size
-        mine = np.sort(order.rank[clients])   # F_i: the online reachable ranked before i
-        at = np.searchsorted(mine, order.rank[online[order.reachable[online]]], side="right")
-        before = np.cumsum(np.bincount(at, minlength=mine.size + 1))[:mine.size]
-        preceding = before[np.searchsorted(mine, order.rank[clients])]
+        # F_i: the online ranked before i (every reachable client ranks before the others)
+        preceding = np.searchsorted(np.sort(order.rank[online]), order.rank[clients])
     return _kept(order, preceding, n, M, m, clients)
 
 
