@@ -17,7 +17,7 @@ from scipy import stats
 from conftest import tiny_config
 from deltafl_jax.plan import LocalWork
 from deltafl_jax.run.resolve import participation_probabilities, resolve
-from deltafl_jax.sampling.availability import Bernoulli, Schedule
+from deltafl_jax.sampling.availability import Schedule
 from deltafl_jax.sampling.clock import finish
 from deltafl_jax.sampling.inclusion import (arrivals, expected_kept_probability,
                                             hypergeom_cdf, hypergeom_cdf_by_marked, keep_order,
@@ -56,7 +56,8 @@ def order_of(speeds, deadline, partial):
 
 
 # jobs (uniform speeds): 2.2, 2.5, 2.2, 2.8, 2.2 s, ... a deadline of 2.45 s leaves the sizes
-# <= 40 in time; with partial work the others arrive at 2.4 s after 4 steps (tied)
+# <= 40 in time; with partial work the others arrive at 2.4 s after 4 steps (tied); at 2.15 s
+# every client is late and arrives at 2.1 s after one step (all tied: kept by id)
 TIMINGS = [(None, False), (2.45, False), (2.45, True), (2.15, True)]
 ONLINE = [np.arange(8), np.array([0, 2, 3, 5, 6, 7, 9, 11]), np.array([1, 4, 10])]
 
