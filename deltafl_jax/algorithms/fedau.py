@@ -31,8 +31,10 @@ that client i takes part in a round, given when the algorithm is built (:func:`k
 them from the run (``participation``): the run computes p_i from its availability model and
 sampler (:func:`deltafl_jax.run.resolve.participation_probabilities`: m / N with every client
 online; the replayed schedule's or trace's expected share of rounds in which i trains; r_i
-times the sampler's probability among the online clients for a generated model), and the
-factory falls back to m / N (:func:`sampling_probabilities`) when none are given.
+times the sampler's probability among the online clients for a generated model; under
+``--over_select``, the probability of being kept among the M drawn,
+:mod:`deltafl_jax.sampling.inclusion`), and the factory falls back to m / N
+(:func:`sampling_probabilities`) when none are given.
 
 **Weighting** (``--weighting``, Delta-FL's option): ``unweighted`` is the authors' 1/N;
 ``weighted`` (the default, this package's objective sum_i (n_i / n) F_i) puts n_i / n in place

@@ -192,7 +192,7 @@ class Experiment:
                        for g, seed in enumerate(self.seeds)]
         steps = None
         if self.clock is not None:
-            cohorts, steps = self.clock.select(round_idx, cohorts)
+            cohorts, steps = self.clock.select(round_idx, cohorts, online)
         if self.participation is not None:
             self.participation.drawn(round_idx, cohorts)
         return cohorts, steps

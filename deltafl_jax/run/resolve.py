@@ -22,6 +22,7 @@ import math
 import sys
 from typing import List, Optional, Tuple
 
+import jax
 import numpy as np
 
 from deltafl_jax import plan as plan_lib, replica_grid
@@ -38,10 +39,12 @@ from deltafl_jax.privacy import (OVERFLOW_PLAIN, OVERFLOW_SHARE, UPDATE_RELEASE,
                                 bandmf_coefficients, check_private_version)
 from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import personal as personal_lib
-from deltafl_jax.run.placement import check_streams
+from deltafl_jax.run.placement import check_streams, tree_nbytes
 from deltafl_jax.sampling import PoissonSampler, Sampler, WeightedSampler
 from deltafl_jax.sampling.availability import (Availability, Schedule, Trace,
                                                build_availability)
+from deltafl_jax.sampling.inclusion import (KeepOrder, arrivals, expected_kept_probability,
+                                            keep_order, mean_kept_probability)
 from deltafl_jax.sampling.speeds import DeviceSpeeds, build_speeds
 
 
@@ -98,8 +101,12 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
     spec = registry.get(config.algorithm)
     m = _sampled(config, spec, data)
     availability = _availability(config, spec, data)
+    local_steps = spec.local_steps if spec.local_steps is not None else config.local_steps
+    work = plan_lib.LocalWork(batch_size=config.batch_size, local_epochs=config.local_epochs,
+                              local_steps=local_steps)
     algorithm = spec.make(config, data, participation_probabilities(
-        config, availability, data.train.num_clients, m) if spec.participation else None)
+        config, availability, data.train.num_clients, m,
+        _keep_order(config, data, model, work, m)) if spec.participation else None)
     check_private_version(config.privacy, config.sampling.sampler, spec, algorithm,
                           tuned=replicas is not None)
     noise = _noise(config, spec, algorithm, m, data.train.num_clients)
@@ -111,9 +118,6 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
     sampler = _sampler(config, spec, algorithm, m, data.train.num_clients, accounting)
     if accounting is not None and isinstance(sampler, PoissonSampler):
         accounting = dataclasses.replace(accounting, cap=sampler.cap)
-    local_steps = spec.local_steps if spec.local_steps is not None else config.local_steps
-    work = plan_lib.LocalWork(batch_size=config.batch_size, local_epochs=config.local_epochs,
-                              local_steps=local_steps)
     check_streams(_streams(config, data, work, sampler.slots,
                            len(set(int(g) for g in replicas.group)),
                            algorithm.sampling is not None))
@@ -128,6 +132,24 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
                        variable=(sampler.variable or availability is not None
                                  or _drops(config)),
                        availability=availability, speeds=_speeds(config, data, m))
+
+
+def _keep_order(config: ExperimentConfig, data: FederatedDataset, model: Model,
+                work: plan_lib.LocalWork, m: int) -> Optional[KeepOrder]:
+    """Under ``--over_select``, the training clients' order of arrival on the virtual clock
+    (:func:`deltafl_jax.sampling.inclusion.keep_order`), as the run's clock builds it; else
+    None (every selected client that can arrive is kept)."""
+    settings = config.timing
+    if not settings.active or settings.slots(m) <= m:
+        return None
+    speeds = _speeds(config, data, m)
+    sizes = np.asarray(data.train.sizes, np.int64)
+    model_bytes = tree_nbytes(jax.eval_shape(model.init, jax.random.key(0)))
+    return keep_order(arrivals(speeds, sizes, work.steps_for(np.maximum(sizes, 1)),
+                               work.batch_size, model_bytes,
+                               deadline=settings.round_deadline,
+                               partial_work=settings.partial_work,
+                               full_batches=work.local_steps is not None))
 
 
 def _drops(config: ExperimentConfig) -> bool:
@@ -313,9 +335,12 @@ def test_availability(config: ExperimentConfig, data: FederatedDataset) -> Optio
 
 
 def participation_probabilities(config: ExperimentConfig, availability: Optional[Availability],
-                                num_clients: int, m: int) -> np.ndarray:
+                                num_clients: int, m: int,
+                                order: Optional[KeepOrder] = None) -> np.ndarray:
     """[N] each training client's probability p_i of taking part in a round (being online and
-    chosen), under the run's availability (r_i its rate, ``rates()``) and sampler:
+    chosen), under the run's availability (r_i its rate, ``rates()``) and sampler, or with
+    `order` (``--over_select``: the clients' order of arrival on the virtual clock) of being
+    kept (:func:`_kept_probabilities`); without over-selection:
 
     - every client online: m / N (1 when m >= N);
     - Poisson: r_i q, q = m / N (exact: each online client joins with probability q);
@@ -327,6 +352,9 @@ def participation_probabilities(config: ExperimentConfig, availability: Optional
       mean (approximate; exact when the mean is at most m and at most m are ever online).
 
     A client with p_i = 0 never takes part, so its 1 / p_i is never used: it gets 1."""
+    if order is not None:
+        p = _kept_probabilities(config, availability, order, m)
+        return np.where(p > 0, p, 1.0)
     q = min(1.0, m / num_clients)
     if availability is None:
         return np.full((num_clients,), q, np.float64)
@@ -343,6 +371,24 @@ def participation_probabilities(config: ExperimentConfig, availability: Optional
         rates = availability.rates()
         p = rates * min(1.0, m / max(float(rates.sum()), 1e-300))
     return np.where(p > 0, p, 1.0)
+
+
+def _kept_probabilities(config: ExperimentConfig, availability: Optional[Availability],
+                        order: KeepOrder, m: int) -> np.ndarray:
+    """[N] each client's probability of being kept in a round of M = ceil(r m) drawn
+    uniformly among the online and the m first to arrive
+    (:mod:`deltafl_jax.sampling.inclusion`): exact with every client online and for a replay
+    (schedule, trace: the mean over the run's rounds of each round's, its online set the
+    same for every seed); for a generated model, the approximation of
+    :func:`~deltafl_jax.sampling.inclusion.expected_kept_probability`. 0 for a client that
+    can never arrive by the deadline."""
+    M = config.timing.slots(m)
+    if availability is None:
+        return mean_kept_probability(order, M, m)
+    if isinstance(availability, (Schedule, Trace)):
+        return mean_kept_probability(order, M, m, (availability.online(0, t)
+                                                   for t in range(config.num_rounds)))
+    return expected_kept_probability(order, availability.rates(), M, m)
 
 
 def label_counts(split, num_classes: int) -> Optional[np.ndarray]:

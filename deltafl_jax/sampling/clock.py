@@ -37,7 +37,7 @@ noticed when it goes offline, at o_c), 0 with nobody present.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -190,9 +190,14 @@ def _first_m(present, ids, done, full, arrive, m: int, deadline, gone=None) -> F
                   arrival=arrival)
 
 
-def keep_cohort(cohort: Cohort, fin: Finish, m: int) -> Tuple[Cohort, np.ndarray]:
-    """The kept clients in m slots (present first, sorted by id as a Cohort is), each with its
-    slot's probability from `cohort`, and their steps [m] int32 (0 on empty slots)."""
+def keep_cohort(cohort: Cohort, fin: Finish, m: int,
+                kept_probability: Optional[Callable[[np.ndarray], np.ndarray]] = None
+                ) -> Tuple[Cohort, np.ndarray]:
+    """The kept clients in m slots (present first, sorted by id as a Cohort is), and their
+    steps [m] int32 (0 on empty slots). Each kept client carries its slot's probability from
+    `cohort`, or kept_probability(ids) when given: the probability that each of those clients
+    is kept this round (:func:`deltafl_jax.sampling.inclusion.kept_probability` under
+    over-selection)."""
     kept = np.flatnonzero(fin.keep)
     kept = kept[np.argsort(np.asarray(cohort.clients)[kept], kind="stable")]
     if kept.size > m:
@@ -204,7 +209,10 @@ def keep_cohort(cohort: Cohort, fin: Finish, m: int) -> Tuple[Cohort, np.ndarray
     k = kept.size
     clients[:k] = np.asarray(cohort.clients)[kept]
     present[:k] = True
-    probabilities[:k] = np.asarray(cohort.probabilities)[kept]
+    if kept_probability is None:
+        probabilities[:k] = np.asarray(cohort.probabilities)[kept]
+    elif k:
+        probabilities[:k] = kept_probability(clients[:k].astype(np.int64))
     steps[:k] = fin.steps[kept]
     return Cohort(clients, present, probabilities), steps
 

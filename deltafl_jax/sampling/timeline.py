@@ -12,7 +12,9 @@ upload over the client's bandwidth). Each round of each plan group (one per seed
    ``--round_deadline`` (ties by client id; with ``--partial_work`` a late client keeps the
    local steps it completed by the deadline), and gives the round's virtual duration;
 3. :func:`deltafl_jax.sampling.clock.keep_cohort` puts the kept clients in the plan's m slots
-   with their steps, which cap the plan's (:func:`deltafl_jax.plan.make_round_plan`).
+   with their steps, which cap the plan's (:func:`deltafl_jax.plan.make_round_plan`); under
+   over-selection each carries its exact probability of being kept this round
+   (:mod:`deltafl_jax.sampling.inclusion`).
 
 Clients may go offline in the middle of their job (:mod:`deltafl_jax.sampling.offline`):
 with ``--mean_online_seconds`` (an exponential online session per client and round, keyed by
@@ -39,6 +41,7 @@ import numpy as np
 
 from deltafl_jax.sampling.availability import Trace
 from deltafl_jax.sampling.clock import check_deadline, fastest_job, finish, keep_cohort
+from deltafl_jax.sampling.inclusion import KeepOrder, arrivals, keep_order, kept_probability
 from deltafl_jax.sampling.offline import TraceStretches, check_sessions, exponential_sessions
 from deltafl_jax.sampling.samplers import Cohort, FixedSampler, Sampler
 
@@ -81,6 +84,7 @@ class VirtualClock:
         self._rounds: Dict[int, dict] = {}
         self.trace = availability if isinstance(availability, Trace) else None
         self.stretches = None if self.trace is None else TraceStretches(self.trace.traces)
+        self._order: Optional[KeepOrder] = None
 
     @property
     def over_selects(self) -> bool:
@@ -89,6 +93,25 @@ class VirtualClock:
     def selection_sampler(self) -> Sampler:
         """The sampler of the M slots under over-selection (M distinct clients, uniformly)."""
         return FixedSampler(num_clients=self.sizes.size, slots=self.slots)
+
+    def keep_order(self) -> KeepOrder:
+        """The training clients' order of arrival in any round
+        (:func:`deltafl_jax.sampling.inclusion.keep_order`), built once: speeds and planned
+        work are fixed per client."""
+        if self._order is None:
+            t, sizes = self.settings, self.sizes
+            self._order = keep_order(arrivals(
+                self.speeds, sizes, self.work.steps_for(np.maximum(sizes, 1)),
+                self.work.batch_size, self.model_bytes, deadline=t.round_deadline,
+                partial_work=t.partial_work, full_batches=self.work.local_steps is not None))
+        return self._order
+
+    def kept_probabilities(self, online=None):
+        """clients -> the probability that each is kept this round under over-selection,
+        given the round's `online` ids (None: every client;
+        :func:`deltafl_jax.sampling.inclusion.kept_probability`)."""
+        order = self.keep_order()
+        return lambda clients: kept_probability(order, clients, self.slots, self.m, online)
 
     @property
     def goes_offline(self) -> bool:
@@ -123,11 +146,13 @@ class VirtualClock:
                       partial_work=t.partial_work,
                       full_batches=self.work.local_steps is not None, online_for=online_for)
 
-    def select(self, round_idx: int, cohorts: Sequence[Cohort]
+    def select(self, round_idx: int, cohorts: Sequence[Cohort], online=None
                ) -> Tuple[List[Cohort], np.ndarray]:
         """The kept cohorts of round `round_idx` (m slots each) and their steps [G, m], from
-        each group's selected cohort; the round's durations and drops are kept until it is
-        counted."""
+        each group's selected cohort (drawn among `online`, one id array per group; None:
+        every client); the round's durations and drops are kept until it is counted. Under
+        over-selection each kept client carries its probability of being kept this round
+        (:mod:`deltafl_jax.sampling.inclusion`), else the selection sampler's."""
         kept, steps, seconds, late, sel, drop = [], [], [], [], [], []
         late_ids, lost_ids = [], []
         deadline = self.settings.round_deadline
@@ -137,7 +162,9 @@ class VirtualClock:
             stay = (self.online_for(self.seeds[g], round_idx, ids) if self.goes_offline
                     else None)
             fin = self.finish_of(cohort, stay)
-            k, s = keep_cohort(cohort, fin, self.m)
+            exact = None if not self.over_selects else self.kept_probabilities(
+                None if online is None else online[g])
+            k, s = keep_cohort(cohort, fin, self.m, exact)
             kept.append(k)
             steps.append(np.asarray(s, np.int32))
             seconds.append(float(fin.round_seconds))
