@@ -37,8 +37,9 @@ updates and of the jobs in flight that can still be accepted (base >= v + 1 - S)
 and the new version. The new version takes the lowest slot that holds none of them.
 
 Everything a resumed run needs (the clock, the jobs in flight with their base versions, the
-buffer, the ring's versions, the online set of the current version and a stateful
-availability model's state) is :meth:`state`, a dict of arrays, and :meth:`restore` takes it
+buffer, the ring's versions, the online set of the current version, a stateful availability
+model's state, and each client's jobs started and updates dropped as stale so far:
+``started``, ``stale``) is :meth:`state`, a dict of arrays, and :meth:`restore` takes it
 back.
 """
 
@@ -199,6 +200,8 @@ class AsyncScheduler:
         self.ring = np.full(self.V, -1, np.int64)
         self.ring[0] = 0
         self.online_version, self.online = -1, np.zeros(0, np.int64)
+        # per client: the jobs it started and its updates dropped as stale, so far
+        self.started, self.stale = np.zeros(self.N, np.int64), np.zeros(self.N, np.int64)
         self.fill()
 
     # ------------------------------------------------------------------ starting jobs
@@ -228,6 +231,7 @@ class AsyncScheduler:
         for k, v in job.items():
             self.flight[k][slot] = v
         self.serial += 1
+        self.started[client] += 1
 
     def fill(self) -> None:
         """Start a job in every empty slot that an idle online client can take."""
@@ -253,6 +257,7 @@ class AsyncScheduler:
         tau = self.version - int(job["base"])
         if self.S is not None and tau > self.S:
             self.dropped += 1
+            self.stale[int(job["client"])] += 1
             return False
         for k, v in {**job, "staleness": tau}.items():
             self.buffer[k][self.buffered] = v
@@ -304,7 +309,8 @@ class AsyncScheduler:
         out = {"clock": np.float64(self.clock), "version": np.int64(self.version),
                "serial": np.int64(self.serial), "dropped": np.int64(self.dropped),
                "buffered": np.int64(self.buffered), "ring": self.ring.copy(),
-               "online": online, "online_version": np.int64(self.online_version)}
+               "online": online, "online_version": np.int64(self.online_version),
+               "started": self.started.copy(), "stale": self.stale.copy()}
         out.update({f"flight_{k}": v.copy() for k, v in self.flight.items()})
         out.update({f"buffer_{k}": v.copy() for k, v in self.buffer.items()})
         if self.availability is not None:
@@ -325,6 +331,8 @@ class AsyncScheduler:
         self.ring = np.asarray(state["ring"], np.int64).copy()
         self.online = np.flatnonzero(np.asarray(state["online"])).astype(np.int64)
         self.online_version = int(state["online_version"])
+        self.started = np.asarray(state["started"], np.int64).copy()
+        self.stale = np.asarray(state["stale"], np.int64).copy()
         for k in self.flight:
             self.flight[k] = np.asarray(state[f"flight_{k}"], self.flight[k].dtype).copy()
         for k in self.buffer:
