@@ -162,6 +162,12 @@ class AsyncRound:
         round_data, inputs = data
         return self.run.step_fn(state, round_data, inputs, keys)
 
+    def lower(self, state, data, keys) -> "LoweredStep":
+        """The jitted step lowered for :meth:`round_fn`'s arguments (``--estimate`` times
+        its compiled program as a round's)."""
+        round_data, inputs = data
+        return LoweredStep(self.run.step_fn.lower(state, round_data, inputs, keys))
+
     def initial_state(self, params, server_tx, server_lr):
         """w_0 (`params`, leaves [R, ...]) in a ring of the run's size, with the server
         optimizer's state."""
@@ -170,3 +176,35 @@ class AsyncRound:
     @staticmethod
     def served_params(state):
         return current_params(state)
+
+
+class LoweredStep:
+    """A lowered server step with a round's interface: ``as_text()``, and ``compile()`` ->
+    :class:`CompiledStep`."""
+
+    def __init__(self, lowered):
+        self.lowered = lowered
+
+    def as_text(self) -> str:
+        return self.lowered.as_text()
+
+    def compile(self) -> "CompiledStep":
+        return CompiledStep(self.lowered.compile())
+
+
+class CompiledStep:
+    """A compiled server step called as a round, ``(state, (data, inputs), keys)``, with the
+    compiled program's ``memory_analysis()`` and ``cost_analysis()``."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, state, data, keys):
+        round_data, inputs = data
+        return self.compiled(state, round_data, inputs, keys)
+
+    def memory_analysis(self):
+        return self.compiled.memory_analysis()
+
+    def cost_analysis(self):
+        return self.compiled.cost_analysis()
