@@ -245,7 +245,8 @@ class AvailabilitySplit:
                   method: str = "lower") -> Dict[str, np.ndarray]:
         """``{family}_avail_q{j}_{statistic}`` [R] for every family of `per_client` whose
         population has rates (the family's sampled clients, ``{test,seen,unseen}_clients``,
-        placed by their rank in the population); {} when none has."""
+        placed by their rank in the population), and with ``train_counts`` their sums by
+        quintile of the training clients (``train_avail_q{j}_...``); {} when none has."""
         out: Dict[str, np.ndarray] = {}
         for key in per_client:
             found = _FAMILY.match(key)

@@ -187,6 +187,23 @@ def test_the_report_tables_the_updates_by_availability(async_run, tiny_synthetic
     assert share_table(report.columns([plain])) is None
 
 
+@pytest.mark.slow   # figures: CI's second step
+def test_the_report_of_an_async_run_has_the_tail_by_availability(async_run, tmp_path):
+    """report.md of the FedBuff run: the figure of the error by availability quintile (its
+    test devices) and the section of the updates by availability quintile, whose table is
+    :func:`share_table`'s."""
+    from deltafl_jax import report
+    from deltafl_jax.report.availability import share_table
+    _, out = async_run
+    (run,), _ = report.load([out])
+    written = report.write_report([run], str(tmp_path / "rep"))
+    text = open(written["report"]).read()
+    assert "availability_error_" in text
+    section = text.index("## Updates by availability quintile")
+    assert section < text.index("## Files")
+    assert share_table(report.columns([run])) in text[section:]
+
+
 def _plain_run(data, parent):
     out = os.path.join(parent, "plain")
     run_experiment(tiny_config(num_rounds=1, eval_every=1, output_dir=out), data)

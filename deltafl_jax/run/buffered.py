@@ -131,12 +131,12 @@ class AsyncClock:
 
     def restore(self, state) -> None:
         """Continue from a :meth:`state`."""
+        self.restore_schedulers(state)   # CheckpointMismatch for another scheduler's state
         self.now = np.asarray(state[TIME], np.float64).copy()
         self.aggregated = np.asarray(state[AGGREGATED], np.int64).copy()
         self.started = np.asarray(state[STARTED], np.int64).copy()
         self.stale = np.asarray(state[STALE], np.int64).copy()
         self.counted = int(np.asarray(state[COUNTED]))
-        self.restore_schedulers(state)
         self._steps = {}
 
 
