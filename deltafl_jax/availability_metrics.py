@@ -35,6 +35,14 @@ client of the quintile in the population, the evaluated ones or not.
 :class:`AvailabilitySplit` applies them to an evaluation's per-client arrays (the seen training
 clients of ``--client_holdout`` by the training clients' rates, the test devices by their own
 rates) and names its results ``{family}_avail_q{j}_{statistic}``.
+
+**Training clients' counts** (:func:`count_split`, an asynchronous run's jobs started, updates
+aggregated and updates dropped as stale): summed over the training clients of each quintile of
+the training clients' rates, whatever the evaluation's families, as
+``train_avail_q{j}_{name}`` (the count's name without its ``train_`` prefix), with the
+quintile's mean rate ``train_avail_q{j}_rate_mean`` and its clients
+``train_avail_q{j}_clients``. On a sampled evaluation (``--eval_clients``) the per-client
+arrays hold the sampled training clients only, and the sums are theirs.
 """
 
 from __future__ import annotations
@@ -169,6 +177,32 @@ def population_split(errors, rates, clients=None, weights=None,
     return out
 
 
+def count_split(counts: Mapping[str, np.ndarray], rates, clients=None
+                ) -> Dict[str, np.ndarray]:
+    """The training clients' counts by availability quintile (module docstring): `counts`
+    {name: [R, K] or [K]} of the clients `clients` [K] (indices into the population of
+    `rates` [N]; None: all N). Returns, per quintile j = 1..5, ``q{j}_{name}`` [R] (the sum
+    over its clients among the K), ``q{j}_rate_mean`` and ``q{j}_clients`` (its clients among
+    the K)."""
+    rates = _rates(rates, "rates")
+    pop = availability_quintiles(rates)
+    idx = np.arange(rates.size) if clients is None else np.asarray(clients, np.int64)
+    groups = pop[idx]
+    out: Dict[str, np.ndarray] = {}
+    rows = None
+    for name, c in counts.items():
+        sums = group_sums(c, groups)
+        rows = sums.shape[0]
+        for j in range(QUINTILES):
+            out[f"q{j + 1}_{name}"] = sums[:, j]
+    rows = 1 if rows is None else rows
+    for j in range(QUINTILES):
+        inside = rates[pop == j]
+        out[f"q{j + 1}_rate_mean"] = np.full(rows, inside.mean() if inside.size else np.nan)
+        out[f"q{j + 1}_clients"] = np.full(rows, float(np.sum(groups == j)))
+    return out
+
+
 def quintile_split(errors, rates, weights=None, participation=None,
                    method: str = "lower") -> Dict[str, np.ndarray]:
     """The split of K clients by the quintiles of their own `rates` [K]: `errors` [R, K] (or
@@ -189,23 +223,30 @@ class AvailabilitySplit:
     participation: names of per-client count arrays of the evaluation (``per_client[name]``,
       [R, N_train] or [N_train]: rounds online, rounds sampled, ...) summed per quintile of
       the training clients, next to the seen clients' split.
+    train_counts: names of per-client count arrays of the training clients (``train_...``)
+      summed per quintile of `train_rates` in every evaluation, as ``train_avail_q{j}_...``
+      (:func:`count_split`; an asynchronous run's jobs started, updates aggregated and
+      updates dropped as stale).
     """
 
     train_rates: Optional[np.ndarray] = None
     test_rates: Optional[np.ndarray] = None
     participation: Tuple[str, ...] = ()
+    train_counts: Tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("train_rates", "test_rates"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _rates(getattr(self, name), name))
         object.__setattr__(self, "participation", tuple(self.participation))
+        object.__setattr__(self, "train_counts", tuple(self.train_counts))
 
     def summaries(self, per_client: Mapping[str, np.ndarray],
                   method: str = "lower") -> Dict[str, np.ndarray]:
         """``{family}_avail_q{j}_{statistic}`` [R] for every family of `per_client` whose
         population has rates (the family's sampled clients, ``{test,seen,unseen}_clients``,
-        placed by their rank in the population); {} when none has."""
+        placed by their rank in the population), and with ``train_counts`` their sums by
+        quintile of the training clients (``train_avail_q{j}_...``); {} when none has."""
         out: Dict[str, np.ndarray] = {}
         for key in per_client:
             found = _FAMILY.match(key)
@@ -221,6 +262,11 @@ class AvailabilitySplit:
                                      method)
             family = key[:-len("_error")]
             out.update({f"{family}_avail_{k}": v for k, v in split.items()})
+        if self.train_counts and self.train_rates is not None:
+            counts = {name[len("train_"):] if name.startswith("train_") else name:
+                      per_client[name] for name in self.train_counts}
+            split = count_split(counts, self.train_rates, per_client.get("train_clients"))
+            out.update({f"train_avail_{k}": v for k, v in split.items()})
         return out
 
     def _counts(self, per_client: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:

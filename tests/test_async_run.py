@@ -123,7 +123,6 @@ def test_the_run_ends_at_the_virtual_time_asked(tiny_synthetic):
     (("--max_staleness=-1",), "--max_staleness=-1"),
     (("--algorithm=fedasync", "--fedasync_alpha=1.5"), "--fedasync_alpha=1.5"),
     (("--algorithm=fedbuff+ditto",), "which is asynchronous"),
-    (("--estimate",), "--estimate: --algorithm=fedbuff is asynchronous"),
 ])
 def test_bad_settings_are_refused_in_one_line(tmp_path, capsys, args, message):
     out = tmp_path / "run"

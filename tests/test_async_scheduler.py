@@ -144,6 +144,19 @@ def test_state_restores_mid_run(tmp_path, markov):
             np.testing.assert_array_equal(a, b)
 
 
+def test_a_checkpoint_without_the_clients_counts_is_refused_by_its_cause():
+    """A scheduler state saved before the per-client counts existed cannot be continued
+    (the counts cannot be rebuilt); the error says so rather than blaming the settings."""
+    from deltafl_jax.errors import CheckpointMismatch
+    sch = scheduler(np.ones(10), K=2, C=4)
+    sch.next_step()
+    old = {k: v for k, v in sch.state().items() if k not in ("started", "stale")}
+    with pytest.raises(CheckpointMismatch, match="before the scheduler counted"):
+        scheduler(np.ones(10), K=2, C=4).restore(old)
+    with pytest.raises(CheckpointMismatch, match="does not match"):
+        scheduler(np.ones(10), K=2, C=5).restore(sch.state())
+
+
 def test_bad_settings_name_the_flag():
     with pytest.raises(ConfigError, match="--buffer_size=5: more than --concurrency=4"):
         scheduler(np.ones(10), K=5, C=4)

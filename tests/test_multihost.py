@@ -130,3 +130,62 @@ def test_two_processes_killed_resume_bit_identical(tmp_path):
             assert sorted(a.files) == sorted(b.files)
             for k in a.files:
                 np.testing.assert_array_equal(a[k], b[k], err_msg=f"{name}:{k}")
+
+
+ASYNC = [f"--flagfile={TINY}", "--tensorboard=no", "--nosave_models", "--algorithm=fedbuff",
+         "--thetas=1", "--concurrency=6", "--buffer_size=3", "--max_staleness=1",
+         "--client_speed=lognormal", "--availability=bernoulli", "--availability_p=0.7",
+         "--num_rounds=8", "--eval_every=4"]
+# What differs with the device count by design: the critical path's local-SGD trips of each
+# device (its share of the step's jobs).
+PER_DEVICE = {"train_trips", "device_train_trips", "device_train_jobs"}
+
+
+def test_fedbuff_on_two_processes_equals_one_process(tmp_path):
+    """FedBuff (C = 6, K = 3, S = 1, lognormal speeds, Bernoulli availability) on two
+    processes of one CPU device each, joined with jax.distributed: process 0 writes the
+    metrics of one process of one device within 1e-5, and the host's event log exactly (each
+    server step's virtual time, updates and stale drops in rounds.npz; each client's jobs
+    started, updates aggregated and stale drops in clients.npz); process 1 writes nothing."""
+    one = str(tmp_path / "one")
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", *ASYNC,
+                           f"--output_dir={one}"], cwd=REPO, env=env(1), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    port = free_port()
+    outs = [str(tmp_path / f"proc{i}") for i in range(2)]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "experiments.run", *ASYNC, f"--output_dir={outs[i]}",
+         "--distributed", f"--coordinator_address=localhost:{port}", "--num_processes=2",
+         f"--process_id={i}", "--distributed_timeout_s=60"], cwd=REPO, env=env(1),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+    assert not os.path.exists(outs[1])            # process 1 writes nothing
+    got, want = records(outs[0]), records(one)
+    assert [sorted(r) for r in got] == [sorted(r) for r in want]
+    for a, b in zip(got, want):
+        for k, v in b.items():
+            if isinstance(v, float):
+                np.testing.assert_allclose(a[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+            else:
+                assert a[k] == v, k
+    with np.load(os.path.join(outs[0], "rounds.npz")) as a, \
+            np.load(os.path.join(one, "rounds.npz")) as b:
+        assert sorted(a.files) == sorted(b.files)
+        for k in ("virtual_time", "num_selected", "dropped_updates", "staleness_mean"):
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        assert b["dropped_updates"].sum() > 0
+        for k in set(b.files) - PER_DEVICE:
+            if b[k].dtype.kind == "f":
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-7, err_msg=k)
+            else:
+                np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    with np.load(os.path.join(outs[0], "clients.npz")) as a, \
+            np.load(os.path.join(one, "clients.npz")) as b:
+        assert sorted(a.files) == sorted(b.files)
+        for k in ("train_jobs_started", "train_updates_aggregated", "train_updates_stale"):
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        for k in ("train_error", "test_error", "train_loss", "test_loss"):
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-7, err_msg=k)

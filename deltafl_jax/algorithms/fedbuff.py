@@ -196,9 +196,9 @@ def version_bytes(model, replicas: int) -> int:
 
 
 def device_free_bytes() -> Optional[int]:
-    """The first device's bytes_limit - bytes_in_use (memory_stats), None where it reports
-    none (XLA:CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    """This process's first device's bytes_limit - bytes_in_use (memory_stats), None where
+    it reports none (XLA:CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return None
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))

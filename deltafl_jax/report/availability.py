@@ -7,6 +7,13 @@ summary.json's "final" (the last evaluation's metrics.jsonl records); the per-cl
 not hold the clients' availability, so nothing is recomputed. A family is the test devices
 (``test``), the seen clients (``seen``, ``--client_holdout``) or the unseen devices
 (``unseen``), each also after k adaptation steps (``_ft{k}``).
+
+An asynchronous run (FedBuff, FedAsync) with an availability model also writes, per quintile
+of the training clients' availability, the sums of its per-client counts
+(``train_avail_q{j}_{jobs_started,updates_aggregated,updates_stale}`` and
+``train_avail_q{j}_rate_mean``; :func:`deltafl_jax.availability_metrics.count_split`):
+:func:`share_table` tables the share of the updates aggregated that came from each quintile
+and the share of completed updates dropped as stale.
 """
 
 from __future__ import annotations
@@ -126,3 +133,69 @@ def family_text(family: str) -> str:
     """'unseen_ft5' -> 'unseen devices (held-out data), after 5 steps'."""
     population, _, k = family.partition("_ft")
     return _WHO[population] + (f", after {k} steps" if k else "")
+
+
+AGGREGATED_KEY = "train_avail_q{j}_updates_aggregated"
+STALE_KEY = "train_avail_q{j}_updates_stale"
+RATE_KEY = "train_avail_q{j}_rate_mean"
+SHARE_NOTE = ("Share of the updates aggregated by availability quintile of the training "
+              "clients (an asynchronous run's updates aggregated from the quintile's clients "
+              "over all its updates aggregated, at the last evaluation; q1 the least available "
+              "fifth, with the quintile's mean availability; % mean over seeds, [min, max] "
+              "over seeds; a fifth of the updates each when availability does not matter). "
+              "Stale: the updates dropped as stale (--max_staleness) over the updates "
+              "completed (aggregated or dropped), over every training client.")
+
+
+def update_shares(col: Column):
+    """([5] the quintiles' mean availability, [S, 5] each seed's share of the updates
+    aggregated per quintile, [S] each seed's stale share of the completed updates) of a
+    report column, or None when a run of it has no counts by availability quintile."""
+    agg, stale, rates = [], [], []
+    for j in range(1, QUINTILES + 1):
+        a = final_values(col, AGGREGATED_KEY.format(j=j))
+        d = final_values(col, STALE_KEY.format(j=j))
+        r = final_values(col, RATE_KEY.format(j=j))
+        if a is None or d is None or r is None:
+            return None
+        agg.append(a)
+        stale.append(d)
+        rates.append(np.mean(r))
+    agg, stale = np.stack(agg, axis=1), np.stack(stale, axis=1)     # [S, 5]
+    total = agg.sum(axis=1)
+    done = total + stale.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        shares = np.where(total[:, None] > 0, agg / np.maximum(total, 1)[:, None], np.nan)
+        stale_share = np.where(done > 0, stale.sum(axis=1) / np.maximum(done, 1), np.nan)
+    return np.asarray(rates), shares, stale_share
+
+
+def share_table(cols: Sequence[Column]) -> Optional[str]:
+    """The markdown table of :data:`SHARE_NOTE`: a row per method column with the counts
+    (%, mean over seeds, the seeds' [min, max]), the quintiles' mean availability in the
+    header when every row has the same; None when no column has them."""
+    got = [(c, update_shares(c)) for c in cols]
+    got = [(c, g) for c, g in got if g is not None]
+    if not got:
+        return None
+    rates = got[0][1][0]
+    same = all(np.allclose(g[0], rates, equal_nan=True) for _, g in got)
+    heads = [f"q{j + 1}" + (f" ({rates[j]:.3g})" if same and np.isfinite(rates[j]) else "")
+             for j in range(QUINTILES)]
+    lines = ["| method | " + " | ".join(heads) + " | stale |",
+             "|---|" + "---|" * (QUINTILES + 1)]
+    for col, (_, shares, stale) in got:
+        cells = [percent_cell(shares[:, j]) for j in range(QUINTILES)]
+        lines.append(f"| {col.label} | " + " | ".join(cells) + f" | {percent_cell(stale)} |")
+    return "\n".join(lines)
+
+
+def percent_cell(values) -> str:
+    """'12.3 [10.1, 14.0]' (%) of per-seed fractions; '—' when none is finite."""
+    v = np.asarray(values, np.float64)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return "—"
+    if v.size == 1 or v.min() == v.max():
+        return f"{100 * v.mean():.1f}"
+    return f"{100 * v.mean():.1f} [{100 * v.min():.1f}, {100 * v.max():.1f}]"

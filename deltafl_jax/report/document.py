@@ -16,7 +16,7 @@ import numpy as np
 
 from deltafl_jax.metrics import PERCENTILE_METHODS
 from deltafl_jax.report import figures
-from deltafl_jax.report.availability import availability_figure
+from deltafl_jax.report.availability import SHARE_NOTE, availability_figure, share_table
 from deltafl_jax.report.speed_drops import DROP_NOTE, drop_table
 from deltafl_jax.report.virtual_time import virtual_time_figure
 from deltafl_jax.report.io import Run
@@ -253,7 +253,19 @@ def markdown(runs: Sequence[Run], cols: Sequence[Column], percentile: str,
         if name.startswith(CLOCK_FIGURE):
             drops = drop_table([c for c in cols if c.setting == setting])
             md += [] if drops is None else [f"{DROP_NOTE}", "", drops, ""]
+    md += updates_section(cols)
     return "\n".join(md + FILES_SECTION)
+
+
+def updates_section(cols: Sequence[Column]) -> List[str]:
+    """The asynchronous runs' updates by availability quintile, a table per setting
+    (:func:`deltafl_jax.report.availability.share_table`); [] when no run has them."""
+    out: List[str] = []
+    for setting in dict.fromkeys(c.setting for c in cols):
+        table = share_table([c for c in cols if c.setting == setting])
+        if table is not None:
+            out += [f"**{setting}.** {SHARE_NOTE}", "", table, ""]
+    return ["## Updates by availability quintile", "", *out] if out else []
 
 
 def write_report(runs: Sequence[Run], out_dir: str, percentile: str = "lower",

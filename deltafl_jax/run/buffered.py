@@ -29,7 +29,13 @@ from deltafl_jax.sampling.timeline import TIME
 
 SCHEDULER = "scheduler"   # the host state of seed g's scheduler: f"{SCHEDULER}{g}"
 AGGREGATED = "aggregated_updates"
+STARTED = "started_jobs"
+STALE = "stale_updates"
 COUNTED = "counted_rounds"
+# The per-client counts [G, N] an asynchronous run records (clients.npz, each evaluation) and
+# sums per availability quintile of the training clients (``train_avail_q{j}_...``).
+CLIENT_COUNTS = ("train_jobs_started", "train_updates_aggregated", "train_updates_stale")
+RATE = "train_availability_rate"   # [G, N] each client's availability rate (clients.npz)
 
 
 def async_speeds(timing, num_clients: int, data_seed: int) -> DeviceSpeeds:
@@ -44,16 +50,21 @@ def async_speeds(timing, num_clients: int, data_seed: int) -> DeviceSpeeds:
 
 class AsyncClock:
     """The virtual clock of an asynchronous run, per seed (plan group): the time of the
-    server steps counted so far (``now``) and each training client's updates aggregated
-    (``aggregated``), with the schedulers of `run` (a :class:`BufferedRun`)."""
+    server steps counted so far (``now``) and, per training client [G, N], the jobs it
+    started (``started``: by the time the step was taken and the freed slots refilled), its
+    updates aggregated (``aggregated``) and its updates dropped as stale (``stale``), with the
+    schedulers of `run` (a :class:`BufferedRun`)."""
 
     over_selects = False
 
-    def __init__(self, run: BufferedRun, num_clients: int):
+    def __init__(self, run: BufferedRun, num_clients: int, rates=None):
         self.run = run
+        self.rates = None if rates is None else np.asarray(rates, np.float64)
         G = len(run.schedulers)
         self.now = np.zeros((G,), np.float64)
         self.aggregated = np.zeros((G, int(num_clients)), np.int64)
+        self.started = np.zeros_like(self.aggregated)
+        self.stale = np.zeros_like(self.aggregated)
         self.counted = 0
         self._initial = self.schedulers_state()
         self._steps: Dict[int, tuple] = {}
@@ -72,7 +83,8 @@ class AsyncClock:
             self.restore_schedulers(self._initial)
         before = self.schedulers_state()
         plan, inputs, steps = self.run.next_step(step)
-        self._steps[int(step)] = (steps, before)
+        after = [(s.started.copy(), s.stale.copy()) for s in self.run.schedulers]
+        self._steps[int(step)] = (steps, before, after)
         return plan, inputs
 
     def count(self, step: int) -> Dict[str, np.ndarray]:
@@ -84,12 +96,13 @@ class AsyncClock:
         if t == 0:
             self.now[:] = 0.0
             self.aggregated[:] = 0
-        steps, _ = self._steps[t]
+        steps, _, after = self._steps[t]
         for old in [k for k in self._steps if k < t]:
             self._steps.pop(old)
         self.now = np.asarray([s.time for s in steps], np.float64)
         for g, s in enumerate(steps):
             np.add.at(self.aggregated[g], s.clients, 1)
+            self.started[g], self.stale[g] = after[g]
         self.counted = t + 1
         out = {TIME: self.now.copy(),
                "num_selected": np.asarray([s.clients.size for s in steps], np.int64),
@@ -103,8 +116,13 @@ class AsyncClock:
         return stop_at is not None and self.counted > 0 and bool(np.all(self.now >= stop_at))
 
     def client_counts(self):
-        """(name, [G, N]) of the per-client counts the evaluations record."""
-        return [("train_updates_aggregated", self.aggregated)]
+        """(name, [G, N]) of the per-client counts the evaluations record
+        (:data:`CLIENT_COUNTS`), and with an availability model each client's rate
+        (``train_availability_rate``, the same in every group)."""
+        out = list(zip(CLIENT_COUNTS, (self.started, self.aggregated, self.stale)))
+        if self.rates is not None:
+            out.append((RATE, np.broadcast_to(self.rates, self.started.shape)))
+        return out
 
     def state(self) -> Dict[str, object]:
         """What a checkpoint after `counted` steps keeps: the clock, the counts, and the
@@ -112,14 +130,17 @@ class AsyncClock:
         planned = self._steps.get(self.counted)
         schedulers = planned[1] if planned is not None else self.schedulers_state()
         return {TIME: self.now.copy(), AGGREGATED: self.aggregated.copy(),
+                STARTED: self.started.copy(), STALE: self.stale.copy(),
                 COUNTED: np.asarray(self.counted, np.int64), **schedulers}
 
     def restore(self, state) -> None:
         """Continue from a :meth:`state`."""
+        self.restore_schedulers(state)   # CheckpointMismatch for another scheduler's state
         self.now = np.asarray(state[TIME], np.float64).copy()
         self.aggregated = np.asarray(state[AGGREGATED], np.int64).copy()
+        self.started = np.asarray(state[STARTED], np.int64).copy()
+        self.stale = np.asarray(state[STALE], np.int64).copy()
         self.counted = int(np.asarray(state[COUNTED]))
-        self.restore_schedulers(state)
         self._steps = {}
 
 
@@ -137,12 +158,19 @@ class AsyncRound:
                                eval_chunk=eval_chunk, server_tx=server_tx,
                                availability=availability, mesh=mesh, aggregate=aggregate,
                                packed=packed, mean_online_seconds=mean_online_seconds)
-        self.clock = AsyncClock(self.run, data.train.num_clients)
+        self.clock = AsyncClock(self.run, data.train.num_clients,
+                                None if availability is None else availability.rates())
         self.buffer_size = settings.buffer_size
 
     def round_fn(self, state, data, keys):
         round_data, inputs = data
         return self.run.step_fn(state, round_data, inputs, keys)
+
+    def lower(self, state, data, keys) -> "LoweredStep":
+        """The jitted step lowered for :meth:`round_fn`'s arguments (``--estimate`` times
+        its compiled program as a round's)."""
+        round_data, inputs = data
+        return LoweredStep(self.run.step_fn.lower(state, round_data, inputs, keys))
 
     def initial_state(self, params, server_tx, server_lr):
         """w_0 (`params`, leaves [R, ...]) in a ring of the run's size, with the server
@@ -152,3 +180,35 @@ class AsyncRound:
     @staticmethod
     def served_params(state):
         return current_params(state)
+
+
+class LoweredStep:
+    """A lowered server step with a round's interface: ``as_text()``, and ``compile()`` ->
+    :class:`CompiledStep`."""
+
+    def __init__(self, lowered):
+        self.lowered = lowered
+
+    def as_text(self) -> str:
+        return self.lowered.as_text()
+
+    def compile(self) -> "CompiledStep":
+        return CompiledStep(self.lowered.compile())
+
+
+class CompiledStep:
+    """A compiled server step called as a round, ``(state, (data, inputs), keys)``, with the
+    compiled program's ``memory_analysis()`` and ``cost_analysis()``."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, state, data, keys):
+        round_data, inputs = data
+        return self.compiled(state, round_data, inputs, keys)
+
+    def memory_analysis(self):
+        return self.compiled.memory_analysis()
+
+    def cost_analysis(self):
+        return self.compiled.cost_analysis()

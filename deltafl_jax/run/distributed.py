@@ -64,9 +64,12 @@ def is_primary() -> bool:
 
 
 def plan_digest(exp, fingerprint) -> str:
-    """sha256 of the settings, the data and the first round's plan."""
+    """sha256 of the settings, the data and the first round's plan (an asynchronous run's:
+    its first server step's, drawn from the schedulers' initial state, to which the run's
+    first step returns)."""
     h = hashlib.sha256(repr(sorted(fingerprint.items())).encode())
-    for a in exp.round_plan(0):
+    plan = exp.round_plan(0) if exp.buffered is None else exp.clock.plan(0)[0]
+    for a in plan:
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()
 

@@ -19,6 +19,15 @@ plans of round indices spread over the run, so that the sampled clients (and so 
 local-SGD trips) vary as they do over the whole run. ``eval_s``: one
 evaluation of every replica on all training and test clients, after its compilation.
 
+An asynchronous run (FedBuff, FedAsync: a spec with ``asynchronous``) is estimated the same
+way with its server steps as rounds: ``round_s`` is the mean of consecutive server steps from
+the start (the schedulers' events are sequential; each step trains its K jobs in lanes, each
+from its base version in the ring), the projection is over ``num_rounds`` server steps, and
+the block adds the bytes of the ring of model versions the device keeps (every replica's
+V versions, :func:`deltafl_jax.sampling.asynchronous.ring_size`). With
+``--stop_at_virtual_time`` (either kind of run) the projection is still over ``num_rounds``
+rounds, and the block says that the virtual stop may end the run earlier.
+
 Device memory: the peak that the backend reports (``memory_stats()['peak_bytes_in_use']``,
 the largest over the run's devices) where it reports one; on XLA:CPU, which does not, what the
 compiled round holds (:class:`RoundMemory`: its arguments, the state, the plan with the
@@ -48,12 +57,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import jax
 import numpy as np
 
-from deltafl_jax.algorithms import registry
 from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.datasets.known_shapes import load_or_stand_in
 from deltafl_jax.engine.mesh import tree_to_host
-from deltafl_jax.errors import ConfigError
 from deltafl_jax.run import loop, resume
 from deltafl_jax.run.callbacks import Callback, RunContext
 from deltafl_jax.run.experiment import Experiment, build_experiment
@@ -147,6 +154,10 @@ class Estimate:
       mean per timed round of the round's work metrics (WORK_METRICS: trips on the critical
       path, real and padded examples evaluated and trained).
     backend, devices, replicas, lanes: the placement the run gets.
+    buffer_size, ring_versions, ring_bytes: an asynchronous run's K jobs per server step, its
+      ring of model versions (V per replica) and that ring's bytes over every replica; 0 for
+      a synchronous run.
+    stop_at_virtual_time: the run's ``--stop_at_virtual_time`` (None: unset).
     """
 
     name: str
@@ -170,6 +181,10 @@ class Estimate:
     round_memory: Optional[RoundMemory] = None
     data_note: str = ""
     projected_from: str = ""
+    buffer_size: int = 0
+    ring_versions: int = 0
+    ring_bytes: int = 0
+    stop_at_virtual_time: Optional[float] = None
 
     @property
     def rounds_s(self) -> float:
@@ -194,20 +209,34 @@ class Estimate:
         """The printed block (its figures are the fields, so a reader can redo the sum)."""
         if self.projected_from:
             return self._projected_lines()
+        steps = "server steps" if self.ring_versions else "rounds"
+        timed = (f"timed server steps of {self.buffer_size} jobs" if self.ring_versions
+                 else "timed rounds")
         return [
-            f"estimate of {self.name}: {self.replicas} replicas, {self.num_rounds} rounds, "
+            f"estimate of {self.name}: {self.replicas} replicas, {self.num_rounds} {steps}, "
             f"{self.evaluations} evaluations (every {self.eval_every}), {self.devices} "
             f"{self.backend} device(s) x {self.lanes} lane(s)",
             f"  build          {self.build_s:10.3f} s",
             f"  compile        {self.compile_s:10.3f} s",
-            f"  rounds         {self.num_rounds} x {self.round_s:.6f} s = {self.rounds_s:.3f} s "
-            f"(mean of {self.timed_rounds} timed rounds)",
+            f"  {steps:<14} {self.num_rounds} x {self.round_s:.6f} s = {self.rounds_s:.3f} s "
+            f"(mean of {self.timed_rounds} {timed})",
             f"  evaluations    {self.evaluations} x {self.eval_s:.6f} s = "
             f"{self.evaluations_s:.3f} s",
             f"  projected run  {self.projected_s:10.3f} s ({_human(self.projected_s)})",
+        ] + self._stop_lines(steps) + [
             f"  device memory  {_mb(self.memory_bytes)} ({self.memory_source})",
         ] + ([] if self.round_memory is None else [_round_memory_line(self.round_memory)]) + (
+            [f"  version ring   {_mb(self.ring_bytes)}: {self.ring_versions} model versions x "
+             f"{self.replicas} replicas (--concurrency, --buffer_size, --max_staleness)"]
+            if self.ring_versions else []) + (
             [f"  measured on    {self.data_note}"] if self.data_note else [])
+
+    def _stop_lines(self, steps: str) -> List[str]:
+        if self.stop_at_virtual_time is None:
+            return []
+        return [f"  virtual stop   --stop_at_virtual_time={self.stop_at_virtual_time:g} s may "
+                f"end the run before its {self.num_rounds} {steps}; projected over all "
+                f"{self.num_rounds}"]
 
     def _projected_lines(self) -> List[str]:
         w = self.work
@@ -318,7 +347,7 @@ def _time_rounds(exp, compiled, state, keys, indices, least: int, most: int,
         last = done >= most or (done >= least and time.perf_counter() - t0 >= min_seconds)
         if not last:
             pending = exp.round_data(indices[done + 1], state)
-        metrics = tree_to_host(metrics)
+        metrics = host_metrics(exp, indices[done], metrics)
         run.state = state
         for cb in callbacks:
             cb.on_round_end(run, done, metrics)
@@ -368,12 +397,16 @@ def measure(exp: Experiment, build_s: float = 0.0, timed_rounds: int = DEFAULT_T
     state, keys = exp.initial_state(), exp.keys()
     jax.block_until_ready(state)
     build_s = build_s + time.perf_counter() - t0   # the runner builds the state before round 1
-    indices = round_indices(T, max(timed_rounds, T) + 1)
+    count = max(timed_rounds, T) + 1
+    # an asynchronous run's server steps follow its schedulers' events: consecutive steps
+    indices = round_indices(T, count) if exp.buffered is None else list(range(count))
     pending = exp.round_data(indices[0], state)
-    lowered = exp.round_fn.lower(state, pending, keys)
+    lower = exp.round_fn.lower if exp.buffered is None else exp.buffered.lower
+    lowered = lower(state, pending, keys)
     key = program_key(exp, lowered) if cache is not None else None
     figures = dict(name=name or config.method, num_rounds=T, eval_every=config.eval_every,
-                   evaluations=num_evaluations(T, config.eval_every), build_s=float(build_s))
+                   evaluations=num_evaluations(T, config.eval_every), build_s=float(build_s),
+                   stop_at_virtual_time=config.timing.stop_at_virtual_time)
     if key is not None and key in cache:
         log(f"estimate: the program of {cache[key].name} again: its measurements reused")
         return dataclasses.replace(cache[key], **figures)
@@ -394,8 +427,9 @@ def _measure_compiled(exp, compiled, compile_round, state, pending, keys, indice
     """The fields of an :class:`Estimate` that the compiled round's runs measure."""
     T = exp.config.num_rounds
     held = round_memory(compiled, exp, state, pending, keys)
+    ring = _ring(exp, state)
     state, metrics = compiled(state, pending, keys)   # a first run (warm-up, not timed)
-    tree_to_host(metrics)
+    host_metrics(exp, indices[0], metrics)
     log(f"estimate: round compiled in {compile_round:.1f} s; timing at least {timed_rounds} "
         f"rounds ({min_seconds:g} s) ...")
     run = RunContext(view=exp.view(), num_rounds=T, state=state, output_dir=output_dir)
@@ -419,7 +453,27 @@ def _measure_compiled(exp, compiled, compile_round, state, pending, keys, indice
         flops_per_round=_flops(compiled), train_trips=trips,
         work={k: float(np.mean([w[k] for w in work])) for k in work[0]}, backend=exp.backend,
         devices=exp.placement.devices, replicas=exp.replicas.size, lanes=exp.lanes,
-        round_memory=held)
+        round_memory=held, **ring)
+
+
+def _ring(exp: Experiment, state) -> Dict[str, int]:
+    """An asynchronous run's K, its ring's versions per replica and the ring's bytes (the
+    state's versions of every replica); {} for a synchronous run."""
+    if exp.buffered is None:
+        return {}
+    return dict(buffer_size=int(exp.num_sampled),
+                ring_versions=int(exp.buffered.run.schedulers[0].V),
+                ring_bytes=int(tree_nbytes(state.ring)))
+
+
+def host_metrics(exp: Experiment, index: int, metrics) -> Dict[str, Any]:
+    """A timed round's metrics on the host; an asynchronous run's with the host's counts of
+    server step `index` (its time, updates aggregated and stale drops), as the loop adds
+    them."""
+    metrics = tree_to_host(metrics)
+    if exp.buffered is not None:
+        metrics = {**metrics, **exp.count_round(index)}
+    return metrics
 
 
 def estimate_run(config: ExperimentConfig, data: Optional[FederatedDataset] = None,
@@ -437,9 +491,6 @@ def estimate_run(config: ExperimentConfig, data: Optional[FederatedDataset] = No
     the caller passes such a stand-in.
     Nothing is written, whatever ``config.output_dir`` says."""
     log = log or (lambda line: None)
-    if registry.get(config.algorithm).asynchronous is not None:
-        raise ConfigError(f"--estimate: --algorithm={config.algorithm} is asynchronous; "
-                          "--estimate measures synchronous rounds only")
     log(f"estimate: building {config.method} ...")
     t0 = time.perf_counter()
     if data is None:

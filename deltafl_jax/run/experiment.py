@@ -36,7 +36,7 @@ from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import placement as placement_lib
 from deltafl_jax.run.callbacks import RunFacts, RunView
 from deltafl_jax.run import personal as personal_lib
-from deltafl_jax.run.buffered import AsyncRound, async_speeds
+from deltafl_jax.run.buffered import CLIENT_COUNTS, AsyncRound, async_speeds
 from deltafl_jax.run.client_store import ClientStore
 from deltafl_jax.run.personal import PersonalEvaluation
 from deltafl_jax.run.placement import (Footprint, Placement, check_memory, choose_placement,
@@ -522,7 +522,9 @@ def _asynchronous(run, settings, place: Placement, mesh, server_tx) -> Dict[str,
     """An asynchronous run's parts of the :class:`Experiment` (:mod:`deltafl_jax.run.buffered`):
     the server step as its round, its clock and the plan's capacities (K slots). The
     schedulers ask the availability model who is online at each version, so no
-    participation record of rounds is kept."""
+    participation record of rounds is kept; with an availability model, the error by
+    availability quintile of the test devices and the clock's per-client counts summed by
+    availability quintile of the training clients."""
     config, data = run.config, run.data
     settings.check(data.train.num_clients)
     buffered = AsyncRound(
@@ -534,5 +536,8 @@ def _asynchronous(run, settings, place: Placement, mesh, server_tx) -> Dict[str,
         availability=run.availability, mesh=mesh, eval_chunk=place.eval_chunk,
         packed=place.client_data == "host",
         mean_online_seconds=config.timing.mean_online_seconds)
+    split = _availability_split(config, data, run.availability)
+    if split is not None:
+        split = dataclasses.replace(split, participation=(), train_counts=CLIENT_COUNTS)
     return dict(caps=buffered.run.caps, round_fn=buffered.round_fn, clock=buffered.clock,
-                buffered=buffered)
+                buffered=buffered, availability_split=split)

@@ -46,7 +46,8 @@ and the new version. The new version takes the lowest slot that holds none of th
 
 Everything a resumed run needs (the clock, the jobs in flight with their base versions and,
 with T, whether each will be lost, the buffer, the ring's versions, the online set of the
-current version, the losses not yet reported and a stateful availability model's state) is
+current version, the losses not yet reported, a stateful availability model's state, and each
+client's jobs started and updates dropped as stale so far: ``started``, ``stale``) is
 :meth:`state`, a dict of arrays, and :meth:`restore` takes it back.
 """
 
@@ -216,6 +217,8 @@ class AsyncScheduler:
         self.ring = np.full(self.V, -1, np.int64)
         self.ring[0] = 0
         self.online_version, self.online = -1, np.zeros(0, np.int64)
+        # per client: the jobs it started and its updates dropped as stale, so far
+        self.started, self.stale = np.zeros(self.N, np.int64), np.zeros(self.N, np.int64)
         self.fill()
 
     # ------------------------------------------------------------------ starting jobs
@@ -252,6 +255,7 @@ class AsyncScheduler:
             self.flight[k][slot] = v
         self.flight_lost[slot] = lost
         self.serial += 1
+        self.started[client] += 1
 
     def fill(self) -> None:
         """Start a job in every empty slot that an idle online client can take."""
@@ -282,6 +286,7 @@ class AsyncScheduler:
         tau = self.version - int(job["base"])
         if self.S is not None and tau > self.S:
             self.dropped += 1
+            self.stale[int(job["client"])] += 1
             return False
         for k, v in {**job, "staleness": tau}.items():
             self.buffer[k][self.buffered] = v
@@ -333,7 +338,8 @@ class AsyncScheduler:
         out = {"clock": np.float64(self.clock), "version": np.int64(self.version),
                "serial": np.int64(self.serial), "dropped": np.int64(self.dropped),
                "buffered": np.int64(self.buffered), "ring": self.ring.copy(),
-               "online": online, "online_version": np.int64(self.online_version)}
+               "online": online, "online_version": np.int64(self.online_version),
+               "started": self.started.copy(), "stale": self.stale.copy()}
         out.update({f"flight_{k}": v.copy() for k, v in self.flight.items()})
         if self.mean_online is not None:
             out.update(lost=np.int64(self.lost), flight_lost=self.flight_lost.copy())
@@ -346,6 +352,11 @@ class AsyncScheduler:
     def restore(self, state: Dict[str, np.ndarray]) -> None:
         """Take up `state` from :meth:`state` of a scheduler with the same settings."""
         mine = self.state()
+        if {"started", "stale"} - set(state) and set(state) >= set(mine) - {"started", "stale"}:
+            raise CheckpointMismatch("the asynchronous checkpoint was written before the "
+                                     "scheduler counted each client's jobs started and stale "
+                                     "updates, which cannot be rebuilt: start the run again "
+                                     "(--overwrite)")
         if set(state) != set(mine) or any(np.shape(state[k]) != mine[k].shape for k in mine):
             raise CheckpointMismatch("the asynchronous scheduler's checkpoint does not match "
                                      "--concurrency, --buffer_size, --max_staleness, "
@@ -356,6 +367,8 @@ class AsyncScheduler:
         self.ring = np.asarray(state["ring"], np.int64).copy()
         self.online = np.flatnonzero(np.asarray(state["online"])).astype(np.int64)
         self.online_version = int(state["online_version"])
+        self.started = np.asarray(state["started"], np.int64).copy()
+        self.stale = np.asarray(state["stale"], np.int64).copy()
         for k in self.flight:
             self.flight[k] = np.asarray(state[f"flight_{k}"], self.flight[k].dtype).copy()
         if self.mean_online is not None:
