@@ -202,6 +202,7 @@ def _reference_async(table, C, K, seed, T, steps):
     heap, busy = [], set()
     state = {"serial": 0, "version": 0, "lost": 0, "clock": 0.0}
     out, buffer = [], []
+    lost_by = np.zeros(N, np.int64)
 
     def start():
         idle = sorted(set(range(N)) - busy)
@@ -222,12 +223,13 @@ def _reference_async(table, C, K, seed, T, steps):
         state["clock"] = end
         if lost:
             state["lost"] += 1
+            lost_by[c] += 1
         else:
             buffer.append((c, base))
             if len(buffer) == K:
                 state["version"] += 1
                 out.append((end, [b[0] for b in buffer], [b[1] for b in buffer],
-                            state["lost"]))
+                            state["lost"], lost_by.copy()))
                 buffer, state["lost"] = [], 0
         start()
     return out
@@ -248,11 +250,13 @@ def test_asynchronous_jobs_lost_mid_job_equal_an_event_simulation():
     ref = _reference_async(table, 3, 2, 7, 3.0, 12)
     sch = make()
     got = [sch.next_step() for _ in range(12)]
-    for step, (time, clients, base, lost) in zip(got, ref):
+    for step, (time, clients, base, lost, _) in zip(got, ref):
         assert step.time == pytest.approx(time, rel=1e-12)
         assert step.clients.tolist() == clients and step.base.tolist() == base
         assert step.lost == lost
     assert sum(s.lost for s in got) > 0
+    # each client's jobs lost so far, after the last step (the refill after it loses none)
+    np.testing.assert_array_equal(sch.lost_by, ref[-1][4])
     a = make()
     for _ in range(5):
         a.next_step()
@@ -262,6 +266,7 @@ def test_asynchronous_jobs_lost_mid_job_equal_an_event_simulation():
         x, y = a.next_step(), b.next_step()
         assert x.time == y.time and x.clients.tolist() == y.clients.tolist()
         assert x.lost == y.lost
+    np.testing.assert_array_equal(a.lost_by, b.lost_by)
 
 
 def test_without_the_flag_nothing_changes(tiny_synthetic):
@@ -358,3 +363,7 @@ def test_a_run_losing_jobs_killed_and_rerun_is_bit_identical(tmp_path, flags):
     with np.load(os.path.join(out, "rounds.npz")) as r:
         lost = r["num_offline"] if "num_offline" in r.files else r["lost_jobs"]
         assert lost.sum() > 0
+    with np.load(os.path.join(out, "clients.npz")) as c:   # the same losses, per client
+        per_client = c["train_rounds_offline"] if "num_offline" in r.files else \
+            c["train_jobs_lost"]
+        assert per_client.sum() == lost.sum()

@@ -31,10 +31,12 @@ SCHEDULER = "scheduler"   # the host state of seed g's scheduler: f"{SCHEDULER}{
 AGGREGATED = "aggregated_updates"
 STARTED = "started_jobs"
 STALE = "stale_updates"
+LOST = "lost_jobs_by_client"
 COUNTED = "counted_rounds"
 # The per-client counts [G, N] an asynchronous run records (clients.npz, each evaluation) and
 # sums per availability quintile of the training clients (``train_avail_q{j}_...``).
 CLIENT_COUNTS = ("train_jobs_started", "train_updates_aggregated", "train_updates_stale")
+LOST_COUNTS = "train_jobs_lost"   # [G, N] with --mean_online_seconds: jobs lost mid-job
 RATE = "train_availability_rate"   # [G, N] each client's availability rate (clients.npz)
 
 
@@ -52,8 +54,9 @@ class AsyncClock:
     """The virtual clock of an asynchronous run, per seed (plan group): the time of the
     server steps counted so far (``now``) and, per training client [G, N], the jobs it
     started (``started``: by the time the step was taken and the freed slots refilled), its
-    updates aggregated (``aggregated``) and its updates dropped as stale (``stale``), with the
-    schedulers of `run` (a :class:`BufferedRun`)."""
+    updates aggregated (``aggregated``), its updates dropped as stale (``stale``) and, when
+    clients may go offline mid-job, its jobs lost (``lost``), with the schedulers of `run` (a
+    :class:`BufferedRun`)."""
 
     over_selects = False
 
@@ -65,6 +68,7 @@ class AsyncClock:
         self.aggregated = np.zeros((G, int(num_clients)), np.int64)
         self.started = np.zeros_like(self.aggregated)
         self.stale = np.zeros_like(self.aggregated)
+        self.lost = np.zeros_like(self.aggregated)
         self.counted = 0
         self._initial = self.schedulers_state()
         self._steps: Dict[int, tuple] = {}
@@ -83,7 +87,8 @@ class AsyncClock:
             self.restore_schedulers(self._initial)
         before = self.schedulers_state()
         plan, inputs, steps = self.run.next_step(step)
-        after = [(s.started.copy(), s.stale.copy()) for s in self.run.schedulers]
+        after = [(s.started.copy(), s.stale.copy(), s.lost_by.copy())
+                 for s in self.run.schedulers]
         self._steps[int(step)] = (steps, before, after)
         return plan, inputs
 
@@ -102,14 +107,19 @@ class AsyncClock:
         self.now = np.asarray([s.time for s in steps], np.float64)
         for g, s in enumerate(steps):
             np.add.at(self.aggregated[g], s.clients, 1)
-            self.started[g], self.stale[g] = after[g]
+            self.started[g], self.stale[g], self.lost[g] = after[g]
         self.counted = t + 1
         out = {TIME: self.now.copy(),
                "num_selected": np.asarray([s.clients.size for s in steps], np.int64),
                "dropped_updates": np.asarray([s.dropped for s in steps], np.int64)}
-        if self.run.schedulers[0].mean_online is not None:
+        if self.goes_offline:
             out["lost_jobs"] = np.asarray([s.lost for s in steps], np.int64)
         return out
+
+    @property
+    def goes_offline(self) -> bool:
+        """Whether jobs may be lost mid-job (``--mean_online_seconds``)."""
+        return self.run.schedulers[0].mean_online is not None
 
     def reached(self, stop_at: Optional[float]) -> bool:
         """Every seed's clock is at or past `stop_at` (None: never)."""
@@ -120,6 +130,8 @@ class AsyncClock:
         (:data:`CLIENT_COUNTS`), and with an availability model each client's rate
         (``train_availability_rate``, the same in every group)."""
         out = list(zip(CLIENT_COUNTS, (self.started, self.aggregated, self.stale)))
+        if self.goes_offline:
+            out.append((LOST_COUNTS, self.lost))
         if self.rates is not None:
             out.append((RATE, np.broadcast_to(self.rates, self.started.shape)))
         return out
@@ -130,7 +142,7 @@ class AsyncClock:
         planned = self._steps.get(self.counted)
         schedulers = planned[1] if planned is not None else self.schedulers_state()
         return {TIME: self.now.copy(), AGGREGATED: self.aggregated.copy(),
-                STARTED: self.started.copy(), STALE: self.stale.copy(),
+                STARTED: self.started.copy(), STALE: self.stale.copy(), LOST: self.lost.copy(),
                 COUNTED: np.asarray(self.counted, np.int64), **schedulers}
 
     def restore(self, state) -> None:
@@ -140,6 +152,8 @@ class AsyncClock:
         self.aggregated = np.asarray(state[AGGREGATED], np.int64).copy()
         self.started = np.asarray(state[STARTED], np.int64).copy()
         self.stale = np.asarray(state[STALE], np.int64).copy()
+        self.lost = (np.asarray(state[LOST], np.int64).copy() if LOST in state
+                     else np.zeros_like(self.stale))   # not saved before jobs could be lost
         self.counted = int(np.asarray(state[COUNTED]))
         self._steps = {}
 

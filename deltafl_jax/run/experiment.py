@@ -36,7 +36,7 @@ from deltafl_jax.replicas import Replicas
 from deltafl_jax.run import placement as placement_lib
 from deltafl_jax.run.callbacks import RunFacts, RunView
 from deltafl_jax.run import personal as personal_lib
-from deltafl_jax.run.buffered import CLIENT_COUNTS, AsyncRound, async_speeds
+from deltafl_jax.run.buffered import CLIENT_COUNTS, LOST_COUNTS, AsyncRound, async_speeds
 from deltafl_jax.run.client_store import ClientStore
 from deltafl_jax.run.personal import PersonalEvaluation
 from deltafl_jax.run.placement import (Footprint, Placement, check_memory, choose_placement,
@@ -538,6 +538,7 @@ def _asynchronous(run, settings, place: Placement, mesh, server_tx) -> Dict[str,
         mean_online_seconds=config.timing.mean_online_seconds)
     split = _availability_split(config, data, run.availability)
     if split is not None:
-        split = dataclasses.replace(split, participation=(), train_counts=CLIENT_COUNTS)
+        counts = CLIENT_COUNTS + ((LOST_COUNTS,) if buffered.clock.goes_offline else ())
+        split = dataclasses.replace(split, participation=(), train_counts=counts)
     return dict(caps=buffered.run.caps, round_fn=buffered.round_fn, clock=buffered.clock,
                 buffered=buffered, availability_split=split)

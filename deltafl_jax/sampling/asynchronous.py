@@ -47,7 +47,8 @@ and the new version. The new version takes the lowest slot that holds none of th
 Everything a resumed run needs (the clock, the jobs in flight with their base versions and,
 with T, whether each will be lost, the buffer, the ring's versions, the online set of the
 current version, the losses not yet reported, a stateful availability model's state, and each
-client's jobs started and updates dropped as stale so far: ``started``, ``stale``) is
+client's jobs started, updates dropped as stale and jobs lost so far: ``started``, ``stale``,
+``lost_by``) is
 :meth:`state`, a dict of arrays, and :meth:`restore` takes it back.
 """
 
@@ -217,8 +218,10 @@ class AsyncScheduler:
         self.ring = np.full(self.V, -1, np.int64)
         self.ring[0] = 0
         self.online_version, self.online = -1, np.zeros(0, np.int64)
-        # per client: the jobs it started and its updates dropped as stale, so far
+        # per client: the jobs it started, its updates dropped as stale and (with T) its jobs
+        # lost because it went offline, so far
         self.started, self.stale = np.zeros(self.N, np.int64), np.zeros(self.N, np.int64)
+        self.lost_by = np.zeros(self.N, np.int64)
         self.fill()
 
     # ------------------------------------------------------------------ starting jobs
@@ -282,6 +285,7 @@ class AsyncScheduler:
         if self.flight_lost[slot]:
             self.flight_lost[slot] = False
             self.lost += 1
+            self.lost_by[int(job["client"])] += 1
             return False
         tau = self.version - int(job["base"])
         if self.S is not None and tau > self.S:
@@ -342,7 +346,8 @@ class AsyncScheduler:
                "started": self.started.copy(), "stale": self.stale.copy()}
         out.update({f"flight_{k}": v.copy() for k, v in self.flight.items()})
         if self.mean_online is not None:
-            out.update(lost=np.int64(self.lost), flight_lost=self.flight_lost.copy())
+            out.update(lost=np.int64(self.lost), flight_lost=self.flight_lost.copy(),
+                       lost_by=self.lost_by.copy())
         out.update({f"buffer_{k}": v.copy() for k, v in self.buffer.items()})
         if self.availability is not None:
             out.update({f"availability_{k}": v
@@ -374,6 +379,7 @@ class AsyncScheduler:
         if self.mean_online is not None:
             self.lost = int(state["lost"])
             self.flight_lost = np.asarray(state["flight_lost"], bool).copy()
+            self.lost_by = np.asarray(state["lost_by"], np.int64).copy()
         for k in self.buffer:
             self.buffer[k] = np.asarray(state[f"buffer_{k}"], self.buffer[k].dtype).copy()
         if self.availability is not None:
