@@ -85,8 +85,8 @@ from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Option, Sweep, check_options
 from deltafl_jax.algorithms.participation import (FEDAU_CAP, check_cap, correction,
                                                   init_estimator)
-from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, average_delta,
-                                             no_state)
+from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, RoundContext,
+                                             average_delta, no_state)
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.secagg import SumNoise, mm_quantile
@@ -217,13 +217,12 @@ def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggrega
     bound = float(privacy.loss_bound)
     first = ratio * math.sqrt(bound ** 2 + 1.0) / bound   # replacing a client moves F_k only
 
-    def client_weights(state, losses, sizes, hyper, key, clients, z):
-        del state, clients
-        alphas = unnormalised_alphas(sizes, "unweighted")
-        noise = SumNoise(jax.random.fold_in(key, QUANTILE_STREAM), z * ratio,
+    def client_weights(ctx: RoundContext, z: jax.Array) -> jax.Array:
+        alphas = unnormalised_alphas(ctx.sizes, "unweighted")
+        noise = SumNoise(jax.random.fold_in(ctx.key, QUANTILE_STREAM), z * ratio,
                          privacy.loss_bound, privacy.mm_floor)
-        eta, _ = mm_quantile(losses, alphas, 1.0 - hyper.theta, iters, noise)
-        return jnp.where((losses > eta) & (alphas > 0), alphas, 0.0)
+        eta, _ = mm_quantile(ctx.losses, alphas, 1.0 - ctx.hyper.theta, iters, noise)
+        return jnp.where((ctx.losses > eta) & (alphas > 0), alphas, 0.0)
 
     # Adding or removing a client moves the kept weight by 1, the first sum (F_k, 1) by
     # sqrt(B^2 + 1) and each MM sum by sqrt(B^2 + 1) / xi: multipliers z, z_q, z_q.
@@ -273,10 +272,9 @@ def deltafl(options: DeltaFLOptions = DeltaFLOptions(), tie_rtol: float = DEFAUL
     level = quantile_levels(thetas)
     init, cohort_alphas, record = participation_alphas(options, num_clients)
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del key
-        alphas = cohort_alphas(state, sizes, clients)
-        return rule(losses, alphas, hyper.theta, level(hyper.theta))[0]
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        alphas = cohort_alphas(ctx.state, ctx.sizes, ctx.clients)
+        return rule(ctx.losses, alphas, ctx.hyper.theta, level(ctx.hyper.theta))[0]
 
     def server_update(state, params, feedback, hyper):
         if private is not None:   # eta was noised in client_weights; the server never saw it

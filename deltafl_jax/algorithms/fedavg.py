@@ -17,14 +17,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
                                             theta_one, unnormalised_alphas)
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import check_options
-from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, average_delta,
-                                             no_state)
+from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, RoundContext,
+                                             average_delta, no_state)
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 
 
@@ -53,9 +54,8 @@ def size_weights(weighting: str):
     """FedAvg's ``client_weights``: a_k = alpha_k / sum(alpha) over the sampled clients
     (alpha_k = n_k, or 1 with ``unweighted``); the losses are not used."""
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, losses, hyper, key, clients
-        alphas = unnormalised_alphas(sizes, weighting)
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        alphas = unnormalised_alphas(ctx.sizes, weighting)
         return alphas / jnp.sum(alphas)
 
     return client_weights

@@ -70,7 +70,7 @@ import numpy as np
 from deltafl_jax.algorithms.deltafl import WEIGHTING, unnormalised_alphas
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Option, Sweep, check_options
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, average_delta
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import corrected_sgd, difference
 
@@ -171,9 +171,8 @@ def feddyn(train_sizes, options: FedDynOptions = FedDynOptions()) -> FederatedAl
         del hyper
         return jax.tree.map(jnp.zeros_like, params)          # g_k = 0
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, losses, hyper, key, clients
-        return unnormalised_alphas(sizes, weighting)   # c_k: n_k or 1
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        return unnormalised_alphas(ctx.sizes, weighting)   # c_k: n_k or 1
 
     def server_update(state, params, feedback, hyper):
         del hyper

@@ -31,7 +31,7 @@ from deltafl_jax.algorithms.fedau import population_total
 from deltafl_jax.algorithms.mifa import (LATEST_UPDATE, MifaOptions, MifaState,
                                          init_stored_sum, zeros_like_params)
 from deltafl_jax.algorithms.options import check_options
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm, scaled_delta
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, scaled_delta
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 
 
@@ -41,9 +41,8 @@ def fedvarp(train_sizes, options: MifaOptions = MifaOptions()) -> FederatedAlgor
     weighting = options.weighting
     total = jnp.float32(population_total(train_sizes, weighting))
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, losses, hyper, key, clients
-        return unnormalised_alphas(sizes, weighting)                  # n_i or 1
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        return unnormalised_alphas(ctx.sizes, weighting)              # n_i or 1
 
     def server_update(state, params, feedback, hyper):
         del hyper

@@ -40,7 +40,7 @@ from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper
                                             theta_one, unnormalised_alphas)
 from deltafl_jax.algorithms.fedau import population_total
 from deltafl_jax.algorithms.options import check_options
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import ClientUpdate, difference, local_init, local_step
 
@@ -87,9 +87,8 @@ def mifa(train_sizes, options: MifaOptions = MifaOptions()) -> FederatedAlgorith
     weighting = options.weighting
     total = jnp.float32(population_total(train_sizes, weighting))
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, losses, hyper, key, clients
-        return unnormalised_alphas(sizes, weighting) / total          # beta_i
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        return unnormalised_alphas(ctx.sizes, weighting) / total      # beta_i
 
     def server_update(state, params, feedback, hyper):
         del params, hyper

@@ -44,7 +44,7 @@ from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper
                                             theta_one, unnormalised_alphas)
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import check_options
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, average_delta
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import corrected_sgd, difference
 
@@ -82,9 +82,8 @@ def scaffold(train_sizes, options: ScaffoldOptions = ScaffoldOptions()) -> Feder
         del hyper
         return jax.tree.map(jnp.zeros_like, params)          # c_k = 0
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, losses, hyper, key, clients
-        a = unnormalised_alphas(sizes, weighting)   # n_k or 1: FedAvg's weights
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        a = unnormalised_alphas(ctx.sizes, weighting)   # n_k or 1: FedAvg's weights
         return a / jnp.sum(a)
 
     def correction(state, client_state, params, hyper):
