@@ -88,6 +88,7 @@ from deltafl_jax.algorithms.participation import (FEDAU_CAP, check_cap, correcti
 from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, RoundContext,
                                              average_delta, no_state)
 from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.declared import finite_in
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.secagg import SumNoise, mm_quantile
 from deltafl_jax.superquantile import (quantile_levels, smoothed_eta, smoothed_tail_weights,
@@ -145,8 +146,7 @@ class DeltaFLOptions:
         """ConfigError naming the flag at fault (the choices are checked before)."""
         check_cap(self.fedau_cap)
         nu = self.smoothing
-        if isinstance(nu, bool) or not isinstance(nu, (int, float)) or not math.isfinite(nu) \
-                or nu < 0:
+        if not finite_in(nu, 0.0):
             raise ConfigError(f"--smoothing must be a finite nu >= 0 (0: off), got {nu!r}")
         if isinstance(self.mm_iters, bool) or not isinstance(self.mm_iters, int) \
                 or self.mm_iters < 1:
