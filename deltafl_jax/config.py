@@ -14,8 +14,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 from deltafl_jax.algorithms import registry
 from deltafl_jax.client_optimizer import ClientOptimizer
 from deltafl_jax.datasets import DataConfig
-from deltafl_jax.declared import (check_finite, default_of, flag_of, flat_values, group, ints, one_or_floats,
-                                  setting)
+from deltafl_jax.declared import (check_finite, default_of, flag_of, flat_values, group, ints,
+                                  one_or_floats, setting)
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.metrics import DEFAULT_TARGET_ACCURACY
 from deltafl_jax.models import LINEAR_MODELS

@@ -114,8 +114,8 @@ def test_deltafl_reference_filter_keeps_every_client_at_or_above_eta_at_full_wei
 
 def test_deltafl_at_theta_one_averages_every_client_with_alpha():
     alg = deltafl(thetas=(1.0,))
-    weights = alg.client_weights(RoundContext((), LOSSES, SIZES, DeltaFLHyper(np.float32(1.0)), KEY,
-                                 np.arange(4)))
+    weights = alg.client_weights(RoundContext((), LOSSES, SIZES, DeltaFLHyper(np.float32(1.0)),
+                                              KEY, np.arange(4)))
     np.testing.assert_allclose(as_np(weights), [0.1, 0.2, 0.3, 0.4], rtol=1e-6)
 
 
@@ -136,8 +136,8 @@ def test_the_spec_passes_the_configs_options_to_the_factory():
     config = tiny_config(thetas=(0.5,), filter="reference")
     assert spec.options_for(config) == DeltaFLOptions(filter="reference")
     alg = spec.make(config, None)
-    weights = alg.client_weights(RoundContext((), LOSSES, SIZES, DeltaFLHyper(np.float32(0.5)), KEY,
-                                 np.arange(4)))
+    weights = alg.client_weights(RoundContext((), LOSSES, SIZES, DeltaFLHyper(np.float32(0.5)),
+                                              KEY, np.arange(4)))
     np.testing.assert_array_equal(as_np(weights), [0.0, 20.0, 0.0, 40.0])
 
 
@@ -168,7 +168,7 @@ def test_fedavg_drops_a_client_whose_update_is_not_finite():
 
 def test_fedprox_is_fedavg_with_the_proximal_term():
     alg = fedprox()
-    hyper = FedProxHyper(theta=np.float32(1.0), mu=np.float32(0.5))
+    hyper = FedProxHyper(mu=np.float32(0.5))
     weights = alg.client_weights(RoundContext((), LOSSES, SIZES, hyper, KEY, np.arange(4)))
     np.testing.assert_allclose(as_np(weights), [0.1, 0.2, 0.3, 0.4], rtol=1e-6)
     # Its client update: from w_t, one step to w, then a second step from w with the
@@ -268,7 +268,8 @@ def test_term_tilts_the_weights_and_keeps_a_running_estimate():
 
     # Round 0: E is this round's n-weighted mean of e_k = exp(t (F_k - max F)).
     e0, mean0 = tilted(LOSSES, 4.0)
-    weights = as_np(alg.client_weights(RoundContext(state, LOSSES, SIZES, hyper, KEY, np.arange(4))))
+    weights = as_np(alg.client_weights(RoundContext(state, LOSSES, SIZES, hyper, KEY,
+                                                    np.arange(4))))
     np.testing.assert_allclose(weights, n * e0 / mean0, rtol=1e-5)
     delta, state, metrics = alg.server_update(state, PARAMS, feedback(weights), hyper)
     assert float(metrics["term_estimate"]) == pytest.approx(mean0, rel=1e-6)
@@ -280,7 +281,8 @@ def test_term_tilts_the_weights_and_keeps_a_running_estimate():
     losses = np.array([2.0, 0.5, 1.5, 1.0], np.float32)
     e1, mean1 = tilted(losses, 2.0)
     estimate = 0.5 * mean0 + 0.5 * mean1
-    weights = as_np(alg.client_weights(RoundContext(state, losses, SIZES, hyper, KEY, np.arange(4))))
+    weights = as_np(alg.client_weights(RoundContext(state, losses, SIZES, hyper, KEY,
+                                                    np.arange(4))))
     np.testing.assert_allclose(weights, n * e1 / estimate, rtol=1e-5)
     finite = [True, True, False, True]
     delta, state, metrics = alg.server_update(state, PARAMS,
@@ -294,8 +296,8 @@ def test_term_tilts_the_weights_and_keeps_a_running_estimate():
 def test_term_with_a_negative_tilt_shifts_by_the_smallest_loss():
     alg = term()
     hyper = TERMHyper(t=np.float32(-2.0))
-    weights = as_np(alg.client_weights(RoundContext(alg.init(PARAMS, hyper), LOSSES, SIZES, hyper, KEY,
-                                       np.arange(4))))
+    weights = as_np(alg.client_weights(RoundContext(alg.init(PARAMS, hyper), LOSSES, SIZES, hyper,
+                                                    KEY, np.arange(4))))
     e = np.exp(-2.0 * (LOSSES.astype(np.float64) - 1.0))
     n = SIZES.astype(np.float64)
     np.testing.assert_allclose(weights, n * e / (np.sum(n * e) / n.sum()), rtol=1e-5)
@@ -324,8 +326,8 @@ def test_afl_projects_lambda_and_serves_the_average_of_its_iterates():
     np.testing.assert_allclose(as_np(state.lam), [0.2, 0.3, 0.5], rtol=1e-6)
     assert_tree_close(alg.eval_params(state, PARAMS), PARAMS)        # w_0 before a round
     losses = np.array([1.0, 0.2, 0.4], np.float32)
-    weights = as_np(alg.client_weights(RoundContext(state, losses, np.array([20, 30, 50]), hyper, KEY,
-                                       clients)))
+    weights = as_np(alg.client_weights(RoundContext(state, losses, np.array([20, 30, 50]), hyper,
+                                                    KEY, clients)))
     np.testing.assert_allclose(weights, [0.2, 0.3, 0.5], rtol=1e-6)   # lambda_k
     fb = feedback(weights, losses, np.array([20, 30, 50]), clients=clients)
     delta, state, metrics = alg.server_update(state, PARAMS, fb, hyper)
@@ -339,8 +341,8 @@ def test_afl_projects_lambda_and_serves_the_average_of_its_iterates():
     assert_tree_close(alg.eval_params(state, w1), w1, rtol=1e-6)     # avg of w_1 = w_1
 
     # Round 2: the client with lambda = 0 gets no weight; the served model is (w_1 + w_2)/2.
-    weights = as_np(alg.client_weights(RoundContext(state, losses, np.array([20, 30, 50]), hyper, KEY,
-                                       clients)))
+    weights = as_np(alg.client_weights(RoundContext(state, losses, np.array([20, 30, 50]), hyper,
+                                                    KEY, clients)))
     np.testing.assert_allclose(weights, [0.95, 0.0, 0.05], rtol=1e-5, atol=1e-7)
     fb = feedback(weights, losses, np.array([20, 30, 50]), clients=clients)
     delta, state, _ = alg.server_update(state, w1, fb, hyper)
@@ -372,7 +374,8 @@ def test_deltafl_alt_holds_eta_between_refreshes():
     state = alg.init(PARAMS, hyper)
 
     def round_(state, losses):
-        weights = as_np(alg.client_weights(RoundContext(state, losses, SIZES, hyper, KEY, np.arange(4))))
+        weights = as_np(alg.client_weights(RoundContext(state, losses, SIZES, hyper, KEY,
+                                                        np.arange(4))))
         delta, state, metrics = alg.server_update(state, PARAMS, feedback(weights, losses),
                                                   hyper)
         return weights, delta, state, {k: float(v) for k, v in metrics.items()}
@@ -432,7 +435,8 @@ def test_scaffold_server_update_skips_a_client_with_a_non_finite_update(weightin
     train_sizes = np.array([10, 20, 30, 40, 100], np.int32)        # N = 5 training clients
     alg = scaffold(train_sizes, ScaffoldOptions(weighting=weighting))
     clients = np.array([4, 0, 2, 1], np.int32)                     # the m = 4 sampled ones
-    a = np.asarray(alg.client_weights(RoundContext((), LOSSES, train_sizes[clients], None, KEY, clients)))
+    a = np.asarray(alg.client_weights(RoundContext((), LOSSES, train_sizes[clients], None, KEY,
+                                                   clients)))
     n = train_sizes[clients].astype(np.float64)
     np.testing.assert_allclose(a, (n if weighting == "weighted" else np.ones(4)) /
                                (n.sum() if weighting == "weighted" else 4), rtol=1e-6)

@@ -142,7 +142,8 @@ def test_fedau_weights_and_step_on_hand_made_inputs(weighting, denominator):
 
 def test_known_prob_weights_are_inverse_probabilities():
     alg = known_prob([5, 5, 5], [0.5, 0.25, 1.0], KnownProbOptions(weighting="unweighted"))
-    a = alg.client_weights(RoundContext((), None, jnp.asarray([5, 5]), None, None, jnp.asarray([0, 1])))
+    a = alg.client_weights(RoundContext((), None, jnp.asarray([5, 5]), None, None,
+                                        jnp.asarray([0, 1])))
     np.testing.assert_allclose(np.asarray(a), [2.0, 4.0])
 
 

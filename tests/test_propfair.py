@@ -219,7 +219,8 @@ def test_server_update_is_fedavgs():
     for weighting, want in (("weighted", (10 * 1.0 + 30 * -2.0) / 40), ("unweighted", -0.5)):
         alg = propfair(PropFairOptions(weighting=weighting))
         assert not alg.uses_losses
-        a = np.asarray(alg.client_weights(RoundContext((), np.full(2, np.nan), sizes, None, None, None)))
+        a = np.asarray(alg.client_weights(RoundContext((), np.full(2, np.nan), sizes, None, None,
+                                                       None)))
         fb = ClientFeedback(
             losses=np.full(2, np.nan, np.float32), sizes=sizes, weights=a,
             delta_sum={n: np.full_like(v, a[0] * 1.0 + a[1] * -2.0) for n, v in PARAMS.items()},

@@ -38,7 +38,7 @@ class AFLState(NamedTuple):
 
     lam: jax.Array
     avg: object
-    count: jax.Array
+    count: jax.Array   # type: ignore[assignment]  # a field's name, not tuple.count
 
 
 def project_simplex(v):
