@@ -75,7 +75,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -309,9 +309,18 @@ def theta_one(algorithm: str, why: str) -> Callable:
     return values
 
 
+def at_theta_one(algorithm: str,
+                 why: str = "trains every sampled client (theta = 1)") -> Dict[str, Any]:
+    """The spec fields of a method that trains theta = 1 alone (FedAvg, SCAFFOLD, MIFA, ...):
+    Delta-FL's hyper-parameters and sweep, whose --thetas it refuses but 1 (:func:`theta_one`,
+    saying `why`; :func:`check_thetas`), and one model named by the method alone."""
+    return dict(hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas,
+                values=theta_one(algorithm, why), names_value=False, fixed_sweep=True)
+
+
 def check_thetas(config) -> None:
     for t in config.thetas:
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0:
+        if not finite_in(t, 0.0, 1.0, low_open=True):
             raise ConfigError(f"--thetas must lie in (0, 1], got {t!r}")
 
 

@@ -20,8 +20,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
-                                            theta_one, unnormalised_alphas)
+from deltafl_jax.algorithms.deltafl import WEIGHTING, at_theta_one, unnormalised_alphas
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import check_options
 from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, RoundContext,
@@ -79,9 +78,7 @@ def fedavg(options: FedAvgOptions = FedAvgOptions()) -> FederatedAlgorithm:
 SPEC = AlgorithmSpec(
     name="fedavg", display_name="FedAvg",
     help="FedAvg: Delta-FL at theta = 1 without the evaluation at w_t",
-    factory=lambda config, data, options: fedavg(options), hyper=DeltaFLHyper,
-    sweep=THETA_SWEEP, validate=check_thetas, options_type=FedAvgOptions,
-    values=theta_one("fedavg", "is Delta-FL at theta=1 (use --algorithm=deltafl to sweep "
-                     "theta)"), names_value=False, fixed_sweep=True, tunes_l2=True,
-    variable_cohort=True,
+    factory=lambda config, data, options: fedavg(options), options_type=FedAvgOptions,
+    tunes_l2=True, variable_cohort=True,
+    **at_theta_one("fedavg", "is Delta-FL at theta=1 (use --algorithm=deltafl to sweep theta)"),
     dp_requires=DP_REQUIRES, leaderboard=Board(joins=("deltafl", 1.0)))

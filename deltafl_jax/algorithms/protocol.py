@@ -296,3 +296,9 @@ def no_state(params: Params, hyper: Hyper) -> State:
     """The state of an algorithm without one: ``()``."""
     del params, hyper
     return ()
+
+
+def zeros_like_params(params: Params, hyper: Hyper) -> Params:
+    """A state of zeros like the parameters (SCAFFOLD's control variates, FedDyn's g_k)."""
+    del hyper
+    return jax.tree.map(jnp.zeros_like, params)
