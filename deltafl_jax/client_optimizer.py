@@ -22,12 +22,11 @@ or of lambda trains in one program).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping, Tuple
 
 import optax
 
-from deltafl_jax.declared import declared, from_flat, setting
+from deltafl_jax.declared import check_finite, declared, finite_in, from_flat, setting
 from deltafl_jax.errors import ConfigError
 
 NAMES = ("sgd", "momentum", "adam", "adagrad")
@@ -60,11 +59,9 @@ class ClientOptimizer:
                               f"{', '.join(NAMES)}")
         for flag, v in (("client_momentum", self.momentum), ("client_beta1", self.beta1),
                         ("client_beta2", self.beta2)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+            if not finite_in(v, 0.0, 1.0, high_open=True):
                 raise ConfigError(f"--{flag} must be a number in [0, 1), got {v!r}")
-        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) \
-                or not math.isfinite(self.eps) or self.eps <= 0:
-            raise ConfigError(f"--client_eps must be a finite number > 0, got {self.eps!r}")
+        check_finite("client_eps", self.eps, 0.0, low_open=True)
 
     @property
     def is_default(self) -> bool:

@@ -9,14 +9,13 @@ spec (:mod:`deltafl_jax.algorithms`), which this module calls through the regist
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from deltafl_jax.algorithms import registry
 from deltafl_jax.client_optimizer import ClientOptimizer
 from deltafl_jax.datasets import DataConfig
-from deltafl_jax.declared import (default_of, flag_of, flat_values, group, ints, one_or_floats,
-                                  setting)
+from deltafl_jax.declared import (check_finite, default_of, flag_of, flat_values, group, ints,
+                                  one_or_floats, setting)
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.metrics import DEFAULT_TARGET_ACCURACY
 from deltafl_jax.models import LINEAR_MODELS
@@ -300,8 +299,7 @@ FLAT = _flat_names()
 
 
 def _finite(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"--{name} must be a finite number, got {value!r}")
+    check_finite(name, value)
 
 
 _POSITIVE_INTS = (

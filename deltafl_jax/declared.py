@@ -13,9 +13,10 @@ on its field, as an algorithm's options are (:func:`deltafl_jax.algorithms.spec.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
-from deltafl_jax.errors import UsageError
+from deltafl_jax.errors import ConfigError, UsageError
 
 FLAG = "deltafl_jax.flag"   # the metadata key of a setting's Flag
 _SAME = object()
@@ -175,6 +176,39 @@ def flat_values(obj) -> Dict[str, Any]:
         elif isinstance(f.metadata.get(FLAG), type):
             out.update(flat_values(getattr(obj, f.name)))
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# The check of a number setting: finite, in a range.
+
+
+def finite_in(value: Any, low: float = -math.inf, high: float = math.inf, *,
+              low_open: bool = False, high_open: bool = False) -> bool:
+    """Whether `value` is a number (an int or a float, never a bool), finite, and between `low`
+    and `high`: each bound included unless `low_open` / `high_open` says it is excluded."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    return above and below
+
+
+def range_text(low: float = -math.inf, high: float = math.inf, *, low_open: bool = False,
+               high_open: bool = False) -> str:
+    """The range of :func:`finite_in` in words: ">= 0", "> 0 and < 1", "" for none."""
+    parts = ([f"{'>' if low_open else '>='} {low:g}"] if low > -math.inf else []) \
+        + ([f"{'<' if high_open else '<='} {high:g}"] if high < math.inf else [])
+    return " and ".join(parts)
+
+
+def check_finite(flag: str, value: Any, low: float = -math.inf, high: float = math.inf, *,
+                 low_open: bool = False, high_open: bool = False) -> None:
+    """ConfigError "--flag must be a finite number >= low, got value" unless
+    :func:`finite_in` (the range as :func:`range_text` writes it)."""
+    if not finite_in(value, low, high, low_open=low_open, high_open=high_open):
+        bounds = range_text(low, high, low_open=low_open, high_open=high_open)
+        raise ConfigError(f"--{flag} must be a finite number{' ' if bounds else ''}{bounds}, "
+                          f"got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------

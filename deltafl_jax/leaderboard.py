@@ -34,6 +34,7 @@ import numpy as np
 
 from deltafl_jax.algorithms import registry
 from deltafl_jax.algorithms.leaderboard import BoardSetting
+from deltafl_jax.declared import finite_in
 from deltafl_jax.errors import ConfigError
 
 SERVER_LR = "server_lr"
@@ -85,7 +86,7 @@ def check_grid(name: str, grid: Mapping[str, Sequence[float]]) -> Dict[str, Tupl
             if spec.own_server_step:
                 raise ConfigError(f"{name}'s grid lists server_lr, but {spec.own_server_step}")
             vals = tuple(float(v) for v in values)
-            if not vals or any(not math.isfinite(v) or v <= 0 for v in vals):
+            if not vals or not all(finite_in(v, 0.0, low_open=True) for v in vals):
                 raise ConfigError(f"{name}: --server_lr values must be finite and > 0, got "
                                   f"{list(values)}")
             out[flag] = vals

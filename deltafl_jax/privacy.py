@@ -99,7 +99,7 @@ import dataclasses
 import math
 from typing import Optional, Sequence, Tuple, Union
 
-from deltafl_jax.declared import floats, setting
+from deltafl_jax.declared import check_finite, floats, setting
 from deltafl_jax.errors import ConfigError, UsageError
 
 NOISE_STREAM = 0x5EC   # folded into a replica's round key for the server's noise
@@ -442,14 +442,11 @@ class _QuietAccountant:
 
 
 def _number(flag, v, low):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-            or v < low:
-        raise ConfigError(f"--{flag} must be a finite number >= {low:g}, got {v!r}")
+    check_finite(flag, v, low)
 
 
 def _positive(flag, v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ConfigError(f"--{flag} must be a finite number > 0, got {v!r}")
+    check_finite(flag, v, 0.0, low_open=True)
 
 
 def _gaussians(z: float, releases: Sequence[float]):

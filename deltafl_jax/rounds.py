@@ -41,7 +41,7 @@ import numpy as np
 import optax
 
 from deltafl_jax import engine
-from deltafl_jax.algorithms.protocol import ClientFeedback, FederatedAlgorithm
+from deltafl_jax.algorithms.protocol import ClientFeedback, FederatedAlgorithm, RoundContext
 from deltafl_jax.models import Model
 from deltafl_jax.plan import RoundPlan
 from deltafl_jax.replicas import Replicas
@@ -406,11 +406,10 @@ def _masked_weights(dpr, algorithm, state, losses, sizes, hyper, keys, clients, 
 
 def _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z):
     """Step 2 for every replica: the algorithm's client_weights, or its private version."""
+    ctx = RoundContext(state.algo_state, losses, sizes, hyper, keys, clients)
     if private is not None and private.client_weights is not None:
-        return jax.vmap(private.client_weights)(state.algo_state, losses, sizes, hyper, keys,
-                                                clients, z)
-    return jax.vmap(algorithm.client_weights)(state.algo_state, losses, sizes, hyper, keys,
-                                              clients)
+        return jax.vmap(private.client_weights)(ctx, z)
+    return jax.vmap(algorithm.client_weights)(ctx)
 
 
 class _RoundDP:

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from deltafl_jax.declared import declared, floats, from_flat, setting
+from deltafl_jax.declared import check_finite, declared, floats, from_flat, setting
 from deltafl_jax.errors import ConfigError
 
 NAMES = ("sgd", "momentum", "adam", "yogi", "adagrad")
@@ -191,12 +191,8 @@ def from_run_config(config: Mapping[str, Any]) -> ServerOptimizer:
     return from_flat(ServerOptimizer, config)
 
 
-def _number(flag, v, low, low_ok, high=None):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-            or v < low or (v == low and not low_ok) or (high is not None and v >= high):
-        bounds = (f"{'>=' if low_ok else '>'} {low:g}"
-                  + (f" and < {high:g}" if high is not None else ""))
-        raise ConfigError(f"--{flag} must be a finite number {bounds}, got {v!r}")
+def _number(flag, v, low, low_ok, high=math.inf):
+    check_finite(flag, v, low, high, low_open=not low_ok, high_open=True)
 
 
 def init_states(transformation: Optional[optax.GradientTransformation], params,

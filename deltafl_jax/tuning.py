@@ -45,6 +45,7 @@ import numpy as np
 
 from deltafl_jax import replica_grid
 from deltafl_jax.algorithms import registry
+from deltafl_jax.declared import finite_in
 from deltafl_jax.errors import TuningError
 from deltafl_jax.models import LINEAR_MODELS  # the tuner tunes lambda for these
 from deltafl_jax.replicas import GridPoint, ReplicaGrid
@@ -69,7 +70,7 @@ def _check_grid(name: str, values: Sequence[float], low: float, low_ok: bool) ->
     if not values:
         raise TuningError(f"--{name} is empty")
     for v in values:
-        if not math.isfinite(v) or v < low or (v == low and not low_ok):
+        if not finite_in(v, low, low_open=not low_ok):
             bound = f">= {low:g}" if low_ok else f"> {low:g}"
             raise TuningError(f"--{name} values must be finite and {bound}, got {v:g}")
     keys = [_key_value(v) for v in values]

@@ -19,6 +19,7 @@ from deltafl_jax.algorithms.deltafl_alt import DeltaFLAltHyper, DeltaFLAltOption
 from deltafl_jax.algorithms.fedavg import FedAvgOptions, fedavg
 from deltafl_jax.algorithms.fedavg_sub import FedAvgSubHyper, FedAvgSubOptions, fedavg_sub
 from deltafl_jax.algorithms.fedprox import FedProxHyper, fedprox
+from deltafl_jax.algorithms.protocol import RoundContext
 from deltafl_jax.algorithms.qffl import QFFLHyper, qffl
 from deltafl_jax.algorithms.term import TERMHyper, term
 
@@ -93,7 +94,7 @@ def test_deltafl_exact_filter_keeps_the_tail_and_a_boundary_fraction():
     alg = deltafl(DeltaFLOptions(), thetas=(0.5,))
     hyper = DeltaFLHyper(theta=np.float32(0.5))
     state = alg.init(PARAMS, hyper)
-    weights = alg.client_weights(state, LOSSES, SIZES, hyper, KEY, np.arange(4))
+    weights = alg.client_weights(RoundContext(state, LOSSES, SIZES, hyper, KEY, np.arange(4)))
     np.testing.assert_allclose(as_np(weights), [0.0, 0.4, 0.0, 0.6], rtol=1e-6, atol=0)
     delta, _, metrics = alg.server_update(state, PARAMS, feedback(weights), hyper)
     assert float(metrics["eta"]) == 3.0
@@ -104,7 +105,7 @@ def test_deltafl_exact_filter_keeps_the_tail_and_a_boundary_fraction():
 def test_deltafl_reference_filter_keeps_every_client_at_or_above_eta_at_full_weight():
     alg = deltafl(DeltaFLOptions(filter="reference"), thetas=(0.5,))
     hyper = DeltaFLHyper(theta=np.float32(0.5))
-    weights = alg.client_weights((), LOSSES, SIZES, hyper, KEY, np.arange(4))
+    weights = alg.client_weights(RoundContext((), LOSSES, SIZES, hyper, KEY, np.arange(4)))
     np.testing.assert_array_equal(as_np(weights), [0.0, 20.0, 0.0, 40.0])   # n_k, F_k >= 3
     delta, _, metrics = alg.server_update((), PARAMS, feedback(weights), hyper)
     assert float(metrics["eta"]) == 3.0
@@ -113,8 +114,8 @@ def test_deltafl_reference_filter_keeps_every_client_at_or_above_eta_at_full_wei
 
 def test_deltafl_at_theta_one_averages_every_client_with_alpha():
     alg = deltafl(thetas=(1.0,))
-    weights = alg.client_weights((), LOSSES, SIZES, DeltaFLHyper(np.float32(1.0)), KEY,
-                                 np.arange(4))
+    weights = alg.client_weights(RoundContext((), LOSSES, SIZES, DeltaFLHyper(np.float32(1.0)),
+                                              KEY, np.arange(4)))
     np.testing.assert_allclose(as_np(weights), [0.1, 0.2, 0.3, 0.4], rtol=1e-6)
 
 
@@ -124,7 +125,7 @@ def test_deltafl_unweighted_is_the_quantile_of_the_plain_losses():
     theta = .6, a fraction .4 of its .25. Normalised by .6: (0, 5/12, 1/6, 5/12)."""
     alg = deltafl(DeltaFLOptions(weighting="unweighted"), thetas=(0.6,))
     hyper = DeltaFLHyper(theta=np.float32(0.6))
-    weights = alg.client_weights((), LOSSES, SIZES, hyper, KEY, np.arange(4))
+    weights = alg.client_weights(RoundContext((), LOSSES, SIZES, hyper, KEY, np.arange(4)))
     np.testing.assert_allclose(as_np(weights), [0.0, 5 / 12, 1 / 6, 5 / 12], rtol=1e-5)
     _, _, metrics = alg.server_update((), PARAMS, feedback(weights), hyper)
     assert float(metrics["eta"]) == 2.0
@@ -135,8 +136,8 @@ def test_the_spec_passes_the_configs_options_to_the_factory():
     config = tiny_config(thetas=(0.5,), filter="reference")
     assert spec.options_for(config) == DeltaFLOptions(filter="reference")
     alg = spec.make(config, None)
-    weights = alg.client_weights((), LOSSES, SIZES, DeltaFLHyper(np.float32(0.5)), KEY,
-                                 np.arange(4))
+    weights = alg.client_weights(RoundContext((), LOSSES, SIZES, DeltaFLHyper(np.float32(0.5)),
+                                              KEY, np.arange(4)))
     np.testing.assert_array_equal(as_np(weights), [0.0, 20.0, 0.0, 40.0])
 
 
@@ -150,7 +151,7 @@ def test_fedavg_weights_are_alpha_over_its_sum_and_need_no_loss(weighting, want)
     assert not alg.uses_losses
     hyper = DeltaFLHyper(theta=np.float32(1.0))
     nan = np.full(4, np.nan, np.float32)      # the round does not evaluate F_k(w_t)
-    weights = alg.client_weights((), nan, SIZES, hyper, KEY, np.arange(4))
+    weights = alg.client_weights(RoundContext((), nan, SIZES, hyper, KEY, np.arange(4)))
     np.testing.assert_allclose(as_np(weights), want, rtol=1e-6)
     delta, state, metrics = alg.server_update((), PARAMS, feedback(weights, losses=nan), hyper)
     assert_tree_close(delta, average(want))
@@ -167,8 +168,8 @@ def test_fedavg_drops_a_client_whose_update_is_not_finite():
 
 def test_fedprox_is_fedavg_with_the_proximal_term():
     alg = fedprox()
-    hyper = FedProxHyper(theta=np.float32(1.0), mu=np.float32(0.5))
-    weights = alg.client_weights((), LOSSES, SIZES, hyper, KEY, np.arange(4))
+    hyper = FedProxHyper(mu=np.float32(0.5))
+    weights = alg.client_weights(RoundContext((), LOSSES, SIZES, hyper, KEY, np.arange(4)))
     np.testing.assert_allclose(as_np(weights), [0.1, 0.2, 0.3, 0.4], rtol=1e-6)
     # Its client update: from w_t, one step to w, then a second step from w with the
     # minibatch gradient g: w' = w - gamma (g + mu (w - w_t)), the gradient of
@@ -190,7 +191,7 @@ def test_fedavg_sub_averages_a_random_subset_of_the_given_size():
     alg = fedavg_sub("count")
     hyper = FedAvgSubHyper(theta=np.float32(1.0), clients=np.float32(2.0))
     key = jax.random.PRNGKey(3)
-    weights = as_np(alg.client_weights((), LOSSES, SIZES, hyper, key, np.arange(4)))
+    weights = as_np(alg.client_weights(RoundContext((), LOSSES, SIZES, hyper, key, np.arange(4))))
     # The subset: the 2 slots with the smallest uniform draws of the key, at weight n_k.
     draws = np.asarray(jax.random.uniform(key, (4,)))
     chosen = np.sort(np.argsort(draws, kind="stable")[:2])
@@ -209,7 +210,7 @@ def test_fedavg_sub_keeps_as_many_clients_as_deltafls_filter(filter, count):
     alg = fedavg_sub("theta", FedAvgSubOptions(filter=filter), thetas=(0.5,))
     sizes = np.full(4, 10, np.int32)
     hyper = FedAvgSubHyper(theta=np.float32(0.5), clients=np.float32(0.0))
-    weights = as_np(alg.client_weights((), LOSSES, sizes, hyper, KEY, np.arange(4)))
+    weights = as_np(alg.client_weights(RoundContext((), LOSSES, sizes, hyper, KEY, np.arange(4))))
     assert int(np.sum(weights > 0)) == count
     assert set(weights[weights > 0]) == {10.0}     # the subset is averaged with n_k
 
@@ -239,7 +240,7 @@ def test_qffl_step_is_the_papers_formula(q):
     sizes = np.array([10, 20, 30], np.int32)
     alg = qffl()
     hyper = QFFLHyper(q=np.float32(q))
-    weights = as_np(alg.client_weights((), losses, sizes, hyper, KEY, np.arange(3)))
+    weights = as_np(alg.client_weights(RoundContext((), losses, sizes, hyper, KEY, np.arange(3))))
     # a_k = n_k (F_k / F_max)^q
     np.testing.assert_allclose(weights, sizes * (losses / 2.0) ** q, rtol=1e-6)
     delta, _, metrics = alg.server_update((), PARAMS, feedback(weights, losses, sizes), hyper)
@@ -267,7 +268,8 @@ def test_term_tilts_the_weights_and_keeps_a_running_estimate():
 
     # Round 0: E is this round's n-weighted mean of e_k = exp(t (F_k - max F)).
     e0, mean0 = tilted(LOSSES, 4.0)
-    weights = as_np(alg.client_weights(state, LOSSES, SIZES, hyper, KEY, np.arange(4)))
+    weights = as_np(alg.client_weights(RoundContext(state, LOSSES, SIZES, hyper, KEY,
+                                                    np.arange(4))))
     np.testing.assert_allclose(weights, n * e0 / mean0, rtol=1e-5)
     delta, state, metrics = alg.server_update(state, PARAMS, feedback(weights), hyper)
     assert float(metrics["term_estimate"]) == pytest.approx(mean0, rel=1e-6)
@@ -279,7 +281,8 @@ def test_term_tilts_the_weights_and_keeps_a_running_estimate():
     losses = np.array([2.0, 0.5, 1.5, 1.0], np.float32)
     e1, mean1 = tilted(losses, 2.0)
     estimate = 0.5 * mean0 + 0.5 * mean1
-    weights = as_np(alg.client_weights(state, losses, SIZES, hyper, KEY, np.arange(4)))
+    weights = as_np(alg.client_weights(RoundContext(state, losses, SIZES, hyper, KEY,
+                                                    np.arange(4))))
     np.testing.assert_allclose(weights, n * e1 / estimate, rtol=1e-5)
     finite = [True, True, False, True]
     delta, state, metrics = alg.server_update(state, PARAMS,
@@ -293,8 +296,8 @@ def test_term_tilts_the_weights_and_keeps_a_running_estimate():
 def test_term_with_a_negative_tilt_shifts_by_the_smallest_loss():
     alg = term()
     hyper = TERMHyper(t=np.float32(-2.0))
-    weights = as_np(alg.client_weights(alg.init(PARAMS, hyper), LOSSES, SIZES, hyper, KEY,
-                                       np.arange(4)))
+    weights = as_np(alg.client_weights(RoundContext(alg.init(PARAMS, hyper), LOSSES, SIZES, hyper,
+                                                    KEY, np.arange(4))))
     e = np.exp(-2.0 * (LOSSES.astype(np.float64) - 1.0))
     n = SIZES.astype(np.float64)
     np.testing.assert_allclose(weights, n * e / (np.sum(n * e) / n.sum()), rtol=1e-5)
@@ -323,8 +326,8 @@ def test_afl_projects_lambda_and_serves_the_average_of_its_iterates():
     np.testing.assert_allclose(as_np(state.lam), [0.2, 0.3, 0.5], rtol=1e-6)
     assert_tree_close(alg.eval_params(state, PARAMS), PARAMS)        # w_0 before a round
     losses = np.array([1.0, 0.2, 0.4], np.float32)
-    weights = as_np(alg.client_weights(state, losses, np.array([20, 30, 50]), hyper, KEY,
-                                       clients))
+    weights = as_np(alg.client_weights(RoundContext(state, losses, np.array([20, 30, 50]), hyper,
+                                                    KEY, clients)))
     np.testing.assert_allclose(weights, [0.2, 0.3, 0.5], rtol=1e-6)   # lambda_k
     fb = feedback(weights, losses, np.array([20, 30, 50]), clients=clients)
     delta, state, metrics = alg.server_update(state, PARAMS, fb, hyper)
@@ -338,8 +341,8 @@ def test_afl_projects_lambda_and_serves_the_average_of_its_iterates():
     assert_tree_close(alg.eval_params(state, w1), w1, rtol=1e-6)     # avg of w_1 = w_1
 
     # Round 2: the client with lambda = 0 gets no weight; the served model is (w_1 + w_2)/2.
-    weights = as_np(alg.client_weights(state, losses, np.array([20, 30, 50]), hyper, KEY,
-                                       clients))
+    weights = as_np(alg.client_weights(RoundContext(state, losses, np.array([20, 30, 50]), hyper,
+                                                    KEY, clients)))
     np.testing.assert_allclose(weights, [0.95, 0.0, 0.05], rtol=1e-5, atol=1e-7)
     fb = feedback(weights, losses, np.array([20, 30, 50]), clients=clients)
     delta, state, _ = alg.server_update(state, w1, fb, hyper)
@@ -371,7 +374,8 @@ def test_deltafl_alt_holds_eta_between_refreshes():
     state = alg.init(PARAMS, hyper)
 
     def round_(state, losses):
-        weights = as_np(alg.client_weights(state, losses, SIZES, hyper, KEY, np.arange(4)))
+        weights = as_np(alg.client_weights(RoundContext(state, losses, SIZES, hyper, KEY,
+                                                        np.arange(4))))
         delta, state, metrics = alg.server_update(state, PARAMS, feedback(weights, losses),
                                                   hyper)
         return weights, delta, state, {k: float(v) for k, v in metrics.items()}
@@ -431,7 +435,8 @@ def test_scaffold_server_update_skips_a_client_with_a_non_finite_update(weightin
     train_sizes = np.array([10, 20, 30, 40, 100], np.int32)        # N = 5 training clients
     alg = scaffold(train_sizes, ScaffoldOptions(weighting=weighting))
     clients = np.array([4, 0, 2, 1], np.int32)                     # the m = 4 sampled ones
-    a = np.asarray(alg.client_weights((), LOSSES, train_sizes[clients], None, KEY, clients))
+    a = np.asarray(alg.client_weights(RoundContext((), LOSSES, train_sizes[clients], None, KEY,
+                                                   clients)))
     n = train_sizes[clients].astype(np.float64)
     np.testing.assert_allclose(a, (n if weighting == "weighted" else np.ones(4)) /
                                (n.sum() if weighting == "weighted" else 4), rtol=1e-6)

@@ -7,6 +7,7 @@ compiling anything."""
 import dataclasses
 import functools
 import json
+import math
 import os
 
 import pytest
@@ -125,3 +126,33 @@ def test_a_private_run_is_refused_by_one_function(tiny_synthetic):
     c = tiny_config(algorithm="fedavg", thetas=(), dp_clip=1.0)   # weighted: none
     with pytest.raises(ConfigError, match="has a private version only with --weighting"):
         resolve(c, tiny_synthetic)
+
+
+@pytest.mark.parametrize("value, low, high, low_open, high_open, ok", [
+    (0.0, 0.0, math.inf, False, False, True),      # a closed bound holds its end
+    (0.0, 0.0, math.inf, True, False, False),      # an open one does not
+    (1, 0.0, 1.0, False, True, False),
+    (0.999, 0.0, 1.0, False, True, True),
+    (5, -math.inf, math.inf, False, False, True),  # an int is a number
+    (True, -math.inf, math.inf, False, False, False),   # a bool is not
+    ("1", -math.inf, math.inf, False, False, False),
+    (None, -math.inf, math.inf, False, False, False),
+    (math.nan, -math.inf, math.inf, False, False, False),
+    (math.inf, 0.0, math.inf, False, False, False),
+    (-math.inf, -math.inf, math.inf, False, False, False),
+])
+def test_finite_in_is_a_finite_number_within_its_bounds(value, low, high, low_open, high_open,
+                                                        ok):
+    assert declared.finite_in(value, low, high, low_open=low_open, high_open=high_open) is ok
+
+
+def test_check_finite_names_the_flag_and_the_range_in_one_line():
+    declared.check_finite("server_beta1", 0.0, 0.0, 1.0, high_open=True)
+    with pytest.raises(ConfigError, match=r"^--server_beta1 must be a finite number >= 0 and "
+                                          r"< 1, got 1\.0$"):
+        declared.check_finite("server_beta1", 1.0, 0.0, 1.0, high_open=True)
+    with pytest.raises(ConfigError, match=r"^--dp_clip must be a finite number > 0, got nan$"):
+        declared.check_finite("dp_clip", math.nan, 0.0, low_open=True)
+    with pytest.raises(ConfigError, match=r"^--learning_rate must be a finite number, got "
+                                          r"'x'$"):
+        declared.check_finite("learning_rate", "x")

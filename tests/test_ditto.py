@@ -134,7 +134,7 @@ def test_pure_functions_on_hand_made_inputs():
                     learning_rate=np.float32(0.5), l2=np.float32(0.0), steps=np.int32(1))
     w = {"a": np.array([1.0, 2.0], np.float32)}
     v = {"a": np.array([3.0, -1.0], np.float32)}
-    hyper = DittoHyper(theta=np.float32(1.0), ditto_lambda=np.float32(2.0))
+    hyper = DittoHyper(ditto_lambda=np.float32(2.0))
     own = alg.client_state_init(w, hyper)
     np.testing.assert_array_equal(own.personal["a"], w["a"])           # v_k = w_0
     step = alg.client_update.init((), DittoClient(base=(), personal=v), w, hyper, job)

@@ -21,6 +21,7 @@ from deltafl_jax.algorithms.mifa import MifaOptions, mifa
 from deltafl_jax.algorithms.participation import (correction, fedau_omega, fedau_record,
                                                   init_estimator, inverse_rate, omega_all,
                                                   rate_record)
+from deltafl_jax.algorithms.protocol import RoundContext
 from deltafl_jax.algorithms.protocol import ClientFeedback
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.plan import sample_clients
@@ -127,8 +128,8 @@ def test_fedau_weights_and_step_on_hand_made_inputs(weighting, denominator):
     alg = fedau(sizes, FedAUOptions(weighting=weighting))
     state = alg.init(None, None)
     _, state, _ = alg.server_update(state, jnp.zeros(2), feedback([2], [30], [0.0, 0.0]), None)
-    a = alg.client_weights(state, None, jnp.asarray([30, 40]), None, None,
-                           jnp.asarray([2, 3], jnp.int32))
+    a = alg.client_weights(RoundContext(state, None, jnp.asarray([30, 40]), None, None,
+                           jnp.asarray([2, 3], jnp.int32)))
     alpha = sizes[[2, 3]] if weighting == "weighted" else np.ones(2)
     np.testing.assert_allclose(np.asarray(a), alpha * [1.0, 1.0])
     delta, state, metrics = alg.server_update(state, jnp.zeros(2),
@@ -141,7 +142,8 @@ def test_fedau_weights_and_step_on_hand_made_inputs(weighting, denominator):
 
 def test_known_prob_weights_are_inverse_probabilities():
     alg = known_prob([5, 5, 5], [0.5, 0.25, 1.0], KnownProbOptions(weighting="unweighted"))
-    a = alg.client_weights((), None, jnp.asarray([5, 5]), None, None, jnp.asarray([0, 1]))
+    a = alg.client_weights(RoundContext((), None, jnp.asarray([5, 5]), None, None,
+                                        jnp.asarray([0, 1])))
     np.testing.assert_allclose(np.asarray(a), [2.0, 4.0])
 
 
@@ -158,8 +160,8 @@ def test_mifa_steps_with_the_stored_sum_in_a_round_with_no_client():
     assert alg.steps_without_clients
     params = jnp.zeros(2)
     state = alg.init(params, None)
-    np.testing.assert_allclose(np.asarray(alg.client_weights(
-        state, None, jnp.asarray([3, 3]), None, None, jnp.asarray([0, 1]))), [0.25, 0.25])
+    np.testing.assert_allclose(np.asarray(alg.client_weights(RoundContext(
+        state, None, jnp.asarray([3, 3]), None, None, jnp.asarray([0, 1])))), [0.25, 0.25])
     # the engine's sum of a_i (Delta_i - G_i): clients 0 and 1 send (2, 0) and (0, 4), G = 0
     delta, state, _ = alg.server_update(state, params,
                                         feedback([0, 1], [3, 3], [0.5, 1.0]), None)
@@ -183,9 +185,9 @@ def test_deltafl_correction_multiplies_alpha_by_omega():
         state = fedau_record(state, ids, jnp.ones(ids.shape, bool), 0)
     clients, sizes = np.array([1, 3, 7, 9]), np.array([10, 30, 20, 40])
     losses = np.array([0.5, 1.0, 2.0, 0.8], np.float32)
-    got = alg.client_weights(state, jnp.asarray(losses), jnp.asarray(sizes, jnp.int32),
+    got = alg.client_weights(RoundContext(state, jnp.asarray(losses), jnp.asarray(sizes, jnp.int32),
                              deltafl_module.DeltaFLHyper(theta=jnp.float32(0.5)), None,
-                             jnp.asarray(clients, jnp.int32))
+                             jnp.asarray(clients, jnp.int32)))
     want = exact_weights(losses.astype(np.float64), sizes * np.array([1, 1, 2.5, 1]), 0.5)
     np.testing.assert_allclose(np.asarray(got) / np.sum(got), want / want.sum(), atol=1e-6)
     plain = exact_weights(losses.astype(np.float64), sizes.astype(np.float64), 0.5)

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import client_job, client_lists, run_rounds_history, run_runner, tiny_config
 from deltafl_jax import build_experiment
+from deltafl_jax.algorithms.protocol import RoundContext
 from deltafl_jax.plan import client_permutations, sample_clients
 from numpy_reference import grad_mean_xent
 
@@ -208,8 +209,8 @@ def test_server_update_by_hand(weighting):
     sizes = np.array([10, 20, 30, 40], np.int32)
     alg = feddyn(sizes, FedDynOptions(weighting=weighting))
     clients = np.array([3, 1, 2], np.int32)
-    a = np.asarray(alg.client_weights((), np.full(3, np.nan), sizes[clients], None, None,
-                                      clients))
+    a = np.asarray(alg.client_weights(RoundContext((), np.full(3, np.nan), sizes[clients], None,
+                                                   None, clients)))
     np.testing.assert_array_equal(a, sizes[clients] if weighting == "weighted" else np.ones(3))
     u = [1.0, -2.0]
     fb = ClientFeedback(

@@ -17,6 +17,7 @@ from deltafl_jax import build_experiment
 from deltafl_jax.algorithms import ClientFeedback, registry
 from deltafl_jax.algorithms.deltafl import DeltaFLHyper
 from deltafl_jax.algorithms.fednova import FedNovaOptions, NovaOutput, fednova
+from deltafl_jax.algorithms.protocol import RoundContext
 from deltafl_jax.client_optimizer import ClientOptimizer
 from deltafl_jax.engine import ClientJob
 from deltafl_jax.plan import client_permutations
@@ -120,7 +121,8 @@ def test_client_and_server_update_equal_the_authors_code(optimizer, momentum):
         np.testing.assert_allclose(float(out.norm), w.local_normalizing_vec, rtol=1e-6)
     # a fifth client: sampled, trained, update not finite
     sizes5 = np.append(sizes, 30).astype(np.int32)
-    weights = np.asarray(algo.client_weights((), None, jnp.asarray(sizes5), HYPER, None, None))
+    weights = np.asarray(algo.client_weights(RoundContext((), None, jnp.asarray(sizes5), HYPER,
+                                                          None, None)))
     np.testing.assert_allclose(weights, sizes5 / sizes5.sum(), rtol=1e-6)
     finite = np.array([True] * 4 + [False])
     updates = [u for _, u, _ in outs]

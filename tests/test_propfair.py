@@ -17,6 +17,7 @@ from conftest import (client_job, client_lists, linear_rows, run_rounds_history,
 from deltafl_jax import build_experiment
 from deltafl_jax.algorithms.propfair import (PropFairHyper, PropFairOptions, gradient_scale,
                                              propfair, transformed_loss)
+from deltafl_jax.algorithms.protocol import RoundContext
 from deltafl_jax.plan import client_permutations, sample_clients
 from numpy_reference import grad_mean_xent, softmax_xent
 
@@ -218,7 +219,8 @@ def test_server_update_is_fedavgs():
     for weighting, want in (("weighted", (10 * 1.0 + 30 * -2.0) / 40), ("unweighted", -0.5)):
         alg = propfair(PropFairOptions(weighting=weighting))
         assert not alg.uses_losses
-        a = np.asarray(alg.client_weights((), np.full(2, np.nan), sizes, None, None, None))
+        a = np.asarray(alg.client_weights(RoundContext((), np.full(2, np.nan), sizes, None, None,
+                                                       None)))
         fb = ClientFeedback(
             losses=np.full(2, np.nan, np.float32), sizes=sizes, weights=a,
             delta_sum={n: np.full_like(v, a[0] * 1.0 + a[1] * -2.0) for n, v in PARAMS.items()},

@@ -224,7 +224,7 @@ def test_a_round_that_no_client_reaches_moves_nothing(tiny_synthetic):
                                        server_lr=(0.5,)), tiny_synthetic)
     state = run_rounds_history(exp, 2)[0]
     nobody = exp.algorithm._replace(
-        client_weights=lambda state, losses, sizes, *a: 0.0 * sizes.astype(np.float32))
+        client_weights=lambda ctx: 0.0 * ctx.sizes.astype(np.float32))
     local = engine.LocalSGDConfig(batch_size=exp.config.batch_size, lanes=exp.lanes)
     empty_round = jax.jit(rounds.build_round_fn(exp.model, nobody, exp.replicas, local,
                                                 exp.eval_chunk, 1, exp.num_sampled,

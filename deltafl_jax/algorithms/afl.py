@@ -19,7 +19,8 @@ import numpy as np
 
 from deltafl_jax.algorithms.leaderboard import Board, population_at_most
 from deltafl_jax.algorithms.options import Sweep
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm, apply_delta, average_delta
+from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, RoundContext, apply_delta,
+                                             average_delta)
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 
 DEFAULT_LAMBDA_LR = (0.01,)
@@ -37,7 +38,7 @@ class AFLState(NamedTuple):
 
     lam: jax.Array
     avg: object
-    count: jax.Array
+    count: jax.Array   # type: ignore[assignment]  # a field's name, not tuple.count
 
 
 def project_simplex(v):
@@ -62,9 +63,8 @@ def afl(train_sizes) -> FederatedAlgorithm:
         return AFLState(lam=alpha, avg=jax.tree.map(jnp.zeros_like, params),
                         count=jnp.zeros((), jnp.int32))
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del losses, sizes, hyper, key
-        return state.lam[clients]
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        return ctx.state.lam[ctx.clients]
 
     def server_update(state, params, feedback, hyper):
         delta = average_delta(params, feedback)

@@ -46,7 +46,6 @@ one whose update is not (it adds nothing and keeps its state). APFL has no priva
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
@@ -58,6 +57,7 @@ from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Option, Sweep, check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm
 from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.declared import check_finite
 from deltafl_jax.engine.client import ClientUpdate, LocalState, difference, optimizer_step
 from deltafl_jax.engine import tree_all_finite
 from deltafl_jax.errors import ConfigError
@@ -95,10 +95,7 @@ class APFLOptions:
     apfl_v_gradient: str = APFL_V_GRADIENT.field()
 
     def check(self) -> None:
-        lr = self.apfl_alpha_lr
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) \
-                or lr < 0:
-            raise ConfigError(f"--apfl_alpha_lr must be a finite number >= 0, got {lr!r}")
+        check_finite("apfl_alpha_lr", self.apfl_alpha_lr, 0.0)
 
 
 class APFLClient(NamedTuple):

@@ -75,7 +75,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -85,9 +85,10 @@ from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Option, Sweep, check_options
 from deltafl_jax.algorithms.participation import (FEDAU_CAP, check_cap, correction,
                                                   init_estimator)
-from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, average_delta,
-                                             no_state)
+from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, RoundContext,
+                                             average_delta, no_state)
 from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.declared import finite_in
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.secagg import SumNoise, mm_quantile
 from deltafl_jax.superquantile import (quantile_levels, smoothed_eta, smoothed_tail_weights,
@@ -145,8 +146,7 @@ class DeltaFLOptions:
         """ConfigError naming the flag at fault (the choices are checked before)."""
         check_cap(self.fedau_cap)
         nu = self.smoothing
-        if isinstance(nu, bool) or not isinstance(nu, (int, float)) or not math.isfinite(nu) \
-                or nu < 0:
+        if not finite_in(nu, 0.0):
             raise ConfigError(f"--smoothing must be a finite nu >= 0 (0: off), got {nu!r}")
         if isinstance(self.mm_iters, bool) or not isinstance(self.mm_iters, int) \
                 or self.mm_iters < 1:
@@ -217,13 +217,12 @@ def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggrega
     bound = float(privacy.loss_bound)
     first = ratio * math.sqrt(bound ** 2 + 1.0) / bound   # replacing a client moves F_k only
 
-    def client_weights(state, losses, sizes, hyper, key, clients, z):
-        del state, clients
-        alphas = unnormalised_alphas(sizes, "unweighted")
-        noise = SumNoise(jax.random.fold_in(key, QUANTILE_STREAM), z * ratio,
+    def client_weights(ctx: RoundContext, z: jax.Array) -> jax.Array:
+        alphas = unnormalised_alphas(ctx.sizes, "unweighted")
+        noise = SumNoise(jax.random.fold_in(ctx.key, QUANTILE_STREAM), z * ratio,
                          privacy.loss_bound, privacy.mm_floor)
-        eta, _ = mm_quantile(losses, alphas, 1.0 - hyper.theta, iters, noise)
-        return jnp.where((losses > eta) & (alphas > 0), alphas, 0.0)
+        eta, _ = mm_quantile(ctx.losses, alphas, 1.0 - ctx.hyper.theta, iters, noise)
+        return jnp.where((ctx.losses > eta) & (alphas > 0), alphas, 0.0)
 
     # Adding or removing a client moves the kept weight by 1, the first sum (F_k, 1) by
     # sqrt(B^2 + 1) and each MM sum by sqrt(B^2 + 1) / xi: multipliers z, z_q, z_q.
@@ -273,10 +272,9 @@ def deltafl(options: DeltaFLOptions = DeltaFLOptions(), tie_rtol: float = DEFAUL
     level = quantile_levels(thetas)
     init, cohort_alphas, record = participation_alphas(options, num_clients)
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del key
-        alphas = cohort_alphas(state, sizes, clients)
-        return rule(losses, alphas, hyper.theta, level(hyper.theta))[0]
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        alphas = cohort_alphas(ctx.state, ctx.sizes, ctx.clients)
+        return rule(ctx.losses, alphas, ctx.hyper.theta, level(ctx.hyper.theta))[0]
 
     def server_update(state, params, feedback, hyper):
         if private is not None:   # eta was noised in client_weights; the server never saw it
@@ -311,9 +309,18 @@ def theta_one(algorithm: str, why: str) -> Callable:
     return values
 
 
+def at_theta_one(algorithm: str,
+                 why: str = "trains every sampled client (theta = 1)") -> Dict[str, Any]:
+    """The spec fields of a method that trains theta = 1 alone (FedAvg, SCAFFOLD, MIFA, ...):
+    Delta-FL's hyper-parameters and sweep, whose --thetas it refuses but 1 (:func:`theta_one`,
+    saying `why`; :func:`check_thetas`), and one model named by the method alone."""
+    return dict(hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas,
+                values=theta_one(algorithm, why), names_value=False, fixed_sweep=True)
+
+
 def check_thetas(config) -> None:
     for t in config.thetas:
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0:
+        if not finite_in(t, 0.0, 1.0, low_open=True):
             raise ConfigError(f"--thetas must lie in (0, 1], got {t!r}")
 
 

@@ -33,7 +33,7 @@ from deltafl_jax.algorithms.deltafl import (DEFAULT_TIE_RTOL, FILTER, THETA_SWEE
                                             DeltaFLOptions, check_thetas, name_the_filter,
                                             round_rule, run_thetas, unnormalised_alphas)
 from deltafl_jax.algorithms.options import Sweep, check_options
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, average_delta
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.superquantile import quantile_levels
 
@@ -80,12 +80,11 @@ def deltafl_alt(options: DeltaFLAltOptions = DeltaFLAltOptions(),
         del params, hyper
         return DeltaFLAltState(eta=jnp.zeros((), jnp.float32), rounds=jnp.zeros((), jnp.int32))
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del key, clients
-        alphas = unnormalised_alphas(sizes, weighting)
-        fresh = rule(losses, alphas, hyper.theta, level(hyper.theta))[0]
-        held = jnp.where((losses > state.eta) & (alphas > 0), alphas, 0.0)
-        return jnp.where(_refresh(state, hyper), fresh, held)
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        alphas = unnormalised_alphas(ctx.sizes, weighting)
+        fresh = rule(ctx.losses, alphas, ctx.hyper.theta, level(ctx.hyper.theta))[0]
+        held = jnp.where((ctx.losses > ctx.state.eta) & (alphas > 0), alphas, 0.0)
+        return jnp.where(_refresh(ctx.state, ctx.hyper), fresh, held)
 
     def server_update(state, params, feedback, hyper):
         alphas = unnormalised_alphas(feedback.sizes, weighting)

@@ -50,9 +50,9 @@ DEFAULT_LAMBDA = (0.1, 1.0, 2.0)   # the authors' lambda choices
 
 
 class DittoHyper(NamedTuple):
-    """theta: [] always 1 (FedAvg's weights); ditto_lambda: [] lambda >= 0."""
+    """ditto_lambda: [] lambda >= 0 (the global model is FedAvg's: its replicas are labelled
+    theta = 1)."""
 
-    theta: float
     ditto_lambda: float
 
 
@@ -183,7 +183,7 @@ SPEC = AlgorithmSpec(
     "F_k(v) + (lambda/2)||v - w_t||^2 beside it",
     factory=lambda config, data, options: ditto(fedavg(options)), hyper=DittoHyper,
     options_type=FedAvgOptions, dp_requires=DP_REQUIRES, sweep=LAMBDA_SWEEP,
-    fixed={"theta": 1.0}, cautions=stability_cautions,
+    cautions=stability_cautions,
     local_work=2.0,   # a personal step beside the global one on each minibatch
     # The leaderboard evaluates the global model on unseen test clients: FedAvg's, whatever
     # lambda (only the personal models v_k depend on it), so the CPU set trains one value.
@@ -191,7 +191,7 @@ SPEC = AlgorithmSpec(
 
 
 @functools.lru_cache(maxsize=None)
-def _hyper_type(base_hyper: type) -> type:
+def _hyper_type(base_hyper: Any) -> type:
     """The base's hyper NamedTuple with a ``ditto_lambda`` field."""
     return collections.namedtuple(f"{base_hyper.__name__}Ditto",
                                   base_hyper._fields + ("ditto_lambda",))

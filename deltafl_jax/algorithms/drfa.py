@@ -59,7 +59,7 @@ import numpy as np
 from deltafl_jax.algorithms.afl import project_simplex
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Option, Sweep, check_options
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, average_delta
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import (ClientUpdate, LocalState, difference, local_init,
                                        optimizer_step)
@@ -183,10 +183,9 @@ def drfa(train_sizes, options: DRFAOptions = DRFAOptions()) -> FederatedAlgorith
         del params, hyper
         return DRFAState(lam=lam0, rounds=jnp.int32(0))
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del losses, hyper, key
-        m = sizes.shape[0]
-        return jnp.ones((m,), jnp.float32) if paper else state.lam[clients] * (N / m)
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        m = ctx.sizes.shape[0]
+        return jnp.ones((m,), jnp.float32) if paper else ctx.state.lam[ctx.clients] * (N / m)
 
     def probe(state, params, feedback, hyper):
         """w' = w_t + the plain mean of (snapshot_k - w_t) over the finite updates."""

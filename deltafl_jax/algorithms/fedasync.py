@@ -23,9 +23,9 @@ import jax
 import optax
 
 from deltafl_jax import engine
-from deltafl_jax.algorithms.deltafl import THETA_SWEEP, DeltaFLHyper, check_thetas, theta_one
+from deltafl_jax.algorithms.deltafl import THETA_SWEEP, DeltaFLHyper, theta_one
 from deltafl_jax.algorithms.fedavg import fedavg
-from deltafl_jax.algorithms.fedbuff import (AsyncStep, build_buffered_step, check_asynchronous,
+from deltafl_jax.algorithms.fedbuff import (AsyncStep, async_validator, build_buffered_step,
                                             current_params, versions_at)
 from deltafl_jax.algorithms.options import Option
 from deltafl_jax.algorithms.spec import AlgorithmSpec
@@ -88,6 +88,6 @@ SPEC = AlgorithmSpec(
          "staleness) (--concurrency, --max_staleness, --fedasync_alpha; K = 1)",
     factory=lambda config, data, options: fedavg()._replace(name="fedasync"),
     hyper=DeltaFLHyper, sweep=THETA_SWEEP, options_type=FedAsyncOptions,
-    validate=lambda config: (check_thetas(config), check_asynchronous(config, FEDASYNC)),
+    validate=async_validator(FEDASYNC),
     values=theta_one("fedasync", "trains every update it mixes in (theta = 1)"),
     names_value=False, fixed_sweep=True, asynchronous=FEDASYNC)

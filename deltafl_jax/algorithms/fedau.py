@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -54,7 +55,7 @@ from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper
 from deltafl_jax.algorithms.options import check_options
 from deltafl_jax.algorithms.participation import (FEDAU_CAP, check_cap, fedau_omega,
                                                   fedau_record, init_estimator)
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm, no_state, scaled_delta
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, no_state, scaled_delta
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.errors import ConfigError
 
@@ -89,9 +90,8 @@ def _omega_average(name: str, train_sizes, weighting: str, init, omega, record
     omega(state, clients) -> [m] and record(state, clients, took_part) -> state."""
     total = population_total(train_sizes, weighting)
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del losses, hyper, key
-        return unnormalised_alphas(sizes, weighting) * omega(state, clients)
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        return unnormalised_alphas(ctx.sizes, weighting) * omega(ctx.state, ctx.clients)
 
     def server_update(state, params, feedback, hyper):
         del hyper

@@ -17,14 +17,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 
-from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
-                                            theta_one, unnormalised_alphas)
+from deltafl_jax.algorithms.deltafl import WEIGHTING, at_theta_one, unnormalised_alphas
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import check_options
-from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, average_delta,
-                                             no_state)
+from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, RoundContext,
+                                             average_delta, no_state)
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 
 
@@ -53,9 +53,8 @@ def size_weights(weighting: str):
     """FedAvg's ``client_weights``: a_k = alpha_k / sum(alpha) over the sampled clients
     (alpha_k = n_k, or 1 with ``unweighted``); the losses are not used."""
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, losses, hyper, key, clients
-        alphas = unnormalised_alphas(sizes, weighting)
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        alphas = unnormalised_alphas(ctx.sizes, weighting)
         return alphas / jnp.sum(alphas)
 
     return client_weights
@@ -79,9 +78,7 @@ def fedavg(options: FedAvgOptions = FedAvgOptions()) -> FederatedAlgorithm:
 SPEC = AlgorithmSpec(
     name="fedavg", display_name="FedAvg",
     help="FedAvg: Delta-FL at theta = 1 without the evaluation at w_t",
-    factory=lambda config, data, options: fedavg(options), hyper=DeltaFLHyper,
-    sweep=THETA_SWEEP, validate=check_thetas, options_type=FedAvgOptions,
-    values=theta_one("fedavg", "is Delta-FL at theta=1 (use --algorithm=deltafl to sweep "
-                     "theta)"), names_value=False, fixed_sweep=True, tunes_l2=True,
-    variable_cohort=True,
+    factory=lambda config, data, options: fedavg(options), options_type=FedAvgOptions,
+    tunes_l2=True, variable_cohort=True,
+    **at_theta_one("fedavg", "is Delta-FL at theta=1 (use --algorithm=deltafl to sweep theta)"),
     dp_requires=DP_REQUIRES, leaderboard=Board(joins=("deltafl", 1.0)))

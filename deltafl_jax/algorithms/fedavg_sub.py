@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import DEFAULT_TIE_RTOL, FILTER, check_thetas, filter_rule
 from deltafl_jax.algorithms.options import Sweep, check_options
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta, no_state
+from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, RoundContext, average_delta,
+                                             no_state)
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.superquantile import quantile_levels
@@ -60,15 +61,14 @@ def fedavg_sub(count_from: str = "theta", options: FedAvgSubOptions = FedAvgSubO
     rule = filter_rule(options.filter)
     level = quantile_levels(thetas)
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, clients
-        n = sizes.astype(jnp.float32)
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        n = ctx.sizes.astype(jnp.float32)
         if count_from == "theta":
-            count = jnp.sum(rule(losses, n, hyper.theta, tie_rtol,
-                                 level=level(hyper.theta)) > 0)
+            count = jnp.sum(rule(ctx.losses, n, ctx.hyper.theta, tie_rtol,
+                                 level=level(ctx.hyper.theta)) > 0)
         else:
-            count = hyper.clients
-        return jnp.where(random_subset(key, losses.shape[0], count), n, 0.0)
+            count = ctx.hyper.clients
+        return jnp.where(random_subset(ctx.key, ctx.losses.shape[0], count), n, 0.0)
 
     def server_update(state, params, feedback, hyper):
         del hyper

@@ -306,6 +306,16 @@ class AsyncStep:
         return dataclasses.replace(given, buffer_size=self.buffer_size)
 
 
+def async_validator(step: AsyncStep) -> Callable[[Any], None]:
+    """A spec's ``validate`` for `step`: the thetas (:func:`check_thetas`), then
+    :func:`check_asynchronous`."""
+
+    def validate(config) -> None:
+        check_thetas(config)
+        check_asynchronous(config, step)
+    return validate
+
+
 def check_asynchronous(config, step: AsyncStep) -> None:
     """ConfigError (one line naming the flag) for what an asynchronous run cannot combine
     with: a synchronous round's deadline and over-selection, a client sampler other than the
@@ -338,6 +348,6 @@ SPEC = AlgorithmSpec(
          "clients in flight (--concurrency, --buffer_size, --max_staleness)",
     factory=lambda config, data, options: fedavg()._replace(name="fedbuff"),
     hyper=DeltaFLHyper, sweep=THETA_SWEEP,
-    validate=lambda config: (check_thetas(config), check_asynchronous(config, FEDBUFF)),
+    validate=async_validator(FEDBUFF),
     values=theta_one("fedbuff", "trains every update it buffers (theta = 1)"),
     names_value=False, fixed_sweep=True, asynchronous=FEDBUFF)

@@ -70,7 +70,8 @@ import numpy as np
 from deltafl_jax.algorithms.deltafl import WEIGHTING, unnormalised_alphas
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Option, Sweep, check_options
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta
+from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, RoundContext, average_delta,
+                                             zeros_like_params)
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import corrected_sgd, difference
 
@@ -164,16 +165,10 @@ def feddyn(train_sizes, options: FedDynOptions = FedDynOptions()) -> FederatedAl
         update = size_scaled_update(float(np.mean(np.asarray(train_sizes, np.float64))))
 
     def init(params, hyper):
-        del hyper
-        return FedDynState(G=jax.tree.map(jnp.zeros_like, params))
+        return FedDynState(G=zeros_like_params(params, hyper))
 
-    def client_state_init(params, hyper):
-        del hyper
-        return jax.tree.map(jnp.zeros_like, params)          # g_k = 0
-
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, losses, hyper, key, clients
-        return unnormalised_alphas(sizes, weighting)   # c_k: n_k or 1
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        return unnormalised_alphas(ctx.sizes, weighting)   # c_k: n_k or 1
 
     def server_update(state, params, feedback, hyper):
         del hyper
@@ -183,7 +178,7 @@ def feddyn(train_sizes, options: FedDynOptions = FedDynOptions()) -> FederatedAl
 
     return FederatedAlgorithm(name="feddyn", init=init, client_weights=client_weights,
                               server_update=server_update, uses_losses=False,
-                              client_state_init=client_state_init,
+                              client_state_init=zeros_like_params,
                               client_update=update)
 
 

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from deltafl_jax.algorithms.leaderboard import Board, needs_clients
 from deltafl_jax.algorithms.options import Option, Sweep, check_options
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm, no_state
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, no_state
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import ClientUpdate, local_final, local_init, local_step
 from deltafl_jax.errors import ConfigError
@@ -127,9 +127,8 @@ def fedmgda(options: FedMGDAOptions = FedMGDAOptions()) -> FederatedAlgorithm:
     check_options(options)
     iters = options.fedmgda_iters
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, losses, hyper, key, clients
-        return jnp.full(sizes.shape, 1.0 / sizes.shape[0], jnp.float32)
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        return jnp.full(ctx.sizes.shape, 1.0 / ctx.sizes.shape[0], jnp.float32)
 
     def client_final(step, client_state, params, hyper, job):
         own, delta, _ = local_final(step, client_state, params, hyper, job)

@@ -26,9 +26,9 @@ DEFAULT_MU = (0.001, 0.01, 0.1, 1.0)   # the FedProx paper's grid
 
 
 class FedProxHyper(NamedTuple):
-    """theta: [] always 1 (FedAvg's weights); mu: [] the proximal weight >= 0."""
+    """mu: [] the proximal weight >= 0 (the weights are FedAvg's: its replicas are labelled
+    theta = 1)."""
 
-    theta: float
     mu: float
 
 
@@ -61,5 +61,4 @@ SPEC = AlgorithmSpec(
     options_type=FedProxOptions, dp_requires=DP_REQUIRES, variable_cohort=True,
     sweep=Sweep(flag="fedprox_mu", field="mu", default=DEFAULT_MU, minimum=0.0,
                 help="fedprox: proximal weights mu >= 0, swept", symbol="μ"),
-    fixed={"theta": 1.0},
     leaderboard=Board(grid={"fedprox_mu": DEFAULT_MU}, quick={"fedprox_mu": (0.01, 0.1)}))

@@ -25,13 +25,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, DeltaFLHyper, check_thetas, theta_one,
-                                            unnormalised_alphas)
+from deltafl_jax.algorithms.deltafl import at_theta_one, unnormalised_alphas
 from deltafl_jax.algorithms.fedau import population_total
 from deltafl_jax.algorithms.mifa import (LATEST_UPDATE, MifaOptions, MifaState,
                                          init_stored_sum, zeros_like_params)
 from deltafl_jax.algorithms.options import check_options
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm, scaled_delta
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, scaled_delta
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 
 
@@ -41,9 +40,8 @@ def fedvarp(train_sizes, options: MifaOptions = MifaOptions()) -> FederatedAlgor
     weighting = options.weighting
     total = jnp.float32(population_total(train_sizes, weighting))
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, losses, hyper, key, clients
-        return unnormalised_alphas(sizes, weighting)                  # n_i or 1
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        return unnormalised_alphas(ctx.sizes, weighting)              # n_i or 1
 
     def server_update(state, params, feedback, hyper):
         del hyper
@@ -65,6 +63,4 @@ SPEC = AlgorithmSpec(
     help="FedVARP: the cohort's average corrected by every client's latest update (MIFA's "
     "state; --server_lr is eta_g)",
     factory=lambda config, data, options: fedvarp(data.train.sizes, options),
-    hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=MifaOptions,
-    values=theta_one("fedvarp", "trains every sampled client (theta = 1)"), names_value=False,
-    fixed_sweep=True, variable_cohort=True)
+    options_type=MifaOptions, variable_cohort=True, **at_theta_one("fedvarp"))

@@ -32,12 +32,14 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.deltafl import DEFAULT_TIE_RTOL, WEIGHTING, unnormalised_alphas
 from deltafl_jax.algorithms.leaderboard import Board, needs_clients
 from deltafl_jax.algorithms.options import Sweep, check_options
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta, no_state
+from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, RoundContext, average_delta,
+                                             no_state)
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.errors import ConfigError
 
@@ -82,9 +84,8 @@ def gifair(options: GifairOptions = GifairOptions()) -> FederatedAlgorithm:
     check_options(options)
     weighting = options.weighting
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, key, clients
-        return gifair_weights(losses, sizes, hyper.coeff, weighting)
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        return gifair_weights(ctx.losses, ctx.sizes, ctx.hyper.coeff, weighting)
 
     def server_update(state, params, feedback, hyper):
         del hyper

@@ -30,26 +30,21 @@ S = sum_i (n_i / n) G_i.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
-                                            theta_one, unnormalised_alphas)
+from deltafl_jax.algorithms.deltafl import at_theta_one, unnormalised_alphas
 from deltafl_jax.algorithms.fedau import population_total
+from deltafl_jax.algorithms.fedavg import FedAvgOptions
 from deltafl_jax.algorithms.options import check_options
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import ClientUpdate, difference, local_init, local_step
 
-
-@dataclasses.dataclass(frozen=True)
-class MifaOptions:
-    """``weighting``: 1/N or n_i/n (module docstring)."""
-
-    weighting: str = WEIGHTING.field()
+# FedAvg's options: ``weighting``, beta_i = 1/N or n_i/n (module docstring).
+MifaOptions = FedAvgOptions
 
 
 class MifaState(NamedTuple):
@@ -87,9 +82,8 @@ def mifa(train_sizes, options: MifaOptions = MifaOptions()) -> FederatedAlgorith
     weighting = options.weighting
     total = jnp.float32(population_total(train_sizes, weighting))
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, losses, hyper, key, clients
-        return unnormalised_alphas(sizes, weighting) / total          # beta_i
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        return unnormalised_alphas(ctx.sizes, weighting) / total      # beta_i
 
     def server_update(state, params, feedback, hyper):
         del params, hyper
@@ -107,6 +101,4 @@ SPEC = AlgorithmSpec(
     help="MIFA: every client's latest update kept, their average over all N clients applied "
     "every round (--server_lr is eta_g)",
     factory=lambda config, data, options: mifa(data.train.sizes, options),
-    hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=MifaOptions,
-    values=theta_one("mifa", "trains every sampled client (theta = 1)"), names_value=False,
-    fixed_sweep=True, variable_cohort=True)
+    options_type=MifaOptions, variable_cohort=True, **at_theta_one("mifa"))

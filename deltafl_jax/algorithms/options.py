@@ -12,9 +12,9 @@ sweeps (a list of values, one replica each).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping, Optional, Tuple
 
+from deltafl_jax.declared import finite_in
 from deltafl_jax.errors import ConfigError
 
 OPTION = "deltafl_jax.option"   # the metadata key of an options field's Option
@@ -127,7 +127,7 @@ class Sweep:
         """The values as floats; ConfigError naming the flag if one is bad."""
         out = []
         for v in values:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not finite_in(v):
                 raise ConfigError(f"--{self.flag} must be finite numbers, got {v!r}")
             if self.integer and float(v) != int(v):
                 raise ConfigError(f"--{self.flag} must be integers, got {v!r}")

@@ -39,8 +39,9 @@ hold no client (size 0) never take part.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.options import Option
@@ -61,10 +62,10 @@ class Estimator(NamedTuple):
       in (the rate).
     """
 
-    round: object
-    last: object
-    total: object
-    count: object
+    round: jax.Array
+    last: jax.Array
+    total: jax.Array
+    count: jax.Array   # type: ignore[assignment]  # a field's name, not tuple.count
 
 
 def init_estimator(num_clients: int) -> Estimator:
@@ -146,8 +147,8 @@ class Correction:
     """A participation correction: weights(state, clients) -> [m] and record(state, clients,
     took_part) -> state, over an :class:`Estimator`."""
 
-    weights: object
-    record: object
+    weights: Callable[[Estimator, jax.Array], jax.Array]
+    record: Callable[[Estimator, jax.Array, jax.Array], Estimator]
 
 
 def correction(kind: str, cap: int) -> Correction:

@@ -44,7 +44,6 @@ optimizer's L2 term is not rescaled).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
@@ -58,6 +57,7 @@ from deltafl_jax.algorithms.protocol import FederatedAlgorithm
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import (ClientUpdate, LocalState, local_final, local_init,
                                        optimizer_step)
+from deltafl_jax.declared import check_finite
 from deltafl_jax.errors import ConfigError
 
 DEFAULT_BASE = (2.0,)      # the authors' default M
@@ -91,10 +91,7 @@ class PropFairOptions:
     propfair_continuation: str = CONTINUATION.field()
 
     def check(self) -> None:
-        eps = self.propfair_epsilon
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) \
-                or eps <= 0:
-            raise ConfigError(f"--propfair_epsilon must be a finite number > 0, got {eps!r}")
+        check_finite("propfair_epsilon", self.propfair_epsilon, 0.0, low_open=True)
 
 
 def gradient_scale(loss, base, epsilon: float, continuation: str = "huber"):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Sweep
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm, no_state
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, no_state
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 
 QFFL_EPS = 1e-10
@@ -48,10 +48,9 @@ def qffl() -> FederatedAlgorithm:
     to either sum, and do no local work.
     """
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, key, clients
-        ratio, _ = _qffl_ratio(losses, hyper.q)
-        return sizes.astype(jnp.float32) * ratio
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        ratio, _ = _qffl_ratio(ctx.losses, ctx.hyper.q)
+        return ctx.sizes.astype(jnp.float32) * ratio
 
     def server_update(state, params, feedback, hyper):
         q = hyper.q

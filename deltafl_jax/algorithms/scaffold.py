@@ -33,27 +33,24 @@ In the first round c = c_k = 0, so SCAFFOLD's first round is FedAvg's (bit for b
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
-                                            theta_one, unnormalised_alphas)
+from deltafl_jax.algorithms.deltafl import at_theta_one, unnormalised_alphas
+from deltafl_jax.algorithms.fedavg import FedAvgOptions
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import check_options
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta
+from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, RoundContext, average_delta,
+                                             zeros_like_params)
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import corrected_sgd, difference
 
 
-@dataclasses.dataclass(frozen=True)
-class ScaffoldOptions:
-    """``weighting``: Delta-FL's option (the same flag, default and check; module docstring)."""
-
-    weighting: str = WEIGHTING.field()
+# FedAvg's options: ``weighting``, Delta-FL's option (module docstring).
+ScaffoldOptions = FedAvgOptions
 
 
 class ScaffoldState(NamedTuple):
@@ -75,16 +72,10 @@ def scaffold(train_sizes, options: ScaffoldOptions = ScaffoldOptions()) -> Feder
     alpha = jnp.asarray(population_weights(train_sizes, weighting), jnp.float32)
 
     def init(params, hyper):
-        del hyper
-        return ScaffoldState(c=jax.tree.map(jnp.zeros_like, params))
+        return ScaffoldState(c=zeros_like_params(params, hyper))
 
-    def client_state_init(params, hyper):
-        del hyper
-        return jax.tree.map(jnp.zeros_like, params)          # c_k = 0
-
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del state, losses, hyper, key, clients
-        a = unnormalised_alphas(sizes, weighting)   # n_k or 1: FedAvg's weights
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        a = unnormalised_alphas(ctx.sizes, weighting)   # n_k or 1: FedAvg's weights
         return a / jnp.sum(a)
 
     def correction(state, client_state, params, hyper):
@@ -118,7 +109,7 @@ def scaffold(train_sizes, options: ScaffoldOptions = ScaffoldOptions()) -> Feder
 
     return FederatedAlgorithm(name="scaffold", init=init, client_weights=client_weights,
                               server_update=server_update, uses_losses=False,
-                              client_state_init=client_state_init,
+                              client_state_init=zeros_like_params,
                               client_update=corrected_sgd(correction, corrected,
                                                           client_final))
 
@@ -127,6 +118,4 @@ SPEC = AlgorithmSpec(
     name="scaffold", display_name="SCAFFOLD",
     help="SCAFFOLD (option II control variates; --server_lr is its global step size eta_g)",
     factory=lambda config, data, options: scaffold(data.train.sizes, options),
-    hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=ScaffoldOptions,
-    values=theta_one("scaffold", "trains every sampled client (theta = 1)"), names_value=False,
-    fixed_sweep=True, leaderboard=Board())
+    options_type=ScaffoldOptions, leaderboard=Board(), **at_theta_one("scaffold"))

@@ -98,8 +98,8 @@ class AlgorithmSpec:
     name: str
     display_name: str
     help: str
-    factory: Callable[[Any, Any, Any], FederatedAlgorithm]
-    hyper: type
+    factory: Callable[..., FederatedAlgorithm]   # (config, data, options[, probabilities=])
+    hyper: Any                                   # a NamedTuple class
     sweep: Sweep
     fixed: Mapping[str, float] = dataclasses.field(default_factory=dict)
     local_steps: Optional[int] = None

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Sweep
-from deltafl_jax.algorithms.protocol import FederatedAlgorithm, scaled_delta
+from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, scaled_delta
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 
 TERM_EMA = 0.5
@@ -58,10 +58,9 @@ def term() -> FederatedAlgorithm:
         del params, hyper
         return TERMState(estimate=jnp.ones((), jnp.float32), rounds=jnp.zeros((), jnp.int32))
 
-    def client_weights(state, losses, sizes, hyper, key, clients):
-        del key, clients
-        e, estimate = _tilt(state, losses, sizes, hyper.t)
-        return sizes.astype(jnp.float32) * (e / estimate)
+    def client_weights(ctx: RoundContext) -> jax.Array:
+        e, estimate = _tilt(ctx.state, ctx.losses, ctx.sizes, ctx.hyper.t)
+        return ctx.sizes.astype(jnp.float32) * (e / estimate)
 
     def server_update(state, params, feedback, hyper):
         _, estimate = _tilt(state, feedback.losses, feedback.sizes, hyper.t)

@@ -23,16 +23,21 @@ that learning rate and l2, and the job's local steps K_k.
 :data:`LOCAL_SGD` is the default: K_k steps of the client optimizer on the client's loss from
 w_t, update w_k - w_t. With the default optimizer (``sgd``) the step is the papers'
 w <- (1 - gamma lambda) w - gamma grad (App. C.2.2).
+
+The three signatures are :class:`typing.Protocol` classes (:class:`ClientInitFn`,
+:class:`ClientStepFn`, :class:`ClientFinalFn`; ``grad_fn`` is a :class:`GradFn`), with
+positional-only parameters, as the lanes call them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple, Optional, Protocol, Tuple
 
 import jax
 import optax
 
-Params = Any
+Params = Any      # a pytree like the model's parameters
+StepState = Any   # the pytree the lanes carry between a job's local steps
 
 
 class ClientJob(NamedTuple):
@@ -59,12 +64,41 @@ class ClientJob(NamedTuple):
     size: Any = None
 
 
+class GradFn(Protocol):
+    """grad_fn(p) -> (loss, gradient): the masked mean loss of this step's minibatch at p
+    ([] float32) and its gradient (a pytree like p)."""
+
+    def __call__(self, params: Params, /) -> Tuple[jax.Array, Params]: ...
+
+
+class ClientInitFn(Protocol):
+    """init(server_state, client_state, params, hyper, job) -> step_state."""
+
+    def __call__(self, server_state: Any, client_state: Any, params: Params, hyper: Any,
+                 job: ClientJob, /) -> StepState: ...
+
+
+class ClientStepFn(Protocol):
+    """step(step_state, grad_fn, hyper, job) -> step_state: one local step."""
+
+    def __call__(self, state: StepState, grad_fn: GradFn, hyper: Any,
+                 job: ClientJob, /) -> StepState: ...
+
+
+class ClientFinalFn(Protocol):
+    """final(step_state, client_state, params, hyper, job) -> (client_state', update,
+    output)."""
+
+    def __call__(self, state: StepState, client_state: Any, params: Params, hyper: Any,
+                 job: ClientJob, /) -> Tuple[Any, Params, Any]: ...
+
+
 class ClientUpdate(NamedTuple):
     """An algorithm's client update: init, step and final (module docstring)."""
 
-    init: Callable[..., Any]
-    step: Callable[..., Any]
-    final: Callable[..., Any]
+    init: ClientInitFn
+    step: ClientStepFn
+    final: ClientFinalFn
 
 
 class LocalState(NamedTuple):
@@ -86,20 +120,22 @@ def difference(a, b):
     return jax.tree.map(lambda x, y: x - y, a, b)
 
 
-def local_init(server_state, client_state, params, hyper, job: ClientJob) -> LocalState:
+def local_init(server_state: Any, client_state: Any, params: Params, hyper: Any,
+               job: ClientJob) -> LocalState:
     """Start from w_t with a fresh optimizer state."""
     del server_state, client_state, hyper
     return LocalState(params=params, opt_state=job.optimizer.init(params))
 
 
-def local_step(state: LocalState, grad_fn, hyper, job: ClientJob) -> LocalState:
+def local_step(state: LocalState, grad_fn: GradFn, hyper: Any, job: ClientJob) -> LocalState:
     """One optimizer step on the minibatch gradient."""
     del hyper
     _, grads = grad_fn(state.params)
     return LocalState(*optimizer_step(state.params, state.opt_state, grads, job.optimizer))
 
 
-def local_final(state: LocalState, client_state, params, hyper, job: ClientJob):
+def local_final(state: LocalState, client_state: Any, params: Params, hyper: Any,
+                job: ClientJob) -> Tuple[Any, Params, Any]:
     """The update w_k - w_t; the client's state unchanged; no output."""
     del hyper, job
     return client_state, difference(state.params, params), None
@@ -116,8 +152,21 @@ class CorrectedState(NamedTuple):
     context: Any
 
 
-def corrected_sgd(context: Callable, correct: Callable,
-                  final: Callable = None) -> ClientUpdate:
+class ContextFn(Protocol):
+    """context(server_state, client_state, params, hyper) -> a job's context."""
+
+    def __call__(self, server_state: Any, client_state: Any, params: Params,
+                 hyper: Any, /) -> Any: ...
+
+
+class CorrectFn(Protocol):
+    """correct(grads, params, context, hyper) -> the corrected gradient."""
+
+    def __call__(self, grads: Params, params: Params, context: Any, hyper: Any, /) -> Params: ...
+
+
+def corrected_sgd(context: ContextFn, correct: CorrectFn,
+                  final: Optional[ClientFinalFn] = None) -> ClientUpdate:
     """Local SGD whose every minibatch gradient is corrected before the client optimizer's
     step, the shape of FedProx, SCAFFOLD and FedDyn:
 
@@ -161,7 +210,8 @@ class AdaptState(NamedTuple):
     anchor: Params
 
 
-def fine_tune_step(state: AdaptState, grad_fn, hyper, job: ClientJob) -> AdaptState:
+def fine_tune_step(state: AdaptState, grad_fn: GradFn, hyper: Any,
+                   job: ClientJob) -> AdaptState:
     """Plain fine-tuning: one client-optimizer step on the device's own minibatch."""
     del hyper
     _, grads = grad_fn(state.params)

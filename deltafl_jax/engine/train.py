@@ -59,7 +59,7 @@ class ClientInputs(NamedTuple):
 
     server_state: Any
     client_state: Any
-    ids: jax.Array
+    ids: Optional[jax.Array]
 
 
 class LocalSGDConfig(NamedTuple):
@@ -105,9 +105,9 @@ class TrainResult(NamedTuple):
     real_examples: jax.Array    # scalar: examples that went through local SGD
     padded_examples: jax.Array  # scalar: example slots computed (trips * lanes * batch)
     trips: jax.Array            # scalar: loop iterations (the busiest device's)
-    device_trips: jax.Array = None     # [D] each device's loop iterations
-    device_jobs: jax.Array = None      # [D] each device's jobs
-    device_examples: jax.Array = None  # [D] each device's trained examples
+    device_trips: Optional[jax.Array] = None     # [D] each device's loop iterations
+    device_jobs: Optional[jax.Array] = None      # [D] each device's jobs
+    device_examples: Optional[jax.Array] = None  # [D] each device's trained examples
     job_state: Any = None              # [R, m, ...] the clients' new states (empty: none)
     job_output: Any = None             # [R, m, ...] the jobs' outputs (empty: none)
     job_clipped: Any = None            # [R, m] bool: the update was clipped (cfg.clip)
@@ -153,7 +153,7 @@ class LaneSchedule(NamedTuple):
     done: jax.Array
     ex: jax.Array
     valid: jax.Array
-    local_step: jax.Array = None
+    local_step: Optional[jax.Array] = None
 
 
 def make_jobs(plan, replica_group, job_weight, runs=None) -> Jobs:

@@ -62,7 +62,7 @@ from typing import Optional
 
 import numpy as np
 
-from deltafl_jax.declared import setting
+from deltafl_jax.declared import finite_in, setting
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.sampling.traces import DataOnlyUnpickler
 
@@ -146,12 +146,12 @@ class TimingSettings:
             raise ConfigError("--client_speed=capacity_trace needs --client_speed_trace=PATH")
         for name in ("client_speed_example_s", "client_speed_kbps",
                      "client_speed_train_factor"):
-            if not getattr(self, name) > 0.0 or not math.isfinite(getattr(self, name)):
+            if not finite_in(getattr(self, name), 0.0, low_open=True):
                 raise ConfigError(f"{_flag(name, getattr(self, name))}: must be > 0")
         for name in ("client_speed_sigma", "client_speed_kbps_sigma"):
-            if not (getattr(self, name) >= 0.0 and math.isfinite(getattr(self, name))):
+            if not finite_in(getattr(self, name), 0.0):
                 raise ConfigError(f"{_flag(name, getattr(self, name))}: must be >= 0")
-        if not math.isfinite(self.client_speed_mu):
+        if not finite_in(self.client_speed_mu):
             raise ConfigError(f"{_flag('client_speed_mu', self.client_speed_mu)}: must be "
                               f"a finite number")
         self._check_clock()
@@ -159,9 +159,9 @@ class TimingSettings:
     def _check_clock(self) -> None:
         for name in ("round_deadline", "stop_at_virtual_time", "mean_online_seconds"):
             value = getattr(self, name)
-            if value is not None and not (value > 0.0 and math.isfinite(value)):
+            if value is not None and not finite_in(value, 0.0, low_open=True):
                 raise ConfigError(f"{_flag(name, float(value))}: must be > 0 seconds")
-        if not (self.over_select >= 1.0 and math.isfinite(self.over_select)):
+        if not finite_in(self.over_select, 1.0):
             raise ConfigError(f"{_flag('over_select', float(self.over_select))}: must be >= 1")
         if self.partial_work and self.round_deadline is None:
             raise ConfigError("--partial_work needs --round_deadline (the time at which work "
@@ -285,7 +285,7 @@ def _positive(entry, key, field: str, path: str) -> float:
         value = float(value)
     except (TypeError, ValueError):
         value = float("nan")
-    if not (value > 0.0 and math.isfinite(value)):
+    if not finite_in(value, 0.0, low_open=True):
         raise ConfigError(f"--client_speed_trace={path}: device {key!r} needs a '{field}' "
                           f"> 0, got {entry.get(field) if isinstance(entry, dict) else entry!r}")
     return value
