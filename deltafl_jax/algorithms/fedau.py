@@ -116,7 +116,7 @@ def fedau(train_sizes, options: FedAUOptions = FedAUOptions()) -> FederatedAlgor
         record=lambda state, clients, took: fedau_record(state, clients, took, cap))
 
 
-def known_prob(train_sizes, probabilities: Sequence[float],
+def known_prob(train_sizes, probabilities: "Sequence[float] | np.ndarray",
                options: KnownProbOptions = KnownProbOptions()) -> FederatedAlgorithm:
     """Delta_i / p_i over training clients of sizes `train_sizes`, `probabilities` [N] each
     client's probability p_i in (0, 1] of taking part in a round (the hook an availability
@@ -141,13 +141,14 @@ def sampling_probabilities(num_clients: int, clients_per_round: int) -> np.ndarr
 
 
 def build_known_prob(config, data, options: KnownProbOptions,
-                     probabilities: Optional[Sequence[float]] = None) -> FederatedAlgorithm:
+                     probabilities: "Optional[Sequence[float] | np.ndarray]" = None
+                     ) -> FederatedAlgorithm:
     """The spec's factory: :func:`known_prob` with `probabilities` (the run's, from its
     availability and sampler), by default m / N (:func:`sampling_probabilities`)."""
     sizes = data.train.sizes
-    if probabilities is None:
-        probabilities = sampling_probabilities(len(sizes), config.clients_per_round)
-    return known_prob(sizes, probabilities, options)
+    p = (sampling_probabilities(len(sizes), config.clients_per_round)
+         if probabilities is None else probabilities)
+    return known_prob(sizes, p, options)
 
 
 SPEC = AlgorithmSpec(
