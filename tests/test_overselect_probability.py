@@ -195,8 +195,10 @@ def test_known_prob_on_an_over_selected_run_weighs_by_the_kept_probability(tiny_
     assert (p == 0).any() and (p > 0).sum() > 4
 
     algo = resolve(cfg, data).algorithm
-    w = np.asarray(algo.client_weights(algo.init(None, None), None, np.ones(N, np.int32),
-                                       None, None, np.arange(N, dtype=np.int32)))
+    from deltafl_jax.algorithms.protocol import RoundContext
+    w = np.asarray(algo.client_weights(RoundContext(
+        state=algo.init(None, None), losses=None, sizes=np.ones(N, np.int32), hyper=None,
+        key=None, clients=np.arange(N, dtype=np.int32))))
     np.testing.assert_allclose(w, 1.0 / np.where(p > 0, p, 1.0), rtol=1e-6)
     delta = np.random.default_rng(1).normal(size=N)
     mean_update = np.mean([delta[ids].dot(w[ids]) for ids in rounds])
