@@ -46,9 +46,11 @@ from straight-line code), and each part of it the same way at its own shapes:
 - ``step``: the whole step (the mean cross-entropy's gradient through the model as the engine
   builds it on this backend, and the update), and ``forward`` alone.
 
-Each part's function ends in <out, r> with a fixed random r (a linear read-out, so no extra
-elementwise work), and the loop carries its inputs, nudged by their gradients, so nothing is
-hoisted. A gradient is timed with its forward; its cost is the difference. A part's time in the
+Each part's function ends in ||out||^2 / 2, whose gradient with respect to the output is the
+output itself: a gradient then waits for its forward pass, as in the network (with a linear
+read-out XLA:CPU runs the two side by side on the two cores, and the difference undercounts
+the gradient), at the cost of one elementwise product. The loop carries the inputs, nudged by
+their gradients, so nothing is hoisted. A gradient is timed with its forward; its cost is the difference. A part's time in the
 step is its time x its count; its GFLOP/s are its FLOPs (the forward's, counted by
 :func:`bench.common.jaxpr_matmul_flops`; each gradient the same) over its time. All programs
 run interleaved, each repeat in turn; each figure is the median over ``--repeats`` of the
@@ -197,9 +199,14 @@ def looped(loss, argnums, steps: int):
 
 
 def readout(f):
-    """loss(*args, r) = <f(*args), r>."""
+    """loss(*args) = ||f(*args)||^2 / 2 (its output gradient is f's output)."""
     import jax.numpy as jnp
-    return lambda *a: jnp.vdot(f(*a[:-1]), a[-1])
+
+    def loss(*args):
+        y = f(*args)
+        return 0.5 * jnp.vdot(y, y)
+
+    return loss
 
 
 def conv_parts(batch: int, side: int, impl: str):
@@ -276,21 +283,17 @@ def step_programs(batch: int, side: int, steps: int):
     for name, count, f, shapes, grads in conv_parts(batch, side, default_conv_impl()):
         w_scale = math.sqrt(2.0 / math.prod(shapes[1][:3]))
         args = (arr(shapes[0]), arr(shapes[1], w_scale))
-        out_shape = jax.eval_shape(f, *args).shape
-        r = arr(out_shape)
         fwd = jaxpr_matmul_flops(jax.make_jaxpr(f)(*args).jaxpr)
         loss = readout(f)
-        progs[name + " | forward"] = (looped(loss, (), steps), args + (r,), count,
-                                      "forward", fwd)
+        progs[name + " | forward"] = (looped(loss, (), steps), args, count, "forward", fwd)
         for g in grads:
             argnums = (1,) if g == "weight" else (0,)
-            progs[f"{name} | +{g} grad"] = (looped(loss, argnums, steps), args + (r,),
-                                            count, g, fwd)
+            progs[f"{name} | +{g} grad"] = (looped(loss, argnums, steps), args, count, g,
+                                            fwd)
     for name, count, f, shapes in elementwise_parts(batch, side):
         args = tuple(arr(s) if len(s) > 1 else jnp.ones(s, jnp.float32) for s in shapes)
-        r = arr(shapes[0])
         progs[name + " | forward+backward"] = (
-            looped(readout(f), tuple(range(len(args))), steps), args + (r,), count,
+            looped(readout(f), tuple(range(len(args))), steps), args, count,
             "forward+backward", 0.0)
     feats = arr((batch, max(side >> 3, 1), max(side >> 3, 1), WIDTHS[-1]))
     dense, labels = arr((WIDTHS[-1], CLASSES), 0.05), jnp.asarray(
