@@ -393,6 +393,26 @@ def profile_step(batch: int, side: int, steps: int, repeats: int, log) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
+def bad_option(a, parts) -> str:
+    """What is wrong with the options, or ""."""
+    if not parts <= {"round", "step"}:
+        return f"--parts={a.parts}: name round, step or both"
+    for name in ("rounds", "steps", "repeats", "gemm_n"):
+        if getattr(a, name) < 1:
+            return f"--{name} must be at least 1, got {getattr(a, name)}"
+    if a.batch is not None and a.batch < 1:
+        return f"--batch must be at least 1, got {a.batch}"
+    if a.side < 8 or a.side % 8:
+        return f"--side must be a multiple of 8 (three stride-2 stages), got {a.side}"
+    return ""
+
+
+def usage(line: str) -> None:
+    """One line on stderr, exit code 2, nothing written."""
+    print(f"resnet_profile: {line}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=2, help="timed rounds after the first")
@@ -409,14 +429,15 @@ def main():
     p.add_argument("--out", default=None)
     a = p.parse_args()
     parts = set(a.parts.split(","))
-    if not parts or not parts <= {"round", "step"} or a.rounds < 1 or a.steps < 1 \
-            or a.repeats < 1 or a.side < 8 or a.side % 8:
-        print("resnet_profile: --parts is round and/or step; --rounds, --steps, --repeats at "
-              "least 1; --side a multiple of 8", file=sys.stderr)
-        sys.exit(2)
+    bad = bad_option(a, parts)
+    if bad:
+        usage(bad)
     log = lambda line: print(line, file=sys.stderr, flush=True)
     extra = list(ROUND_FLAGS if a.flag is None else a.flag)
-    config = flagfile_config(extra)   # before JAX starts: the command line's XLA flags
+    try:
+        config = flagfile_config(extra)   # before JAX starts: the command line's XLA flags
+    except Exception as e:  # absl's flag errors and the configuration's, one line each
+        usage(f"--flag: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
     result = {"benchmark": "resnet_profile", "machine": machine(),
               "command": " ".join(["python -m bench.resnet_profile"] + sys.argv[1:]),
               "load_average_start": os.getloadavg()}
