@@ -50,9 +50,10 @@ Each part's function ends in ||out||^2 / 2, whose gradient with respect to the o
 output itself: a gradient then waits for its forward pass, as in the network (with a linear
 read-out XLA:CPU runs the two side by side on the two cores, and the difference undercounts
 the gradient), at the cost of one elementwise product. The loop carries the inputs, nudged by
-their gradients, so nothing is hoisted. A gradient is timed with its forward; its cost is the difference. A part's time in the
-step is its time x its count; its GFLOP/s are its FLOPs (the forward's, counted by
-:func:`bench.common.jaxpr_matmul_flops`; each gradient the same) over its time. All programs
+their gradients, so nothing is hoisted. A gradient is timed with its forward; its cost is the
+difference. A part's time in the step is its time x its count; its GFLOP/s are its FLOPs (the
+forward's, counted by :func:`bench.common.jaxpr_matmul_flops`; each gradient the same) over
+its time. All programs
 run interleaved, each repeat in turn; each figure is the median over ``--repeats`` of the
 milliseconds per step. The load average is recorded around each half.
 
@@ -251,8 +252,8 @@ def elementwise_parts(batch: int, side: int):
 
 
 def network_step(batch: int, side: int):
-    """(loss(params, x, y), params, x, y): the mean cross-entropy of ResNet-18-GN as the
-    engine builds it on this backend."""
+    """(loss(params, x, y), params, x, y, network): the mean cross-entropy of ResNet-18-GN
+    with the convolutions the engine uses on this backend."""
     import jax
     import jax.numpy as jnp
 
