@@ -639,6 +639,50 @@ def test_timing_comparison_shakespeare_pair_runs_its_flagfiles(tmp_path):
     assert "--dataset=synthetic" in got(syn, "asynchronous")[1]
     assert "--round_deadline=3" in got(syn, "deadline_overselect")[1]
 
+
+def resnet18_forward_macs(side: int, classes: int = 10) -> int:
+    """Multiply-adds of one image's forward pass of ResNet-18 with the CIFAR stem, by hand: a
+    k x k convolution to an h x w x c_out map from c_in channels does h w c_out c_in k^2."""
+    conv = lambda hw, cin, cout, k: hw * hw * cout * cin * k * k
+    macs = conv(side, 3, 64, 3) + 4 * conv(side, 64, 64, 3)
+    for s, (cin, cout) in enumerate(((64, 128), (128, 256), (256, 512)), start=1):
+        hw = side >> s
+        macs += conv(hw, cin, cout, 3) + conv(hw, cin, cout, 1) + 3 * conv(hw, cout, cout, 3)
+    return macs + 512 * classes
+
+
+@pytest.mark.slow
+def test_resnet_profile_smoke_counts_and_splits(tmp_path):
+    """bench.resnet_profile at toy size (one client of 4 images, one replica; the step on
+    2 images of 8 x 8): the network's FLOPs are ResNet-18's counted by hand (train: 3 x forward
+    less the stem's input gradient), the round's FLOPs its examples' and its share of the GEMM
+    peak its rate's, and the step's parts add up to their groups."""
+    res = run_json(["bench.resnet_profile", "--rounds=1", "--flag=--clients_per_round=1",
+                    "--flag=--max_examples_per_client=4", "--flag=--thetas=1.0", "--side=8",
+                    "--batch=2", "--steps=1", "--repeats=1", "--gemm_n=128"], tmp_path,
+                   "resnet_profile")
+    rnd, step = res["round"], res["step"]
+    f = rnd["flops_per_example"]
+    assert f["parameters"] == 11_173_962
+    assert f["forward"] == 2 * resnet18_forward_macs(32)
+    assert f["stem_forward"] == 2 * 32 * 32 * 64 * 3 * 9
+    assert f["train"] == 3 * f["forward"] - f["stem_forward"]
+    (r,) = rnd["rounds"]
+    assert r["gflop"] * 1e9 == pytest.approx(f["train"] * r["train_real_examples"]
+                                             + f["forward"] * r["eval_real_examples"])
+    assert rnd["share_of_gemm_peak"] == pytest.approx(
+        rnd["gflop_per_s"] / res["gemm_peak_gflops"])
+    rows = step["parts"]
+    forward = sum(p["gflop_per_call"] * p["count"] for p in rows
+                  if p["variant"] == "forward" and p["gflop_per_call"])
+    assert forward * 1e9 == pytest.approx(2 * 2 * (resnet18_forward_macs(8) - 512 * 10))
+    assert sum(g["ms_in_step"] for g in step["groups"].values()) == pytest.approx(
+        step["parts_sum_ms"])
+    assert {"stem conv", "groupnorm", "relu / add", "head", "sgd update", "downsample 3x3/2",
+            "shortcut 1x1/2", "3x3 convs forward", "3x3 convs weight grad",
+            "3x3 convs input grad"} == set(step["groups"])
+
+
 SMOKE_RUNS = {
     "fedbuff_step.py": ["test_fedbuff_step_smoke_times_both"],
     "availability.py": ["test_availability_smoke_pairs_and_parts"],
@@ -661,6 +705,7 @@ SMOKE_RUNS = {
     "round_speed.py": ["test_round_speed_smoke"],
     "scaling.py": ["test_scaling_smoke_deals_every_job"],
     "theta_sweep.py": ["test_theta_sweep_smoke"],
+    "resnet_profile.py": ["test_resnet_profile_smoke_counts_and_splits"],
 }
 
 
