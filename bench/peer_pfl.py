@@ -35,9 +35,16 @@ backward pass times the examples trained in the round (2500). pfl's count is PyT
 of the jaxpr of the loss's gradient (:func:`bench.common.jaxpr_matmul_flops`), once for the
 network as written with XLA's VALID convolutions (the same network: it must equal pfl's count;
 the script exits 2 after writing the JSON when they differ by more than 1%) and once as the
-engine runs it (its convolutions on the SAME-then-crop path compute the border too). GFLOP/s is
-the network's FLOPs per round over s/round; the fraction of the GEMM peak divides it by the
+engine's program writes it (with ``--conv_impl=im2col_wgrad`` 6% more than the network's: the
+input gradients, full convolutions, count their zero border, and the first layer's is in the
+program, though XLA drops it; with ``--conv_impl=winograd`` about half). GFLOP/s is the
+network's FLOPs per round over s/round; the fraction of the GEMM peak divides it by the
 fastest float32 GEMM measured in this run (numpy, jax and torch, 2048 x 2048).
+
+``--profile_repeats=N`` times the parts of one local step of ``pfl_cnn`` (each a jitted loop
+of 5 steps, since XLA:CPU's kernels differ inside a loop; the minimum and median of N calls,
+the parts interleaved) with the convolutions of ``--conv_impl=im2col_wgrad`` and
+``winograd``; ``--profile_only`` times only those.
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ flags.DEFINE_string("out", None, "write the JSON here (default the git-ignored "
                     "bench/out/peer_pfl_<backend>.json)")
 flags.DEFINE_integer("profile_repeats", 0, "time the pieces of one local step of pfl_cnn this "
                      "many times each (median; 0: no profile)")
+flags.DEFINE_bool("profile_only", False, "time only the pieces of a local step "
+                  "(--profile_repeats calls each), no rounds")
 flags.DEFINE_enum("role", "bench", ["bench", "engine"], "internal: 'engine' is one engine side")
 flags.DEFINE_string("engine_flags", "", "internal: the engine side's flags")
 FLAGS = flags.FLAGS
@@ -213,62 +222,129 @@ def engine_side() -> None:
               flush=True)
 
 
-def step_pieces(side: int, batch: int) -> dict:
-    """Jitted pieces of one local SGD step of pfl_cnn on `batch` images, one client, one
-    device: {name: (function, arguments)}."""
+PROFILE_STEPS = 5           # steps per timed call: XLA:CPU's kernels differ inside a loop
+PROFILE_IMPLS = ("im2col_wgrad", "winograd")
+
+
+def scanned(step, carry, xs):
+    """(jit of a lax.scan of `step(carry, x) -> carry` over xs' leading axis, its carry)."""
+    from jax import lax
+    import jax
+    return jax.jit(lambda c: lax.scan(lambda c, x: (step(c, x), None), c, xs)[0]), (carry,)
+
+
+def _sgd(loss):
+    import jax
+    return lambda p, x: jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p, x))
+
+
+def network_pieces(impl: str, xs, ys, params) -> dict:
+    """The whole local step of pfl_cnn with convolutions `impl` and its forward pass, and each
+    convolution alone (its bias and ReLU included) with the gradients a step needs: conv1 its
+    weight gradient, conv2 its weight and input gradients."""
     import jax
     import jax.numpy as jnp
 
     from deltafl_jax.models.image import PflCNN
     from deltafl_jax.models.image_conv import conv_valid
 
+    net = PflCNN(CLASSES, conv_impl=impl)
+
+    def loss(p, xy):
+        logp = jax.nn.log_softmax(net.apply(p, xy[0]))
+        return -jnp.mean(jnp.take_along_axis(logp, xy[1][:, None], 1))
+
+    def block(a, w, b):
+        return jnp.sum(jnp.square(jax.nn.relu(conv_valid(a, w, impl) + b)))
+
+    pp = params["params"]
+    h1 = jax.nn.relu(conv_valid(xs[0], pp["conv1_kernel"], "xla"))
+    c1 = (pp["conv1_kernel"], pp["conv1_bias"])
+    c2 = (pp["conv2_kernel"], pp["conv2_bias"])
+    sub = lambda a, g: jax.tree.map(lambda u, v: u - 1e-6 * v, a, g)
+    return {
+        f"sgd_step_{impl}": scanned(_sgd(loss), params, (xs, ys)),
+        f"forward_{impl}": scanned(lambda p, xy: jax.tree.map(
+            lambda a: a + 0.0 * jnp.mean(net.apply(p, xy[0])), p), params, (xs, ys)),
+        f"conv1_forward_weight_grad_{impl}": scanned(
+            lambda c, x: sub(c, jax.grad(block, (1, 2))(x, *c)), c1, xs),
+        f"conv2_forward_{impl}": scanned(
+            lambda c, _: (c[0] + 0.0 * block(*c), c[1], c[2]), (h1,) + c2, xs),
+        f"conv2_forward_weight_grad_{impl}": scanned(
+            lambda c, _: (c[0],) + sub(c[1:], jax.grad(block, (1, 2))(*c)), (h1,) + c2, xs),
+        f"conv2_forward_both_grads_{impl}": scanned(
+            lambda c, _: sub(c, jax.grad(block, (0, 1, 2))(*c)), (h1,) + c2, xs),
+    }
+
+
+def head_pieces(side: int, xs, ys, params) -> dict:
+    """The parts of a step after the convolutions: the 2 x 2 max-pool and its gradient; the
+    dense layers, the softmax cross-entropy and their gradients (the pool's output's too);
+    the SGD update of every parameter."""
+    import jax
+    import jax.numpy as jnp
+
+    from deltafl_jax.models.conv import max_pool_2x2
+
+    batch, hw = xs.shape[1], side - 4
+    rng = np.random.default_rng(1)
+    a = jnp.asarray(rng.standard_normal((batch, hw, hw, 64)), jnp.float32)
+    pp = params["params"]
+    dense = {k: pp[k] for k in ("dense1", "dense2")}
+
+    def head(d, h, y):
+        z = jax.nn.relu(h @ d["dense1"]["kernel"] + d["dense1"]["bias"])
+        z = z @ d["dense2"]["kernel"] + d["dense2"]["bias"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z), y[:, None], 1))
+
+    h = max_pool_2x2(a).reshape(batch, -1)
+    grads = jax.tree.map(lambda v: 1e-3 * v, params)
+    return {
+        "pool_forward_and_grad": scanned(lambda c, _: c - 1e-6 * jax.grad(
+            lambda v: jnp.sum(jnp.square(max_pool_2x2(v))))(c), a, xs),
+        "dense_and_loss_forward_and_grads": scanned(lambda c, y: (
+            lambda g: (jax.tree.map(lambda u, v: u - 0.1 * v, c[0], g[0]), c[1] - g[1]))(
+            jax.grad(head, (0, 1))(c[0], c[1], y)), (dense, h), ys),
+        "sgd_update_all_parameters": scanned(
+            lambda p, _: jax.tree.map(lambda u, g: u - 0.1 * g, p, grads), params, xs),
+    }
+
+
+def step_pieces(side: int, batch: int) -> dict:
+    """{name: (jitted function, arguments)}: the pieces of pfl_cnn's local SGD step on `batch`
+    images, each a loop of PROFILE_STEPS steps, one client, one device."""
+    import jax
+    import jax.numpy as jnp
+
+    from deltafl_jax.models.image import PflCNN
+
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((batch, side, side, CHANNELS)), jnp.float32)
-    y = jnp.asarray(rng.integers(0, CLASSES, batch), jnp.int32)
-    out = {}
-    for impl in ("im2col_wgrad", "xla"):
-        net = PflCNN(CLASSES, conv_impl=impl)
-        params = net.init(jax.random.key(0), x)
-
-        def loss(p, net=net):
-            logp = jax.nn.log_softmax(net.apply(p, x))
-            return -jnp.mean(jnp.take_along_axis(logp, y[:, None], 1))
-
-        def step(p, loss=loss):
-            g = jax.grad(loss)(p)
-            return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
-
-        out[f"sgd_step_{impl}"] = (jax.jit(step), (params,))
-        out[f"forward_{impl}"] = (jax.jit(lambda p, net=net: net.apply(p, x)), (params,))
-        for name, cin, cout, hw in (("conv1", CHANNELS, 32, side),
-                                    ("conv2", 32, 64, side - 2)):
-            a = jnp.asarray(rng.standard_normal((batch, hw, hw, cin)), jnp.float32)
-            w = jnp.asarray(rng.standard_normal((3, 3, cin, cout)), jnp.float32) * 0.1
-            f = lambda a, w, impl=impl: jnp.sum(jnp.square(conv_valid(a, w, impl)))
-            out[f"{name}_forward_{impl}"] = (jax.jit(f), (a, w))
-            out[f"{name}_weight_grad_{impl}"] = (jax.jit(jax.grad(f, 1)), (a, w))
-            out[f"{name}_input_grad_{impl}"] = (jax.jit(jax.grad(f, 0)), (a, w))
-    feats = ((side - 4) // 2) ** 2 * 64
-    h = jnp.asarray(rng.standard_normal((batch, feats)), jnp.float32)
-    w1 = jnp.asarray(rng.standard_normal((feats, 128)), jnp.float32) * 0.01
-    dense = lambda h, w: jnp.sum(jnp.square(jax.nn.relu(h @ w)))
-    out["dense1_forward_and_grads"] = (jax.jit(jax.grad(dense, (0, 1))), (h, w1))
+    xs = jnp.asarray(rng.standard_normal((PROFILE_STEPS, batch, side, side, CHANNELS)),
+                     jnp.float32)
+    ys = jnp.asarray(rng.integers(0, CLASSES, (PROFILE_STEPS, batch)), jnp.int32)
+    params = PflCNN(CLASSES).init(jax.random.key(0), xs[0])
+    out = head_pieces(side, xs, ys, params)
+    for impl in PROFILE_IMPLS:
+        out.update(network_pieces(impl, xs, ys, params))
     return out
 
 
 def profile_step(side: int, batch: int, repeats: int) -> dict:
-    """Median milliseconds of each piece of one local step (:func:`step_pieces`), outside the
-    engine's lanes and loops, on this process's one device."""
+    """Milliseconds per step of each piece (:func:`step_pieces`), outside the engine's lanes:
+    {name: {"min": ..., "median": ...}} over `repeats` calls, the pieces interleaved."""
     import jax
 
-    from bench.common import median_time
-
-    out = {}
-    for name, (fn, args) in step_pieces(side, batch).items():
+    pieces = step_pieces(side, batch)
+    for fn, args in pieces.values():
         jax.block_until_ready(fn(*args))
-        out[name] = 1e3 * float(np.median(median_time(
-            lambda fn=fn, args=args: jax.block_until_ready(fn(*args)), repeats)))
-    return out
+    times = {name: [] for name in pieces}
+    for _ in range(repeats):
+        for name, (fn, args) in pieces.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(1e3 * (time.perf_counter() - t0) / PROFILE_STEPS)
+    return {name: {"min": float(np.min(v)), "median": float(np.median(v))}
+            for name, v in times.items()}
 
 
 class Side:
@@ -444,9 +520,26 @@ def bench() -> None:
         sys.exit(2)
 
 
+def profile_only() -> None:
+    from bench.common import backend_name, emit, gemm_peak_gflops, machine
+
+    result = {"benchmark": "peer_pfl_profile", "machine": machine(),
+              "date": time.strftime("%Y-%m-%d"), "loadavg_start": os.getloadavg(),
+              "steps_per_call": PROFILE_STEPS, "repeats": FLAGS.profile_repeats,
+              "batch_size": FLAGS.batch_size,
+              "profile_ms": profile_step(FLAGS.side, FLAGS.batch_size,
+                                         max(FLAGS.profile_repeats, 1)),
+              "gemm_gflops": {"jax": gemm_peak_gflops(FLAGS.gemm_n),
+                              "numpy": numpy_gemm_gflops(FLAGS.gemm_n)},
+              "loadavg_end": os.getloadavg()}
+    emit(result, FLAGS.out, name=f"peer_pfl_profile_{backend_name()}")
+
+
 def main(argv):
     del argv
-    if FLAGS.role == "engine":
+    if FLAGS.profile_only:
+        profile_only()
+    elif FLAGS.role == "engine":
         engine_side()
     else:
         bench()

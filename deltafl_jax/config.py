@@ -147,7 +147,9 @@ class Placement:
         "quarter of a device's memory")
     conv_impl: Optional[str] = setting(
         None, "convolutions (the built-in networks' and every nn.Conv): im2col_wgrad (CPU, "
-        "GPU) | im2col | xla (TPU; the module as written); unset: by backend", kind="string")
+        "GPU) | winograd (3x3 at stride 1 by Winograd's F(2x2, 3x3), the rest as "
+        "im2col_wgrad) | im2col | xla (TPU; the module as written); unset: by backend",
+        kind="string")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,10 +23,11 @@ KEYS = ("name", "default", "help", "type", "choices", "boolean")
 DROPPED_DUPLICATES = {}   # flag -> the flag that stays
 # flag -> the help it must have now (its name, default, type and choices unchanged)
 HELP_UPDATED = {
-    # the GPU default became im2col_wgrad (measured on an H100), im2col was added, and every
-    # nn.Conv of a model of one's own takes the same path
+    # the GPU default became im2col_wgrad (measured on an H100), im2col and winograd were
+    # added, and every nn.Conv of a model of one's own takes the same path
     "conv_impl": "convolutions (the built-in networks' and every nn.Conv): im2col_wgrad (CPU, "
-                 "GPU) | im2col | xla (TPU; the module as written); unset: by backend",
+                 "GPU) | winograd (3x3 at stride 1 by Winograd's F(2x2, 3x3), the rest as "
+                 "im2col_wgrad) | im2col | xla (TPU; the module as written); unset: by backend",
     # the image models
     "model": "linear | cnn | mlp | mean | gru | lstm | sent140_linear | lstm_nwp | fedavg_cnn | "
              "pfl_cnn | resnet18_gn, or a model of your own registered by --model_module",

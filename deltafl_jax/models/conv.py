@@ -151,6 +151,151 @@ def _general_bwd(strides, padding, dilation, groups, res, dy):
 conv_general.defvjp(_general_fwd, _general_bwd)
 
 
+# Winograd's minimal filtering F(2x2, 3x3) (Lavin & Gray 2016, eq. 8):
+#     Y = A^T [ (G g G^T) * (B^T d B) ] A
+# for a 4 x 4 input tile d, a 3 x 3 kernel g and a 2 x 2 output tile Y, with
+#     B^T = [[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]],
+#     G   = [[1, 0, 0], [1/2, 1/2, 1/2], [1/2, -1/2, 1/2], [0, 0, 1]],
+#     A^T = [[1, 1, 1, 0], [0, 1, -1, -1]].
+# Summed over the input channels, the elementwise product is one matrix product per tile
+# position (xi, nu) of the 16: M[xi nu] = V[xi nu] @ U[xi nu], V [tiles, C], U [C, O].
+
+
+def _bt(d):
+    """B^T applied to four stacked rows (or columns) d0..d3."""
+    d0, d1, d2, d3 = d
+    return [d0 - d2, d1 + d2, d2 - d1, d1 - d3]
+
+
+def _g(r):
+    """G applied to three stacked rows (or columns) r0..r2."""
+    return [r[0], (r[0] + r[1] + r[2]) * 0.5, (r[0] - r[1] + r[2]) * 0.5, r[2]]
+
+
+def _gt(r):
+    """G^T applied to four stacked rows (or columns) r0..r3."""
+    return [r[0] + 0.5 * (r[1] + r[2]), 0.5 * (r[1] - r[2]), 0.5 * (r[1] + r[2]) + r[3]]
+
+
+def _a(p):
+    """A applied to two stacked rows (or columns) p0, p1 (the transpose of A^T)."""
+    return [p[0], p[0] + p[1], p[0] - p[1], -p[1]]
+
+
+def _tile_grid(x, pads: Pads):
+    """x zero-padded by `pads` and then at the high end to whole 2 x 2 output tiles:
+    (x_pad, (out_h, out_w), (tiles_h, tiles_w))."""
+    _, h, wd, _ = x.shape
+    (plo, phi), (qlo, qhi) = pads
+    oh, ow = h + plo + phi - 2, wd + qlo + qhi - 2
+    th, tw = (oh + 1) // 2, (ow + 1) // 2
+    xp = _pad(x, ((0, 0), (plo, 2 * th + 2 - h - plo), (qlo, 2 * tw + 2 - wd - qlo), (0, 0)))
+    return xp, (oh, ow), (th, tw)
+
+
+def _input_tiles(x, pads: Pads):
+    """V = B^T d B for every 4 x 4 tile d (stride 2) of the padded input: [16, B*th*tw, C],
+    the first axis the tile position (xi, nu) row-major."""
+    xp, out_hw, (th, tw) = _tile_grid(x, pads)
+    d = [[xp[:, i:i + 2 * th - 1:2, j:j + 2 * tw - 1:2, :] for j in range(4)] for i in range(4)]
+    cols = [_bt([d[i][j] for i in range(4)]) for j in range(4)]
+    v = [_bt([cols[j][xi] for j in range(4)]) for xi in range(4)]
+    stacked = jnp.stack([v[xi][nu] for xi in range(4) for nu in range(4)])
+    return stacked.reshape(16, x.shape[0] * th * tw, x.shape[-1]), out_hw, (th, tw)
+
+
+def _kernel_tiles(w):
+    """U = G g G^T of a [3, 3, C, O] kernel: [16, C, O]."""
+    rows = _g([w[i] for i in range(3)])
+    u = [_g([rows[xi][j] for j in range(3)]) for xi in range(4)]
+    return jnp.stack([u[xi][nu] for xi in range(4) for nu in range(4)])
+
+
+def _kernel_tiles_transpose(du):
+    """dw = G^T dU G: the [16, C, O] gradient of the kernel tiles back to [3, 3, C, O]."""
+    u = du.reshape((4, 4) + du.shape[1:])
+    rows = [_gt([u[xi, nu] for nu in range(4)]) for xi in range(4)]
+    out = [_gt([rows[xi][j] for xi in range(4)]) for j in range(3)]
+    return jnp.stack([jnp.stack([out[j][i] for j in range(3)]) for i in range(3)])
+
+
+def _output_tiles(m, batch, out_hw, tiles_hw):
+    """Y = A^T M A for every tile: [16, B*th*tw, O] -> [B, out_h, out_w, O]."""
+    (oh, ow), (th, tw) = out_hw, tiles_hw
+    m = m.reshape((4, 4) + m.shape[1:])
+    rows = [m[0] + m[1] + m[2], m[1] - m[2] - m[3]]
+    y = jnp.stack([jnp.stack([r[0] + r[1] + r[2], r[1] - r[2] - r[3]]) for r in rows])
+    cout = y.shape[-1]
+    y = y.reshape(2, 2, batch, th, tw, cout).transpose(2, 3, 0, 4, 1, 5)
+    return y.reshape(batch, 2 * th, 2 * tw, cout)[:, :oh, :ow, :]
+
+
+def _output_tiles_transpose(dy, tiles_hw):
+    """dM = A dY A^T for every 2 x 2 tile of dy [B, out_h, out_w, O]: [16, B*th*tw, O]."""
+    b, oh, ow, cout = dy.shape
+    th, tw = tiles_hw
+    t = _pad(dy, ((0, 0), (0, 2 * th - oh), (0, 2 * tw - ow), (0, 0)))
+    t = t.reshape(b, th, 2, tw, 2, cout)
+    rows = [_a([t[:, :, i, :, j, :] for i in range(2)]) for j in range(2)]
+    m = [_a([rows[j][xi] for j in range(2)]) for xi in range(4)]
+    return jnp.stack([m[xi][nu] for xi in range(4) for nu in range(4)]).reshape(
+        16, b * th * tw, cout)
+
+
+_BATCHED = (((2,), (1,)), ((0,), (0,)))      # [16, T, C] x [16, C, O] -> [16, T, O]
+_OVER_TILES = (((1,), (1,)), ((0,), (0,)))   # [16, T, C] x [16, T, O] -> [16, C, O]
+
+
+def _winograd_forward(x, w, pads: Pads):
+    v, out_hw, tiles_hw = _input_tiles(x, pads)
+    m = lax.dot_general(v, _kernel_tiles(w), _BATCHED)
+    return _output_tiles(m, x.shape[0], out_hw, tiles_hw)
+
+
+def winograd_applies(kernel_shape, strides, dilation, groups) -> bool:
+    """Whether :func:`conv_winograd` computes this convolution: a 3 x 3 kernel at stride 1,
+    no kernel dilation, one feature group (any padding)."""
+    return (tuple(kernel_shape) == (3, 3) and tuple(strides) == (1, 1)
+            and tuple(dilation) == (1, 1) and groups == 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def conv_winograd(x, w, pads: Pads = ((0, 0), (0, 0))):
+    """NHWC x HWIO 3 x 3 stride-1 convolution with explicit (lo, hi) `pads` by Winograd's
+    F(2x2, 3x3) (the comment above): 16 matrix products [tiles, C] x [C, O], 2.25x fewer
+    multiplies than the direct convolution's. Its backward pass: the input gradient is the
+    full convolution of dy (padded by 2 - lo, 2 - hi) with the flipped, channel-swapped kernel,
+    by the same algorithm; the weight gradient is G^T (sum over tiles of V^T dM) G with
+    dM = A dY A^T, 16 products [C, tiles] x [tiles, O]."""
+    return _winograd_forward(x, w, pads)
+
+
+def _winograd_fwd(x, w, pads):
+    return _winograd_forward(x, w, pads), (x, w)
+
+
+def _winograd_bwd(pads, res, dy):
+    x, w = res
+    (plo, phi), (qlo, qhi) = pads
+    dx = _winograd_forward(dy, _transposed_kernel(w, 1), ((2 - plo, 2 - phi), (2 - qlo, 2 - qhi)))
+    v, _, tiles_hw = _input_tiles(x, pads)
+    du = lax.dot_general(v, _output_tiles_transpose(dy, tiles_hw), _OVER_TILES)
+    return dx.astype(x.dtype), _kernel_tiles_transpose(du).astype(w.dtype)
+
+
+conv_winograd.defvjp(_winograd_fwd, _winograd_bwd)
+
+
+def conv_fast(x, w, strides=(1, 1), padding: Pads = ((0, 0), (0, 0)), dilation=(1, 1),
+              groups: int = 1, impl: str = "im2col_wgrad"):
+    """:func:`conv_winograd` where `impl` is "winograd" and :func:`winograd_applies`,
+    :func:`conv_general` otherwise."""
+    if impl == "winograd" and winograd_applies(w.shape[:2], strides, dilation, groups):
+        return conv_winograd(x, w, tuple(tuple(p) for p in padding))
+    return conv_general(x, w, tuple(strides), tuple(tuple(p) for p in padding),
+                        tuple(dilation), groups)
+
+
 def _same_pads(k):
     # XLA's SAME padding for stride 1: (k - 1) // 2 before, the rest after.
     return (k - 1) // 2, k - 1 - (k - 1) // 2
@@ -188,16 +333,18 @@ def conv2d_im2col(x, w):
     return im2col_forward(x, w)
 
 
-CONV_IMPLS = ("im2col_wgrad", "im2col", "xla")
+CONV_IMPLS = ("im2col_wgrad", "winograd", "im2col", "xla")
 
 
 def conv2d(x, w, impl: str = "im2col_wgrad"):
-    """SAME, stride-1 convolution. impl: "im2col_wgrad" (fast in CPU loops), "im2col" (every
+    """SAME, stride-1 convolution. impl: "im2col_wgrad" (fast in CPU loops), "winograd"
+    (:func:`conv_winograd` for 3 x 3 kernels, "im2col_wgrad" for others), "im2col" (every
     pass a matrix product) or "xla" (the backend's convolutions)."""
     if impl == "xla":
         return _conv(x, w)
-    if impl == "im2col_wgrad":
-        return conv2d_im2col_wgrad(x, w)
+    if impl in ("im2col_wgrad", "winograd"):
+        kh, kw = w.shape[:2]
+        return conv_fast(x, w, (1, 1), (_same_pads(kh), _same_pads(kw)), impl=impl)
     if impl == "im2col":
         return conv2d_im2col(x, w)
     raise ValueError(f"unknown conv impl {impl!r}; expected one of {', '.join(CONV_IMPLS)}")

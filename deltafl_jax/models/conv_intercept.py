@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from deltafl_jax.models.conv import CONV_IMPLS, conv_general, explicit_pads, im2col_forward
+from deltafl_jax.models.conv import CONV_IMPLS, conv_fast, explicit_pads, im2col_forward
 
 _SPECS = {3: ("NWC", "WIO", "NWC"), 4: ("NHWC", "HWIO", "NHWC")}
 
@@ -87,7 +87,9 @@ def fast_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=No
                               impl: str = "im2col_wgrad"):
     """``lax.conv_general_dilated``'s signature: the fast path of
     :func:`~deltafl_jax.models.conv.conv_general` where :func:`supported`, XLA's own
-    otherwise. `impl="im2col"` computes a one-group forward as a matrix product too."""
+    otherwise. `impl="im2col"` computes a one-group forward as a matrix product too;
+    `impl="winograd"` a 3 x 3 stride-1 one-group convolution by
+    :func:`~deltafl_jax.models.conv.conv_winograd`."""
     if not supported(lhs, rhs, lhs_dilation, dimension_numbers, batch_group_count, precision,
                      preferred_element_type):
         return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation,
@@ -102,7 +104,7 @@ def fast_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=No
     if impl == "im2col" and feature_group_count == 1:
         y = im2col_forward(x, w, strides, pads, dilation)
     else:
-        y = conv_general(x, w, strides, pads, dilation, int(feature_group_count))
+        y = conv_fast(x, w, strides, pads, dilation, int(feature_group_count), impl)
     return y[:, 0] if one_d else y
 
 
@@ -211,7 +213,8 @@ def _evaluate(jaxpr, consts, args, impl: str):
 
 def rewritten(fn: Callable, impl: Optional[str]) -> Callable:
     """`fn` with its convolutions and max-poolings on the fast path of `impl`
-    ("im2col_wgrad" or "im2col"; module docstring); "xla" and None: `fn` itself."""
+    ("im2col_wgrad", "winograd" or "im2col"; module docstring); "xla" and None: `fn`
+    itself."""
     if impl is not None and impl not in CONV_IMPLS:
         raise ValueError(f"unknown conv impl {impl!r}; expected one of {', '.join(CONV_IMPLS)}")
     if impl in (None, "xla"):

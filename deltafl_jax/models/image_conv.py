@@ -22,19 +22,20 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from deltafl_jax.models.conv import conv2d, conv_general, im2col_forward
+from deltafl_jax.models.conv import conv2d, conv_fast, im2col_forward
 
 _DN = ("NHWC", "HWIO", "NHWC")
 
 
 def conv_padded(x, w, strides, pads, impl: str):
     """NHWC x HWIO convolution with explicit (lo, hi) `pads` per spatial axis on the path of
-    `impl`: "xla", "im2col" or "im2col_wgrad"."""
+    `impl`: "xla", "im2col", "im2col_wgrad" or "winograd" (3 x 3 at stride 1; the others as
+    "im2col_wgrad")."""
     if impl == "xla":
         return lax.conv_general_dilated(x, w, strides, pads, dimension_numbers=_DN)
     if impl == "im2col":
         return im2col_forward(x, w, strides, pads)
-    return conv_general(x, w, tuple(strides), tuple(pads), (1, 1), 1)
+    return conv_fast(x, w, tuple(strides), tuple(pads), (1, 1), 1, impl)
 
 
 def conv_same(x, w, impl: str):

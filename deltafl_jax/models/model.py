@@ -58,8 +58,8 @@ class Model:
       error_rate: the error is a misclassification rate, shown in % (None: every loss kind
         but "squared" is; a "custom" model says so here, default True).
       conv_impl: how the module's convolutions and max-poolings compute their gradients
-        (:mod:`deltafl_jax.models.conv_intercept`): "im2col_wgrad", "im2col" or "xla" (the
-        module as it is); None: ``ModelOptions.conv_impl`` when
+        (:mod:`deltafl_jax.models.conv_intercept`): "im2col_wgrad", "winograd", "im2col" or
+        "xla" (the module as it is); None: ``ModelOptions.conv_impl`` when
         :func:`~deltafl_jax.models.build_model` builds it, else
         :func:`~deltafl_jax.models.default_conv_impl` of the backend.
     """

@@ -1,0 +1,182 @@
+"""Winograd's F(2x2, 3x3) convolution (deltafl_jax.models.conv.conv_winograd, ``--conv_impl=
+winograd``): its values and both gradients against XLA's direct convolution under autodiff and
+against a NumPy direct convolution, for VALID, SAME, asymmetric and cropping paddings and
+output sizes odd and even; every ``nn.Conv`` of a model routed to it (3 x 3 at stride 1) or
+to the im2col path (anything else) under vmapped lanes; and pfl-research's CNN trained without
+any convolution in its gradient."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from deltafl_jax.models.conv import conv2d, conv_winograd, winograd_applies
+from deltafl_jax.models.conv_intercept import rewritten
+from deltafl_jax.models.image import PflCNN
+
+DN = ("NHWC", "HWIO", "NHWC")
+
+# (batch, height, width, in channels, out channels, ((lo, hi), (lo, hi)))
+SHAPES = {
+    "valid_even_out": (2, 10, 8, 5, 6, ((0, 0), (0, 0))),
+    "valid_odd_out": (3, 9, 7, 4, 3, ((0, 0), (0, 0))),
+    "same": (2, 7, 6, 3, 8, ((1, 1), (1, 1))),
+    "asymmetric": (1, 6, 9, 4, 5, ((2, 0), (0, 1))),
+    "crop": (2, 8, 7, 3, 4, ((-1, 2), (1, -1))),
+}
+
+
+def assert_close(got, ref, rtol=1e-5):
+    """Equal within float32 rounding of sums of this size: relative to the largest entry."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    scale = float(np.max(np.abs(ref)))
+    np.testing.assert_allclose(got, ref, rtol=rtol, atol=rtol * scale)
+
+
+def sample(case, seed=0):
+    b, h, w, c, o, pads = SHAPES[case]
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(b, h, w, c)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(3, 3, c, o)) / np.sqrt(9 * c), jnp.float32)
+    return x, k, pads
+
+
+@pytest.mark.parametrize("case", sorted(SHAPES))
+def test_values_and_gradients_equal_xla_direct_convolution(case):
+    x, k, pads = sample(case)
+
+    def loss(conv):
+        return jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(jnp.sin(conv(a, b))), (0, 1)))
+
+    direct = lambda a, b: lax.conv_general_dilated(a, b, (1, 1), pads, dimension_numbers=DN)
+    ours = lambda a, b: conv_winograd(a, b, pads)
+    assert_close(jax.jit(ours)(x, k), direct(x, k))
+    for r, g in zip(jax.tree.leaves(loss(direct)(x, k)), jax.tree.leaves(loss(ours)(x, k))):
+        assert_close(g, r)
+
+
+def numpy_conv(x, k, pads):
+    """y[b, h, w, o] = sum_{i, j, c} x_pad[b, h + i, w + j, c] k[i, j, c, o], in float64."""
+    (plo, phi), (qlo, qhi) = pads
+    xp = np.pad(x, ((0, 0), (max(plo, 0), max(phi, 0)), (max(qlo, 0), max(qhi, 0)), (0, 0)))
+    xp = xp[:, max(-plo, 0):xp.shape[1] - max(-phi, 0), max(-qlo, 0):xp.shape[2] - max(-qhi, 0)]
+    oh, ow = xp.shape[1] - 2, xp.shape[2] - 2
+    return sum(np.einsum("bhwc,co->bhwo", xp[:, i:i + oh, j:j + ow], k[i, j])
+               for i in range(3) for j in range(3))
+
+
+@pytest.mark.parametrize("case", ["valid_odd_out", "crop"])
+def test_values_and_weight_gradient_equal_numpy(case):
+    """The forward pass against a NumPy direct convolution; the weight gradient of
+    sum(y * r) is the correlation of the padded input with r (sum over b, h, w of
+    x_pad[b, h + i, w + j, c] r[b, h, w, o])."""
+    x, k, pads = sample(case, seed=1)
+    x64, k64 = np.asarray(x, np.float64), np.asarray(k, np.float64)
+    y = numpy_conv(x64, k64, pads)
+    conv = jax.jit(lambda a, b: conv_winograd(a, b, pads))
+    assert_close(conv(x, k), y)
+    r = np.random.default_rng(2).normal(size=y.shape)
+    dw = jax.jit(jax.grad(lambda b: jnp.sum(conv(x, b) * jnp.asarray(r, jnp.float32))))(k)
+    (plo, phi), (qlo, qhi) = pads
+    eye = np.eye(k.shape[2])
+    # the weight gradient's (i, j, c, o) entry is the convolution's output for a unit kernel
+    want = np.stack([np.stack([np.einsum("bhwc,bhwo->co", numpy_conv(
+        x64, np.pad(eye[None, None], ((i, 2 - i), (j, 2 - j), (0, 0), (0, 0))), pads), r)
+        for j in range(3)]) for i in range(3)])
+    assert_close(dw, want)
+
+
+def test_applies_to_three_by_three_stride_one_only():
+    assert winograd_applies((3, 3), (1, 1), (1, 1), 1)
+    assert not winograd_applies((5, 5), (1, 1), (1, 1), 1)
+    assert not winograd_applies((3, 3), (2, 2), (1, 1), 1)
+    assert not winograd_applies((3, 3), (1, 1), (2, 2), 1)
+    assert not winograd_applies((3, 3), (1, 1), (1, 1), 2)
+
+
+class ConvNet(nn.Module):
+    """nn.Conv (one setting), ReLU, a second 3 x 3 SAME nn.Conv."""
+
+    settings: dict
+
+    @nn.compact
+    def __call__(self, x):
+        s = dict(self.settings)
+        kernel = s.pop("kernel_size", (3, 3))
+        x = nn.relu(nn.Conv(6, kernel, **s)(x))
+        return nn.Conv(5, (3, 3), padding="SAME")(x)
+
+
+LAYERS = {"valid": dict(padding="VALID"), "same": dict(padding="SAME"),
+          "stride2": dict(padding=1, strides=2), "five_by_five": dict(kernel_size=(5, 5)),
+          "groups2": dict(padding="SAME", feature_group_count=2)}
+
+
+# Two layers in the fast suite, the rest with CI's slow step (a compile each).
+FAST_LAYERS = {"valid", "stride2"}
+
+
+@pytest.mark.parametrize("layer", [c if c in FAST_LAYERS else
+                                   pytest.param(c, marks=pytest.mark.slow)
+                                   for c in sorted(LAYERS)])
+def test_nn_conv_in_vmapped_lanes_equals_flax(layer):
+    """Every nn.Conv through the intercept with impl="winograd" (Winograd where it applies,
+    the im2col path otherwise) against Flax's own layers under autodiff, two lanes of their
+    own models."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=(2, 3, 9, 8, 4)), jnp.float32)
+    module = ConvNet(LAYERS[layer])
+    p = module.init(jax.random.key(0), x[0])
+    lanes = jax.tree.map(lambda a: jnp.stack([a, -0.7 * a]), p)
+
+    def grads(impl):
+        def loss(q, xb):
+            return jnp.sum(jnp.sin(rewritten(module.apply, impl)(q, xb)))
+        return jax.tree.leaves(jax.jit(jax.vmap(jax.value_and_grad(loss, (0, 1))))(lanes, x))
+
+    for r, g in zip(grads("xla"), grads("winograd")):
+        assert_close(g, r)
+
+
+def test_conv2d_same_winograd_equals_xla_and_keeps_other_kernels():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(2, 7, 7, 3)), jnp.float32)
+    for size in (3, 5):
+        k = jnp.asarray(rng.normal(size=(size, size, 3, 4)), jnp.float32)
+        assert_close(conv2d(x, k, "winograd"), conv2d(x, k, "xla"))
+
+
+def equations(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from equations(inner)
+
+
+def test_pfl_cnn_step_has_no_convolution_and_equals_xla():
+    """pfl-research's CNN with conv_impl="winograd": the loss and every gradient of a batch
+    equal XLA's convolutions under autodiff, and the gradient's program has no convolution
+    (both layers are 3 x 3 VALID at stride 1)."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(3, 12, 10, 3)), jnp.float32)
+    y = jnp.asarray([1, 0, 4])
+    p = PflCNN(5, conv_impl="xla").init(jax.random.key(1), x)
+
+    def loss_of(impl):
+        def loss(q):
+            z = PflCNN(5, conv_impl=impl).apply(q, x)
+            return jnp.mean(jax.nn.logsumexp(z, axis=1) - z[jnp.arange(3), y])
+        return loss
+
+    prims = {e.primitive.name for e in equations(
+        jax.make_jaxpr(jax.grad(loss_of("winograd")))(p).jaxpr)}
+    assert "conv_general_dilated" not in prims and "dot_general" in prims
+    ref = jax.jit(jax.value_and_grad(loss_of("xla")))(p)
+    got = jax.jit(jax.value_and_grad(loss_of("winograd")))(p)
+    for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+        assert_close(g, r)
