@@ -7,14 +7,15 @@ import pytest
 
 pytestmark = pytest.mark.slow   # subprocess runs: CI's second step (see .ci/run)
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "notebooks", "colab_tpu.ipynb")
 
 
 def test_colab_notebook_runs_on_cpu(tmp_path):
+    # Imported here, not at the module's top: every pytest worker collects this module, also in
+    # the fast step that deselects it, and nbclient brings jupyter_client with it.
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     params = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
     assert len(params) == 1
