@@ -115,10 +115,10 @@ def _row(n: int, mode: str, args) -> dict:
         t1 = time.perf_counter()
         exp.summarize(exp.evaluate(params, e + 1))
         eval_times.append(time.perf_counter() - t1)
-    fp = exp.footprint
+    fp = exp.program.footprint
     return {"clients": n, "model": config.model, "m": config.clients_per_round,
             "client_data": exp.placement.client_data,
-            "generated_on_demand": mode == "host", "eval_clients": exp.eval_clients,
+            "generated_on_demand": mode == "host", "eval_clients": exp.evaluator.eval_clients,
             "build_s": round(build_s, 3), "s_per_round": float(np.median(times)),
             "round_s": [round(t, 4) for t in times],
             "s_per_1000_trained_examples": float(1000 * np.sum(times) / np.sum(examples)),

@@ -118,7 +118,7 @@ def round_memory(compiled, exp: Experiment, state, round_data, keys) -> Optional
         return None
     if m is None:
         return None
-    splits = jax.tree.leaves(exp.store.device_splits)
+    splits = jax.tree.leaves(exp.program.store.device_splits)
     shared = {id(x) for x in splits}    # the train split's arrays, passed in round_data too
     plan = [x for x in jax.tree.leaves(round_data) if id(x) not in shared]
     return RoundMemory(data=tree_nbytes(splits), state=tree_nbytes(state),
@@ -295,7 +295,7 @@ def num_evaluations(num_rounds: int, eval_every: int) -> int:
 def device_memory(exp: Experiment, held: Optional[RoundMemory] = None) -> "tuple[int, str]":
     """(bytes, source): the largest reported peak over the run's devices, else what the
     compiled round holds (`held`), else the start-up footprint."""
-    devices = jax.devices() if exp.mesh is None else list(exp.mesh.devices.flat)
+    devices = jax.devices() if exp.program.mesh is None else list(exp.program.mesh.devices.flat)
     peaks = []
     for d in devices:
         try:
@@ -309,7 +309,7 @@ def device_memory(exp: Experiment, held: Optional[RoundMemory] = None) -> "tuple
     if held is not None:
         return held.total, (f"compiled round: arguments + outputs + temporaries; "
                             f"{exp.backend} reports no memory stats")
-    return int(exp.footprint.total if exp.footprint is not None else 0), (
+    return int(exp.program.footprint.total if exp.program.footprint is not None else 0), (
         f"start-up footprint; {exp.backend} reports no memory stats")
 
 
@@ -369,7 +369,7 @@ def program_key(exp: Experiment, lowered) -> str:
     """What makes two runs' measurements the same: the round's lowered program (its shapes,
     constants and code), the shapes of the examples on the device (the evaluation's inputs)
     and the placement."""
-    splits = [(x.shape, str(x.dtype)) for x in jax.tree.leaves(exp.store.device_splits)]
+    splits = [(x.shape, str(x.dtype)) for x in jax.tree.leaves(exp.program.store.device_splits)]
     text = f"{lowered.as_text()}|{splits}|{exp.placement}|{exp.backend}"
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -392,7 +392,7 @@ def measure(exp: Experiment, build_s: float = 0.0, timed_rounds: int = DEFAULT_T
     if timed_rounds < 1:
         raise ValueError(f"timed_rounds must be at least 1, got {timed_rounds}")
     config = exp.config
-    T = config.num_rounds
+    T = config.training.num_rounds
     t0 = time.perf_counter()
     state, keys = exp.initial_state(), exp.keys()
     jax.block_until_ready(state)
@@ -404,8 +404,9 @@ def measure(exp: Experiment, build_s: float = 0.0, timed_rounds: int = DEFAULT_T
     lower = exp.round_fn.lower if exp.buffered is None else exp.buffered.lower
     lowered = lower(state, pending, keys)
     key = program_key(exp, lowered) if cache is not None else None
-    figures = dict(name=name or config.method, num_rounds=T, eval_every=config.eval_every,
-                   evaluations=num_evaluations(T, config.eval_every), build_s=float(build_s),
+    every = config.evaluation.eval_every
+    figures = dict(name=name or config.method, num_rounds=T, eval_every=every,
+                   evaluations=num_evaluations(T, every), build_s=float(build_s),
                    stop_at_virtual_time=config.timing.stop_at_virtual_time)
     if key is not None and key in cache:
         log(f"estimate: the program of {cache[key].name} again: its measurements reused")
@@ -425,7 +426,7 @@ def measure(exp: Experiment, build_s: float = 0.0, timed_rounds: int = DEFAULT_T
 def _measure_compiled(exp, compiled, compile_round, state, pending, keys, indices,
                       timed_rounds, min_seconds, log, callbacks, output_dir) -> Dict[str, Any]:
     """The fields of an :class:`Estimate` that the compiled round's runs measure."""
-    T = exp.config.num_rounds
+    T = exp.config.training.num_rounds
     held = round_memory(compiled, exp, state, pending, keys)
     ring = _ring(exp, state)
     state, metrics = compiled(state, pending, keys)   # a first run (warm-up, not timed)
@@ -445,7 +446,7 @@ def _measure_compiled(exp, compiled, compile_round, state, pending, keys, indice
     jax.block_until_ready(state)
     if held is not None:   # the evaluation keeps its index streams on the device
         held = dataclasses.replace(held, data=tree_nbytes(jax.tree.leaves(
-            exp.store.device_splits)))
+            exp.program.store.device_splits)))
     memory, source = device_memory(exp, held)
     return dict(
         compile_s=compile_round + max(0.0, first_eval - eval_s), round_s=round_s,
@@ -489,7 +490,7 @@ def estimate_run(config: ExperimentConfig, data: Optional[FederatedDataset] = No
     but has a known shape is measured on its stand-in
     (:func:`deltafl_jax.datasets.known_shapes.load_or_stand_in`); `data_note` says so when
     the caller passes such a stand-in.
-    Nothing is written, whatever ``config.output_dir`` says."""
+    Nothing is written, whatever ``config.output.output_dir`` says."""
     log = log or (lambda line: None)
     log(f"estimate: building {config.method} ...")
     t0 = time.perf_counter()
@@ -501,9 +502,11 @@ def estimate_run(config: ExperimentConfig, data: Optional[FederatedDataset] = No
     build_s = time.perf_counter() - t0 + load_s
     with tempfile.TemporaryDirectory(prefix="deltafl_estimate_") as scratch:
         # The run's own callbacks but the progress lines, writing into a scratch directory
-        # (never config.output_dir); no checkpoints (they are written in the background).
+        # (never config.output.output_dir); no checkpoints (they are written in the background).
         recorder = Recorder()
-        cbs = standard_callbacks(dataclasses.replace(config, output_dir=scratch, verbose=False),
+        scratch_config = dataclasses.replace(config, output=dataclasses.replace(
+            config.output, output_dir=scratch, verbose=False))
+        cbs = standard_callbacks(scratch_config,
                                  exp, lambda line: None, recorder, None, fingerprint)
         est = measure(exp, build_s, timed_rounds, log, min_seconds=min_seconds,
                       callbacks=[recorder, *cbs], output_dir=scratch, cache=cache)
@@ -555,7 +558,7 @@ def program_work(config: ExperimentConfig, data: FederatedDataset,
     weights = sum(run.spec.expected_work(label) for label in run.replicas.labels)
     evaluated = int(run.algorithm.uses_losses) + int(run.algorithm.probe is not None)
     examples = run.data.train.num_examples + run.data.test.num_examples
-    T, every, R = config.num_rounds, config.eval_every, run.replicas.size
+    T, every, R = config.training.num_rounds, config.evaluation.eval_every, run.replicas.size
     return ProgramWork(replicas=R, rounds=T, eval_every=every,
                        evaluations=num_evaluations(T, every),
                        train_steps=weights * m * per_client,
