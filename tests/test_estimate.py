@@ -182,7 +182,7 @@ def test_device_memory_takes_the_largest_reported_peak():
 
 def test_total_of_several_programs_is_their_sum():
     from deltafl_jax.run.estimate import Estimate, total_lines
-    common = dict(num_rounds=10, eval_every=5, evaluations=2, timed_rounds=3,
+    common = dict(num_rounds=10, eval_every=5,
                   memory_source="peak_bytes_in_use", flops_per_round=None, train_trips=[1],
                   work={},
                   backend="gpu", devices=1, replicas=4, lanes=2)

@@ -13,6 +13,14 @@ passed as `replicas`) and ``--estimate`` all reach it through
 and compiles its round. The data is loaded by the caller, once (the command's entry point, or
 :func:`deltafl_jax.run_experiment` / :func:`deltafl_jax.run.estimate.estimate_run` when called
 without it).
+
+It owns what the settings mean on the data, and nothing placed on a device: the frozen
+:class:`ResolvedRun` that the program (:mod:`deltafl_jax.run.program`), the planner
+(:mod:`deltafl_jax.run.planning`) and the evaluation (:mod:`deltafl_jax.run.evaluation`) read
+whole. It may import the configuration, the data, the models, the algorithms' registry, the
+sampling package, the privacy accounting and, in :mod:`deltafl_jax.run`, the placement's
+checks and the personalised evaluation's block sizes; nothing that builds or compiles a
+program.
 """
 
 from __future__ import annotations
