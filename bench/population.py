@@ -153,8 +153,9 @@ def _femnist_pair(model: str, m: int, rounds: int) -> list:
             tree_to_host(metrics)
             times[k].append(time.perf_counter() - t0)
     return [{"model": model, "m": m, "client_data": k, "s_per_round": float(np.median(v)),
-             "round_s": [round(x, 4) for x in v], "device_bytes": int(exps[k].footprint.total),
-             "device_data_bytes": int(exps[k].footprint.data)} for k, v in times.items()]
+             "round_s": [round(x, 4) for x in v],
+             "device_bytes": int(exps[k].program.footprint.total),
+             "device_data_bytes": int(exps[k].program.footprint.data)} for k, v in times.items()]
 
 
 def _run_row(n, mode: str, argv):
