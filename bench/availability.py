@@ -113,7 +113,7 @@ class _Timed(SteppedRun):
         import numpy as np
         from bench.common import median
         p = self.parts
-        fp = self.exp.footprint
+        fp = self.exp.program.footprint
         return {**labels, "s_per_round": median(p["round"]),
                 "host_s": self.host_s(), **{f"{k}_s": median(p[k]) for k in PARTS},
                 "round_s": [round(x, 4) for x in p["round"]],

@@ -372,7 +372,7 @@ class SteppedRun:
         t2 = clock()
         plan = exp.round_plan(t + 1)
         t3 = clock()
-        self.pending = exp.store.round_data(plan)
+        self.pending = exp.program.store.round_data(plan)
         t4 = clock()
         metrics = tree_to_host(metrics)
         t5 = clock()

@@ -55,7 +55,7 @@ def time_shape(shape: str) -> dict:
     speeds = np.random.default_rng(0).lognormal(0.0, 1.0, FLAGS.num_clients)
     run = BufferedRun(exp.model, exp.replicas, local, seeds=(1,),
                       settings=AsyncSettings(2 * K, K, None), offsets=data.train.offsets,
-                      work=exp.work, seconds=lambda ids: speeds[ids])
+                      work=exp.run.work, seconds=lambda ids: speeds[ids])
     sync_state, keys = exp.initial_state(), exp.keys()
     async_state = init_buffered_state(sync_state.params, run.schedulers[0].V)
     x, y = jax.device_put(data.train.x), jax.device_put(data.train.y)

@@ -115,10 +115,10 @@ def _row(n: int, mode: str, args) -> dict:
         t1 = time.perf_counter()
         exp.summarize(exp.evaluate(params, e + 1))
         eval_times.append(time.perf_counter() - t1)
-    fp = exp.footprint
+    fp = exp.program.footprint
     return {"clients": n, "model": config.model, "m": config.clients_per_round,
             "client_data": exp.placement.client_data,
-            "generated_on_demand": mode == "host", "eval_clients": exp.eval_clients,
+            "generated_on_demand": mode == "host", "eval_clients": exp.evaluator.eval_clients,
             "build_s": round(build_s, 3), "s_per_round": float(np.median(times)),
             "round_s": [round(t, 4) for t in times],
             "s_per_1000_trained_examples": float(1000 * np.sum(times) / np.sum(examples)),
@@ -153,8 +153,9 @@ def _femnist_pair(model: str, m: int, rounds: int) -> list:
             tree_to_host(metrics)
             times[k].append(time.perf_counter() - t0)
     return [{"model": model, "m": m, "client_data": k, "s_per_round": float(np.median(v)),
-             "round_s": [round(x, 4) for x in v], "device_bytes": int(exps[k].footprint.total),
-             "device_data_bytes": int(exps[k].footprint.data)} for k, v in times.items()]
+             "round_s": [round(x, 4) for x in v],
+             "device_bytes": int(exps[k].program.footprint.total),
+             "device_data_bytes": int(exps[k].program.footprint.data)} for k, v in times.items()]
 
 
 def _run_row(n, mode: str, argv):

@@ -308,7 +308,8 @@ def test_experiment_summarize_adds_the_split_only_when_given(built):
     plain = built.summarize(pc)
     assert not any("_avail_" in key for key in plain)
     split = AvailabilitySplit(rng.random(n_train), rng.random(n_test))
-    got = dataclasses.replace(built, availability_split=split).summarize(pc)
+    got = dataclasses.replace(built, evaluator=dataclasses.replace(
+        built.evaluator, availability_split=split)).summarize(pc)
     extra = split.summaries(pc)
     assert list(got) == list(plain) + list(extra)
     for key in plain:
@@ -328,8 +329,13 @@ def test_a_runs_metrics_and_summary_hold_the_split(tiny_synthetic, tmp_path, mon
     n_train, n_test = tiny_synthetic.train.num_clients, tiny_synthetic.test.num_clients
     split = AvailabilitySplit(np.linspace(0.0, 1.0, n_train)[::-1], np.arange(n_test) % 3)
     build = runner.build_experiment
-    monkeypatch.setattr(runner, "build_experiment", lambda *a, **kw: dataclasses.replace(
-        build(*a, **kw), availability_split=split))
+
+    def with_split(*a, **kw):
+        exp = build(*a, **kw)
+        return dataclasses.replace(exp, evaluator=dataclasses.replace(
+            exp.evaluator, availability_split=split))
+
+    monkeypatch.setattr(runner, "build_experiment", with_split)
     out = str(tmp_path / "run")
     run_experiment(tiny_config(client_holdout=0.25, output_dir=out), tiny_synthetic)
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]

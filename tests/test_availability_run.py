@@ -143,17 +143,17 @@ def test_evaluations_split_the_error_by_the_availability_of_both_populations(tin
     base = dict(algorithm="deltafl", thetas=(0.5,), num_rounds=4, clients_per_round=6,
                 client_holdout=0.3)
     plain = build_experiment(tiny_config(**base), tiny_synthetic)
-    assert plain.availability_split is None
+    assert plain.evaluator.availability_split is None
     cfg = tiny_config(**base, availability="bernoulli", availability_probs="data")
     exp = build_experiment(cfg, tiny_synthetic)
     settings = AvailabilitySettings(model="bernoulli", probabilities="data")
-    for split, rates in ((exp.data.train, exp.availability_split.train_rates),
-                         (exp.data.test, exp.availability_split.test_rates)):
+    for split, rates in ((exp.data.train, exp.evaluator.availability_split.train_rates),
+                         (exp.data.test, exp.evaluator.availability_split.test_rates)):
         want = build_availability(settings, num_clients=split.num_clients, sizes=split.sizes,
                                   label_counts=label_counts(split, exp.data.num_classes),
                                   num_rounds=4).rates()
         np.testing.assert_array_equal(rates, want)
-    assert np.ptp(exp.availability_split.train_rates) > 0   # data-correlated: they differ
+    assert np.ptp(exp.evaluator.availability_split.train_rates) > 0   # data-correlated: they differ
     state = exp.initial_state()
     keys = exp.keys()
     for t in range(4):
@@ -162,7 +162,7 @@ def test_evaluations_split_the_error_by_the_availability_of_both_populations(tin
     per_client = exp.evaluate(exp.served_params(state), 4)
     per_client.update(exp.evaluate_personal(state, 4))
     out = exp.summarize(per_client)
-    ref = population_split(per_client["test_error"], exp.availability_split.test_rates)
+    ref = population_split(per_client["test_error"], exp.evaluator.availability_split.test_rates)
     for j in range(1, 6):
         np.testing.assert_allclose(out[f"test_avail_q{j}_error_mean"], ref[f"q{j}_error_mean"])
     assert "seen_avail_q1_train_rounds_online" in out

@@ -248,7 +248,7 @@ def test_afl_equals_numpy(tiny_synthetic):
                       clients_per_step=4, learning_rate=0.2)
     exp = build_experiment(cfg, tiny_synthetic)
     N = tiny_synthetic.train.num_clients
-    assert exp.num_sampled == N and exp.work.local_steps == 1
+    assert exp.num_sampled == N and exp.run.work.local_steps == 1
     state, hist = run_rounds_history(exp, 4)
     served = exp.served_params(state)
     xs, ys = client_lists(tiny_synthetic.train)

@@ -201,18 +201,18 @@ def test_a_million_clients_build_without_their_examples(make_config):
     data = load_dataset(data_cfg)
     assert isinstance(data.train, GeneratedClientData) and data.train.num_clients == 500_000
     exp = build_experiment(make_config(data=data_cfg, clients_per_round=10), data)
-    assert exp.placement.client_data == "host" and exp.eval_clients == 1000
+    assert exp.placement.client_data == "host" and exp.evaluator.eval_clients == 1000
     line = exp.view().facts.placement_line
     assert "the host keeps the 500000 + 500000 clients" in line
     # The device holds a round's buffer and one evaluation block, whatever N is.
     row = (60 * 4 + 4)
-    assert exp.footprint.data == row * (exp.caps.eval_len + exp.placement.eval_block)
+    assert exp.program.footprint.data == row * (exp.program.caps.eval_len + exp.placement.eval_block)
     chunk = exp.placement.eval_chunk
-    assert exp.caps.eval_len == -(-10 * 1000 // chunk) * chunk   # m clients at the size cap
+    assert exp.program.caps.eval_len == -(-10 * 1000 // chunk) * chunk   # m clients at the size cap
     small_cfg = DataConfig("synthetic", synthetic_num_clients=1000, synthetic_on_demand=True)
     small = build_experiment(make_config(data=small_cfg, clients_per_round=10, eval_clients=50),
                              load_dataset(small_cfg))
-    assert small.footprint.data == exp.footprint.data
+    assert small.program.footprint.data == exp.program.footprint.data
     state, _ = exp.round_fn(exp.initial_state(), exp.round_data(0), exp.keys())
     assert np.all(np.isfinite(jax.device_get(state.params["w"] if "w" in state.params
                                              else jax.tree.leaves(state.params)[0])))

@@ -172,17 +172,17 @@ def test_device_memory_takes_the_largest_reported_peak():
     fp = types.SimpleNamespace(total=123)
     devs = np.array([Dev({"peak_bytes_in_use": 10, "bytes_limit": 99}),
                      Dev({"peak_bytes_in_use": 40}), Dev(None)], dtype=object)
-    exp = types.SimpleNamespace(mesh=types.SimpleNamespace(devices=devs), footprint=fp,
-                                backend="gpu")
+    exp = types.SimpleNamespace(program=types.SimpleNamespace(
+        mesh=types.SimpleNamespace(devices=devs), footprint=fp), backend="gpu")
     assert device_memory(exp) == (40, "peak_bytes_in_use")
-    exp.mesh.devices = np.array([Dev(None), Dev(RuntimeError("no stats"))], dtype=object)
+    exp.program.mesh.devices = np.array([Dev(None), Dev(RuntimeError("no stats"))], dtype=object)
     nbytes, source = device_memory(exp)
     assert nbytes == 123 and "start-up footprint" in source
 
 
 def test_total_of_several_programs_is_their_sum():
     from deltafl_jax.run.estimate import Estimate, total_lines
-    common = dict(num_rounds=10, eval_every=5, evaluations=2, timed_rounds=3,
+    common = dict(num_rounds=10, eval_every=5,
                   memory_source="peak_bytes_in_use", flops_per_round=None, train_trips=[1],
                   work={},
                   backend="gpu", devices=1, replicas=4, lanes=2)
@@ -279,7 +279,7 @@ def _check_round_memory(exp, est):
     held = est.round_memory
     state, keys = exp.initial_state(), exp.keys()
     data = exp.round_data(0, state)
-    splits = exp.store.device_splits
+    splits = exp.program.store.device_splits
     train = splits["train"] if splits else ()
     assert held.state == _nbytes(state) and held.keys == _nbytes(keys)
     assert held.data == _nbytes(splits)
@@ -322,7 +322,7 @@ def test_estimate_sizes_a_poisson_plan_from_its_cap(tiny_synthetic, name):
     """--client_sampling=poisson: the plan has cap > m slots, and the estimate counts them."""
     from deltafl_jax.run.estimate import measure
     exp = _experiment_of(name, tiny_synthetic, client_sampling="poisson", clients_per_round=3)
-    cap = exp.poisson.cap
+    cap = exp.run.poisson.cap
     assert cap > 3 and exp.round_plan(0).clients.shape[-1] == cap
     est = measure(exp, timed_rounds=1, min_seconds=0.0)
     _check_round_memory(exp, est)

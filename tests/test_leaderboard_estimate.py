@@ -16,10 +16,9 @@ from deltafl_jax.run.estimate import (Estimate, ProgramWork, calibration_program
 
 
 def measured(name, build, compile_, round_s, eval_s, rounds=200, every=50, replicas=3):
-    evaluations = rounds // every + (1 if rounds % every else 0)
-    return Estimate(name=name, num_rounds=rounds, eval_every=every, evaluations=evaluations,
+    return Estimate(name=name, num_rounds=rounds, eval_every=every,
                     build_s=build, compile_s=compile_, round_s=round_s, eval_s=eval_s,
-                    timed_rounds=3, memory_bytes=2 ** 20, memory_source="compiled round",
+                    memory_bytes=2 ** 20, memory_source="compiled round",
                     flops_per_round=None, train_trips=[], work={}, backend="cpu", devices=2,
                     replicas=replicas, lanes=2)
 

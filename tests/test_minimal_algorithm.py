@@ -47,7 +47,7 @@ def test_a_round_of_it_is_fedavg_with_uniform_weights(tiny_synthetic):
                       ("fedavg", fedavg(FedAvgOptions(weighting="unweighted")))):
         round_fn = jax.jit(rounds.build_round_fn(exp.model, alg, exp.replicas, local,
                                                  exp.eval_chunk, 1, exp.num_sampled,
-                                                 exp.server_tx))
+                                                 exp.program.server_tx))
         out[name] = jax.device_get(round_fn(state, exp.round_data(0), exp.keys())[0].params)
     for a, b, w in zip(jax.tree.leaves(out["plain"]), jax.tree.leaves(out["fedavg"]),
                        jax.tree.leaves(jax.device_get(state.params))):

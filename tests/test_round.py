@@ -118,9 +118,10 @@ def test_padding_changes_nothing(tiny_synthetic):
     s0, h0 = run_rounds_history(base, 3)
     m0 = h0[-1]
     # 1) Much longer index streams (more padding) give bit-identical models.
-    padded = dataclasses.replace(
-        base, caps=plan_lib.Capacities(eval_len=base.caps.eval_len + 10 * 32,
-                                       train_len=base.caps.train_len + 1000))
+    caps = base.program.caps
+    padded = dataclasses.replace(base, program=dataclasses.replace(
+        base.program, caps=plan_lib.Capacities(eval_len=caps.eval_len + 10 * 32,
+                                               train_len=caps.train_len + 1000)))
     s1, _ = run_rounds_history(padded, 3)
     for x, y in zip(jax.tree.leaves(s0.params), jax.tree.leaves(s1.params)):
         assert np.array_equal(np.asarray(x), np.asarray(y))

@@ -143,11 +143,11 @@ class _Device:
 def test_start_up_counts_the_per_client_state_and_refuses_a_run_that_cannot_fit(
         tiny_synthetic):
     from deltafl_jax.errors import ConfigError
-    from deltafl_jax.run.experiment import check_memory
+    from deltafl_jax.run.placement import check_memory
     cfg = tiny_config(algorithm="scaffold", thetas=(), seeds=(1, 2), server_optimizer="adam",
                       server_lr=(0.1,))
     exp = build_experiment(cfg, tiny_synthetic)
-    fp = exp.footprint
+    fp = exp.program.footprint
     w = 60 * 10 + 10                                       # floats of one linear model
     R, N, m = 2, tiny_synthetic.train.num_clients, cfg.clients_per_round
     assert fp.clients == 4 * w * (R * N + 2 * R * m)       # c_k of N clients, per-job results
@@ -177,7 +177,7 @@ def test_on_a_cpu_the_devices_and_the_host_built_state_must_fit_this_machine(mon
     first) pass 80% of this machine's memory, and named by its largest part."""
     from deltafl_jax.errors import ConfigError
     from deltafl_jax.run import placement
-    from deltafl_jax.run.experiment import Footprint, check_memory
+    from deltafl_jax.run.placement import Footprint, check_memory
     monkeypatch.setattr(placement, "host_memory", lambda: 1000)
     two = [_HostDevice(0), _HostDevice(0)]
     fits = Footprint(data=100, state=50, plan=10, lanes=10, clients=100, updates=10)

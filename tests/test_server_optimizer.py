@@ -228,7 +228,7 @@ def test_a_round_that_no_client_reaches_moves_nothing(tiny_synthetic):
     local = engine.LocalSGDConfig(batch_size=exp.config.batch_size, lanes=exp.lanes)
     empty_round = jax.jit(rounds.build_round_fn(exp.model, nobody, exp.replicas, local,
                                                 exp.eval_chunk, 1, exp.num_sampled,
-                                                exp.server_tx))
+                                                exp.program.server_tx))
     before = jax.device_get(state)
     after, metrics = empty_round(state, exp.round_data(2), exp.keys())
     for a, b in zip(jax.tree.leaves(jax.device_get(after.params)) +

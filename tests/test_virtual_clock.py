@@ -127,10 +127,10 @@ def test_the_plan_trains_the_steps_the_clock_kept(tiny_synthetic):
     for t in range(30):
         cohorts, steps = exp.kept_cohorts(t)
         exp.count_round(t)
-        got = plan_lib.make_round_plan(exp.seeds, t, exp.data.train.offsets, 4, exp.work,
-                                       exp.caps, cohorts=cohorts, steps=steps)
-        free = plan_lib.make_round_plan(exp.seeds, t, exp.data.train.offsets, 4, exp.work,
-                                        exp.caps, cohorts=cohorts)
+        got = plan_lib.make_round_plan(exp.seeds, t, exp.data.train.offsets, 4, exp.run.work,
+                                       exp.program.caps, cohorts=cohorts, steps=steps)
+        free = plan_lib.make_round_plan(exp.seeds, t, exp.data.train.offsets, 4, exp.run.work,
+                                        exp.program.caps, cohorts=cohorts)
         np.testing.assert_array_equal(got.steps, steps)
         for name in ("clients", "sizes", "train_idx", "train_start", "seg_len", "eval_idx"):
             np.testing.assert_array_equal(getattr(got, name), getattr(free, name))

@@ -118,7 +118,7 @@ def round_memory(compiled, exp: Experiment, state, round_data, keys) -> Optional
         return None
     if m is None:
         return None
-    splits = jax.tree.leaves(exp.store.device_splits)
+    splits = jax.tree.leaves(exp.program.store.device_splits)
     shared = {id(x) for x in splits}    # the train split's arrays, passed in round_data too
     plan = [x for x in jax.tree.leaves(round_data) if id(x) not in shared]
     return RoundMemory(data=tree_nbytes(splits), state=tree_nbytes(state),
@@ -129,14 +129,23 @@ def round_memory(compiled, exp: Experiment, state, round_data, keys) -> Optional
 
 
 @dataclasses.dataclass(frozen=True)
+class VersionRing:
+    """An asynchronous run's K jobs per server step (`buffer_size`), its ring of model
+    versions (`versions` per replica) and that ring's `bytes` over every replica."""
+
+    buffer_size: int
+    versions: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Estimate:
     """The measured parts of one program's run and the projection they make.
 
     name: what was estimated (the method of --algorithm, e.g. ``deltafl``).
-    num_rounds, eval_every: the run's T and evaluation period; evaluations: how many the loop
-      does (every eval_every rounds and after the last).
+    num_rounds, eval_every: the run's T and evaluation period (:attr:`evaluations`: how many
+      the loop does, every eval_every rounds and after the last).
     build_s, compile_s, round_s, eval_s: seconds (see the module docstring).
-    timed_rounds: rounds timed for round_s.
     memory_bytes: bytes held on a device; memory_source: where the figure comes from
       (``peak_bytes_in_use``, ``compiled round`` or ``start-up footprint``).
     round_memory: the compiled round's :class:`RoundMemory` (None where the backend gives no
@@ -150,25 +159,22 @@ class Estimate:
       compiled or timed.
     flops_per_round: the compiled round's FLOPs from XLA's cost analysis (None where the
       backend gives none; XLA counts a while loop's body once, so this is not the round's
-      work). train_trips: the critical-path local-SGD trips of each timed round. work: the
+      work). train_trips: the critical-path local-SGD trips of each timed round (one per
+      round timed for round_s: :attr:`timed_rounds`). work: the
       mean per timed round of the round's work metrics (WORK_METRICS: trips on the critical
       path, real and padded examples evaluated and trained).
     backend, devices, replicas, lanes: the placement the run gets.
-    buffer_size, ring_versions, ring_bytes: an asynchronous run's K jobs per server step, its
-      ring of model versions (V per replica) and that ring's bytes over every replica; 0 for
-      a synchronous run.
+    ring: an asynchronous run's :class:`VersionRing` (None for a synchronous run).
     stop_at_virtual_time: the run's ``--stop_at_virtual_time`` (None: unset).
     """
 
     name: str
     num_rounds: int
     eval_every: int
-    evaluations: int
     build_s: float
     compile_s: float
     round_s: float
     eval_s: float
-    timed_rounds: int
     memory_bytes: int
     memory_source: str
     flops_per_round: Optional[float]
@@ -181,10 +187,17 @@ class Estimate:
     round_memory: Optional[RoundMemory] = None
     data_note: str = ""
     projected_from: str = ""
-    buffer_size: int = 0
-    ring_versions: int = 0
-    ring_bytes: int = 0
+    ring: Optional[VersionRing] = None
     stop_at_virtual_time: Optional[float] = None
+
+    @property
+    def evaluations(self) -> int:
+        return num_evaluations(self.num_rounds, self.eval_every)
+
+    @property
+    def timed_rounds(self) -> int:
+        """Rounds timed for round_s (0: a projected program)."""
+        return len(self.train_trips)
 
     @property
     def rounds_s(self) -> float:
@@ -201,6 +214,10 @@ class Estimate:
 
     def to_json(self) -> Dict[str, Any]:
         out = dataclasses.asdict(self)
+        ring = out.pop("ring") or {}
+        out.update(buffer_size=ring.get("buffer_size", 0), ring_versions=ring.get("versions", 0),
+                   ring_bytes=ring.get("bytes", 0), evaluations=self.evaluations,
+                   timed_rounds=self.timed_rounds)
         out.update(rounds_s=self.rounds_s, evaluations_s=self.evaluations_s,
                    projected_s=self.projected_s)
         return out
@@ -209,9 +226,9 @@ class Estimate:
         """The printed block (its figures are the fields, so a reader can redo the sum)."""
         if self.projected_from:
             return self._projected_lines()
-        steps = "server steps" if self.ring_versions else "rounds"
-        timed = (f"timed server steps of {self.buffer_size} jobs" if self.ring_versions
-                 else "timed rounds")
+        ring = self.ring
+        steps = "server steps" if ring else "rounds"
+        timed = f"timed server steps of {ring.buffer_size} jobs" if ring else "timed rounds"
         return [
             f"estimate of {self.name}: {self.replicas} replicas, {self.num_rounds} {steps}, "
             f"{self.evaluations} evaluations (every {self.eval_every}), {self.devices} "
@@ -226,9 +243,9 @@ class Estimate:
         ] + self._stop_lines(steps) + [
             f"  device memory  {_mb(self.memory_bytes)} ({self.memory_source})",
         ] + ([] if self.round_memory is None else [_round_memory_line(self.round_memory)]) + (
-            [f"  version ring   {_mb(self.ring_bytes)}: {self.ring_versions} model versions x "
+            [f"  version ring   {_mb(ring.bytes)}: {ring.versions} model versions x "
              f"{self.replicas} replicas (--concurrency, --buffer_size, --max_staleness)"]
-            if self.ring_versions else []) + (
+            if ring else []) + (
             [f"  measured on    {self.data_note}"] if self.data_note else [])
 
     def _stop_lines(self, steps: str) -> List[str]:
@@ -295,7 +312,7 @@ def num_evaluations(num_rounds: int, eval_every: int) -> int:
 def device_memory(exp: Experiment, held: Optional[RoundMemory] = None) -> "tuple[int, str]":
     """(bytes, source): the largest reported peak over the run's devices, else what the
     compiled round holds (`held`), else the start-up footprint."""
-    devices = jax.devices() if exp.mesh is None else list(exp.mesh.devices.flat)
+    devices = jax.devices() if exp.program.mesh is None else list(exp.program.mesh.devices.flat)
     peaks = []
     for d in devices:
         try:
@@ -309,7 +326,7 @@ def device_memory(exp: Experiment, held: Optional[RoundMemory] = None) -> "tuple
     if held is not None:
         return held.total, (f"compiled round: arguments + outputs + temporaries; "
                             f"{exp.backend} reports no memory stats")
-    return int(exp.footprint.total if exp.footprint is not None else 0), (
+    return int(exp.program.footprint.total if exp.program.footprint is not None else 0), (
         f"start-up footprint; {exp.backend} reports no memory stats")
 
 
@@ -369,7 +386,7 @@ def program_key(exp: Experiment, lowered) -> str:
     """What makes two runs' measurements the same: the round's lowered program (its shapes,
     constants and code), the shapes of the examples on the device (the evaluation's inputs)
     and the placement."""
-    splits = [(x.shape, str(x.dtype)) for x in jax.tree.leaves(exp.store.device_splits)]
+    splits = [(x.shape, str(x.dtype)) for x in jax.tree.leaves(exp.program.store.device_splits)]
     text = f"{lowered.as_text()}|{splits}|{exp.placement}|{exp.backend}"
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -392,7 +409,7 @@ def measure(exp: Experiment, build_s: float = 0.0, timed_rounds: int = DEFAULT_T
     if timed_rounds < 1:
         raise ValueError(f"timed_rounds must be at least 1, got {timed_rounds}")
     config = exp.config
-    T = config.num_rounds
+    T = config.training.num_rounds
     t0 = time.perf_counter()
     state, keys = exp.initial_state(), exp.keys()
     jax.block_until_ready(state)
@@ -404,8 +421,9 @@ def measure(exp: Experiment, build_s: float = 0.0, timed_rounds: int = DEFAULT_T
     lower = exp.round_fn.lower if exp.buffered is None else exp.buffered.lower
     lowered = lower(state, pending, keys)
     key = program_key(exp, lowered) if cache is not None else None
-    figures = dict(name=name or config.method, num_rounds=T, eval_every=config.eval_every,
-                   evaluations=num_evaluations(T, config.eval_every), build_s=float(build_s),
+    every = config.evaluation.eval_every
+    figures = dict(name=name or config.method, num_rounds=T, eval_every=every,
+                   build_s=float(build_s),
                    stop_at_virtual_time=config.timing.stop_at_virtual_time)
     if key is not None and key in cache:
         log(f"estimate: the program of {cache[key].name} again: its measurements reused")
@@ -425,9 +443,8 @@ def measure(exp: Experiment, build_s: float = 0.0, timed_rounds: int = DEFAULT_T
 def _measure_compiled(exp, compiled, compile_round, state, pending, keys, indices,
                       timed_rounds, min_seconds, log, callbacks, output_dir) -> Dict[str, Any]:
     """The fields of an :class:`Estimate` that the compiled round's runs measure."""
-    T = exp.config.num_rounds
+    T = exp.config.training.num_rounds
     held = round_memory(compiled, exp, state, pending, keys)
-    ring = _ring(exp, state)
     state, metrics = compiled(state, pending, keys)   # a first run (warm-up, not timed)
     host_metrics(exp, indices[0], metrics)
     log(f"estimate: round compiled in {compile_round:.1f} s; timing at least {timed_rounds} "
@@ -445,25 +462,25 @@ def _measure_compiled(exp, compiled, compile_round, state, pending, keys, indice
     jax.block_until_ready(state)
     if held is not None:   # the evaluation keeps its index streams on the device
         held = dataclasses.replace(held, data=tree_nbytes(jax.tree.leaves(
-            exp.store.device_splits)))
+            exp.program.store.device_splits)))
     memory, source = device_memory(exp, held)
     return dict(
         compile_s=compile_round + max(0.0, first_eval - eval_s), round_s=round_s,
-        eval_s=eval_s, timed_rounds=len(trips), memory_bytes=memory, memory_source=source,
+        eval_s=eval_s, memory_bytes=memory, memory_source=source,
         flops_per_round=_flops(compiled), train_trips=trips,
         work={k: float(np.mean([w[k] for w in work])) for k in work[0]}, backend=exp.backend,
         devices=exp.placement.devices, replicas=exp.replicas.size, lanes=exp.lanes,
-        round_memory=held, **ring)
+        round_memory=held, ring=_ring(exp, state))
 
 
-def _ring(exp: Experiment, state) -> Dict[str, int]:
+def _ring(exp: Experiment, state) -> Optional[VersionRing]:
     """An asynchronous run's K, its ring's versions per replica and the ring's bytes (the
-    state's versions of every replica); {} for a synchronous run."""
+    state's versions of every replica); None for a synchronous run."""
     if exp.buffered is None:
-        return {}
-    return dict(buffer_size=int(exp.num_sampled),
-                ring_versions=int(exp.buffered.run.schedulers[0].V),
-                ring_bytes=int(tree_nbytes(state.ring)))
+        return None
+    return VersionRing(buffer_size=int(exp.num_sampled),
+                       versions=int(exp.buffered.run.schedulers[0].V),
+                       bytes=int(tree_nbytes(state.ring)))
 
 
 def host_metrics(exp: Experiment, index: int, metrics) -> Dict[str, Any]:
@@ -489,7 +506,7 @@ def estimate_run(config: ExperimentConfig, data: Optional[FederatedDataset] = No
     but has a known shape is measured on its stand-in
     (:func:`deltafl_jax.datasets.known_shapes.load_or_stand_in`); `data_note` says so when
     the caller passes such a stand-in.
-    Nothing is written, whatever ``config.output_dir`` says."""
+    Nothing is written, whatever ``config.output.output_dir`` says."""
     log = log or (lambda line: None)
     log(f"estimate: building {config.method} ...")
     t0 = time.perf_counter()
@@ -501,9 +518,11 @@ def estimate_run(config: ExperimentConfig, data: Optional[FederatedDataset] = No
     build_s = time.perf_counter() - t0 + load_s
     with tempfile.TemporaryDirectory(prefix="deltafl_estimate_") as scratch:
         # The run's own callbacks but the progress lines, writing into a scratch directory
-        # (never config.output_dir); no checkpoints (they are written in the background).
+        # (never config.output.output_dir); no checkpoints (they are written in the background).
         recorder = Recorder()
-        cbs = standard_callbacks(dataclasses.replace(config, output_dir=scratch, verbose=False),
+        scratch_config = dataclasses.replace(config, output=dataclasses.replace(
+            config.output, output_dir=scratch, verbose=False))
+        cbs = standard_callbacks(scratch_config,
                                  exp, lambda line: None, recorder, None, fingerprint)
         est = measure(exp, build_s, timed_rounds, log, min_seconds=min_seconds,
                       callbacks=[recorder, *cbs], output_dir=scratch, cache=cache)
@@ -555,7 +574,7 @@ def program_work(config: ExperimentConfig, data: FederatedDataset,
     weights = sum(run.spec.expected_work(label) for label in run.replicas.labels)
     evaluated = int(run.algorithm.uses_losses) + int(run.algorithm.probe is not None)
     examples = run.data.train.num_examples + run.data.test.num_examples
-    T, every, R = config.num_rounds, config.eval_every, run.replicas.size
+    T, every, R = config.training.num_rounds, config.evaluation.eval_every, run.replicas.size
     return ProgramWork(replicas=R, rounds=T, eval_every=every,
                        evaluations=num_evaluations(T, every),
                        train_steps=weights * m * per_client,
@@ -600,11 +619,10 @@ def project(name: str, work: ProgramWork,
     first = measured[0]
     return Estimate(
         name=name, num_rounds=work.rounds, eval_every=work.eval_every,
-        evaluations=work.evaluations,
         build_s=float(np.mean([e.build_s for e in measured])),
         compile_s=float(np.mean([e.compile_s for e in measured])),
         round_s=work.train_steps * s_step + work.loss_examples * s_loss,
-        eval_s=work.eval_examples * s_example, timed_rounds=0, memory_bytes=0,
+        eval_s=work.eval_examples * s_example, memory_bytes=0,
         memory_source="not measured (a projected program is never built)",
         flops_per_round=None, train_trips=[],
         work=dict(train_steps=work.train_steps, s_per_step=s_step,
@@ -633,7 +651,7 @@ def calibration_programs(hosts: Sequence[str], works: Sequence[ProgramWork]) -> 
 
     return [0, max(others, key=size)]
 
-__all__ = ["Estimate", "RoundMemory", "round_memory", "WORK_METRICS", "DEFAULT_TIMED_ROUNDS", "DEFAULT_MIN_SECONDS",
+__all__ = ["Estimate", "VersionRing", "RoundMemory", "round_memory", "WORK_METRICS", "DEFAULT_TIMED_ROUNDS", "DEFAULT_MIN_SECONDS",
            "round_indices", "program_key", "measure", "estimate_run", "total_lines", "num_evaluations",
            "device_memory", "ProgramWork", "program_work", "project", "round_costs",
            "calibration_programs"]

@@ -13,6 +13,14 @@ passed as `replicas`) and ``--estimate`` all reach it through
 and compiles its round. The data is loaded by the caller, once (the command's entry point, or
 :func:`deltafl_jax.run_experiment` / :func:`deltafl_jax.run.estimate.estimate_run` when called
 without it).
+
+It owns what the settings mean on the data, and nothing placed on a device: the frozen
+:class:`ResolvedRun` that the program (:mod:`deltafl_jax.run.program`), the planner
+(:mod:`deltafl_jax.run.planning`) and the evaluation (:mod:`deltafl_jax.run.evaluation`) read
+whole. It may import the configuration, the data, the models, the algorithms' registry, the
+sampling package, the privacy accounting and, in :mod:`deltafl_jax.run`, the placement's
+checks and the personalised evaluation's block sizes; nothing that builds or compiles a
+program.
 """
 
 from __future__ import annotations
@@ -96,13 +104,14 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
     """The validated run of `config` on `data` (loaded by the caller). `replicas` replaces the
     spec's grid (the tuner's). ConfigError, naming the flag, for what the settings cannot
     mean on this data or with this algorithm."""
-    data = hold_out(data, config.client_holdout, config.data.data_seed)
+    data = hold_out(data, config.personal.client_holdout, config.data.data_seed)
     model, options = _model(config, data)
     spec = registry.get(config.algorithm)
     m = _sampled(config, spec, data)
     availability = _availability(config, spec, data)
-    local_steps = spec.local_steps if spec.local_steps is not None else config.local_steps
-    work = plan_lib.LocalWork(batch_size=config.batch_size, local_epochs=config.local_epochs,
+    training = config.training
+    local_steps = spec.local_steps if spec.local_steps is not None else training.local_steps
+    work = plan_lib.LocalWork(batch_size=training.batch_size, local_epochs=training.local_epochs,
                               local_steps=local_steps)
     algorithm = spec.make(config, data, participation_probabilities(
         config, availability, data.train.num_clients, m,
@@ -205,7 +214,7 @@ def _noise(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: FederatedAl
     privacy = config.privacy
     if not privacy.enabled:
         return None
-    T = config.num_rounds
+    T = config.training.num_rounds
     correlated = None
     sampler = config.sampling.sampler
     if sampler == "cyclic":
@@ -236,35 +245,37 @@ def _streams(config: ExperimentConfig, data: FederatedDataset, work: plan_lib.Lo
     adaptation stream of one block (:func:`deltafl_jax.run.personal.block_caps`)."""
     cap = getattr(data.train, "max_size", None)
     sizes = data.train.sizes if cap is None else np.full((m,), cap, np.int64)
-    caps = plan_lib.capacities(sizes, m, work, config.eval_chunk or 1, with_replacement)
-    local = (f"--local_epochs={config.local_epochs}" if work.local_steps is None
+    caps = plan_lib.capacities(sizes, m, work, config.placement.eval_chunk or 1, with_replacement)
+    local = (f"--local_epochs={config.training.local_epochs}" if work.local_steps is None
              else f"--local_steps={work.local_steps}")
-    out = [(f"{local} with --batch_size={config.batch_size}", caps.train_len,
+    out = [(f"{local} with --batch_size={config.training.batch_size}", caps.train_len,
             4 * groups * caps.train_len),
-           (f"--eval_chunk={config.eval_chunk}", caps.eval_len, 8 * groups * caps.eval_len)]
-    steps = max(config.finetune_steps)
+           (f"--eval_chunk={config.placement.eval_chunk}", caps.eval_len,
+            8 * groups * caps.eval_len)]
+    steps = max(config.personal.finetune_steps)
     if data.holdout is not None and steps > 0:
         block = personal_lib.block_caps(
             [tuple(s.sizes for s in data.holdout.population(data, p))
-             for p in personal_lib.POPULATIONS], steps, config.batch_size)
-        out.append((f"--finetune_steps={steps} with --batch_size={config.batch_size}",
+             for p in personal_lib.POPULATIONS], steps, config.training.batch_size)
+        out.append((f"--finetune_steps={steps} with --batch_size={config.training.batch_size}",
                     block.adapt, 4 * block.adapt))
     return out
 
 
 def _model(config: ExperimentConfig, data: FederatedDataset) -> Tuple[Model, ModelOptions]:
-    conv_impl = config.conv_impl or (default_conv_impl(config.placement_backend)
-                                     if config.placement_backend else None)
-    options = ModelOptions(conv_impl=conv_impl, use_bias=config.use_bias)
+    place = config.placement
+    conv_impl = place.conv_impl or (default_conv_impl(place.placement_backend)
+                                    if place.placement_backend else None)
+    options = ModelOptions(conv_impl=conv_impl, use_bias=config.training.use_bias)
     try:
-        return build_model(config.model, data, options), options
+        return build_model(config.training.model, data, options), options
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
 def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDataset) -> int:
-    m = config.clients_per_round
-    if config.client_sampling == "cyclic" and spec.all_clients:
+    m = config.training.clients_per_round
+    if config.sampling.sampler == "cyclic" and spec.all_clients:
         raise ConfigError(f"--client_sampling=cyclic: --algorithm={spec.name} trains every "
                           f"client every round")
     if m > data.train.num_clients:
@@ -291,10 +302,11 @@ def _sampler(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: Federated
         return WeightedSampler(num_clients=num_clients, slots=m)
     budget = OVERFLOW_PLAIN
     if accounting is not None and settings.variable:
-        eps = [float(e) for e in accounting.epsilons(config.num_rounds) if math.isfinite(e)]
+        eps = [float(e) for e in accounting.epsilons(config.training.num_rounds)
+               if math.isfinite(e)]
         if eps:
             budget = accounting.delta / OVERFLOW_SHARE / (1.0 + math.exp(min(max(eps), 700)))
-    return settings.build(num_clients, m, rounds=config.num_rounds, overflow_budget=budget)
+    return settings.build(num_clients, m, rounds=config.training.num_rounds, overflow_budget=budget)
 
 
 def _availability(config: ExperimentConfig, spec: AlgorithmSpec,
@@ -321,7 +333,7 @@ def _built(config: ExperimentConfig, split, num_classes: int) -> Availability:
         settings.model == "cyclic" and settings.cyclic == "labels")
     return build_availability(settings, num_clients=split.num_clients, sizes=split.sizes,
                               label_counts=label_counts(split, num_classes)
-                              if needs_labels else None, num_rounds=config.num_rounds)
+                              if needs_labels else None, num_rounds=config.training.num_rounds)
 
 
 def test_availability(config: ExperimentConfig, data: FederatedDataset) -> Optional[Availability]:
@@ -363,10 +375,10 @@ def participation_probabilities(config: ExperimentConfig, availability: Optional
         p = availability.rates() * q
     elif isinstance(availability, (Schedule, Trace)):
         p = np.zeros((num_clients,), np.float64)
-        for t in range(config.num_rounds):
+        for t in range(config.training.num_rounds):
             ids = availability.online(0, t)
             p[ids] += min(1.0, m / max(ids.size, 1))
-        p /= config.num_rounds
+        p /= config.training.num_rounds
     else:
         rates = availability.rates()
         p = rates * min(1.0, m / max(float(rates.sum()), 1e-300))
@@ -387,7 +399,7 @@ def _kept_probabilities(config: ExperimentConfig, availability: Optional[Availab
         return mean_kept_probability(order, M, m)
     if isinstance(availability, (Schedule, Trace)):
         return mean_kept_probability(order, M, m, (availability.online(0, t)
-                                                   for t in range(config.num_rounds)))
+                                                   for t in range(config.training.num_rounds)))
     return expected_kept_probability(order, availability.rates(), M, m)
 
 
@@ -411,8 +423,8 @@ def _plan_groups(config: ExperimentConfig, algorithm: FederatedAlgorithm, replic
     """(replicas, their seed indices or None, the seed of each plan group): one plan per seed,
     or one per replica for an algorithm that samples from its own state (``sampling``)."""
     if algorithm.sampling is None:
-        return replicas, None, tuple(config.seeds)
+        return replicas, None, tuple(config.training.seeds)
     replica_seeds = np.asarray(replicas.group)
-    seeds = tuple(config.seeds[int(g)] for g in replica_seeds)
+    seeds = tuple(config.training.seeds[int(g)] for g in replica_seeds)
     return (dataclasses.replace(replicas, group=np.arange(replicas.size, dtype=np.int32)),
             replica_seeds, seeds)
