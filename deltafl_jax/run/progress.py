@@ -244,9 +244,9 @@ def personal_table(rows, classify: bool = True) -> List[str]:
 
 def _cohort(config, facts) -> str:
     """m, or under Poisson sampling its expectation and the plan's slots."""
-    if config.client_sampling == "poisson":
-        return f"{config.clients_per_round} expected ({facts.num_sampled} slots, Poisson)"
-    if config.client_sampling == "cyclic":
+    if config.sampling.sampler == "poisson":
+        return f"{config.training.clients_per_round} expected ({facts.num_sampled} slots, Poisson)"
+    if config.sampling.sampler == "cyclic":
         return f"{facts.num_sampled} (cyclic groups)"
     return str(facts.num_sampled)
 
@@ -272,7 +272,7 @@ class Progress(Callback):
         self.log(f"deltafl_jax: {facts.dataset} ({facts.train_clients} train / "
                  f"{facts.test_clients} test clients), model {facts.model}, "
                  f"{config.algorithm}{server}, {count(len(run.view.labels), 'replica')} "
-                 f"({count(len(config.seeds), 'seed')}), m={_cohort(config, facts)}, "
+                 f"({count(len(config.training.seeds), 'seed')}), m={_cohort(config, facts)}, "
                  f"{count(facts.lanes, 'client lane')} per step, backend {facts.backend}")
         self.log(facts.placement_line)
         if facts.accounting is not None:
