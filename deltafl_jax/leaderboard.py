@@ -118,12 +118,14 @@ def grid_config(base, name: str, grid: Mapping[str, Sequence[float]], seeds: Seq
         sweeps[own] = values
         thetas = ()
     options = {f: base.options[f] for f in spec.option_flags() if f in base.options}
-    config = dataclasses.replace(
-        base, algorithm=name, thetas=thetas, sweeps=sweeps, options=options,
-        server_lr=tuple(grid.get(SERVER_LR, base.server_lr)), seeds=tuple(seeds),
-        output_dir=output_dir, l2_reg=base.l2_for(1)[0] if isinstance(base.l2_reg, tuple)
-        else base.l2_reg, save_models=False)
-    return config
+    l2 = base.training.l2_reg
+    training = dataclasses.replace(base.training, seeds=tuple(seeds),
+                                   l2_reg=base.l2_for(1)[0] if isinstance(l2, tuple) else l2)
+    server = dataclasses.replace(
+        base.server, learning_rates=tuple(grid.get(SERVER_LR, base.server.learning_rates)))
+    output = dataclasses.replace(base.output, output_dir=output_dir, save_models=False)
+    return dataclasses.replace(base, algorithm=name, thetas=thetas, sweeps=sweeps,
+                               options=options, training=training, server=server, output=output)
 
 
 # --------------------------------------------------------------------------------------------
