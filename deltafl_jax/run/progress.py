@@ -309,7 +309,8 @@ class Progress(Callback):
     def _nonfinite_lines(self, run: RunContext, round: int, metrics) -> None:
         """A warning the first time each part of a replica's state is not finite (the round's
         ``nonfinite_<part>`` metrics, :mod:`deltafl_jax.run.divergence`)."""
-        stops = bool(getattr(run.view.facts.config, "stop_on_divergence", False))
+        config = run.view.facts.config
+        stops = config is not None and bool(config.training.stop_on_divergence)
         for key, counts in metrics.items():
             if not key.startswith(NONFINITE):
                 continue
