@@ -136,6 +136,29 @@ BY_HAND = {
 }
 
 
+def _documented_field(flag):
+    """The field of `flag` by the renaming rule of docs/reference/api/run.md."""
+    special = {"server_optimizer": "name", "server_lr": "learning_rates",
+               "client_optimizer": "name", "client_sampling": "sampler",
+               "availability": "model", "availability_probs": "probabilities",
+               "dp_noise_multiplier": "noise_multipliers",
+               "dp_target_epsilon": "target_epsilons"}
+    if flag in special:
+        return special[flag]
+    if flag in ("client_momentum", "client_beta1", "client_beta2", "client_eps"):
+        return flag[len("client_"):]
+    for prefix in ("server_", "availability_", "dp_"):
+        if flag.startswith(prefix):
+            return flag[len(prefix):]
+    return flag
+
+
+def test_the_documented_renaming_rule_names_every_field():
+    wrong = {flag: (field, _documented_field(flag)) for flag, (_, field) in FLAT.items()
+             if field != _documented_field(flag)}
+    assert not wrong, wrong
+
+
 def _config():
     return ExperimentConfig(DataConfig("synthetic"), algorithm="fedavg", thetas=(),
                             num_rounds=7, learning_rate=0.05, server_lr=(0.5,),
