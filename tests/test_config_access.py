@@ -46,8 +46,11 @@ def _config_params(function):
 
 def _is_config(node, params):
     """An expression that holds an ExperimentConfig: a name or attribute ending in ``config``
-    (``config``, ``self.config``, ``exp.config``, ``grid_config``), or a parameter annotated
-    as one."""
+    (``config``, ``self.config``, ``exp.config``, ``grid_config``), ``getattr(x, "config",
+    ...)``, or a parameter annotated as one."""
+    if isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and \
+            len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+        return str(node.args[1].value).endswith("config")   # getattr(facts, "config", None)
     return _last_name(node).endswith("config") or (isinstance(node, ast.Name)
                                                    and node.id in params)
 
@@ -112,11 +115,12 @@ def test_the_scan_finds_every_kind_of_flat_use():
         "    e = getattr(config, 'seeds')\n"               # 6
         "    g = dataclasses.replace(config, output_dir=None)\n"   # 7
         "    h = ExperimentConfig(data, num_rounds=5)\n"   # 8
+        "    i = getattr(getattr(run, 'config', None), 'eval_every', None)\n"   # 9
         "    ok = (config.training.learning_rate, config.privacy.clip, config.options,\n"
         "          dataclasses.replace(config.output, output_dir=None), cfg.batch_size,\n"
         "          run.seeds, config.algorithm, config.thetas,\n"
         "          ExperimentConfig(data, training=config.training))\n")
-    assert [line for line, _ in flat_uses(source)] == [3, 4, 5, 6, 7, 8]
+    assert [line for line, _ in flat_uses(source)] == [3, 4, 5, 6, 7, 8, 9]
 
 
 # The nested path of a few flags, written out by hand (the table FLAT is built from the

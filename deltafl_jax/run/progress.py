@@ -126,7 +126,8 @@ def tail_text(summary, rows, classify: bool, target: Optional[float] = None) -> 
 
 def evaluation_line(run: RunContext, ev: Evaluation) -> str:
     classify = run.view.facts.classify
-    target = getattr(getattr(run.view.facts, "config", None), "target_accuracy", None)
+    config = getattr(run.view.facts, "config", None)
+    target = config.evaluation.target_accuracy if config is not None else None
     parts = []
     for name, rs in _groups(run.view.labels):
         loss = np.mean(ev.summary["train_loss_mean"][rs])
