@@ -48,7 +48,7 @@ def time_shape(shape: str) -> dict:
                            save_models=False, verbose=False)
     exp = build_experiment(cfg, data)
     place = exp.placement
-    local = engine.LocalSGDConfig(batch_size=cfg.batch_size, lanes=place.lanes,
+    local = engine.LocalSGDConfig(batch_size=cfg.training.batch_size, lanes=place.lanes,
                                   lane_mode=place.lane_mode, unroll=place.unroll,
                                   branchless=place.branchless, order_lanes=place.order_lanes,
                                   optimizer=cfg.client.transformation)

@@ -50,7 +50,7 @@ def build(shape: str, data):
     unroll = int(shape[1:] if branchless else shape)
     place = exp.placement
     from deltafl_jax.engine import LocalSGDConfig
-    local = LocalSGDConfig(cfg.batch_size, place.lanes, place.lane_mode, unroll=unroll,
+    local = LocalSGDConfig(cfg.training.batch_size, place.lanes, place.lane_mode, unroll=unroll,
                            branchless=branchless)
     fn = jax.jit(rounds.build_round_fn(exp.model, exp.algorithm, exp.replicas, local,
                                        place.eval_chunk, place.eval_lanes, exp.num_sampled),

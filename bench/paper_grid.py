@@ -88,12 +88,14 @@ def flagfile_config(model: str, scale: float, extra: Sequence[str] = ()):
     base = cli.config_from_flags()
     train, test = {"cnn": (865, 865), "linear": (865, 865), "gru": (544, 545),
                    "lstm": (438, 439)}[model]
-    m = scaled(base.clients_per_round, scale)
-    rounds = scaled(base.num_rounds, scale)
-    seeds = base.seeds[:scaled(len(base.seeds), scale)] if scale < 1 else base.seeds
+    m = scaled(base.training.clients_per_round, scale)
+    rounds = scaled(base.training.num_rounds, scale)
+    given = base.training.seeds
+    seeds = given[:scaled(len(given), scale)] if scale < 1 else given
     cli.FLAGS.unparse_flags()
     cli.FLAGS(["paper_grid", f"--flagfile={path}", f"--clients_per_round={m}",
-               f"--num_rounds={rounds}", f"--eval_every={min(base.eval_every, rounds)}",
+               f"--num_rounds={rounds}",
+               f"--eval_every={min(base.evaluation.eval_every, rounds)}",
                f"--seeds={','.join(str(s) for s in seeds)}", "--nosave_models", "--output_dir=", *extra])
     return cli.config_from_flags(), scaled(train, scale, m + 1), scaled(test, scale, 2)
 
@@ -120,14 +122,15 @@ def run(model: str, scale: float, rounds: int, min_seconds: float, extra: Sequen
 
     config, train, test = flagfile_config(model, scale, extra)
     log(f"paper_grid: {model} ({FLAGFILES[model]}) at scale {scale:g}: {train} train / {test} "
-        f"test clients, m={config.clients_per_round}, {config.num_rounds} rounds")
+        f"test clients, m={config.training.clients_per_round}, {config.training.num_rounds} rounds")
     t0 = time.perf_counter()
     data = dataset(model, config, train, test)
     data_s = time.perf_counter() - t0
     est = estimate_run(config, data, timed_rounds=rounds, min_seconds=min_seconds, log=log)
     from deltafl_jax.models import ModelOptions, build_model
     fwd = common.forward_flops_per_example(build_model(
-        config.model, data, ModelOptions(conv_impl=config.conv_impl, use_bias=config.use_bias)))
+        config.training.model, data, ModelOptions(conv_impl=config.placement.conv_impl,
+                                                  use_bias=config.training.use_bias)))
     w = est.work
     round_flops = fwd * (w["eval_real_examples"] + 3 * w["train_real_examples"])
     achieved = round_flops / est.round_s
@@ -138,13 +141,15 @@ def run(model: str, scale: float, rounds: int, min_seconds: float, extra: Sequen
         "extra_flags": list(extra),
         "machine": common.machine(),
         "config": {"replicas": est.replicas, "thetas": list(config.thetas),
-                   "seeds": list(config.seeds), "clients_per_round": config.clients_per_round,
+                   "seeds": list(config.training.seeds),
+                   "clients_per_round": config.training.clients_per_round,
                    "train_clients": data.train.num_clients,
                    "test_clients": data.test.num_clients,
                    "train_examples": int(data.train.num_examples),
                    "test_examples": int(data.test.num_examples),
                    "num_rounds": est.num_rounds, "eval_every": est.eval_every,
-                   "local_epochs": config.local_epochs, "batch_size": config.batch_size,
+                   "local_epochs": config.training.local_epochs,
+                   "batch_size": config.training.batch_size,
                    "lanes": est.lanes, "devices": est.devices},
         "s_per_round": est.round_s,
         "compile_s": est.compile_s,

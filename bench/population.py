@@ -116,7 +116,7 @@ def _row(n: int, mode: str, args) -> dict:
         exp.summarize(exp.evaluate(params, e + 1))
         eval_times.append(time.perf_counter() - t1)
     fp = exp.program.footprint
-    return {"clients": n, "model": config.model, "m": config.clients_per_round,
+    return {"clients": n, "model": config.training.model, "m": config.training.clients_per_round,
             "client_data": exp.placement.client_data,
             "generated_on_demand": mode == "host", "eval_clients": exp.evaluator.eval_clients,
             "build_s": round(build_s, 3), "s_per_round": float(np.median(times)),

@@ -82,7 +82,7 @@ def run_one(shape: str, lanes: int) -> dict:
 
     real = total("eval_real_examples") + total("train_real_examples")
     padded = total("eval_padded_examples") + total("train_padded_examples")
-    kept = total("kept_examples") * (cfg.local_epochs)
+    kept = total("kept_examples") * (cfg.training.local_epochs)
     return {
         "shape": shape, "clients_per_step": exp.lanes, "eval_chunk": exp.eval_chunk,
         "compile_s": compile_timer.seconds, "first_round_s": first,

@@ -4,11 +4,17 @@ The command line (``experiments/cli.py``) builds an :class:`ExperimentConfig` fr
 the library never reads flags. Every check names the flag at fault, so a command can print the
 message as it is and exit with code 2. The algorithm-specific checks live in each algorithm's
 spec (:mod:`deltafl_jax.algorithms`), which this module calls through the registry.
+
+Settings are read through their groups (``config.training.learning_rate``,
+``config.privacy.clip``); the flat flag names (``config.learning_rate``,
+``ExperimentConfig(data, num_rounds=5)``) remain a shorthand of the public API, and a flat read
+warns with :class:`DeprecationWarning` (:class:`ExperimentConfig`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from deltafl_jax.algorithms import registry
@@ -194,11 +200,20 @@ class ExperimentConfig:
     other settings are in the groups (:data:`GROUPS`), each field declared once with its flag
     (:mod:`deltafl_jax.declared`).
 
-    Flat access: every setting reads by its flag's name (``config.server_lr`` is
-    ``config.server.learning_rates``), and the constructor and ``dataclasses.replace`` take
-    settings by flag name as well as whole groups (``ExperimentConfig(data, num_rounds=5,
-    server_optimizer="adam")``); :meth:`flat` is the flag -> value view that outputs and
-    resumes store.
+    Reading a setting: through its group, ``config.<group>.<field>``
+    (``config.training.learning_rate``, ``config.sampling.sampler``,
+    ``config.privacy.clip``); :data:`FLAT` maps each flag to its (group, field), and many
+    fields are named otherwise than their flags (``--server_lr`` is ``config.server.learning_rates``,
+    ``--client_sampling`` is ``config.sampling.sampler``, ``--dp_clip`` is
+    ``config.privacy.clip``, ``--availability_p`` is ``config.online.p``). The package reads
+    every setting this way (``tests/test_config_access.py``).
+
+    Flat names, the shorthand of the public API: the constructor and ``dataclasses.replace``
+    take settings by flag name as well as whole groups (``ExperimentConfig(data, num_rounds=5,
+    server_optimizer="adam")`` sets ``training.num_rounds`` and ``server.name``), and
+    ``config.server_lr`` still reads ``config.server.learning_rates``, with a
+    :class:`DeprecationWarning` naming the nested path. :meth:`flat` is the flag -> value view
+    that outputs and resumes store.
     """
 
     data: DataConfig
@@ -250,10 +265,15 @@ class ExperimentConfig:
         return self.sweep("thetas")
 
     def __getattr__(self, name):
-        """A setting by its flag's name (``config.dp_clip``: ``config.privacy.clip``)."""
+        """Deprecated: a setting by its flag's name (``config.dp_clip`` is
+        ``config.privacy.clip``), with a :class:`DeprecationWarning` that names the nested
+        path."""
         where = FLAT.get(name)
         if where is None or name.startswith("_"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings.warn(f"config.{name} is config.{where[0]}.{where[1]}: read the setting through "
+                      f"its group (the flat names are deprecated)", DeprecationWarning,
+                      stacklevel=2)
         return getattr(object.__getattribute__(self, where[0]), where[1])
 
     def flat(self) -> Dict[str, Any]:
@@ -280,7 +300,8 @@ class ExperimentConfig:
 
     def l2_for(self, count: int) -> Tuple[float, ...]:
         """lambda for each of `count` swept values."""
-        values = self.l2_reg if isinstance(self.l2_reg, tuple) else (self.l2_reg,)
+        l2 = self.training.l2_reg
+        values = l2 if isinstance(l2, tuple) else (l2,)
         try:
             return aligned(values, count, "l2_reg")
         except ValueError as e:
@@ -300,6 +321,13 @@ def _flat_names() -> Dict[str, Tuple[str, str]]:
 FLAT = _flat_names()
 
 
+def _value(c: ExperimentConfig, flag: str):
+    """The setting of `flag` read through its group (``learning_rate``:
+    ``c.training.learning_rate``)."""
+    where, field = FLAT[flag]
+    return getattr(getattr(c, where), field)
+
+
 def _finite(name, value):
     check_finite(name, value)
 
@@ -313,54 +341,56 @@ CLIENT_DATA = ("auto", "device", "host")
 
 
 def _check_numbers(c: ExperimentConfig):
+    t, ev, place, out = c.training, c.evaluation, c.placement, c.output
     for name in ("learning_rate", "lr_decay"):
-        _finite(name, getattr(c, name))
-    for lam in (c.l2_reg if isinstance(c.l2_reg, tuple) else (c.l2_reg,)):
+        _finite(name, _value(c, name))
+    for lam in (t.l2_reg if isinstance(t.l2_reg, tuple) else (t.l2_reg,)):
         _finite("l2_reg", lam)
         if lam < 0:
             raise ConfigError(f"--l2_reg must be >= 0, got {lam}")
-    if c.learning_rate <= 0:
-        raise ConfigError(f"--learning_rate must be positive, got {c.learning_rate}")
+    if t.learning_rate <= 0:
+        raise ConfigError(f"--learning_rate must be positive, got {t.learning_rate}")
     for name, what in _POSITIVE_INTS:
-        if getattr(c, name) < 1:
-            raise ConfigError(f"--{name} must be {what}, got {getattr(c, name)}")
+        if _value(c, name) < 1:
+            raise ConfigError(f"--{name} must be {what}, got {_value(c, name)}")
     for name in _OPTIONAL_POSITIVE_INTS:
-        if getattr(c, name) is not None and getattr(c, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {getattr(c, name)}")
-    if c.local_steps is None and c.local_epochs < 1:
-        raise ConfigError(f"--local_epochs must be at least 1, got {c.local_epochs}")
-    if c.lr_decay < 1:
+        value = _value(c, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {value}")
+    if t.local_steps is None and t.local_epochs < 1:
+        raise ConfigError(f"--local_epochs must be at least 1, got {t.local_epochs}")
+    if t.lr_decay < 1:
         raise ConfigError(
             f"--lr_decay is the divisor c >= 1 of lr_t = lr * c^-(t // lr_decay_every), got "
-            f"{c.lr_decay} (to halve the rate pass 2)")
-    if c.devices is not None and c.devices < 1:
-        raise ConfigError(f"--devices must be at least 1, got {c.devices}")
-    if c.checkpoint_every < 0 or not c.checkpoint_every_s >= 0:
+            f"{t.lr_decay} (to halve the rate pass 2)")
+    if place.devices is not None and place.devices < 1:
+        raise ConfigError(f"--devices must be at least 1, got {place.devices}")
+    if out.checkpoint_every < 0 or not out.checkpoint_every_s >= 0:
         raise ConfigError(f"--checkpoint_every and --checkpoint_every_s must be >= 0, got "
-                          f"{c.checkpoint_every} and {c.checkpoint_every_s}")
-    if c.lr_decay_every < 0:
-        raise ConfigError(f"--lr_decay_every must be >= 0 (0: constant), got {c.lr_decay_every}")
-    if c.client_data not in CLIENT_DATA:
+                          f"{out.checkpoint_every} and {out.checkpoint_every_s}")
+    if t.lr_decay_every < 0:
+        raise ConfigError(f"--lr_decay_every must be >= 0 (0: constant), got {t.lr_decay_every}")
+    if place.client_data not in CLIENT_DATA:
         raise ConfigError(f"--client_data must be one of {', '.join(CLIENT_DATA)}, got "
-                          f"{c.client_data!r}")
-    if c.eval_clients is not None and (isinstance(c.eval_clients, bool) or c.eval_clients < 0):
+                          f"{place.client_data!r}")
+    if ev.eval_clients is not None and (isinstance(ev.eval_clients, bool) or ev.eval_clients < 0):
         raise ConfigError(f"--eval_clients must be >= 0 (0: every client), got "
-                          f"{c.eval_clients!r}")
-    _finite("target_accuracy", c.target_accuracy)
-    if not 0.0 < c.target_accuracy <= 1.0:
+                          f"{ev.eval_clients!r}")
+    _finite("target_accuracy", ev.target_accuracy)
+    if not 0.0 < ev.target_accuracy <= 1.0:
         raise ConfigError(f"--target_accuracy must be in (0, 1] (a share of correct "
-                          f"predictions), got {c.target_accuracy}")
-    if c.placement_backend is not None and c.placement_backend not in PLACEMENT_BACKENDS:
+                          f"predictions), got {ev.target_accuracy}")
+    if place.placement_backend is not None and place.placement_backend not in PLACEMENT_BACKENDS:
         raise ConfigError(f"--placement_backend must be one of {', '.join(PLACEMENT_BACKENDS)} "
-                          f"(unset: the backend running), got {c.placement_backend!r}")
+                          f"(unset: the backend running), got {place.placement_backend!r}")
 
 
 def _check_personal(c: ExperimentConfig):
     """--client_holdout, --finetune_steps, --finetune_lr."""
-    f = c.client_holdout
+    f = c.personal.client_holdout
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1:
         raise ConfigError(f"--client_holdout must be a fraction in [0, 1), got {f!r}")
-    steps = c.finetune_steps
+    steps = c.personal.finetune_steps
     if not steps or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in steps):
         raise ConfigError(f"--finetune_steps must list integers >= 0, got {list(steps)}")
     if len(set(steps)) != len(steps):
@@ -368,18 +398,18 @@ def _check_personal(c: ExperimentConfig):
     if any(steps) and not f:
         raise ConfigError("--finetune_steps needs --client_holdout > 0: the adapted model is "
                           "evaluated on each client's held-out examples")
-    if c.finetune_lr is not None:
-        _finite("finetune_lr", c.finetune_lr)
-        if c.finetune_lr <= 0:
-            raise ConfigError(f"--finetune_lr must be positive, got {c.finetune_lr}")
+    if c.personal.finetune_lr is not None:
+        _finite("finetune_lr", c.personal.finetune_lr)
+        if c.personal.finetune_lr <= 0:
+            raise ConfigError(f"--finetune_lr must be positive, got {c.personal.finetune_lr}")
 
 
 def _check_seeds(c: ExperimentConfig):
-    if not c.seeds:
+    if not c.training.seeds:
         raise ConfigError("--seeds must list at least one seed")
-    if len(set(c.seeds)) != len(c.seeds):
-        raise ConfigError(f"--seeds lists a seed twice: {list(c.seeds)}")
-    for s in c.seeds:
+    if len(set(c.training.seeds)) != len(c.training.seeds):
+        raise ConfigError(f"--seeds lists a seed twice: {list(c.training.seeds)}")
+    for s in c.training.seeds:
         if isinstance(s, bool) or not isinstance(s, int) or s < 0 or s >= 2 ** 31:
             raise ConfigError(f"--seeds must be integers in [0, 2^31), got {s!r}")
 
@@ -446,10 +476,11 @@ def _check(c: ExperimentConfig):
     check_private_version(c.privacy, c.sampling.sampler, spec)
     spec.check(c)
     c.l2_for(len(spec.sweep_values(c)))
-    if c.use_bias is not None and c.model not in LINEAR_MODELS:
+    if c.training.use_bias is not None and c.training.model not in LINEAR_MODELS:
         raise ConfigError(f"--use_bias applies to the linear models ({', '.join(LINEAR_MODELS)}),"
-                          f" not --model={c.model}")
-    if c.augment not in AUGMENTS:
-        raise ConfigError(f"--augment must be one of {', '.join(AUGMENTS)}, got {c.augment!r}")
-    if not c.output_dir and c.save_models:
+                          f" not --model={c.training.model}")
+    if c.training.augment not in AUGMENTS:
+        raise ConfigError(f"--augment must be one of {', '.join(AUGMENTS)}, got "
+                          f"{c.training.augment!r}")
+    if not c.output.output_dir and c.output.save_models:
         raise ConfigError("--output_dir is required")

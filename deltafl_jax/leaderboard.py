@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from deltafl_jax.algorithms import registry
 from deltafl_jax.algorithms.leaderboard import BoardSetting
 from deltafl_jax.declared import finite_in
 from deltafl_jax.errors import ConfigError
+
+if TYPE_CHECKING:
+    from deltafl_jax.config import ExperimentConfig
 
 SERVER_LR = "server_lr"
 METRICS = (("test_error_mean", "mean"), ("test_error_p90", "p90"),
@@ -98,7 +101,7 @@ def check_grid(name: str, grid: Mapping[str, Sequence[float]]) -> Dict[str, Tupl
     return out
 
 
-def grid_config(base, name: str, grid: Mapping[str, Sequence[float]], seeds: Sequence[int],
+def grid_config(base: ExperimentConfig, name: str, grid: Mapping[str, Sequence[float]], seeds: Sequence[int],
                 output_dir: Optional[str], extra_values: Sequence[float] = ()):
     """The configuration that trains method `name` over `grid` (plus `extra_values` of its
     swept flag: the methods that join its program) x `seeds` in one program, from the
@@ -118,12 +121,14 @@ def grid_config(base, name: str, grid: Mapping[str, Sequence[float]], seeds: Seq
         sweeps[own] = values
         thetas = ()
     options = {f: base.options[f] for f in spec.option_flags() if f in base.options}
-    config = dataclasses.replace(
-        base, algorithm=name, thetas=thetas, sweeps=sweeps, options=options,
-        server_lr=tuple(grid.get(SERVER_LR, base.server_lr)), seeds=tuple(seeds),
-        output_dir=output_dir, l2_reg=base.l2_for(1)[0] if isinstance(base.l2_reg, tuple)
-        else base.l2_reg, save_models=False)
-    return config
+    l2 = base.training.l2_reg
+    training = dataclasses.replace(base.training, seeds=tuple(seeds),
+                                   l2_reg=base.l2_for(1)[0] if isinstance(l2, tuple) else l2)
+    server = dataclasses.replace(
+        base.server, learning_rates=tuple(grid.get(SERVER_LR, base.server.learning_rates)))
+    output = dataclasses.replace(base.output, output_dir=output_dir, save_models=False)
+    return dataclasses.replace(base, algorithm=name, thetas=thetas, sweeps=sweeps,
+                               options=options, training=training, server=server, output=output)
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,11 +25,11 @@ def grid_for(spec, config, dp_noise: Sequence[float] = (0.0,)) -> ReplicaGrid:
     points = tuple(
         GridPoint(label=dataclasses.replace(spec.label(v, sweep), extra=extra + more),
                   hyper=spec.hyper_for(v, sweep, **overrides), l2=l2,
-                  learning_rate=config.learning_rate, lr_decay=config.lr_decay,
-                  lr_decay_every=config.lr_decay_every, server_lr=eta, dp_noise=z)
+                  learning_rate=config.training.learning_rate, lr_decay=config.training.lr_decay,
+                  lr_decay_every=config.training.lr_decay_every, server_lr=eta, dp_noise=z)
         for v, l2 in zip(values, l2s) for overrides, extra in crossed(spec, config)
         for eta, z, more in platform_values(config, dp_noise))
-    return ReplicaGrid(points=points, seeds=tuple(config.seeds))
+    return ReplicaGrid(points=points, seeds=tuple(config.training.seeds))
 
 
 def crossed(spec, config) -> Tuple[Tuple[Mapping[str, float], Tuple], ...]:
@@ -49,7 +49,7 @@ def platform_values(config, dp_noise: Sequence[float] = (0.0,)
     (`dp_noise`: the noise multiplier of each value of the config's DP sweep, calibrated
     already); the label names the server learning rate and the DP value only when
     several are trained."""
-    lrs = tuple(config.server_lr)
+    lrs = tuple(config.server.learning_rates)
     (flag, given), = config.privacy.swept
     if len(given) != len(dp_noise):
         raise ValueError(f"{len(dp_noise)} noise multipliers for {len(given)} --{flag} values")

@@ -43,10 +43,12 @@ def seed_programs(config) -> List:
     if not config.data.resample_writers_per_seed:
         return [config]
     out = []
-    for s in config.seeds:
+    for s in config.training.seeds:
         data = dataclasses.replace(config.data,
                                    data_seed=seed_data_seed(config.data.data_seed, s))
+        where = config.output.output_dir
         out.append(dataclasses.replace(
-            config, seeds=(s,), data=data,
-            output_dir=seed_dir(config.output_dir, s) if config.output_dir else None))
+            config, data=data, training=dataclasses.replace(config.training, seeds=(s,)),
+            output=dataclasses.replace(config.output,
+                                       output_dir=seed_dir(where, s) if where else None)))
     return out

@@ -93,10 +93,11 @@ def lr_grid_replicas(config, learning_rates: Sequence[float], decays: Sequence[f
     l2 = config.l2_for(1)[0]
     points = tuple(
         _point(spec, 1.0, (("learning_rate", float(lr)), ("lr_decay", float(c))), l2=l2,
-               learning_rate=float(lr), lr_decay=float(c), lr_decay_every=config.lr_decay_every,
-               server_lr=config.server_lr[0])
+               learning_rate=float(lr), lr_decay=float(c),
+               lr_decay_every=config.training.lr_decay_every,
+               server_lr=config.server.learning_rates[0])
         for lr in learning_rates for c in decays)
-    return ReplicaGrid(points=points, seeds=tuple(config.seeds)).build()
+    return ReplicaGrid(points=points, seeds=tuple(config.training.seeds)).build()
 
 
 def l2_grid_replicas(config, thetas: Sequence[float], l2s: Sequence[float]):
@@ -105,10 +106,11 @@ def l2_grid_replicas(config, thetas: Sequence[float], l2s: Sequence[float]):
     spec = registry.get(L2_ALGORITHM)
     points = tuple(
         _point(spec, float(theta), (("l2_reg", float(lam)),), l2=float(lam),
-               learning_rate=config.learning_rate, lr_decay=config.lr_decay,
-               lr_decay_every=config.lr_decay_every, server_lr=config.server_lr[0])
+               learning_rate=config.training.learning_rate, lr_decay=config.training.lr_decay,
+               lr_decay_every=config.training.lr_decay_every,
+               server_lr=config.server.learning_rates[0])
         for theta in thetas for lam in l2s)
-    return ReplicaGrid(points=points, seeds=tuple(config.seeds)).build()
+    return ReplicaGrid(points=points, seeds=tuple(config.training.seeds)).build()
 
 
 def validation_split(data, seed: int):
@@ -192,7 +194,7 @@ class TuningResult:
 
 
 def default_lr_grid(config) -> Tuple[float, ...]:
-    return tuple(config.learning_rate * m for m in LR_MULTIPLIERS)
+    return tuple(config.training.learning_rate * m for m in LR_MULTIPLIERS)
 
 
 def tunes_l2(config) -> bool:
@@ -226,9 +228,9 @@ def check(config, data, lr_grid, decay_grid, l2_grid, tune_lr: bool, tune_l2: bo
     if config.privacy.enabled:
         raise TuningError("the tuner trains without client-level DP: tune without --dp_clip, "
                           "then add the --dp_* flags to tuned.flags")
-    if len(config.server_lr) > 1:
-        raise TuningError(f"--server_lr lists {len(config.server_lr)} values; the tuner trains "
-                          f"every grid with one server step: give one --server_lr")
+    if len(config.server.learning_rates) > 1:
+        raise TuningError(f"--server_lr lists {len(config.server.learning_rates)} values; the "
+                          f"tuner trains every grid with one server step: give one --server_lr")
     if tune_lr:
         _check_grid("lr_grid", lr_grid, 0.0, False)
         _check_grid("lr_decay_grid", decay_grid, 1.0, True)
@@ -243,26 +245,34 @@ def check(config, data, lr_grid, decay_grid, l2_grid, tune_lr: bool, tune_l2: bo
                           f"values; --algorithm={config.algorithm} has none to tune")
     if tune_l2 or tune_param:
         half = data.train.num_clients // 2
-        if config.clients_per_round > half:
+        if config.training.clients_per_round > half:
             raise TuningError(
-                f"--clients_per_round={config.clients_per_round} exceeds the {half} clients "
-                f"of the half of the training clients that trains while tuning on validation "
-                f"clients")
+                f"--clients_per_round={config.training.clients_per_round} exceeds the {half} "
+                f"clients of the half of the training clients that trains while tuning on "
+                f"validation clients")
+
+
+def _grid_output(config, out_dir, name):
+    """The output settings of one tuning grid: its folder `name` under `out_dir` (none without
+    one), and no saved models."""
+    return dataclasses.replace(config.output, save_models=False,
+                               output_dir=os.path.join(out_dir, name) if out_dir else None)
 
 
 def tune_lr_step(config, data, lr_grid, decay_grid, out_dir, log, notes):
     """Step 1: (learning rate, decay, scores) of FedAvg's smallest terminal train loss."""
     decays = tuple(decay_grid)
-    if config.lr_decay_every <= 0:
+    if config.training.lr_decay_every <= 0:
         decays = (1.0,)
         notes.append("--lr_decay_every=0: constant learning rate (the paper's choice for "
                      "linear models), only c = 1 tried")
     grid_config = dataclasses.replace(
-        config, algorithm=LR_ALGORITHM, thetas=(), l2_reg=config.l2_for(1)[0],
-        output_dir=os.path.join(out_dir, "lr_grid") if out_dir else None, save_models=False)
+        config, algorithm=LR_ALGORITHM, thetas=(),
+        training=dataclasses.replace(config.training, l2_reg=config.l2_for(1)[0]),
+        output=_grid_output(config, out_dir, "lr_grid"))
     replicas = lr_grid_replicas(grid_config, lr_grid, decays)
     log(f"learning-rate grid: {len(lr_grid)} x {len(decays)} values x "
-        f"{len(config.seeds)} seed(s) = {replicas.size} FedAvg replicas in one program")
+        f"{len(config.training.seeds)} seed(s) = {replicas.size} FedAvg replicas in one program")
     summary = run_grid(grid_config, data, replicas, log, "lr grid")
     lr_scores = scores(replicas, summary.final, "train_loss_mean")
     win = best(lr_scores)
@@ -280,12 +290,13 @@ def tune_l2_step(config, data, lr, decay, l2_grid, per_theta, validation_seed, o
     thetas = l2_thetas(config, per_theta)
     val_data = validation_split(data, validation_seed)
     grid_config = dataclasses.replace(
-        config, algorithm=L2_ALGORITHM, thetas=thetas, learning_rate=lr, lr_decay=decay,
-        l2_reg=0.0, output_dir=os.path.join(out_dir, "l2_grid") if out_dir else None,
-        save_models=False)
+        config, algorithm=L2_ALGORITHM, thetas=thetas,
+        training=dataclasses.replace(config.training, learning_rate=lr, lr_decay=decay,
+                                     l2_reg=0.0),
+        output=_grid_output(config, out_dir, "l2_grid"))
     replicas = l2_grid_replicas(grid_config, thetas, l2_grid)
     log(f"lambda grid: {len(thetas)} theta(s) x {len(l2_grid)} values x "
-        f"{len(config.seeds)} seed(s) = {replicas.size} replicas in one program, on "
+        f"{len(config.training.seeds)} seed(s) = {replicas.size} replicas in one program, on "
         f"{val_data.train.num_clients} training / {val_data.test.num_clients} validation "
         f"clients")
     summary = run_grid(grid_config, val_data, replicas, log, "l2 grid")
@@ -322,10 +333,10 @@ def tune_param_step(config, data, lr, decay, validation_seed, out_dir, log):
     spec, sweep, values = param_sweep(config)
     val_data = validation_split(data, validation_seed)
     grid_config = dataclasses.replace(
-        config, learning_rate=lr, lr_decay=decay, save_models=False,
-        output_dir=os.path.join(out_dir, "param_grid") if out_dir else None)
+        config, training=dataclasses.replace(config.training, learning_rate=lr, lr_decay=decay),
+        output=_grid_output(config, out_dir, "param_grid"))
     replicas = replica_grid.grid_for(spec, grid_config).build()
-    log(f"{sweep.flag} grid: {len(values)} values x {len(config.seeds)} seed(s) = "
+    log(f"{sweep.flag} grid: {len(values)} values x {len(config.training.seeds)} seed(s) = "
         f"{replicas.size} {config.algorithm} replicas in one program, on "
         f"{val_data.train.num_clients} training / {val_data.test.num_clients} validation "
         f"clients")
@@ -349,7 +360,7 @@ def tune(config, data, lr_grid: Sequence[float], decay_grid: Sequence[float],
     log = log or (lambda s: None)
     check(config, data, lr_grid, decay_grid, l2_grid, tune_lr, tune_l2, tune_param)
     notes: List[str] = []
-    lr, decay, lr_scores = config.learning_rate, config.lr_decay, []
+    lr, decay, lr_scores = config.training.learning_rate, config.training.lr_decay, []
     if tune_lr:
         lr, decay, lr_scores = tune_lr_step(config, data, lr_grid, decay_grid, out_dir, log,
                                             notes)

@@ -116,8 +116,8 @@ def configs_from_flags() -> List:
     for entry, name, optimizer in entries:
         config = config_from_flags(name, beside_others=True,
                                    server_optimizer=optimizer if named else None)
-        if config.output_dir:
-            config = dataclasses.replace(config, output_dir=os.path.join(config.output_dir,
+        if config.output.output_dir:
+            config = dataclasses.replace(config, output_dir=os.path.join(config.output.output_dir,
                                                                          entry))
         configs.append(config)
     check_flags_read(configs)

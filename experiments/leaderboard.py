@@ -117,7 +117,7 @@ class Stage:
 
     @property
     def units(self) -> float:
-        return self.replicas * self.rounds * MODEL_COST.get(self.setting.base.model, 1.0)
+        return self.replicas * self.rounds * MODEL_COST.get(self.setting.base.training.model, 1.0)
 
     @property
     def out(self) -> str:
@@ -155,7 +155,7 @@ def _setting_config(path: str, argv: List[str]):
     FLAGS.unparse_flags()
     FLAGS([argv[0], f"--flagfile={path}", *argv[1:]])
     config = cli.config_from_flags(algorithm=tuning.L2_ALGORITHM, server_optimizer=None)
-    seeds = config.seeds if "seeds" in cli.COMMAND_LINE else DEFAULT_SEEDS
+    seeds = config.training.seeds if "seeds" in cli.COMMAND_LINE else DEFAULT_SEEDS
     return dataclasses.replace(config, seeds=tuple(seeds), verbose=True, tensorboard=False,
                                overwrite=FLAGS.overwrite, save_models=False)
 
@@ -221,9 +221,9 @@ def plan(argv: List[str]) -> List[Setting]:
     for name in _settings_of_set():
         base = _setting_config(os.path.join(REPO, "experiments", f"{name}.flags"), argv)
         data = _setting_data(name, base)
-        facts = BoardSetting(dataset=data.name, model=base.model,
+        facts = BoardSetting(dataset=data.name, model=base.training.model,
                              train_clients=data.train.num_clients,
-                             clients_per_round=base.clients_per_round)
+                             clients_per_round=base.training.clients_per_round)
         methods = lb.board_methods(facts, FLAGS.methods or None)
         for host in [lb.host_of(m)[0] for m in methods]:
             if host not in methods:
@@ -238,9 +238,9 @@ def plan(argv: List[str]) -> List[Setting]:
         for host in hosts:   # the spec checks every value before anything is trained
             _check_config(setting, host)
         half = data.train.num_clients // 2
-        if base.clients_per_round > half and any(_tuned(setting, h) for h in hosts):
+        if base.training.clients_per_round > half and any(_tuned(setting, h) for h in hosts):
             raise cli.UsageError(
-                f"{name}: --clients_per_round={base.clients_per_round} exceeds the {half} "
+                f"{name}: --clients_per_round={base.training.clients_per_round} exceeds the {half} "
                 f"clients of the half of the training clients that trains while tuning on "
                 f"validation clients")
         settings.append(setting)
@@ -255,7 +255,7 @@ def _joined_values(setting: Setting, host: str) -> Tuple[float, ...]:
 def _config(setting: Setting, host: str, kind: str, seeds):
     from deltafl_jax import leaderboard as lb
     base = dataclasses.replace(setting.base, learning_rate=setting.learning_rate
-                               or setting.base.learning_rate)
+                               or setting.base.training.learning_rate)
     extra = _joined_values(setting, host) if kind == "final" else ()
     grid = setting.grids[host]
     return lb.grid_config(base, host, grid, seeds, os.path.join(setting.out, host, kind), extra)
@@ -263,7 +263,7 @@ def _config(setting: Setting, host: str, kind: str, seeds):
 
 def _check_config(setting: Setting, host: str) -> None:
     from deltafl_jax.algorithms import registry
-    config = _config(setting, host, "final", setting.base.seeds)
+    config = _config(setting, host, "final", setting.base.training.seeds)
     registry.get(host).check(config)
 
 
@@ -273,7 +273,7 @@ def _grid_points(grid) -> int:
 
 def stages(setting: Setting, tune_seeds, lr_grid) -> List[Stage]:
     """The programs of a setting, in order, with their sizes (for the ETA)."""
-    rounds = setting.base.num_rounds
+    rounds = setting.base.training.num_rounds
     out = []
     if len(lr_grid) > 1:
         out.append(Stage(setting, "lr", tuning.LR_ALGORITHM, len(lr_grid) * len(tune_seeds),
@@ -283,8 +283,8 @@ def stages(setting: Setting, tune_seeds, lr_grid) -> List[Stage]:
         if points > 1 and host in setting.methods and _tuned(setting, host):
             out.append(Stage(setting, "validation", host, points * len(tune_seeds), rounds))
         extra = len(_joined_values(setting, host))
-        out.append(Stage(setting, "final", host, (points + extra) * len(setting.base.seeds),
-                         rounds))
+        seeds = len(setting.base.training.seeds)
+        out.append(Stage(setting, "final", host, (points + extra) * seeds, rounds))
     return out
 
 
@@ -358,7 +358,7 @@ def _run(config, data, log) -> Tuple[List[Any], Dict[str, Dict[str, float]]]:
     of this configuration, else trained."""
     from deltafl_jax import run_experiment
     from deltafl_jax.replicas import ReplicaLabel
-    done = None if config.overwrite else _same_config(config.output_dir, config)
+    done = None if config.output.overwrite else _same_config(config.output.output_dir, config)
     if done is not None:
         log("[round -] read back: a finished run of this configuration")
         return [ReplicaLabel.from_json(d) for d in done["replicas"]], done["final"]
@@ -372,8 +372,8 @@ def run_lr(setting: Setting, stage: Stage, tune_seeds, lr_grid, log) -> None:
     config = dataclasses.replace(setting.base, algorithm=tuning.LR_ALGORITHM, thetas=(),
                                  seeds=tune_seeds,
                                  output_dir=stage.out, l2_reg=setting.base.l2_for(1)[0])
-    reps = tuning.lr_grid_replicas(config, lr_grid, (config.lr_decay,))
-    done = None if config.overwrite else _same_config(stage.out, config)
+    reps = tuning.lr_grid_replicas(config, lr_grid, (config.training.lr_decay,))
+    done = None if config.output.overwrite else _same_config(stage.out, config)
     if done is not None:
         log("[round -] read back: a finished run of this configuration")
     final = done["final"] if done is not None else run_experiment(
@@ -390,7 +390,7 @@ def run_method(setting: Setting, stage: Stage, tune_seeds, log) -> None:
     """A host's validation grid (on the validation split) or its final runs."""
     from deltafl_jax import leaderboard as lb
     from deltafl_jax import tuning
-    seeds = tune_seeds if stage.kind == "validation" else setting.base.seeds
+    seeds = tune_seeds if stage.kind == "validation" else setting.base.training.seeds
     config = _config(setting, stage.host, stage.kind, seeds)
     data = (tuning.validation_split(setting.data, 0) if stage.kind == "validation"
             else setting.data)
@@ -413,7 +413,7 @@ def run_all(settings: List[Setting], tune_seeds, multipliers) -> None:
     all_stages = []
     grids = {}
     for s in settings:
-        lr_grid = tuple(s.base.learning_rate * m for m in multipliers)
+        lr_grid = tuple(s.base.training.learning_rate * m for m in multipliers)
         grids[s.name] = lr_grid
         all_stages += stages(s, tune_seeds, lr_grid)
     clock = Clock(all_stages)
@@ -491,12 +491,13 @@ def record(setting: Setting, tune_seeds) -> Dict[str, Any]:
     base, data = setting.base, setting.data
     return {
         "name": setting.name, "title": setting.title, "flagfile": f"experiments/{setting.name}"
-        ".flags", "dataset": data.name, "model": base.model,
+        ".flags", "dataset": data.name, "model": base.training.model,
         "train_clients": data.train.num_clients, "test_clients": data.test.num_clients,
-        "clients_per_round": base.clients_per_round, "num_rounds": base.num_rounds,
-        "seeds": list(base.seeds), "tune_seeds": list(tune_seeds),
+        "clients_per_round": base.training.clients_per_round,
+        "num_rounds": base.training.num_rounds,
+        "seeds": list(base.training.seeds), "tune_seeds": list(tune_seeds),
         "grid": "quick" if setting.quick else "full",
-        "learning_rate": setting.learning_rate or base.learning_rate,
+        "learning_rate": setting.learning_rate or base.training.learning_rate,
         "lr_scores": setting.lr_scores,
         "methods": [method_record(setting, m) for m in setting.methods],
     }
@@ -645,8 +646,8 @@ def _program(setting: Setting, stage: Stage, tune_seeds, lr_grid):
                                      seeds=tune_seeds, output_dir=None,
                                      l2_reg=setting.base.l2_for(1)[0])
         return config, setting.data, tuning.lr_grid_replicas(config, lr_grid,
-                                                             (config.lr_decay,))
-    seeds = tune_seeds if stage.kind == "validation" else setting.base.seeds
+                                                             (config.training.lr_decay,))
+    seeds = tune_seeds if stage.kind == "validation" else setting.base.training.seeds
     config = dataclasses.replace(_config(setting, stage.host, stage.kind, seeds),
                                  output_dir=None)
     data = (tuning.validation_split(setting.data, 0) if stage.kind == "validation"
@@ -665,7 +666,7 @@ def estimate(settings: List[Setting], tune_seeds, multipliers) -> None:
     from deltafl_jax.run.estimate import total_lines
     estimates, cache = [], {}
     for s in settings:
-        lr_grid = tuple(s.base.learning_rate * m for m in multipliers)
+        lr_grid = tuple(s.base.training.learning_rate * m for m in multipliers)
         programs = [(stage, *_program(s, stage, tune_seeds, lr_grid))
                     for stage in stages(s, tune_seeds, lr_grid)]
         for est in (_exact(s, programs, cache) if FLAGS.estimate_exact
@@ -711,7 +712,7 @@ def _projected(setting: Setting, programs):
 def default_tune_seeds(settings: List[Setting]) -> Tuple[int, ...]:
     """The tuning seeds without --tune_seeds: the final runs' seeds on the cpu set (a grid
     point one of whose seeds diverges is then seen and passed over), seed 1 elsewhere."""
-    return tuple(settings[0].base.seeds) if FLAGS.set == "cpu" else (1,)
+    return tuple(settings[0].base.training.seeds) if FLAGS.set == "cpu" else (1,)
 
 
 def main(argv):

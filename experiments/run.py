@@ -129,9 +129,9 @@ def main(argv):
             return
         # Refuse before anything runs: a folder that is not this run's, a finished run that
         # cannot be continued, a stopped run of other settings.
-        check_output_parents(FLAGS.output_dir, [c.output_dir for c in configs])
+        check_output_parents(FLAGS.output_dir, [c.output.output_dir for c in configs])
         for config in configs:
-            check_output_dir(config.output_dir, config.overwrite, config)
+            check_output_dir(config.output.output_dir, config.output.overwrite, config)
         data, loaded = None, None
         for config in configs:
             if config.data != loaded:

@@ -82,13 +82,13 @@ def _inputs():
     decay_grid = cli.floats("lr_decay_grid", FLAGS.lr_decay_grid)
     l2_grid = cli.floats("l2_grid", FLAGS.l2_grid)
     tune_l2 = {"yes": True, "no": False}.get(
-        FLAGS.tune_l2, config.model in LINEAR_MODELS and tunes_l2(config))
+        FLAGS.tune_l2, config.training.model in LINEAR_MODELS and tunes_l2(config))
     tune_param = {"yes": True, "no": False}.get(FLAGS.tune_param,
                                                  param_sweep(config) is not None)
     if not FLAGS.tune_lr and not tune_l2 and not tune_param:
         raise TuningError("nothing to tune: --notune_lr, --tune_l2="
                           f"{FLAGS.tune_l2} and --tune_param={FLAGS.tune_param} (model "
-                          f"{config.model}, algorithm {config.algorithm})")
+                          f"{config.training.model}, algorithm {config.algorithm})")
     check_out(out_dir)
     return config, lr_grid, decay_grid, l2_grid, tune_l2, tune_param
 
@@ -150,7 +150,7 @@ def _write_scores(config, result, out_dir: str, flagfile: str) -> None:
                  for t in sorted({s.point["theta"] for s in result.l2_scores}, reverse=True)]
     md = ["# Tuning (App. C.2.2)", ""] + [f"- {n}" for n in result.notes] + [
         f"- learning rate: --learning_rate={result.learning_rate:g} "
-        f"--lr_decay={result.lr_decay:g} --lr_decay_every={config.lr_decay_every}",
+        f"--lr_decay={result.lr_decay:g} --lr_decay_every={config.training.lr_decay_every}",
         "- lambda per theta: " + (", ".join(f"θ={t:g}: {l:g}" for t, l in result.l2.items())
                                   or "not tuned"),
         f"- flagfile: {os.path.basename(flagfile)}", ""]
@@ -165,7 +165,7 @@ def _write_scores(config, result, out_dir: str, flagfile: str) -> None:
         f.write("\n".join(md))
     record = {
         "learning_rate": result.learning_rate, "lr_decay": result.lr_decay,
-        "lr_decay_every": config.lr_decay_every,
+        "lr_decay_every": config.training.lr_decay_every,
         "l2": {f"{t:g}": l for t, l in result.l2.items()},
         "lr_scores": [dataclasses.asdict(s) for s in result.lr_scores],
         "l2_scores": [dataclasses.asdict(s) for s in result.l2_scores],
@@ -208,16 +208,16 @@ def _tune_and_write(config, lr_grid, decay_grid, l2_grid, tune_l2, tune_param) -
     from deltafl_jax.outputs import mark_command_dir
     data = load_dataset(config.data)
     check(config, data, lr_grid, decay_grid, l2_grid, FLAGS.tune_lr, tune_l2, tune_param)
-    if config.clients_per_round > data.train.num_clients:
-        raise TuningError(f"--clients_per_round={config.clients_per_round} exceeds the "
+    if config.training.clients_per_round > data.train.num_clients:
+        raise TuningError(f"--clients_per_round={config.training.clients_per_round} exceeds the "
                           f"{data.train.num_clients} training clients of {data.name}")
-    mark_command_dir(config.output_dir, MARKER, "experiments.tune")   # made, and ours
+    mark_command_dir(config.output.output_dir, MARKER, "experiments.tune")   # made, and ours
     result = tune(config, data, lr_grid, decay_grid, l2_grid, tune_lr=FLAGS.tune_lr,
                   tune_l2=tune_l2, per_theta=FLAGS.l2_per_theta,
-                  validation_seed=FLAGS.validation_seed, out_dir=config.output_dir,
+                  validation_seed=FLAGS.validation_seed, out_dir=config.output.output_dir,
                   log=lambda s: print(s, flush=True), tune_param=tune_param)
-    flagfile = _write_flagfile(config, result, config.output_dir)
-    _write_scores(config, result, config.output_dir, flagfile)
+    flagfile = _write_flagfile(config, result, config.output.output_dir)
+    _write_scores(config, result, config.output.output_dir, flagfile)
     return flagfile
 
 

@@ -157,7 +157,8 @@ def test_default_tune_seeds(which, want):
     board.FLAGS.unparse_flags()
     board.parse_flags_or_fail(["leaderboard", f"--set={which}"])
     try:
-        got = board.default_tune_seeds([SimpleNamespace(base=SimpleNamespace(seeds=(1, 2, 3)))])
+        got = board.default_tune_seeds(
+            [SimpleNamespace(base=SimpleNamespace(training=SimpleNamespace(seeds=(1, 2, 3))))])
     finally:
         board.FLAGS.unparse_flags()
     assert got == want

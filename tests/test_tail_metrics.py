@@ -276,7 +276,7 @@ def test_progress_line_and_closing_table_show_the_tail():
                "test_error_worst10": np.array([0.60, 0.70]),
                "test_error_std": np.array([0.20, 0.22]),
                "test_share_below_target": np.array([0.25, 0.35])}
-    config = types.SimpleNamespace(target_accuracy=0.6)
+    config = types.SimpleNamespace(evaluation=types.SimpleNamespace(target_accuracy=0.6))
     view = types.SimpleNamespace(facts=types.SimpleNamespace(classify=True, config=config),
                                  labels=LABELS)
     line = evaluation_line(RunContext(view=view, num_rounds=10),

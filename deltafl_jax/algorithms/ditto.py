@@ -131,11 +131,11 @@ def proximal_bound(config) -> Optional[float]:
     shrinking it: 2 for SGD (v - w <- (1 - eta a)(v - w), and |1 - eta a| < 1 iff 0 < eta a < 2),
     2 (1 + beta) for heavy-ball momentum; None for Adam and Adagrad, whose step is scaled by
     the gradients' own size."""
-    name = config.client_optimizer
+    name = config.client.name
     if name == "sgd":
         return 2.0
     if name == "momentum":
-        return 2.0 * (1.0 + float(config.client_momentum))
+        return 2.0 * (1.0 + float(config.client.momentum))
     return None
 
 
@@ -149,13 +149,14 @@ def stability_cautions(config, replicas) -> Tuple[str, ...]:
     bound = proximal_bound(config)
     if bound is None:
         return ()
-    adapts = config.client_holdout > 0 and any(int(k) > 0 for k in config.finetune_steps)
+    personal = config.personal
+    adapts = personal.client_holdout > 0 and any(int(k) > 0 for k in personal.finetune_steps)
     lines, said = [], set()
     for r in range(replicas.size):
         lam, l2 = float(replicas.hyper.ditto_lambda[r]), float(replicas.l2[r])
         rates = [("learning rate", float(replicas.schedules[r](0)))]
-        if adapts and config.finetune_lr is not None:
-            rates.append(("--finetune_lr", float(config.finetune_lr)))
+        if adapts and personal.finetune_lr is not None:
+            rates.append(("--finetune_lr", float(personal.finetune_lr)))
         for what, eta in rates:
             product = eta * (lam + l2)
             if product < bound or (what, eta, lam, l2) in said:
@@ -166,7 +167,7 @@ def stability_cautions(config, replicas) -> Tuple[str, ...]:
                 + (f" and l2 = {l2:g}" if l2 else "")
                 + f": η (λ + l2) = {product:g} >= {bound:g}, past the stability bound of the "
                 f"personal step v <- v - η (∇F_k(v) + λ (v - w_t)) with "
-                f"--client_optimizer={config.client_optimizer}; the personal models "
+                f"--client_optimizer={config.client.name}; the personal models "
                 f"diverge (choose η (λ + l2) < {bound:g})")
     return tuple(lines)
 

@@ -146,7 +146,7 @@ def build_known_prob(config, data, options: KnownProbOptions,
     """The spec's factory: :func:`known_prob` with `probabilities` (the run's, from its
     availability and sampler), by default m / N (:func:`sampling_probabilities`)."""
     sizes = data.train.sizes
-    p = (sampling_probabilities(len(sizes), config.clients_per_round)
+    p = (sampling_probabilities(len(sizes), config.training.clients_per_round)
          if probabilities is None else probabilities)
     return known_prob(sizes, p, options)
 

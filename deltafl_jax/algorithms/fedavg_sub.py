@@ -86,7 +86,7 @@ def _theta_levels(config, given):
 
 def _validate(config) -> None:
     check_thetas(config)
-    m = config.clients_per_round
+    m = config.training.clients_per_round
     for k in config.sweep("fedavg_sub_clients"):
         if not 1 <= k <= m:
             raise ConfigError(f"--fedavg_sub_clients must be integers in [1, "

@@ -156,17 +156,17 @@ def fednova(momentum: float = 0.0, options: FedNovaOptions = FedNovaOptions()
 
 def client_momentum(config) -> float:
     """rho of the run's client optimizer: --client_momentum with momentum, 0 with SGD."""
-    return float(config.client_momentum) if config.client_optimizer == "momentum" else 0.0
+    return float(config.client.momentum) if config.client.name == "momentum" else 0.0
 
 
 def validate(config) -> None:
     """--thetas in (0, 1], and a client optimizer whose norm vector is known."""
     check_thetas(config)
-    if config.client_optimizer not in OPTIMIZERS:
+    if config.client.name not in OPTIMIZERS:
         raise ConfigError(
             f"--algorithm=fednova normalises each update by its local solver's norm vector, "
             f"which the paper gives for --client_optimizer=sgd or momentum; got "
-            f"--client_optimizer={config.client_optimizer}")
+            f"--client_optimizer={config.client.name}")
 
 
 SPEC = AlgorithmSpec(

@@ -73,7 +73,7 @@ def run_rounds(exp, state, callbacks: Sequence[Callback] = (), start_round: int 
     histories that make the result; it runs before the other callbacks. A callback may set
     ``run.stop_requested`` to end the run after the current round.
     """
-    T = exp.config.num_rounds
+    T = exp.config.training.num_rounds
     recorder = recorder if recorder is not None else Recorder()
     callbacks = [recorder, *callbacks]
     run = RunContext(view=exp.view(), num_rounds=T, start_round=start_round, state=state,
@@ -94,7 +94,7 @@ def run_rounds(exp, state, callbacks: Sequence[Callback] = (), start_round: int 
             run.end_reason = (f"--stop_at_virtual_time={exp.config.timing.stop_at_virtual_time:g}"
                               f" reached after round {t + 1}")
         _emit(callbacks, "on_round_end", run, t + 1, metrics)
-        if (t + 1) % exp.config.eval_every == 0 or t + 1 == T or ended:
+        if (t + 1) % exp.config.evaluation.eval_every == 0 or t + 1 == T or ended:
             ev = evaluate(exp, state, t + 1, metrics, time.perf_counter() - t_start)
             _emit(callbacks, "on_evaluation", run, ev)
         state = run.state   # a callback may replace it (e.g. stop a diverged replica)

@@ -77,21 +77,21 @@ def choose_placement(config: ExperimentConfig, model: Model, m: int, num_replica
     there); on accelerators one per replica (up to 16), so a step evaluates all models.
     `config.placement_backend` plans as on that backend instead of the running one, and
     `config.branchless` overrides the loop shape's body."""
-    backend = backend or config.placement_backend or jax.default_backend()
+    backend = backend or config.placement.placement_backend or jax.default_backend()
     prefs = model.lanes
     jobs = m * num_replicas
     per_device = (prefs.lanes(m, backend, devices) if backend == "cpu"
                   else min(m, -(-jobs // devices)))
-    lanes = min(config.clients_per_step or per_device, jobs)
+    lanes = min(config.placement.clients_per_step or per_device, jobs)
     one_device = prefs.lanes(m, backend, 1) if backend == "cpu" else m
     loop = engine.loop_shape(backend)
     return Placement(lanes=lanes, lane_mode=prefs.lane_mode(backend),
-                     eval_chunk=config.eval_chunk or prefs.eval_chunk(backend),
+                     eval_chunk=config.placement.eval_chunk or prefs.eval_chunk(backend),
                      eval_lanes=1 if backend == "cpu" else max(1, min(num_replicas, 16)),
                      devices=devices, unroll=loop.unroll,
-                     branchless=loop.branchless if config.branchless is None
-                     else config.branchless, client_data=client_data,
-                     order_lanes=min(config.clients_per_step or one_device, m))
+                     branchless=loop.branchless if config.placement.branchless is None
+                     else config.placement.branchless, client_data=client_data,
+                     order_lanes=min(config.placement.clients_per_step or one_device, m))
 
 
 def split_bytes(data: FederatedDataset) -> int:

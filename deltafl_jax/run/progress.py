@@ -126,7 +126,8 @@ def tail_text(summary, rows, classify: bool, target: Optional[float] = None) -> 
 
 def evaluation_line(run: RunContext, ev: Evaluation) -> str:
     classify = run.view.facts.classify
-    target = getattr(getattr(run.view.facts, "config", None), "target_accuracy", None)
+    config = getattr(run.view.facts, "config", None)
+    target = config.evaluation.target_accuracy if config is not None else None
     parts = []
     for name, rs in _groups(run.view.labels):
         loss = np.mean(ev.summary["train_loss_mean"][rs])
@@ -244,9 +245,9 @@ def personal_table(rows, classify: bool = True) -> List[str]:
 
 def _cohort(config, facts) -> str:
     """m, or under Poisson sampling its expectation and the plan's slots."""
-    if config.client_sampling == "poisson":
-        return f"{config.clients_per_round} expected ({facts.num_sampled} slots, Poisson)"
-    if config.client_sampling == "cyclic":
+    if config.sampling.sampler == "poisson":
+        return f"{config.training.clients_per_round} expected ({facts.num_sampled} slots, Poisson)"
+    if config.sampling.sampler == "cyclic":
         return f"{facts.num_sampled} (cyclic groups)"
     return str(facts.num_sampled)
 
@@ -272,7 +273,7 @@ class Progress(Callback):
         self.log(f"deltafl_jax: {facts.dataset} ({facts.train_clients} train / "
                  f"{facts.test_clients} test clients), model {facts.model}, "
                  f"{config.algorithm}{server}, {count(len(run.view.labels), 'replica')} "
-                 f"({count(len(config.seeds), 'seed')}), m={_cohort(config, facts)}, "
+                 f"({count(len(config.training.seeds), 'seed')}), m={_cohort(config, facts)}, "
                  f"{count(facts.lanes, 'client lane')} per step, backend {facts.backend}")
         self.log(facts.placement_line)
         if facts.accounting is not None:
@@ -309,7 +310,8 @@ class Progress(Callback):
     def _nonfinite_lines(self, run: RunContext, round: int, metrics) -> None:
         """A warning the first time each part of a replica's state is not finite (the round's
         ``nonfinite_<part>`` metrics, :mod:`deltafl_jax.run.divergence`)."""
-        stops = bool(getattr(run.view.facts.config, "stop_on_divergence", False))
+        config = run.view.facts.config
+        stops = config is not None and bool(config.training.stop_on_divergence)
         for key, counts in metrics.items():
             if not key.startswith(NONFINITE):
                 continue

@@ -68,7 +68,7 @@ def fingerprint(config, data) -> Dict[str, Any]:
     out = settings(config)
     out["data_sha256"] = data_digest(data)
     out["jax_version"] = jax.__version__
-    if config.dp_clip is not None:   # a calibrated z and the epsilon depend on the accountant
+    if config.privacy.clip is not None:   # a calibrated z and the epsilon depend on the accountant
         from deltafl_jax.privacy import library_version
         out["dp_accounting_version"] = library_version()
     return json.loads(_canonical(out))
@@ -188,19 +188,19 @@ def continuation_obstacle(config, done: int, diverged: Optional[Mapping[str, int
       round, summary.json's): the longer run would not have stopped it there;
     - rounds already done past the new total.
     """
-    if done > config.num_rounds:
-        return f"it has done {done} rounds, more than --num_rounds={config.num_rounds}"
-    targets = [e for e in config.dp_target_epsilon if math.isfinite(e)]
-    if config.dp_clip is not None and targets:
+    if done > config.training.num_rounds:
+        return f"it has done {done} rounds, more than --num_rounds={config.training.num_rounds}"
+    targets = [e for e in config.privacy.target_epsilons if math.isfinite(e)]
+    if config.privacy.clip is not None and targets:
         return (f"its noise multiplier was calibrated to --dp_target_epsilon="
                 f"{','.join(f'{e:g}' for e in targets)} over its planned rounds, and another "
                 f"--num_rounds gives another one (give --dp_noise_multiplier to plan a run that "
                 f"can grow)")
     stopped = sorted(k for k, r in (diverged or {}).items() if int(r) == done)
-    if config.stop_on_divergence and done % config.eval_every and stopped:
+    if config.training.stop_on_divergence and done % config.evaluation.eval_every and stopped:
         return (f"--stop_on_divergence stopped {', '.join(stopped)} at its last evaluation "
-                f"(round {done}), which a run of {config.num_rounds} rounds evaluating every "
-                f"{config.eval_every} does not make")
+                f"(round {done}), which a run of {config.training.num_rounds} rounds evaluating "
+                f"every {config.evaluation.eval_every} does not make")
     return None
 
 
@@ -220,7 +220,7 @@ def check_config(checkpointer: ckpt.Checkpointer, current: Mapping[str, Any],
         if why is None:
             return
         raise ConfigError(f"cannot continue the run in {os.path.dirname(checkpointer.directory)}"
-                          f" to --num_rounds={config.num_rounds} exactly: {why}; pass "
+                          f" to --num_rounds={config.training.num_rounds} exactly: {why}; pass "
                           f"--overwrite to start afresh")
     if diff:
         names = ", ".join(f"--{d}" for d in diff)

@@ -140,7 +140,7 @@ def check_continuation(out: str, reader: outputs.RunReader, config) -> None:
         raise ConfigError(f"--output_dir={out} holds a finished run with other settings "
                           f"({', '.join(f'--{d}' for d in other)} differ); pass --overwrite or "
                           f"choose another directory")
-    if config.num_rounds <= done:
+    if config.training.num_rounds <= done:
         raise ConfigError(refuse + f" (its {done} rounds are done; a larger --num_rounds "
                                    f"continues it)")
     if not has_checkpoint(out):
@@ -149,7 +149,7 @@ def check_continuation(out: str, reader: outputs.RunReader, config) -> None:
     why = resume.continuation_obstacle(config, done, summary.get("diverged"))
     if why is not None:
         raise ConfigError(f"cannot continue the run in {out} to --num_rounds="
-                          f"{config.num_rounds} exactly: {why}; pass --overwrite to start "
+                          f"{config.training.num_rounds} exactly: {why}; pass --overwrite to start "
                           f"afresh")
 
 
@@ -191,7 +191,7 @@ def _prepare(out: Optional[str], config, log) -> None:
     directory gets its marker (:meth:`deltafl_jax.outputs.RunWriter.write_marker`)."""
     if not out:
         return
-    overwrite = config.overwrite
+    overwrite = config.output.overwrite
     check_output_dir(out, overwrite, config)
     if not overwrite and outputs.has_results(out) and not has_checkpoint(out):
         log(f"deltafl_jax: {out} holds a run stopped before its first checkpoint; starting it "
@@ -206,31 +206,33 @@ def _checkpointer(config) -> Optional[ckpt.Checkpointer]:
     """The run's checkpoints, in the primary process's ``<output_dir>/checkpoints`` (every
     process of a multi-process run uses that one directory: it must be on a filesystem they
     all see); None without an output dir."""
-    out = distributed.primary_output_dir(config.output_dir)
+    out = distributed.primary_output_dir(config.output.output_dir)
     return ckpt.Checkpointer(ckpt.checkpoint_dir(out)) if out else None
 
 
 def standard_callbacks(config, exp, log, recorder, checkpointer, fingerprint) -> List[Callback]:
     """The run's callbacks after the recorder (``--estimate`` times them too). Every process
     runs the same computations; only the primary one prints and writes."""
-    out = config.output_dir if distributed.is_primary() else None
+    out = config.output.output_dir if distributed.is_primary() else None
     cbs: List[Callback] = []
-    if config.stop_on_divergence:
+    if config.training.stop_on_divergence:
         # before the writers: it adds to the summary
         cbs.append(StopOnDivergence(history=recorder.history, per_round=recorder.per_round))
-    if config.verbose and distributed.is_primary():
+    if config.output.verbose and distributed.is_primary():
         cbs.append(Progress(log))
     if out:
-        cbs.append(OutputFiles(out, exp.model, exp.model_options, exp.data, config.save_models))
-        if config.tensorboard or (config.tensorboard is None and tensorboard.available()):
+        cbs.append(OutputFiles(out, exp.model, exp.model_options, exp.data,
+                               config.output.save_models))
+        board = config.output.tensorboard
+        if board or (board is None and tensorboard.available()):
             cbs.append(tensorboard.TensorBoard(out))
     if checkpointer is not None:
         several = jax.process_count() > 1
-        T, every = config.num_rounds, config.eval_every
+        T, every = config.training.num_rounds, config.evaluation.eval_every
         cbs.append(Preemption(defer=several))   # before the checkpoints: see its docstring
         cbs.append(ckpt.CheckpointCallback(
-            checkpointer, fingerprint, every=config.checkpoint_every,
-            every_s=config.checkpoint_every_s, evaluated=lambda r: r % every == 0 or r == T,
+            checkpointer, fingerprint, every=config.output.checkpoint_every,
+            every_s=config.output.checkpoint_every_s, evaluated=lambda r: r % every == 0 or r == T,
             before_save=(lambda r: _write_histories(out, recorder, exp)) if out else None,
             agree=distributed.any_process if several else None,
             host=exp.host_state))
@@ -251,7 +253,7 @@ def _resume(exp: Experiment, checkpointer, fingerprint, recorder: Recorder, log)
     run it continues to more rounds), or fresh."""
     config = exp.config
     state = exp.initial_state()
-    out = distributed.primary_output_dir(config.output_dir)
+    out = distributed.primary_output_dir(config.output.output_dir)
     found = (resume.load(checkpointer, fingerprint, state, out, config)
              if checkpointer is not None and checkpointer.latest_round() is not None else None)
     finished = bool(out) and os.path.exists(os.path.join(out, outputs.SUMMARY))
@@ -270,15 +272,15 @@ def _resume(exp: Experiment, checkpointer, fingerprint, recorder: Recorder, log)
         exp.restore_host(found.host)
     resume.backfill_participation(exp, found)
     recorder.resume(found)
-    if found.round == config.num_rounds:   # killed after its last checkpoint
+    if found.round == config.training.num_rounds:   # killed after its last checkpoint
         metrics = {k: v[-1] for k, v in found.per_round.items()}
         recorder.last = evaluate(exp, found.state, found.round, metrics, 0.0)
     if finished:
-        log(f"deltafl_jax: continuing {config.output_dir} from its checkpoint after round "
-            f"{found.round}, to round {config.num_rounds}")
+        log(f"deltafl_jax: continuing {config.output.output_dir} from its checkpoint after round "
+            f"{found.round}, to round {config.training.num_rounds}")
     else:
-        log(f"deltafl_jax: resuming {config.output_dir} from its checkpoint after round "
-            f"{found.round} of {config.num_rounds}")
+        log(f"deltafl_jax: resuming {config.output.output_dir} from its checkpoint after round "
+            f"{found.round} of {config.training.num_rounds}")
     return found.round, found.state
 
 
@@ -300,11 +302,11 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
     when this one ends, however it ends.
     """
     log = log or _print
-    out = config.output_dir if distributed.is_primary() else None
-    check_output_dir(out, config.overwrite, config)
+    out = config.output.output_dir if distributed.is_primary() else None
+    check_output_dir(out, config.output.overwrite, config)
     # Only the process that writes the folder locks it (process 0 of a distributed run).
     with lock.locked(out, log=log):
-        check_output_dir(out, config.overwrite, config)   # as it is now that it is ours
+        check_output_dir(out, config.output.overwrite, config)   # as it is now that it is ours
         return _run_locked(config, data, log, replicas, callbacks, out)
 
 
