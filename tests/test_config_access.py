@@ -17,14 +17,10 @@ from deltafl_jax.config import FLAT, GROUPS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Modules of the package not yet converted: they still read settings by their flat names. The
-# list is to end empty; pyproject.toml's filterwarnings exempts the same modules from the
-# error that a flat read inside the package raises under pytest.
-NOT_YET_CONVERTED = {
-    "deltafl_jax/run/experiment.py",
-    "deltafl_jax/run/resolve.py",
-    "deltafl_jax/run/estimate.py",
-}
+# Modules of the package not yet converted (they would still read settings by their flat
+# names): none. pyproject.toml's filterwarnings makes a flat read inside the package an error
+# under pytest.
+NOT_YET_CONVERTED: set = set()
 
 GROUP_NAMES = {name for name, _ in GROUPS}
 # A flat name is a setting's flag name that is not also a group's name.
