@@ -40,9 +40,10 @@ def test_every_flag_is_a_timing_flag():
     names = {flag.name for _, flag in declared(TimingSettings)}
     assert names == {f.name for f in dataclasses.fields(TimingSettings)}
     assert {"client_speed", "client_speed_trace", "round_deadline", "partial_work",
-            "over_select", "stop_at_virtual_time"} <= names
+            "over_select", "stop_at_virtual_time", "mean_online_seconds"} <= names
     assert all(n.startswith("client_speed") for n in names
-               - {"round_deadline", "partial_work", "over_select", "stop_at_virtual_time"})
+               - {"round_deadline", "partial_work", "over_select", "stop_at_virtual_time",
+                  "mean_online_seconds"})
 
 
 def test_uniform_is_the_same_for_everyone():

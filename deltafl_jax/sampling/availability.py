@@ -291,8 +291,8 @@ class Markov(Availability):
         self.p = p
         with np.errstate(divide="ignore", invalid="ignore"):
             raw = np.where(p > 0, off_on * (1.0 - p) / np.where(p > 0, p, 1.0), np.inf)
-        scale = np.maximum(raw, 1.0)
         never = np.isinf(raw)
+        scale = np.where(never, 1.0, np.maximum(raw, 1.0))   # inf / inf left out
         self.off_on = np.where(never, 0.0, off_on / scale)   # b_i
         self.on_off = np.where(never, 1.0, raw / scale)      # a_i
         self._last: Dict[int, tuple] = {}                    # seed -> (round, on [N])
