@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 
 from deltafl_jax.models.conv import conv2d, conv_winograd, winograd_applies
-from deltafl_jax.models.conv_intercept import rewritten
+from deltafl_jax.models.conv_intercept import equations, rewritten
 from deltafl_jax.models.image import PflCNN
 
 DN = ("NHWC", "HWIO", "NHWC")
@@ -148,14 +148,6 @@ def test_conv2d_same_winograd_equals_xla_and_keeps_other_kernels():
         assert_close(conv2d(x, k, "winograd"), conv2d(x, k, "xla"))
 
 
-def equations(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from equations(inner)
 
 
 def test_pfl_cnn_step_has_no_convolution_and_equals_xla():

@@ -230,7 +230,7 @@ def rewritten(fn: Callable, impl: Optional[str]) -> Callable:
     return run
 
 
-def _equations(jaxpr) -> Iterator:
+def equations(jaxpr) -> Iterator:
     """Every equation of `jaxpr` and of the jaxprs nested in its equations' parameters."""
     for eqn in jaxpr.eqns:
         yield eqn
@@ -238,7 +238,7 @@ def _equations(jaxpr) -> Iterator:
             for sub in value if isinstance(value, (list, tuple)) else (value,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    yield from _equations(inner)
+                    yield from equations(inner)
 
 
 def has_convolution(module, example) -> bool:
@@ -249,4 +249,4 @@ def has_convolution(module, example) -> bool:
         return module.apply(variables, x)
 
     jaxpr = jax.make_jaxpr(forward)(example)
-    return any(e.primitive.name == "conv_general_dilated" for e in _equations(jaxpr.jaxpr))
+    return any(e.primitive.name == "conv_general_dilated" for e in equations(jaxpr.jaxpr))

@@ -30,6 +30,7 @@ import numpy as np
 
 from deltafl_jax.availability_metrics import QUINTILES, availability_quintiles
 from deltafl_jax.errors import DeltaFLError
+from deltafl_jax.report.availability import percent_cell
 from deltafl_jax.report.tables import Column
 
 SELECTED = "train_rounds_selected"
@@ -127,19 +128,8 @@ def drop_table(cols: Sequence[Column]) -> Optional[str]:
 
 
 def _row(label: str, rates: np.ndarray, overall: str) -> str:
-    cells = [_cell(rates[:, j]) for j in range(QUINTILES)]
+    cells = [percent_cell(rates[:, j]) for j in range(QUINTILES)]
     return f"| {label} | " + " | ".join(cells) + f" | {overall} |"
-
-
-def _cell(values: np.ndarray) -> str:
-    """'12.3 [10.1, 14.0]' (%) of per-seed rates; '—' when none is finite."""
-    v = np.asarray(values, np.float64)
-    v = v[np.isfinite(v)]
-    if v.size == 0:
-        return "—"
-    if v.size == 1 or v.min() == v.max():
-        return f"{100 * v.mean():.1f}"
-    return f"{100 * v.mean():.1f} [{100 * v.min():.1f}, {100 * v.max():.1f}]"
 
 
 def _overall(col: Column, key: str = DROPPED) -> str:
@@ -151,7 +141,7 @@ def _overall(col: Column, key: str = DROPPED) -> str:
         sel = np.asarray(c[SELECTED], np.float64)[reps].sum(axis=-1)
         drop = np.asarray(c[key], np.float64)[reps].sum(axis=-1)
         vals.append(np.where(sel > 0, drop / np.maximum(sel, 1), np.nan))
-    return _cell(np.concatenate(vals))
+    return percent_cell(np.concatenate(vals))
 
 
 DROP_NOTE = ("Drop rate by compute-speed quintile (rounds a client was selected but not "
