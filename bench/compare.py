@@ -226,48 +226,50 @@ def check_methods(methods) -> None:
         sys.exit(2)
 
 
-def main(argv):
-    del argv
-    check_methods(FLAGS.methods)
-    import jax
+def experiment_config():
+    """The engine's configuration of the compared round (the flags, at the fixed LR and SEED)."""
+    from deltafl_jax import DataConfig, ExperimentConfig
 
-    from bench.common import (CompileTimer, backend_name, critical_path, emit,
-                              femnist_like_dataset, forward_flops_per_example, gemm_peak_gflops,
-                              machine, median, peak_rss_mb)
-    from deltafl_jax import DataConfig, ExperimentConfig, build_experiment
-    from deltafl_jax.plan import sample_clients
-
-    data = femnist_like_dataset(FLAGS.num_clients, seed=0, flat=FLAGS.model == "linear")
-    flat_data = data
-    cfg = ExperimentConfig(
+    return ExperimentConfig(
         data=DataConfig("femnist_like"), model=FLAGS.model, thetas=(FLAGS.theta,),
         seeds=(SEED,), num_rounds=FLAGS.warmup + FLAGS.rounds, clients_per_round=FLAGS.clients,
         batch_size=batch_size(FLAGS.model), learning_rate=LR,
         clients_per_step=FLAGS.clients_per_step, output_dir=None, save_models=False,
         verbose=False)
 
+
+def engine_timer(data, compile_timer):
+    """The engine's experiment, its state (metrics of each round under "mets") and a function
+    that runs round t of it, under `compile_timer`."""
+    import jax
+
+    from deltafl_jax import build_experiment
+
+    exp = build_experiment(experiment_config(), data)
+    eng = {"state": exp.initial_state(), "keys": exp.keys()}
+
+    def engine_round(t):
+        with compile_timer:
+            eng["state"], met = exp.round_fn(eng["state"], exp.round_data(t), eng["keys"])
+            met = jax.device_get(met)
+        eng.setdefault("mets", []).append(met)
+
+    return exp, eng, engine_round
+
+
+def loop_timers(data):
+    """Functions that run round t of the PyTorch and the JAX per-client loops, for those of the
+    two that --methods names."""
+    from deltafl_jax.plan import sample_clients
+
     timers = {}
-    info = {}
-    compile_timer = CompileTimer()
-    if "engine" in FLAGS.methods:
-        exp = build_experiment(cfg, data)
-        eng = {"state": exp.initial_state(), "keys": exp.keys()}
-
-        def engine_round(t):
-            with compile_timer:
-                eng["state"], met = exp.round_fn(eng["state"], exp.round_data(t), eng["keys"])
-                met = jax.device_get(met)
-            eng.setdefault("mets", []).append(met)
-
-        timers["engine"] = engine_round
-        info["clients_per_step"] = exp.lanes
     if "torch" in FLAGS.methods:
         net = make_torch(FLAGS.model)
         rng_t = np.random.default_rng(0)
 
         def torch_timed(t):
             clients = sample_clients(SEED, t, data.train.num_clients, FLAGS.clients)
-            torch_round(net, flat_data, clients, FLAGS.theta, rng_t)
+            torch_round(net, data, clients, FLAGS.theta, rng_t)
 
         timers["torch"] = torch_timed
     if "jax_loop" in FLAGS.methods:
@@ -277,10 +279,15 @@ def main(argv):
 
         def jax_timed(t):
             clients = sample_clients(SEED, t, data.train.num_clients, FLAGS.clients)
-            jax_loop_round(jl, flat_data, clients, FLAGS.theta, rng_j)
+            jax_loop_round(jl, data, clients, FLAGS.theta, rng_j)
 
         timers["jax_loop"] = jax_timed
+    return timers
 
+
+def time_rounds(timers):
+    """Runs the timers interleaved, round by round, printing each round's times; returns the
+    timed rounds' seconds per timer (the warmup rounds are left out)."""
     times = {k: [] for k in timers}
     first = {}
     for t in range(FLAGS.warmup + FLAGS.rounds):
@@ -294,47 +301,79 @@ def main(argv):
                 times[name].append(dt)
         print(f"# round {t}: " + ", ".join(f"{k} {v[-1] if v else first[k]:.2f}s"
                                            for k, v in times.items()), flush=True)
+    return times
 
+
+def timing_result(times, med):
+    """The JSON's settings, machine and per-method median seconds per round and speedups."""
+    import jax
+
+    from bench.common import machine
+
+    return {"model": FLAGS.model, "backend": jax.default_backend(), "machine": machine(),
+            "date": time.strftime("%Y-%m-%d"), "loadavg": os.getloadavg(), "theta": FLAGS.theta,
+            "m": FLAGS.clients,
+            "batch_size": batch_size(FLAGS.model), "rounds_timed": FLAGS.rounds,
+            "torch_device": FLAGS.torch_device if "torch" in FLAGS.methods else None,
+            "engine_s_per_round": med.get("engine"),
+            "torch_loop_s_per_round": med.get("torch"),
+            "jax_loop_s_per_round": med.get("jax_loop"),
+            "speedup_vs_torch": (med["torch"] / med["engine"]
+                                 if "torch" in med and "engine" in med else None),
+            "speedup_vs_jax_loop": (med["jax_loop"] / med["engine"]
+                                    if "jax_loop" in med and "engine" in med else None),
+            "round_times_s": times}
+
+
+def engine_result(exp, mets, seconds_per_round, compile_s):
+    """The engine's padding and work figures over the timed rounds' metrics `mets`."""
+    from bench.common import critical_path, forward_flops_per_example, gemm_peak_gflops
+
+    def total(key):
+        return float(np.mean([float(np.sum(m[key])) for m in mets]))
+
+    real = total("eval_real_examples") + total("train_real_examples")
+    padded = total("eval_padded_examples") + total("train_padded_examples")
+    # Work of a round: a forward pass per evaluated example, ~3 (forward + backward) per
+    # trained example; the roof is the measured GEMM rate of this machine.
+    fwd = forward_flops_per_example(exp.model)
+    flops = fwd * (total("eval_real_examples") + 3 * total("train_real_examples"))
+    peak = gemm_peak_gflops()
+    return {
+        "padded_over_real": padded / real,
+        "trained_over_kept": total("train_real_examples") / total("kept_examples"),
+        "compile_s": compile_s,
+        "clients_per_step": exp.lanes,
+        "engine_clients_kept_per_round": total("num_selected"),
+        "forward_flops_per_example": fwd,
+        "round_gflop": flops / 1e9,
+        "engine_gflops": flops / 1e9 / seconds_per_round,
+        "gemm_peak_gflops": peak,
+        "engine_fraction_of_gemm_peak": flops / 1e9 / seconds_per_round / peak,
+        "flop_limit_s_per_round": flops / 1e9 / peak,
+        "critical_path": critical_path(mets, exp.placement),
+    }
+
+
+def main(argv):
+    del argv
+    check_methods(FLAGS.methods)
+    from bench.common import (CompileTimer, backend_name, emit, femnist_like_dataset, median,
+                              peak_rss_mb)
+
+    data = femnist_like_dataset(FLAGS.num_clients, seed=0, flat=FLAGS.model == "linear")
+    timers = {}
+    compile_timer = CompileTimer()
+    if "engine" in FLAGS.methods:
+        exp, eng, timers["engine"] = engine_timer(data, compile_timer)
+    timers.update(loop_timers(data))
+
+    times = time_rounds(timers)
     med = {k: median(v) for k, v in times.items()}
-    result = {"model": FLAGS.model, "backend": jax.default_backend(), "machine": machine(),
-              "date": time.strftime("%Y-%m-%d"), "loadavg": os.getloadavg(), "theta": FLAGS.theta, "m": FLAGS.clients,
-              "batch_size": batch_size(FLAGS.model), "rounds_timed": FLAGS.rounds,
-              "torch_device": FLAGS.torch_device if "torch" in FLAGS.methods else None,
-              "engine_s_per_round": med.get("engine"),
-              "torch_loop_s_per_round": med.get("torch"),
-              "jax_loop_s_per_round": med.get("jax_loop"),
-              "speedup_vs_torch": (med["torch"] / med["engine"]
-                                   if "torch" in med and "engine" in med else None),
-              "speedup_vs_jax_loop": (med["jax_loop"] / med["engine"]
-                                      if "jax_loop" in med and "engine" in med else None),
-              "round_times_s": times}
+    result = timing_result(times, med)
     if "engine" in timers:
-        mets = eng["mets"][FLAGS.warmup:]
-
-        def total(key):
-            return float(np.mean([float(np.sum(m[key])) for m in mets]))
-
-        real = total("eval_real_examples") + total("train_real_examples")
-        padded = total("eval_padded_examples") + total("train_padded_examples")
-        # Work of a round: a forward pass per evaluated example, ~3 (forward + backward) per
-        # trained example; the roof is the measured GEMM rate of this machine.
-        fwd = forward_flops_per_example(exp.model)
-        flops = fwd * (total("eval_real_examples") + 3 * total("train_real_examples"))
-        peak = gemm_peak_gflops()
-        result.update({
-            "padded_over_real": padded / real,
-            "trained_over_kept": total("train_real_examples") / total("kept_examples"),
-            "compile_s": compile_timer.seconds,
-            "clients_per_step": info["clients_per_step"],
-            "engine_clients_kept_per_round": total("num_selected"),
-            "forward_flops_per_example": fwd,
-            "round_gflop": flops / 1e9,
-            "engine_gflops": flops / 1e9 / med["engine"],
-            "gemm_peak_gflops": peak,
-            "engine_fraction_of_gemm_peak": flops / 1e9 / med["engine"] / peak,
-            "flop_limit_s_per_round": flops / 1e9 / peak,
-            "critical_path": critical_path(mets, exp.placement),
-        })
+        result.update(engine_result(exp, eng["mets"][FLAGS.warmup:], med["engine"],
+                                    compile_timer.seconds))
     result["peak_rss_mb"] = peak_rss_mb()
     emit(result, FLAGS.out, name=f"compare_{FLAGS.model}_{backend_name()}",
          print_json=FLAGS.json)

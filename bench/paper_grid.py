@@ -158,7 +158,7 @@ def run(model: str, scale: float, rounds: int, min_seconds: float, extra: Sequen
                             "rounds": est.num_rounds, "s_per_round": est.round_s,
                             "evaluations": est.evaluations, "s_per_evaluation": est.eval_s},
         "synthetic_data_s": data_s,
-        "device_memory_bytes": est.memory_bytes, "device_memory_source": est.memory_source,
+        "device_memory_bytes": est.memory.nbytes, "device_memory_source": est.memory.source,
         "critical_path": {"train_trips": w["train_trips"], "eval_trips": w.get("eval_trips"),
                           "per_round": w["train_trips"] + w.get("eval_trips", 0.0),
                           "train_trips_of_timed_rounds": est.train_trips},

@@ -293,15 +293,22 @@ def check_first_round(peer, name: str, start: dict, engine_after: dict, timed_af
             "agrees": checked["max_abs_diff"] <= CHECK_TOL, "at_timed_rate": timed}
 
 
-def time_model(model: str, data, data_path: str, peer_pythons: dict) -> dict:
-    """Alternate the peers' FedAvg, the engine's FedAvg and Delta-FL 0.5 round by round."""
-    from bench.common import CompileTimer, forward_flops_per_example, median
-
+def start_peers(model: str, data_path: str, peer_pythons: dict) -> dict:
+    """The peers' processes by label: one per peer, or one per engine device count for a peer
+    that runs on several devices (labelled '<name>_<d>dev')."""
     peers = {}
     for name, info in peer_pythons.items():
         for d in (engine_device_counts() if PEERS[name].get("devices") else [1]):
             peers[name if d == 1 else f"{name}_{d}dev"] = Peer(name, info["python"], data_path,
                                                                 model, d)
+    return peers
+
+
+def make_runners(peers: dict, data, model: str) -> dict:
+    """Round functions by timing key: the peers', then the engine's FedAvg and Delta-FL 0.5 at
+    each engine device count."""
+    from bench.common import CompileTimer
+
     compile_timer = CompileTimer()
     runners = {peer_key(name): p.round for name, p in peers.items()}
     with compile_timer:
@@ -309,24 +316,33 @@ def time_model(model: str, data, data_path: str, peer_pythons: dict) -> dict:
             tag = "" if d == 1 else f"_{d}dev"
             runners[f"engine_fedavg{tag}"] = engine_runner(data, model, "fedavg", 1.0, d)
             runners[f"engine_deltafl_0.5{tag}"] = engine_runner(data, model, "deltafl", 0.5, d)
+    return runners
+
+
+def first_replica(runner) -> dict:
+    """The first replica of an engine runner's current global model, by peer name."""
+    import jax
+
+    return peer_params(jax.tree.map(lambda a: a[0], jax.device_get(runner.store["state"].params)))
+
+
+def rotating_rounds(model: str, runners: dict, reference):
+    """The warmup and timed rounds, each running every method once in an order that rotates by
+    one per round. Returns the timed seconds per method, the load average around each run and,
+    when `reference` names an engine runner, its model before and after round 0 (else None)."""
     names = list(runners)
     times = {k: [] for k in names}
     loads = []
-    checked = [n for n in peers if PEERS[n.split("_")[0]].get("checked")]
-    reference = next((k for k in names if k.startswith("engine_fedavg")), None)
-    if checked and reference is None:
-        raise app.UsageError("checking a peer needs the engine's FedAvg: --engine_devices")
-    if checked:
-        import jax
-        first = lambda: jax.device_get(runners[reference].store["state"].params)
-        start = peer_params(jax.tree.map(lambda a: a[0], first()))
+    start = engine_after = None
+    if reference is not None:
+        start = first_replica(runners[reference])
     for t in range(FLAGS.warmup + FLAGS.rounds):
         order = names[t % len(names):] + names[:t % len(names)]
         for name in order:
             before = os.getloadavg()[0]
             dt = runners[name](t)
-            if name == reference and t == 0 and checked:
-                engine_after = peer_params(jax.tree.map(lambda a: a[0], first()))
+            if name == reference and t == 0:
+                engine_after = first_replica(runners[reference])
             if t >= FLAGS.warmup:
                 times[name].append(dt)
             loads.append({"round": t, "method": name, "load1_before": before,
@@ -334,13 +350,44 @@ def time_model(model: str, data, data_path: str, peer_pythons: dict) -> dict:
         print(f"# {model} round {t}: " + ", ".join(
             f"{k} {times[k][-1] if times[k] else float('nan'):.3f}s" for k in names),
             file=sys.stderr, flush=True)
+    return times, loads, start, engine_after
+
+
+def engine_work(runners: dict, med: dict):
+    """Each engine runner's critical path, work and placement (``trips``) with its GFLOP per
+    round and GFLOP/s at its median time `med`; and the model's forward FLOPs per example."""
+    from bench.common import forward_flops_per_example
+
+    engines = [k for k in runners if k.startswith("engine")]
+    fwd = forward_flops_per_example(runners[engines[0]].experiment.model)
+    work = {}
+    for k in engines:
+        tr = trips(runners[k], FLAGS.warmup)
+        gflop = fwd * (tr["eval_examples"] + 3 * tr["train_examples"]) / 1e9
+        work[k] = {**tr, "round_gflop": gflop, "gflops": gflop / med[k],
+                   "placement": vars(runners[k].experiment.placement)}
+    return work, fwd
+
+
+def time_model(model: str, data, data_path: str, peer_pythons: dict) -> dict:
+    """Alternate the peers' FedAvg, the engine's FedAvg and Delta-FL 0.5 round by round."""
+    from bench.common import median
+
+    peers = start_peers(model, data_path, peer_pythons)
+    runners = make_runners(peers, data, model)
+    checked = [n for n in peers if PEERS[n.split("_")[0]].get("checked")]
+    reference = next((k for k in runners if k.startswith("engine_fedavg")), None)
+    if checked and reference is None:
+        raise app.UsageError("checking a peer needs the engine's FedAvg: --engine_devices")
+    times, loads, start, engine_after = rotating_rounds(model, runners,
+                                                        reference if checked else None)
+    checks = {}
     if checked:   # the engine's round 0 at the checked rate (a separate, untimed experiment)
         slow = engine_runner(data, model, "fedavg", 1.0, 1, learning_rate=CHECK_LR)
         slow(0)
-        check_after = peer_params(jax.tree.map(lambda a: a[0],
-                                               jax.device_get(slow.store["state"].params)))
-    checks = {n: check_first_round(peers[n], n, start, check_after, engine_after,
-                                   os.path.dirname(data_path)) for n in checked}
+        check_after = first_replica(slow)
+        checks = {n: check_first_round(peers[n], n, start, check_after, engine_after,
+                                       os.path.dirname(data_path)) for n in checked}
     for p in peers.values():
         p.close()
     med = {k: median(v) for k, v in times.items()}
@@ -356,15 +403,7 @@ def time_model(model: str, data, data_path: str, peer_pythons: dict) -> dict:
     for name in peers:
         peer = med[peer_key(name)]
         out[f"speedup_vs_{name}"] = {k: peer / med[k] for k in med if k.startswith("engine")}
-    out["engine"] = {}
-    engines = [k for k in runners if k.startswith("engine")]
-    fwd = forward_flops_per_example(runners[engines[0]].experiment.model)
-    for k in engines:
-        tr = trips(runners[k], FLAGS.warmup)
-        gflop = fwd * (tr["eval_examples"] + 3 * tr["train_examples"]) / 1e9
-        out["engine"][k] = {**tr, "round_gflop": gflop, "gflops": gflop / med[k],
-                            "placement": vars(runners[k].experiment.placement)}
-    out["forward_flops_per_example"] = fwd
+    out["engine"], out["forward_flops_per_example"] = engine_work(runners, med)
     return out
 
 

@@ -123,8 +123,8 @@ def test_measure_parts_and_projection(measured):
     assert j["rounds_s"] == pytest.approx(j["num_rounds"] * j["round_s"], rel=1e-12)
     assert est.replicas == exp.replicas.size == 2 and est.lanes == exp.lanes
     if est.backend == "cpu":   # XLA:CPU reports no memory stats: the compiled round's
-        assert est.memory_bytes == est.round_memory.total
-        assert "compiled round" in est.memory_source
+        assert est.memory.nbytes == est.memory.compiled_round.total
+        assert "compiled round" in est.memory.source
     # The printed block says the same figures.
     b = parse_blocks("\n".join(est.lines()))[0]
     assert b["round_s"] == pytest.approx(est.round_s, abs=1e-6)
@@ -181,15 +181,14 @@ def test_device_memory_takes_the_largest_reported_peak():
 
 
 def test_total_of_several_programs_is_their_sum():
-    from deltafl_jax.run.estimate import Estimate, total_lines
-    common = dict(num_rounds=10, eval_every=5,
-                  memory_source="peak_bytes_in_use", flops_per_round=None, train_trips=[1],
+    from deltafl_jax.run.estimate import DeviceMemory, Estimate, total_lines
+    common = dict(num_rounds=10, eval_every=5, flops_per_round=None, train_trips=[1],
                   work={},
                   backend="gpu", devices=1, replicas=4, lanes=2)
     a = Estimate(name="a", build_s=1.0, compile_s=2.0, round_s=0.5, eval_s=0.25,
-                 memory_bytes=2 ** 20, **common)
+                 memory=DeviceMemory(2 ** 20, "peak_bytes_in_use"), **common)
     b = Estimate(name="b", build_s=0.5, compile_s=3.0, round_s=0.125, eval_s=1.0,
-                 memory_bytes=3 * 2 ** 20, **common)
+                 memory=DeviceMemory(3 * 2 ** 20, "peak_bytes_in_use"), **common)
     assert a.projected_s == 1.0 + 2.0 + 10 * 0.5 + 2 * 0.25
     line = total_lines([a, b])[0]
     assert f"projected run {a.projected_s + b.projected_s:.3f} s" in line
@@ -276,7 +275,7 @@ def _poisson_cases():
 def _check_round_memory(exp, est):
     """The estimate's memory against the arrays the round is given and returns."""
     import jax
-    held = est.round_memory
+    held = est.memory.compiled_round
     state, keys = exp.initial_state(), exp.keys()
     data = exp.round_data(0, state)
     splits = exp.program.store.device_splits
@@ -291,7 +290,7 @@ def _check_round_memory(exp, est):
     assert held.outputs >= _nbytes(new_state)
     # Its lanes' step states are temporaries: at least one local model per lane.
     assert held.temporaries >= exp.lanes * per_model
-    assert est.memory_bytes == held.total >= (held.data + held.state + held.plan
+    assert est.memory.nbytes == held.total >= (held.data + held.state + held.plan
                                               + _nbytes(new_state) - held.aliased)
 
 
@@ -314,7 +313,7 @@ def test_estimate_counts_what_the_round_holds(tiny_synthetic, name):
     if est.backend != "cpu":
         pytest.skip("the peak of a backend that reports one is checked elsewhere")
     _check_round_memory(exp, est)
-    assert "compiled round" in est.memory_source
+    assert "compiled round" in est.memory.source
 
 
 @pytest.mark.parametrize("name", _poisson_cases())
@@ -342,7 +341,7 @@ def test_a_program_measured_once_is_reused(tiny_synthetic):
                     timed_rounds=1, min_seconds=0.0, name="b", cache=cache, log=lines.append)
     assert len(cache) == 1 and any("measurements reused" in line for line in lines)
     assert (again.name, again.num_rounds, again.evaluations) == ("b", 9, 5)
-    for field in ("compile_s", "round_s", "eval_s", "memory_bytes", "train_trips"):
+    for field in ("compile_s", "round_s", "eval_s", "memory", "train_trips"):
         assert getattr(again, field) == getattr(first, field)
     assert again.projected_s == pytest.approx(again.build_s + first.compile_s
                                               + 9 * first.round_s + 5 * first.eval_s)

@@ -11,14 +11,15 @@ import pytest
 
 from conftest import tiny_config
 from deltafl_jax import load_dataset
-from deltafl_jax.run.estimate import (Estimate, ProgramWork, calibration_programs,
-                                      program_work, project, total_lines)
+from deltafl_jax.run.estimate import (DeviceMemory, Estimate, ProgramWork,
+                                      calibration_programs, program_work, project,
+                                      total_lines)
 
 
 def measured(name, build, compile_, round_s, eval_s, rounds=200, every=50, replicas=3):
     return Estimate(name=name, num_rounds=rounds, eval_every=every,
                     build_s=build, compile_s=compile_, round_s=round_s, eval_s=eval_s,
-                    memory_bytes=2 ** 20, memory_source="compiled round",
+                    memory=DeviceMemory(2 ** 20, "compiled round"),
                     flops_per_round=None, train_trips=[], work={}, backend="cpu", devices=2,
                     replicas=replicas, lanes=2)
 

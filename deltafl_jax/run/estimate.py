@@ -139,6 +139,25 @@ class VersionRing:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """A program's device memory: `nbytes` held on a device, `source` where that figure comes
+    from (``peak_bytes_in_use``, ``compiled round`` or ``start-up footprint``) and
+    `compiled_round` the compiled round's :class:`RoundMemory` (None where the backend gives
+    no memory analysis)."""
+
+    nbytes: int
+    source: str
+    compiled_round: Optional[RoundMemory] = None
+
+
+# The keys of Estimate.to_json() before the ring's and the derived figures, in their order.
+JSON_FIELDS = ("name", "num_rounds", "eval_every", "build_s", "compile_s", "round_s", "eval_s",
+               "memory_bytes", "memory_source", "flops_per_round", "train_trips", "work",
+               "backend", "devices", "replicas", "lanes", "round_memory", "data_note",
+               "projected_from", "stop_at_virtual_time")
+
+
+@dataclasses.dataclass(frozen=True)
 class Estimate:
     """The measured parts of one program's run and the projection they make.
 
@@ -146,10 +165,9 @@ class Estimate:
     num_rounds, eval_every: the run's T and evaluation period (:attr:`evaluations`: how many
       the loop does, every eval_every rounds and after the last).
     build_s, compile_s, round_s, eval_s: seconds (see the module docstring).
-    memory_bytes: bytes held on a device; memory_source: where the figure comes from
-      (``peak_bytes_in_use``, ``compiled round`` or ``start-up footprint``).
-    round_memory: the compiled round's :class:`RoundMemory` (None where the backend gives no
-      memory analysis).
+    memory: the device memory the run holds (:class:`DeviceMemory`: its bytes, where that
+      figure comes from and the compiled round's :class:`RoundMemory`); to_json() writes its
+      parts as ``memory_bytes``, ``memory_source`` and ``round_memory``.
     data_note: what the run was measured on when not its data (a dataset's known shape,
       :mod:`deltafl_jax.datasets.known_shapes`); "" on its data.
     projected_from: "" for a program measured (built, compiled and timed); for one projected
@@ -175,8 +193,7 @@ class Estimate:
     compile_s: float
     round_s: float
     eval_s: float
-    memory_bytes: int
-    memory_source: str
+    memory: DeviceMemory
     flops_per_round: Optional[float]
     train_trips: List[int]
     work: Dict[str, float]
@@ -184,7 +201,6 @@ class Estimate:
     devices: int
     replicas: int
     lanes: int
-    round_memory: Optional[RoundMemory] = None
     data_note: str = ""
     projected_from: str = ""
     ring: Optional[VersionRing] = None
@@ -213,8 +229,12 @@ class Estimate:
         return self.build_s + self.compile_s + self.rounds_s + self.evaluations_s
 
     def to_json(self) -> Dict[str, Any]:
-        out = dataclasses.asdict(self)
-        ring = out.pop("ring") or {}
+        fields = dataclasses.asdict(self)
+        memory = fields.pop("memory")
+        fields.update(memory_bytes=memory["nbytes"], memory_source=memory["source"],
+                      round_memory=memory["compiled_round"])
+        out = {k: fields[k] for k in JSON_FIELDS}
+        ring = fields["ring"] or {}
         out.update(buffer_size=ring.get("buffer_size", 0), ring_versions=ring.get("versions", 0),
                    ring_bytes=ring.get("bytes", 0), evaluations=self.evaluations,
                    timed_rounds=self.timed_rounds)
@@ -241,8 +261,9 @@ class Estimate:
             f"{self.evaluations_s:.3f} s",
             f"  projected run  {self.projected_s:10.3f} s ({_human(self.projected_s)})",
         ] + self._stop_lines(steps) + [
-            f"  device memory  {_mb(self.memory_bytes)} ({self.memory_source})",
-        ] + ([] if self.round_memory is None else [_round_memory_line(self.round_memory)]) + (
+            f"  device memory  {_mb(self.memory.nbytes)} ({self.memory.source})",
+        ] + ([] if self.memory.compiled_round is None
+             else [_round_memory_line(self.memory.compiled_round)]) + (
             [f"  version ring   {_mb(ring.bytes)}: {ring.versions} model versions x "
              f"{self.replicas} replicas (--concurrency, --buffer_size, --max_staleness)"]
             if ring else []) + (
@@ -270,7 +291,7 @@ class Estimate:
             f"{self.evaluations_s:.3f} s ({w['eval_examples']:.0f} examples x "
             f"{w['s_per_example']:.3e} s)",
             f"  projected run  {self.projected_s:10.3f} s ({_human(self.projected_s)})",
-            f"  device memory  {self.memory_source}",
+            f"  device memory  {self.memory.source}",
         ]
 
 
@@ -288,7 +309,7 @@ def total_lines(estimates: List[Estimate]) -> List[str]:
            else "")
     return [f"estimate of all {len(estimates)} programs{how}: projected run {total:.3f} s "
             f"({_human(total)}), compile {sum(e.compile_s for e in estimates):.3f} s, device "
-            f"memory at most {_mb(max(e.memory_bytes for e in estimates))}"
+            f"memory at most {_mb(max(e.memory.nbytes for e in estimates))}"
             + (" (of the measured programs)" if projected else "")]
 
 
@@ -466,11 +487,11 @@ def _measure_compiled(exp, compiled, compile_round, state, pending, keys, indice
     memory, source = device_memory(exp, held)
     return dict(
         compile_s=compile_round + max(0.0, first_eval - eval_s), round_s=round_s,
-        eval_s=eval_s, memory_bytes=memory, memory_source=source,
+        eval_s=eval_s, memory=DeviceMemory(memory, source, held),
         flops_per_round=_flops(compiled), train_trips=trips,
         work={k: float(np.mean([w[k] for w in work])) for k in work[0]}, backend=exp.backend,
         devices=exp.placement.devices, replicas=exp.replicas.size, lanes=exp.lanes,
-        round_memory=held, ring=_ring(exp, state))
+        ring=_ring(exp, state))
 
 
 def _ring(exp: Experiment, state) -> Optional[VersionRing]:
@@ -622,8 +643,8 @@ def project(name: str, work: ProgramWork,
         build_s=float(np.mean([e.build_s for e in measured])),
         compile_s=float(np.mean([e.compile_s for e in measured])),
         round_s=work.train_steps * s_step + work.loss_examples * s_loss,
-        eval_s=work.eval_examples * s_example, memory_bytes=0,
-        memory_source="not measured (a projected program is never built)",
+        eval_s=work.eval_examples * s_example,
+        memory=DeviceMemory(0, "not measured (a projected program is never built)"),
         flops_per_round=None, train_trips=[],
         work=dict(train_steps=work.train_steps, s_per_step=s_step,
                   loss_examples=work.loss_examples, s_per_loss_example=s_loss,
@@ -653,5 +674,5 @@ def calibration_programs(hosts: Sequence[str], works: Sequence[ProgramWork]) -> 
 
 __all__ = ["Estimate", "VersionRing", "RoundMemory", "round_memory", "WORK_METRICS", "DEFAULT_TIMED_ROUNDS", "DEFAULT_MIN_SECONDS",
            "round_indices", "program_key", "measure", "estimate_run", "total_lines", "num_evaluations",
-           "device_memory", "ProgramWork", "program_work", "project", "round_costs",
+           "device_memory", "DeviceMemory", "ProgramWork", "program_work", "project", "round_costs",
            "calibration_programs"]
