@@ -31,7 +31,6 @@ that any population of clients can be summarised with them):
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax.superquantile import weighted_quantile
@@ -60,8 +59,9 @@ def percentiles(values, weights, percents, method: str = "lower") -> np.ndarray:
         raise ValueError(f"unknown percentile method {method!r}")
     w = np.ones(values.shape[1]) if weights is None else np.asarray(weights, np.float64)
     levels = np.asarray(percents, np.float64) / 100.0
-    out = _lower_percentiles(jnp.asarray(values, jnp.float32), jnp.asarray(w, jnp.float32),
-                             jnp.asarray(levels, jnp.float32))
+    # cast on the host: one compiled program per shape, not one per eager conversion
+    out = _lower_percentiles(values.astype(np.float32), w.astype(np.float32),
+                             levels.astype(np.float32))
     return np.asarray(out, np.float64)
 
 

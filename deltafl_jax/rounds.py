@@ -98,9 +98,7 @@ def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
     the per-client state of the `num_clients` training clients when the algorithm has one;
     `clip`: the initial clip of every replica under --dp_clip=adaptive; `bands`: BandMF's b
     (b - 1 zero noise vectors per replica)."""
-    keys = jax.vmap(jax.random.key)(
-        jnp.asarray([int(seeds[g]) for g in replicas.group], jnp.uint32))
-    params = jax.jit(jax.vmap(model.init))(keys)
+    params = jax.jit(jax.vmap(model.init))(replica_keys(replicas, seeds))
     hyper = jax.tree.map(jnp.asarray, replicas.hyper)
     algo_state = jax.vmap(algorithm.init)(params, hyper)
     client_state = ()
@@ -111,8 +109,9 @@ def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
             one = algorithm.client_state_init(p, h)
             return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients,) + a.shape), one)
         client_state = jax.jit(jax.vmap(every_client))(params, hyper)
-    return ServerState(params=params, algo_state=algo_state, round=jnp.int32(0),
-                       active=jnp.ones((replicas.size,), bool),
+    return ServerState(params=params, algo_state=algo_state,
+                       round=jax.device_put(np.int32(0)),
+                       active=jax.device_put(np.ones((replicas.size,), bool)),
                        server_opt_state=init_states(server_tx, params,
                                                     replicas.server_lr),
                        client_state=client_state, dp=_dp_state(params, replicas.size, clip,
@@ -131,8 +130,12 @@ def _dp_state(params, R, clip, bands):
 
 def replica_keys(replicas: Replicas, seeds: Sequence[int]):
     """[R] typed root keys, one per replica's seed; the round folds in the round index."""
-    seeds_r = jnp.asarray([int(seeds[g]) for g in replicas.group], jnp.uint32)
-    return jax.vmap(jax.random.key)(seeds_r)
+    seeds_r = np.asarray([int(seeds[g]) for g in replicas.group], np.uint32)
+    return _root_keys(seeds_r)
+
+
+# typed keys [R] from uint32 seeds [R], one compiled program per R
+_root_keys = jax.jit(jax.vmap(jax.random.key))
 
 
 def _losses(model, state, data, group, l2, m, eval_chunk, eval_lanes, axis):

@@ -38,6 +38,9 @@ from deltafl_jax.run.client_store import ClientStore
 from deltafl_jax.run.program import Program
 from deltafl_jax.run.resolve import ResolvedRun, test_availability
 
+# ||w||^2 of each replica [R], one compiled program per model shape
+_replica_sqnorms = jax.jit(jax.vmap(engine.tree_sqnorm))
+
 AUTO_FULL_EVAL = 100_000    # populations up to this many clients are evaluated whole by default
 AUTO_EVAL_CLIENTS = 1000    # clients of each split per evaluation beyond it
 
@@ -72,7 +75,7 @@ class Evaluator:
         `sample` (:meth:`sample`) instead ([R, K]), whose client indices are added as
         ``train_clients`` and ``test_clients``."""
         out = {}
-        sqnorm = mesh_lib.to_host(jax.vmap(engine.tree_sqnorm)(params))
+        sqnorm = mesh_lib.to_host(_replica_sqnorms(params))
         for name, split in (("train", self.run.data.train), ("test", self.run.data.test)):
             clients = None if sample is None else getattr(sample, name)
             loss_sum, err_sum = self.store.stream_sums(params, name, clients)

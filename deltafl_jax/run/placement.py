@@ -187,7 +187,7 @@ def compute_footprint(data: FederatedDataset, model: Model, replicas: Replicas,
                       state_shape=None) -> Footprint:
     """`state_shape`: the round state's shapes (``jax.eval_shape`` of the initial state);
     None: the models alone."""
-    model_bytes = tree_nbytes(jax.eval_shape(model.init, jax.random.key(0)))
+    model_bytes = tree_nbytes(jax.eval_shape(lambda: model.init(jax.random.key(0))))
     G = len(set(int(g) for g in replicas.group))
     state, clients, per_client = replicas.size * model_bytes, 0, 0
     if state_shape is not None:
