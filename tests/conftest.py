@@ -152,6 +152,32 @@ def tiny_synthetic():
     return FederatedDataset("synthetic", train, test, num_classes=10)
 
 
+def folder_bytes(path):
+    """{relative path: bytes} of every file under `path`."""
+    return {os.path.relpath(os.path.join(d, f), path): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(path) for f in files}
+
+
+def refused_over_a_finished_run(tmp_path, data, *flags, message):
+    """A finished run in a folder, then a subprocess ``experiments.run`` on tests/tiny.flags
+    with `flags` and ``--overwrite`` into it: asserts one stderr line holding `message`,
+    exit 2, and the folder byte-identical."""
+    import subprocess
+    from deltafl_jax import run_experiment
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "run"
+    run_experiment(tiny_config(num_rounds=1, eval_every=1, output_dir=str(out)), data)
+    before = folder_bytes(str(out))
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.run",
+         f"--flagfile={os.path.join(repo, 'tests', 'tiny.flags')}", f"--output_dir={out}",
+         *flags, "--overwrite"], cwd=repo, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert message in lines[0]
+    assert folder_bytes(str(out)) == before
+
+
 def tiny_config(**overrides):
     """A small configuration; a swept flag of a baseline (fedprox_mu=..., qffl_q=...) may be
     passed as a keyword and goes into ``sweeps``, an algorithm's option (filter=...,

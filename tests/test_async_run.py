@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import run_runner, tiny_config
+from conftest import refused_over_a_finished_run, run_runner, tiny_config
 from deltafl_jax import plan as plan_lib, run_experiment
 from deltafl_jax.algorithms.fedasync import mixing
 from deltafl_jax.algorithms.fedbuff import BufferedRun, current_params, init_buffered_state
@@ -134,27 +134,13 @@ def test_bad_settings_are_refused_in_one_line(tmp_path, capsys, args, message):
     assert not out.exists()
 
 
-def _tree(path):
-    return {os.path.relpath(os.path.join(d, f), path): open(os.path.join(d, f), "rb").read()
-            for d, _, files in os.walk(path) for f in files}
-
-
 @pytest.mark.slow
 def test_the_command_refuses_k_over_c_and_leaves_the_folder(tiny_synthetic, tmp_path):
     """A subprocess with --overwrite into a folder holding a finished run: one line, exit 2,
     the folder byte-identical."""
-    out = tmp_path / "run"
-    run_experiment(tiny_config(num_rounds=1, eval_every=1, output_dir=str(out)),
-                   tiny_synthetic)
-    before = _tree(str(out))
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.run", f"--flagfile={TINY}", f"--output_dir={out}",
-         "--algorithm=fedbuff", "--thetas=1", "--concurrency=4", "--buffer_size=5",
-         "--overwrite"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert "--buffer_size=5: more than --concurrency=4" in lines[0]
-    assert _tree(str(out)) == before
+    refused_over_a_finished_run(tmp_path, tiny_synthetic, "--algorithm=fedbuff", "--thetas=1",
+                                "--concurrency=4", "--buffer_size=5",
+                                message="--buffer_size=5: more than --concurrency=4")
 
 
 @pytest.mark.slow

@@ -18,13 +18,11 @@ import heapq
 import math
 import os
 import pickle
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import run_runner, tiny_config
+from conftest import refused_over_a_finished_run, run_runner, tiny_config
 from deltafl_jax.run.experiment import build_experiment
 from deltafl_jax.sampling.samplers import sample_clients
 
@@ -331,22 +329,9 @@ def test_bad_sessions_exit_2_with_one_line(tmp_path, capsys, args, message):
 def test_a_bad_session_leaves_a_finished_run_untouched(tiny_synthetic, tmp_path):
     """A subprocess with --overwrite into a folder holding a finished run: one line, exit 2,
     the folder byte-identical."""
-    from deltafl_jax import run_experiment
-    out = tmp_path / "run"
-    run_experiment(tiny_config(num_rounds=1, eval_every=1, output_dir=str(out)),
-                   tiny_synthetic)
-    def tree(path):
-        return {os.path.relpath(os.path.join(d, f), path): open(os.path.join(d, f), "rb").read()
-                for d, _, files in os.walk(path) for f in files}
-    before = tree(str(out))
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.run", f"--flagfile={TINY}", f"--output_dir={out}",
-         "--client_speed=lognormal", "--mean_online_seconds=-1", "--overwrite"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert "--mean_online_seconds=-1: must be > 0 seconds" in lines[0]
-    assert tree(str(out)) == before
+    refused_over_a_finished_run(tmp_path, tiny_synthetic, "--client_speed=lognormal",
+                                "--mean_online_seconds=-1",
+                                message="--mean_online_seconds=-1: must be > 0 seconds")
 
 
 @pytest.mark.slow

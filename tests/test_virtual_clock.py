@@ -7,13 +7,11 @@ deadline when fewer arrive)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import run_runner, tiny_config
+from conftest import refused_over_a_finished_run, run_runner, tiny_config
 from deltafl_jax import plan as plan_lib, run_experiment
 from deltafl_jax.run.experiment import build_experiment
 from deltafl_jax.sampling.samplers import Cohort, sample_clients
@@ -230,26 +228,12 @@ def test_what_the_clock_cannot_run_exits_2_with_one_line(tmp_path, capsys, args,
     assert not out.exists()
 
 
-def _tree(path):
-    return {os.path.relpath(os.path.join(d, f), path): open(os.path.join(d, f), "rb").read()
-            for d, _, files in os.walk(path) for f in files}
-
-
 def test_a_deadline_no_client_can_meet_is_refused_by_the_command(tiny_synthetic, tmp_path):
     """A subprocess with --overwrite into a folder holding a finished run: one line, exit
     2, the folder byte-identical."""
-    out = tmp_path / "run"
-    run_experiment(tiny_config(num_rounds=1, eval_every=1, output_dir=str(out)),
-                   tiny_synthetic)
-    before = _tree(str(out))
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.run", f"--flagfile={TINY}", f"--output_dir={out}",
-         "--client_speed=lognormal", "--round_deadline=1e-6", "--overwrite"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert "--round_deadline=1e-06: no client can meet it" in lines[0]
-    assert _tree(str(out)) == before
+    refused_over_a_finished_run(tmp_path, tiny_synthetic, "--client_speed=lognormal",
+                                "--round_deadline=1e-6",
+                                message="--round_deadline=1e-06: no client can meet it")
 
 
 @pytest.mark.slow
