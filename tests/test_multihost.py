@@ -44,16 +44,8 @@ def test_two_processes_equal_one_process_of_four_devices(tmp_path):
                            f"--output_dir={one}", "--devices=4"], cwd=REPO, env=env(4),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    port = free_port()
     outs = [str(tmp_path / f"proc{i}") for i in range(2)]
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "experiments.run", *COMMON, f"--output_dir={outs[i]}",
-         "--distributed", f"--coordinator_address=localhost:{port}", "--num_processes=2",
-         f"--process_id={i}", "--distributed_timeout_s=60"], cwd=REPO, env=env(2),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-2000:]
+    finish(start_pair(outs, free_port(), COMMON, devices=2))
     assert os.path.exists(os.path.join(outs[0], "summary.json"))
     assert not os.path.exists(outs[1])            # process 1 writes nothing
     got, want = records(outs[0]), records(one)
@@ -83,13 +75,16 @@ RESUME = [f"--flagfile={os.path.join(REPO, 'tests', 'resume.flags')}", "--num_ro
           "--nosave_models"]
 
 
-def start_pair(out, port):
-    """Two processes x 2 CPU devices of one run into one output dir (as on a shared disk)."""
+def start_pair(out, port, flags=None, devices=2):
+    """Two processes x `devices` CPU devices of one run of `flags` (default RESUME); `out` one
+    output dir for both (as on a shared disk) or a pair, one per process."""
+    outs = [out, out] if isinstance(out, str) else list(out)
     return [subprocess.Popen(
-        [sys.executable, "-m", "experiments.run", *RESUME, f"--output_dir={out}",
-         "--distributed", f"--coordinator_address=localhost:{port}", "--num_processes=2",
-         f"--process_id={i}", "--distributed_timeout_s=60"], cwd=REPO, env=env(2),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+        [sys.executable, "-m", "experiments.run", *(RESUME if flags is None else flags),
+         f"--output_dir={outs[i]}", "--distributed", f"--coordinator_address=localhost:{port}",
+         "--num_processes=2", f"--process_id={i}", "--distributed_timeout_s=60"], cwd=REPO,
+        env=env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)]
 
 
 def finish(procs):
@@ -152,16 +147,8 @@ def test_fedbuff_on_two_processes_equals_one_process(tmp_path):
                            f"--output_dir={one}"], cwd=REPO, env=env(1), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    port = free_port()
     outs = [str(tmp_path / f"proc{i}") for i in range(2)]
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "experiments.run", *ASYNC, f"--output_dir={outs[i]}",
-         "--distributed", f"--coordinator_address=localhost:{port}", "--num_processes=2",
-         f"--process_id={i}", "--distributed_timeout_s=60"], cwd=REPO, env=env(1),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-2000:]
+    finish(start_pair(outs, free_port(), ASYNC, devices=1))
     assert not os.path.exists(outs[1])            # process 1 writes nothing
     got, want = records(outs[0]), records(one)
     assert [sorted(r) for r in got] == [sorted(r) for r in want]
