@@ -170,16 +170,26 @@ def update_shares(col: Column):
     return np.asarray(rates), shares, stale_share
 
 
+def columns_with(cols: Sequence[Column], values):
+    """([(column, values(column))] for the columns where `values` gives a tuple whose first
+    item is the quintiles' mean (availability, speed), that first column's mean, whether every
+    column has the same); None when no column has values."""
+    got = [(c, values(c)) for c in cols]
+    got = [(c, g) for c, g in got if g is not None]
+    if not got:
+        return None
+    first = got[0][1][0]
+    return got, first, all(np.allclose(g[0], first, equal_nan=True) for _, g in got)
+
+
 def share_table(cols: Sequence[Column]) -> Optional[str]:
     """The markdown table of :data:`SHARE_NOTE`: a row per method column with the counts
     (%, mean over seeds, the seeds' [min, max]), the quintiles' mean availability in the
     header when every row has the same; None when no column has them."""
-    got = [(c, update_shares(c)) for c in cols]
-    got = [(c, g) for c, g in got if g is not None]
-    if not got:
+    found = columns_with(cols, update_shares)
+    if found is None:
         return None
-    rates = got[0][1][0]
-    same = all(np.allclose(g[0], rates, equal_nan=True) for _, g in got)
+    got, rates, same = found
     heads = [f"q{j + 1}" + (f" ({rates[j]:.3g})" if same and np.isfinite(rates[j]) else "")
              for j in range(QUINTILES)]
     lines = ["| method | " + " | ".join(heads) + " | stale |",

@@ -30,7 +30,7 @@ import numpy as np
 
 from deltafl_jax.availability_metrics import QUINTILES, availability_quintiles
 from deltafl_jax.errors import DeltaFLError
-from deltafl_jax.report.availability import percent_cell
+from deltafl_jax.report.availability import columns_with, percent_cell
 from deltafl_jax.report.tables import Column
 
 SELECTED = "train_rounds_selected"
@@ -108,12 +108,10 @@ def drop_table(cols: Sequence[Column]) -> Optional[str]:
     """The markdown table of the drop rate (%) by compute-speed quintile, a row per method
     column (mean over seeds, the seeds' min-max in brackets), the quintiles' mean ms per
     example in the header; None when no column has the counts."""
-    got = [(c, column_drop_rates(c)) for c in cols]
-    got = [(c, g) for c, g in got if g is not None]
-    if not got:
+    found = columns_with(cols, column_drop_rates)
+    if found is None:
         return None
-    speeds = got[0][1][0]
-    same = all(np.allclose(g[0], speeds, equal_nan=True) for _, g in got)
+    got, speeds, same = found
     heads = [f"q{j + 1}" + (f" ({1000 * speeds[j]:.3g} ms)" if same else "")
              for j in range(QUINTILES)]
     lines: List[str] = ["| method | " + " | ".join(heads) + " | all |",
