@@ -13,6 +13,7 @@ import warnings
 import pytest
 
 from deltafl_jax import DataConfig, ExperimentConfig
+from deltafl_jax import datasets
 from deltafl_jax.config import FLAT, GROUPS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,6 +26,8 @@ NOT_YET_CONVERTED: set = set()
 GROUP_NAMES = {name for name, _ in GROUPS}
 # A flat name is a setting's flag name that is not also a group's name.
 FLAT_NAMES = set(FLAT) - GROUP_NAMES
+# The flat names of DataConfig's grouped settings (--max_train_clients: limits.max_train_clients).
+DATA_FLAT_NAMES = set(datasets.FLAT)
 
 
 def _last_name(node):
@@ -32,12 +35,12 @@ def _last_name(node):
         node.attr if isinstance(node, ast.Attribute) else ""
 
 
-def _config_params(function):
-    """Names of `function`'s parameters annotated as an ExperimentConfig."""
+def _config_params(function, cls="ExperimentConfig"):
+    """Names of `function`'s parameters annotated as a `cls`."""
     a = function.args
     return {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs
             if p.annotation is not None and ast.unparse(p.annotation).strip("'\"")
-            .endswith("ExperimentConfig")}
+            .endswith(cls)}
 
 
 def _is_config(node, params):
@@ -49,6 +52,40 @@ def _is_config(node, params):
         return str(node.args[1].value).endswith("config")   # getattr(facts, "config", None)
     return _last_name(node).endswith("config") or (isinstance(node, ast.Name)
                                                    and node.id in params)
+
+
+def _is_data_config(node, params):
+    """An expression that holds a DataConfig: one that holds a configuration (a DataConfig
+    named ``config`` in a loader), its ``.data``, or a parameter annotated as a DataConfig."""
+    return _is_config(node, params) or isinstance(node, ast.Attribute) and \
+        node.attr == "data" and _is_config(node.value, params)
+
+
+def data_flat_uses(source: str):
+    """(line, text) of every use of a flat name of DataConfig's grouped settings: a read
+    ``config.data.<flag>`` / ``config.<flag>`` of a loader's DataConfig, ``getattr(config,
+    "<flag>")``, and a construction by flag name (``DataConfig(name, <flag>=...)``,
+    ``dataclasses.replace(config.data, <flag>=...)``)."""
+    tree = ast.parse(source)
+    scopes = [(tree, set())] + [(f, _config_params(f, "DataConfig")) for f in ast.walk(tree)
+                                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    found = set()
+    for scope, params in scopes:
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Attribute) and node.attr in DATA_FLAT_NAMES \
+                    and _is_data_config(node.value, params):
+                found.add((node.lineno, ast.unparse(node)))
+            if not isinstance(node, ast.Call):
+                continue
+            func, args = ast.unparse(node.func), node.args
+            flat_kw = [k.arg for k in node.keywords if k.arg in DATA_FLAT_NAMES]
+            if flat_kw and (func.endswith("DataConfig") or func.endswith("replace") and args
+                            and _is_data_config(args[0], params)):
+                found.add((node.lineno, f"{func}(..., {', '.join(flat_kw)}=...)"))
+            if func == "getattr" and len(args) >= 2 and _is_data_config(args[0], params) and \
+                    isinstance(args[1], ast.Constant) and args[1].value in DATA_FLAT_NAMES:
+                found.add((node.lineno, ast.unparse(node)))
+    return sorted(found)
 
 
 def flat_uses(source: str):
@@ -89,7 +126,9 @@ def test_the_package_reads_settings_through_their_groups():
         if rel in NOT_YET_CONVERTED:
             continue
         with open(os.path.join(REPO, rel), encoding="utf-8") as f:
-            offences += [f"{rel}:{line}: {text}" for line, text in flat_uses(f.read())]
+            source = f.read()
+        offences += [f"{rel}:{line}: {text}" for line, text in
+                     sorted(set(flat_uses(source)) | set(data_flat_uses(source)))]
     assert not offences, ("flat settings read inside deltafl_jax/ (read config.<group>.<field>; "
                           "FLAT maps each flag to its group and field):\n" + "\n".join(offences))
 
