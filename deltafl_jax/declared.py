@@ -8,6 +8,11 @@ field's). ``experiments/cli.py`` declares one flag per such field and builds the
 flags with :func:`from_flags`; reports and resumes read the settings back by flag name
 (:func:`flat_values`, :func:`from_flat`). So a setting's flag, default and help are written once,
 on its field, as an algorithm's options are (:func:`deltafl_jax.algorithms.spec.declared_options`).
+
+A group may hold groups of its own (:func:`group`: DataConfig's ``limits``, ``synthetic``,
+``toy`` and ``partitioner``): :func:`fields_of`, :func:`from_flags`, :func:`from_flat` and
+:func:`flat_values` walk them in their place, so their flags and their stored settings stay
+flat, flag -> value; :func:`set_fields` lets such a class take its groups' settings by flag name.
 """
 
 from __future__ import annotations
