@@ -279,7 +279,7 @@ class ExperimentConfig:
     def flat(self) -> Dict[str, Any]:
         """Every setting by flag name, with the data's settings under ``data`` and the options
         and sweeps as given (what summary.json's ``config`` and a resume's fingerprint hold)."""
-        out = {"data": dataclasses.asdict(self.data), "algorithm": self.algorithm,
+        out = {"data": flat_values(self.data), "algorithm": self.algorithm,
                "options": dict(self.options), "thetas": self.thetas,
                "sweeps": {k: v for k, v in self.sweeps.items() if k != "thetas"}}
         for name, _ in GROUPS:

@@ -8,6 +8,11 @@ field's). ``experiments/cli.py`` declares one flag per such field and builds the
 flags with :func:`from_flags`; reports and resumes read the settings back by flag name
 (:func:`flat_values`, :func:`from_flat`). So a setting's flag, default and help are written once,
 on its field, as an algorithm's options are (:func:`deltafl_jax.algorithms.spec.declared_options`).
+
+A group may hold groups of its own (:func:`group`: DataConfig's ``limits``, ``synthetic``,
+``toy`` and ``partitioner``): :func:`fields_of`, :func:`from_flags`, :func:`from_flat` and
+:func:`flat_values` walk them in their place, so their flags and their stored settings stay
+flat, flag -> value; :func:`set_fields` lets such a class take its groups' settings by flag name.
 """
 
 from __future__ import annotations
@@ -132,18 +137,27 @@ def kind_of(field: dataclasses.Field) -> str:
 
 
 def fields_of(cls: type) -> Iterator[dataclasses.Field]:
-    """The fields of `cls` that declare a flag, in order."""
-    return (f for f in dataclasses.fields(cls) if flag_of(f) is not None)
+    """The fields of `cls` that declare a flag, in order, the fields of each of its groups
+    (:func:`group`) in the group's place."""
+    for f in dataclasses.fields(cls):
+        sub = f.metadata.get(FLAG)
+        if isinstance(sub, type):
+            yield from fields_of(sub)
+        elif sub is not None:
+            yield f
 
 
 def from_flags(cls: type, value: Callable[[str], Any], **fixed) -> Any:
     """The group `cls` from the flags (``value(flag)``: the flag's parsed value), each parsed
-    by its Flag; `fixed`: fields given instead."""
+    by its Flag, its groups built alike; `fixed`: fields given instead."""
     kw = {}
-    for f in fields_of(cls):
-        if f.name in fixed:
+    for f in dataclasses.fields(cls):
+        sub, flag = f.metadata.get(FLAG), flag_of(f)
+        if f.name in fixed or sub is None:
             continue
-        flag = flag_of(f)
+        if isinstance(sub, type):
+            kw[f.name] = from_flags(sub, value)
+            continue
         raw = value(flag.name)
         kw[f.name] = flag.parse(flag.name, raw) if flag.parse is not None else raw
     return cls(**kw, **fixed)
@@ -156,12 +170,17 @@ def _restore(flag: Flag, value):
 
 
 def from_flat(cls: type, values: Mapping[str, Any], **fixed) -> Any:
-    """The group `cls` from stored settings (flag -> value, e.g. summary.json's ``config``);
-    a flag missing there (a run written before the setting existed) takes its default."""
+    """The group `cls` from stored settings (flag -> value, e.g. summary.json's ``config``),
+    its groups' included; a flag missing there (a run written before the setting existed)
+    takes its default."""
     kw = {}
-    for f in fields_of(cls):
-        flag = flag_of(f)
-        if f.name not in fixed and flag.name in values and values[flag.name] is not None:
+    for f in dataclasses.fields(cls):
+        sub, flag = f.metadata.get(FLAG), flag_of(f)
+        if f.name in fixed or sub is None:
+            continue
+        if isinstance(sub, type):
+            kw[f.name] = from_flat(sub, values)
+        elif flag.name in values and values[flag.name] is not None:
             kw[f.name] = _restore(flag, values[flag.name])
     return cls(**kw, **fixed)
 
@@ -176,6 +195,27 @@ def flat_values(obj) -> Dict[str, Any]:
         elif isinstance(f.metadata.get(FLAG), type):
             out.update(flat_values(getattr(obj, f.name)))
     return out
+
+
+def set_fields(obj, settings: Dict[str, Any]) -> None:
+    """Set every field of the frozen dataclass `obj` (one made with ``init=False``, in its
+    ``__init__``): a field named in `settings` takes the value given, another its default; a
+    name that is the flag of a setting of one of its groups (its flat name, :func:`flat_paths`)
+    replaces that field of the group. TypeError naming any other name."""
+    settings = dict(settings)
+    own = {f.name: settings.pop(f.name) if f.name in settings else default_of(f)
+           for f in dataclasses.fields(obj)}
+    paths = flat_paths(type(obj))
+    changes: Dict[str, Dict[str, Any]] = {}
+    for name, value in settings.items():
+        path = paths.get(name)
+        if path is None or len(path) != 2:
+            raise TypeError(f"{type(obj).__name__} got an unknown setting {name!r}")
+        changes.setdefault(path[0], {})[path[1]] = value
+    for where, fields in changes.items():
+        own[where] = dataclasses.replace(own[where], **fields)
+    for name, value in own.items():
+        object.__setattr__(obj, name, value)
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import warnings
 import pytest
 
 from deltafl_jax import DataConfig, ExperimentConfig
+from deltafl_jax import datasets
 from deltafl_jax.config import FLAT, GROUPS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,6 +26,8 @@ NOT_YET_CONVERTED: set = set()
 GROUP_NAMES = {name for name, _ in GROUPS}
 # A flat name is a setting's flag name that is not also a group's name.
 FLAT_NAMES = set(FLAT) - GROUP_NAMES
+# The flat names of DataConfig's grouped settings (--max_train_clients: limits.max_train_clients).
+DATA_FLAT_NAMES = set(datasets.FLAT)
 
 
 def _last_name(node):
@@ -32,12 +35,12 @@ def _last_name(node):
         node.attr if isinstance(node, ast.Attribute) else ""
 
 
-def _config_params(function):
-    """Names of `function`'s parameters annotated as an ExperimentConfig."""
+def _config_params(function, cls="ExperimentConfig"):
+    """Names of `function`'s parameters annotated as a `cls`."""
     a = function.args
     return {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs
             if p.annotation is not None and ast.unparse(p.annotation).strip("'\"")
-            .endswith("ExperimentConfig")}
+            .endswith(cls)}
 
 
 def _is_config(node, params):
@@ -49,6 +52,40 @@ def _is_config(node, params):
         return str(node.args[1].value).endswith("config")   # getattr(facts, "config", None)
     return _last_name(node).endswith("config") or (isinstance(node, ast.Name)
                                                    and node.id in params)
+
+
+def _is_data_config(node, params):
+    """An expression that holds a DataConfig: one that holds a configuration (a DataConfig
+    named ``config`` in a loader), its ``.data``, or a parameter annotated as a DataConfig."""
+    return _is_config(node, params) or isinstance(node, ast.Attribute) and \
+        node.attr == "data" and _is_config(node.value, params)
+
+
+def data_flat_uses(source: str):
+    """(line, text) of every use of a flat name of DataConfig's grouped settings: a read
+    ``config.data.<flag>`` / ``config.<flag>`` of a loader's DataConfig, ``getattr(config,
+    "<flag>")``, and a construction by flag name (``DataConfig(name, <flag>=...)``,
+    ``dataclasses.replace(config.data, <flag>=...)``)."""
+    tree = ast.parse(source)
+    scopes = [(tree, set())] + [(f, _config_params(f, "DataConfig")) for f in ast.walk(tree)
+                                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    found = set()
+    for scope, params in scopes:
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Attribute) and node.attr in DATA_FLAT_NAMES \
+                    and _is_data_config(node.value, params):
+                found.add((node.lineno, ast.unparse(node)))
+            if not isinstance(node, ast.Call):
+                continue
+            func, args = ast.unparse(node.func), node.args
+            flat_kw = [k.arg for k in node.keywords if k.arg in DATA_FLAT_NAMES]
+            if flat_kw and (func.endswith("DataConfig") or func.endswith("replace") and args
+                            and _is_data_config(args[0], params)):
+                found.add((node.lineno, f"{func}(..., {', '.join(flat_kw)}=...)"))
+            if func == "getattr" and len(args) >= 2 and _is_data_config(args[0], params) and \
+                    isinstance(args[1], ast.Constant) and args[1].value in DATA_FLAT_NAMES:
+                found.add((node.lineno, ast.unparse(node)))
+    return sorted(found)
 
 
 def flat_uses(source: str):
@@ -89,7 +126,9 @@ def test_the_package_reads_settings_through_their_groups():
         if rel in NOT_YET_CONVERTED:
             continue
         with open(os.path.join(REPO, rel), encoding="utf-8") as f:
-            offences += [f"{rel}:{line}: {text}" for line, text in flat_uses(f.read())]
+            source = f.read()
+        offences += [f"{rel}:{line}: {text}" for line, text in
+                     sorted(set(flat_uses(source)) | set(data_flat_uses(source)))]
     assert not offences, ("flat settings read inside deltafl_jax/ (read config.<group>.<field>; "
                           "FLAT maps each flag to its group and field):\n" + "\n".join(offences))
 
@@ -209,3 +248,113 @@ def test_unknown_and_private_names_raise_without_a_warning():
         for name in ("no_such_setting", "_private", "__deepcopy_extra__"):
             with pytest.raises(AttributeError):
                 getattr(config, name)
+
+
+# --------------------------------------------------------------------------------------------
+# DataConfig: the settings that choose the data, and the rest in groups.
+
+# The group and field of a few data flags, written out by hand.
+DATA_BY_HAND = {
+    "max_train_clients": ("limits", "max_train_clients"),
+    "min_client_examples": ("limits", "min_client_examples"),
+    "synthetic_alpha": ("synthetic", "alpha"),
+    "synthetic_num_clients": ("synthetic", "num_clients"),
+    "synthetic_on_demand": ("synthetic", "on_demand"),
+    "toy_means": ("toy", "means"),
+    "partition": ("partitioner", "method"),
+    "dirichlet_alpha": ("partitioner", "dirichlet_alpha"),
+    "partition_seed": ("partitioner", "seed"),
+}
+FIXTURE = os.path.join(REPO, "tests", "fixtures", "resume_before_32", "summary.json")
+
+
+def test_no_settings_class_has_more_than_twenty_fields():
+    """DataConfig keeps the fields that choose the data (at most 12); its groups and every
+    group of ExperimentConfig hold at most 20."""
+    from deltafl_jax import declared
+    assert len(dataclasses.fields(DataConfig)) <= 12
+    classes = [DataConfig] + [cls for _, cls in declared.groups(DataConfig)] + \
+        [cls for _, cls in GROUPS]
+    assert {cls.__name__: len(dataclasses.fields(cls)) for cls in classes
+            if len(dataclasses.fields(cls)) > 20} == {}
+
+
+def test_the_scan_finds_every_kind_of_flat_data_use():
+    source = (
+        "import dataclasses\n"
+        "def f(config, d: 'DataConfig', run, exp):\n"
+        "    a = config.data.dirichlet_alpha\n"                # 3
+        "    b = config.max_train_clients\n"                   # 4
+        "    c = d.synthetic_alpha\n"                          # 5
+        "    e = getattr(config, 'toy_means')\n"               # 6
+        "    g = DataConfig('npz', partition='iid')\n"         # 7
+        "    h = dataclasses.replace(run.config.data, num_clients=5)\n"   # 8
+        "    ok = (config.data.partitioner.method, exp.data.partition, d.dataset,\n"
+        "          run.data.train.num_clients, config.data.limits.max_train_clients,\n"
+        "          dataclasses.replace(config.data, data_seed=3), DataConfig('npz'))\n")
+    assert [line for line, _ in data_flat_uses(source)] == [3, 4, 5, 6, 7, 8]
+
+
+def test_flat_data_keywords_set_the_group_fields_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data = DataConfig("npz", max_train_clients=5, synthetic_num_clients=10, toy_means=(
+            (0.0, 0.0), (1.0, 1.0)), partition="dirichlet", partition_seed=4, data_seed=2)
+        assert (data.limits.max_train_clients, data.synthetic.num_clients, data.toy.means,
+                data.partitioner.method, data.partitioner.seed, data.data_seed) == \
+            (5, 10, ((0.0, 0.0), (1.0, 1.0)), "dirichlet", 4, 2)
+        assert data.synthetic.alpha == 1.0 and data.partitioner.num_clients == 100
+        replaced = dataclasses.replace(data, dirichlet_alpha=0.1, dataset="synthetic")
+        assert replaced.partitioner.dirichlet_alpha == 0.1 and replaced.dataset == "synthetic"
+        assert replaced.partitioner.method == "dirichlet" and replaced.limits == data.limits
+        assert pickle.loads(pickle.dumps(data)) == data and hash(data) == hash(
+            DataConfig("npz", max_train_clients=5, synthetic_num_clients=10, toy_means=(
+                (0.0, 0.0), (1.0, 1.0)), partition="dirichlet", partition_seed=4, data_seed=2))
+    with pytest.raises(TypeError, match="unknown setting 'max_clients'"):
+        DataConfig("synthetic", max_clients=10)
+    with pytest.raises(TypeError):
+        DataConfig()   # the dataset is required, as it was
+
+
+@pytest.mark.parametrize("flag", sorted(DATA_BY_HAND))
+def test_a_flat_data_read_warns_and_names_the_nested_path(flag):
+    data = DataConfig("synthetic", partition_seed=3)
+    group, field = DATA_BY_HAND[flag]
+    with pytest.warns(DeprecationWarning) as caught:
+        value = getattr(data, flag)
+    assert value == getattr(getattr(data, group), field)
+    assert len(caught) == 1
+    assert f"config.{flag} is config.{group}.{field}" in str(caught[0].message)
+    assert caught[0].filename == __file__
+
+
+def test_every_flat_data_name_reads_its_field_and_others_raise():
+    data = DataConfig("synthetic")
+    for flag, (group, field) in sorted(datasets.FLAT.items()):
+        with pytest.warns(DeprecationWarning, match=rf"config\.{group}\.{field}\b"):
+            assert getattr(data, flag) is getattr(getattr(data, group), field)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ("no_such_setting", "_private", "limits_max"):
+            with pytest.raises(AttributeError):
+                getattr(data, name)
+
+
+def test_the_data_settings_are_stored_as_before():
+    """summary.json's ``config["data"]`` stays flag -> value in the order written before the
+    groups (the fixture, a run of that code), and a stored block builds the same DataConfig
+    by flag name (``declared.from_flat``) as by keywords."""
+    import json
+    from deltafl_jax import declared
+    with open(FIXTURE) as f:
+        stored = json.load(f)["config"]["data"]
+    data = declared.from_flat(DataConfig, stored)
+    assert data.synthetic.num_clients == 12 and data.synthetic.shared == 0.8
+    assert data.toy.means == ((0.0, 0.0), (4.0, 0.0), (1.0, 1.0))
+    config = ExperimentConfig(data, algorithm="fedavg", thetas=(), output_dir=None,
+                              save_models=False)
+    flat = config.flat()["data"]
+    assert [k for k in flat if k in stored] == list(stored)   # the same keys, in order
+    assert json.loads(json.dumps({k: flat[k] for k in stored})) == stored
+    assert set(flat) - set(stored) == set(declared.flat_paths(type(data.partitioner)))
+    assert DataConfig(**flat) == data

@@ -303,7 +303,7 @@ def test_flagfile_carries_reddi_et_al_settings():
     assert (c.data.dataset, c.model, c.algorithm) == ("stackoverflow", "lstm_nwp", "deltafl")
     assert c.thetas == (1.0, 0.5)
     assert (c.clients_per_round, c.local_epochs, c.batch_size) == (50, 1, 16)
-    assert c.data.max_examples_per_client == 256 and c.num_rounds == 1500
+    assert c.data.limits.max_examples_per_client == 256 and c.num_rounds == 1500
     assert c.learning_rate == pytest.approx(10 ** -0.5, rel=1e-3)
     assert c.server.name == "adam" and c.server_lr == (0.01,)
     assert (c.server.beta1, c.server.beta2, c.server.eps) == (0.9, 0.99, 1e-5)

@@ -84,7 +84,7 @@ def test_the_population_flagfile_is_informative(tmp_path, capsys):
     import json
     from conftest import run_runner
     (config,) = plan("population.flags")
-    assert config.data.synthetic_num_clients == 10 ** 6 and config.data.synthetic_shared > 0
+    assert config.data.synthetic.num_clients == 10 ** 6 and config.data.synthetic.shared > 0
     small = [f"--flagfile={os.path.join(EXPERIMENTS, 'population.flags')}",
              "--synthetic_num_clients=4000", "--synthetic_on_demand", "--client_data=host",
              "--eval_clients=200", "--num_rounds=100", "--tensorboard=no", "--nosave_models"]

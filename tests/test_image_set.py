@@ -84,13 +84,15 @@ def test_the_image_flagfiles_plan_their_settings():
     from tests.test_flagfiles import plan
     for name, alpha in (("cifar10_dirichlet.flags", 0.1), ("cifar10_dirichlet_05.flags", 0.5)):
         (c,) = plan(name)
-        assert (c.data.dataset, c.data.partition, c.data.dirichlet_alpha) == ("cifar10",
-                                                                             "dirichlet", alpha)
-        assert c.data.num_clients == 100 and c.thetas == (1.0, 0.8, 0.5)
+        part = c.data.partitioner
+        assert (c.data.dataset, part.method, part.dirichlet_alpha) == ("cifar10", "dirichlet",
+                                                                       alpha)
+        assert part.num_clients == 100 and c.thetas == (1.0, 0.8, 0.5)
     (c,) = plan("fmnist_shards.flags")
-    assert (c.data.dataset, c.data.partition, c.data.shards_per_client) == ("fashion_mnist",
-                                                                           "shards", 2)
-    assert c.data.num_clients == 100 and c.thetas == (1.0, 0.8, 0.5)
+    part = c.data.partitioner
+    assert (c.data.dataset, part.method, part.shards_per_client) == ("fashion_mnist", "shards",
+                                                                     2)
+    assert part.num_clients == 100 and c.thetas == (1.0, 0.8, 0.5)
 
 
 def test_the_image_set_without_its_data_is_one_line_exit_2(tmp_path, capsys):

@@ -22,10 +22,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import warnings
 from typing import Callable, Dict, Optional, Tuple
 
 from deltafl_jax.data import DataError, FederatedDataset
-from deltafl_jax.declared import setting
+from deltafl_jax.declared import flat_paths, group, set_fields, setting
 from deltafl_jax.errors import UsageError
 
 
@@ -48,54 +49,18 @@ def toy_means_flag(name: str, text: str) -> Tuple[Tuple[float, float], ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """Everything a dataset loader may read. Unused fields are ignored by a loader.
+class ClientLimits:
+    """Which clients and examples of a dataset are kept (``config.data.limits``).
 
     Attributes:
-      dataset: registry name.
-      data_path: a user file (npz) or a raw source (LEAF json dir, TFF h5/sqlite).
-      data_dir: cache of prepared datasets (None: :func:`default_data_dir`).
-      data_seed: seed of the data generation and of the train/test client split.
       min_client_examples: keep clients with at least this many examples
         (None: the dataset's paper default, 100 for FEMNIST/Shakespeare, 50 for Sent140).
       max_examples_per_client: keep at most this many examples per client (None: all);
         used by the CPU-sized flagfiles.
       max_train_clients / max_test_clients: keep a seeded random subset of this many clients
         of each split after the split (None: all).
-      synthetic_alpha, synthetic_beta: model and feature heterogeneity of Synthetic(a, b).
-      synthetic_num_clients: clients in total, half for training and half for testing.
-      synthetic_max_examples: cap of the power-law client sizes.
-      synthetic_shared: weight rho of the labelling model common to all clients (0: the
-        original benchmark, where held-out clients share nothing learnable).
-      synthetic_on_demand: generate each client when it is read (None: above 10^5 clients;
-        :mod:`deltafl_jax.datasets.synthetic`).
-      toy_means: the means of the Figure 3 Gaussians, one (x, y) pair per client.
-      toy_examples_per_client: samples per Gaussian.
-      normalize: "none", "reference" (the authors' (x - mu) / mu per feature, mu of each
-        split) or "standard" (z-scores with the training statistics); float features only,
-        applied after the client limits (:mod:`deltafl_jax.datasets.normalize`).
-      writer_fraction: FEMNIST: the fraction of the eligible writers kept (the paper: 0.5).
-      resample_writers_per_seed: redraw the data (FEMNIST's writer subsample, every dataset's
-        train/test split) for each seed, as the authors do; each seed is then its own dataset
-        and its own program (:mod:`deltafl_jax.seed_programs`).
-      partition: how centralised data are split into clients
-        (:mod:`deltafl_jax.datasets.partition`); "none": the dataset's own clients.
-      num_clients: clients of each split (train, and test) made by ``partition``.
-      dirichlet_alpha, min_partition_size, self_balancing: ``dirichlet``'s (alpha also
-        ``inner_dirichlet``'s).
-      shards_per_client: ``shards``'. classes_per_client: ``pathological``'s.
-      size_law: ``size``'s share of client k: linear, square or exponential in k.
-      partition_seed: the partition's seed (None: data_seed).
     """
 
-    dataset: str = setting(
-        help="synthetic | gaussian_toy | npz | shakespeare | sent140 | femnist | stackoverflow",
-        kind="string", flag_default="synthetic")
-    data_path: Optional[str] = setting(None, "npz file, or the raw source of a real dataset",
-                                       kind="string")
-    data_dir: Optional[str] = setting(None, "prepared-dataset cache; unset: $DELTAFL_DATA or "
-                                      "~/.cache/deltafl_jax", kind="string")
-    data_seed: int = setting(0, "seed of data generation and of the train/test split")
     min_client_examples: Optional[int] = setting(
         None, "keep clients with at least this many examples; unset: the dataset's paper value",
         kind="integer")
@@ -105,39 +70,78 @@ class DataConfig:
         None, "keep a seeded subset of the train clients", kind="integer")
     max_test_clients: Optional[int] = setting(
         None, "keep a seeded subset of the test clients", kind="integer")
-    synthetic_alpha: float = setting(1.0, "Synthetic(alpha, beta): model heterogeneity")
-    synthetic_beta: float = setting(1.0, "Synthetic(alpha, beta): feature heterogeneity")
-    synthetic_num_clients: int = setting(100, "Synthetic: clients, half train half test")
-    synthetic_max_examples: int = setting(1000, "Synthetic: cap of the client sizes")
-    synthetic_shared: float = setting(
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticSettings:
+    """The generator of Synthetic(alpha, beta) (``config.data.synthetic``; the flags
+    ``--synthetic_<field>``; :mod:`deltafl_jax.datasets.synthetic`).
+
+    Attributes:
+      alpha, beta: model and feature heterogeneity of Synthetic(alpha, beta).
+      num_clients: clients in total, half for training and half for testing.
+      max_examples: cap of the power-law client sizes.
+      shared: weight rho of the labelling model common to all clients (0: the original
+        benchmark, where held-out clients share nothing learnable).
+      on_demand: generate each client when it is read (None: above 10^5 clients).
+    """
+
+    alpha: float = setting(1.0, "Synthetic(alpha, beta): model heterogeneity",
+                           flag="synthetic_alpha")
+    beta: float = setting(1.0, "Synthetic(alpha, beta): feature heterogeneity",
+                          flag="synthetic_beta")
+    num_clients: int = setting(100, "Synthetic: clients, half train half test",
+                               flag="synthetic_num_clients")
+    max_examples: int = setting(1000, "Synthetic: cap of the client sizes",
+                                flag="synthetic_max_examples")
+    shared: float = setting(
         0.0, "Synthetic: weight in [0, 1) of the labelling model shared by all clients (0 = the "
-        "original benchmark)")
-    synthetic_on_demand: Optional[bool] = setting(
+        "original benchmark)", flag="synthetic_shared")
+    on_demand: Optional[bool] = setting(
         None, "Synthetic: generate each client when a round or an evaluation reads it (its own "
-        "random stream); unset: above 100000 clients", kind="bool")
-    toy_means: Tuple[Tuple[float, float], ...] = setting(
+        "random stream); unset: above 100000 clients", kind="bool", flag="synthetic_on_demand")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToySettings:
+    """The Gaussians of the paper's Figure 3 (``config.data.toy``; the flags ``--toy_<field>``;
+    ``--dataset=gaussian_toy``).
+
+    Attributes:
+      means: the means of the Gaussians, one (x, y) pair per client.
+      examples_per_client: samples per Gaussian.
+    """
+
+    means: Tuple[Tuple[float, float], ...] = setting(
         ((0.0, 0.0), (4.0, 0.0), (1.0, 1.0)), "gaussian_toy: means 'x,y;x,y;...'",
         kind="string", flag_default="0,0;4,0;1,1", parse=toy_means_flag,
-        restore=lambda v: tuple(tuple(float(x) for x in pair) for pair in v))
-    toy_examples_per_client: int = setting(500, "gaussian_toy: samples per client")
-    normalize: str = setting(
-        "none", "float inputs: none | reference (the authors' code: (x - mu) / mu per feature, "
-        "mu the mean of each split's own examples) | standard (z-scores with the training "
-        "statistics); sent140: of the mean GloVe vectors (sent140_linear)",
-        choices=("none", "reference", "standard"))
-    writer_fraction: float = setting(
-        0.5, "femnist: fraction of the eligible writers kept (the paper: 0.5; 1.0 keeps them "
-        "all)")
-    resample_writers_per_seed: bool = setting(
-        False, "redraw the data (femnist's writer subsample; every dataset's train/test split) "
-        "from each seed, as the authors do; each seed then runs as its own program into "
-        "<output_dir>/seed_<s>/")
-    partition: str = setting(
+        restore=lambda v: tuple(tuple(float(x) for x in pair) for pair in v), flag="toy_means")
+    examples_per_client: int = setting(500, "gaussian_toy: samples per client",
+                                       flag="toy_examples_per_client")
+
+
+@dataclasses.dataclass(frozen=True)
+class Partitioner:
+    """How centralised data are split into clients (``config.data.partitioner``;
+    :mod:`deltafl_jax.datasets.partition`).
+
+    Attributes:
+      method: ``--partition``: none (the dataset's own clients), iid, dirichlet, shards,
+        pathological, inner_dirichlet or size.
+      num_clients: clients of each split (train, and test) made by the partition.
+      dirichlet_alpha, min_partition_size, self_balancing: ``dirichlet``'s (alpha also
+        ``inner_dirichlet``'s).
+      shards_per_client: ``shards``'. classes_per_client: ``pathological``'s.
+      size_law: ``size``'s share of client k: linear, square or exponential in k.
+      seed: ``--partition_seed``, the partition's seed (None: the data's, ``data_seed``).
+    """
+
+    method: str = setting(
         "none", "split centralised data (an npz without train_client) into clients with Flower "
         "Datasets' partitioners, the test split into test clients of its own alike; none: the "
         "dataset's own clients",
         choices=("none", "iid", "dirichlet", "shards", "pathological", "inner_dirichlet",
-                 "size"))
+                 "size"), flag="partition")
     num_clients: int = setting(100, "--partition: clients of each split (train, and test)")
     dirichlet_alpha: float = setting(
         0.5, "--partition=dirichlet | inner_dirichlet: the concentration alpha > 0 of Dir(alpha)")
@@ -151,12 +155,92 @@ class DataConfig:
     size_law: str = setting(
         "linear", "--partition=size: client k of K holds a share of the examples proportional "
         "to k, k^2 or e^k", choices=("linear", "square", "exponential"))
-    partition_seed: Optional[int] = setting(
-        None, "--partition: the seed of the partition; unset: --data_seed", kind="integer")
+    seed: Optional[int] = setting(
+        None, "--partition: the seed of the partition; unset: --data_seed", kind="integer",
+        flag="partition_seed")
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class DataConfig:
+    """Everything a dataset loader may read: the fields that choose the data, and the settings
+    of the data's parts in groups. Unused settings are ignored by a loader.
+
+    Attributes:
+      dataset: registry name.
+      data_path: a user file (npz) or a raw source (LEAF json dir, TFF h5/sqlite).
+      data_dir: cache of prepared datasets (None: :func:`default_data_dir`).
+      data_seed: seed of the data generation and of the train/test client split.
+      limits: the clients and examples kept (:class:`ClientLimits`).
+      synthetic: Synthetic(alpha, beta)'s generator (:class:`SyntheticSettings`).
+      toy: the Gaussians of ``gaussian_toy`` (:class:`ToySettings`).
+      normalize: "none", "reference" (the authors' (x - mu) / mu per feature, mu of each
+        split) or "standard" (z-scores with the training statistics); float features only,
+        applied after the client limits (:mod:`deltafl_jax.datasets.normalize`).
+      writer_fraction: FEMNIST: the fraction of the eligible writers kept (the paper: 0.5).
+      resample_writers_per_seed: redraw the data (FEMNIST's writer subsample, every dataset's
+        train/test split) for each seed, as the authors do; each seed is then its own dataset
+        and its own program (:mod:`deltafl_jax.seed_programs`).
+      partitioner: how centralised data are split into clients (:class:`Partitioner`).
+
+    A setting of a group is read through it (``config.limits.max_train_clients``,
+    ``config.synthetic.alpha``, ``config.partitioner.method``); :data:`FLAT` maps each of
+    their flags to its (group, field). The flags remain a shorthand of the public API: the
+    constructor and ``dataclasses.replace`` take them as keywords
+    (``DataConfig("synthetic", synthetic_num_clients=10, max_train_clients=5)`` sets
+    ``synthetic.num_clients`` and ``limits.max_train_clients``), and ``config.dirichlet_alpha``
+    still reads ``config.partitioner.dirichlet_alpha``, with a :class:`DeprecationWarning`
+    naming the nested path. :func:`deltafl_jax.declared.flat_values` is the flag -> value view
+    that outputs and resumes store.
+    """
+
+    dataset: str = setting(
+        help="synthetic | gaussian_toy | npz | shakespeare | sent140 | femnist | stackoverflow",
+        kind="string", flag_default="synthetic")
+    data_path: Optional[str] = setting(None, "npz file, or the raw source of a real dataset",
+                                       kind="string")
+    data_dir: Optional[str] = setting(None, "prepared-dataset cache; unset: $DELTAFL_DATA or "
+                                      "~/.cache/deltafl_jax", kind="string")
+    data_seed: int = setting(0, "seed of data generation and of the train/test split")
+    limits: ClientLimits = group(ClientLimits)
+    synthetic: SyntheticSettings = group(SyntheticSettings)
+    toy: ToySettings = group(ToySettings)
+    normalize: str = setting(
+        "none", "float inputs: none | reference (the authors' code: (x - mu) / mu per feature, "
+        "mu the mean of each split's own examples) | standard (z-scores with the training "
+        "statistics); sent140: of the mean GloVe vectors (sent140_linear)",
+        choices=("none", "reference", "standard"))
+    writer_fraction: float = setting(
+        0.5, "femnist: fraction of the eligible writers kept (the paper: 0.5; 1.0 keeps them "
+        "all)")
+    resample_writers_per_seed: bool = setting(
+        False, "redraw the data (femnist's writer subsample; every dataset's train/test split) "
+        "from each seed, as the authors do; each seed then runs as its own program into "
+        "<output_dir>/seed_<s>/")
+    partitioner: Partitioner = group(Partitioner)
+
+    def __init__(self, dataset: str, **settings):
+        set_fields(self, dict(settings, dataset=dataset))
+
+    def __getattr__(self, name):
+        """Deprecated: a setting of a group by its flag's name (``config.max_train_clients``
+        is ``config.limits.max_train_clients``), with a :class:`DeprecationWarning` that names
+        the nested path."""
+        where = FLAT.get(name)
+        if where is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings.warn(f"config.{name} is config.{where[0]}.{where[1]} (a DataConfig): read the "
+                      f"setting through its group (the flat names are deprecated)",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(object.__getattribute__(self, where[0]), where[1])
 
     @property
     def resolved_data_dir(self) -> str:
         return self.data_dir or default_data_dir()
+
+
+# The flat names of DataConfig's grouped settings: flag -> (group, field).
+FLAT: Dict[str, Tuple[str, str]] = {flag: path for flag, path in flat_paths(DataConfig).items()
+                                    if len(path) == 2}
 
 
 DATASETS: Dict[str, str] = {
@@ -267,8 +351,9 @@ def load_dataset(config: DataConfig) -> FederatedDataset:
         from deltafl_jax.datasets import npz
         data = partition.kept(limits.apply_limits(npz.load_partitioned_images(config), config))
         return normalize.normalize(data, config.normalize)
-    if config.partition != "none" and config.dataset not in PARTITIONABLE:
-        raise DataError(f"--partition={config.partition}: --dataset={config.dataset} has its "
+    method = config.partitioner.method
+    if method != "none" and config.dataset not in PARTITIONABLE:
+        raise DataError(f"--partition={method}: --dataset={config.dataset} has its "
                         f"own clients; --partition splits centralised data "
                         f"({', '.join(PARTITIONABLE)} without a client column)")
     data = partition.kept(limits.apply_limits(_loader(config.dataset)(config), config))

@@ -153,7 +153,7 @@ def _centralised_or_stand_in(config) -> Tuple[FederatedDataset, Optional[str]]:
     try:
         return load_dataset(config), None
     except DataError as e:
-        if config.data_path or config.partition == "none":
+        if config.data_path or config.partitioner.method == "none":
             raise
         try:   # only a missing source falls back: a partition error on real data is raised
             load_centralised(config.dataset, None, config.resolved_data_dir)
@@ -168,7 +168,7 @@ def _centralised_or_stand_in(config) -> Tuple[FederatedDataset, Optional[str]]:
                                config.normalize)
     return data, (f"{config.dataset}'s known shape, not its data ({shape.source}; "
                   f"{data.train.num_clients} / {data.test.num_clients} clients by "
-                  f"--partition={config.partition}): {why.splitlines()[0]}")
+                  f"--partition={config.partitioner.method}): {why.splitlines()[0]}")
 
 
 def load_or_stand_in(config) -> Tuple[FederatedDataset, Optional[str]]:

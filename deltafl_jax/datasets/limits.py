@@ -37,18 +37,18 @@ def _subsample(split: ClientData, max_clients: int, seed: int) -> ClientData:
 def apply_limits(data: FederatedDataset, config) -> FederatedDataset:
     """Keep the first `max_examples_per_client` examples of each client (the text datasets keep
     contiguous text this way) and a seeded subset of `max_train_clients` / `max_test_clients`."""
-    train, test = data.train, data.test
+    train, test, kept = data.train, data.test, config.limits
     for name in ("max_examples_per_client", "max_train_clients", "max_test_clients"):
-        value = getattr(config, name)
+        value = getattr(kept, name)
         if value is not None and value < 1:
             raise DataError(f"--{name} must be at least 1, got {value}")
-    if config.max_train_clients is not None:
-        train = _subsample(train, config.max_train_clients, config.data_seed + 1)
-    if config.max_test_clients is not None:
-        test = _subsample(test, config.max_test_clients, config.data_seed + 2)
-    if config.max_examples_per_client is not None:
-        train = _truncate(train, config.max_examples_per_client)
-        test = _truncate(test, config.max_examples_per_client)
+    if kept.max_train_clients is not None:
+        train = _subsample(train, kept.max_train_clients, config.data_seed + 1)
+    if kept.max_test_clients is not None:
+        test = _subsample(test, kept.max_test_clients, config.data_seed + 2)
+    if kept.max_examples_per_client is not None:
+        train = _truncate(train, kept.max_examples_per_client)
+        test = _truncate(test, kept.max_examples_per_client)
     if train is data.train and test is data.test:
         return data
     return dataclasses.replace(data, train=train, test=test)

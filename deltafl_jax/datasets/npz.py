@@ -76,10 +76,10 @@ def _client_columns(arrays, path: str, config) -> bool:
         raise DataError(f"{path} lacks the array(s) {absent} (give both train_client and "
                         f"test_client, or neither and --partition to split the data into "
                         f"clients)")
-    if has[0] and config.partition != "none":
-        raise DataError(f"--partition={config.partition}: {path} has its own clients "
+    if has[0] and config.partitioner.method != "none":
+        raise DataError(f"--partition={config.partitioner.method}: {path} has its own clients "
                         f"(train_client, test_client); drop --partition or those arrays")
-    if not has[0] and config.partition == "none":
+    if not has[0] and config.partitioner.method == "none":
         raise DataError(f"{path} has no train_client/test_client arrays: pass "
                         f"--partition=iid|dirichlet|shards|pathological|inner_dirichlet|size "
                         f"to split it into clients")
@@ -113,7 +113,7 @@ def load_partitioned_images(config) -> FederatedDataset:
     ``--data_path`` on first use; no download at run time), split into train and test clients
     by ``--partition``; pixels are uint8, seen by the model as pixel / 255."""
     from deltafl_jax.datasets import load_centralised   # local import: the registry imports us
-    if config.partition == "none":
+    if config.partitioner.method == "none":
         raise DataError(f"--dataset={config.dataset} has no clients of its own: give "
                         f"--partition=iid|dirichlet|shards|pathological|inner_dirichlet|size")
     c = load_centralised(config.dataset, config.data_path, config.resolved_data_dir)

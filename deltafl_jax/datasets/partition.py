@@ -451,13 +451,14 @@ def _labels(labels) -> Optional[np.ndarray]:
 
 
 def spec_of(config) -> PartitionSpec:
-    """The :class:`PartitionSpec` of a :class:`deltafl_jax.DataConfig` with ``partition`` set."""
-    seed = config.data_seed if config.partition_seed is None else config.partition_seed
+    """The :class:`PartitionSpec` of a :class:`deltafl_jax.DataConfig` whose partitioner's
+    method is set (``--partition``)."""
+    p = config.partitioner
     return PartitionSpec(
-        method=config.partition, num_clients=config.num_clients, alpha=config.dirichlet_alpha,
-        min_partition_size=config.min_partition_size, self_balancing=config.self_balancing,
-        shards_per_client=config.shards_per_client,
-        classes_per_client=config.classes_per_client, size_law=config.size_law, seed=seed)
+        method=p.method, num_clients=p.num_clients, alpha=p.dirichlet_alpha,
+        min_partition_size=p.min_partition_size, self_balancing=p.self_balancing,
+        shards_per_client=p.shards_per_client, classes_per_client=p.classes_per_client,
+        size_law=p.size_law, seed=config.data_seed if p.seed is None else p.seed)
 
 
 def split_data(x: np.ndarray, y: Optional[np.ndarray], parts: Sequence[np.ndarray]):

@@ -29,10 +29,10 @@ from deltafl_jax.errors import DamagedDataset  # noqa: F401  (raised here; prepa
 
 
 def min_client_examples(config, default: int) -> int:
-    """The dataset's minimum client size: ``config.min_client_examples``, else its default."""
-    if config.min_client_examples is None:
-        return default
-    return int(config.min_client_examples)
+    """The dataset's minimum client size: ``config.limits.min_client_examples``, else its
+    default."""
+    k = config.limits.min_client_examples
+    return default if k is None else int(k)
 
 
 def config_name(min_client_examples: int) -> str:

@@ -293,9 +293,10 @@ def download(data_dir: str) -> str:
 
 def _limits(config) -> Optional[Dict[str, Optional[int]]]:
     """The limits a preparation can apply early, or None when there are none."""
-    limits = {"max_train_clients": config.max_train_clients,
-              "max_test_clients": config.max_test_clients,
-              "max_examples_per_client": config.max_examples_per_client}
+    kept = config.limits
+    limits = {"max_train_clients": kept.max_train_clients,
+              "max_test_clients": kept.max_test_clients,
+              "max_examples_per_client": kept.max_examples_per_client}
     for name, value in limits.items():
         if value is not None and value < 1:
             raise DataError(f"--{name} must be at least 1, got {value}")

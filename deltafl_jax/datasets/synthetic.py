@@ -125,19 +125,19 @@ def synthetic_on_demand(alpha: float, beta: float, num_clients: int, seed: int,
 
 def on_demand(config) -> bool:
     """Whether `config` generates Synthetic's clients on demand (module docstring)."""
-    flag = getattr(config, "synthetic_on_demand", None)
-    return config.synthetic_num_clients > ON_DEMAND_CLIENTS if flag is None else bool(flag)
+    flag = config.synthetic.on_demand
+    return config.synthetic.num_clients > ON_DEMAND_CLIENTS if flag is None else bool(flag)
 
 
 def load_synthetic(config) -> FederatedDataset:
     make = synthetic_on_demand if on_demand(config) else synthetic_clients
-    clients = make(config.synthetic_alpha, config.synthetic_beta, config.synthetic_num_clients,
-                   config.data_seed, config.synthetic_max_examples, config.synthetic_shared)
+    gen = config.synthetic
+    clients = make(gen.alpha, gen.beta, gen.num_clients, config.data_seed, gen.max_examples,
+                   gen.shared)
     train, test = split_clients(clients, seed=config.data_seed)
     return FederatedDataset(
         name="synthetic", train=train, test=test, num_classes=SYNTHETIC_CLASSES,
-        metadata={"alpha": config.synthetic_alpha, "beta": config.synthetic_beta,
-                  "shared": config.synthetic_shared})
+        metadata={"alpha": gen.alpha, "beta": gen.beta, "shared": gen.shared})
 
 
 def gaussian_clients(means, n: int, rng) -> ClientData:
@@ -147,10 +147,10 @@ def gaussian_clients(means, n: int, rng) -> ClientData:
 
 
 def load_gaussian_toy(config) -> FederatedDataset:
-    means = np.asarray(config.toy_means, dtype=np.float64)
+    means = np.asarray(config.toy.means, dtype=np.float64)
     if means.ndim != 2 or means.shape[1] != 2 or means.shape[0] < 2:
-        raise DataError(f"--toy_means must list at least two 2-D points, got {config.toy_means}")
-    n = int(config.toy_examples_per_client)
+        raise DataError(f"--toy_means must list at least two 2-D points, got {config.toy.means}")
+    n = int(config.toy.examples_per_client)
     if n < 1:
         raise DataError(f"--toy_examples_per_client must be positive, got {n}")
     rng = np.random.default_rng(config.data_seed)
