@@ -230,7 +230,7 @@ def fields_of(cls: type) -> Iterator[dataclasses.Field]:
 
 def from_flags(cls: type, value: Callable[[str], Any], **fixed) -> Any:
     """The group `cls` from the flags (``value(flag)``: the flag's parsed value), each parsed
-    by its Flag; `fixed`: fields given instead."""
+    by its Flag, its groups built likewise; `fixed`: fields given instead."""
     kw = {}
     for f in fields_of(cls):
         if f.name in fixed:
@@ -238,6 +238,7 @@ def from_flags(cls: type, value: Callable[[str], Any], **fixed) -> Any:
         flag = flag_of(f)
         raw = value(flag.name)
         kw[f.name] = flag.parse(flag.name, raw) if flag.parse is not None else raw
+    kw.update({name: from_flags(sub, value) for name, sub in groups(cls) if name not in fixed})
     return cls(**kw, **fixed)
 
 
@@ -249,12 +250,14 @@ def _restore(flag: Flag, value):
 
 def from_flat(cls: type, values: Mapping[str, Any], **fixed) -> Any:
     """The group `cls` from stored settings (flag -> value, e.g. summary.json's ``config``);
-    a flag missing there (a run written before the setting existed) takes its default."""
+    a flag missing there (a run written before the setting existed) takes its default; its
+    groups are read likewise."""
     kw = {}
     for f in fields_of(cls):
         flag = flag_of(f)
         if f.name not in fixed and flag.name in values and values[flag.name] is not None:
             kw[f.name] = _restore(flag, values[flag.name])
+    kw.update({name: from_flat(sub, values) for name, sub in groups(cls) if name not in fixed})
     return cls(**kw, **fixed)
 
 

@@ -262,3 +262,34 @@ def test_stored_options_are_read_back_from_either_place_a_run_kept_them():
     assert spec.stored_options(None) == DeltaFLOptions()
     assert registry.get("propfair").stored_options(
         {"options": {"propfair_epsilon": 0.5}}).propfair_epsilon == 0.5
+
+
+def test_a_nested_group_is_declared_built_and_restored_through_its_parent():
+    """A group of groups (DataConfig's subgroups, say): its flags are declared in place, and
+    it is built from the flags and read back from a stored run as one."""
+    @dataclasses.dataclass(frozen=True)
+    class Inner:
+        eps: float = declared.setting(0.2, "the margin", bounds=declared.Bounds(0.0))
+
+    @dataclasses.dataclass(frozen=True)
+    class Outer:
+        mode: str = declared.setting("a", "the mode", choices=("a", "b"))
+        inner: Inner = declared.group(Inner)
+
+    assert [f.name for f in declared.declarations(Outer)] == ["mode", "eps"]
+    assert declared.flat_paths(Outer) == {"mode": ("mode",), "eps": ("inner", "eps")}
+    given = {"mode": "b", "eps": 0.5}
+    assert declared.from_flags(Outer, given.__getitem__) == Outer("b", Inner(0.5))
+    assert declared.from_flat(Outer, {"eps": 0.7}) == Outer("a", Inner(0.7))
+    assert declared.flat_values(Outer("b", Inner(0.5))) == given
+
+
+def test_algorithms_read_their_options_typed_never_from_the_stored_mapping():
+    """config.options (flag -> value) is the storage format; an algorithm reads its options
+    through its spec's typed group (the factory's `options`, ``spec.options_for(config)``)."""
+    import re
+    folder = os.path.join(REPO, "deltafl_jax", "algorithms")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            source = open(os.path.join(folder, name)).read()
+            assert not re.search(r"config\.options\s*(\.get\(|\[)", source), name
