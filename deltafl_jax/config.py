@@ -20,8 +20,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 from deltafl_jax.algorithms import registry
 from deltafl_jax.client_optimizer import ClientOptimizer
 from deltafl_jax.datasets import DataConfig
-from deltafl_jax.declared import (check_finite, default_of, flag_of, flat_values, group, ints,
-                                  one_or_floats, setting)
+from deltafl_jax.declared import (check_choice, check_finite, default_of, flag_of, flat_values,
+                                  group, ints, one_or_floats, setting)
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.metrics import DEFAULT_TARGET_ACCURACY
 from deltafl_jax.models import LINEAR_MODELS
@@ -423,7 +423,7 @@ def _check_options(c: ExperimentConfig):
         raise ConfigError(f"unknown option(s) {', '.join(unknown)}; the algorithms' options are "
                           f"{', '.join(known)}")
     for flag, value in c.options.items():
-        known[flag].check(flag, value)
+        check_choice(known[flag], value)
 
 
 def _check_timing(c: ExperimentConfig, spec) -> None:

@@ -4,10 +4,13 @@ A group of settings (:class:`deltafl_jax.DataConfig`, :class:`deltafl_jax.Server
 the groups of :class:`deltafl_jax.ExperimentConfig`, ...) is a frozen dataclass whose fields are
 made by :func:`setting`: the field's default is the setting's, and its metadata holds a
 :class:`Flag` (the flag's name, help, kind, choices, and how the flag's value becomes the
-field's). ``experiments/cli.py`` declares one flag per such field and builds the groups from the
-flags with :func:`from_flags`; reports and resumes read the settings back by flag name
-(:func:`flat_values`, :func:`from_flat`). So a setting's flag, default and help are written once,
-on its field, as an algorithm's options are (:func:`deltafl_jax.algorithms.spec.declared_options`).
+field's, its choices and its range). An algorithm's options are such a group too
+(:mod:`deltafl_jax.algorithms.options`), and a swept flag declares a :class:`Flag` of its own.
+``experiments/cli.py`` declares every flag in one loop over the :func:`declarations` of the
+groups, refusing two different declarations of one flag (:func:`unique`), and builds the groups
+from the flags with :func:`from_flags`; reports and resumes read the settings back by flag name
+(:func:`flat_values`, :func:`from_flat`). So a setting's flag, default, range and help are
+written once, on its field.
 
 A group may hold groups of its own (:func:`group`: DataConfig's ``limits``, ``synthetic``,
 ``toy`` and ``partitioner``): :func:`fields_of`, :func:`from_flags`, :func:`from_flat` and
@@ -19,12 +22,36 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple
 
 from deltafl_jax.errors import ConfigError, UsageError
 
 FLAG = "deltafl_jax.flag"   # the metadata key of a setting's Flag
 _SAME = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The range of a number setting: ``low <= value <= high``, an end excluded where it is
+    open (:func:`finite_in`); `integer`: the value must be an int (never a bool)."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    integer: bool = False
+
+    def check(self, flag: str, value: Any) -> None:
+        """ConfigError naming --flag and the range in one line unless the value is in it."""
+        if not self.integer:
+            check_finite(flag, value, self.low, self.high, low_open=self.low_open,
+                         high_open=self.high_open)
+        elif not isinstance(value, int) or not finite_in(
+                value, self.low, self.high, low_open=self.low_open, high_open=self.high_open):
+            bounds = range_text(self.low, self.high, low_open=self.low_open,
+                                high_open=self.high_open)
+            raise ConfigError(f"--{flag} must be an integer{' ' if bounds else ''}{bounds}, "
+                              f"got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +64,12 @@ class Flag:
     holds when it is not given, where it is not the field's default written as the flag
     reads it (a tuple of numbers as its '%g' strings). parse: the flag's value -> the field's
     (a list of numbers, ``--dp_clip``'s number or 'adaptive'); None: as it is; ``from_flat``
-    reads a stored value with ``restore`` (None: lists become tuples).
+    reads a stored value with ``restore`` (None: lists become tuples). bounds: a number's
+    range (:class:`Bounds`), checked with the choices by :func:`check_value`.
+
+    Two Flags of one name are one declaration when they are equal as :func:`resolved` makes
+    them (name, kind, the flag's default, help, choices, ...): several groups may then hold it
+    (the specs that read ``--weighting``); :func:`unique` refuses two that differ.
     """
 
     name: str = ""
@@ -47,15 +79,17 @@ class Flag:
     flag_default: Any = _SAME
     parse: Optional[Callable[[str, Any], Any]] = None
     restore: Optional[Callable[[Any], Any]] = None
+    bounds: Optional[Bounds] = None
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str = "",
             kind: str = "", choices: Sequence[str] = (), flag_default: Any = _SAME,
             parse: Optional[Callable[[str, Any], Any]] = None,
-            restore: Optional[Callable[[Any], Any]] = None) -> Any:
+            restore: Optional[Callable[[Any], Any]] = None,
+            bounds: Optional[Bounds] = None) -> Any:
     """A dataclass field with this default that carries its :class:`Flag`."""
     meta = {FLAG: Flag(name=flag, help=help, kind=kind, choices=tuple(choices),
-                       flag_default=flag_default, parse=parse, restore=restore)}
+                       flag_default=flag_default, parse=parse, restore=restore, bounds=bounds)}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -86,15 +120,73 @@ def declared(cls: type) -> Tuple[Tuple[str, Flag], ...]:
                  for flag in [flag_of(f)] if flag is not None)
 
 
+def _paths(cls: type) -> Iterator[Tuple[Tuple[str, ...], dataclasses.Field]]:
+    """(path of field names, field) of every setting of `cls`, its groups' included."""
+    for f in dataclasses.fields(cls):
+        meta = f.metadata.get(FLAG)
+        if isinstance(meta, Flag):
+            yield (f.name,), f
+        elif isinstance(meta, type):
+            yield from (((f.name,) + path, sub) for path, sub in _paths(meta))
+
+
 def flat_paths(cls: type) -> Dict[str, Tuple[str, ...]]:
-    """flag -> the path of field names that holds it, through the groups of `cls`."""
-    out = {flag.name: (name,) for name, flag in declared(cls)}
-    for name, sub in groups(cls):
-        for flag, path in flat_paths(sub).items():
-            if flag in out:
-                raise TypeError(f"{cls.__name__}: two settings declare --{flag}")
-            out[flag] = (name,) + path
-    return out
+    """flag -> the path of field names that holds it, through the groups of `cls`; TypeError
+    when two of its settings declare one flag (:func:`unique`)."""
+    found = tuple(_paths(cls))
+    unique(((f"{cls.__name__}.{'.'.join(path)}", resolved(f)) for path, f in found),
+           shared=False)
+    return {flag_of(f).name: path for path, f in found}
+
+
+def resolved(field: dataclasses.Field) -> Flag:
+    """The field's Flag as the command line declares it: its name, kind and the flag's
+    default filled in."""
+    return dataclasses.replace(flag_of(field), kind=kind_of(field),
+                               flag_default=flag_default(field))
+
+
+def declarations(cls: type) -> Tuple[Flag, ...]:
+    """The :func:`resolved` Flag of every setting of the group `cls`, its groups' included
+    (nested groups in place), in field order: what ``experiments/cli.py`` declares."""
+    return tuple(resolved(f) for _, f in _paths(cls))
+
+
+def unique(found: Iterable[Tuple[str, Flag]], *,
+           shared: bool = True) -> Tuple[Tuple[str, Flag], ...]:
+    """The one check of flag declarations: each flag once, as (what declared it first, its
+    Flag), in order. `found`: (what declares it, e.g. "DeltaFLOptions", its resolved Flag).
+    TypeError naming both when two declarations of one flag differ; with ``shared=False``
+    (the settings of one configuration, each held by one field) when one flag is declared
+    twice at all."""
+    seen: Dict[str, Tuple[str, Flag]] = {}
+    for where, flag in found:
+        if flag.name not in seen:
+            seen[flag.name] = (where, flag)
+            continue
+        first_where, first = seen[flag.name]
+        if first != flag:
+            differ = ", ".join(f"{k.name} {getattr(first, k.name)!r} against "
+                               f"{getattr(flag, k.name)!r}" for k in dataclasses.fields(Flag)
+                               if getattr(first, k.name) != getattr(flag, k.name))
+            raise TypeError(f"--{flag.name} is declared differently by {first_where} and by "
+                            f"{where} ({differ}); declare it once and share that declaration")
+        if not shared:
+            raise TypeError(f"--{flag.name} is declared twice, by {first_where} and by {where}")
+    return tuple(seen.values())
+
+
+def check_group(cls: type) -> Tuple[Flag, ...]:
+    """The :func:`declarations` of a flat group of settings (an algorithm's options);
+    TypeError unless `cls` is a frozen dataclass whose every field is a :func:`setting`."""
+    params = getattr(cls, "__dataclass_params__", None)
+    if params is None or not params.frozen:
+        raise TypeError(f"settings group {cls!r} must be a frozen dataclass")
+    for f in dataclasses.fields(cls):
+        if not isinstance(f.metadata.get(FLAG), Flag):
+            raise TypeError(f"{cls.__name__}.{f.name} must be made by declared.setting() "
+                            "(or a shared Option's field())")
+    return declarations(cls)
 
 
 def default_of(field: dataclasses.Field) -> Any:
@@ -139,12 +231,7 @@ def kind_of(field: dataclasses.Field) -> str:
 def fields_of(cls: type) -> Iterator[dataclasses.Field]:
     """The fields of `cls` that declare a flag, in order, the fields of each of its groups
     (:func:`group`) in the group's place."""
-    for f in dataclasses.fields(cls):
-        sub = f.metadata.get(FLAG)
-        if isinstance(sub, type):
-            yield from fields_of(sub)
-        elif sub is not None:
-            yield f
+    return (f for _, f in _paths(cls))
 
 
 def from_flags(cls: type, value: Callable[[str], Any], **fixed) -> Any:
@@ -183,6 +270,27 @@ def from_flat(cls: type, values: Mapping[str, Any], **fixed) -> Any:
         elif flag.name in values and values[flag.name] is not None:
             kw[f.name] = _restore(flag, values[flag.name])
     return cls(**kw, **fixed)
+
+
+def check_choice(flag: Flag, value: Any) -> None:
+    """ConfigError naming the flag when it has choices and the value is not one of them."""
+    if flag.choices and value not in flag.choices:
+        raise ConfigError(f"unknown --{flag.name}={value!r}; choose one of "
+                          f"{', '.join(flag.choices)}")
+
+
+def check_value(flag: Flag, value: Any) -> None:
+    """ConfigError naming the flag unless the value is one of its choices and in its
+    :class:`Bounds` (where it declares them)."""
+    check_choice(flag, value)
+    if flag.bounds is not None:
+        flag.bounds.check(flag.name, value)
+
+
+def check_settings(obj) -> None:
+    """:func:`check_value` of every setting of the flat group `obj`, in field order."""
+    for f in fields_of(type(obj)):
+        check_value(flag_of(f), getattr(obj, f.name))
 
 
 def flat_values(obj) -> Dict[str, Any]:

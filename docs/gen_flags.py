@@ -6,11 +6,12 @@ r"""The flag reference (docs/reference/flags.md), generated from the code.
 
 Each command of COMMANDS is imported in a fresh interpreter (absl's flags are process-global,
 and two commands may declare a flag of the same name), with absl's ``DEFINE_*`` functions
-wrapped so that every flag records what declared it: the module and the function (absl itself
-knows only the module). A flag's default, help and choices are absl's. The page groups the flags
-by what declares them: a command's own flags; the experiment flags of ``experiments.cli``, one
-group per declaring function, titled by that function's docstring; and the algorithms' swept
-flags and options, one group per algorithm spec of the registry that declares them.
+wrapped so that the order in which the flags are declared is recorded. A flag's default, help
+and choices are absl's. The page groups the flags by what declares them: a command's own flags;
+the experiment flags of ``experiments.cli``, one group per section of its one declaring loop
+(``experiments.cli.SECTION``: the group of settings that declares the flag); and the
+algorithms' swept flags and options, one group per algorithm spec of the registry that
+declares them.
 ``tests/test_docs.py`` checks that the committed page is this output.
 """
 
@@ -32,54 +33,20 @@ COMMANDS = ("experiments.run", "experiments.tune", "experiments.leaderboard",
             "experiments.report", "experiments.readme_tables", "data_prep.prepare",
             "data_prep.stats", "data_prep.verify")
 
-# The group of experiments.cli's flags that a declaring function stands for, when its docstring
-# does not say it in a few words.
-TITLES = {
-    "define_data_flags": "Data",
-    "define_experiment_flags": "The run: the algorithms and the model module",
-    "_define_sweep_flags": "Swept hyper-parameters",
-    "_define_option_flags": "Algorithm options",
-    "_define_training_flags": "Training: model, seeds, rounds, local steps "
-                              "(deltafl_jax.config.Training)",
-    "_define_server_flags": "The server optimizer (deltafl_jax.server_optimizer)",
-    "_define_client_flags": "The client optimizer (deltafl_jax.client_optimizer)",
-    "_define_privacy_flags": "Client-level differential privacy and client sampling "
-                             "(deltafl_jax.privacy)",
-    "_define_placement_flags": "Placement: devices, lanes, chunks (deltafl_jax.config.Placement)",
-}
-
-
 # --------------------------------------------------------------------------------------------
 # In the fresh interpreter: import one command, record its flags.
-
-
-def _declarer(frame) -> Dict[str, str]:
-    """The module and function that declared a flag: the first frame, from the DEFINE call
-    outwards, that is neither absl's nor a `_define` helper."""
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        name = frame.f_code.co_name
-        if not module.startswith("absl") and name not in ("_define", "_record",
-                                                          "_define_settings"):
-            func = frame.f_globals.get(name) if name != "<module>" else None
-            doc = (getattr(func, "__doc__", None) or "").strip()
-            return {"module": module, "function": name, "doc": doc}
-        frame = frame.f_back
-    return {"module": "?", "function": "?", "doc": ""}
 
 
 def _collect(module: str) -> Dict[str, Any]:
     """Every flag that importing `module` declares, with its declarer, in declaration order."""
     from absl import flags
 
-    declared: Dict[str, Dict[str, str]] = {}
     order: List[str] = []
 
     def wrap(define):
         def _record(*args, **kwargs):
             name = kwargs.get("name", args[0] if args else None)
-            if name not in declared:
-                declared[name] = _declarer(sys._getframe(1))
+            if name not in order:
                 order.append(name)
             return define(*args, **kwargs)
         return _record
@@ -89,6 +56,8 @@ def _collect(module: str) -> Dict[str, Any]:
         if attr.startswith("DEFINE"):
             setattr(flags, attr, wrap(getattr(flags, attr)))
     __import__(module)
+    cli = sys.modules.get("experiments.cli")
+    sections = dict(getattr(cli, "SECTION", {}))
     out = []
     for name in order:
         if name not in flags.FLAGS:
@@ -103,13 +72,13 @@ def _collect(module: str) -> Dict[str, Any]:
         choices = list(getattr(flag.parser, "enum_values", None) or [])
         out.append({"name": name, "default": default, "help": flag.help or "",
                     "type": flag.flag_type(), "choices": choices,
-                    "boolean": bool(flag.boolean), **declared[name], "module": defined_in})
+                    "boolean": bool(flag.boolean), "module": defined_in,
+                    "section": sections.get(name, "") if defined_in == "experiments.cli" else ""})
     algorithms = []
     if "deltafl_jax.algorithms.registry" in sys.modules:
-        import dataclasses
         from deltafl_jax.algorithms import registry
         for spec in registry.SPECS.values():
-            fields = [f.name for f in dataclasses.fields(spec.options_type)]
+            fields = list(spec.option_flags())
             algorithms.append({"name": spec.name, "display": spec.display_name,
                                "sweeps": [s.flag for s in spec.sweeps()], "options": fields})
     return {"module": module, "flags": out, "algorithms": algorithms}
@@ -161,15 +130,6 @@ def _table(flags: List[Dict[str, Any]], also=None) -> List[str]:
             row += " " + (", ".join(f"`{a}`" for a in also[f["name"]]) or "—") + " |"
         rows.append(row)
     return rows + [""]
-
-
-def _title(flag) -> str:
-    if flag["function"] in TITLES:
-        return TITLES[flag["function"]]
-    doc = re.sub(r":\w+:`([^`]*)`", r"\1", flag["doc"]).split("\n\n")[0]
-    doc = re.sub(r"\s+", " ", doc).strip().rstrip(".")
-    doc = re.sub(r"\s*\(idempotent\)", "", doc)
-    return doc or flag["function"]
 
 
 def _own(command: Dict[str, Any], shared: set) -> List[Dict[str, Any]]:
@@ -233,22 +193,20 @@ def render(commands: Dict[str, Dict[str, Any]]) -> str:
     lines += ["## The experiment flags (experiments.cli)", "",
               "`experiments.run`, `experiments.tune` and `experiments.leaderboard` take all of "
               "them; the data_prep commands the [data flags](#data).", ""]
-    groups: Dict[str, List[Dict[str, Any]]] = {}
-    for f in cli:
-        groups.setdefault(_title(f), []).append(f)
-    algorithm_groups = {TITLES["_define_sweep_flags"], TITLES["_define_option_flags"]}
-    for title, flags in groups.items():
-        if title in algorithm_groups:
-            continue
-        lines += [f"### {title}", ""] + _table(flags)
-
-    # The algorithms' flags: one group per spec that declares them (a flag several specs read
-    # is listed under the first, with the others named).
-    by_name = {f["name"]: f for f in cli if _title(f) in algorithm_groups}
     readers: Dict[str, List[str]] = {}
     for spec in run["algorithms"]:
         for flag in spec["sweeps"] + spec["options"]:
             readers.setdefault(flag, []).append(spec["name"])
+    groups: Dict[str, List[Dict[str, Any]]] = {}
+    for f in cli:
+        if f["name"] not in readers:
+            groups.setdefault(f["section"], []).append(f)
+    for title, flags in groups.items():
+        lines += [f"### {title}", ""] + _table(flags)
+
+    # The algorithms' flags: one group per spec that declares them (a flag several specs read
+    # is listed under the first, with the others named).
+    by_name = {f["name"]: f for f in cli if f["name"] in readers}
     lines += ["## The algorithms' flags", "",
               "Declared by the algorithms' specs (`deltafl_jax/algorithms/`), one group per "
               "algorithm: its swept hyper-parameters (several values train as replicas of one "
@@ -263,9 +221,6 @@ def render(commands: Dict[str, Dict[str, Any]]) -> str:
         lines += [f"### --algorithm={spec['name']} ({spec['display']})", ""]
         also = {f["name"]: [r for r in readers[f["name"]] if r != spec["name"]] for f in mine}
         lines += _table(mine, also)
-    left = [f for n, f in by_name.items() if n not in listed]
-    if left:
-        lines += ["### Declared by no registered algorithm", ""] + _table(left)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -6,14 +6,16 @@ backend starts (:mod:`experiments.backend`) and flags -> frozen configs
 
 Library code never reads flags: each command calls :func:`define_data_flags` /
 :func:`define_experiment_flags`, parses with :func:`parse_flags_or_fail`, and turns the flags
-into a :class:`deltafl_jax.ExperimentConfig` with :func:`config_from_flags`. The flags of an
-algorithm's swept hyper-parameters and of its options come from its spec
-(:mod:`deltafl_jax.algorithms.registry`).
+into a :class:`deltafl_jax.ExperimentConfig` with :func:`config_from_flags`. Every flag is
+declared once, on a field or a sweep (:mod:`deltafl_jax.declared`), and defined here by one
+loop (:func:`_define_flags`) over the groups that declare them: :class:`deltafl_jax.DataConfig`,
+the run's (:mod:`experiments.settings`), the algorithms' options and sweeps (their specs,
+:mod:`deltafl_jax.algorithms.registry`), the groups of ExperimentConfig and the process's.
 """
 
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List, Sequence, Tuple
 
 from absl import flags
 
@@ -33,172 +35,94 @@ __all__ = ["COMMAND_LINE", "DEFINED", "FLAGFILE_HELP", "FLAGS", "HELP_FLAGS", "U
 
 
 DEFINED: List[str] = []   # the flags this module declared, in order
-
-
-def _define(kind, name, default, help, **kw):
-    if name not in FLAGS:
-        kind(name=name, default=default, help=help, **kw)
-        DEFINED.append(name)
-
+SECTION: Dict[str, str] = {}   # flag -> the title of what declares it (the flag reference's)
 
 _KINDS = {"string": flags.DEFINE_string, "integer": flags.DEFINE_integer,
           "float": flags.DEFINE_float, "bool": flags.DEFINE_bool, "list": flags.DEFINE_list,
           "enum": flags.DEFINE_enum}
 
+# The sections of the flags of ExperimentConfig's groups (and of the process's), in the order
+# they are declared, with their titles in the flag reference; a group of ExperimentConfig not
+# named here comes after them, titled by the first line of its docstring.
+GROUP_TITLES = {
+    "training": "Training: model, seeds, rounds, local steps (deltafl_jax.config.Training)",
+    "server": "The server optimizer (deltafl_jax.server_optimizer)",
+    "client": "The client optimizer (deltafl_jax.client_optimizer)",
+    "sampling": "Client sampling (deltafl_jax.sampling; docs/guides/sampling.md)",
+    "online": "Client availability (deltafl_jax.sampling.availability; "
+              "docs/guides/availability.md)",
+    "timing": "Device speeds and the virtual clock (deltafl_jax.sampling.speeds, clock; "
+              "docs/guides/device-speeds.md)",
+    "asynchronous": "Buffered asynchronous aggregation (deltafl_jax.sampling.asynchronous; "
+                    "docs/guides/asynchronous.md)",
+    "privacy": "Client-level differential privacy and client sampling (deltafl_jax.privacy)",
+    "placement": "Placement: devices, lanes, chunks (deltafl_jax.config.Placement)",
+    "process": "Where the process runs: joining several processes, determinism",
+    "evaluation": "Evaluation (deltafl_jax.config.Evaluation)",
+    "personal": "Personalised evaluation (deltafl_jax.config.Personalisation)",
+    "output": "Outputs and checkpoints (deltafl_jax.config.Output)",
+}
+OPTIONS_TITLE, SWEEPS_TITLE = "Algorithm options", "Swept hyper-parameters"
 
-def _define_settings(cls) -> None:
-    """One flag per setting of the group `cls` (:mod:`deltafl_jax.declared`): its name,
-    default, help and choices are the field's, written once there."""
-    for f in declared.fields_of(cls):
-        flag, kind = declared.flag_of(f), declared.kind_of(f)
-        extra = {"enum_values": list(flag.choices)} if kind == "enum" else {}
-        _define(_KINDS[kind], flag.name, declared.flag_default(f), flag.help, **extra)
+Section = Tuple[str, Sequence[Tuple[str, declared.Flag]]]   # (title, ((declarer, Flag), ...))
+
+
+def _define_flags(sections: Sequence[Section]) -> None:
+    """The one loop that declares flags: each Flag of `sections` once (a flag that several
+    declare alike, e.g. an option several specs read, once), as absl's flag of its kind, with
+    its default, help and choices; a flag defined already is left as it is (idempotent).
+    TypeError when two declarations of one flag differ (:func:`deltafl_jax.declared.unique`)."""
+    found = [(title, where, flag) for title, pairs in sections for where, flag in pairs]
+    titles: Dict[str, str] = {}
+    for title, _, flag in found:
+        titles.setdefault(flag.name, title)
+    for _, flag in declared.unique((where, flag) for _, where, flag in found):
+        if flag.name in FLAGS:
+            continue
+        extra = {"enum_values": list(flag.choices)} if flag.kind == "enum" else {}
+        _KINDS[flag.kind](name=flag.name, default=flag.flag_default, help=flag.help, **extra)
+        DEFINED.append(flag.name)
+        SECTION[flag.name] = titles[flag.name]
+
+
+def _group(title: str, cls: type) -> Section:
+    """The section of a group of settings: the Flag of each of its fields (its groups'
+    included)."""
+    return title, tuple((cls.__name__, flag) for flag in declared.declarations(cls))
+
+
+def _data_section() -> Section:
+    from deltafl_jax import DataConfig
+    return _group("Data", DataConfig)
+
+
+def _title(cls: type) -> str:
+    return (cls.__doc__ or cls.__name__).strip().split("\n")[0].rstrip(".")
+
+
+def _sections() -> List[Section]:
+    """Every flag of the experiment commands, by section: the data, the run, the algorithms'
+    options and sweeps (from their specs), then ExperimentConfig's groups and the process's."""
+    from deltafl_jax import ExperimentConfig
+    from deltafl_jax.algorithms import registry
+    from experiments.settings import Command, Process
+    groups = {**dict(declared.groups(ExperimentConfig)), "process": Process}
+    ordered = [(GROUP_TITLES[name], groups.pop(name)) for name in GROUP_TITLES]
+    ordered += [(_title(cls), cls) for cls in groups.values()]
+    return [_data_section(), _group("The run: the algorithms and the model module", Command),
+            (OPTIONS_TITLE, tuple(("the algorithms' options", flag)
+                                  for _, flag in registry.options())),
+            (SWEEPS_TITLE, tuple(("the algorithms' sweeps", sweep.declaration())
+                                 for sweep in registry.sweeps()))] + \
+        [_group(title, cls) for title, cls in ordered]
 
 
 def define_data_flags() -> None:
     """The flags of :class:`deltafl_jax.DataConfig` (idempotent)."""
-    from deltafl_jax import DataConfig
-    _define_settings(DataConfig)
-
-
-def _define_sweep_flags() -> None:
-    from deltafl_jax.algorithms import registry
-    for sweep in registry.sweeps():
-        grid = ",".join(f"{v:g}" for v in sweep.default)
-        _define(flags.DEFINE_list, sweep.flag, [],
-                f"{sweep.help}; empty: the algorithm's grid" + (f" {grid}" if grid else ""))
-
-
-_OPTION_FLAG_KINDS = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer,
-                      float: flags.DEFINE_float, str: flags.DEFINE_string}
-
-
-def _define_option_flags() -> None:
-    """The algorithms' options, one flag each (an enum when it has choices), from the specs."""
-    from deltafl_jax.algorithms import registry
-    for name, option in registry.options():
-        if option.choices:
-            _define(flags.DEFINE_enum, name, option.default, option.help,
-                    enum_values=list(option.choices))
-        else:
-            _define(_OPTION_FLAG_KINDS[type(option.default)], name, option.default, option.help)
-
-
-def _define_client_flags() -> None:
-    """The client optimizer (deltafl_jax.client_optimizer)."""
-    from deltafl_jax.client_optimizer import ClientOptimizer
-    _define_settings(ClientOptimizer)
-
-
-def _define_sampling_flags() -> None:
-    """Client sampling (deltafl_jax.sampling; docs/guides/sampling.md)."""
-    from deltafl_jax.sampling import Sampling
-    _define_settings(Sampling)
-
-
-def _define_availability_flags() -> None:
-    """Client availability (deltafl_jax.sampling.availability; docs/guides/availability.md)."""
-    from deltafl_jax.sampling.availability import AvailabilitySettings
-    _define_settings(AvailabilitySettings)
-
-
-def _define_timing_flags() -> None:
-    """Device speeds and the virtual clock (deltafl_jax.sampling.speeds, clock;
-    docs/guides/device-speeds.md)."""
-    from deltafl_jax.sampling.speeds import TimingSettings
-    _define_settings(TimingSettings)
-
-
-def _define_async_flags() -> None:
-    """Buffered asynchronous aggregation (deltafl_jax.sampling.asynchronous;
-    docs/guides/asynchronous.md)."""
-    from deltafl_jax.sampling.asynchronous import AsyncSettings
-    _define_settings(AsyncSettings)
-
-
-def _define_privacy_flags() -> None:
-    """Client-level differential privacy (deltafl_jax.privacy; docs/guides/privacy.md)."""
-    from deltafl_jax.privacy import Privacy
-    _define_settings(Privacy)
-
-
-def _define_server_flags() -> None:
-    """The server optimizer (deltafl_jax.server_optimizer; Reddi et al. 2021, Algorithm 2)."""
-    from deltafl_jax.server_optimizer import ServerOptimizer
-    _define_settings(ServerOptimizer)
-
-
-def _define_training_flags() -> None:
-    """The model, the seeds, the rounds and the clients' local steps
-    (deltafl_jax.config.Training)."""
-    from deltafl_jax.config import Training
-    _define_settings(Training)
-
-
-def _define_placement_flags() -> None:
-    """Placement: devices, client lanes, evaluation chunks, loop body, convolutions
-    (deltafl_jax.config.Placement)."""
-    from deltafl_jax.config import Placement
-    _define_settings(Placement)
-
-
-def _define_evaluation_flags() -> None:
-    """Evaluation (deltafl_jax.config.Evaluation)."""
-    from deltafl_jax.config import Evaluation
-    _define_settings(Evaluation)
-
-
-def _define_personal_flags() -> None:
-    """Personalised evaluation (deltafl_jax.config.Personalisation)."""
-    from deltafl_jax.config import Personalisation
-    _define_settings(Personalisation)
-
-
-def _define_output_flags() -> None:
-    """Outputs and checkpoints (deltafl_jax.config.Output)."""
-    from deltafl_jax.config import Output
-    _define_settings(Output)
-
-
-def _define_device_flags() -> None:
-    """Where the process runs: joining several processes, determinism."""
-    _define(flags.DEFINE_bool, "distributed", False, "join a run of several processes with "
-            "jax.distributed (TPU pods and Slurm are detected; else give the three flags below)")
-    _define(flags.DEFINE_string, "coordinator_address", None, "with --distributed: host:port of "
-            "process 0")
-    _define(flags.DEFINE_integer, "num_processes", None, "with --distributed: processes in all")
-    _define(flags.DEFINE_integer, "process_id", None, "with --distributed: this process, "
-            "0..num_processes-1 (0 writes the outputs)")
-    _define(flags.DEFINE_integer, "distributed_timeout_s", 120, "with --distributed: give up "
-            "joining after this many seconds")
-    _define(flags.DEFINE_bool, "deterministic", False, "bit-reproducible runs on GPU (XLA's "
-            "deterministic scatter-adds; slower); no effect on CPU, which is deterministic")
+    _define_flags([_data_section()])
 
 
 def define_experiment_flags() -> None:
-    """Every flag of :class:`deltafl_jax.ExperimentConfig` (idempotent)."""
-    from deltafl_jax.algorithms import registry
-    define_data_flags()
-    _define(flags.DEFINE_string, "model_module", None, "a Python module (a dotted name, or a "
-            "path to a .py file) imported before the run, whose deltafl_jax.register_model "
-            "calls add models for --model (docs/guides/own-model.md)")
-    _define(flags.DEFINE_list, "algorithm", ["deltafl"], "one or more of "
-            f"{', '.join(registry.names())}; several run one after another into "
-            "<output_dir>/<algorithm>/; an entry NAME+OPTIMIZER (fedavg+adam) runs NAME with "
-            "that server optimizer at --server_lr, and then the entries without one take the "
-            "plain step (sgd, learning rate 1)")
-    _define_option_flags()
-    _define_sweep_flags()
-    _define_training_flags()
-    _define_server_flags()
-    _define_client_flags()
-    _define_sampling_flags()
-    _define_availability_flags()
-    _define_timing_flags()
-    _define_async_flags()
-    _define_privacy_flags()
-    _define_placement_flags()
-    _define_device_flags()
-    _define_evaluation_flags()
-    _define_personal_flags()
-    _define_output_flags()
+    """Every flag of :class:`deltafl_jax.ExperimentConfig`, of the algorithms' options and
+    sweeps, and of the process (idempotent)."""
+    _define_flags(_sections())

@@ -106,7 +106,7 @@ def bad_inputs(tmp_path):
                                               "--dataset=mnist has no clients of its own"),
         "unknown model": (["--model=resnet"], "unknown model 'resnet'"),
         "unknown algorithm": (["--algorithm=sgd"], "unknown algorithm 'sgd'"),
-        # An option with choices is an enum flag (the specs' Option): absl refuses the value.
+        # An option with choices is an enum flag (its declared setting): absl refuses the value.
         "unknown filter": (["--filter=soft"], "--filter=soft: value should be one of "
                                               "<exact|reference>"),
         "missing npz": (["--dataset=npz", f"--data_path={tmp_path}/none.npz"], "no such file"),
@@ -176,7 +176,7 @@ def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
 
 
 def test_option_flags_come_from_the_specs_and_each_method_gets_its_own(tmp_path):
-    """--filter & co. are generated from the specs' Options (an enum for choices); with
+    """--filter & co. are generated from the specs' options groups (an enum for choices); with
     several methods each config holds the options its spec declares, and FedAvg (a fixed
     sweep) does not take Delta-FL's --thetas."""
     from deltafl_jax.algorithms import registry
@@ -184,7 +184,7 @@ def test_option_flags_come_from_the_specs_and_each_method_gets_its_own(tmp_path)
     from experiments import run as runner
 
     options = dict(registry.options())
-    assert runner.FLAGS["filter"].default == options["filter"].default == "exact"
+    assert runner.FLAGS["filter"].default == options["filter"].flag_default == "exact"
     assert runner.FLAGS["filter"].help.endswith(options["filter"].help)
     assert list(runner.FLAGS["weighting"].parser.enum_values) == ["weighted", "unweighted"]
     assert runner.FLAGS["mm_iters"].value == 20

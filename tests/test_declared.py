@@ -156,3 +156,140 @@ def test_check_finite_names_the_flag_and_the_range_in_one_line():
     with pytest.raises(ConfigError, match=r"^--learning_rate must be a finite number, got "
                                           r"'x'$"):
         declared.check_finite("learning_rate", "x")
+
+
+# ---------------------------------------------------------------- one declaration mechanism
+
+
+def test_an_algorithm_option_and_a_group_setting_go_through_one_declaration():
+    """Every option of every spec is a field that carries a declared.Flag, as every setting of
+    a group is; experiments/cli.py defines both by one loop, with the field's default, help
+    and choices, and has no other flag definition."""
+    import re
+    from absl import flags as absl_flags
+    from deltafl_jax.algorithms import registry
+    from deltafl_jax.config import Training
+    from experiments import cli
+    cli.define_experiment_flags()
+    FLAGS = absl_flags.FLAGS
+    fields = [(spec.name, f) for spec in registry.SPECS.values()
+              for f in dataclasses.fields(spec.options_type)]
+    fields += [("Training", f) for f in dataclasses.fields(Training)
+               if declared.flag_of(f) is not None]
+    assert {f.name for owner, f in fields if owner == "propfair"} >= {"propfair_epsilon"}
+    for owner, f in fields:
+        flag = declared.flag_of(f)
+        assert isinstance(flag, declared.Flag), (owner, f.name)
+        absl = FLAGS[flag.name]
+        want = declared.flag_default(f)
+        assert absl.default == want, (owner, flag.name)
+        choices = list(flag.choices)
+        assert list(getattr(absl.parser, "enum_values", None) or []) == choices, flag.name
+        prefix = f"<{'|'.join(choices)}>: " if choices else ""
+        assert absl.help == prefix + flag.help, (owner, flag.name)
+    assert cli.SECTION["propfair_epsilon"] == cli.OPTIONS_TITLE
+    assert cli.SECTION["learning_rate"].startswith("Training")
+    assert cli.SECTION["thetas"] == cli.SWEEPS_TITLE
+    assert cli.SECTION["deterministic"].startswith("Where the process runs")
+    source = open(os.path.join(REPO, "experiments", "cli.py")).read()
+    assert len(re.findall(r"_KINDS\[[^\]]+\]\(", source)) == 1      # the one loop's call
+    assert source.count("flags.DEFINE_") == len(cli._KINDS)         # only in its table
+
+
+def test_two_different_declarations_of_one_flag_are_refused_with_a_clear_type_error():
+    a = declared.Flag(name="eps", help="the margin", kind="float", flag_default=0.2)
+    b = dataclasses.replace(a, flag_default=0.3)
+    with pytest.raises(TypeError, match=r"^--eps is declared differently by FooOptions and by "
+                                        r"BarOptions \(flag_default 0\.2 against 0\.3\); "
+                                        r"declare it once and share that declaration$"):
+        declared.unique([("FooOptions", a), ("BarOptions", b)])
+    # One declaration that several groups hold (an option several specs read) is kept once.
+    assert declared.unique([("FooOptions", a), ("BarOptions", dataclasses.replace(a))]) == \
+        (("FooOptions", a),)
+    # Within one configuration each flag has one field.
+    with pytest.raises(TypeError, match=r"^--eps is declared twice, by A and by B$"):
+        declared.unique([("A", a), ("B", a)], shared=False)
+
+    @dataclasses.dataclass(frozen=True)
+    class One:
+        eps: float = declared.setting(0.2, "the margin")
+
+    @dataclasses.dataclass(frozen=True)
+    class Two:
+        margin: float = declared.setting(0.3, "the margin", flag="eps")
+
+    @dataclasses.dataclass(frozen=True)
+    class Both:
+        one: One = declared.group(One)
+        two: Two = declared.group(Two)
+
+    with pytest.raises(TypeError, match=r"--eps is declared differently by Both.one.eps and by "
+                                        r"Both.two.margin"):
+        declared.flat_paths(Both)
+
+
+def test_a_number_option_checks_its_declared_bounds_in_one_line():
+    from deltafl_jax.algorithms.deltafl import DeltaFLOptions
+    from deltafl_jax.algorithms.options import build_options
+    from deltafl_jax.algorithms.propfair import PropFairOptions
+    cases = [(DeltaFLOptions, {"mm_iters": 0}, r"^--mm_iters must be an integer >= 1, got 0$"),
+             (DeltaFLOptions, {"mm_iters": 2.0}, r"^--mm_iters must be an integer >= 1, got 2\.0$"),
+             (DeltaFLOptions, {"fedau_cap": True}, r"^--fedau_cap must be an integer >= 0, got "
+                                                   r"True$"),
+             (DeltaFLOptions, {"smoothing": -0.1}, r"^--smoothing must be a finite number >= 0, "
+                                                   r"got -0\.1$"),
+             (PropFairOptions, {"propfair_epsilon": 0.0}, r"^--propfair_epsilon must be a finite "
+                                                          r"number > 0, got 0\.0$"),
+             (DeltaFLOptions, {"quantile": "median"}, r"^unknown --quantile='median'; choose one "
+                                                      r"of sort, secagg_mm$")]
+    for cls, given, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            build_options(cls, given)
+    assert build_options(DeltaFLOptions, {"mm_iters": 3, "filter": "reference",
+                                          "qffl_q": 1.0}).mm_iters == 3
+
+
+def test_stored_options_are_read_back_from_either_place_a_run_kept_them():
+    """summary.json's config holds the options in ``options``; runs written before held them
+    at the top level: both read back through declared.from_flat, defaults for the rest."""
+    from deltafl_jax.algorithms import registry
+    from deltafl_jax.algorithms.deltafl import DeltaFLOptions
+    spec = registry.get("deltafl")
+    now = {"learning_rate": 0.1, "options": {"filter": "reference", "mm_iters": 3}}
+    before = {"learning_rate": 0.1, "filter": "reference", "mm_iters": 3}
+    want = DeltaFLOptions(filter="reference", mm_iters=3)
+    assert spec.stored_options(now) == spec.stored_options(before) == want
+    assert spec.stored_options(None) == DeltaFLOptions()
+    assert registry.get("propfair").stored_options(
+        {"options": {"propfair_epsilon": 0.5}}).propfair_epsilon == 0.5
+
+
+def test_a_nested_group_is_declared_built_and_restored_through_its_parent():
+    """A group of groups (DataConfig's subgroups, say): its flags are declared in place, and
+    it is built from the flags and read back from a stored run as one."""
+    @dataclasses.dataclass(frozen=True)
+    class Inner:
+        eps: float = declared.setting(0.2, "the margin", bounds=declared.Bounds(0.0))
+
+    @dataclasses.dataclass(frozen=True)
+    class Outer:
+        mode: str = declared.setting("a", "the mode", choices=("a", "b"))
+        inner: Inner = declared.group(Inner)
+
+    assert [f.name for f in declared.declarations(Outer)] == ["mode", "eps"]
+    assert declared.flat_paths(Outer) == {"mode": ("mode",), "eps": ("inner", "eps")}
+    given = {"mode": "b", "eps": 0.5}
+    assert declared.from_flags(Outer, given.__getitem__) == Outer("b", Inner(0.5))
+    assert declared.from_flat(Outer, {"eps": 0.7}) == Outer("a", Inner(0.7))
+    assert declared.flat_values(Outer("b", Inner(0.5))) == given
+
+
+def test_algorithms_read_their_options_typed_never_from_the_stored_mapping():
+    """config.options (flag -> value) is the storage format; an algorithm reads its options
+    through its spec's typed group (the factory's `options`, ``spec.options_for(config)``)."""
+    import re
+    folder = os.path.join(REPO, "deltafl_jax", "algorithms")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            source = open(os.path.join(folder, name)).read()
+            assert not re.search(r"config\.options\s*(\.get\(|\[)", source), name

@@ -358,9 +358,9 @@ def test_flags_reach_the_run_and_secagg_calls_are_a_rounds_column(tmp_path, caps
 def test_each_option_is_declared_once_and_shared_by_the_specs_that_read_it():
     import dataclasses
     from deltafl_jax.algorithms import registry
-    from deltafl_jax.algorithms.options import declared_options
+    from deltafl_jax.algorithms.options import option_flags
 
-    declared = {name: dict(declared_options(registry.get(name).options_type))
+    declared = {name: {flag.name: flag for flag in option_flags(registry.get(name).options_type)}
                 for name in registry.names()}
     assert list(declared["deltafl"]) == ["filter", "weighting", "smoothing", "quantile",
                                          "mm_iters", "deltafl_participation", "fedau_cap"]
@@ -369,16 +369,16 @@ def test_each_option_is_declared_once_and_shared_by_the_specs_that_read_it():
     assert list(declared["deltafl_alt"]) == ["filter", "weighting"]
     assert list(declared["fedprox"]) == list(declared["scaffold"]) == ["weighting"]
     assert declared["qffl"] == declared["term"] == declared["afl"] == {}
-    # One Option object per flag, the one the registry hands to the command line.
+    # One declaration per flag, the one the registry hands to the command line.
     options = dict(registry.options())
     for name, opts in declared.items():
         for flag, option in opts.items():
-            assert option is options[flag], (name, flag)
+            assert option == options[flag], (name, flag)
     # Its default is the options dataclass's default.
     for name in ("deltafl", "fedavg", "fedavg_sub", "deltafl_alt"):
         made = registry.get(name).options_type()
         for f in dataclasses.fields(made):
-            assert getattr(made, f.name) == options[f.name].default
+            assert getattr(made, f.name) == options[f.name].flag_default
 
 
 def test_two_specs_declaring_one_flag_differently_is_a_type_error():
@@ -393,7 +393,9 @@ def test_two_specs_declaring_one_flag_differently_is_a_type_error():
         filter: str = other.field()
 
     spec = dataclasses.replace(registry.get("fedavg_sub"), name="clash", options_type=Clash)
-    with pytest.raises(TypeError, match="--filter differently"):
+    with pytest.raises(TypeError, match="--filter is declared differently by deltafl's options "
+                                        "and by clash's options .flag_default 'exact' against "
+                                        "'reference'"):
         registry.collect_options(list(registry.SPECS.values()) + [spec])
     same = dataclasses.replace(registry.get("fedavg_sub"), name="same")
     assert registry.collect_options(list(registry.SPECS.values()) + [same]) == \
@@ -401,9 +403,9 @@ def test_two_specs_declaring_one_flag_differently_is_a_type_error():
 
     @dataclasses.dataclass(frozen=True)
     class Plain:
-        filter: str = "exact"            # not an Option field
+        filter: str = "exact"            # not a declared setting
 
-    with pytest.raises(TypeError, match="Option.field"):
+    with pytest.raises(TypeError, match=r"Plain.filter must be made by declared.setting\(\)"):
         dataclasses.replace(registry.get("fedavg_sub"), name="plain", options_type=Plain)
 
 

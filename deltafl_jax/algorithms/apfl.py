@@ -54,10 +54,10 @@ import jax.numpy as jnp
 from deltafl_jax.algorithms.deltafl import WEIGHTING
 from deltafl_jax.algorithms.fedavg import FedAvgOptions, fedavg
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.options import Option, Sweep, check_options
+from deltafl_jax.algorithms.options import Sweep, check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm
 from deltafl_jax.algorithms.spec import AlgorithmSpec
-from deltafl_jax.declared import check_finite
+from deltafl_jax.declared import Bounds, setting
 from deltafl_jax.engine.client import ClientUpdate, LocalState, difference, optimizer_step
 from deltafl_jax.engine import tree_all_finite
 from deltafl_jax.errors import ConfigError
@@ -65,19 +65,6 @@ from deltafl_jax.errors import ConfigError
 DEFAULT_ALPHA = (0.25, 0.5, 0.75)
 MIXINGS = ("leaf", "model")
 V_GRADIENTS = ("fedjax", "paper")
-
-APFL_ALPHA_LR = Option(
-    default=1.0, help="apfl: alpha's step size as a multiple of the client learning rate "
-    "(1: the models' step, as FedJAX and the paper; 0: alpha fixed at --apfl_alpha)")
-APFL_MIXING = Option(
-    default="leaf", choices=MIXINGS,
-    help="apfl: leaf: one alpha per parameter leaf (FedJAX) | model: one alpha per client "
-    "(the paper)")
-APFL_V_GRADIENT = Option(
-    default="fedjax", choices=V_GRADIENTS,
-    help="apfl: fedjax: v steps on grad f(v_bar) | paper: on alpha grad f(v_bar) (the chain "
-    "rule, Algorithm 1)")
-
 
 class APFLHyper(NamedTuple):
     """alpha0: [] every client's initial mixing weight in [0, 1]."""
@@ -90,12 +77,15 @@ class APFLOptions:
     """FedAvg's ``weighting`` and APFL's own options (module docstring)."""
 
     weighting: str = WEIGHTING.field()
-    apfl_alpha_lr: float = APFL_ALPHA_LR.field()
-    apfl_mixing: str = APFL_MIXING.field()
-    apfl_v_gradient: str = APFL_V_GRADIENT.field()
-
-    def check(self) -> None:
-        check_finite("apfl_alpha_lr", self.apfl_alpha_lr, 0.0)
+    apfl_alpha_lr: float = setting(
+        1.0, "apfl: alpha's step size as a multiple of the client learning rate (1: the models' "
+        "step, as FedJAX and the paper; 0: alpha fixed at --apfl_alpha)", bounds=Bounds(0.0))
+    apfl_mixing: str = setting(
+        "leaf", "apfl: leaf: one alpha per parameter leaf (FedJAX) | model: one alpha per "
+        "client (the paper)", choices=MIXINGS)
+    apfl_v_gradient: str = setting(
+        "fedjax", "apfl: fedjax: v steps on grad f(v_bar) | paper: on alpha grad f(v_bar) (the "
+        "chain rule, Algorithm 1)", choices=V_GRADIENTS)
 
 
 class APFLClient(NamedTuple):

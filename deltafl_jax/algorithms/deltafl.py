@@ -60,9 +60,11 @@ part" is being sampled (the loss was seen), whether or not the filter keeps the 
 estimate is the algorithm's state ([N] counters per replica, restored on resume; O(m) per
 round). Private Delta-FL (``--dp_clip``) takes ``none`` only.
 
-Each is an :class:`~deltafl_jax.algorithms.spec.Option` declared once here (``FILTER``,
-``WEIGHTING``, ...) and shared with the specs that read it (FedAvg: ``weighting``; FedAvg-Sub:
-``filter``; deltafl_alt: both).
+Each is a field of :class:`DeltaFLOptions` that declares its flag (default, help, choices,
+range: :func:`~deltafl_jax.declared.setting`); the two that other specs read are
+:class:`~deltafl_jax.algorithms.options.Option` records written once here (``FILTER``,
+``WEIGHTING``) and shared with them (FedAvg: ``weighting``; FedAvg-Sub: ``filter``;
+deltafl_alt: both).
 
 These are options of Delta-FL rather than algorithms of their own: each changes only how one
 round turns the sampled losses into weights, while the sweep over theta, the replica labels,
@@ -83,12 +85,11 @@ import numpy as np
 
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Option, Sweep, check_options
-from deltafl_jax.algorithms.participation import (FEDAU_CAP, check_cap, correction,
-                                                  init_estimator)
+from deltafl_jax.algorithms.participation import FEDAU_CAP, correction, init_estimator
 from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, RoundContext,
                                              average_delta, no_state)
 from deltafl_jax.algorithms.spec import AlgorithmSpec
-from deltafl_jax.declared import finite_in
+from deltafl_jax.declared import Bounds, finite_in, setting
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.secagg import SumNoise, mm_quantile
 from deltafl_jax.superquantile import (quantile_levels, smoothed_eta, smoothed_tail_weights,
@@ -109,19 +110,6 @@ WEIGHTING = Option(
     default="weighted", choices=WEIGHTINGS,
     help="weighted: alpha_k proportional to n_k | unweighted: alpha_k = 1/N and the tail "
     "averaged uniformly (2022 paper)")
-SMOOTHING = Option(
-    default=0.0, help="nu > 0: Delta-FL weights alpha_k g_nu'(F_k - eta) of the smoothed "
-    "superquantile (eqs. 5-6, Property 9) instead of the filter; 0: off")
-QUANTILE = Option(
-    default="sort", choices=QUANTILES,
-    help="sort: the server sorts the reported losses | secagg_mm: eta from --mm_iters MM steps "
-    "over secure sums, clients with F_k > eta train (Algorithm 3, App. B.1)")
-MM_ITERS = Option(default=20, help="MM steps of --quantile=secagg_mm")
-PARTICIPATION = Option(
-    default="none", choices=PARTICIPATIONS,
-    help="none | fedau: each sampled client's alpha_k times FedAU's omega_k (its estimated "
-    "participation interval) | inverse: times 1/p_hat_k (its running participation rate), so "
-    "that rarely online clients count as often as they exist")
 
 
 class DeltaFLHyper(NamedTuple):
@@ -136,21 +124,26 @@ class DeltaFLOptions:
 
     filter: str = FILTER.field()
     weighting: str = WEIGHTING.field()
-    smoothing: float = SMOOTHING.field()
-    quantile: str = QUANTILE.field()
-    mm_iters: int = MM_ITERS.field()
-    deltafl_participation: str = PARTICIPATION.field()
+    smoothing: float = setting(
+        0.0, "nu > 0: Delta-FL weights alpha_k g_nu'(F_k - eta) of the smoothed superquantile "
+        "(eqs. 5-6, Property 9) instead of the filter; 0: off", bounds=Bounds(0.0))
+    quantile: str = setting(
+        "sort", "sort: the server sorts the reported losses | secagg_mm: eta from --mm_iters MM "
+        "steps over secure sums, clients with F_k > eta train (Algorithm 3, App. B.1)",
+        choices=QUANTILES)
+    mm_iters: int = setting(20, "MM steps of --quantile=secagg_mm",
+                            bounds=Bounds(1, integer=True))
+    deltafl_participation: str = setting(
+        "none", "none | fedau: each sampled client's alpha_k times FedAU's omega_k (its "
+        "estimated participation interval) | inverse: times 1/p_hat_k (its running "
+        "participation rate), so that rarely online clients count as often as they exist",
+        choices=PARTICIPATIONS)
     fedau_cap: int = FEDAU_CAP.field()
 
     def check(self) -> None:
-        """ConfigError naming the flag at fault (the choices are checked before)."""
-        check_cap(self.fedau_cap)
+        """ConfigError naming the flag at fault, across fields (each field's choices and
+        range are checked before)."""
         nu = self.smoothing
-        if not finite_in(nu, 0.0):
-            raise ConfigError(f"--smoothing must be a finite nu >= 0 (0: off), got {nu!r}")
-        if isinstance(self.mm_iters, bool) or not isinstance(self.mm_iters, int) \
-                or self.mm_iters < 1:
-            raise ConfigError(f"--mm_iters must be an integer >= 1, got {self.mm_iters!r}")
         if nu > 0 and self.quantile != "sort":
             raise ConfigError("--smoothing and --quantile=secagg_mm each replace the filter; "
                               "use one of them")

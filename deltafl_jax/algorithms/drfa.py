@@ -58,9 +58,10 @@ import numpy as np
 
 from deltafl_jax.algorithms.afl import project_simplex
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.options import Option, Sweep, check_options
+from deltafl_jax.algorithms.options import Sweep, check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, average_delta
 from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.declared import setting
 from deltafl_jax.engine.client import (ClientUpdate, LocalState, difference, local_init,
                                        optimizer_step)
 
@@ -68,14 +69,6 @@ VARIANTS = ("paper", "fedtorch")
 SNAPSHOT_STREAM = 0xD8FA     # folded into the round key (FedTorch: the client's key) for u
 FEDTORCH_DECAY, FEDTORCH_FLOOR = 0.9, 1e-3
 DEFAULT_LAMBDA_LR = (0.001, 0.01, 0.1)
-
-VARIANT = Option(default="paper", choices=VARIANTS,
-                 help="paper: Algorithm 1 (clients drawn by lambda, plain mean); fedtorch: the "
-                 "authors' centred FedTorch code (lambda from n_k/n, uniform draws, updates "
-                 "weighted lambda_k N/m, the plain mean of snapshots after 0..K-2 steps drawn "
-                 "per client, gamma x 0.9 before every round, the first lambda_i <= 1e-3 "
-                 "raised to 1e-3)")
-
 
 class DRFAHyper(NamedTuple):
     """lambda_lr: [] gamma >= 0, the step size of the ascent on lambda."""
@@ -87,7 +80,11 @@ class DRFAHyper(NamedTuple):
 class DRFAOptions:
     """``drfa_variant``: the paper's algorithm or the authors' code (module docstring)."""
 
-    drfa_variant: str = VARIANT.field()
+    drfa_variant: str = setting(
+        "paper", "paper: Algorithm 1 (clients drawn by lambda, plain mean); fedtorch: the "
+        "authors' centred FedTorch code (lambda from n_k/n, uniform draws, updates weighted "
+        "lambda_k N/m, the plain mean of snapshots after 0..K-2 steps drawn per client, gamma x "
+        "0.9 before every round, the first lambda_i <= 1e-3 raised to 1e-3)", choices=VARIANTS)
 
 
 class DRFAState(NamedTuple):

@@ -27,16 +27,18 @@ from deltafl_jax.algorithms.deltafl import THETA_SWEEP, DeltaFLHyper, theta_one
 from deltafl_jax.algorithms.fedavg import fedavg
 from deltafl_jax.algorithms.fedbuff import (AsyncStep, async_validator, build_buffered_step,
                                             current_params, versions_at)
-from deltafl_jax.algorithms.options import Option
 from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.declared import Bounds, setting
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.replicas import Replicas
 
 
+ALPHA_BOUNDS = Bounds(0.0, 1.0, low_open=True)   # the mixing weight alpha in (0, 1]
+
+
 def check_alpha(alpha: float) -> None:
-    """ConfigError unless 0 < alpha <= 1."""
-    if not 0.0 < alpha <= 1.0:
-        raise ConfigError(f"--fedasync_alpha={alpha}: the mixing weight must be in (0, 1]")
+    """ConfigError naming --fedasync_alpha unless 0 < alpha <= 1."""
+    ALPHA_BOUNDS.check("fedasync_alpha", alpha)
 
 
 def mixing(alpha: float):
@@ -72,12 +74,9 @@ def build_fedasync_step(model, replicas: Replicas, local: engine.LocalSGDConfig,
 class FedAsyncOptions:
     """``fedasync_alpha``: the mixing weight alpha (Xie et al. run 0.6 and 0.9)."""
 
-    fedasync_alpha: float = Option(
+    fedasync_alpha: float = setting(
         0.6, "fedasync: the mixing weight alpha in (0, 1]; each update is mixed in with "
-        "alpha / sqrt(1 + staleness)").field()
-
-    def check(self) -> None:
-        check_alpha(self.fedasync_alpha)
+        "alpha / sqrt(1 + staleness)", bounds=ALPHA_BOUNDS)
 
 
 FEDASYNC = AsyncStep(aggregate=lambda options: mixing(options.fedasync_alpha), buffer_size=1)

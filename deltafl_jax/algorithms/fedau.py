@@ -53,8 +53,8 @@ import numpy as np
 from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
                                             theta_one, unnormalised_alphas)
 from deltafl_jax.algorithms.options import check_options
-from deltafl_jax.algorithms.participation import (FEDAU_CAP, check_cap, fedau_omega,
-                                                  fedau_record, init_estimator)
+from deltafl_jax.algorithms.participation import (FEDAU_CAP, fedau_omega, fedau_record,
+                                                  init_estimator)
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, no_state, scaled_delta
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.errors import ConfigError
@@ -66,9 +66,6 @@ class FedAUOptions:
 
     fedau_cap: int = FEDAU_CAP.field()
     weighting: str = WEIGHTING.field()
-
-    def check(self) -> None:
-        check_cap(self.fedau_cap)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from deltafl_jax.algorithms.deltafl import DEFAULT_TIE_RTOL, FILTER, check_thetas, filter_rule
+from deltafl_jax.algorithms.deltafl import (DEFAULT_TIE_RTOL, FILTER, THETA_SWEEP, check_thetas,
+                                           filter_rule)
 from deltafl_jax.algorithms.options import Sweep, check_options
 from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, RoundContext, average_delta,
                                              no_state)
@@ -103,9 +104,10 @@ SPEC = AlgorithmSpec(
     name="fedavg_sub", display_name="FedAvg-Sub",
     help="FedAvg on a random subset of the sampled clients, as many as Delta-FL keeps",
     factory=_make, hyper=FedAvgSubHyper, options_type=FedAvgSubOptions,
-    sweep=Sweep(flag="thetas", field="theta", default=DEFAULT_SUB_THETAS,
-                help="conformity levels theta in (0, 1], all trained in one program",
-                interval=(0.0, 1.0), labelled_by_theta=True, symbol="θ"),
+    # Delta-FL's --thetas (its declaration, whose help names Delta-FL's grid), with a grid of
+    # its own, tuned by the tuner.
+    sweep=dataclasses.replace(THETA_SWEEP, default=DEFAULT_SUB_THETAS, tuned=True,
+                              declared_by=THETA_SWEEP),
     alt_sweep=Sweep(flag="fedavg_sub_clients", field="clients", default=(),
                     help="fedavg_sub: clients averaged per round, swept (empty: as many as "
                     "Delta-FL keeps at each theta < 1 of --thetas)", integer=True,

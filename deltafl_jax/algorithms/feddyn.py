@@ -69,10 +69,11 @@ import numpy as np
 
 from deltafl_jax.algorithms.deltafl import WEIGHTING, unnormalised_alphas
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.options import Option, Sweep, check_options
+from deltafl_jax.algorithms.options import Sweep, check_options
 from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, RoundContext, average_delta,
                                              zeros_like_params)
 from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.declared import setting
 from deltafl_jax.engine.client import corrected_sgd, difference
 
 DEFAULT_ALPHA = (0.001, 0.01, 0.1)   # around the paper's and the code's default 0.01
@@ -85,9 +86,6 @@ class FedDynHyper(NamedTuple):
 
 
 ALPHA_SCALINGS = ("none", "size")
-ALPHA_SCALING = Option(default="none", choices=ALPHA_SCALINGS,
-                       help="feddyn: per-client alpha_k: none (alpha for every client) or size "
-                            "(alpha * mean n / n_k, the authors' code)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +94,9 @@ class FedDynOptions:
     ``feddyn_alpha_scaling``: alpha_k (module docstring)."""
 
     weighting: str = WEIGHTING.field()
-    feddyn_alpha_scaling: str = ALPHA_SCALING.field()
+    feddyn_alpha_scaling: str = setting(
+        "none", "feddyn: per-client alpha_k: none (alpha for every client) or size (alpha * "
+        "mean n / n_k, the authors' code)", choices=ALPHA_SCALINGS)
 
 
 class FedDynState(NamedTuple):

@@ -41,16 +41,14 @@ import jax
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.leaderboard import Board, needs_clients
-from deltafl_jax.algorithms.options import Option, Sweep, check_options
+from deltafl_jax.algorithms.options import Sweep, check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, no_state
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import ClientUpdate, local_final, local_init, local_step
-from deltafl_jax.errors import ConfigError
+from deltafl_jax.declared import Bounds, setting
 
 DEFAULT_EPSILON = (0.05, 0.1, 0.5, 1.0)
 POWER_ITERS = 30
-ITERS = Option(default=300, help="fedmgda: iterations of the accelerated projected gradient "
-               "that solves the round's min-norm QP")
 
 
 class FedMGDAHyper(NamedTuple):
@@ -63,12 +61,9 @@ class FedMGDAHyper(NamedTuple):
 class FedMGDAOptions:
     """``fedmgda_iters``: the QP solver's fixed iteration count."""
 
-    fedmgda_iters: int = ITERS.field()
-
-    def check(self) -> None:
-        it = self.fedmgda_iters
-        if isinstance(it, bool) or not isinstance(it, int) or it < 1:
-            raise ConfigError(f"--fedmgda_iters must be an integer >= 1, got {it!r}")
+    fedmgda_iters: int = setting(
+        300, "fedmgda: iterations of the accelerated projected gradient that solves the "
+        "round's min-norm QP", bounds=Bounds(1, integer=True))
 
 
 def project_box_simplex(y, lo, hi):

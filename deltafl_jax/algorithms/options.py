@@ -1,12 +1,17 @@
 """An algorithm's own flags: its options (one scalar each, the same for every replica) and its
-sweeps (a list of values, one replica each).
+sweeps (a list of values, one replica each), both declared through :mod:`deltafl_jax.declared`.
 
-- :class:`Option` declares one option; an algorithm's options are a frozen dataclass of
-  :meth:`Option.field` fields (:class:`NoOptions` for none), whose names are the flags:
-  :func:`declared_options` lists them, :func:`build_options` builds and :func:`check_options`
-  checks the options of a run.
+- An algorithm's options are a settings group like the configuration's: a frozen dataclass
+  whose fields are made by :func:`deltafl_jax.declared.setting` (the field's name is the flag;
+  its default, help, choices and :class:`~deltafl_jax.declared.Bounds` are written there), or
+  :class:`NoOptions` for none. An option that several specs read is an :class:`Option`,
+  written once, whose :meth:`Option.field` each of their groups uses (``--weighting``).
+  :func:`option_flags` lists a group's declarations, :func:`build_options` builds and
+  :func:`check_options` checks the options of a run, :func:`stored_options` reads them back
+  from a finished run.
 - :class:`Sweep` declares a swept hyper-parameter: its flag, the hyper field it sets, its
-  default grid and how replicas are labelled.
+  default grid and how replicas are labelled; :meth:`Sweep.declaration` is its flag's
+  :class:`~deltafl_jax.declared.Flag`.
 """
 
 from __future__ import annotations
@@ -14,39 +19,37 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Tuple
 
-from deltafl_jax.declared import finite_in
+from deltafl_jax.declared import (Bounds, Flag, check_group, check_settings, check_value,
+                                  finite_in, from_flat, setting)
 from deltafl_jax.errors import ConfigError
-
-OPTION = "deltafl_jax.option"   # the metadata key of an options field's Option
 
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """One scalar option of an algorithm: a flag whose value is the same for every replica.
-
-    An algorithm declares its options as a frozen dataclass whose fields are made by
-    :meth:`field`; the field's name is the flag. Specs that read the same option share one
-    Option object (Delta-FL, FedAvg and deltafl_alt: ``weighting``), so that its default, help
-    and choices are written once; the registry refuses two different Options under one flag.
+    """An option that several specs read, written once: each of their options groups makes
+    its field with :meth:`field` (a :func:`~deltafl_jax.declared.setting`), so that the
+    flag's default, help, choices and bounds are the same declaration everywhere (Delta-FL,
+    FedAvg and the FedAvg-based specs: ``weighting``).
 
     default: the value when the flag is not given (its type is the flag's type).
     help: the flag's help text.
     choices: the values allowed (an enum flag); () for a number or a free string.
+    bounds: a number's range (None: any value of its type).
     """
 
     default: Any
     help: str
     choices: Tuple[str, ...] = ()
+    bounds: Optional[Bounds] = None
 
     def field(self) -> Any:
-        """A dataclass field with this default that carries this Option."""
-        return dataclasses.field(default=self.default, metadata={OPTION: self})
+        """A settings field with this declaration."""
+        return setting(self.default, self.help, choices=self.choices, bounds=self.bounds)
 
     def check(self, flag: str, value) -> None:
-        """ConfigError naming --flag when the value is not one of the choices."""
-        if self.choices and value not in self.choices:
-            raise ConfigError(f"unknown --{flag}={value!r}; choose one of "
-                              f"{', '.join(self.choices)}")
+        """ConfigError naming --flag when the value is not one of the choices or out of
+        bounds."""
+        check_value(Flag(name=flag, choices=self.choices, bounds=self.bounds), value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,26 +57,16 @@ class NoOptions:
     """The options of an algorithm that has none."""
 
 
-def declared_options(options_type: type) -> Tuple[Tuple[str, Option], ...]:
-    """(flag, Option) of each field of an options dataclass, in order; TypeError when it is not
-    a frozen dataclass or a field was not made by :meth:`Option.field`."""
-    params = getattr(options_type, "__dataclass_params__", None)
-    if params is None or not params.frozen:
-        raise TypeError(f"options {options_type!r} must be a frozen dataclass")
-    out = []
-    for f in dataclasses.fields(options_type):
-        option = f.metadata.get(OPTION)
-        if not isinstance(option, Option):
-            raise TypeError(f"{options_type.__name__}.{f.name} must be made by Option.field()")
-        out.append((f.name, option))
-    return tuple(out)
+def option_flags(options_type: type) -> Tuple[Flag, ...]:
+    """The declaration of each option of an options group, in order; TypeError unless it is
+    a frozen dataclass whose every field is a declared setting."""
+    return check_group(options_type)
 
 
 def check_options(options) -> None:
-    """ConfigError naming the flag at fault: each field's choices, then the options' own
-    ``check()`` (checks across fields, ranges), when they have one."""
-    for flag, option in declared_options(type(options)):
-        option.check(flag, getattr(options, flag))
+    """ConfigError naming the flag at fault: each field's choices and bounds, then the
+    options' own ``check()`` (checks across fields), when they have one."""
+    check_settings(options)
     own = getattr(options, "check", None)
     if own is not None:
         own()
@@ -82,10 +75,17 @@ def check_options(options) -> None:
 def build_options(options_type: type, given: Mapping[str, Any]):
     """The options of type `options_type` from a mapping flag -> value (a flag it lacks takes
     its default; flags of other algorithms are not read), checked."""
-    names = [flag for flag, _ in declared_options(options_type)]
-    options = options_type(**{k: given[k] for k in names if k in given})
+    options = from_flat(options_type, given)
     check_options(options)
     return options
+
+
+def stored_options(options_type: type, run_config: Optional[Mapping[str, Any]]):
+    """The options of type `options_type` as a finished run's configuration holds them
+    (summary.json's ``config``: its ``options`` mapping; runs written before options had their
+    own mapping hold them at the top level), unchecked."""
+    run_config = dict(run_config or {})
+    return from_flat(options_type, {**run_config, **dict(run_config.get("options") or {})})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +105,9 @@ class Sweep:
     tuned: the value is a hyper-parameter to tune (a baseline's q, mu, t, ...: the tuner's
       --tune_param picks one, the report's --best keeps the best column); False: every value
       is a model the user asks for (Delta-FL's theta).
+    declared_by: the sweep that declares the flag, when this one reads another's flag with a
+      grid of its own (FedAvg-Sub's theta levels: Delta-FL's ``--thetas``, whose help names
+      Delta-FL's grid); None: this sweep declares it.
     """
 
     flag: str
@@ -117,6 +120,16 @@ class Sweep:
     labelled_by_theta: bool = False
     symbol: str = ""
     tuned: bool = True
+    declared_by: Optional["Sweep"] = None
+
+    def declaration(self) -> Flag:
+        """Its flag as the command line declares it: a list, empty unless given (then the
+        spec's grid applies), whose help names the grid."""
+        if self.declared_by is not None:
+            return self.declared_by.declaration()
+        grid = ",".join(f"{v:g}" for v in self.default)
+        return Flag(name=self.flag, kind="list", flag_default=[],
+                    help=f"{self.help}; empty: the algorithm's grid" + (f" {grid}" if grid else ""))
 
     @property
     def coordinate(self) -> str:

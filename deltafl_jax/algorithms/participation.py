@@ -45,11 +45,11 @@ import jax
 import jax.numpy as jnp
 
 from deltafl_jax.algorithms.options import Option
-from deltafl_jax.errors import ConfigError
+from deltafl_jax.declared import Bounds
 
 FEDAU_CAP = Option(
     default=0, help="K: FedAU's cut-off of the participation interval; an absence is recorded "
-    "as pieces of K (0: no cut-off)")
+    "as pieces of K (0: no cut-off)", bounds=Bounds(0, integer=True))
 
 
 class Estimator(NamedTuple):
@@ -73,12 +73,6 @@ def init_estimator(num_clients: int) -> Estimator:
     zeros = jnp.zeros((num_clients,), jnp.int32)
     return Estimator(round=jnp.int32(0), last=jnp.full((num_clients,), -1, jnp.int32),
                      total=zeros, count=zeros)
-
-
-def check_cap(cap) -> None:
-    """ConfigError naming --fedau_cap unless it is an integer >= 0."""
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-        raise ConfigError(f"--fedau_cap must be an integer K >= 0 (0: no cut-off), got {cap!r}")
 
 
 def _pieces(state: Estimator, clients, cap: int):

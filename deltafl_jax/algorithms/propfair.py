@@ -52,12 +52,12 @@ import jax.numpy as jnp
 from deltafl_jax.algorithms.deltafl import WEIGHTING
 from deltafl_jax.algorithms.fedavg import DP_REQUIRES, FedAvgOptions, fedavg
 from deltafl_jax.algorithms.leaderboard import Board
-from deltafl_jax.algorithms.options import Option, Sweep, check_options
+from deltafl_jax.algorithms.options import Sweep, check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.engine.client import (ClientUpdate, LocalState, local_final, local_init,
                                        optimizer_step)
-from deltafl_jax.declared import check_finite
+from deltafl_jax.declared import Bounds, setting
 from deltafl_jax.errors import ConfigError
 
 DEFAULT_BASE = (2.0,)      # the authors' default M
@@ -66,13 +66,6 @@ DEFAULT_BASE = (2.0,)      # the authors' default M
 # 53), so the grid spans both.
 BOARD_BASE = (1.5, 2.0, 3.0, 6.0, 10.0)
 CONTINUATIONS = ("huber", "reference")
-
-EPSILON = Option(default=0.2, help="propfair: the margin eps > 0 below M where -log(1 - L/M) "
-                 "gives way to its continuation (the authors' 0.2)")
-CONTINUATION = Option(
-    default="huber", choices=CONTINUATIONS,
-    help="propfair: beyond the margin, huber: the paper's C^1 continuation, gradient grad L / "
-    "eps | reference: the authors' code's default L / M, gradient grad L / M (discontinuous)")
 
 
 class PropFairHyper(NamedTuple):
@@ -87,11 +80,13 @@ class PropFairOptions:
     the same for every replica."""
 
     weighting: str = WEIGHTING.field()
-    propfair_epsilon: float = EPSILON.field()
-    propfair_continuation: str = CONTINUATION.field()
-
-    def check(self) -> None:
-        check_finite("propfair_epsilon", self.propfair_epsilon, 0.0, low_open=True)
+    propfair_epsilon: float = setting(
+        0.2, "propfair: the margin eps > 0 below M where -log(1 - L/M) gives way to its "
+        "continuation (the authors' 0.2)", bounds=Bounds(0.0, low_open=True))
+    propfair_continuation: str = setting(
+        "huber", "propfair: beyond the margin, huber: the paper's C^1 continuation, gradient "
+        "grad L / eps | reference: the authors' code's default L / M, gradient grad L / M "
+        "(discontinuous)", choices=CONTINUATIONS)
 
 
 def gradient_scale(loss, base, epsilon: float, continuation: str = "huber"):
@@ -139,9 +134,9 @@ def propfair(options: PropFairOptions = PropFairOptions()) -> FederatedAlgorithm
 
 def check_base(config) -> None:
     """Every M above the margin eps (else the log branch is never reached)."""
-    eps = config.options.get("propfair_epsilon", EPSILON.default)
+    eps = SPEC.options_for(config).propfair_epsilon
     for base in config.sweep("propfair_base") or DEFAULT_BASE:
-        if isinstance(eps, (int, float)) and base <= eps:
+        if base <= eps:
             raise ConfigError(f"--propfair_base must exceed --propfair_epsilon={eps:g} (M - L "
                               f">= eps is where -log(1 - L/M) applies), got {base:g}")
 

@@ -14,8 +14,9 @@ from deltafl_jax.algorithms import afl, afl_qffl, deltafl, fedavg, fedavg_sub, f
 from deltafl_jax.algorithms import (apfl, deltafl_alt, ditto, drfa, feddyn, fedmgda, gifair,
                                     propfair, scaffold)
 from deltafl_jax.algorithms import fedasync, fedau, fedbuff, fednova, fedvarp, mifa
-from deltafl_jax.algorithms.options import Option, Sweep, declared_options
+from deltafl_jax.algorithms.options import Sweep, option_flags
 from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.declared import Flag, unique
 from deltafl_jax.errors import ConfigError
 
 SPECS: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
@@ -117,27 +118,24 @@ def sweeps() -> Tuple[Sweep, ...]:
     return tuple(seen.values())
 
 
-def collect_options(specs: Iterable[AlgorithmSpec]) -> Tuple[Tuple[str, Option], ...]:
-    """(flag, Option) of every option of the specs, once per flag, in order. TypeError when two
-    specs declare one flag with different Options (they must share one definition) or an
-    option's flag is a swept flag."""
+def collect_options(specs: Iterable[AlgorithmSpec]) -> Tuple[Tuple[str, Flag], ...]:
+    """(flag, declaration) of every option of the specs, once per flag, in order. TypeError
+    (:func:`deltafl_jax.declared.unique`, the one check of flag declarations) when two specs
+    declare one flag differently (they must share one :class:`Option`) or an option's flag is
+    a swept flag."""
     specs = tuple(specs)
-    swept = {s.flag for spec in specs for s in spec.sweeps()}
-    seen: Dict[str, Option] = {}
-    for spec in specs:
-        for flag, option in declared_options(spec.options_type):
-            if flag in swept:
-                raise TypeError(f"spec {spec.name}: option --{flag} is also a swept flag")
-            if seen.setdefault(flag, option) != option:
-                raise TypeError(f"spec {spec.name} declares the option --{flag} differently "
-                                f"from another spec ({option} against {seen[flag]}); share "
-                                "one Option")
-    return tuple(seen.items())
+    options = [(f"{spec.name}'s options", flag) for spec in specs
+               for flag in option_flags(spec.options_type)]
+    swept = [(f"{spec.name}'s --{sweep.flag} sweep", sweep.declaration()) for spec in specs
+             for sweep in spec.sweeps()]
+    names = {flag.name for _, flag in options}
+    return tuple((flag.name, flag) for _, flag in unique(options + swept) if flag.name in names)
 
 
 OPTIONS = collect_options(SPECS.values())
 
 
-def options() -> Tuple[Tuple[str, Option], ...]:
-    """Every option of every spec, once per flag (the command line declares them)."""
+def options() -> Tuple[Tuple[str, Flag], ...]:
+    """Every option of every spec, once per flag, with its declaration (the command line
+    declares them)."""
     return OPTIONS

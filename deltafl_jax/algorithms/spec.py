@@ -4,16 +4,17 @@ An algorithm module exports one :class:`AlgorithmSpec`: its name and display nam
 of the round's pure functions (:class:`~deltafl_jax.algorithms.protocol.FederatedAlgorithm`),
 its hyper NamedTuple, its swept hyper-parameter
 (:class:`~deltafl_jax.algorithms.options.Sweep`: flag, default grid, symbol, how replicas are
-labelled), its options (a frozen dataclass of
-:class:`~deltafl_jax.algorithms.options.Option` fields: one scalar flag each, the same for
-every replica), how the report names its columns, and any forced local steps or full
-participation. The registry only collects specs.
+labelled), its options (a settings group of :mod:`deltafl_jax.declared`: a frozen dataclass of
+``setting(...)`` fields, one scalar flag each, the same for every replica), how the report
+names its columns, and any forced local steps or full participation. The registry only
+collects specs.
 
 Where the rest lives: the round's protocol in :mod:`deltafl_jax.algorithms.protocol`, options
 and sweeps in :mod:`deltafl_jax.algorithms.options`, the report's column names in
 :mod:`deltafl_jax.algorithms.naming`, the replica grid of a run in
 :mod:`deltafl_jax.replica_grid`. The names an algorithm module needs (``FederatedAlgorithm``,
-``Sweep``, ``Option``, ``average_delta``, ...) can also be imported from here.
+``Sweep``, ``Option``, ``setting``, ``Bounds``, ``average_delta``, ...) can also be imported
+from here.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 
 # Beside its own imports, the names an algorithm module needs, from their homes.
 from deltafl_jax.algorithms.options import (NoOptions, Option, Sweep, build_options,
-                                            check_options, declared_options)
+                                            check_options, option_flags, stored_options)
 from deltafl_jax.algorithms.protocol import (ClientFeedback, FederatedAlgorithm,
                                              PrivateAggregate, apply_delta, average_delta,
                                              no_state, scaled_delta)
+from deltafl_jax.declared import Bounds, setting
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.replicas import ReplicaLabel
 
@@ -43,9 +45,12 @@ class AlgorithmSpec:
       typed options (:meth:`options_for`). :meth:`make` calls it.
     hyper: the NamedTuple type of the per-replica hyper-parameters.
     sweep: the swept hyper-parameter.
-    options_type: the frozen dataclass of its options (:class:`Option` fields; the field names
-      are the flags, e.g. ``--filter``), built from ``config.options``; :class:`NoOptions`
-      for none. An options class may define ``check()`` (ConfigError naming the flag).
+    options_type: its options, a settings group (a frozen dataclass of
+      :func:`~deltafl_jax.declared.setting` fields, or a shared :class:`Option`'s
+      ``field()``: the flag, default, help, choices and bounds written on the field, e.g.
+      ``--filter``), built from ``config.options``; :class:`NoOptions` for none. An options
+      class may define ``check()`` for checks across its fields (ConfigError naming the
+      flag).
     fixed: values of the other hyper fields, the same for every replica.
     local_steps: force this many local steps (None: the run's --local_epochs/--local_steps).
     all_clients: every training client takes part in every round (m = N).
@@ -123,7 +128,7 @@ class AlgorithmSpec:
     asynchronous: Any = None
 
     def __post_init__(self):
-        declared_options(self.options_type)   # TypeError unless a frozen dataclass of Options
+        option_flags(self.options_type)   # TypeError unless a group of declared settings
         fields = set(self.hyper._fields)
         crossed = {c.field for c in self.cross}
         for sweep in self.primary_sweeps():
@@ -158,7 +163,7 @@ class AlgorithmSpec:
 
     def option_flags(self) -> Tuple[str, ...]:
         """The flags of its options, in order."""
-        return tuple(flag for flag, _ in declared_options(self.options_type))
+        return tuple(flag.name for flag in option_flags(self.options_type))
 
     def options_for(self, config):
         """Its typed options from ``config.options`` (defaults for the flags not given),
@@ -169,10 +174,7 @@ class AlgorithmSpec:
         """Its typed options as a finished run's configuration holds them (summary.json's
         ``config``: ``options``; runs written before options had their own mapping hold them
         at the top level), unchecked."""
-        run_config = dict(run_config or {})
-        given = {**run_config, **dict(run_config.get("options") or {})}
-        names = self.option_flags()
-        return self.options_type(**{k: given[k] for k in names if k in given})
+        return stored_options(self.options_type, run_config)
 
     def make(self, config, data, probabilities=None) -> FederatedAlgorithm:
         """The algorithm of a run: the factory with the config's typed options, and with

@@ -26,6 +26,7 @@ import numpy as np
 
 from deltafl_jax import outputs
 from deltafl_jax.algorithms import registry
+from deltafl_jax.declared import flat_values
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.run import checkpoint as ckpt
 
@@ -58,7 +59,7 @@ def settings(config) -> Dict[str, Any]:
     out = {k: v for k, v in config.flat().items() if k not in FREE_FIELDS}
     out.update(out.pop("data"))
     del out["options"]
-    out.update(dataclasses.asdict(registry.get(config.algorithm).options_for(config)))
+    out.update(flat_values(registry.get(config.algorithm).options_for(config)))
     return json.loads(_canonical(out))
 
 
@@ -108,14 +109,14 @@ def _group_defaults() -> Dict[str, str]:
     groups, of the data settings and of the algorithms' options."""
     from deltafl_jax.config import GROUPS
     from deltafl_jax.datasets import DataConfig
-    from deltafl_jax.declared import flat_values
     out: Dict[str, str] = {}
     for _, cls in GROUPS:
         out.update({k: _canonical(v) for k, v in
                     json.loads(_canonical(flat_values(cls()))).items()})
     data = json.loads(_canonical(flat_values(DataConfig(dataset=""))))
     out.update({k: _canonical(v) for k, v in data.items() if k != "dataset"})
-    out.update({flag: _canonical(option.default) for flag, option in registry.options()})
+    for spec in registry.SPECS.values():
+        out.update({k: _canonical(v) for k, v in flat_values(spec.options_type()).items()})
     return out
 
 
