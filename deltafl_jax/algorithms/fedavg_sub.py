@@ -19,7 +19,7 @@ from deltafl_jax.algorithms.deltafl import DEFAULT_TIE_RTOL, FILTER, check_theta
 from deltafl_jax.algorithms.options import Sweep, check_options
 from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, RoundContext, average_delta,
                                              no_state)
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Grid
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.superquantile import quantile_levels
 
@@ -106,8 +106,9 @@ SPEC = AlgorithmSpec(
     sweep=Sweep(flag="thetas", field="theta", default=DEFAULT_SUB_THETAS,
                 help="conformity levels theta in (0, 1], all trained in one program",
                 interval=(0.0, 1.0), labelled_by_theta=True, symbol="θ"),
-    alt_sweep=Sweep(flag="fedavg_sub_clients", field="clients", default=(),
-                    help="fedavg_sub: clients averaged per round, swept (empty: as many as "
-                    "Delta-FL keeps at each theta < 1 of --thetas)", integer=True,
-                    symbol="clients"),
-    fixed={"theta": 1.0, "clients": 0.0}, values=_theta_levels, validate=_validate)
+    grid=Grid(alt_sweep=Sweep(flag="fedavg_sub_clients", field="clients", default=(),
+                              help="fedavg_sub: clients averaged per round, swept (empty: as "
+                              "many as Delta-FL keeps at each theta < 1 of --thetas)",
+                              integer=True, symbol="clients"),
+              fixed={"theta": 1.0, "clients": 0.0}, values=_theta_levels),
+    validate=_validate)
