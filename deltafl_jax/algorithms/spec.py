@@ -168,11 +168,11 @@ class AlgorithmSpec:
     reporting: Reporting = dataclasses.field(default_factory=Reporting)
 
     def __post_init__(self):
+        declared_options(self.options_type)   # TypeError unless a frozen dataclass of Options
         for field, record in _RECORDS:
             if not isinstance(getattr(self, field), record):
                 raise TypeError(f"spec {self.name}: {field} must be a {record.__name__}, got "
                                 f"{type(getattr(self, field)).__name__}")
-        declared_options(self.options_type)   # TypeError unless a frozen dataclass of Options
         fields = set(self.hyper._fields)
         fixed = self.grid.fixed
         crossed = {c.field for c in self.grid.cross}
