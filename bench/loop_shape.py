@@ -38,7 +38,7 @@ def build(shape: str, data):
     from deltafl_jax import DataConfig, ExperimentConfig, build_experiment, rounds
     from deltafl_jax.algorithms import registry
 
-    fixed = registry.get(FLAGS.algorithm).fixed_sweep   # fedavg: theta = 1, its only value
+    fixed = registry.get(FLAGS.algorithm).grid.fixed_sweep   # fedavg: theta = 1, its only value
     cfg = ExperimentConfig(
         data=DataConfig("femnist_like"), model=FLAGS.model, algorithm=FLAGS.algorithm,
         thetas=() if fixed else (0.5,), seeds=(1,),

@@ -250,7 +250,7 @@ def method_name(algorithm: str, theta: float) -> str:
     """'FedAvg', 'FedNova', 'Δ-FL, θ = 0.5': the spec's display name, and its swept θ."""
     from deltafl_jax.algorithms import registry
     spec = registry.get(algorithm)
-    return spec.display_name + (f", θ = {theta:g}" if spec.names_value else "")
+    return spec.display_name + (f", θ = {theta:g}" if spec.reporting.names_value else "")
 
 
 def analyse(run_dirs: dict, at_hours, target) -> dict:

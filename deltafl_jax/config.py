@@ -439,7 +439,7 @@ def _check_timing(c: ExperimentConfig, spec) -> None:
         return
     what = ("--round_deadline" if t.round_deadline is not None else "--over_select"
             if t.over_select != 1.0 else "--mean_online_seconds")
-    if spec.all_clients or not spec.variable_cohort:
+    if spec.clients.fixed_cohort:
         raise ConfigError(f"{what}: --algorithm={spec.name} needs a fixed cohort of m clients a "
                           f"round (it runs with --client_speed and no deadline or "
                           f"over-selection)")

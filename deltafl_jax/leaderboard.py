@@ -56,15 +56,16 @@ def board_methods(setting: BoardSetting, names: Optional[Sequence[str]] = None) 
     that is not a leaderboard method or does not apply). A method that joins another's
     program brings that one along."""
     if names is None:
-        return [n for n, spec in registry.SPECS.items()
-                if spec.leaderboard is not None and not spec.leaderboard.why_not(setting)]
+        boards = {n: spec.reporting.leaderboard for n, spec in registry.SPECS.items()}
+        return [n for n, board in boards.items()
+                if board is not None and not board.why_not(setting)]
     out = []
     for name in names:
         spec = registry.get(name)
-        if spec.leaderboard is None:
+        if spec.reporting.leaderboard is None:
             raise ConfigError(f"--methods: {name} is not a leaderboard method (its spec has no "
                               f"leaderboard Board: a control or a variant of another method)")
-        why = spec.leaderboard.why_not(setting)
+        why = spec.reporting.leaderboard.why_not(setting)
         if why:
             raise ConfigError(f"--methods: {name} does not apply to {setting.dataset} / "
                               f"{setting.model}: {why}")
@@ -74,7 +75,7 @@ def board_methods(setting: BoardSetting, names: Optional[Sequence[str]] = None) 
 
 def host_of(name: str) -> Tuple[str, Optional[float]]:
     """(the program a method runs in, its swept value there, or None for its own grid)."""
-    joins = registry.get(name).leaderboard.joins
+    joins = registry.get(name).reporting.leaderboard.joins
     return (joins[0], float(joins[1])) if joins is not None else (name, None)
 
 

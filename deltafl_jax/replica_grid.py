@@ -16,7 +16,7 @@ from deltafl_jax.replicas import GridPoint, ReplicaGrid
 
 
 def grid_for(spec, config, dp_noise: Sequence[float] = (0.0,)) -> ReplicaGrid:
-    """The sweep values (x the `cross` values x the --server_lr values x the DP values,
+    """The sweep values (x the grid's `cross` values x the --server_lr values x the DP values,
     whose noise multipliers `dp_noise` are) x seeds, with the config's schedule and
     per-value L2."""
     sweep = spec.active_sweep(config)
@@ -34,9 +34,9 @@ def grid_for(spec, config, dp_noise: Sequence[float] = (0.0,)) -> ReplicaGrid:
 
 def crossed(spec, config) -> Tuple[Tuple[Mapping[str, float], Tuple], ...]:
     """(hyper overrides, extra label coordinates) for each combination of the values of the
-    spec's `cross` sweeps (one empty combination when there are none)."""
+    spec's `grid.cross` sweeps (one empty combination when there are none)."""
     combos: Tuple[Tuple[Mapping[str, float], Tuple], ...] = (({}, ()),)
-    for c in spec.cross:
+    for c in spec.grid.cross:
         values = c.check(config.sweep(c.flag)) or c.default
         combos = tuple(({**o, c.field: v}, e + ((c.flag, v),))
                        for o, e in combos for v in values)

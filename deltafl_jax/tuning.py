@@ -198,9 +198,9 @@ def default_lr_grid(config) -> Tuple[float, ...]:
 
 
 def tunes_l2(config) -> bool:
-    """The lambda step applies to the run's algorithm (``AlgorithmSpec.tunes_l2``: Delta-FL
+    """The lambda step applies to the run's algorithm (``Grid.tunes_l2`` of its spec: Delta-FL
     and FedAvg, Delta-FL at the thetas of its sweep)."""
-    return registry.get(config.algorithm).tunes_l2
+    return registry.get(config.algorithm).grid.tunes_l2
 
 
 def l2_thetas(config, per_theta: bool) -> Tuple[float, ...]:
@@ -237,7 +237,7 @@ def check(config, data, lr_grid, decay_grid, l2_grid, tune_lr: bool, tune_l2: bo
     if tune_l2:
         _check_grid("l2_grid", l2_grid, 0.0, True)
         if not tunes_l2(config):
-            able = ", ".join(n for n in registry.names() if registry.get(n).tunes_l2)
+            able = ", ".join(n for n in registry.names() if registry.get(n).grid.tunes_l2)
             raise TuningError(f"--tune_l2 tunes the runs of {able}; --algorithm="
                               f"{config.algorithm} would need its own grid (pass --tune_l2=no)")
     if tune_param and param_sweep(config) is None:

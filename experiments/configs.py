@@ -47,7 +47,7 @@ def config_from_flags(algorithm: str = None, beside_others: bool = False,
     spec = registry.find(name)   # None: ExperimentConfig names the unknown algorithm
     sweeps = {s.flag: (ints if s.integer else floats)(s.flag, FLAGS[s.flag].value)
               for s in registry.sweeps()}
-    if beside_others and spec is not None and spec.fixed_sweep:
+    if beside_others and spec is not None and spec.grid.fixed_sweep:
         sweeps.pop(spec.sweep.flag, None)
     options = {f: FLAGS[f].value for f in (spec.option_flags() if spec is not None else ())}
     groups = {where: declared.from_flags(cls, _value) for where, cls in GROUPS}

@@ -167,7 +167,7 @@ def _grids(methods, quick: bool) -> Dict[str, Dict[str, Tuple[float, ...]]]:
     out = {}
     for name in methods:
         spec = registry.get(name)
-        grid = spec.leaderboard.grid_for(quick)
+        grid = spec.reporting.leaderboard.grid_for(quick)
         for sweep in spec.sweeps():
             if sweep.flag in cli.COMMAND_LINE:
                 values = (cli.ints if sweep.integer else cli.floats)(sweep.flag,

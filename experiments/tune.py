@@ -130,7 +130,7 @@ def _write_flagfile(config, result, out_dir: str) -> str:
                  "l2_reg": ",".join(repr(float(v)) for v in lams),
                  "output_dir": os.path.join(out_dir, "run")}
     spec = registry.get(config.algorithm)
-    if spec.tunes_l2 and not spec.fixed_sweep:   # --l2_reg lists lambda per value of the sweep
+    if spec.grid.tunes_l2 and not spec.grid.fixed_sweep:   # --l2_reg: lambda per swept value
         overrides[spec.sweep.flag] = ",".join(repr(float(t)) for t in thetas)
     chosen = [f"# theta {t:g}: lambda = {v:g}" for t, v in zip(thetas, lams)]
     if result.param_flag is not None:

@@ -268,7 +268,7 @@ def _poisson_cases():
     """The algorithms that sample a variable cohort; all but the first in CI's slow step."""
     from deltafl_jax.algorithms import registry
     names = [n for n in sorted(registry.names())
-             if registry.get(n).variable_cohort and not registry.get(n).all_clients]
+             if not registry.get(n).clients.fixed_cohort]
     return names[:1] + [pytest.param(n, marks=pytest.mark.slow) for n in names[1:]]
 
 

@@ -44,7 +44,8 @@ def run_board(argv, capsys):
 def test_every_board_is_valid():
     """Each spec's board grids name its own flags with values in range; a join names a
     method with a board; the controls and variants have none."""
-    boards = {n: s.leaderboard for n, s in registry.SPECS.items() if s.leaderboard is not None}
+    boards = {n: s.reporting.leaderboard for n, s in registry.SPECS.items()
+              if s.reporting.leaderboard is not None}
     for name, board in boards.items():
         for quick in (True, False):
             lb.check_grid(name, board.grid_for(quick))
@@ -55,8 +56,8 @@ def test_every_board_is_valid():
     assert not {"fedavg_sub", "afl_qffl", "deltafl_alt"} & set(boards)
     # A method with Ditto's layer is no leaderboard method (it would inherit its base's board:
     # fedavg+ditto would claim to be Delta-FL at theta = 1).
-    assert registry.get("fedavg+ditto").leaderboard is None
-    assert registry.get("deltafl+ditto").leaderboard is None
+    assert registry.get("fedavg+ditto").reporting.leaderboard is None
+    assert registry.get("deltafl+ditto").reporting.leaderboard is None
     assert lb.board_methods(SMALL) == list(boards)
     assert lb.host_of("fedavg") == ("deltafl", 1.0)
 

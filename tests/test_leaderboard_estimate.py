@@ -122,7 +122,8 @@ def test_program_work_reads_the_specs_declared_work():
     w = program_work(config, data)
     assert w.train_steps == pytest.approx(2 * 6 * mean_steps)
     assert w.loss_examples == 0   # over FedAvg, whose round evaluates no loss
-    # AFL: every training client, one local step (its spec's all_clients, local_steps=1)
+    # AFL: every training client, one local step
+    # (its spec's Clients(full_participation=True, local_steps=1))
     config = tiny_config(algorithm="afl", seeds=(1,), clients_per_round=6)
     data = load_dataset(config.data)
     w = program_work(config, data)

@@ -3,8 +3,8 @@
 
 from deltafl_jax.algorithms.options import Sweep
 from deltafl_jax.algorithms.protocol import ClientFeedback, FederatedAlgorithm, average_delta
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Clients, Grid, Reporting
 from deltafl_jax.algorithms import registry
 
-__all__ = ["AlgorithmSpec", "ClientFeedback", "FederatedAlgorithm", "Sweep", "average_delta",
-           "registry"]
+__all__ = ["AlgorithmSpec", "ClientFeedback", "Clients", "FederatedAlgorithm", "Grid", "Reporting",
+           "Sweep", "average_delta", "registry"]

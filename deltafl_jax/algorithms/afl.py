@@ -21,7 +21,7 @@ from deltafl_jax.algorithms.leaderboard import Board, population_at_most
 from deltafl_jax.algorithms.options import Sweep
 from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, RoundContext, apply_delta,
                                              average_delta)
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Clients, Reporting
 
 DEFAULT_LAMBDA_LR = (0.01,)
 
@@ -91,9 +91,10 @@ SPEC = AlgorithmSpec(
     sweep=Sweep(flag="afl_lambda_lr", field="lambda_lr", default=DEFAULT_LAMBDA_LR,
                 minimum=0.0, help="afl: step sizes >= 0 of the projected ascent on lambda, "
                 "swept", symbol="γ_λ"),
-    local_steps=1, all_clients=True,
-    leaderboard=Board(grid={"afl_lambda_lr": (0.001, 0.01, 0.1)},
-                      quick={"afl_lambda_lr": (0.01, 0.1)}, applies=population_at_most(1000)),
+    clients=Clients(full_participation=True, local_steps=1),
+    reporting=Reporting(leaderboard=Board(grid={"afl_lambda_lr": (0.001, 0.01, 0.1)},
+                                          quick={"afl_lambda_lr": (0.01, 0.1)},
+                                          applies=population_at_most(1000))),
     own_server_step="AFL's w-step is one SGD step w - gamma sum_k lambda_k g_k of its "
     "saddle-point problem, coupled with the projected ascent on lambda and served as the "
     "average of its iterates")

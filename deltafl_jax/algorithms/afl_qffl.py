@@ -4,7 +4,7 @@ The round is :func:`deltafl_jax.algorithms.qffl.qffl`; ``--qffl_q`` is not read.
 from __future__ import annotations
 
 from deltafl_jax.algorithms.qffl import Q_SWEEP, QFFLHyper, qffl
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Grid
 
 AFL_QFFL_Q = 10.0
 
@@ -12,4 +12,4 @@ SPEC = AlgorithmSpec(
     name="afl_qffl", display_name="AFL (q-FFL proxy)",
     help="q-FFL at q = 10, the papers' stand-in for AFL",
     factory=lambda config, data, options: qffl(), hyper=QFFLHyper, sweep=Q_SWEEP,
-    values=lambda config, given: (AFL_QFFL_Q,), fixed_sweep=True)
+    grid=Grid(values=lambda config, given: (AFL_QFFL_Q,), fixed_sweep=True))

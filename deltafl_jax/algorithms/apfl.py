@@ -56,7 +56,7 @@ from deltafl_jax.algorithms.fedavg import FedAvgOptions, fedavg
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Sweep, check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Clients, Reporting
 from deltafl_jax.declared import Bounds, setting
 from deltafl_jax.engine.client import ClientUpdate, LocalState, difference, optimizer_step
 from deltafl_jax.engine import tree_all_finite
@@ -196,9 +196,10 @@ SPEC = AlgorithmSpec(
     "alpha_k v_k + (1 - alpha_k) w; the global model averaged as FedAvg's",
     factory=lambda config, data, options: apfl(options), hyper=APFLHyper,
     options_type=APFLOptions, validate=check_alphas,
-    local_work=2.0,   # the steps of w and of v on each minibatch
+    clients=Clients(local_work=2.0),   # the steps of w and of v on each minibatch
     sweep=Sweep(flag="apfl_alpha", field="alpha0", default=DEFAULT_ALPHA, minimum=0.0,
                 help="apfl: initial mixing weights alpha in [0, 1], swept", symbol="α₀"),
     # The leaderboard evaluates the global model on unseen test clients: FedAvg's, whatever
     # alpha_0 (only the personal models depend on it), so the CPU set trains one value.
-    leaderboard=Board(grid={"apfl_alpha": DEFAULT_ALPHA}, quick={"apfl_alpha": (0.5,)}))
+    reporting=Reporting(leaderboard=Board(grid={"apfl_alpha": DEFAULT_ALPHA},
+                                          quick={"apfl_alpha": (0.5,)})))

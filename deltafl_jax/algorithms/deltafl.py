@@ -88,7 +88,7 @@ from deltafl_jax.algorithms.options import Option, Sweep, check_options
 from deltafl_jax.algorithms.participation import FEDAU_CAP, correction, init_estimator
 from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, RoundContext,
                                              average_delta, no_state)
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Clients, Grid, Reporting
 from deltafl_jax.declared import Bounds, finite_in, setting
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.secagg import SumNoise, mm_quantile
@@ -302,13 +302,15 @@ def theta_one(algorithm: str, why: str) -> Callable:
     return values
 
 
-def at_theta_one(algorithm: str,
-                 why: str = "trains every sampled client (theta = 1)") -> Dict[str, Any]:
+def at_theta_one(algorithm: str, why: str = "trains every sampled client (theta = 1)", *,
+                 tunes_l2: bool = False, leaderboard: Any = None) -> Dict[str, Any]:
     """The spec fields of a method that trains theta = 1 alone (FedAvg, SCAFFOLD, MIFA, ...):
     Delta-FL's hyper-parameters and sweep, whose --thetas it refuses but 1 (:func:`theta_one`,
-    saying `why`; :func:`check_thetas`), and one model named by the method alone."""
+    saying `why`; :func:`check_thetas`), and one model named by the method alone; `tunes_l2`
+    and `leaderboard` as in :class:`Grid` and :class:`Reporting`."""
     return dict(hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas,
-                values=theta_one(algorithm, why), names_value=False, fixed_sweep=True)
+                grid=Grid(values=theta_one(algorithm, why), fixed_sweep=True, tunes_l2=tunes_l2),
+                reporting=Reporting(names_value=False, leaderboard=leaderboard))
 
 
 def check_thetas(config) -> None:
@@ -367,8 +369,9 @@ SPEC = AlgorithmSpec(
     help="Delta-FL: the clients above the (1 - theta)-quantile train",
     factory=build_deltafl,
     hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=DeltaFLOptions,
-    column_name=column_name, tunes_l2=True, variable_cohort=True,
-    leaderboard=Board(grid={"thetas": (0.8, 0.5, 0.1)}),
+    grid=Grid(tunes_l2=True), clients=Clients(variable_cohort=True),
+    reporting=Reporting(column_name=column_name,
+                        leaderboard=Board(grid={"thetas": (0.8, 0.5, 0.1)})),
     dp_requires="--quantile=secagg_mm --weighting=unweighted --deltafl_participation=none "
     "(private Delta-FL: eta from "
     "Algorithm 3's noised secure sums, the clients filtering themselves at weight 1)")

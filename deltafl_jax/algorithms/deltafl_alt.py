@@ -34,7 +34,7 @@ from deltafl_jax.algorithms.deltafl import (DEFAULT_TIE_RTOL, FILTER, THETA_SWEE
                                             round_rule, run_thetas, unnormalised_alphas)
 from deltafl_jax.algorithms.options import Sweep, check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, average_delta
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Grid, Reporting
 from deltafl_jax.superquantile import quantile_levels
 
 DEFAULT_ETA_EVERY = (1.0, 5.0, 20.0)
@@ -110,7 +110,8 @@ SPEC = AlgorithmSpec(
     help="Delta-FL with eta refreshed every T_eta rounds (Algorithm 1; App. C.3, Figs. 17-18)",
     factory=lambda config, data, options: deltafl_alt(options, thetas=run_thetas(config)),
     hyper=DeltaFLAltHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=DeltaFLAltOptions,
-    column_name=_column_name,
-    cross=(Sweep(flag="eta_every", field="eta_every", default=DEFAULT_ETA_EVERY, minimum=1.0,
-                 integer=True, help="deltafl_alt: T_eta, rounds between refreshes of eta, "
-                 "crossed with --thetas (1 = Delta-FL)", symbol="T_η"),))
+    reporting=Reporting(column_name=_column_name),
+    grid=Grid(cross=(Sweep(flag="eta_every", field="eta_every", default=DEFAULT_ETA_EVERY,
+                           minimum=1.0, integer=True, help="deltafl_alt: T_eta, rounds between "
+                           "refreshes of eta, crossed with --thetas (1 = Delta-FL)",
+                           symbol="T_η"),)))

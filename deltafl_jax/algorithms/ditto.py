@@ -42,7 +42,7 @@ from deltafl_jax.algorithms.fedavg import DP_REQUIRES, FedAvgOptions, fedavg
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Sweep
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Clients, Reporting
 from deltafl_jax.engine.client import (AdaptState, ClientUpdate, optimizer_step)
 
 LAYER = "ditto"
@@ -185,10 +185,11 @@ SPEC = AlgorithmSpec(
     factory=lambda config, data, options: ditto(fedavg(options)), hyper=DittoHyper,
     options_type=FedAvgOptions, dp_requires=DP_REQUIRES, sweep=LAMBDA_SWEEP,
     cautions=stability_cautions,
-    local_work=2.0,   # a personal step beside the global one on each minibatch
+    clients=Clients(local_work=2.0),   # a personal step beside the global one on each minibatch
     # The leaderboard evaluates the global model on unseen test clients: FedAvg's, whatever
     # lambda (only the personal models v_k depend on it), so the CPU set trains one value.
-    leaderboard=Board(grid={"ditto_lambda": DEFAULT_LAMBDA}, quick={"ditto_lambda": (1.0,)}))
+    reporting=Reporting(leaderboard=Board(grid={"ditto_lambda": DEFAULT_LAMBDA},
+                                          quick={"ditto_lambda": (1.0,)})))
 
 
 @functools.lru_cache(maxsize=None)
@@ -201,7 +202,7 @@ def _hyper_type(base_hyper: Any) -> type:
 def personalized(base: AlgorithmSpec) -> AlgorithmSpec:
     """Ditto over `base`: its sweeps crossed with --ditto_lambda, its options and its server
     step; reports name it 'Ditto over <base's column>'."""
-    base_column = base.column_name
+    base_column = base.reporting.column_name
     base_cautions = base.warnings
 
     def column_name(label, options, head):
@@ -212,7 +213,9 @@ def personalized(base: AlgorithmSpec) -> AlgorithmSpec:
         base, name=f"{base.name}+{LAYER}", display_name=base.display_name,
         help=f"Ditto over {base.name}",
         factory=lambda config, data, options: ditto(base.factory(config, data, options)),
-        hyper=_hyper_type(base.hyper), cross=tuple(base.cross) + (LAMBDA_SWEEP,),
-        column_name=column_name, tunes_l2=False, leaderboard=None,
+        hyper=_hyper_type(base.hyper),
+        grid=dataclasses.replace(base.grid, cross=tuple(base.grid.cross) + (LAMBDA_SWEEP,),
+                                 tunes_l2=False),
+        reporting=dataclasses.replace(base.reporting, column_name=column_name, leaderboard=None),
         cautions=lambda config, replicas: (base_cautions(config, replicas)
                                            + stability_cautions(config, replicas)))

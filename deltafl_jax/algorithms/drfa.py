@@ -60,7 +60,7 @@ from deltafl_jax.algorithms.afl import project_simplex
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Sweep, check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, average_delta
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Reporting
 from deltafl_jax.declared import setting
 from deltafl_jax.engine.client import (ClientUpdate, LocalState, difference, local_init,
                                        optimizer_step)
@@ -226,5 +226,5 @@ SPEC = AlgorithmSpec(
     sweep=Sweep(flag="drfa_lambda_lr", field="lambda_lr", default=DEFAULT_LAMBDA_LR,
                 minimum=0.0, symbol="γ", help="drfa: step sizes gamma >= 0 of the ascent on "
                 "the mixing weights lambda, swept"),
-    leaderboard=Board(grid={"drfa_lambda_lr": DEFAULT_LAMBDA_LR},
-                      quick={"drfa_lambda_lr": (0.01, 0.1)}))
+    reporting=Reporting(leaderboard=Board(grid={"drfa_lambda_lr": DEFAULT_LAMBDA_LR},
+                                          quick={"drfa_lambda_lr": (0.01, 0.1)})))

@@ -27,7 +27,7 @@ from deltafl_jax.algorithms.deltafl import THETA_SWEEP, DeltaFLHyper, theta_one
 from deltafl_jax.algorithms.fedavg import fedavg
 from deltafl_jax.algorithms.fedbuff import (AsyncStep, async_validator, build_buffered_step,
                                             current_params, versions_at)
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Grid, Reporting
 from deltafl_jax.declared import Bounds, setting
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.replicas import Replicas
@@ -88,5 +88,6 @@ SPEC = AlgorithmSpec(
     factory=lambda config, data, options: fedavg()._replace(name="fedasync"),
     hyper=DeltaFLHyper, sweep=THETA_SWEEP, options_type=FedAsyncOptions,
     validate=async_validator(FEDASYNC),
-    values=theta_one("fedasync", "trains every update it mixes in (theta = 1)"),
-    names_value=False, fixed_sweep=True, asynchronous=FEDASYNC)
+    grid=Grid(values=theta_one("fedasync", "trains every update it mixes in (theta = 1)"),
+              fixed_sweep=True),
+    reporting=Reporting(names_value=False), asynchronous=FEDASYNC)

@@ -28,7 +28,7 @@ its m clients' entries (O(m)).
 **Known probabilities** (``--algorithm=known_prob``): omega_i = 1 / p_i, p_i the probability
 that client i takes part in a round, given when the algorithm is built (:func:`known_prob`'s
 `probabilities`, [N]); the estimator is then unbiased for (1/N) sum_i Delta_i. The spec takes
-them from the run (``participation``): the run computes p_i from its availability model and
+them from the run (``Clients``): the run computes p_i from its availability model and
 sampler (:func:`deltafl_jax.run.resolve.participation_probabilities`: m / N with every client
 online; the replayed schedule's or trace's expected share of rounds in which i trains; r_i
 times the sampler's probability among the online clients for a generated model; under
@@ -50,13 +50,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper, check_thetas,
-                                            theta_one, unnormalised_alphas)
+from deltafl_jax.algorithms.deltafl import WEIGHTING, at_theta_one, unnormalised_alphas
 from deltafl_jax.algorithms.options import check_options
 from deltafl_jax.algorithms.participation import (FEDAU_CAP, fedau_omega, fedau_record,
                                                   init_estimator)
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, no_state, scaled_delta
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Clients
 from deltafl_jax.errors import ConfigError
 
 
@@ -153,15 +152,12 @@ SPEC = AlgorithmSpec(
     help="FedAU: each update weighted by its client's estimated participation interval, over N "
     "(--fedau_cap K; --server_lr is eta_g)",
     factory=lambda config, data, options: fedau(data.train.sizes, options),
-    hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=FedAUOptions,
-    values=theta_one("fedau", "trains every sampled client (theta = 1)"), names_value=False,
-    fixed_sweep=True, variable_cohort=True)
+    options_type=FedAUOptions, clients=Clients(variable_cohort=True), **at_theta_one("fedau"))
 
 KNOWN_PROB = AlgorithmSpec(
     name="known_prob", display_name="known p",
     help="each update divided by its client's known participation probability p_i, over N "
     "(m/N with every client available)",
     factory=build_known_prob,
-    hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=check_thetas, options_type=KnownProbOptions,
-    values=theta_one("known_prob", "trains every sampled client (theta = 1)"),
-    names_value=False, fixed_sweep=True, variable_cohort=True, participation=True)
+    options_type=KnownProbOptions,
+    clients=Clients(variable_cohort=True, takes_probabilities=True), **at_theta_one("known_prob"))

@@ -25,7 +25,7 @@ from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import check_options
 from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregate, RoundContext,
                                              average_delta, no_state)
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Clients
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +79,6 @@ SPEC = AlgorithmSpec(
     name="fedavg", display_name="FedAvg",
     help="FedAvg: Delta-FL at theta = 1 without the evaluation at w_t",
     factory=lambda config, data, options: fedavg(options), options_type=FedAvgOptions,
-    tunes_l2=True, variable_cohort=True,
-    **at_theta_one("fedavg", "is Delta-FL at theta=1 (use --algorithm=deltafl to sweep theta)"),
-    dp_requires=DP_REQUIRES, leaderboard=Board(joins=("deltafl", 1.0)))
+    clients=Clients(variable_cohort=True), dp_requires=DP_REQUIRES,
+    **at_theta_one("fedavg", "is Delta-FL at theta=1 (use --algorithm=deltafl to sweep theta)",
+                   tunes_l2=True, leaderboard=Board(joins=("deltafl", 1.0))))

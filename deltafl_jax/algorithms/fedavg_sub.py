@@ -20,7 +20,7 @@ from deltafl_jax.algorithms.deltafl import (DEFAULT_TIE_RTOL, FILTER, THETA_SWEE
 from deltafl_jax.algorithms.options import Sweep, check_options
 from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, RoundContext, average_delta,
                                              no_state)
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Grid
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.superquantile import quantile_levels
 
@@ -108,8 +108,9 @@ SPEC = AlgorithmSpec(
     # its own, tuned by the tuner.
     sweep=dataclasses.replace(THETA_SWEEP, default=DEFAULT_SUB_THETAS, tuned=True,
                               declared_by=THETA_SWEEP),
-    alt_sweep=Sweep(flag="fedavg_sub_clients", field="clients", default=(),
-                    help="fedavg_sub: clients averaged per round, swept (empty: as many as "
-                    "Delta-FL keeps at each theta < 1 of --thetas)", integer=True,
-                    symbol="clients"),
-    fixed={"theta": 1.0, "clients": 0.0}, values=_theta_levels, validate=_validate)
+    grid=Grid(alt_sweep=Sweep(flag="fedavg_sub_clients", field="clients", default=(),
+                              help="fedavg_sub: clients averaged per round, swept (empty: as "
+                              "many as Delta-FL keeps at each theta < 1 of --thetas)",
+                              integer=True, symbol="clients"),
+              fixed={"theta": 1.0, "clients": 0.0}, values=_theta_levels),
+    validate=_validate)

@@ -47,7 +47,7 @@ from deltafl_jax import engine
 from deltafl_jax import plan as plan_lib
 from deltafl_jax.algorithms.deltafl import THETA_SWEEP, DeltaFLHyper, check_thetas, theta_one
 from deltafl_jax.algorithms.fedavg import fedavg
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Grid, Reporting
 from deltafl_jax.engine import mesh as mesh_lib
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.replicas import Replicas
@@ -349,5 +349,6 @@ SPEC = AlgorithmSpec(
     factory=lambda config, data, options: fedavg()._replace(name="fedbuff"),
     hyper=DeltaFLHyper, sweep=THETA_SWEEP,
     validate=async_validator(FEDBUFF),
-    values=theta_one("fedbuff", "trains every update it buffers (theta = 1)"),
-    names_value=False, fixed_sweep=True, asynchronous=FEDBUFF)
+    grid=Grid(values=theta_one("fedbuff", "trains every update it buffers (theta = 1)"),
+              fixed_sweep=True),
+    reporting=Reporting(names_value=False), asynchronous=FEDBUFF)

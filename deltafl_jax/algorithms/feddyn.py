@@ -72,7 +72,7 @@ from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Sweep, check_options
 from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, RoundContext, average_delta,
                                              zeros_like_params)
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Reporting
 from deltafl_jax.declared import setting
 from deltafl_jax.engine.client import corrected_sgd, difference
 
@@ -190,4 +190,5 @@ SPEC = AlgorithmSpec(
     sweep=Sweep(flag="feddyn_alpha", field="alpha", default=DEFAULT_ALPHA, minimum=0.0,
                 help="feddyn: weights alpha >= 0 of the dynamic regulariser, swept",
                 symbol="α"),
-    leaderboard=Board(grid={"feddyn_alpha": DEFAULT_ALPHA}, quick={"feddyn_alpha": (0.01, 0.1)}))
+    reporting=Reporting(leaderboard=Board(grid={"feddyn_alpha": DEFAULT_ALPHA},
+                                          quick={"feddyn_alpha": (0.01, 0.1)})))

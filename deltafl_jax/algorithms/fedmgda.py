@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from deltafl_jax.algorithms.leaderboard import Board, needs_clients
 from deltafl_jax.algorithms.options import Sweep, check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, no_state
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Reporting
 from deltafl_jax.engine.client import ClientUpdate, local_final, local_init, local_step
 from deltafl_jax.declared import Bounds, setting
 
@@ -163,6 +163,6 @@ SPEC = AlgorithmSpec(
     sweep=Sweep(flag="fedmgda_epsilon", field="epsilon", default=DEFAULT_EPSILON, minimum=0.0,
                 help="fedmgda: eps >= 0, the half-width of the box around the uniform weights, "
                      "swept", symbol="ε"),
-    leaderboard=Board(grid={"fedmgda_epsilon": DEFAULT_EPSILON, "server_lr": (0.5, 1.0, 2.0)},
-                      quick={"fedmgda_epsilon": (0.1, 1.0), "server_lr": (1.0,)},
-                      applies=needs_clients(2)))
+    reporting=Reporting(leaderboard=Board(
+        grid={"fedmgda_epsilon": DEFAULT_EPSILON, "server_lr": (0.5, 1.0, 2.0)},
+        quick={"fedmgda_epsilon": (0.1, 1.0), "server_lr": (1.0,)}, applies=needs_clients(2))))

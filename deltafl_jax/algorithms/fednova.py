@@ -58,7 +58,7 @@ from deltafl_jax.algorithms.deltafl import (THETA_SWEEP, WEIGHTING, DeltaFLHyper
 from deltafl_jax.algorithms.fedavg import size_weights
 from deltafl_jax.algorithms.options import check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm, average_delta, no_state
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Clients, Grid, Reporting
 from deltafl_jax.engine.client import (ClientUpdate, LocalState, difference, local_init,
                                        local_step)
 from deltafl_jax.errors import ConfigError
@@ -175,5 +175,6 @@ SPEC = AlgorithmSpec(
     "scaled by tau_eff = sum p_k a_k",
     factory=lambda config, data, options: fednova(client_momentum(config), options),
     hyper=DeltaFLHyper, sweep=THETA_SWEEP, validate=validate, options_type=FedNovaOptions,
-    values=theta_one("fednova", "trains every sampled client (theta = 1)"),
-    names_value=False, fixed_sweep=True, variable_cohort=True)
+    grid=Grid(values=theta_one("fednova", "trains every sampled client (theta = 1)"),
+              fixed_sweep=True),
+    reporting=Reporting(names_value=False), clients=Clients(variable_cohort=True))

@@ -19,7 +19,7 @@ from deltafl_jax.algorithms.fedavg import DP_REQUIRES, FedAvgOptions, fedavg
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Sweep
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Clients, Reporting
 from deltafl_jax.engine.client import corrected_sgd
 
 DEFAULT_MU = (0.001, 0.01, 0.1, 1.0)   # the FedProx paper's grid
@@ -58,7 +58,8 @@ SPEC = AlgorithmSpec(
     name="fedprox", display_name="FedProx",
     help="FedProx: FedAvg with the proximal term (mu/2)||w - w_t||^2",
     factory=lambda config, data, options: fedprox(options), hyper=FedProxHyper,
-    options_type=FedProxOptions, dp_requires=DP_REQUIRES, variable_cohort=True,
+    options_type=FedProxOptions, dp_requires=DP_REQUIRES, clients=Clients(variable_cohort=True),
     sweep=Sweep(flag="fedprox_mu", field="mu", default=DEFAULT_MU, minimum=0.0,
                 help="fedprox: proximal weights mu >= 0, swept", symbol="μ"),
-    leaderboard=Board(grid={"fedprox_mu": DEFAULT_MU}, quick={"fedprox_mu": (0.01, 0.1)}))
+    reporting=Reporting(leaderboard=Board(grid={"fedprox_mu": DEFAULT_MU},
+                                          quick={"fedprox_mu": (0.01, 0.1)})))

@@ -31,7 +31,7 @@ from deltafl_jax.algorithms.mifa import (LATEST_UPDATE, MifaOptions, MifaState,
                                          init_stored_sum, zeros_like_params)
 from deltafl_jax.algorithms.options import check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, scaled_delta
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Clients
 
 
 def fedvarp(train_sizes, options: MifaOptions = MifaOptions()) -> FederatedAlgorithm:
@@ -63,4 +63,4 @@ SPEC = AlgorithmSpec(
     help="FedVARP: the cohort's average corrected by every client's latest update (MIFA's "
     "state; --server_lr is eta_g)",
     factory=lambda config, data, options: fedvarp(data.train.sizes, options),
-    options_type=MifaOptions, variable_cohort=True, **at_theta_one("fedvarp"))
+    options_type=MifaOptions, clients=Clients(variable_cohort=True), **at_theta_one("fedvarp"))

@@ -40,7 +40,7 @@ from deltafl_jax.algorithms.leaderboard import Board, needs_clients
 from deltafl_jax.algorithms.options import Sweep, check_options
 from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, RoundContext, average_delta,
                                              no_state)
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Reporting
 from deltafl_jax.errors import ConfigError
 
 DEFAULT_COEFF = (0.1, 0.5, 1.0)   # the benchmark's default 0.1, and larger shares of lambda_max
@@ -111,5 +111,6 @@ SPEC = AlgorithmSpec(
     sweep=Sweep(flag="gifair_coeff", field="coeff", default=DEFAULT_COEFF, minimum=0.0,
                 help="gifair: c in [0, 1], the share of lambda_max = min p_k / (m - 1), swept",
                 symbol="c"),
-    leaderboard=Board(grid={"gifair_coeff": DEFAULT_COEFF},
-                      quick={"gifair_coeff": (0.5, 1.0)}, applies=needs_clients(2)))
+    reporting=Reporting(leaderboard=Board(grid={"gifair_coeff": DEFAULT_COEFF},
+                                          quick={"gifair_coeff": (0.5, 1.0)},
+                                          applies=needs_clients(2))))

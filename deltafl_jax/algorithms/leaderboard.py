@@ -1,5 +1,5 @@
 """What the tail leaderboard (``python -m experiments.leaderboard``) must know of an algorithm:
-one :class:`Board` in its spec (``AlgorithmSpec.leaderboard``; None: not a leaderboard
+one :class:`Board` in its spec (``spec.reporting.leaderboard``; None: not a leaderboard
 method, e.g. a control such as FedAvg-Sub or a variant of another method).
 
 The leaderboard runs every spec with a board that applies to a dataset, tunes its parameters
@@ -27,8 +27,8 @@ class Board:
     """How the leaderboard runs one algorithm.
 
     grid: flag -> values tuned on the validation clients, crossed with each other: the spec's
-      swept flag, a ``cross`` flag, or ``server_lr`` (the round's server learning rate, when
-      the server step is the round's). Empty: nothing to tune (FedAvg, SCAFFOLD).
+      swept flag, a flag of its grid's ``cross``, or ``server_lr`` (the round's server learning
+      rate, when the server step is the round's). Empty: nothing to tune (FedAvg, SCAFFOLD).
     quick: the grid of the CPU set (smaller, to fit its time budget); None: `grid`.
     joins: (algorithm, swept value): the method IS that algorithm at that value, and its runs
       are that algorithm's replicas, in its program (FedAvg: Delta-FL at theta = 1).

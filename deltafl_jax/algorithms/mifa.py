@@ -40,7 +40,7 @@ from deltafl_jax.algorithms.fedau import population_total
 from deltafl_jax.algorithms.fedavg import FedAvgOptions
 from deltafl_jax.algorithms.options import check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Clients
 from deltafl_jax.engine.client import ClientUpdate, difference, local_init, local_step
 
 # FedAvg's options: ``weighting``, beta_i = 1/N or n_i/n (module docstring).
@@ -101,4 +101,4 @@ SPEC = AlgorithmSpec(
     help="MIFA: every client's latest update kept, their average over all N clients applied "
     "every round (--server_lr is eta_g)",
     factory=lambda config, data, options: mifa(data.train.sizes, options),
-    options_type=MifaOptions, variable_cohort=True, **at_theta_one("mifa"))
+    options_type=MifaOptions, clients=Clients(variable_cohort=True), **at_theta_one("mifa"))

@@ -44,10 +44,10 @@ def method_name(spec, label: ReplicaLabel, run_config: Optional[Mapping[str, Any
     configuration as summary.json stores it (its options may name the column)."""
     symbols = {s.coordinate: s.symbol for s in spec.sweeps() if s.symbol}
     parts = label_parts(spec.display_name, label, {**symbols, **PLATFORM_SYMBOLS})
-    if not spec.names_value:
+    if not spec.reporting.names_value:
         parts[0] = spec.display_name
-    if spec.column_name is not None:
-        parts[0] = spec.column_name(label, spec.stored_options(run_config), parts[0])
+    if spec.reporting.column_name is not None:
+        parts[0] = spec.reporting.column_name(label, spec.stored_options(run_config), parts[0])
     return ", ".join(_server_parts(parts, run_config) + _dp_parts(label, run_config))
 
 
@@ -101,14 +101,14 @@ FEDAVG = "fedavg"
 def is_fedavg(algorithm: str, label: Optional[ReplicaLabel] = None) -> bool:
     """Whether a method (a column `label` of `algorithm`, or the algorithm itself) is FedAvg,
     as its spec names it: the ``fedavg`` spec, or a column named by its spec's
-    ``column_name`` as the ``fedavg`` spec's display name (Δ-FL at θ = 1)."""
+    ``reporting.column_name`` as the ``fedavg`` spec's display name (Δ-FL at θ = 1)."""
     from deltafl_jax.algorithms import registry
     if algorithm == FEDAVG:
         return True
     spec = registry.find(algorithm)
-    if spec is None or label is None or spec.column_name is None:
+    if spec is None or label is None or spec.reporting.column_name is None:
         return False
-    return (spec.column_name(label, spec.options_type(), spec.display_name)
+    return (spec.reporting.column_name(label, spec.options_type(), spec.display_name)
             == registry.SPECS[FEDAVG].display_name)
 
 

@@ -54,7 +54,7 @@ from deltafl_jax.algorithms.fedavg import DP_REQUIRES, FedAvgOptions, fedavg
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Sweep, check_options
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Clients, Reporting
 from deltafl_jax.engine.client import (ClientUpdate, LocalState, local_final, local_init,
                                        optimizer_step)
 from deltafl_jax.declared import Bounds, setting
@@ -146,9 +146,10 @@ SPEC = AlgorithmSpec(
     help="PropFair: FedAvg whose clients descend -log(1 - L/M) of each minibatch loss (its "
     "Huber continuation within eps of M)",
     factory=lambda config, data, options: propfair(options), hyper=PropFairHyper,
-    options_type=PropFairOptions, dp_requires=DP_REQUIRES, variable_cohort=True,
+    options_type=PropFairOptions, dp_requires=DP_REQUIRES, clients=Clients(variable_cohort=True),
     validate=check_base,
     sweep=Sweep(flag="propfair_base", field="base", default=DEFAULT_BASE, minimum=0.0,
                 help="propfair: M > eps, the loss at which log(M - L) vanishes, swept",
                 symbol="M"),
-    leaderboard=Board(grid={"propfair_base": BOARD_BASE}, quick={"propfair_base": (2.0, 6.0)}))
+    reporting=Reporting(leaderboard=Board(grid={"propfair_base": BOARD_BASE},
+                                          quick={"propfair_base": (2.0, 6.0)})))

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Sweep
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, no_state
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Reporting
 
 QFFL_EPS = 1e-10
 DEFAULT_Q = (0.001, 0.01, 0.1, 1.0, 10.0)   # CISS 2021, Sec. V
@@ -79,5 +79,5 @@ Q_SWEEP = Sweep(flag="qffl_q", field="q", default=DEFAULT_Q, minimum=0.0,
 SPEC = AlgorithmSpec(name="qffl", display_name="q-FFL", help="q-FFL (q-FedAvg)",
                      factory=lambda config, data, options: qffl(), hyper=QFFLHyper,
                      sweep=Q_SWEEP,
-                     leaderboard=Board(grid={"qffl_q": DEFAULT_Q},
-                                       quick={"qffl_q": (0.001, 0.1)}))
+                     reporting=Reporting(leaderboard=Board(grid={"qffl_q": DEFAULT_Q},
+                                                           quick={"qffl_q": (0.001, 0.1)})))

@@ -118,4 +118,4 @@ SPEC = AlgorithmSpec(
     name="scaffold", display_name="SCAFFOLD",
     help="SCAFFOLD (option II control variates; --server_lr is its global step size eta_g)",
     factory=lambda config, data, options: scaffold(data.train.sizes, options),
-    options_type=ScaffoldOptions, leaderboard=Board(), **at_theta_one("scaffold"))
+    options_type=ScaffoldOptions, **at_theta_one("scaffold", leaderboard=Board()))

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.options import Sweep
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm, RoundContext, scaled_delta
-from deltafl_jax.algorithms.spec import AlgorithmSpec
+from deltafl_jax.algorithms.spec import AlgorithmSpec, Reporting
 
 TERM_EMA = 0.5
 DEFAULT_T = (0.1, 1.0, 10.0)
@@ -79,4 +79,5 @@ SPEC = AlgorithmSpec(
     factory=lambda config, data, options: term(), hyper=TERMHyper,
     sweep=Sweep(flag="term_t", field="t", default=DEFAULT_T, help="term: tilts t, swept",
                 symbol="t"),
-    leaderboard=Board(grid={"term_t": DEFAULT_T}, quick={"term_t": (0.1, 1.0)}))
+    reporting=Reporting(leaderboard=Board(grid={"term_t": DEFAULT_T},
+                                          quick={"term_t": (0.1, 1.0)})))

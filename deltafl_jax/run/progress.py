@@ -44,7 +44,7 @@ def coordinates(label, theta: str = "θ") -> str:
     written ("theta" in a multi-method run's closing table)."""
     extra = " ".join(f"{n}={v:g}" for n, v in label.extra)
     spec = registry.find(label.algorithm)
-    if spec is not None and not spec.names_value:
+    if spec is not None and not spec.reporting.names_value:
         return extra
     name, value = label.swept()
     head = theta if name == "theta" else name
@@ -57,7 +57,7 @@ def replica_group_name(label) -> str:
     spec = registry.find(label.algorithm)
     display = spec.display_name if spec is not None else label.algorithm
     coords = coordinates(label)
-    if spec is not None and not spec.names_value:
+    if spec is not None and not spec.reporting.names_value:
         return " ".join(p for p in (display, coords) if p)
     return coords
 

@@ -110,12 +110,13 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
     m = _sampled(config, spec, data)
     availability = _availability(config, spec, data)
     training = config.training
-    local_steps = spec.local_steps if spec.local_steps is not None else training.local_steps
+    forced = spec.clients.local_steps
+    local_steps = forced if forced is not None else training.local_steps
     work = plan_lib.LocalWork(batch_size=training.batch_size, local_epochs=training.local_epochs,
                               local_steps=local_steps)
     algorithm = spec.make(config, data, participation_probabilities(
         config, availability, data.train.num_clients, m,
-        _keep_order(config, data, model, work, m)) if spec.participation else None)
+        _keep_order(config, data, model, work, m)) if spec.clients.takes_probabilities else None)
     check_private_version(config.privacy, config.sampling.sampler, spec, algorithm,
                           tuned=replicas is not None)
     noise = _noise(config, spec, algorithm, m, data.train.num_clients)
@@ -275,14 +276,14 @@ def _model(config: ExperimentConfig, data: FederatedDataset) -> Tuple[Model, Mod
 
 def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDataset) -> int:
     m = config.training.clients_per_round
-    if config.sampling.sampler == "cyclic" and spec.all_clients:
+    if config.sampling.sampler == "cyclic" and spec.clients.full_participation:
         raise ConfigError(f"--client_sampling=cyclic: --algorithm={spec.name} trains every "
                           f"client every round")
     if m > data.train.num_clients:
         raise ConfigError(
             f"--clients_per_round={m} exceeds the {data.train.num_clients} training clients of "
             f"{data.name}")
-    return int(data.train.num_clients) if spec.all_clients else m
+    return int(data.train.num_clients) if spec.clients.full_participation else m
 
 
 def _sampler(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: FederatedAlgorithm,
@@ -294,7 +295,7 @@ def _sampler(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: Federated
     finite epsilon; a non-private run's P at most OVERFLOW_PLAIN. ConfigError for a sampler
     whose cohorts vary in size with an algorithm whose round needs a fixed cohort."""
     settings = config.sampling
-    if settings.variable and (spec.all_clients or not spec.variable_cohort):
+    if settings.variable and spec.clients.fixed_cohort:
         raise ConfigError(f"--client_sampling={settings.sampler}: --algorithm={spec.name} "
                           f"needs a fixed cohort of m clients a round (it supports "
                           f"--client_sampling=fixed)")
@@ -317,7 +318,7 @@ def _availability(config: ExperimentConfig, spec: AlgorithmSpec,
     settings = config.online
     if settings.model == "always":
         return None
-    if spec.asynchronous is None and (spec.all_clients or not spec.variable_cohort):
+    if spec.asynchronous is None and spec.clients.fixed_cohort:
         # (an asynchronous run's scheduler starts online clients only)
         raise ConfigError(f"--availability={settings.model}: --algorithm={spec.name} needs a "
                           f"fixed cohort of m clients a round (it runs with "
