@@ -19,7 +19,7 @@ import pytest
 from conftest import tiny_config
 from deltafl_jax import run_experiment
 from deltafl_jax.algorithms import registry
-from deltafl_jax.replica_grid import grid_for
+from deltafl_jax.replicas import grid_for
 from deltafl_jax.rounds import (NONFINITE, ServerState, count_nonfinite_clients,
                                 state_nonfinite)
 from deltafl_jax.run.divergence import StopOnDivergence, nonfinite_rounds
