@@ -8,6 +8,8 @@ learning-rate schedule gamma_t = gamma_0 c^-floor(t / t_0) (App. C.2.2).
 
 - :class:`ReplicaLabel` names a replica: ``key()`` for file names, ``display()`` for people,
   ``to_json()`` / ``from_json()`` for ``metrics.jsonl``, ``summary.json`` and ``load_model``.
+- :class:`ReplicaNames` is what the run loop and its callbacks get of the labels: the keys, the
+  methods' column names and the labels' JSON, strings and indices only.
 - :class:`GridPoint` is one point of a grid, :class:`ReplicaGrid` the points x seeds, and
   :meth:`ReplicaGrid.build` gives the :class:`Replicas` that the round function consumes.
 - :func:`grid_for` is the grid a run's configuration asks of an algorithm: its swept values x
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -82,6 +84,28 @@ class ReplicaLabel:
         head = "θ" if name == "theta" else name
         parts = [f"{head}={_fmt(value)}"] + [f"{n}={_fmt(v)}" for n, v in self.extra]
         return " ".join(parts + [f"seed {self.seed}"])
+
+    def coordinates(self, theta: str = "θ", names_value: bool = True) -> str:
+        """Its coordinates as progress lines show them: 'θ=0.5', 'qffl_q=0.1', 'θ=0.5
+        server_lr=0.03'. Without `names_value` (an algorithm that trains one model whatever
+        its sweep, whose spec does not name the swept value: FedAvg, SCAFFOLD) only the
+        further coordinates ('' when none): its θ = 1 is no choice of the user's. `theta`: how
+        θ is written ("theta" in a multi-method run's closing table)."""
+        extra = " ".join(f"{n}={v:g}" for n, v in self.extra)
+        if not names_value:
+            return extra
+        name, value = self.swept()
+        head = theta if name == "theta" else name
+        return " ".join(p for p in (f"{head}={value:g}", extra) if p)
+
+    def column_name(self, display_name: str, names_value: bool = True) -> str:
+        """The name of its method's column in progress lines: :meth:`coordinates`, or the
+        algorithm's `display_name` before them when its spec does not name the swept value
+        ('SCAFFOLD', 'FedAvg server_lr=0.1')."""
+        coords = self.coordinates(names_value=names_value)
+        if not names_value:
+            return " ".join(p for p in (display_name, coords) if p)
+        return coords
 
     def method_key(self) -> Tuple:
         """Everything but the seed (algorithm, swept value, grid coordinates): replicas with
@@ -225,6 +249,39 @@ def labels_by_method(labels: Iterable[ReplicaLabel]) -> Dict[Tuple, list]:
     for r, lab in enumerate(labels):
         out.setdefault(lab.method_key(), []).append(r)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaNames:
+    """The replicas as the run loop and its callbacks name them: strings and replica indices,
+    so that a callback never reads a hyper-parameter value to name a replica.
+
+    keys: each replica's file key (:meth:`ReplicaLabel.key`), in replica order.
+    columns: (name, replica indices: a list, which indexes [R] arrays) of each method, its
+      seeds together, in first-seen order: the columns of the progress lines and of the
+      closing table.
+    records: each replica's label as the output files write it (:meth:`ReplicaLabel.to_json`:
+      metrics.jsonl, summary.json's ``replicas``, models/index.json), copied as it is.
+    """
+
+    keys: Tuple[str, ...]
+    columns: Tuple[Tuple[str, List[int]], ...]
+    records: Tuple[Dict[str, Any], ...]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def replica_names(labels: Sequence[ReplicaLabel], display_name: str,
+                  names_value: bool = True) -> ReplicaNames:
+    """The :class:`ReplicaNames` of one algorithm's `labels`; `display_name` and
+    `names_value` are its spec's (:meth:`ReplicaLabel.column_name`)."""
+    labels = tuple(labels)
+    return ReplicaNames(
+        keys=tuple(lab.key() for lab in labels),
+        columns=tuple((labels[rs[0]].column_name(display_name, names_value), rs)
+                      for rs in labels_by_method(labels).values()),
+        records=tuple(lab.to_json() for lab in labels))
 
 
 def aligned(values: Sequence[float], count: int, name: str) -> Tuple[float, ...]:

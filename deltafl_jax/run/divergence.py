@@ -60,7 +60,7 @@ def nonfinite_rounds(per_round: Mapping[str, Any]) -> Dict[str, np.ndarray]:
     return out
 
 
-def nonfinite_summary(per_round: Mapping[str, Any], labels,
+def nonfinite_summary(per_round: Mapping[str, Any], keys: Sequence[str],
                       clients: Optional[Mapping[str, np.ndarray]] = None) -> Dict[str, Any]:
     """summary.json's ``nonfinite``: {replica key: {part: {"round": the first round it was
     not finite[, "clients": the training clients whose own state is not finite at the end]}}}
@@ -72,7 +72,7 @@ def nonfinite_summary(per_round: Mapping[str, Any], labels,
             entry = {"round": int(first[r])}
             if clients is not None and part in clients:
                 entry["clients"] = int(np.asarray(clients[part])[r])
-            out.setdefault(labels[r].key(), {})[part] = entry
+            out.setdefault(keys[r], {})[part] = entry
     return out
 
 
@@ -99,10 +99,9 @@ class StopOnDivergence(Callback):
     def _bad(self, loss, r: int) -> bool:
         return not np.isfinite(loss) or loss > self.factor * self.initial[r]
 
-    def stopped_at(self, label, r: int, default: int) -> int:
-        """The round at which replica `r` (`label`) stopped, read back from the histories
-        (`default` when they do not say)."""
-        fields = label.to_json()
+    def stopped_at(self, fields: Mapping[str, Any], r: int, default: int) -> int:
+        """The round at which replica `r` (its label as written: `fields`) stopped, read back
+        from the histories (`default` when they do not say)."""
         found = [int(first[r]) for first in nonfinite_rounds(self.per_round).values()
                  if first[r] > 0]
         for rec in self.history:
@@ -120,8 +119,9 @@ class StopOnDivergence(Callback):
         active = run.state.active
         if active is not None:
             for r in np.flatnonzero(~np.asarray(active)):
-                label = view.labels[r]
-                self.diverged.setdefault(label.key(), self.stopped_at(label, r, run.start_round))
+                self.diverged.setdefault(view.names.keys[r],
+                                         self.stopped_at(view.names.records[r], r,
+                                                         run.start_round))
 
     def on_round_end(self, run: RunContext, round: int, metrics) -> None:
         parts = [np.asarray(v) > 0 for k, v in metrics.items() if k.startswith(NONFINITE)]
@@ -140,9 +140,9 @@ class StopOnDivergence(Callback):
         newly = bad & active
         if not newly.any():
             return
-        labels = run.view.labels
+        keys = run.view.names.keys
         for r in np.flatnonzero(newly):
-            self.diverged[labels[r].key()] = round
+            self.diverged[keys[r]] = round
         run.state = state.replace(active=jnp.asarray(active & ~newly))
 
     def on_run_end(self, run: RunContext, result) -> None:

@@ -12,29 +12,14 @@ files, TensorBoard and checkpoints are callbacks (:mod:`deltafl_jax.run.callback
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
-import numpy as np
 
+from deltafl_jax import outputs
 from deltafl_jax.engine.mesh import tree_to_host
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
 from deltafl_jax.run.recorder import Recorder, RunResult
-
-
-def evaluation_records(exp, t: int, summary: Dict[str, np.ndarray],
-                       metrics: Dict[str, np.ndarray], elapsed: float) -> List[Dict[str, Any]]:
-    """One metrics.jsonl record per replica: round, label, summary metrics, kept and rejected
-    clients of the round, elapsed seconds."""
-    records = []
-    for r, lab in enumerate(exp.replicas.labels):
-        rec = {"round": t, **lab.to_json()}
-        rec.update({k: float(v[r]) for k, v in summary.items()})
-        rec["num_selected"] = int(metrics["num_selected"][r])
-        rec["num_rejected"] = int(metrics["num_rejected"][r])
-        rec["elapsed_s"] = round(elapsed, 3)
-        records.append(rec)
-    return records
 
 
 def evaluate(exp, state, t: int, metrics, elapsed: float) -> Evaluation:
@@ -47,7 +32,8 @@ def evaluate(exp, state, t: int, metrics, elapsed: float) -> Evaluation:
     if clock is not None:   # the virtual clock: seconds at the end of round t
         summary = {**summary, "virtual_time": clock}
     return Evaluation(round=t, per_client=per_client, summary=summary,
-                      records=evaluation_records(exp, t, summary, metrics, elapsed),
+                      records=outputs.metrics_records(t, exp.names.records, summary, metrics,
+                                                      elapsed),
                       elapsed_s=elapsed)
 
 

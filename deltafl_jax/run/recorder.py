@@ -119,8 +119,8 @@ class Recorder(Callback):
         view = run.view
         last = self.last
         final = {} if last is None else {
-            lab.key(): {k: float(v[r]) for k, v in last.summary.items()}
-            for r, lab in enumerate(view.labels)}
+            key: {k: float(v[r]) for k, v in last.summary.items()}
+            for r, key in enumerate(view.names.keys)}
         total_s = time.perf_counter() - self._t0 if self._t0 is not None else 0.0
         summary = _summary(view, final, total_s, self.first_round_s, self.build_s)
         summary["nonfinite"] = self.nonfinite(run)
@@ -143,7 +143,7 @@ class Recorder(Callback):
         clients = None
         if any(p.partition(".")[0] == CLIENT_PART and f.any() for p, f in first.items()):
             clients = tree_to_host(count_nonfinite_clients(run.state))
-        return nonfinite_summary(self.per_round, run.view.labels, clients)
+        return nonfinite_summary(self.per_round, run.view.names.keys, clients)
 
 
 def _summary(view, final, total_s, first_round_s, build_s) -> Dict[str, Any]:
@@ -152,7 +152,7 @@ def _summary(view, final, total_s, first_round_s, build_s) -> Dict[str, Any]:
         "config": facts.config.flat(),
         "dataset": {"name": facts.dataset, **facts.dataset_stats},
         "model": facts.model,
-        "replicas": [lab.to_json() for lab in view.labels],
+        "replicas": list(view.names.records),
         "clients_per_round": facts.num_sampled,
         "clients_per_step": facts.lanes,
         "eval_chunk": facts.eval_chunk,

@@ -36,8 +36,8 @@ class TensorBoard(Callback):
 
     def on_run_start(self, run: RunContext) -> None:
         from tensorboardX import SummaryWriter
-        for r, lab in enumerate(run.view.labels):
-            self.writers[r] = SummaryWriter(os.path.join(self.root, lab.key()))
+        for r, key in enumerate(run.view.names.keys):
+            self.writers[r] = SummaryWriter(os.path.join(self.root, key))
 
     def on_round_end(self, run: RunContext, round: int, metrics) -> None:
         for name in ROUND_SCALARS:

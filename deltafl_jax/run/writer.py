@@ -28,12 +28,12 @@ class OutputFiles(Callback):
         if result.stopped:
             return  # a stopped run leaves metrics.jsonl, rounds.npz and clients_history.npz as of
             #         its last checkpoint (the resume reads them back), and no summary.json
-        labels = run.view.labels
-        self.writer.write_rounds(result.per_round, labels)
+        names = run.view.names
+        self.writer.write_rounds(result.per_round, names.keys)
         self.writer.write_clients_history(result.client_history)
-        self.writer.write_clients(result.per_client, self.data, labels)
+        self.writer.write_clients(result.per_client, self.data, names.keys)
         self.writer.write_partition(self.data)
         if self.save_models:
-            self.writer.save_models(result.served, labels, self.model, self.model_options,
-                                    self.data, personal=result.personal)
+            self.writer.save_models(result.served, names.records, self.model,
+                                    self.model_options, self.data, personal=result.personal)
         self.writer.write_summary(result.summary)
