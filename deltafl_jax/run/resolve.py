@@ -104,7 +104,8 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
     """The validated run of `config` on `data` (loaded by the caller). `replicas` replaces the
     spec's grid (the tuner's). ConfigError, naming the flag, for what the settings cannot
     mean on this data or with this algorithm."""
-    data = hold_out(data, config.personal.client_holdout, config.data.data_seed)
+    if config.personal.client_holdout:   # each client's held-out part set aside
+        data = hold_out(data, config.personal.client_holdout, config.data.data_seed)
     model, options = _model(config, data)
     spec = registry.get(config.algorithm)
     m = _sampled(config, spec, data)
