@@ -271,12 +271,26 @@ def _defines_callback(tree):
 
 
 def test_callbacks_see_the_run_view_not_the_experiment():
-    """A module that defines a Callback reads the run through RunContext.view (labels, facts,
+    """A module that defines a Callback reads the run through RunContext.view (names, facts,
     evaluate, served parameters), never the Experiment itself."""
     with_callbacks = [name for name, (_, tree) in MODULES.items() if _defines_callback(tree)]
-    assert len(with_callbacks) >= 6   # progress, writer, divergence, tensorboard, ...
+    assert len(with_callbacks) >= 5   # progress, writer, divergence, loop, checkpoint, ...
     bad = [name for name in with_callbacks
            for module, _ in imported(MODULES[name][1]) if module == "deltafl_jax.run.experiment"]
     assert bad == [], f"callback modules importing the Experiment: {bad}"
     fields = {f.name for f in dataclasses.fields(callbacks.RunContext)}
     assert "experiment" not in fields and "view" in fields
+
+
+def test_the_package_callbacks_name_replicas_without_their_hyper_parameters():
+    """The package's callbacks and the loop name replicas through ``view.names`` (keys, method
+    columns, the labels as written), never through the labels that carry the swept values
+    (``view.labels`` stays for a callback of one's own that needs them)."""
+    readers = []
+    for name, (_, tree) in MODULES.items():
+        if not (_defines_callback(tree) or name == "deltafl_jax.run.loop"):
+            continue
+        readers += [f"{name}:{n.lineno}" for n in ast.walk(tree)
+                    if isinstance(n, ast.Attribute) and n.attr == "labels"
+                    and isinstance(n.value, ast.Attribute) and n.value.attr == "view"]
+    assert readers == [], f"callbacks reading view.labels: {readers}"

@@ -34,8 +34,8 @@ from deltafl_jax.errors import ConfigError
 from deltafl_jax.rounds import ServerState
 from deltafl_jax.run.callbacks import Evaluation, RunContext
 from deltafl_jax.run import checkpoint as ckpt
-from deltafl_jax.run.checkpoint import Checkpointer, CheckpointCallback, CheckpointMismatch
-from deltafl_jax.run.preemption import Preemption
+from deltafl_jax.run.checkpoint import (Checkpointer, CheckpointCallback, CheckpointMismatch,
+                                       Preemption)
 from deltafl_jax.run.resume import fingerprint_diff
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,9 +22,8 @@ from deltafl_jax.run import checkpoint as ckpt, distributed, lock, resume
 from deltafl_jax.run.callbacks import Callback
 from deltafl_jax.run.divergence import StopOnDivergence
 from deltafl_jax.run.experiment import Experiment, build_experiment
-from deltafl_jax.run.preemption import Preemption
-from deltafl_jax.run.progress import Progress
 from deltafl_jax.run.loop import Recorder, RunResult, evaluate, run_rounds
+from deltafl_jax.run.progress import Progress
 from deltafl_jax.run.writer import OutputFiles, TensorBoard, tensorboard_available
 
 
@@ -241,7 +240,7 @@ def standard_callbacks(config, exp, log, recorder, checkpointer, fingerprint) ->
     if checkpointer is not None:
         several = _several()
         T, every = config.training.num_rounds, config.evaluation.eval_every
-        cbs.append(Preemption(defer=several))   # before the checkpoints: see its docstring
+        cbs.append(ckpt.Preemption(defer=several))   # before the checkpoints: see its docstring
         cbs.append(ckpt.CheckpointCallback(
             checkpointer, fingerprint, every=config.output.checkpoint_every,
             every_s=config.output.checkpoint_every_s, evaluated=lambda r: r % every == 0 or r == T,
