@@ -11,7 +11,7 @@ saved by one :class:`orbax.checkpoint.CheckpointManager` composite save:
   dtype, shape and sha256 of every state leaf (so a restore is checked bit for bit);
 - ``host`` (when the run gives one): the host's own state after the round, a nested dict of
   NumPy arrays: the participation counts and a stateful availability model's state
-  (:class:`deltafl_jax.sampling.participation.Participation`), its leaves listed in ``meta``
+  (:class:`deltafl_jax.run.planning.Participation`), its leaves listed in ``meta``
   (``host``) as the state's are; zero-size leaves are not stored and are rebuilt from there.
 
 The recorder's histories are not in the checkpoint: the output files hold them
