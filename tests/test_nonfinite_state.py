@@ -22,7 +22,8 @@ from deltafl_jax.algorithms import registry
 from deltafl_jax.replicas import grid_for
 from deltafl_jax.rounds import (NONFINITE, ServerState, count_nonfinite_clients,
                                 state_nonfinite)
-from deltafl_jax.run.divergence import StopOnDivergence, nonfinite_rounds
+from deltafl_jax.run.divergence import StopOnDivergence
+from deltafl_jax.run.loop import nonfinite_rounds
 
 R, N, M = 3, 7, 4
 

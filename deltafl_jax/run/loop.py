@@ -12,7 +12,8 @@ The recorder (:class:`Recorder`) is the first callback of every run: it keeps th
 metrics [rounds, R], the per-client arrays of every evaluation [E, R, N] and the metrics
 records, and builds the :class:`RunResult`. A resumed run continues them from the output files
 (:meth:`Recorder.resume`, :mod:`deltafl_jax.run.resume`), so that it ends with the same outputs
-as an uninterrupted one.
+as an uninterrupted one. Its summary names the parts of a replica's state that went non-finite
+(:func:`nonfinite_summary`, from the round's state check: :mod:`deltafl_jax.run.divergence`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from deltafl_jax import outputs
 from deltafl_jax.engine.mesh import tree_to_host
 from deltafl_jax.rounds import CLIENT_PART, NONFINITE, count_nonfinite_clients
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
-from deltafl_jax.run.divergence import nonfinite_rounds, nonfinite_summary
 
 
 @dataclasses.dataclass
@@ -59,6 +59,35 @@ class RunResult:
     stopped: bool = False
     stop_reason: str = ""
     personal: Any = None
+
+
+def nonfinite_rounds(per_round: Mapping[str, Any]) -> Dict[str, np.ndarray]:
+    """{part: [R] the first round (1-based) at which the part of each replica was not finite,
+    0 where it never was} from the round metrics (lists or arrays of [R] per round, from
+    round 1)."""
+    out = {}
+    for key, rows in per_round.items():
+        if not key.startswith(NONFINITE) or not len(rows):
+            continue
+        bad = np.stack([np.asarray(v) for v in rows]) > 0          # [T, R]
+        out[key[len(NONFINITE):]] = np.where(bad.any(0), bad.argmax(0) + 1, 0)
+    return out
+
+
+def nonfinite_summary(per_round: Mapping[str, Any], keys: Sequence[str],
+                      clients: Optional[Mapping[str, np.ndarray]] = None) -> Dict[str, Any]:
+    """summary.json's ``nonfinite``: {replica key: {part: {"round": the first round it was
+    not finite[, "clients": the training clients whose own state is not finite at the end]}}}
+    for the replicas and parts that went non-finite; {} when every state stayed finite.
+    `clients`: {client part: [R] counts} (:func:`deltafl_jax.rounds.count_nonfinite_clients`)."""
+    out: Dict[str, Any] = {}
+    for part, first in nonfinite_rounds(per_round).items():
+        for r in np.flatnonzero(first):
+            entry = {"round": int(first[r])}
+            if clients is not None and part in clients:
+                entry["clients"] = int(np.asarray(clients[part])[r])
+            out.setdefault(keys[r], {})[part] = entry
+    return out
 
 
 DEVICE_METRICS = "device_"   # per-device round metrics (bench/scaling.py reads them)
@@ -145,7 +174,7 @@ class Recorder(Callback):
             stop_reason=run.stop_reason, personal=tree_to_host(view.personal_params(run.state)))
 
     def nonfinite(self, run: RunContext) -> Dict[str, Any]:
-        """summary.json's ``nonfinite`` (:func:`deltafl_jax.run.divergence.nonfinite_summary`):
+        """summary.json's ``nonfinite`` (:func:`nonfinite_summary`):
         with the count of clients whose own state is not finite at the end, from the state,
         when a part of it went non-finite."""
         first = nonfinite_rounds(self.per_round)
