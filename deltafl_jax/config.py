@@ -29,7 +29,7 @@ from deltafl_jax.models.augment import AUGMENTS
 from deltafl_jax.replicas import aligned
 from deltafl_jax.privacy import Privacy, check_private_version
 from deltafl_jax.sampling.availability import AvailabilitySettings
-from deltafl_jax.sampling.settings import Sampling
+from deltafl_jax.sampling.samplers import Sampling
 from deltafl_jax.sampling.asynchronous import AsyncSettings
 from deltafl_jax.sampling.speeds import TimingSettings
 from deltafl_jax.server_optimizer import ServerOptimizer

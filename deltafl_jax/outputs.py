@@ -111,6 +111,24 @@ def _jsonable(value):
     return value
 
 
+def metrics_records(t: int, labels: Sequence[Mapping[str, Any]],
+                    summary: Mapping[str, np.ndarray], metrics: Mapping[str, np.ndarray],
+                    elapsed: float) -> List[Dict[str, Any]]:
+    """The metrics.jsonl records of the evaluation after round `t`, one per replica: the round,
+    the replica's label (`labels`: each replica's as written, :meth:`ReplicaLabel.to_json`),
+    its summary metrics, the clients kept and the updates rejected in the round (`metrics`'
+    ``num_selected`` and ``num_rejected`` [R]) and the seconds elapsed."""
+    records = []
+    for r, label in enumerate(labels):
+        rec = {"round": t, **label}
+        rec.update({k: float(v[r]) for k, v in summary.items()})
+        rec["num_selected"] = int(metrics["num_selected"][r])
+        rec["num_rejected"] = int(metrics["num_rejected"][r])
+        rec["elapsed_s"] = round(elapsed, 3)
+        records.append(rec)
+    return records
+
+
 def _json_line(record: Mapping[str, Any]) -> str:
     return json.dumps(_jsonable(record)) + "\n"
 
@@ -398,10 +416,13 @@ def _model_spec(model: Model, options: ModelOptions, data: FederatedDataset,
 
 
 def replica_key(label) -> str:
-    """File-name key of a replica: ``ReplicaLabel.key()``, or for a label dict of an older run
-    its "key" field when it has one, else the same format from its fields."""
+    """File-name key of a replica: ``ReplicaLabel.key()``; a key (a string) itself; for a
+    label dict (an older run's) its "key" field when it has one, else the same format from its
+    fields."""
     if isinstance(label, ReplicaLabel):
         return label.key()
+    if isinstance(label, str):   # a key already (ReplicaNames.keys)
+        return label
     if "key" in label:
         return str(label["key"])
     return ReplicaLabel.from_json(label).key()

@@ -8,8 +8,14 @@ learning-rate schedule gamma_t = gamma_0 c^-floor(t / t_0) (App. C.2.2).
 
 - :class:`ReplicaLabel` names a replica: ``key()`` for file names, ``display()`` for people,
   ``to_json()`` / ``from_json()`` for ``metrics.jsonl``, ``summary.json`` and ``load_model``.
+- :class:`ReplicaNames` is what the run loop and its callbacks get of the labels: the keys, the
+  methods' column names and the labels' JSON, strings and indices only.
 - :class:`GridPoint` is one point of a grid, :class:`ReplicaGrid` the points x seeds, and
   :meth:`ReplicaGrid.build` gives the :class:`Replicas` that the round function consumes.
+- :func:`grid_for` is the grid a run's configuration asks of an algorithm: its swept values x
+  the values of its crossed sweeps x the ``--server_lr`` values x the DP values x the seeds
+  (`spec` the algorithm's :class:`~deltafl_jax.algorithms.spec.AlgorithmSpec`, `config` the
+  run's :class:`~deltafl_jax.config.ExperimentConfig`).
 
 Replicas are value-major and seed-minor (theta 1.0 seeds 1..S, then theta 0.8, ...); replicas
 that share a seed share the sampled clients and the minibatches (paired comparisons).
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -78,6 +84,28 @@ class ReplicaLabel:
         head = "θ" if name == "theta" else name
         parts = [f"{head}={_fmt(value)}"] + [f"{n}={_fmt(v)}" for n, v in self.extra]
         return " ".join(parts + [f"seed {self.seed}"])
+
+    def coordinates(self, theta: str = "θ", names_value: bool = True) -> str:
+        """Its coordinates as progress lines show them: 'θ=0.5', 'qffl_q=0.1', 'θ=0.5
+        server_lr=0.03'. Without `names_value` (an algorithm that trains one model whatever
+        its sweep, whose spec does not name the swept value: FedAvg, SCAFFOLD) only the
+        further coordinates ('' when none): its θ = 1 is no choice of the user's. `theta`: how
+        θ is written ("theta" in a multi-method run's closing table)."""
+        extra = " ".join(f"{n}={v:g}" for n, v in self.extra)
+        if not names_value:
+            return extra
+        name, value = self.swept()
+        head = theta if name == "theta" else name
+        return " ".join(p for p in (f"{head}={value:g}", extra) if p)
+
+    def column_name(self, display_name: str, names_value: bool = True) -> str:
+        """The name of its method's column in progress lines: :meth:`coordinates`, or the
+        algorithm's `display_name` before them when its spec does not name the swept value
+        ('SCAFFOLD', 'FedAvg server_lr=0.1')."""
+        coords = self.coordinates(names_value=names_value)
+        if not names_value:
+            return " ".join(p for p in (display_name, coords) if p)
+        return coords
 
     def method_key(self) -> Tuple:
         """Everything but the seed (algorithm, swept value, grid coordinates): replicas with
@@ -223,6 +251,39 @@ def labels_by_method(labels: Iterable[ReplicaLabel]) -> Dict[Tuple, list]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplicaNames:
+    """The replicas as the run loop and its callbacks name them: strings and replica indices,
+    so that a callback never reads a hyper-parameter value to name a replica.
+
+    keys: each replica's file key (:meth:`ReplicaLabel.key`), in replica order.
+    columns: (name, replica indices: a list, which indexes [R] arrays) of each method, its
+      seeds together, in first-seen order: the columns of the progress lines and of the
+      closing table.
+    records: each replica's label as the output files write it (:meth:`ReplicaLabel.to_json`:
+      metrics.jsonl, summary.json's ``replicas``, models/index.json), copied as it is.
+    """
+
+    keys: Tuple[str, ...]
+    columns: Tuple[Tuple[str, List[int]], ...]
+    records: Tuple[Dict[str, Any], ...]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def replica_names(labels: Sequence[ReplicaLabel], display_name: str,
+                  names_value: bool = True) -> ReplicaNames:
+    """The :class:`ReplicaNames` of one algorithm's `labels`; `display_name` and
+    `names_value` are its spec's (:meth:`ReplicaLabel.column_name`)."""
+    labels = tuple(labels)
+    return ReplicaNames(
+        keys=tuple(lab.key() for lab in labels),
+        columns=tuple((labels[rs[0]].column_name(display_name, names_value), rs)
+                      for rs in labels_by_method(labels).values()),
+        records=tuple(lab.to_json() for lab in labels))
+
+
 def aligned(values: Sequence[float], count: int, name: str) -> Tuple[float, ...]:
     """One value per sweep value: a single value is repeated; otherwise the lengths must match."""
     values = tuple(values)
@@ -231,3 +292,50 @@ def aligned(values: Sequence[float], count: int, name: str) -> Tuple[float, ...]
     if len(values) != count:
         raise ValueError(f"--{name} gives {len(values)} values for {count} swept values")
     return values
+
+
+# --------------------------------------------------------------------------------------------
+# The grid a run's configuration asks of an algorithm
+
+
+def grid_for(spec, config, dp_noise: Sequence[float] = (0.0,)) -> ReplicaGrid:
+    """The sweep values (x the grid's `cross` values x the --server_lr values x the DP values,
+    whose noise multipliers `dp_noise` are) x seeds, with the config's schedule and
+    per-value L2."""
+    sweep = spec.active_sweep(config)
+    values = spec.sweep_values(config)
+    l2s = config.l2_for(len(values))
+    points = tuple(
+        GridPoint(label=dataclasses.replace(spec.label(v, sweep), extra=extra + more),
+                  hyper=spec.hyper_for(v, sweep, **overrides), l2=l2,
+                  learning_rate=config.training.learning_rate, lr_decay=config.training.lr_decay,
+                  lr_decay_every=config.training.lr_decay_every, server_lr=eta, dp_noise=z)
+        for v, l2 in zip(values, l2s) for overrides, extra in crossed(spec, config)
+        for eta, z, more in platform_values(config, dp_noise))
+    return ReplicaGrid(points=points, seeds=tuple(config.training.seeds))
+
+
+def crossed(spec, config) -> Tuple[Tuple[Mapping[str, float], Tuple], ...]:
+    """(hyper overrides, extra label coordinates) for each combination of the values of the
+    spec's `grid.cross` sweeps (one empty combination when there are none)."""
+    combos: Tuple[Tuple[Mapping[str, float], Tuple], ...] = (({}, ()),)
+    for c in spec.grid.cross:
+        values = c.check(config.sweep(c.flag)) or c.default
+        combos = tuple(({**o, c.field: v}, e + ((c.flag, v),))
+                       for o, e in combos for v in values)
+    return combos
+
+
+def platform_values(config, dp_noise: Sequence[float] = (0.0,)
+                    ) -> Tuple[Tuple[float, float, Tuple], ...]:
+    """(eta, z, extra label coordinates) for each --server_lr value x each DP value
+    (`dp_noise`: the noise multiplier of each value of the config's DP sweep, calibrated
+    already); the label names the server learning rate and the DP value only when
+    several are trained."""
+    lrs = tuple(config.server.learning_rates)
+    (flag, given), = config.privacy.swept
+    if len(given) != len(dp_noise):
+        raise ValueError(f"{len(dp_noise)} noise multipliers for {len(given)} --{flag} values")
+    return tuple((eta, z, ((("server_lr", eta),) if len(lrs) > 1 else ())
+                  + (((flag, g),) if len(given) > 1 else ()))
+                 for eta in lrs for g, z in zip(given, dp_noise))

@@ -43,12 +43,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from deltafl_jax import replica_grid
 from deltafl_jax.algorithms import registry
 from deltafl_jax.declared import finite_in
 from deltafl_jax.errors import TuningError
 from deltafl_jax.models import LINEAR_MODELS  # the tuner tunes lambda for these
-from deltafl_jax.replicas import GridPoint, ReplicaGrid
+from deltafl_jax.replicas import GridPoint, ReplicaGrid, grid_for
 
 LR_ALGORITHM = "fedavg"      # step 1 trains FedAvg
 L2_ALGORITHM = "deltafl"     # step 2 trains Delta-FL at each theta (FedAvg: theta = 1)
@@ -335,7 +334,7 @@ def tune_param_step(config, data, lr, decay, validation_seed, out_dir, log):
     grid_config = dataclasses.replace(
         config, training=dataclasses.replace(config.training, learning_rate=lr, lr_decay=decay),
         output=_grid_output(config, out_dir, "param_grid"))
-    replicas = replica_grid.grid_for(spec, grid_config).build()
+    replicas = grid_for(spec, grid_config).build()
     log(f"{sweep.flag} grid: {len(values)} values x {len(config.training.seeds)} seed(s) = "
         f"{replicas.size} {config.algorithm} replicas in one program, on "
         f"{val_data.train.num_clients} training / {val_data.test.num_clients} validation "

@@ -271,12 +271,56 @@ def _defines_callback(tree):
 
 
 def test_callbacks_see_the_run_view_not_the_experiment():
-    """A module that defines a Callback reads the run through RunContext.view (labels, facts,
+    """A module that defines a Callback reads the run through RunContext.view (names, facts,
     evaluate, served parameters), never the Experiment itself."""
     with_callbacks = [name for name, (_, tree) in MODULES.items() if _defines_callback(tree)]
-    assert len(with_callbacks) >= 6   # progress, writer, divergence, tensorboard, ...
+    assert len(with_callbacks) >= 5   # progress, writer, divergence, loop, checkpoint, ...
     bad = [name for name in with_callbacks
            for module, _ in imported(MODULES[name][1]) if module == "deltafl_jax.run.experiment"]
     assert bad == [], f"callback modules importing the Experiment: {bad}"
     fields = {f.name for f in dataclasses.fields(callbacks.RunContext)}
     assert "experiment" not in fields and "view" in fields
+
+
+def test_the_package_callbacks_name_replicas_without_their_hyper_parameters():
+    """The package's callbacks and the loop name replicas through ``view.names`` (keys, method
+    columns, the labels as written), never through the labels that carry the swept values
+    (``view.labels`` stays for a callback of one's own that needs them)."""
+    readers = []
+    for name, (_, tree) in MODULES.items():
+        if not (_defines_callback(tree) or name == "deltafl_jax.run.loop"):
+            continue
+        readers += [f"{name}:{n.lineno}" for n in ast.walk(tree)
+                    if isinstance(n, ast.Attribute) and n.attr == "labels"
+                    and isinstance(n.value, ast.Attribute) and n.value.attr == "view"]
+    assert readers == [], f"callbacks reading view.labels: {readers}"
+
+
+# The modules that only find they have nothing to do for tests/tiny.flags: a dense linear model
+# (no convolution to rewrite), no --augment, no --client_holdout, one process.
+UNUSED_BY_TINY = {"deltafl_jax/models/augment.py", "deltafl_jax/models/conv.py",
+                  "deltafl_jax/models/conv_intercept.py", "deltafl_jax/holdout.py",
+                  "deltafl_jax/run/distributed.py"}
+
+
+@pytest.mark.slow   # one round of tests/tiny.flags, every call profiled
+def test_a_run_enters_only_the_modules_its_configuration_uses():
+    """The modules a configuration does not use are not entered (each caller decides from
+    the configuration), counted as bench.code_paths counts a run's walk."""
+    import deltafl_jax.run.runner  # noqa: F401  (imported before the walk: imports are not calls)
+    from bench import code_paths
+    walked = {p.replace(os.sep, "/") for p in code_paths.config_path()}
+    assert "deltafl_jax/run/loop.py" in walked        # the walk was recorded
+    assert walked & UNUSED_BY_TINY == set()
+
+
+@pytest.mark.slow   # one round of tests/tiny.flags with Ditto, every frame inspected
+def test_a_swept_value_never_reaches_the_loop_or_the_callbacks():
+    """--ditto_lambda's value crosses from its flag to the compiled round and into the
+    output files, but no module of deltafl_jax/run/ holds it: the loop and the callbacks name
+    replicas by ReplicaNames (bench.code_paths' hyper-parameter path)."""
+    import deltafl_jax.run.runner  # noqa: F401
+    from bench import code_paths
+    crossed = {p.replace(os.sep, "/") for p in code_paths.hyper_path()}
+    assert "deltafl_jax/outputs.py" in crossed        # the value was followed to the files
+    assert sorted(p for p in crossed if p.startswith("deltafl_jax/run/")) == []

@@ -34,8 +34,8 @@ from deltafl_jax.errors import ConfigError
 from deltafl_jax.rounds import ServerState
 from deltafl_jax.run.callbacks import Evaluation, RunContext
 from deltafl_jax.run import checkpoint as ckpt
-from deltafl_jax.run.checkpoint import Checkpointer, CheckpointCallback, CheckpointMismatch
-from deltafl_jax.run.preemption import Preemption
+from deltafl_jax.run.checkpoint import (Checkpointer, CheckpointCallback, CheckpointMismatch,
+                                       Preemption)
 from deltafl_jax.run.resume import fingerprint_diff
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -394,7 +394,7 @@ def test_histories_are_read_back_from_the_output_files_cut_back_to_the_checkpoin
     that is restored, as after a kill during a save, are cut back)."""
     from deltafl_jax.outputs import RunWriter
     from deltafl_jax.replicas import ReplicaLabel
-    from deltafl_jax.run.recorder import Recorder
+    from deltafl_jax.run.loop import Recorder
     from deltafl_jax.run.resume import Resume, histories
 
     rng = np.random.default_rng(0)

@@ -7,13 +7,12 @@ import types
 import numpy as np
 
 from deltafl_jax.eval_sample import summarize_sample
-from deltafl_jax.outputs import RunReader, RunWriter
-from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.outputs import RunReader, RunWriter, metrics_records
+from deltafl_jax.replicas import ReplicaLabel, replica_names
 from deltafl_jax.report.document import markdown
 from deltafl_jax.report.io import Run
 from deltafl_jax.report.tables import TABLES, columns, markdown_table
 from deltafl_jax.run.callbacks import Evaluation, RunContext
-from deltafl_jax.run.loop import evaluation_records
 from deltafl_jax.run.progress import error_table, evaluation_line
 
 LABELS = [ReplicaLabel("deltafl", 0.5, 1), ReplicaLabel("deltafl", 0.5, 2),
@@ -33,7 +32,7 @@ def _summary(with_ci=True):
 
 def _run_context(loss_kind="cross_entropy"):
     view = types.SimpleNamespace(facts=types.SimpleNamespace(classify=loss_kind != "squared"),
-                                 labels=LABELS)
+                                 names=replica_names(LABELS, "Δ-FL"))
     return RunContext(view=view, num_rounds=10)
 
 
@@ -62,14 +61,13 @@ def test_closing_table_interval_column():
 
 
 def test_interval_keys_flow_into_metrics_jsonl(tmp_path):
-    """evaluation_records copies every summary key (the loop writes its records to
+    """metrics_records copies every summary key (the loop writes its records to
     metrics.jsonl); an infinite bound survives the JSON round trip."""
     rng = np.random.default_rng(0)
     summary = summarize_sample(rng.random((3, 4)), rng.random((3, 4)), rng.random((3, 4)),
                                [50, 90])
-    exp = types.SimpleNamespace(replicas=types.SimpleNamespace(labels=LABELS))
     metrics = {"num_selected": np.array([4, 4, 4]), "num_rejected": np.array([0, 1, 0])}
-    records = evaluation_records(exp, 3, summary, metrics, 1.5)
+    records = metrics_records(3, [lab.to_json() for lab in LABELS], summary, metrics, 1.5)
     writer = RunWriter(str(tmp_path))
     writer.append_metrics(records)
     back = RunReader(str(tmp_path)).records()

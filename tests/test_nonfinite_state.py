@@ -19,10 +19,11 @@ import pytest
 from conftest import tiny_config
 from deltafl_jax import run_experiment
 from deltafl_jax.algorithms import registry
-from deltafl_jax.replica_grid import grid_for
+from deltafl_jax.replicas import grid_for
 from deltafl_jax.rounds import (NONFINITE, ServerState, count_nonfinite_clients,
                                 state_nonfinite)
-from deltafl_jax.run.divergence import StopOnDivergence, nonfinite_rounds
+from deltafl_jax.run.divergence import StopOnDivergence
+from deltafl_jax.run.loop import nonfinite_rounds
 
 R, N, M = 3, 7, 4
 

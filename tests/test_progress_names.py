@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import run_runner
-from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.algorithms import registry
+from deltafl_jax.replicas import ReplicaLabel, replica_names
 from deltafl_jax.run.callbacks import Evaluation, RunContext
 from deltafl_jax.run.progress import Progress, evaluation_line
 
@@ -20,7 +21,11 @@ SUMMARY = {"train_loss_mean": np.array([0.5, 0.7]), "test_error_mean": np.array(
 
 
 def context(labels, classify=True):
-    view = types.SimpleNamespace(facts=types.SimpleNamespace(classify=classify), labels=labels)
+    """A run's context with the names its Experiment gives (its algorithm's spec's)."""
+    spec = registry.get(labels[0].algorithm)
+    view = types.SimpleNamespace(facts=types.SimpleNamespace(classify=classify),
+                                 names=replica_names(labels, spec.display_name,
+                                                     spec.reporting.names_value))
     return RunContext(view=view, num_rounds=4, output_dir=None)
 
 

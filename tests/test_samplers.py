@@ -181,7 +181,7 @@ def _run_rounds(part, sampler, rounds):
 
 
 def test_participation_counts_rounds_online_and_sampled_and_resumes_from_its_state():
-    from deltafl_jax.sampling.participation import Participation
+    from deltafl_jax.run.planning import Participation
     N, m, seeds = 9, 3, (4, 7, 4)   # groups 0 and 2 share seed 4
     sampler = FixedSampler(N, m)
     whole = Participation(seeds, N, _Chain(N))

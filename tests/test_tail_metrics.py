@@ -18,7 +18,7 @@ from deltafl_jax.eval_sample import (EvalSampler, dkw_epsilon, share_interval,
                                      summarize_sample, superquantile_interval)
 from deltafl_jax.metrics import (TAIL_KEYS, share_below_target, std_rows, summarize,
                                  superquantile_rows)
-from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.replicas import ReplicaLabel, replica_names
 from deltafl_jax.run.callbacks import Evaluation, RunContext
 from deltafl_jax.run.progress import error_table, evaluation_line
 
@@ -278,7 +278,7 @@ def test_progress_line_and_closing_table_show_the_tail():
                "test_share_below_target": np.array([0.25, 0.35])}
     config = types.SimpleNamespace(evaluation=types.SimpleNamespace(target_accuracy=0.6))
     view = types.SimpleNamespace(facts=types.SimpleNamespace(classify=True, config=config),
-                                 labels=LABELS)
+                                 names=replica_names(LABELS, "Δ-FL"))
     line = evaluation_line(RunContext(view=view, num_rounds=10),
                            Evaluation(round=5, per_client={}, summary=summary, records=[],
                                       elapsed_s=1.0))

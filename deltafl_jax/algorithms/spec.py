@@ -14,7 +14,7 @@ tail leaderboard). The registry only collects specs.
 Where the rest lives: the round's protocol in :mod:`deltafl_jax.algorithms.protocol`, options
 and sweeps in :mod:`deltafl_jax.algorithms.options`, the report's column names in
 :mod:`deltafl_jax.algorithms.naming`, the replica grid of a run in
-:mod:`deltafl_jax.replica_grid`. The names an algorithm module needs (``FederatedAlgorithm``,
+:func:`deltafl_jax.replicas.grid_for`. The names an algorithm module needs (``FederatedAlgorithm``,
 ``Sweep``, ``Option``, ``setting``, ``Bounds``, ``average_delta``, ...) can also be imported
 from here.
 """

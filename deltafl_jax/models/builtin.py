@@ -15,6 +15,10 @@ from deltafl_jax.models.inputs import linear_bias, numeric_features
 from deltafl_jax.models.lane_preferences import LanePreferences
 from deltafl_jax.models.model import Model
 
+# The dense networks (linear, mlp, mean) have no convolution or max-pooling: their forward
+# pass runs as it is, never traced for a rewrite (Model.conv_impl, models.conv_intercept).
+DENSE = "xla"
+
 
 class Linear(nn.Module):
     """Softmax regression: scores <w_c, x> (+ b_c with `use_bias`). The paper's model
@@ -98,7 +102,8 @@ def _image_shape(data: FederatedDataset) -> None:
 
 def linear(data, opts):
     return Model("linear", Linear(_classes(data, "linear"), linear_bias(data, opts)), "softmax",
-                 data.feature_shape, data.train.x_dtype, data.x_scale, zero_init=True)
+                 data.feature_shape, data.train.x_dtype, data.x_scale, zero_init=True,
+                 conv_impl=DENSE)
 
 
 def cnn(data, opts):
@@ -111,11 +116,11 @@ def cnn(data, opts):
 
 def mlp(data, opts):
     return Model("mlp", MLP(_classes(data, "mlp"), tuple(opts.mlp_hidden)), "softmax",
-                 data.feature_shape, data.train.x_dtype, data.x_scale)
+                 data.feature_shape, data.train.x_dtype, data.x_scale, conv_impl=DENSE)
 
 
 def mean(data, opts):
     numeric_features(data, "mean")
     dim = int(np.prod(data.feature_shape))
     return Model("mean", Mean(dim), "squared", data.feature_shape, data.train.x_dtype,
-                 data.x_scale)
+                 data.x_scale, conv_impl=DENSE)

@@ -13,6 +13,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from deltafl_jax.replicas import ReplicaNames
+
 
 @dataclasses.dataclass
 class Evaluation:
@@ -56,9 +58,13 @@ class RunFacts:
 
 @dataclasses.dataclass(frozen=True)
 class RunView:
-    """What callbacks see of the experiment: the replicas' labels, the run's facts, and the
+    """What callbacks see of the experiment: the replicas' names, the run's facts, and the
     functions that serve, evaluate and summarise a state's models (and build w_0).
 
+    names: the replicas' keys, method columns and labels as written
+    (:class:`~deltafl_jax.replicas.ReplicaNames`): what the standard callbacks read.
+    labels: the replicas' :class:`~deltafl_jax.replicas.ReplicaLabel` s, hyper-parameter
+    values included, for a callback that needs those.
     evaluate(params, round) -> per-client arrays (:class:`Evaluation`); summarize(per_client)
     -> metric name -> [R]; served_params(state) -> the models evaluated and saved [R, ...];
     initial_state() -> the round state at w_0; personal_params(state) -> every training
@@ -66,6 +72,7 @@ class RunView:
     """
 
     labels: Sequence[Any]
+    names: ReplicaNames
     facts: RunFacts
     evaluate: Callable[..., Dict[str, np.ndarray]]
     summarize: Callable[[Dict[str, np.ndarray]], Dict[str, np.ndarray]]

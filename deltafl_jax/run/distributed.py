@@ -58,11 +58,6 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
                           f"--process_id={process_id}, timeout {timeout_s} s): {first}") from None
 
 
-def is_primary() -> bool:
-    """This process writes the outputs (process 0)."""
-    return jax.process_index() == 0
-
-
 def plan_digest(exp, fingerprint) -> str:
     """sha256 of the settings, the data and the first round's plan (an asynchronous run's:
     its first server step's, drawn from the schedulers' initial state, to which the run's

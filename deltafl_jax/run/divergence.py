@@ -10,8 +10,9 @@ algorithm's state, the clients' own state such as Ditto's personal models, DP's 
 records per replica ``nonfinite_<part>`` in the round metrics (rounds.npz): 1 when the part
 holds a NaN or an infinity, or, for the clients' own state, the number of the round's
 clients whose state is not finite. summary.json's ``nonfinite`` names, per replica, each part
-that went non-finite and the first round it was (:func:`nonfinite_summary`); the progress
-lines say it once, naming the round, the replica and the part.
+that went non-finite and the first round it was (the recorder's,
+:func:`deltafl_jax.run.loop.nonfinite_summary`); the progress lines say it once, naming the
+round, the replica and the part.
 
 With ``--stop_on_divergence`` a replica that diverged by either rule stops training: its model
 and algorithm state stay as they were, its clients do no more work, and the other replicas go
@@ -31,6 +32,7 @@ import numpy as np
 
 from deltafl_jax.rounds import CLIENT_PART, NONFINITE
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
+from deltafl_jax.run.loop import nonfinite_rounds
 
 DIVERGENCE_FACTOR = 3.0
 PART_NAMES = {"params": "the model", "server_opt_state": "the server optimizer's state",
@@ -45,35 +47,6 @@ def part_text(part: str, count: int = 0) -> str:
     clients = (f" of {count} of the round's clients"
                if part.partition(".")[0] == CLIENT_PART else "")
     return f"{head} ({part}){clients}"
-
-
-def nonfinite_rounds(per_round: Mapping[str, Any]) -> Dict[str, np.ndarray]:
-    """{part: [R] the first round (1-based) at which the part of each replica was not finite,
-    0 where it never was} from the round metrics (lists or arrays of [R] per round, from
-    round 1)."""
-    out = {}
-    for key, rows in per_round.items():
-        if not key.startswith(NONFINITE) or not len(rows):
-            continue
-        bad = np.stack([np.asarray(v) for v in rows]) > 0          # [T, R]
-        out[key[len(NONFINITE):]] = np.where(bad.any(0), bad.argmax(0) + 1, 0)
-    return out
-
-
-def nonfinite_summary(per_round: Mapping[str, Any], labels,
-                      clients: Optional[Mapping[str, np.ndarray]] = None) -> Dict[str, Any]:
-    """summary.json's ``nonfinite``: {replica key: {part: {"round": the first round it was
-    not finite[, "clients": the training clients whose own state is not finite at the end]}}}
-    for the replicas and parts that went non-finite; {} when every state stayed finite.
-    `clients`: {client part: [R] counts} (:func:`deltafl_jax.rounds.count_nonfinite_clients`)."""
-    out: Dict[str, Any] = {}
-    for part, first in nonfinite_rounds(per_round).items():
-        for r in np.flatnonzero(first):
-            entry = {"round": int(first[r])}
-            if clients is not None and part in clients:
-                entry["clients"] = int(np.asarray(clients[part])[r])
-            out.setdefault(labels[r].key(), {})[part] = entry
-    return out
 
 
 class StopOnDivergence(Callback):
@@ -99,10 +72,9 @@ class StopOnDivergence(Callback):
     def _bad(self, loss, r: int) -> bool:
         return not np.isfinite(loss) or loss > self.factor * self.initial[r]
 
-    def stopped_at(self, label, r: int, default: int) -> int:
-        """The round at which replica `r` (`label`) stopped, read back from the histories
-        (`default` when they do not say)."""
-        fields = label.to_json()
+    def stopped_at(self, fields: Mapping[str, Any], r: int, default: int) -> int:
+        """The round at which replica `r` (its label as written: `fields`) stopped, read back
+        from the histories (`default` when they do not say)."""
         found = [int(first[r]) for first in nonfinite_rounds(self.per_round).values()
                  if first[r] > 0]
         for rec in self.history:
@@ -120,8 +92,9 @@ class StopOnDivergence(Callback):
         active = run.state.active
         if active is not None:
             for r in np.flatnonzero(~np.asarray(active)):
-                label = view.labels[r]
-                self.diverged.setdefault(label.key(), self.stopped_at(label, r, run.start_round))
+                self.diverged.setdefault(view.names.keys[r],
+                                         self.stopped_at(view.names.records[r], r,
+                                                         run.start_round))
 
     def on_round_end(self, run: RunContext, round: int, metrics) -> None:
         parts = [np.asarray(v) > 0 for k, v in metrics.items() if k.startswith(NONFINITE)]
@@ -140,9 +113,9 @@ class StopOnDivergence(Callback):
         newly = bad & active
         if not newly.any():
             return
-        labels = run.view.labels
+        keys = run.view.names.keys
         for r in np.flatnonzero(newly):
-            self.diverged[labels[r].key()] = round
+            self.diverged[keys[r]] = round
         run.state = state.replace(active=jnp.asarray(active & ~newly))
 
     def on_run_end(self, run: RunContext, result) -> None:

@@ -65,7 +65,7 @@ from deltafl_jax.run import loop, resume
 from deltafl_jax.run.callbacks import Callback, RunContext
 from deltafl_jax.run.experiment import Experiment, build_experiment
 from deltafl_jax.run.placement import tree_nbytes
-from deltafl_jax.run.recorder import Recorder
+from deltafl_jax.run.loop import Recorder
 from deltafl_jax.run.runner import standard_callbacks
 
 DEFAULT_TIMED_ROUNDS = 5

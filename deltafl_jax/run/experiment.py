@@ -31,7 +31,7 @@ import numpy as np
 
 from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import FederatedDataset
-from deltafl_jax.replicas import Replicas
+from deltafl_jax.replicas import ReplicaNames, Replicas, replica_names
 from deltafl_jax.run.callbacks import RunFacts, RunView
 from deltafl_jax.run.evaluation import Evaluator, build_evaluator
 from deltafl_jax.run.planning import RoundPlanner, build_planner, virtual_clock
@@ -99,6 +99,12 @@ class Experiment:
                                  self.served_params(state),
                                  jax.tree.map(lambda v: np.asarray(v, np.float32),
                                               self.replicas.hyper))
+
+    @functools.cached_property
+    def names(self) -> ReplicaNames:
+        """The replicas' keys, method columns and labels as written
+        (:class:`~deltafl_jax.replicas.ReplicaNames`): what the loop and callbacks read."""
+        return replica_names(self.replicas.labels, self.spec.display_name, self.spec.reporting.names_value)
 
     @functools.cached_property
     def _personal_fn(self):
@@ -171,7 +177,8 @@ class Experiment:
             eval_chunk=self.eval_chunk, backend=self.backend,
             placement_line=self.program.placement_line(self.run),
             accounting=self.accounting)
-        return RunView(labels=tuple(self.replicas.labels), facts=facts, evaluate=self.evaluate,
+        return RunView(labels=tuple(self.replicas.labels), names=self.names, facts=facts,
+                       evaluate=self.evaluate,
                        summarize=self.summarize, served_params=self.served_params,
                        personal_params=self.personal_params,
                        initial_state=self.initial_state)

@@ -163,6 +163,8 @@ def device_mesh(devices: Optional[int]):
 def _augment(run: ResolvedRun) -> Optional[Callable]:
     """The local steps' augmentation (``--augment``; None: none); ConfigError for images it
     cannot read."""
+    if run.config.training.augment == "none":
+        return None
     try:
         return augmentation(run.config.training.augment, run.data)
     except ValueError as e:

@@ -26,7 +26,6 @@ from typing import Callable, List, Optional, TextIO
 import numpy as np
 
 from deltafl_jax.algorithms import registry
-from deltafl_jax.replicas import labels_by_method
 from deltafl_jax.rounds import NONFINITE
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
 from deltafl_jax.run.divergence import part_text
@@ -37,35 +36,12 @@ def count(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 def coordinates(label, theta: str = "θ") -> str:
-    """A replica's coordinates as progress lines show them: 'θ=0.5', 'qffl_q=0.1',
-    'θ=0.5 server_lr=0.03'. An algorithm that trains one model whatever its sweep (its spec
-    does not name the swept value in reports: FedAvg, SCAFFOLD) shows only the further
-    coordinates ('' when none): its θ = 1 is no choice of the user's. `theta`: how θ is
-    written ("theta" in a multi-method run's closing table)."""
-    extra = " ".join(f"{n}={v:g}" for n, v in label.extra)
+    """A replica's coordinates as progress lines show them
+    (:meth:`~deltafl_jax.replicas.ReplicaLabel.coordinates`), its algorithm's spec saying
+    whether the swept value is named: 'θ=0.5', 'qffl_q=0.1', 'server_lr=0.03' (FedAvg).
+    `theta`: how θ is written ("theta" in a multi-method run's closing table)."""
     spec = registry.find(label.algorithm)
-    if spec is not None and not spec.reporting.names_value:
-        return extra
-    name, value = label.swept()
-    head = theta if name == "theta" else name
-    return " ".join(p for p in (f"{head}={value:g}", extra) if p)
-
-
-def replica_group_name(label) -> str:
-    """The name of a swept value's replicas in progress lines: :func:`coordinates`, or the
-    algorithm's display name when they are empty ('SCAFFOLD', 'FedAvg')."""
-    spec = registry.find(label.algorithm)
-    display = spec.display_name if spec is not None else label.algorithm
-    coords = coordinates(label)
-    if spec is not None and not spec.reporting.names_value:
-        return " ".join(p for p in (display, coords) if p)
-    return coords
-
-
-def _groups(labels):
-    """(display name of a swept value, replica indices of its seeds)."""
-    return [(replica_group_name(labels[rs[0]]), rs)
-            for _, rs in labels_by_method(labels).items()]
+    return label.coordinates(theta, spec is None or spec.reporting.names_value)
 
 
 def interval_text(summary, key: str, rows, scale: float = 1.0, digits: int = 1) -> str:
@@ -129,7 +105,7 @@ def evaluation_line(run: RunContext, ev: Evaluation) -> str:
     config = getattr(run.view.facts, "config", None)
     target = config.evaluation.target_accuracy if config is not None else None
     parts = []
-    for name, rs in _groups(run.view.labels):
+    for name, rs in run.view.names.columns:
         loss = np.mean(ev.summary["train_loss_mean"][rs])
         err, p90 = (np.mean(ev.summary[k][rs]) for k in ("test_error_mean", "test_error_p90"))
         tail = (f"test err mean {100 * err:.1f}% p90 {100 * p90:.1f}%"
@@ -213,10 +189,11 @@ def error_table(rows, first: str = "replicas", classify: bool = True) -> List[st
     return lines
 
 
-def closing_table(result, labels, classify: bool = True) -> List[str]:
-    """Final test error per swept value (mean over seeds); with a personalised evaluation,
-    then its table (:func:`personal_table`)."""
-    rows = [(name, [result.final[labels[r].key()] for r in rs]) for name, rs in _groups(labels)]
+def closing_table(result, names, classify: bool = True) -> List[str]:
+    """Final test error per swept value (mean over seeds) of each column of `names`
+    (:class:`~deltafl_jax.replicas.ReplicaNames`); with a personalised evaluation, then its
+    table (:func:`personal_table`)."""
+    rows = [(name, [result.final[names.keys[r]] for r in rs]) for name, rs in names.columns]
     return error_table(rows, "replicas", classify) + personal_table(rows, classify)
 
 
@@ -272,7 +249,7 @@ class Progress(Callback):
                   else f" with server {config.server.describe()}")
         self.log(f"deltafl_jax: {facts.dataset} ({facts.train_clients} train / "
                  f"{facts.test_clients} test clients), model {facts.model}, "
-                 f"{config.algorithm}{server}, {count(len(run.view.labels), 'replica')} "
+                 f"{config.algorithm}{server}, {count(len(run.view.names), 'replica')} "
                  f"({count(len(config.training.seeds), 'seed')}), m={_cohort(config, facts)}, "
                  f"{count(facts.lanes, 'client lane')} per step, backend {facts.backend}")
         self.log(facts.placement_line)
@@ -317,12 +294,12 @@ class Progress(Callback):
                 continue
             part = key[len(NONFINITE):]
             for r in np.flatnonzero(np.asarray(counts) > 0):
-                label = run.view.labels[r]
-                if (label.key(), part) in self._reported:
+                key = run.view.names.keys[r]
+                if (key, part) in self._reported:
                     continue
-                self._reported.add((label.key(), part))
+                self._reported.add((key, part))
                 self._clear_bar()
-                self.log(f"warning: round {round}, replica {label.key()}: "
+                self.log(f"warning: round {round}, replica {key}: "
                          f"{part_text(part, int(counts[r]))} is not finite; "
                          + ("--stop_on_divergence stops it" if stops else
                             "it trains on (--stop_on_divergence stops it) and the metrics "
@@ -346,9 +323,9 @@ class Progress(Callback):
         s = evaluation.summary["train_loss_mean"]
         bad = [r for r in range(s.shape[0]) if not np.isfinite(s[r])]
         if bad:
-            labels = run.view.labels
+            keys = run.view.names.keys
             self.log(f"warning: the training loss of {len(bad)} replica(s) is not finite "
-                     f"({', '.join(labels[r].key() for r in bad)})")
+                     f"({', '.join(keys[r] for r in bad)})")
 
     def on_run_end(self, run: RunContext, result) -> None:
         self._clear_bar()
@@ -358,7 +335,7 @@ class Progress(Callback):
             self.log(f"deltafl_jax: run ended: {run.end_reason}")
         what = "test error" if run.view.facts.classify else "test loss"
         self.log("\n".join([f"Final per-client {what} (mean over seeds):"]
-                           + closing_table(result, run.view.labels,
+                           + closing_table(result, run.view.names,
                                            run.view.facts.classify)))
         if run.output_dir:
             self.log(f"results in {run.output_dir} (metrics.jsonl, summary.json, rounds.npz, "

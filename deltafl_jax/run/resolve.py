@@ -33,7 +33,7 @@ from typing import List, Optional, Tuple
 import jax
 import numpy as np
 
-from deltafl_jax import plan as plan_lib, replica_grid
+from deltafl_jax import plan as plan_lib
 from deltafl_jax.algorithms import registry
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm
 from deltafl_jax.algorithms.spec import AlgorithmSpec
@@ -45,7 +45,7 @@ from deltafl_jax.models import Model, ModelOptions, build_model, default_conv_im
 from deltafl_jax.privacy import (OVERFLOW_PLAIN, OVERFLOW_SHARE, UPDATE_RELEASE,
                                 UPDATE_RELEASE_ADD_REMOVE, Accounting, Correlated,
                                 bandmf_coefficients, check_private_version)
-from deltafl_jax.replicas import Replicas
+from deltafl_jax.replicas import Replicas, grid_for
 from deltafl_jax.run import personal as personal_lib
 from deltafl_jax.run.placement import check_streams, tree_nbytes
 from deltafl_jax.sampling import PoissonSampler, Sampler, WeightedSampler
@@ -104,7 +104,8 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
     """The validated run of `config` on `data` (loaded by the caller). `replicas` replaces the
     spec's grid (the tuner's). ConfigError, naming the flag, for what the settings cannot
     mean on this data or with this algorithm."""
-    data = hold_out(data, config.personal.client_holdout, config.data.data_seed)
+    if config.personal.client_holdout:   # each client's held-out part set aside
+        data = hold_out(data, config.personal.client_holdout, config.data.data_seed)
     model, options = _model(config, data)
     spec = registry.get(config.algorithm)
     m = _sampled(config, spec, data)
@@ -120,7 +121,7 @@ def resolve(config: ExperimentConfig, data: FederatedDataset,
     check_private_version(config.privacy, config.sampling.sampler, spec, algorithm,
                           tuned=replicas is not None)
     noise = _noise(config, spec, algorithm, m, data.train.num_clients)
-    replicas = replicas or replica_grid.grid_for(
+    replicas = replicas or grid_for(
         spec, config, noise.per_value if noise is not None else (0.0,)).build()
     replicas, replica_seeds, seeds = _plan_groups(config, algorithm, replicas)
     accounting = None if noise is None else noise.accounting(

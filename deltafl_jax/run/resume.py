@@ -155,7 +155,7 @@ class Resume:
     client_history: "rounds" [E] and the per-client arrays [E, R, N] of the evaluations up to
       `round` (clients_history.npz). records: the metrics.jsonl records up to `round`.
     host: the host's state saved with the checkpoint (the participation record and a stateful
-      availability model's state, :class:`deltafl_jax.sampling.participation.Participation`),
+      availability model's state, :class:`deltafl_jax.run.planning.Participation`),
       or None for a checkpoint without one.
     """
 

@@ -18,19 +18,29 @@ from deltafl_jax.data import FederatedDataset
 from deltafl_jax.datasets import load_dataset
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.replicas import Replicas
-from deltafl_jax.run import checkpoint as ckpt, distributed, lock, resume, tensorboard
+from deltafl_jax.run import checkpoint as ckpt, distributed, lock, resume
 from deltafl_jax.run.callbacks import Callback
 from deltafl_jax.run.divergence import StopOnDivergence
 from deltafl_jax.run.experiment import Experiment, build_experiment
-from deltafl_jax.run.loop import ends_at, evaluate, run_rounds
-from deltafl_jax.run.preemption import Preemption
+from deltafl_jax.run.loop import Recorder, RunResult, evaluate, run_rounds
 from deltafl_jax.run.progress import Progress
-from deltafl_jax.run.recorder import Recorder, RunResult
-from deltafl_jax.run.writer import OutputFiles
+from deltafl_jax.run.writer import OutputFiles, TensorBoard, tensorboard_available
 
 
 def _print(line: str) -> None:
     print(line, flush=True)
+
+
+def _primary() -> bool:
+    """This process writes the outputs: the run's only process, or process 0 of a
+    distributed run."""
+    return jax.process_index() == 0
+
+
+def _several() -> bool:
+    """The run spans several processes: only then are :mod:`deltafl_jax.run.distributed`'s
+    collectives (the output dir, the plan's check, the barrier) needed."""
+    return jax.process_count() > 1
 
 
 def has_checkpoint(out: str) -> bool:
@@ -75,7 +85,7 @@ def check_output_dir(out: Optional[str], overwrite: bool, config=None) -> None:
             f"--output_dir={out} is not a run of deltafl_jax: it holds "
             f"{_listing(list(state.foreign))} (not files a run writes); choose a new or empty "
             f"directory (--overwrite replaces a run, never other files)")
-    if distributed.is_primary():   # the others of a distributed run never hold its lock
+    if _primary():   # the others of a distributed run never hold its lock
         lock.check_free(out)       # another process writing into it: refused
     if state.kind != "run" or overwrite:
         return
@@ -206,30 +216,31 @@ def _checkpointer(config) -> Optional[ckpt.Checkpointer]:
     """The run's checkpoints, in the primary process's ``<output_dir>/checkpoints`` (every
     process of a multi-process run uses that one directory: it must be on a filesystem they
     all see); None without an output dir."""
-    out = distributed.primary_output_dir(config.output.output_dir)
+    out = config.output.output_dir
+    out = distributed.primary_output_dir(out) if _several() else out
     return ckpt.Checkpointer(ckpt.checkpoint_dir(out)) if out else None
 
 
 def standard_callbacks(config, exp, log, recorder, checkpointer, fingerprint) -> List[Callback]:
     """The run's callbacks after the recorder (``--estimate`` times them too). Every process
     runs the same computations; only the primary one prints and writes."""
-    out = config.output.output_dir if distributed.is_primary() else None
+    out = config.output.output_dir if _primary() else None
     cbs: List[Callback] = []
     if config.training.stop_on_divergence:
         # before the writers: it adds to the summary
         cbs.append(StopOnDivergence(history=recorder.history, per_round=recorder.per_round))
-    if config.output.verbose and distributed.is_primary():
+    if config.output.verbose and _primary():
         cbs.append(Progress(log))
     if out:
         cbs.append(OutputFiles(out, exp.model, exp.model_options, exp.data,
                                config.output.save_models))
         board = config.output.tensorboard
-        if board or (board is None and tensorboard.available()):
-            cbs.append(tensorboard.TensorBoard(out))
+        if board or (board is None and tensorboard_available()):
+            cbs.append(TensorBoard(out))
     if checkpointer is not None:
-        several = jax.process_count() > 1
+        several = _several()
         T, every = config.training.num_rounds, config.evaluation.eval_every
-        cbs.append(Preemption(defer=several))   # before the checkpoints: see its docstring
+        cbs.append(ckpt.Preemption(defer=several))   # before the checkpoints: see its docstring
         cbs.append(ckpt.CheckpointCallback(
             checkpointer, fingerprint, every=config.output.checkpoint_every,
             every_s=config.output.checkpoint_every_s, evaluated=lambda r: r % every == 0 or r == T,
@@ -253,14 +264,15 @@ def _resume(exp: Experiment, checkpointer, fingerprint, recorder: Recorder, log)
     run it continues to more rounds), or fresh."""
     config = exp.config
     state = exp.initial_state()
-    out = distributed.primary_output_dir(config.output.output_dir)
+    out = config.output.output_dir
+    out = distributed.primary_output_dir(out) if _several() else out
     found = (resume.load(checkpointer, fingerprint, state, out, config)
              if checkpointer is not None and checkpointer.latest_round() is not None else None)
     finished = bool(out) and os.path.exists(os.path.join(out, outputs.SUMMARY))
     if finished and found is None:   # the folder's check found a checkpoint; none can be read
         raise ConfigError(f"cannot continue the run in {out}: no checkpoint of it can be read; "
                           f"pass --overwrite to start afresh")
-    if distributed.is_primary() and out:
+    if _primary() and out:
         writer = outputs.RunWriter(out)
         if finished:   # continued: a run in progress until it writes its results anew
             writer.remove_final_outputs()
@@ -302,7 +314,7 @@ def run_experiment(config: ExperimentConfig, data: Optional[FederatedDataset] = 
     when this one ends, however it ends.
     """
     log = log or _print
-    out = config.output.output_dir if distributed.is_primary() else None
+    out = config.output.output_dir if _primary() else None
     check_output_dir(out, config.output.overwrite, config)
     # Only the process that writes the folder locks it (process 0 of a distributed run).
     with lock.locked(out, log=log):
@@ -317,13 +329,15 @@ def _run_locked(config: ExperimentConfig, data: Optional[FederatedDataset], log,
     t0 = time.perf_counter()
     data = data if data is not None else load_dataset(config.data)
     exp = build_experiment(config, data, replicas)
-    if distributed.is_primary():   # settings past a stability bound of the algorithm's
+    if _primary():   # settings past a stability bound of the algorithm's
         for line in exp.spec.warnings(config, exp.replicas):
             log(f"warning: {line}")
     fingerprint = resume.fingerprint(config, exp.data)
-    distributed.check_same_plan(exp, fingerprint)
+    if _several():
+        distributed.check_same_plan(exp, fingerprint)
     _prepare(out, config, log)
-    distributed.barrier("prepared")   # the others read what the primary keeps of its dir
+    if _several():
+        distributed.barrier("prepared")   # the others read what the primary keeps of its dir
     checkpointer = _checkpointer(config)
     try:
         recorder = Recorder()

@@ -28,6 +28,10 @@ The samplers (``--client_sampling``, and DRFA's own):
   replacement with probabilities proportional to the given weights [N]. Among the online
   clients: the weights restricted to them and renormalised; no client online, every slot empty.
 
+The ``Sampling`` settings group (``--client_sampling``) names them: :data:`SAMPLERS` maps each
+``--client_sampling`` value to its class, and :meth:`Sampling.build` makes the run's sampler
+(each class's ``build``).
+
 Adding a sampler: a subclass with ``name``, ``slots`` and ``cohort`` (see
 ``docs/guides/add-sampler.md``).
 """
@@ -36,9 +40,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, NamedTuple, Optional
+from typing import ClassVar, Dict, NamedTuple, Optional, Type
 
 import numpy as np
+
+from deltafl_jax.declared import setting
+from deltafl_jax.errors import ConfigError
 
 SAMPLE_STREAM = 0
 POISSON_STREAM = 2
@@ -286,3 +293,42 @@ def poisson_cap(num_clients: int, q: float, rounds: int, budget: float) -> int:
     while cap < num_clients and rounds * overflow_probability(n, q, cap) > budget:
         cap += 1
     return min(cap, num_clients)
+
+
+# --------------------------------------------------------------------------------------------
+# The Sampling settings group
+
+# --client_sampling's values, in the flag's order: each names one Sampler class.
+SAMPLERS: Dict[str, Type[Sampler]] = {c.name: c for c in (FixedSampler, PoissonSampler,
+                                                           CyclicSampler)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the server picks a round's clients among the online ones.
+
+    sampler: fixed | poisson | cyclic (--client_sampling; :data:`SAMPLERS`).
+    """
+
+    sampler: str = setting(
+        "fixed", "fixed: m distinct clients drawn uniformly each round | poisson: each client "
+        "joins a round independently with probability q = m / N (DP's add-or-remove "
+        "accounting) | cyclic: G = N // m fixed groups of m, round t trains group t mod G "
+        "(DP-FTRL's participation)", flag="client_sampling", choices=tuple(SAMPLERS))
+
+    def check(self) -> None:
+        """ConfigError naming the flag at fault."""
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"--client_sampling must be one of {', '.join(SAMPLERS)}, got "
+                              f"{self.sampler!r}")
+
+    @property
+    def variable(self) -> bool:
+        """The sampler's cohorts vary in size (empty slots) with every client online."""
+        return SAMPLERS[self.sampler].variable
+
+    def build(self, num_clients: int, m: int, *, rounds: int,
+              overflow_budget: float) -> Sampler:
+        """The run's sampler of m of `num_clients` clients a round (:meth:`Sampler.build`)."""
+        return SAMPLERS[self.sampler].build(num_clients, m, rounds=rounds,
+                                            overflow_budget=overflow_budget)
