@@ -75,9 +75,10 @@ def planned_configs():
     """Every program to run: one per method of --algorithm, and with
     --resample_writers_per_seed one per seed of each (deltafl_jax.seed_programs), ordered so
     that programs on the same data run one after another (each dataset is loaded once)."""
-    from deltafl_jax.seed_programs import seed_programs
-
-    configs = [g for c in configs_from_flags() for g in seed_programs(c)]
+    configs = configs_from_flags()
+    if any(c.data.resample_writers_per_seed for c in configs):
+        from deltafl_jax.seed_programs import seed_programs
+        configs = [g for c in configs for g in seed_programs(c)]
     order = {}
     for c in configs:
         order.setdefault(c.data, len(order))

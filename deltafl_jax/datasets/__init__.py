@@ -346,7 +346,8 @@ def load_dataset(config: DataConfig) -> FederatedDataset:
 
     from deltafl_jax.datasets import partition
 
-    normalize.check_method(config.normalize)
+    if config.normalize != "none":
+        normalize.check_method(config.normalize)
     if centralised_key(config.dataset) is not None:
         from deltafl_jax.datasets import npz
         data = partition.kept(limits.apply_limits(npz.load_partitioned_images(config), config))
@@ -356,5 +357,11 @@ def load_dataset(config: DataConfig) -> FederatedDataset:
         raise DataError(f"--partition={method}: --dataset={config.dataset} has its "
                         f"own clients; --partition splits centralised data "
                         f"({', '.join(PARTITIONABLE)} without a client column)")
-    data = partition.kept(limits.apply_limits(_loader(config.dataset)(config), config))
-    return normalize.normalize(data, config.normalize)
+    data = _loader(config.dataset)(config)
+    kept = config.limits
+    if any(v is not None for v in (kept.max_examples_per_client, kept.max_train_clients,
+                                   kept.max_test_clients)):
+        data = limits.apply_limits(data, config)
+    if data.partition is not None:
+        data = partition.kept(data)
+    return data if config.normalize == "none" else normalize.normalize(data, config.normalize)
