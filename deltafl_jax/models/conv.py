@@ -249,9 +249,10 @@ def _tiles_major(v):
     """V [16, T, C] transposed to [16, C, T] in memory, so that the weight gradient
     V^T dM is the same batched product as the forward pass's ([16, C, T] x [16, T, O]). XLA
     would otherwise fold the transpose into the product's dimension numbers, a product that
-    contracts the leading axis of both operands, which XLA:CPU runs on a slower kernel than
-    this one (measured: 1.7 s against 0.7 s a round for conv2 of pfl_cnn, 2 host devices).
-    The barrier keeps the transposed copy; the values are the same."""
+    contracts the leading axis of both operands, which XLA:CPU runs on its Eigen kernel rather
+    than the YNNPACK one of the forward products (a round of pfl_cnn on 2 host devices: 4%
+    less CPU time this way, docs/benchmarks/pfl-research.md). The barrier keeps the
+    transposed copy; the values are the same."""
     return lax.optimization_barrier(jnp.swapaxes(v, 1, 2))
 
 
