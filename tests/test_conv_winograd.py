@@ -172,3 +172,19 @@ def test_pfl_cnn_step_has_no_convolution_and_equals_xla():
     got = jax.jit(jax.value_and_grad(loss_of("winograd")))(p)
     for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         assert_close(g, r)
+
+
+def test_weight_gradient_products_contract_as_the_forward_products():
+    """Every batched product of the weight gradient contracts the minor axis of its first
+    operand and the middle axis of its second ([16, C, T] x [16, T, O]), the layout of the
+    forward pass's products, not the leading tile axis of both ([16, T, C] x [16, T, O]),
+    which XLA:CPU runs on a slower kernel (docs/benchmarks/pfl-research.md); the values are
+    the NumPy reference's (test above)."""
+    x, k, pads = sample("valid_even_out")
+    r = jnp.ones((2, 8, 6, 6), jnp.float32)
+    grad = jax.jit(jax.grad(lambda b: jnp.sum(conv_winograd(x, b, pads) * r)))
+    hlo = grad.lower(k).compile().as_text()
+    products = [line for line in hlo.splitlines() if " dot(" in line and "lhs_batch_dims" in line]
+    assert products
+    for line in products:
+        assert "lhs_contracting_dims={2}" in line and "rhs_contracting_dims={1}" in line, line

@@ -243,7 +243,18 @@ def _output_tiles_transpose(dy, tiles_hw):
 
 
 _BATCHED = (((2,), (1,)), ((0,), (0,)))      # [16, T, C] x [16, C, O] -> [16, T, O]
-_OVER_TILES = (((1,), (1,)), ((0,), (0,)))   # [16, T, C] x [16, T, O] -> [16, C, O]
+
+
+def _tiles_major(v):
+    """V [16, T, C] transposed to [16, C, T] in memory, so that the weight gradient
+    V^T dM is the same batched product as the forward pass's ([16, C, T] x [16, T, O]). XLA
+    would otherwise fold the transpose into the product's dimension numbers, a product that
+    contracts the leading axis of both operands, which XLA:CPU runs on its Eigen kernel rather
+    than the YNNPACK one of the forward products (a round of pfl_cnn on 2 host devices: 4%
+    less CPU time this way, docs/benchmarks/pfl-research.md). The barrier keeps the
+    transposed copy; the values are the same."""
+    return lax.optimization_barrier(jnp.swapaxes(v, 1, 2))
+
 
 
 def _winograd_forward(x, w, pads: Pads):
@@ -279,7 +290,7 @@ def _winograd_bwd(pads, res, dy):
     (plo, phi), (qlo, qhi) = pads
     dx = _winograd_forward(dy, _transposed_kernel(w, 1), ((2 - plo, 2 - phi), (2 - qlo, 2 - qhi)))
     v, _, tiles_hw = _input_tiles(x, pads)
-    du = lax.dot_general(v, _output_tiles_transpose(dy, tiles_hw), _OVER_TILES)
+    du = lax.dot_general(_tiles_major(v), _output_tiles_transpose(dy, tiles_hw), _BATCHED)
     return dx.astype(x.dtype), _kernel_tiles_transpose(du).astype(w.dtype)
 
 
