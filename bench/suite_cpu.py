@@ -1,10 +1,10 @@
 """A pytest plugin that measures where the test suite's CPU time goes, per test and per file.
 
 Wall time on a shared machine says little; CPU seconds do not depend on the load. Load it with
-``-p bench.suite_cpu --suite-cpu-out=PATH`` (from the repository root) on top of the README's
+``-p bench.suite_cpu --suite_cpu_out=PATH`` (from the repository root) on top of the README's
 test command, xdist included::
 
-    python -m pytest -q tests -p bench.suite_cpu --suite-cpu-out=bench/out/suite_cpu.json
+    python -m pytest -q tests -p bench.suite_cpu --suite_cpu_out=bench/out/suite_cpu.json
 
 For every test, each process (every xdist worker) records the CPU seconds its protocol took
 (setup, call and teardown: a module- or session-scoped fixture is charged to the test that first
@@ -37,7 +37,7 @@ _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 def pytest_addoption(parser):
-    parser.addoption("--suite-cpu-out", default=None,
+    parser.addoption("--suite_cpu_out", default=None,
                      help="where bench.suite_cpu writes its JSON (per-worker parts beside it)")
 
 
@@ -91,7 +91,7 @@ class _Recorder:
 
 
 def pytest_configure(config):
-    out = config.getoption("--suite-cpu-out")
+    out = config.getoption("--suite_cpu_out")
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         config.pluginmanager.register(_Recorder(os.path.abspath(out)), "suite_cpu_recorder")

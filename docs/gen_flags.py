@@ -4,8 +4,11 @@ r"""The flag reference (docs/reference/flags.md), generated from the code.
     python -m docs.gen_flags --write    # write docs/reference/flags.md
     python -m docs.gen_flags --check    # exit 1, naming the first difference, if the page is stale
 
-Each command of COMMANDS is imported in a fresh interpreter (absl's flags are process-global,
-and two commands may declare a flag of the same name), with absl's ``DEFINE_*`` functions
+Each command of COMMANDS is imported in a fresh process (absl's flags are process-global, and
+two commands may declare a flag of the same name): one interpreter imports the libraries every
+command uses but that declare no flag (jax, flax, optax, NumPy, absl), then forks one child
+per command, which imports it (so the libraries' import, most of a command's start-up, is paid
+once, not once per command), with absl's ``DEFINE_*`` functions
 wrapped so that every flag records what declared it: the module and the function (absl itself
 knows only the module). A flag's default, help and choices are absl's. The page groups the flags
 by what declares them: a command's own flags; the experiment flags of ``experiments.cli``, one
@@ -21,7 +24,6 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,17 +121,49 @@ def _collect(module: str) -> Dict[str, Any]:
 # In the calling interpreter.
 
 
+# Imported once before the fork: what the commands import that declares no absl flag and does not
+# import the package (whose registry _collect reads only when the command imported it).
+SHARED_IMPORTS = ("numpy", "jax", "jax.numpy", "flax.linen", "optax", "absl.flags")
+
+
+def _collect_forked(modules) -> List[Dict[str, Any]]:
+    """_collect(module) for each of `modules`, each in a child forked from this interpreter
+    after SHARED_IMPORTS (in order; a child that fails raises, with its error)."""
+    import importlib
+    import tempfile
+    import traceback
+    for name in SHARED_IMPORTS:
+        importlib.import_module(name)
+    found = []
+    for module in modules:
+        with tempfile.TemporaryFile("w+") as out:
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    json.dump(_collect(module), out)
+                except BaseException:
+                    out.write("\n" + traceback.format_exc())
+                    code = 1
+                out.flush()
+                os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            out.seek(0)
+            text = out.read()
+            if os.waitstatus_to_exitcode(status) != 0:
+                raise RuntimeError(f"collecting the flags of {module} failed:{text}")
+            found.append(json.loads(text))
+    return found
+
+
 def collect() -> Dict[str, Dict[str, Any]]:
-    """Every command's flags, each command imported in its own interpreter (two at a time)."""
-    def one(module):
-        proc = subprocess.run([sys.executable, "-m", "docs.gen_flags", f"--collect={module}"],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"collecting the flags of {module} failed:\n{proc.stderr}")
-        return json.loads(proc.stdout)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        found = list(pool.map(one, COMMANDS))
-    return {c["module"]: c for c in found}
+    """Every command's flags, each command imported in its own process (forked from one
+    interpreter that imports the shared libraries once)."""
+    proc = subprocess.run([sys.executable, "-m", "docs.gen_flags", "--collect-all"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"collecting the flags failed:\n{proc.stderr}")
+    return {c["module"]: c for c in json.loads(proc.stdout)}
 
 
 def _cell(text: Any) -> str:
@@ -273,6 +307,9 @@ def main(argv: List[str]) -> int:
     for arg in argv:
         if arg.startswith("--collect="):
             print(json.dumps(_collect(arg.split("=", 1)[1])))
+            return 0
+        if arg == "--collect-all":
+            print(json.dumps(_collect_forked(COMMANDS)))
             return 0
     page = render(collect())
     if "--write" in argv:

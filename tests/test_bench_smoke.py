@@ -737,7 +737,7 @@ def test_suite_cpu_smoke_charges_each_test_its_cpu_and_compiles(tmp_path):
     env.pop("JAX_COMPILATION_CACHE_DIR")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-n", "0",
                            "-p", "no:cacheprovider", "-p", "bench.suite_cpu",
-                           f"--suite-cpu-out={out}", f"--rootdir={tmp_path}",
+                           f"--suite_cpu_out={out}", f"--rootdir={tmp_path}",
                            str(tmp_path / "test_two.py")], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
