@@ -156,10 +156,12 @@ def _collect_forked(modules) -> List[Dict[str, Any]]:
     return found
 
 
-def collect() -> Dict[str, Dict[str, Any]]:
-    """Every command's flags, each command imported in its own process (forked from one
-    interpreter that imports the shared libraries once)."""
-    proc = subprocess.run([sys.executable, "-m", "docs.gen_flags", "--collect-all"], cwd=REPO,
+def collect(modules=COMMANDS) -> Dict[str, Dict[str, Any]]:
+    """The flags of every command of `modules` (by default every documented command), each
+    command imported in its own process (forked from one interpreter that imports the shared
+    libraries once)."""
+    proc = subprocess.run([sys.executable, "-m", "docs.gen_flags",
+                           "--collect-all=" + ",".join(modules)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise RuntimeError(f"collecting the flags failed:\n{proc.stderr}")
@@ -308,8 +310,8 @@ def main(argv: List[str]) -> int:
         if arg.startswith("--collect="):
             print(json.dumps(_collect(arg.split("=", 1)[1])))
             return 0
-        if arg == "--collect-all":
-            print(json.dumps(_collect_forked(COMMANDS)))
+        if arg.startswith("--collect-all="):
+            print(json.dumps(_collect_forked(arg.split("=", 1)[1].split(","))))
             return 0
     page = render(collect())
     if "--write" in argv:
