@@ -310,8 +310,9 @@ def main(argv: List[str]) -> int:
         if arg.startswith("--collect="):
             print(json.dumps(_collect(arg.split("=", 1)[1])))
             return 0
-        if arg.startswith("--collect-all="):
-            print(json.dumps(_collect_forked(arg.split("=", 1)[1].split(","))))
+        if arg == "--collect-all" or arg.startswith("--collect-all="):
+            modules = arg.split("=", 1)[1].split(",") if "=" in arg else COMMANDS
+            print(json.dumps(_collect_forked(modules)))
             return 0
     page = render(collect())
     if "--write" in argv:
