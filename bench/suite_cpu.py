@@ -13,7 +13,8 @@ subprocesses it waited for (``resource.getrusage(RUSAGE_CHILDREN)``, user + syst
 XLA compilations it ran in-process (jax's ``/jax/core/compile/backend_compile_duration``
 events: their count and seconds; a program loaded from the persistent compilation cache counts
 too, and ``cache_hits`` says how many were; ``fresh_compiles`` in the totals is the difference;
-programs a subprocess compiles are in its CPU time, not in the count). Each worker writes ``PATH.<worker>.json``;
+programs a subprocess compiles are in its CPU time, not in the count; the totals name the 30
+jitted functions whose compiles took longest, summed over their shapes). Each worker writes ``PATH.<worker>.json``;
 the process that started the run merges them into ``PATH``: the totals (every process's whole
 CPU time, the controller's and the workers' imports and collection included, the workers'
 subprocesses too; ``compile_s`` is the compiles' wall seconds; the sum over tests;
@@ -51,6 +52,7 @@ class _Recorder:
     def __init__(self, out):
         self.out = out
         self.tests = {}
+        self.programs = {}   # jitted function's name -> [compiles, seconds]
         self.compiles = self.compile_s = self.cache_hits = 0
         self.listening = False
 
@@ -62,10 +64,13 @@ class _Recorder:
         mon.register_event_listener(self._on_event)
         self.listening = True
 
-    def _on_duration(self, event, duration, **_):
+    def _on_duration(self, event, duration, fun_name="?", **_):
         if event == _COMPILE_EVENT:
             self.compiles += 1
             self.compile_s += duration
+            tally = self.programs.setdefault(fun_name, [0, 0.0])
+            tally[0] += 1
+            tally[1] += duration
 
     def _on_event(self, event, **_):
         if event == _CACHE_HIT_EVENT:
@@ -85,7 +90,8 @@ class _Recorder:
 
     def write_part(self, name):
         own, ch = _cpu()
-        part = {"own_cpu_s": own, "children_cpu_s": ch, "tests": self.tests}
+        part = {"own_cpu_s": own, "children_cpu_s": ch, "tests": self.tests,
+                "programs": self.programs}
         with open(f"{self.out}.{name}.json", "w") as f:
             json.dump(part, f)
 
@@ -142,6 +148,15 @@ def merge(out):
         "children_cpu_s": round(sum(t["children_s"] for t in tests.values()), 1),
         "quiet_wall_estimate_s": round(total / 2, 1),
     }
+    programs = {}
+    for p in parts.values():
+        for name, (n, sec) in p.get("programs", {}).items():
+            tally = programs.setdefault(name, [0, 0.0])
+            tally[0] += n
+            tally[1] += sec
+    summary["programs_by_compile_s"] = {
+        name: {"compiles": n, "compile_s": round(sec, 1)}
+        for name, (n, sec) in sorted(programs.items(), key=lambda kv: -kv[1][1])[:30]}
     result = {"summary": summary,
               "files": dict(sorted(files.items(), key=lambda kv: -kv[1]["cpu_s"])),
               "tests": dict(sorted(tests.items(), key=lambda kv: -kv[1]["cpu_s"]))}

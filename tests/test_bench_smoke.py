@@ -726,6 +726,11 @@ def test_two_programs():
 """
 
 
+def program_compiles(res):
+    """{jitted function: compiles} of a bench/suite_cpu.py result."""
+    return {k: v["compiles"] for k, v in res["summary"]["programs_by_compile_s"].items()}
+
+
 @pytest.mark.slow   # a pytest run in a subprocess: CI's second step
 def test_suite_cpu_smoke_charges_each_test_its_cpu_and_compiles(tmp_path):
     """bench/suite_cpu.py on a run of two tests: a 0.3 s busy subprocess is charged to its
@@ -746,6 +751,7 @@ def test_suite_cpu_smoke_charges_each_test_its_cpu_and_compiles(tmp_path):
     jitted = res["tests"]["test_two.py::test_two_programs"]
     assert child["children_s"] >= 0.3 and child["cpu_s"] >= child["children_s"]
     assert child["compiles"] == 0 and jitted["compiles"] == 2 and jitted["cache_hits"] == 0
+    assert program_compiles(res) == {"jit(<lambda>)": 2}
     s = res["summary"]
     assert s["tests"] == 2 and s["compiles"] == s["fresh_compiles"] == 2
     assert s["total_cpu_s"] >= s["tests_cpu_s"] - 0.1
@@ -771,7 +777,9 @@ def test_suite_cpu_merge_counts_the_workers_once(tmp_path):
              "gw0": {"own_cpu_s": 10.0, "children_cpu_s": 4.0,
                      "tests": {"a.py::x": t(3.0, 1.0, 4, 1), "b.py::y": t(6.0, 3.0, 0, 0)}},
              "gw1": {"own_cpu_s": 15.0, "children_cpu_s": 1.0,
-                     "tests": {"a.py::z": t(12.0, 1.0, 6, 2)}}}
+                     "tests": {"a.py::z": t(12.0, 1.0, 6, 2)},
+                     "programs": {"jit(f)": [4, 2.0], "jit(g)": [6, 3.0]}}}
+    parts["gw0"]["programs"] = {"jit(f)": [1, 2.0]}
     for name, part in parts.items():
         json.dump(part, open(f"{out}.{name}.json", "w"))
     res = suite_cpu.merge(out)
@@ -785,6 +793,9 @@ def test_suite_cpu_merge_counts_the_workers_once(tmp_path):
     assert res["files"]["a.py"] == {"cpu_s": 15.0, "children_s": 2.0, "compiles": 10,
                                     "compile_s": 5.0, "tests": 2}
     assert list(res["tests"]) == ["a.py::z", "b.py::y", "a.py::x"]
+    assert s["programs_by_compile_s"] == {"jit(f)": {"compiles": 5, "compile_s": 4.0},
+                                          "jit(g)": {"compiles": 6, "compile_s": 3.0}}
+    assert list(s["programs_by_compile_s"]) == ["jit(f)", "jit(g)"]
 
 
 def test_every_bench_entry_point_has_a_smoke_run():
