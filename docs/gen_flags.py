@@ -4,11 +4,14 @@ r"""The flag reference (docs/reference/flags.md), generated from the code.
     python -m docs.gen_flags --write    # write docs/reference/flags.md
     python -m docs.gen_flags --check    # exit 1, naming the first difference, if the page is stale
 
-Each command of COMMANDS is imported in a fresh interpreter (absl's flags are process-global,
-and two commands may declare a flag of the same name), with absl's ``DEFINE_*`` functions
-wrapped so that the order in which the flags are declared is recorded. A flag's default, help
-and choices are absl's. The page groups the flags by what declares them: a command's own flags;
-the experiment flags of ``experiments.cli``, one group per section of its one declaring loop
+Each command of COMMANDS is imported in a fresh process (absl's flags are process-global, and
+two commands may declare a flag of the same name): one interpreter imports the libraries every
+command uses but that declare no flag (jax, flax, optax, NumPy, absl), then forks one child
+per command, which imports it (so the libraries' import, most of a command's start-up, is paid
+once, not once per command), with absl's ``DEFINE_*`` functions wrapped so that the order in
+which the flags are declared is recorded. A flag's default, help and choices are absl's. The
+page groups the flags by what declares them: a command's own flags; the experiment flags of
+``experiments.cli``, one group per section of its one declaring loop
 (``experiments.cli.SECTION``: the group of settings that declares the flag); and the
 algorithms' swept flags and options, one group per algorithm spec of the registry that
 declares them.
@@ -22,7 +25,6 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,17 +90,51 @@ def _collect(module: str) -> Dict[str, Any]:
 # In the calling interpreter.
 
 
-def collect() -> Dict[str, Dict[str, Any]]:
-    """Every command's flags, each command imported in its own interpreter (two at a time)."""
-    def one(module):
-        proc = subprocess.run([sys.executable, "-m", "docs.gen_flags", f"--collect={module}"],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"collecting the flags of {module} failed:\n{proc.stderr}")
-        return json.loads(proc.stdout)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        found = list(pool.map(one, COMMANDS))
-    return {c["module"]: c for c in found}
+# Imported once before the fork: what the commands import that declares no absl flag and does not
+# import the package (whose registry _collect reads only when the command imported it).
+SHARED_IMPORTS = ("numpy", "jax", "jax.numpy", "flax.linen", "optax", "absl.flags")
+
+
+def _collect_forked(modules) -> List[Dict[str, Any]]:
+    """_collect(module) for each of `modules`, each in a child forked from this interpreter
+    after SHARED_IMPORTS (in order; a child that fails raises, with its error)."""
+    import importlib
+    import tempfile
+    import traceback
+    for name in SHARED_IMPORTS:
+        importlib.import_module(name)
+    found = []
+    for module in modules:
+        with tempfile.TemporaryFile("w+") as out:
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    json.dump(_collect(module), out)
+                except BaseException:
+                    out.write("\n" + traceback.format_exc())
+                    code = 1
+                out.flush()
+                os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            out.seek(0)
+            text = out.read()
+            if os.waitstatus_to_exitcode(status) != 0:
+                raise RuntimeError(f"collecting the flags of {module} failed:{text}")
+            found.append(json.loads(text))
+    return found
+
+
+def collect(modules=COMMANDS) -> Dict[str, Dict[str, Any]]:
+    """The flags of every command of `modules` (by default every documented command), each
+    command imported in its own process (forked from one interpreter that imports the shared
+    libraries once)."""
+    proc = subprocess.run([sys.executable, "-m", "docs.gen_flags",
+                           "--collect-all=" + ",".join(modules)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"collecting the flags failed:\n{proc.stderr}")
+    return {c["module"]: c for c in json.loads(proc.stdout)}
 
 
 def _cell(text: Any) -> str:
@@ -228,6 +264,10 @@ def main(argv: List[str]) -> int:
     for arg in argv:
         if arg.startswith("--collect="):
             print(json.dumps(_collect(arg.split("=", 1)[1])))
+            return 0
+        if arg == "--collect-all" or arg.startswith("--collect-all="):
+            modules = arg.split("=", 1)[1].split(",") if "=" in arg else COMMANDS
+            print(json.dumps(_collect_forked(modules)))
             return 0
     page = render(collect())
     if "--write" in argv:

@@ -684,6 +684,8 @@ def test_resnet_profile_smoke_counts_and_splits(tmp_path):
 
 
 SMOKE_RUNS = {
+    "suite_cpu.py": ["test_suite_cpu_smoke_charges_each_test_its_cpu_and_compiles",
+                     "test_suite_cpu_merge_counts_the_workers_once"],
     "fedbuff_step.py": ["test_fedbuff_step_smoke_times_both"],
     "availability.py": ["test_availability_smoke_pairs_and_parts"],
     "timing_comparison.py": ["test_timing_comparison_smoke_reads_every_setting"],
@@ -707,6 +709,93 @@ SMOKE_RUNS = {
     "theta_sweep.py": ["test_theta_sweep_smoke"],
     "resnet_profile.py": ["test_resnet_profile_smoke_counts_and_splits"],
 }
+
+
+SUITE_CPU_TESTS = """
+import subprocess, sys, time
+
+def test_busy_child():
+    subprocess.run([sys.executable, "-c",
+                    "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.3: pass"],
+                   check=True)
+
+def test_two_programs():
+    import jax, numpy as np
+    jax.jit(lambda x: x + 1)(np.float32(1))
+    jax.jit(lambda x: x * 3)(np.float32(1))
+"""
+
+
+def program_compiles(res):
+    """{jitted function: compiles} of a bench/suite_cpu.py result."""
+    return {k: v["compiles"] for k, v in res["summary"]["programs_by_compile_s"].items()}
+
+
+@pytest.mark.slow   # a pytest run in a subprocess: CI's second step
+def test_suite_cpu_smoke_charges_each_test_its_cpu_and_compiles(tmp_path):
+    """bench/suite_cpu.py on a run of two tests: a 0.3 s busy subprocess is charged to its
+    test as its children's CPU, two jitted programs to the other as two fresh compiles, and
+    the compare command puts two runs side by side."""
+    (tmp_path / "test_two.py").write_text(SUITE_CPU_TESTS)
+    out = tmp_path / "cpu.json"
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR="", PYTHONPATH=REPO)
+    env.pop("JAX_COMPILATION_CACHE_DIR")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-n", "0",
+                           "-p", "no:cacheprovider", "-p", "bench.suite_cpu",
+                           f"--suite_cpu_out={out}", f"--rootdir={tmp_path}",
+                           str(tmp_path / "test_two.py")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.load(open(out))
+    child = res["tests"]["test_two.py::test_busy_child"]
+    jitted = res["tests"]["test_two.py::test_two_programs"]
+    assert child["children_s"] >= 0.3 and child["cpu_s"] >= child["children_s"]
+    assert child["compiles"] == 0 and jitted["compiles"] == 2 and jitted["cache_hits"] == 0
+    assert program_compiles(res) == {"jit(<lambda>)": 2}
+    s = res["summary"]
+    assert s["tests"] == 2 and s["compiles"] == s["fresh_compiles"] == 2
+    assert s["total_cpu_s"] >= s["tests_cpu_s"] - 0.1
+    assert res["files"]["test_two.py"]["tests"] == 2
+    side = tmp_path / "side.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.suite_cpu", "compare", str(out), str(out),
+                           f"--out={side}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    both = json.load(open(side))
+    assert both["before"] == both["after"] == s
+    assert both["files"]["test_two.py"]["after"]["tests"] == 2
+
+
+def test_suite_cpu_merge_counts_the_workers_once(tmp_path):
+    """The merge adds each worker's own and children's CPU and the controller's own only (its
+    children are the workers), sums per file, and sorts the costliest first."""
+    from bench import suite_cpu
+    out = str(tmp_path / "m.json")
+    t = lambda cpu, ch, c, h: {"cpu_s": cpu, "own_s": cpu - ch, "children_s": ch,  # noqa: E731
+                               "compiles": c, "compile_s": 0.5 * c, "cache_hits": h}
+    parts = {"controller": {"own_cpu_s": 2.0, "children_cpu_s": 30.0, "tests": {}},
+             "gw0": {"own_cpu_s": 10.0, "children_cpu_s": 4.0,
+                     "tests": {"a.py::x": t(3.0, 1.0, 4, 1), "b.py::y": t(6.0, 3.0, 0, 0)}},
+             "gw1": {"own_cpu_s": 15.0, "children_cpu_s": 1.0,
+                     "tests": {"a.py::z": t(12.0, 1.0, 6, 2)},
+                     "programs": {"jit(f)": [4, 2.0], "jit(g)": [6, 3.0]}}}
+    parts["gw0"]["programs"] = {"jit(f)": [1, 2.0]}
+    for name, part in parts.items():
+        json.dump(part, open(f"{out}.{name}.json", "w"))
+    res = suite_cpu.merge(out)
+    assert res == json.load(open(out))
+    s = res["summary"]
+    assert s["total_cpu_s"] == 2.0 + 14.0 + 16.0 and s["quiet_wall_estimate_s"] == 16.0
+    assert s["per_process_cpu_s"] == {"controller": 2.0, "gw0": 14.0, "gw1": 16.0}
+    assert (s["tests"], s["tests_cpu_s"], s["compiles"], s["cache_hits"],
+            s["fresh_compiles"], s["children_cpu_s"]) == (3, 21.0, 10, 3, 7, 5.0)
+    assert list(res["files"]) == ["a.py", "b.py"]
+    assert res["files"]["a.py"] == {"cpu_s": 15.0, "children_s": 2.0, "compiles": 10,
+                                    "compile_s": 5.0, "tests": 2}
+    assert list(res["tests"]) == ["a.py::z", "b.py::y", "a.py::x"]
+    assert s["programs_by_compile_s"] == {"jit(f)": {"compiles": 5, "compile_s": 4.0},
+                                          "jit(g)": {"compiles": 6, "compile_s": 3.0}}
+    assert list(s["programs_by_compile_s"]) == ["jit(f)", "jit(g)"]
 
 
 def test_every_bench_entry_point_has_a_smoke_run():
