@@ -172,7 +172,7 @@ def _config_reads(tree, flat, groups):
 
 def shape_counts():
     """The syntax-tree counts of the module docstring."""
-    from deltafl_jax.config import FLAT, GROUPS
+    from deltafl_jax.run.config import FLAT, GROUPS
     groups = {name for name, _ in GROUPS} | {"online", "timing", "asynchronous"}
     long_functions, classes, flat_reads, nested_reads = [], [], 0, 0
     experiment = {}

@@ -260,7 +260,7 @@ def engine_timer(data, compile_timer):
 def loop_timers(data):
     """Functions that run round t of the PyTorch and the JAX per-client loops, for those of the
     two that --methods names."""
-    from deltafl_jax.plan import sample_clients
+    from deltafl_jax.sampling.plan import sample_clients
 
     timers = {}
     if "torch" in FLAGS.methods:

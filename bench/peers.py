@@ -143,7 +143,7 @@ def export_dataset(data, model: str, rounds: int, path: str) -> np.ndarray:
     ``order[t]`` lays the sampled clients' permutations end to end, -1 after the last; the
     DrJAX peer trains these minibatches, FedJAX shuffles on its own); returns the clients
     [rounds, m]."""
-    from deltafl_jax.plan import client_permutations, sample_clients
+    from deltafl_jax.sampling.plan import client_permutations, sample_clients
 
     tr = data.train
     clients = np.stack([sample_clients(SEED, t, tr.num_clients, FLAGS.clients)

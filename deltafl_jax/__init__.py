@@ -15,16 +15,16 @@ Public entry points:
   per-example loss and error) under ``--model=NAME``.
 """
 
-from deltafl_jax.superquantile import (superquantile, superquantile_dual, tail_weights,
-                                       threshold_weights, weighted_quantile)
-from deltafl_jax.errors import ConfigError, DataError
-from deltafl_jax.serving import LoadedModel, load_model
-from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import ClientData, FederatedDataset
 from deltafl_jax.datasets import DataConfig, load_dataset
+from deltafl_jax.errors import ConfigError, DataError
 from deltafl_jax.models import Model, ModelOptions, register_model
-from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.outputs.serving import LoadedModel, load_model
+from deltafl_jax.replicas.labels import ReplicaLabel
 from deltafl_jax.run import Callback, RunResult, build_experiment, run_experiment, run_rounds
+from deltafl_jax.run.config import ExperimentConfig
+from deltafl_jax.superquantile import (superquantile, superquantile_dual, tail_weights,
+                                       threshold_weights, weighted_quantile)
 
 __version__ = "0.1.0"
 

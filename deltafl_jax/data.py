@@ -3,7 +3,7 @@
 A federated split is every client's examples concatenated into one flat array, with an
 ``offsets`` vector marking where each client starts (CSR layout). Nothing is padded on the
 host; the engine builds fixed-size index streams into these arrays each round
-(:mod:`deltafl_jax.plan`), so that ragged clients never cost padded work.
+(:mod:`deltafl_jax.sampling.plan`), so that ragged clients never cost padded work.
 
 The weight of client k is alpha_k = n_k / sum_j n_j (paper, Sec. 2 and App. C), where n_k is
 its number of examples.
@@ -222,7 +222,7 @@ class FederatedDataset:
       x_scale: inputs are multiplied by this on the device after a cast to float32
         (1/255 for uint8 pixels); None keeps the dtype (token ids stay integers).
       metadata: free-form facts for reports (source file, preparation rules, ...).
-      holdout: every client's own held-out data (:class:`deltafl_jax.holdout.HeldOut`), set
+      holdout: every client's own held-out data (:class:`deltafl_jax.evaluation.holdout.HeldOut`), set
         aside by ``--client_holdout``; None: none.
       partition: how centralised data were split into these clients
         (:class:`deltafl_jax.datasets.partition.Partition`, written to ``partition.npz``);

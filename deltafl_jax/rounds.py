@@ -19,7 +19,7 @@ replica axis [R, ...]. The round (Algorithm 2):
 4. ``algorithm.server_update``, vmapped over replicas: the aggregate Delta (the weighted average
    of the updates) and the algorithm's new state;
 5. the server optimizer's step on the pseudo-gradient -Delta
-   (:mod:`deltafl_jax.server_optimizer`; by default w + Delta, the plain average).
+   (:mod:`deltafl_jax.optimizers.server`; by default w + Delta, the plain average).
 6. the check of the new state (:func:`state_nonfinite`): per replica and per part of the
    state (the model, the server optimizer's state, the algorithm's, the clients' own, DP's),
    whether it holds a NaN or an infinity, as round metrics ``nonfinite_<part>``
@@ -43,11 +43,11 @@ import optax
 from deltafl_jax import engine
 from deltafl_jax.algorithms.protocol import ClientFeedback, FederatedAlgorithm, RoundContext
 from deltafl_jax.models import Model
-from deltafl_jax.plan import RoundPlan
-from deltafl_jax.replicas import Replicas
-from deltafl_jax.privacy import (NOISE_STREAM, adaptive_clip, bandmf_privatize,
-                                poisson_weights)
-from deltafl_jax.server_optimizer import init_states, server_step
+from deltafl_jax.optimizers.server import init_states, server_step
+from deltafl_jax.privacy.dp import (NOISE_STREAM, adaptive_clip, bandmf_privatize,
+                                    poisson_weights)
+from deltafl_jax.replicas.labels import Replicas
+from deltafl_jax.sampling.plan import RoundData
 
 
 class ServerState(flax.struct.PyTreeNode):
@@ -64,7 +64,7 @@ class ServerState(flax.struct.PyTreeNode):
       algorithm that declares one (SCAFFOLD's c_i); () otherwise.
     dp: client-level DP's own state, a dict, None without one: "clip" [R] float32, each
       replica's clip under --dp_clip=adaptive; "noise": pytree like params, leaves
-      [R, b - 1, ...], BandMF's last b - 1 noise vectors (deltafl_jax.privacy).
+      [R, b - 1, ...], BandMF's last b - 1 noise vectors (deltafl_jax.privacy.dp).
     """
 
     params: Any
@@ -74,18 +74,6 @@ class ServerState(flax.struct.PyTreeNode):
     server_opt_state: Any = ()
     client_state: Any = ()
     dp: Any = None
-
-
-class RoundData(NamedTuple):
-    """x: [N, ...] and y: [N] the training split on the device; plan: this round's
-    :class:`deltafl_jax.plan.RoundPlan` (arrays with a leading group axis G); probe: the
-    round's second sample (:class:`deltafl_jax.plan.ProbePlan`) for an algorithm with a
-    ``probe``, else None."""
-
-    x: jax.Array
-    y: jax.Array
-    plan: RoundPlan
-    probe: Any = None
 
 
 def init_state(model: Model, algorithm: FederatedAlgorithm, replicas: Replicas,
@@ -317,7 +305,7 @@ def _server(algorithm, server_tx, state, feedback, hyper, keep):
 
 
 def _privatize(private, clip: float, m: int, feedback: ClientFeedback, hyper, key, z):
-    """One replica's feedback made private (:mod:`deltafl_jax.privacy`): N(0, (z C a_max)^2 I)
+    """One replica's feedback made private (:mod:`deltafl_jax.privacy.dp`): N(0, (z C a_max)^2 I)
     added to the sum of the clipped updates (clipped by the engine), and the weight it is
     divided by replaced by the algorithm's fixed denominator, or by the kept weight with noise
     N(0, (z a_max)^2), floored (:class:`PrivateAggregate`). The noise comes from the replica's
@@ -336,7 +324,7 @@ def _privatize(private, clip: float, m: int, feedback: ClientFeedback, hyper, ke
     return feedback._replace(delta_sum=jax.tree.unflatten(treedef, noisy), weight_sum=total)
 
 
-# The round's noise for one replica, as the audit (deltafl_jax.audit) runs it.
+# The round's noise for one replica, as the audit (deltafl_jax.studies.audit) runs it.
 privatize_feedback = _privatize
 
 
@@ -344,8 +332,8 @@ def _private_feedback(privatize, private, adaptive, correlated, m, feedback, tr,
                       z, dp, keep):
     """Every replica's feedback made private, with DP's own state (:class:`ServerState`'s
     ``dp``) stepped: (feedback, dp, extra round metrics). Adaptive clipping: the clip's step
-    from the noised unclipped count (:func:`deltafl_jax.privacy.adaptive_clip`; expected count
-    D / a_max); BandMF: the noise history (:func:`deltafl_jax.privacy.bandmf_privatize`)."""
+    from the noised unclipped count (:func:`deltafl_jax.privacy.dp.adaptive_clip`; expected count
+    D / a_max); BandMF: the noise history (:func:`deltafl_jax.privacy.dp.bandmf_privatize`)."""
     if private is None:
         return feedback, dp, {}
     if adaptive is not None:
@@ -387,7 +375,7 @@ def _cohort_weights(algorithm, private, state, losses, sizes, hyper, keys, clien
                     expected: Optional[int]):
     """The weights of step 2; with `expected` (a Poisson cohort of that expected size) a_max
     on every sampled client of a fixed-denominator private version
-    (:func:`deltafl_jax.privacy.poisson_weights`). Empty slots are masked by the round
+    (:func:`deltafl_jax.privacy.dp.poisson_weights`). Empty slots are masked by the round
     (:func:`_masked_weights`)."""
     weights = _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z)
     if expected is not None and private is not None:
@@ -419,8 +407,8 @@ class _RoundDP:
     """Client-level DP's part of a round: the private version and its feedback transform
     (:func:`_private`), a Poisson cohort's weights (:func:`_cohort_weights`; `expected`: its
     expected size q N, the plan's slots being `num_sampled`), the adaptive clip (`adaptive`:
-    the run's :class:`~deltafl_jax.privacy.Privacy`) and BandMF's noise (`correlated`: its
-    :class:`~deltafl_jax.privacy.Correlated`), both in ``ServerState.dp``."""
+    the run's :class:`~deltafl_jax.privacy.dp.Privacy`) and BandMF's noise (`correlated`: its
+    :class:`~deltafl_jax.privacy.dp.Correlated`), both in ``ServerState.dp``."""
 
     def __init__(self, algorithm, clip, num_sampled, expected, adaptive, correlated):
         self.m = expected or num_sampled    # the cohort the private version expects

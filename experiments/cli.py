@@ -45,9 +45,9 @@ _KINDS = {"string": flags.DEFINE_string, "integer": flags.DEFINE_integer,
 # they are declared, with their titles in the flag reference; a group of ExperimentConfig not
 # named here comes after them, titled by the first line of its docstring.
 GROUP_TITLES = {
-    "training": "Training: model, seeds, rounds, local steps (deltafl_jax.config.Training)",
-    "server": "The server optimizer (deltafl_jax.server_optimizer)",
-    "client": "The client optimizer (deltafl_jax.client_optimizer)",
+    "training": "Training: model, seeds, rounds, local steps (deltafl_jax.run.config.Training)",
+    "server": "The server optimizer (deltafl_jax.optimizers.server)",
+    "client": "The client optimizer (deltafl_jax.optimizers.client)",
     "sampling": "Client sampling (deltafl_jax.sampling; docs/guides/sampling.md)",
     "online": "Client availability (deltafl_jax.sampling.availability; "
               "docs/guides/availability.md)",
@@ -55,12 +55,12 @@ GROUP_TITLES = {
               "docs/guides/device-speeds.md)",
     "asynchronous": "Buffered asynchronous aggregation (deltafl_jax.sampling.asynchronous; "
                     "docs/guides/asynchronous.md)",
-    "privacy": "Client-level differential privacy and client sampling (deltafl_jax.privacy)",
-    "placement": "Placement: devices, lanes, chunks (deltafl_jax.config.Placement)",
+    "privacy": "Client-level differential privacy and client sampling (deltafl_jax.privacy.dp)",
+    "placement": "Placement: devices, lanes, chunks (deltafl_jax.run.config.Placement)",
     "process": "Where the process runs: joining several processes, determinism",
-    "evaluation": "Evaluation (deltafl_jax.config.Evaluation)",
-    "personal": "Personalised evaluation (deltafl_jax.config.Personalisation)",
-    "output": "Outputs and checkpoints (deltafl_jax.config.Output)",
+    "evaluation": "Evaluation (deltafl_jax.run.config.Evaluation)",
+    "personal": "Personalised evaluation (deltafl_jax.run.config.Personalisation)",
+    "output": "Outputs and checkpoints (deltafl_jax.run.config.Output)",
 }
 OPTIONS_TITLE, SWEEPS_TITLE = "Algorithm options", "Swept hyper-parameters"
 

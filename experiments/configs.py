@@ -39,7 +39,7 @@ def config_from_flags(algorithm: str = None, beside_others: bool = False,
     plain step (sgd at learning rate 1); None: --server_optimizer and --server_lr."""
     from deltafl_jax import ExperimentConfig
     from deltafl_jax.algorithms import registry
-    from deltafl_jax.config import GROUPS
+    from deltafl_jax.run.config import GROUPS
     if algorithm is None:   # the first entry of --algorithm (NAME or NAME+OPTIMIZER)
         _, algorithm, named = method_entries(FLAGS.algorithm)[0]
         server_optimizer = named or server_optimizer
@@ -66,7 +66,7 @@ def method_entries(entries: Sequence[str]) -> List[Tuple[str, str, str]]:
     NAME+LAYER with a layer, e.g. deltafl+ditto); UsageError for an empty, repeated or
     malformed entry, ConfigError for a layer that cannot go over NAME."""
     from deltafl_jax.algorithms import registry
-    from deltafl_jax.server_optimizer import NAMES
+    from deltafl_jax.optimizers.server import NAMES
     names = [a.strip() for a in entries]
     if not names or any(not a for a in names):
         raise UsageError(f"--algorithm must name at least one method, got "
@@ -130,7 +130,7 @@ def check_flags_read(configs) -> None:
     the run's server optimizers reads. A flagfile may set flags for other methods (it is often
     run with another --algorithm)."""
     from deltafl_jax.algorithms import registry
-    from deltafl_jax.server_optimizer import READS
+    from deltafl_jax.optimizers.server import READS
     methods = ", ".join(c.method for c in configs)
     read = {f for c in configs for f in registry.get(c.algorithm).reads()}
     own = sorted({f for name in registry.names() for f in registry.get(name).reads()})

@@ -1,5 +1,5 @@
 r"""The tail leaderboard: every method that applies to a dataset, tuned by the papers' protocol,
-3 seeds, one Markdown table and one figure per dataset (:mod:`deltafl_jax.leaderboard`).
+3 seeds, one Markdown table and one figure per dataset (:mod:`deltafl_jax.studies.leaderboard`).
 
     python -m experiments.leaderboard [--set=cpu|download|paper|image] [--out=runs/leaderboard]
     python -m experiments.leaderboard --set=paper --estimate
@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from absl import app, flags, logging
 
-from deltafl_jax import tuning
+from deltafl_jax.studies import tuning
 from experiments import cli
 from experiments import run as _run   # noqa: F401  (its --estimate, --estimate_rounds)
 
@@ -162,7 +162,7 @@ def _setting_config(path: str, argv: List[str]):
 
 def _grids(methods, quick: bool) -> Dict[str, Dict[str, Tuple[float, ...]]]:
     """Each method's grid: its board's, a swept flag given on the command line replacing it."""
-    from deltafl_jax import leaderboard as lb
+    from deltafl_jax.studies import leaderboard as lb
     from deltafl_jax.algorithms import registry
     out = {}
     for name in methods:
@@ -215,7 +215,7 @@ def _setting_data(name: str, base):
 
 def plan(argv: List[str]) -> List[Setting]:
     """Every setting with its data, methods and grids, each checked (ConfigError, one line)."""
-    from deltafl_jax import leaderboard as lb
+    from deltafl_jax.studies import leaderboard as lb
     from deltafl_jax.algorithms.leaderboard import BoardSetting
     settings = []
     for name in _settings_of_set():
@@ -248,12 +248,12 @@ def plan(argv: List[str]) -> List[Setting]:
 
 
 def _joined_values(setting: Setting, host: str) -> Tuple[float, ...]:
-    from deltafl_jax import leaderboard as lb
+    from deltafl_jax.studies import leaderboard as lb
     return tuple(lb.host_of(m)[1] for m in setting.hosts[host] if m != host)
 
 
 def _config(setting: Setting, host: str, kind: str, seeds):
-    from deltafl_jax import leaderboard as lb
+    from deltafl_jax.studies import leaderboard as lb
     base = dataclasses.replace(setting.base, learning_rate=setting.learning_rate
                                or setting.base.training.learning_rate)
     extra = _joined_values(setting, host) if kind == "final" else ()
@@ -341,7 +341,7 @@ def _minutes(seconds: float) -> str:
 
 def _same_config(out: str, config) -> Optional[Dict[str, Any]]:
     """The summary of a finished run in `out` of exactly this configuration, or None."""
-    from deltafl_jax.outputs import RunReader
+    from deltafl_jax.outputs.directory import RunReader
     path = os.path.join(out, "summary.json")
     if not os.path.exists(path):
         return None
@@ -357,7 +357,7 @@ def _run(config, data, log) -> Tuple[List[Any], Dict[str, Dict[str, float]]]:
     """(labels, final metrics) of a program: read back when its directory holds a finished run
     of this configuration, else trained."""
     from deltafl_jax import run_experiment
-    from deltafl_jax.replicas import ReplicaLabel
+    from deltafl_jax.replicas.labels import ReplicaLabel
     done = None if config.output.overwrite else _same_config(config.output.output_dir, config)
     if done is not None:
         log("[round -] read back: a finished run of this configuration")
@@ -368,7 +368,8 @@ def _run(config, data, log) -> Tuple[List[Any], Dict[str, Dict[str, float]]]:
 
 def run_lr(setting: Setting, stage: Stage, tune_seeds, lr_grid, log) -> None:
     """Step 1: FedAvg's learning rate (smallest terminal train loss, mean over seeds)."""
-    from deltafl_jax import run_experiment, tuning
+    from deltafl_jax import run_experiment
+    from deltafl_jax.studies import tuning
     config = dataclasses.replace(setting.base, algorithm=tuning.LR_ALGORITHM, thetas=(),
                                  seeds=tune_seeds,
                                  output_dir=stage.out, l2_reg=setting.base.l2_for(1)[0])
@@ -388,8 +389,8 @@ def run_lr(setting: Setting, stage: Stage, tune_seeds, lr_grid, log) -> None:
 
 def run_method(setting: Setting, stage: Stage, tune_seeds, log) -> None:
     """A host's validation grid (on the validation split) or its final runs."""
-    from deltafl_jax import leaderboard as lb
-    from deltafl_jax import tuning
+    from deltafl_jax.studies import leaderboard as lb
+    from deltafl_jax.studies import tuning
     seeds = tune_seeds if stage.kind == "validation" else setting.base.training.seeds
     config = _config(setting, stage.host, stage.kind, seeds)
     data = (tuning.validation_split(setting.data, 0) if stage.kind == "validation"
@@ -455,7 +456,7 @@ def _slim(points: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
 
 def method_record(setting: Setting, name: str) -> Dict[str, Any]:
     """One method's part of the setting's record (its chosen point and every final point)."""
-    from deltafl_jax import leaderboard as lb
+    from deltafl_jax.studies import leaderboard as lb
     from deltafl_jax.algorithms import registry
     host, value = lb.host_of(name)
     got = setting.results[host]
@@ -504,7 +505,7 @@ def record(setting: Setting, tune_seeds) -> Dict[str, Any]:
 
 
 def setting_markdown(rec: Dict[str, Any]) -> str:
-    from deltafl_jax import leaderboard as lb
+    from deltafl_jax.studies import leaderboard as lb
     grids = "; ".join(f"{m['display']}: " + ", ".join(
         f"{k} ∈ {{{', '.join(f'{v:g}' for v in vals)}}}" for k, vals in m["grid"].items())
         for m in rec["methods"] if m["grid"])
@@ -525,7 +526,7 @@ def setting_markdown(rec: Dict[str, Any]) -> str:
 
 
 def write(settings: List[Setting], tune_seeds) -> List[Dict[str, Any]]:
-    from deltafl_jax import leaderboard as lb
+    from deltafl_jax.studies import leaderboard as lb
     records = []
     for s in settings:
         rec = record(s, tune_seeds)
@@ -549,7 +550,7 @@ def write_readme(records: List[Dict[str, Any]]) -> str:
     experiments/leaderboard_results/ (next to --readme_path's experiments/ for another page),
     which tests/test_leaderboard.py renders and compares with the page. Returns the pages
     written."""
-    from deltafl_jax import leaderboard as lb
+    from deltafl_jax.studies import leaderboard as lb
     from experiments import pages
     if FLAGS.readme_path:
         paths, root = [FLAGS.readme_path], os.path.dirname(os.path.abspath(FLAGS.readme_path))
@@ -601,7 +602,7 @@ def _check_out(settings: List[Setting]) -> None:
     back when their configuration is the same (a different one is refused when reached).
     --out must be absent, empty or a leaderboard's (:data:`MARKER`), and not in use by another
     process (:mod:`deltafl_jax.run.lock`)."""
-    from deltafl_jax.outputs import command_dir_state
+    from deltafl_jax.outputs.directory import command_dir_state
     from deltafl_jax.run.lock import check_free
     if os.path.exists(FLAGS.out) and not os.path.isdir(FLAGS.out):
         raise cli.UsageError(f"--out={FLAGS.out} exists and is not a directory")
@@ -624,7 +625,7 @@ def _check_out(settings: List[Setting]) -> None:
 def run_and_write(settings: List[Setting], tune_seeds, multipliers) -> List[Dict[str, Any]]:
     """The leaderboard's programs and files, with --out locked and marked as the
     leaderboard's for the whole time."""
-    from deltafl_jax.outputs import mark_command_dir
+    from deltafl_jax.outputs.directory import mark_command_dir
     from deltafl_jax.run.lock import locked
     with locked(FLAGS.out, "--out", log=lambda line: print(line, flush=True)):
         _check_out(settings)   # as it is now that it is ours
@@ -640,7 +641,7 @@ CALIBRATION_SECONDS = 1.0
 
 def _program(setting: Setting, stage: Stage, tune_seeds, lr_grid):
     """(config, data, replicas) of a program as the run builds it (no output directory)."""
-    from deltafl_jax import tuning
+    from deltafl_jax.studies import tuning
     if stage.kind == "lr":
         config = dataclasses.replace(setting.base, algorithm=tuning.LR_ALGORITHM, thetas=(),
                                      seeds=tune_seeds, output_dir=None,

@@ -10,7 +10,7 @@ mean and 90th percentile; Sec. 5 of the long paper), the PNG figures of Sec. 5 a
 per-client values as CSV. Several run directories put their methods side by side; a directory
 of runs (e.g. ``runs/``) stands for the runs in it. Runs that are missing, still in progress
 or incomplete are skipped with one line on stderr. The library is :mod:`deltafl_jax.report`
-(runs read through :class:`deltafl_jax.outputs.RunReader`); this file only reads flags. Bad
+(runs read through :class:`deltafl_jax.outputs.directory.RunReader`); this file only reads flags. Bad
 input prints one line and exits with code 2. DIR must be absent, empty, or a report's folder
 (its :data:`MARKER`): a folder of other files is refused, never written over.
 """
@@ -44,7 +44,7 @@ def check_out(out: str, run_paths) -> None:
     docs/reference/outputs.md: the run could not be rerun or continued there), nor be a folder
     that is not a report's: it must be absent, empty, or one this command wrote before (it
     carries :data:`MARKER`), so that nobody's files are replaced."""
-    from deltafl_jax.outputs import command_dir_state, inspect_dir
+    from deltafl_jax.outputs.directory import command_dir_state, inspect_dir
     target = os.path.realpath(out)
     for path in run_paths:
         root = os.path.realpath(path)
@@ -64,7 +64,7 @@ def check_out(out: str, run_paths) -> None:
 def write(runs, skipped, warn):
     """The report into --out; its marker first, so that the folder is the report's from the
     start (removed again, with the folder made for it, when the report fails)."""
-    from deltafl_jax.outputs import mark_command_dir
+    from deltafl_jax.outputs.directory import mark_command_dir
     from deltafl_jax.report import write_report
     out_dir = os.path.abspath(FLAGS.out)
     made, p = [], out_dir

@@ -12,7 +12,7 @@ after another on the same data, each in its own compiled program, into
 ``NAME+OPTIMIZER`` (``fedavg+adam``) runs NAME with that server optimizer at ``--server_lr``
 into ``<output_dir>/NAME+OPTIMIZER/``. With
 ``--resample_writers_per_seed`` each seed is its own dataset and its own program, written to
-``.../seed_<s>/`` (:mod:`deltafl_jax.seed_programs`).
+``.../seed_<s>/`` (:mod:`deltafl_jax.replicas.seed_programs`).
 
 The flags are declared in ``experiments/cli.py``; this file turns them into frozen
 :class:`deltafl_jax.ExperimentConfig`s and calls :func:`deltafl_jax.run_experiment`. Bad input
@@ -53,7 +53,7 @@ def comparison_lines(results):
     the final per-client test error, each the mean over seeds' of a multi-method run.
     results: [(method, RunResult)], the method being the --algorithm entry (``fedavg+adam``);
     the results of one method's per-seed programs (--resample_writers_per_seed) are pooled."""
-    from deltafl_jax.replicas import ReplicaLabel
+    from deltafl_jax.replicas.labels import ReplicaLabel
     from deltafl_jax.run.progress import coordinates, error_table
 
     finals = {}
@@ -73,11 +73,11 @@ def classifies(results) -> bool:
 
 def planned_configs():
     """Every program to run: one per method of --algorithm, and with
-    --resample_writers_per_seed one per seed of each (deltafl_jax.seed_programs), ordered so
+    --resample_writers_per_seed one per seed of each (deltafl_jax.replicas.seed_programs), ordered so
     that programs on the same data run one after another (each dataset is loaded once)."""
     configs = configs_from_flags()
     if any(c.data.resample_writers_per_seed for c in configs):
-        from deltafl_jax.seed_programs import seed_programs
+        from deltafl_jax.replicas.seed_programs import seed_programs
         configs = [g for c in configs for g in seed_programs(c)]
     order = {}
     for c in configs:

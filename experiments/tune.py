@@ -1,4 +1,4 @@
-r"""Command-line front end of the papers' tuning protocol (:mod:`deltafl_jax.tuning`).
+r"""Command-line front end of the papers' tuning protocol (:mod:`deltafl_jax.studies.tuning`).
 
     python -m experiments.tune --flagfile=experiments/synthetic.flags --output_dir=DIR \
         [--lr_grid=0.05,0.1,0.2] [--lr_decay_grid=1,2,4,8] [--l2_grid=1e-3,...,1e-8] \
@@ -6,7 +6,7 @@ r"""Command-line front end of the papers' tuning protocol (:mod:`deltafl_jax.tun
         [--validation_seed=0]
 
 Reads the runner's flags (``experiments/cli.py``) plus the grids below, calls
-:func:`deltafl_jax.tuning.tune`, and writes the winners as one flagfile. Bad input prints one
+:func:`deltafl_jax.studies.tuning.tune`, and writes the winners as one flagfile. Bad input prints one
 line and exits with code 2 before anything is trained.
 """
 
@@ -20,9 +20,9 @@ from typing import Dict, List
 from absl import app, flags, logging
 
 from deltafl_jax.algorithms import registry
-from deltafl_jax.tuning import (LINEAR_MODELS, PAPER_DECAYS, PAPER_L2, TuningError, best, check,
-                                default_lr_grid, l2_per_theta, l2_thetas, param_sweep,
-                                scores_markdown, tune, tunes_l2)
+from deltafl_jax.studies.tuning import (LINEAR_MODELS, PAPER_DECAYS, PAPER_L2, TuningError,
+                                        best, check, default_lr_grid, l2_per_theta, l2_thetas,
+                                        param_sweep, scores_markdown, tune, tunes_l2)
 from experiments import cli
 
 FLAGS = flags.FLAGS
@@ -93,7 +93,7 @@ def _inputs():
     return config, lr_grid, decay_grid, l2_grid, tune_l2, tune_param
 
 
-MARKER = "deltafl_tune.json"   # the folder is a tuning's (deltafl_jax.outputs.mark_command_dir)
+MARKER = "deltafl_tune.json"   # the folder is a tuning's (deltafl_jax.outputs.directory.mark_command_dir)
 TUNING_ENTRIES = {"lr_grid", "l2_grid", "param_grid", "tuned.flags", "tuning.json", "tuning.md"}
 
 
@@ -106,7 +106,7 @@ def check_out(out_dir: str) -> None:
     """TuningError when --output_dir is a folder of other files, or holds tuning results
     (without --overwrite); ConfigError when another process holds it
     (:mod:`deltafl_jax.run.lock`)."""
-    from deltafl_jax.outputs import command_dir_state
+    from deltafl_jax.outputs.directory import command_dir_state
     from deltafl_jax.run.lock import check_free
     state = command_dir_state(out_dir, MARKER, _tuning_before_markers)
     if state.kind == "other":
@@ -205,7 +205,7 @@ def _tune_and_write(config, lr_grid, decay_grid, l2_grid, tune_l2, tune_param) -
     """Load the data, check the grids, tune, and write tuned.flags, tuning.md and
     tuning.json; returns the flagfile's path."""
     from deltafl_jax import load_dataset
-    from deltafl_jax.outputs import mark_command_dir
+    from deltafl_jax.outputs.directory import mark_command_dir
     data = load_dataset(config.data)
     check(config, data, lr_grid, decay_grid, l2_grid, FLAGS.tune_lr, tune_l2, tune_param)
     if config.training.clients_per_round > data.train.num_clients:

@@ -225,7 +225,7 @@ def client_lists(split):
 
 def client_job(learning_rate, steps, l2=0.0):
     """The job a client update sees, with the default client optimizer (plain SGD)."""
-    from deltafl_jax.client_optimizer import ClientOptimizer
+    from deltafl_jax.optimizers.client import ClientOptimizer
     from deltafl_jax.engine import ClientJob
     return ClientJob(optimizer=ClientOptimizer().transformation(learning_rate, l2),
                      learning_rate=np.float32(learning_rate), l2=np.float32(l2),

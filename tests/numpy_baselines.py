@@ -3,11 +3,11 @@
 Written from the update rules of shared/reference-notes.md ("Baselines", from their reference
 code) as plain float64 loops over clients, the way the baselines' reference code is written;
 not from deltafl_jax's code. As in numpy_reference.py, the only thing shared with the engine is
-the *random draws*: the sampled clients and each client's example order (deltafl_jax.plan),
+the *random draws*: the sampled clients and each client's example order (deltafl_jax.sampling.plan),
 and for FedAvg-Sub the uniform draws of the replica's round key (:func:`subset_draws`), from
 which the subset is chosen here.
 
-Conventions of the engine that these loops follow (documented in deltafl_jax/plan.py and
+Conventions of the engine that these loops follow (documented in deltafl_jax/sampling/plan.py and
 deltafl_jax/algorithms/protocol.py, each baseline in its own deltafl_jax/algorithms/NAME.py):
 clients are sampled uniformly without replacement and weighted by n_k; F_k is the mean loss on
 the client's whole data (+ (l2/2)||w||^2); local SGD steps are
@@ -19,7 +19,7 @@ import math
 import jax
 import numpy as np
 
-from deltafl_jax.plan import client_permutations, sample_clients
+from deltafl_jax.sampling.plan import client_permutations, sample_clients
 from numpy_reference import client_loss, exact_weights, grad_mean_xent, reference_weights
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deltafl_jax.plan import client_permutations, sample_clients
+from deltafl_jax.sampling.plan import client_permutations, sample_clients
 from numpy_reference import local_sgd
 
 
@@ -109,7 +109,7 @@ def sampled_matrix(seed, rounds, num_clients, m):
 
 def local_fn(xs, ys, seed, lr, l2, batch, epochs):
     """local(params, i, t) -> [dW, db]: the engine's local SGD of client i in round t (its
-    example order from deltafl_jax.plan), in float64."""
+    example order from deltafl_jax.sampling.plan), in float64."""
     def local(params, i, t):
         W, b = params
         order = client_permutations(seed, t, int(i), len(ys[i]), epochs)

@@ -5,7 +5,7 @@ their momentum baseline), for softmax regression.
 Written from the papers' pseudo-code, not from deltafl_jax's code: a loop over the sampled
 clients, local minibatch SGD, then the server's step. As in numpy_reference.py, the only thing
 shared with the engine is the random draws (the sampled clients and each client's example
-order, from deltafl_jax.plan).
+order, from deltafl_jax.sampling.plan).
 """
 
 import numpy as np

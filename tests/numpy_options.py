@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from deltafl_jax.plan import client_permutations, sample_clients
+from deltafl_jax.sampling.plan import client_permutations, sample_clients
 from numpy_reference import client_loss, grad_mean_xent, local_sgd
 
 

@@ -3,7 +3,7 @@
 Written the way the authors' reference code works: a plain loop over the sampled clients,
 F_k on each client's whole data, the filter, one local loop of minibatch SGD per kept client,
 then a weighted average. It shares with the engine only the *random draws* (which clients are
-sampled and the order of each client's examples, from deltafl_jax.plan), so the comparison
+sampled and the order of each client's examples, from deltafl_jax.sampling.plan), so the comparison
 checks the algorithm, not the randomness.
 """
 
@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from deltafl_jax.plan import client_permutations, sample_clients
+from deltafl_jax.sampling.plan import client_permutations, sample_clients
 
 
 def scores(W, b, x):

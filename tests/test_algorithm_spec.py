@@ -15,7 +15,7 @@ from deltafl_jax.algorithms.ditto import personalized
 from deltafl_jax.algorithms.leaderboard import Board
 from deltafl_jax.algorithms.minimal import plain_average
 from deltafl_jax.algorithms.spec import AlgorithmSpec, Clients, Grid, Reporting
-from deltafl_jax.replicas import grid_for
+from deltafl_jax.replicas.labels import grid_for
 
 ETA_EVERY = ALT.grid.cross[0]            # --eta_every, an integer sweep
 

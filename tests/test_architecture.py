@@ -120,6 +120,33 @@ def test_no_import_cycle(type_only):
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
+def part_of(module: str) -> str:
+    """The part of the package a module belongs to: its subpackage (``deltafl_jax.run``), or
+    the module itself when it lies at the package's root (``deltafl_jax.errors``)."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_the_parts_of_the_package_form_layers():
+    """The package's parts (its subpackages and the modules at its root) import one another
+    in layers: no part imports a part that imports it back, lazy imports included, so each
+    part can be read knowing only the parts below it (docs/reference/code-layout.md)."""
+    graph = {}
+    for name, (_, tree) in MODULES.items():
+        if name == "deltafl_jax":
+            continue   # the package's face re-exports the public names of every layer
+        graph.setdefault(part_of(name), set()).update(
+            part_of(m) for m in edges(name, tree) if m != "deltafl_jax")
+    for part in graph:
+        graph[part].discard(part)
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_layer_checker_groups_modules_by_part():
+    assert part_of("deltafl_jax.run.loop") == "deltafl_jax.run"
+    assert part_of("deltafl_jax.errors") == "deltafl_jax.errors"
+
+
 @pytest.mark.parametrize("forbidden", ["absl", "experiments", "bench"])
 def test_library_never_imports_the_command_line_or_benchmarks(forbidden):
     bad = [name for name, (_, tree) in MODULES.items()
@@ -225,7 +252,7 @@ def test_the_name_checker_catches_the_code_before_the_specs_were_whole():
     import subprocess
     old = "d05e485"
     names = algorithm_names()
-    for path in ("deltafl_jax/tuning.py", "deltafl_jax/report/tables.py", "experiments/cli.py",
+    for path in ("deltafl_jax/studies/tuning.py", "deltafl_jax/report/tables.py", "experiments/cli.py",
                  "bench/loop_shape.py"):
         try:
             source = subprocess.run(["git", "show", f"{old}:{path}"], cwd=ROOT, check=True,
@@ -299,7 +326,7 @@ def test_the_package_callbacks_name_replicas_without_their_hyper_parameters():
 # The modules that only find they have nothing to do for tests/tiny.flags: a dense linear model
 # (no convolution to rewrite), no --augment, no --client_holdout, one process.
 UNUSED_BY_TINY = {"deltafl_jax/models/augment.py", "deltafl_jax/models/conv.py",
-                  "deltafl_jax/models/conv_intercept.py", "deltafl_jax/holdout.py",
+                  "deltafl_jax/models/conv_intercept.py", "deltafl_jax/evaluation/holdout.py",
                   "deltafl_jax/run/distributed.py"}
 
 
@@ -322,5 +349,5 @@ def test_a_swept_value_never_reaches_the_loop_or_the_callbacks():
     import deltafl_jax.run.runner  # noqa: F401
     from bench import code_paths
     crossed = {p.replace(os.sep, "/") for p in code_paths.hyper_path()}
-    assert "deltafl_jax/outputs.py" in crossed        # the value was followed to the files
+    assert "deltafl_jax/outputs/directory.py" in crossed        # the value was followed to the files
     assert sorted(p for p in crossed if p.startswith("deltafl_jax/run/")) == []

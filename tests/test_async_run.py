@@ -15,14 +15,15 @@ import optax
 import pytest
 
 from conftest import refused_over_a_finished_run, run_runner, tiny_config
-from deltafl_jax import plan as plan_lib, run_experiment
+from deltafl_jax import run_experiment
 from deltafl_jax.algorithms.fedasync import mixing
 from deltafl_jax.algorithms.fedbuff import BufferedRun, current_params, init_buffered_state
 from deltafl_jax.engine import LocalSGDConfig
 from deltafl_jax.models import build_model
-from deltafl_jax.replicas import Replicas
-from deltafl_jax.sampling.asynchronous import AsyncSettings, job_durations
+from deltafl_jax.replicas.labels import Replicas
 from deltafl_jax.run.resolve import resolve
+from deltafl_jax.sampling import plan as plan_lib
+from deltafl_jax.sampling.asynchronous import AsyncSettings, job_durations
 from deltafl_jax.sampling.speeds import build_speeds
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

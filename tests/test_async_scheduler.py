@@ -189,7 +189,7 @@ def test_settings_group_refuses_bad_flags():
 def test_job_durations_time_the_planned_steps():
     """A uniform device of 0.01 s an example and 1000 B/s, a model of 500 bytes: 1 s of
     transfer; two epochs of batches of 4 over 10 examples, or 3 steps of 4 examples."""
-    from deltafl_jax.plan import LocalWork
+    from deltafl_jax.sampling.plan import LocalWork
     from deltafl_jax.sampling.asynchronous import job_durations
     from deltafl_jax.sampling.speeds import DeviceSpeeds
     speeds = DeviceSpeeds(3, 0.01, 1000.0)

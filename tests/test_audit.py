@@ -1,4 +1,4 @@
-"""The audit of the reported epsilon (deltafl_jax.audit): a canary client in half of 4000
+"""The audit of the reported epsilon (deltafl_jax.studies.audit): a canary client in half of 4000
 short DP-FedAvg runs under Poisson sampling, a membership test on the released updates, and
 Clopper-Pearson bounds on its rates. With the simulator's noise the lower bound stays below
 the epsilon that the accountant reports; with the noise removed the same audit finds the
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from deltafl_jax import audit
+from deltafl_jax.studies import audit
 
 
 def test_clopper_pearson_and_the_bound_from_the_rates():

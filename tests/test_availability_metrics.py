@@ -1,4 +1,4 @@
-"""The test error by availability quintile (deltafl_jax/availability_metrics.py): the quintiles
+"""The test error by availability quintile (deltafl_jax/evaluation/availability.py): the quintiles
 by rank with ties by index, against hand-computed cases; each quintile's mean, p90 and worst-10%
 error and its participation counts against a NumPy restatement (loops over the clients, the
 lower weighted quantile and the superquantile's LP written out); the split of an evaluation
@@ -13,9 +13,9 @@ import os
 import numpy as np
 import pytest
 
-from deltafl_jax.availability_metrics import (QUINTILES, AvailabilitySplit,
-                                              availability_quintiles, population_split,
-                                              quintile_split)
+from deltafl_jax.evaluation.availability import (QUINTILES, AvailabilitySplit,
+                                                 availability_quintiles, population_split,
+                                                 quintile_split)
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def test_split_against_the_restatement(n, r):
 
 
 def test_equal_weights_give_the_packages_own_metrics_of_each_quintile():
-    from deltafl_jax.metrics import summarize_population, tail_summaries
+    from deltafl_jax.evaluation.metrics import summarize_population, tail_summaries
     rng = np.random.default_rng(7)
     rates, errors = rng.random(40), rng.random((2, 40))
     got = quintile_split(errors, rates)
@@ -377,7 +377,7 @@ def hand_made_final(summary, families, shift):
 @pytest.mark.slow   # a run or a figure end to end: CI's second step
 def test_the_report_draws_the_error_against_availability(tmp_path):
     from deltafl_jax import report
-    from deltafl_jax.outputs import RunReader, RunWriter
+    from deltafl_jax.outputs.directory import RunReader, RunWriter
     from deltafl_jax.report.figures import method_styles
     from tests.test_figures import fake_run
     root = tmp_path / "runs"

@@ -269,7 +269,7 @@ def test_peers_smoke_drjax_agrees_with_engine(tmp_path):
     """The DrJAX peer's first round equals the engine's FedAvg (checked inside bench/peers.py)
     and its padded/real ratio is that of clients padded to the largest client's batches."""
     from bench.common import femnist_like_sizes
-    from deltafl_jax.plan import sample_clients
+    from deltafl_jax.sampling.plan import sample_clients
 
     row = peer_row("drjax", tmp_path)
     assert set(row["s_per_round"]) == {"drjax_fedavg", "engine_fedavg", "engine_deltafl_0.5"}
@@ -290,7 +290,7 @@ def test_peers_smoke_fedjax(tmp_path):
     """bench/peer_fedjax.py through bench.peers: FedJAX's FedAvg on the same sampled clients,
     each client's last short batch filled to B with more of its examples (FedJAX's batching)."""
     from bench.common import femnist_like_sizes
-    from deltafl_jax.plan import sample_clients
+    from deltafl_jax.sampling.plan import sample_clients
 
     row = peer_row("fedjax", tmp_path)
     assert set(row["s_per_round"]) == {"fedjax_fedavg", "engine_fedavg", "engine_deltafl_0.5"}

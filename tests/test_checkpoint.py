@@ -32,10 +32,10 @@ import pytest
 
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.rounds import ServerState
-from deltafl_jax.run.callbacks import Evaluation, RunContext
 from deltafl_jax.run import checkpoint as ckpt
+from deltafl_jax.run.callbacks import Evaluation, RunContext
 from deltafl_jax.run.checkpoint import (Checkpointer, CheckpointCallback, CheckpointMismatch,
-                                       Preemption)
+                                        Preemption)
 from deltafl_jax.run.resume import fingerprint_diff
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -392,8 +392,8 @@ def test_histories_are_read_back_from_the_output_files_cut_back_to_the_checkpoin
     """What a resume continues: rounds.npz rows 1..r, the evaluations of rounds <= r of
     clients_history.npz and metrics.jsonl (files written at a later round than the checkpoint
     that is restored, as after a kill during a save, are cut back)."""
-    from deltafl_jax.outputs import RunWriter
-    from deltafl_jax.replicas import ReplicaLabel
+    from deltafl_jax.outputs.directory import RunWriter
+    from deltafl_jax.replicas.labels import ReplicaLabel
     from deltafl_jax.run.loop import Recorder
     from deltafl_jax.run.resume import Resume, histories
 

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 from conftest import run_runner
-from deltafl_jax import DataConfig, plan as plan_lib
+from deltafl_jax import DataConfig
 from deltafl_jax.data import ClientData, GeneratedClientData, is_generated, split_clients
 from deltafl_jax.datasets import load_dataset
 from deltafl_jax.datasets import synthetic as syn
 from deltafl_jax.errors import ConfigError, DataError
 from deltafl_jax.run.experiment import build_experiment
+from deltafl_jax.sampling import plan as plan_lib
 
 EXPERIMENTS = os.path.join(os.path.dirname(__file__), "..", "experiments")
 

@@ -14,7 +14,7 @@ import pytest
 
 from deltafl_jax import DataConfig, ExperimentConfig
 from deltafl_jax import datasets
-from deltafl_jax.config import FLAT, GROUPS
+from deltafl_jax.run.config import FLAT, GROUPS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -5,8 +5,8 @@ import pytest
 
 from deltafl_jax import ClientData, DataConfig, DataError, load_dataset
 from deltafl_jax.datasets.synthetic import synthetic_clients
-from deltafl_jax.plan import (LocalWork, capacities, client_permutations,
-                              make_round_plan, make_split_plan, sample_clients)
+from deltafl_jax.sampling.plan import (LocalWork, capacities, client_permutations,
+                                       make_round_plan, make_split_plan, sample_clients)
 
 
 def test_npz_groups_examples_by_client_id(tmp_path):

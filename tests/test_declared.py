@@ -14,12 +14,12 @@ import pytest
 
 from conftest import tiny_config
 from deltafl_jax import DataConfig, ExperimentConfig, declared
-from deltafl_jax.client_optimizer import ClientOptimizer
-from deltafl_jax.config import GROUPS
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.privacy import Privacy
+from deltafl_jax.optimizers.client import ClientOptimizer
+from deltafl_jax.optimizers.server import ServerOptimizer
+from deltafl_jax.privacy.dp import Privacy
+from deltafl_jax.run.config import GROUPS
 from deltafl_jax.run.resolve import resolve
-from deltafl_jax.server_optimizer import ServerOptimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Flags of the command line that are no setting of a group: the --algorithm entries, the
@@ -84,7 +84,7 @@ def test_the_server_optimizers_settings_are_declared_on_its_fields():
                      "server_momentum": "momentum", "server_beta1": "beta1",
                      "server_beta2": "beta2", "server_eps": "eps"}
     cli = open(os.path.join(REPO, "experiments", "cli.py")).read()
-    config = open(os.path.join(REPO, "deltafl_jax", "config.py")).read()
+    config = open(os.path.join(REPO, "deltafl_jax", "run", "config.py")).read()
     for flag in ("server_momentum", "server_beta1", "server_beta2", "server_eps"):
         assert flag not in cli and flag not in config, flag
 
@@ -168,7 +168,7 @@ def test_an_algorithm_option_and_a_group_setting_go_through_one_declaration():
     import re
     from absl import flags as absl_flags
     from deltafl_jax.algorithms import registry
-    from deltafl_jax.config import Training
+    from deltafl_jax.run.config import Training
     from experiments import cli
     cli.define_experiment_flags()
     FLAGS = absl_flags.FLAGS

@@ -3,7 +3,7 @@ trainer (litian96/ditto 26d9b29, ``flearn/trainers/ditto.py``: on each local min
 personal step v <- v - eta (grad F(v) + lambda (v - w_t)) and the global step
 w <- w - eta grad F(w) on the same batch, v_k from w_0 kept across rounds), with this package's
 uniform sampling and --weighting average (:class:`DittoRef`, float64, sharing with the engine
-only the random draws of deltafl_jax.plan): partial participation, several local steps,
+only the random draws of deltafl_jax.sampling.plan): partial participation, several local steps,
 3 rounds, the personal models included; Ditto over Delta-FL (every sampled client updates v_k,
 only the tail's global updates are averaged); the limit lambda -> its global model is FedAvg's."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import client_lists, linear_rows, run_rounds_history, tiny_config
 from deltafl_jax import build_experiment
-from deltafl_jax.plan import client_permutations, sample_clients
+from deltafl_jax.sampling.plan import client_permutations, sample_clients
 from numpy_reference import client_loss, exact_weights, grad_mean_xent
 
 ROUNDS, M, EPOCHS, L2 = 3, 6, 2, 1e-3
@@ -127,7 +127,7 @@ def test_pure_functions_on_hand_made_inputs():
     the base's step on the same gradient function, the update and the new state."""
     from deltafl_jax.algorithms.ditto import DittoClient, DittoHyper, ditto
     from deltafl_jax.algorithms.fedavg import fedavg
-    from deltafl_jax.client_optimizer import ClientOptimizer
+    from deltafl_jax.optimizers.client import ClientOptimizer
     from deltafl_jax.engine import ClientJob
     alg = ditto(fedavg())
     job = ClientJob(optimizer=ClientOptimizer().transformation(0.5, 0.0),

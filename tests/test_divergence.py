@@ -6,7 +6,7 @@ import numpy as np
 
 from conftest import tiny_config
 from deltafl_jax import run_experiment
-from deltafl_jax.tuning import lr_grid_replicas
+from deltafl_jax.studies.tuning import lr_grid_replicas
 
 
 def test_diverged_replica_stops_and_the_others_are_unchanged(tiny_synthetic):

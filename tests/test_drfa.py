@@ -4,7 +4,7 @@ random step t' of the local period, the plain mean of the local models, a second
 evaluated at the snapshot average, lambda's projected ascent with v_i = (N/m) f_i; and the
 ``fedtorch`` variant against a loop written from the authors' centred FedTorch code
 (``numpy_drfa_fedtorch``). The loops share with the engine only the random draws
-(deltafl_jax.plan's streams and the replica's round key); partial participation, several local
+(deltafl_jax.sampling.plan's streams and the replica's round key); partial participation, several local
 steps, 3 rounds, both lane layouts. With gamma = 0 lambda stays uniform (paper)."""
 
 import jax
@@ -15,13 +15,13 @@ import pytest
 from conftest import client_lists, linear_rows, run_rounds_history, run_runner, tiny_config
 from deltafl_jax import build_experiment
 from deltafl_jax.algorithms.drfa import SNAPSHOT_STREAM
-from deltafl_jax.plan import client_permutations, sample_by_weights, sample_clients
+from deltafl_jax.sampling.plan import client_permutations, sample_by_weights, sample_clients
 from numpy_baselines import project_simplex_bisection
 from numpy_drfa_fedtorch import Draws, fedtorch_drfa
 from numpy_reference import client_loss, grad_mean_xent
 
 ROUNDS, M, K, B, L2, LR = 3, 6, 3, 8, 1e-3, 0.05
-PROBE_STREAM = 4   # deltafl_jax.plan's stream of the second sample (documented there)
+PROBE_STREAM = 4   # deltafl_jax.sampling.plan's stream of the second sample (documented there)
 
 
 def snapshot_step(seed, t):
@@ -142,7 +142,7 @@ def test_the_snapshot_is_the_model_after_t_prime_steps():
     """The client update by hand: with K = 4 steps and t' = 2, the output is the model after
     the second step, the update the model after the fourth."""
     from deltafl_jax.algorithms.drfa import snapshot_update
-    from deltafl_jax.client_optimizer import ClientOptimizer
+    from deltafl_jax.optimizers.client import ClientOptimizer
     from deltafl_jax.engine import ClientJob
     job = ClientJob(optimizer=ClientOptimizer().transformation(0.5, 0.0),
                     learning_rate=np.float32(0.5), l2=np.float32(0.0), steps=np.int32(4),
@@ -170,7 +170,7 @@ def test_draws_with_replacement_fit_the_round_streams():
     """Drawn with replacement, all m slots may be the largest client: the streams' bounds are
     m times its size (m distinct clients would bound them by the m largest, too short), and
     the round plan of such a draw fills them exactly."""
-    from deltafl_jax.plan import LocalWork, capacities, make_round_plan
+    from deltafl_jax.sampling.plan import LocalWork, capacities, make_round_plan
     from deltafl_jax.sampling import WeightedSampler
     sizes = np.array([3, 50, 7, 9, 4], np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)])

@@ -1,4 +1,4 @@
-"""Evaluation on sampled clients (deltafl_jax.eval_sample): the draws, the order-statistic
+"""Evaluation on sampled clients (deltafl_jax.evaluation.sample): the draws, the order-statistic
 intervals against a brute-force binomial and hand-computed cases, their coverage of the true
 alpha-weighted percentiles of a known population, and the point estimates against
 metrics.summarize."""
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from deltafl_jax.config import PERCENTILES
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.eval_sample import (EvalSampler, interval_coverage, interval_of, lower_rank,
-                                     quantile_interval_ranks, sample_eval_clients,
-                                     summarize_sample)
-from deltafl_jax.metrics import percentiles, summarize
+from deltafl_jax.evaluation.metrics import percentiles, summarize
+from deltafl_jax.evaluation.sample import (EvalSampler, interval_coverage, interval_of, lower_rank,
+                                           quantile_interval_ranks, sample_eval_clients,
+                                           summarize_sample)
+from deltafl_jax.run.config import PERCENTILES
 
 
 # --------------------------------------------------------------------------------------------

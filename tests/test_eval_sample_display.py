@@ -1,4 +1,4 @@
-"""Showing the intervals of a sampled evaluation (deltafl_jax.eval_sample): the progress line,
+"""Showing the intervals of a sampled evaluation (deltafl_jax.evaluation.sample): the progress line,
 the closing table, the report's cells; and that the ``_lo`` / ``_hi`` summary keys flow
 into metrics.jsonl (and back) unchanged. Hand-made summaries and runs, no training."""
 
@@ -6,9 +6,9 @@ import types
 
 import numpy as np
 
-from deltafl_jax.eval_sample import summarize_sample
-from deltafl_jax.outputs import RunReader, RunWriter, metrics_records
-from deltafl_jax.replicas import ReplicaLabel, replica_names
+from deltafl_jax.evaluation.sample import summarize_sample
+from deltafl_jax.outputs.directory import RunReader, RunWriter, metrics_records
+from deltafl_jax.replicas.labels import ReplicaLabel, replica_names
 from deltafl_jax.report.document import markdown
 from deltafl_jax.report.io import Run
 from deltafl_jax.report.tables import TABLES, columns, markdown_table

@@ -24,7 +24,7 @@ from deltafl_jax.algorithms.participation import (correction, fedau_omega, fedau
 from deltafl_jax.algorithms.protocol import RoundContext
 from deltafl_jax.algorithms.protocol import ClientFeedback
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.plan import sample_clients
+from deltafl_jax.sampling.plan import sample_clients
 from numpy_reference import exact_weights
 
 ROUNDS, M, EPOCHS = 5, 4, 2

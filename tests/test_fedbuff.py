@@ -11,17 +11,17 @@ import optax
 import pytest
 
 from numpy_reference import grad_mean_xent
-from deltafl_jax import plan as plan_lib
 from deltafl_jax.algorithms.fedasync import build_fedasync_step
 from deltafl_jax.algorithms.fedbuff import (build_buffered_step, current_params,
                                             init_buffered_state, step_inputs)
 from deltafl_jax.data import ClientData, FederatedDataset
 from deltafl_jax.engine import LocalSGDConfig
 from deltafl_jax.models import build_model
-from deltafl_jax.replicas import Replicas
-from deltafl_jax.rounds import RoundData
+from deltafl_jax.replicas.labels import Replicas
+from deltafl_jax.sampling import plan as plan_lib
 from deltafl_jax.sampling import Cohort
 from deltafl_jax.sampling.asynchronous import AsyncScheduler, ServerStep
+from deltafl_jax.sampling.plan import RoundData
 
 SIZES = (6, 9, 12, 7, 10, 8)
 FEATURES, CLASSES, K, EPOCHS, BATCH, STEPS = 4, 3, 3, 2, 16, 7
@@ -215,12 +215,12 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax, numpy as np, optax
 sys.path.insert(0, sys.argv[1])
 from test_fedbuff import SIZES, dataset
-from deltafl_jax import plan as plan_lib
 from deltafl_jax.algorithms.fedbuff import BufferedRun, current_params, init_buffered_state
 from deltafl_jax.engine import LocalSGDConfig
 from deltafl_jax.engine.mesh import make_mesh
 from deltafl_jax.models import build_model
-from deltafl_jax.replicas import Replicas
+from deltafl_jax.replicas.labels import Replicas
+from deltafl_jax.sampling import plan as plan_lib
 from deltafl_jax.sampling.asynchronous import AsyncSettings
 data = dataset()
 model = build_model("linear", data)

@@ -18,7 +18,7 @@ import pytest
 from conftest import client_job, client_lists, run_rounds_history, run_runner, tiny_config
 from deltafl_jax import build_experiment
 from deltafl_jax.algorithms.protocol import RoundContext
-from deltafl_jax.plan import client_permutations, sample_clients
+from deltafl_jax.sampling.plan import client_permutations, sample_clients
 from numpy_reference import grad_mean_xent
 
 ROUNDS, M, EPOCHS = 3, 6, 2

@@ -16,7 +16,7 @@ from conftest import client_lists, linear_rows, run_rounds_history, run_runner, 
 from deltafl_jax import build_experiment
 from deltafl_jax.algorithms.fedmgda import min_norm_weights, project_box_simplex
 from numpy_baselines import _local
-from deltafl_jax.plan import sample_clients
+from deltafl_jax.sampling.plan import sample_clients
 
 ROUNDS, M, EPOCHS = 3, 6, 2
 

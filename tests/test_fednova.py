@@ -4,7 +4,7 @@ accumulates cum_grad = w_t - w_k; ``average`` takes tau_eff = sum_k p_k a_k and
 w <- w_t - sum_k p_k (tau_eff / a_k) cum_grad_k, or steps a global momentum buffer ``gmf``).
 
 :class:`AuthorsClient` and :func:`authors_average` follow that code line by line in float64;
-they share nothing with the module but the random draws of deltafl_jax.plan (who is sampled,
+they share nothing with the module but the random draws of deltafl_jax.sampling.plan (who is sampled,
 the minibatch order)."""
 
 import jax
@@ -18,9 +18,9 @@ from deltafl_jax.algorithms import ClientFeedback, registry
 from deltafl_jax.algorithms.deltafl import DeltaFLHyper
 from deltafl_jax.algorithms.fednova import FedNovaOptions, NovaOutput, fednova
 from deltafl_jax.algorithms.protocol import RoundContext
-from deltafl_jax.client_optimizer import ClientOptimizer
 from deltafl_jax.engine import ClientJob
-from deltafl_jax.plan import client_permutations
+from deltafl_jax.optimizers.client import ClientOptimizer
+from deltafl_jax.sampling.plan import client_permutations
 from deltafl_jax.sampling.samplers import sample_clients
 from numpy_reference import grad_mean_xent
 

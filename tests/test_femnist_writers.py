@@ -20,7 +20,7 @@ from fixtures import federated_files as ff  # noqa: E402
 from deltafl_jax import ExperimentConfig  # noqa: E402
 from deltafl_jax.data import DataError  # noqa: E402
 from deltafl_jax.datasets import DataConfig, load_dataset  # noqa: E402
-from deltafl_jax.seed_programs import seed_programs  # noqa: E402
+from deltafl_jax.replicas.seed_programs import seed_programs  # noqa: E402
 
 SIZES = {f"f{i:04d}_{i % 7:02d}": n for i, n in
          enumerate([12, 9, 15, 8, 10, 7, 11, 13, 9, 14, 8, 10, 3, 16])}

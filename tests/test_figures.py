@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from deltafl_jax import leaderboard as lb
 from deltafl_jax import report
-from deltafl_jax.outputs import RunWriter
-from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.outputs.directory import RunWriter
+from deltafl_jax.replicas.labels import ReplicaLabel
+from deltafl_jax.studies import leaderboard as lb
 from tests.test_report import cell_numbers, parse_tables, table_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -116,7 +116,7 @@ def test_output_dir_that_is_a_file_is_refused_and_left_alone(tmp_path, capsys):
 
 @pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_disk_full_while_writing_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
-    from deltafl_jax import outputs
+    from deltafl_jax.outputs import directory as outputs
 
     def full(self, records):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path("metrics.jsonl"))

@@ -18,14 +18,14 @@ import pytest
 from conftest import run_rounds_history, tiny_config
 from numpy_reference import local_sgd
 from deltafl_jax import ClientData, FederatedDataset
-from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.datasets import DataConfig
 from deltafl_jax.models import ModelOptions, build_model, register_model
 from deltafl_jax.models.augment import crop_flip, crop_flip_draws
 from deltafl_jax.models.image import FedAvgCNN, PflCNN, ResNetGN, IMAGE_LANES
 from deltafl_jax.models.model import Model
-from deltafl_jax.plan import client_permutations, sample_clients
+from deltafl_jax.run.config import ExperimentConfig
 from deltafl_jax.run.experiment import build_experiment
+from deltafl_jax.sampling.plan import client_permutations, sample_clients
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""The tail leaderboard (deltafl_jax.leaderboard, python -m experiments.leaderboard): every
+"""The tail leaderboard (deltafl_jax.studies.leaderboard, python -m experiments.leaderboard): every
 method joins through its spec's Board; the choice of a grid point, the seed intervals, the
 Pareto frontier and the tables against hand computations and scipy; bad flags are one line and
 exit 2; the documentation's tables are the rendering of the records the command wrote. The slow test
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from deltafl_jax import leaderboard as lb
 from deltafl_jax.algorithms import registry
 from deltafl_jax.algorithms.leaderboard import BoardSetting
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.replicas.labels import ReplicaLabel
+from deltafl_jax.studies import leaderboard as lb
 
 HERE = os.path.dirname(__file__)
 REPO = os.path.dirname(HERE)
@@ -308,7 +308,7 @@ def _worst10(errors):
 
 @pytest.mark.slow
 def test_the_command_at_toy_size(tmp_path, capsys):
-    from deltafl_jax.outputs import RunReader
+    from deltafl_jax.outputs.directory import RunReader
     out = tmp_path / "board"
     readme = tmp_path / "README.md"
     readme.write_text("head\n<!-- leaderboard: leaderboard_synthetic_1_1 -->\n"

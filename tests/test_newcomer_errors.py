@@ -116,7 +116,7 @@ def test_the_personal_adaptation_stream_is_counted_as_the_evaluation_allocates_i
         tiny_synthetic):
     """The stream that block_plan allocates (ceil(k B / a) passes over each of a block's K
     largest adaptation sets) is what the resolve step checks, computed here by hand."""
-    from deltafl_jax.holdout import hold_out
+    from deltafl_jax.evaluation.holdout import hold_out
     from deltafl_jax.run import resolve
     config = tiny_config(client_holdout=0.2, finetune_steps=(0, 7), batch_size=8)
     data = hold_out(tiny_synthetic, 0.2, 0)
@@ -147,7 +147,7 @@ def ditto_run(tmp_path_factory):
 def test_for_client_refuses_anything_but_a_training_client(ditto_run):
     from deltafl_jax import load_model
     from deltafl_jax.errors import DeltaFLError
-    from deltafl_jax.serving import LoadedModel
+    from deltafl_jax.outputs.serving import LoadedModel
     served = load_model(ditto_run, seed=1)
     n = json.load(open(os.path.join(ditto_run, "summary.json")))["dataset"]["num_train_clients"]
     assert served.num_clients == n
@@ -254,7 +254,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_orbax_stays_silent(tmp_path, caps
 # -- privacy ---------------------------------------------------------------------------------
 
 def test_a_large_default_delta_is_warned_about(tiny_synthetic, capsys):
-    from deltafl_jax.privacy import Privacy
+    from deltafl_jax.privacy.dp import Privacy
     from deltafl_jax.run.resolve import resolve
     line = Privacy(clip=0.5).delta_warning(20)
     assert f"1/N^1.1 = {20 ** -1.1:.3g} at N = 20 " in line and "set --dp_delta" in line

@@ -19,7 +19,7 @@ import pytest
 from conftest import tiny_config
 from deltafl_jax import run_experiment
 from deltafl_jax.algorithms import registry
-from deltafl_jax.replicas import grid_for
+from deltafl_jax.replicas.labels import grid_for
 from deltafl_jax.rounds import (NONFINITE, ServerState, count_nonfinite_clients,
                                 state_nonfinite)
 from deltafl_jax.run.divergence import StopOnDivergence
@@ -146,7 +146,7 @@ def test_the_round_a_stopped_replica_stopped_at_is_read_back_from_the_round_metr
     np.testing.assert_array_equal(first["params"], [0, 2])
     np.testing.assert_array_equal(first["client_state.personal"], [3, 3])
     stop = StopOnDivergence(per_round=per_round)
-    from deltafl_jax.replicas import ReplicaLabel
+    from deltafl_jax.replicas.labels import ReplicaLabel
     label = ReplicaLabel("ditto", 1.0, 1, param_name="ditto_lambda", param_value=1.0)
     assert stop.stopped_at(label, 1, default=9) == 2
     assert stop.stopped_at(label, 0, default=9) == 3

@@ -35,5 +35,5 @@ def test_colab_notebook_runs_on_cpu(tmp_path):
     # The report goes beside the run, which stays a run (a run's folder holds only what a run
     # writes), so that the notebook's cells can be run again.
     assert os.path.exists(tmp_path / "run_report" / "report.md")
-    from deltafl_jax.outputs import inspect_dir
+    from deltafl_jax.outputs.directory import inspect_dir
     assert inspect_dir(str(tmp_path / "run")).kind == "run"

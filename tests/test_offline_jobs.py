@@ -159,7 +159,7 @@ def test_a_trace_keeps_the_jobs_online_over_their_whole_interval(tmp_path):
     client 1 goes offline at 50 s, client 2 at 5 s (FedScale's check at the arrival alone,
     25 s, would find k2 online again); the round lasts until the last arrival (60 s, later
     than the losses at 5 and 50 s)."""
-    from deltafl_jax.plan import LocalWork
+    from deltafl_jax.sampling.plan import LocalWork
     from deltafl_jax.sampling.availability import AvailabilitySettings, build_availability
     from deltafl_jax.sampling.offline import TraceStretches
     from deltafl_jax.sampling.samplers import Cohort

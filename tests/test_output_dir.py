@@ -1,5 +1,5 @@
 """Which folders a run writes into: an absent or empty folder, or a run of this
-package (deltafl_jax.outputs.inspect_dir: every entry one a run writes, and its marker or, for
+package (deltafl_jax.outputs.directory.inspect_dir: every entry one a run writes, and its marker or, for
 a run written before the marker, its summary.json / metrics.jsonl / checkpoints/). A source
 folder, the parent of runs and a folder holding other files are refused with one line and exit
 code 2, with or without --overwrite, and are left byte for byte as they were."""
@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from conftest import run_runner
-from deltafl_jax import outputs
+from deltafl_jax.outputs import directory as outputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--dataset=synthetic", "--synthetic_num_clients=16", "--synthetic_max_examples=60",

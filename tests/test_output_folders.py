@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-from deltafl_jax import ConfigError, DataConfig, ExperimentConfig, outputs, run_experiment
+from deltafl_jax import ConfigError, DataConfig, ExperimentConfig, run_experiment
+from deltafl_jax.outputs import directory as outputs
 from deltafl_jax.run import lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

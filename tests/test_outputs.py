@@ -9,14 +9,14 @@ import jax
 import numpy as np
 import pytest
 
-from deltafl_jax import outputs
 from deltafl_jax.data import ClientData, FederatedDataset
 from deltafl_jax.errors import ConfigError, DeltaFLError
 from deltafl_jax.models import Linear, Model, ModelOptions, build_model
-from deltafl_jax.outputs import (SCHEMA_VERSION, RunFormatError, RunReader, RunWriter,
-                                 prepare_dir)
-from deltafl_jax.serving import LoadedModel, load_model
-from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.outputs import directory as outputs
+from deltafl_jax.outputs.directory import (SCHEMA_VERSION, RunFormatError, RunReader, RunWriter,
+                                           prepare_dir)
+from deltafl_jax.outputs.serving import LoadedModel, load_model
+from deltafl_jax.replicas.labels import ReplicaLabel
 
 LABELS = (ReplicaLabel("deltafl", 1.0, 1), ReplicaLabel("deltafl", 0.5, 1),
           ReplicaLabel("deltafl", 0.5, 2))

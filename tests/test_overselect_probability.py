@@ -15,13 +15,13 @@ import pytest
 from scipy import stats
 
 from conftest import tiny_config
-from deltafl_jax.plan import LocalWork
 from deltafl_jax.run.resolve import participation_probabilities, resolve
 from deltafl_jax.sampling.availability import Schedule
 from deltafl_jax.sampling.clock import finish
 from deltafl_jax.sampling.inclusion import (arrivals, expected_kept_probability,
                                             hypergeom_cdf, hypergeom_cdf_by_marked, keep_order,
                                             kept_probability, mean_kept_probability)
+from deltafl_jax.sampling.plan import LocalWork
 from deltafl_jax.sampling.speeds import DeviceSpeeds, TimingSettings, build_speeds
 from deltafl_jax.sampling.timeline import VirtualClock
 

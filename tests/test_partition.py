@@ -313,7 +313,7 @@ def test_npz_without_clients_is_partitioned_train_and_test_alike(tmp_path):
 
 
 def test_partition_npz_holds_the_clients_kept_and_the_settings(tmp_path):
-    from deltafl_jax.outputs import RunWriter
+    from deltafl_jax.outputs.directory import RunWriter
 
     path = str(tmp_path / "c.npz")
     x, y, xt, yt = centralised_npz(path)

@@ -11,7 +11,7 @@ import pytest
 
 from deltafl_jax import DataConfig, load_dataset, report
 from deltafl_jax.datasets import partition as P
-from deltafl_jax.outputs import RunWriter
+from deltafl_jax.outputs.directory import RunWriter
 from tests.test_figures import fake_run
 from tests.test_partition import centralised_npz
 

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import client_lists, linear_rows, run_rounds_history, run_runner, tiny_config
 from deltafl_jax import build_experiment, load_model
-from deltafl_jax.holdout import HOLDOUT_STREAM, held_counts, hold_out
-from deltafl_jax.metrics import worst_mean
+from deltafl_jax.evaluation.holdout import HOLDOUT_STREAM, held_counts, hold_out
+from deltafl_jax.evaluation.metrics import worst_mean
 from deltafl_jax.run.personal import PERSONAL_STREAM
 from numpy_reference import grad_mean_xent, scores, softmax_xent
 

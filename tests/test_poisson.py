@@ -1,5 +1,5 @@
-"""Poisson client sampling (deltafl_jax.plan, --client_sampling=poisson), its add-or-remove
-accounting (PLD or RDP, deltafl_jax.privacy), adaptive clipping (--dp_clip=adaptive), and
+"""Poisson client sampling (deltafl_jax.sampling.plan, --client_sampling=poisson), its add-or-remove
+accounting (PLD or RDP, deltafl_jax.privacy.dp), adaptive clipping (--dp_clip=adaptive), and
 DP-FTRL with a banded matrix factorisation (--client_sampling=cyclic --dp_mechanism=bandmf).
 
 The references: scipy's binomial law and chi-square tests for the sampler, the round under
@@ -21,9 +21,11 @@ from scipy import stats
 
 from conftest import run_rounds_history as run_rounds
 from conftest import run_runner, tiny_config
-from deltafl_jax import FederatedDataset, build_experiment, plan, privacy
+from deltafl_jax import FederatedDataset, build_experiment
 from deltafl_jax.data import split_clients
 from deltafl_jax.datasets.synthetic import synthetic_clients
+from deltafl_jax.privacy import dp as privacy
+from deltafl_jax.sampling import plan
 from deltafl_jax.sampling import PoissonSampler, samplers
 
 ADD_OR_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE

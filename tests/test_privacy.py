@@ -1,4 +1,4 @@
-"""Client-level differential privacy (deltafl_jax.privacy): the per-job clip, the server's
+"""Client-level differential privacy (deltafl_jax.privacy.dp): the per-job clip, the server's
 noise against a chi-square bound, the accounting against dp-accounting called here and
 against a published figure, z = 0 against the non-private runs bit for bit, private Delta-FL,
 the calibration, and the refusals."""
@@ -15,8 +15,9 @@ from scipy import stats
 
 from conftest import run_rounds_history as run_rounds
 from conftest import run_runner, tiny_config
-from deltafl_jax import build_experiment, engine, privacy, rounds
+from deltafl_jax import build_experiment, engine, rounds
 from deltafl_jax.algorithms import ClientFeedback
+from deltafl_jax.privacy import dp as privacy
 
 M = 4   # clients per round: 1/4 sums to 1 exactly in float32 (FedAvg's fixed denominator)
 
@@ -231,7 +232,7 @@ def test_private_deltafl_accounts_its_quantiles_releases(tiny_synthetic):
 def test_the_quantile_sums_and_the_kept_weight_get_their_stated_noise():
     """Over 4000 keys: each noised secure sum's two entries have std z_q x its sensitivity
     (the third, a count, is untouched), and private Delta-FL's kept weight has std z."""
-    from deltafl_jax import secagg
+    from deltafl_jax.privacy import secagg
     from deltafl_jax.algorithms.deltafl import DeltaFLHyper, DeltaFLOptions, private_deltafl
     keys = jax.random.split(jax.random.key(1), 4000)
     noise = secagg.SumNoise(keys[0], jnp.float32(1.5), 4.0, 0.5)

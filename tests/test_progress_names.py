@@ -11,7 +11,7 @@ import pytest
 
 from conftest import run_runner
 from deltafl_jax.algorithms import registry
-from deltafl_jax.replicas import ReplicaLabel, replica_names
+from deltafl_jax.replicas.labels import ReplicaLabel, replica_names
 from deltafl_jax.run.callbacks import Evaluation, RunContext
 from deltafl_jax.run.progress import Progress, evaluation_line
 

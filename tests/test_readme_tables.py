@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from deltafl_jax.outputs import RunWriter
-from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.outputs.directory import RunWriter
+from deltafl_jax.replicas.labels import ReplicaLabel
 from deltafl_jax.report import readme
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,7 +16,7 @@ import pytest
 
 from deltafl_jax import DataConfig, ExperimentConfig, run_experiment
 from deltafl_jax import report
-from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.replicas.labels import ReplicaLabel
 from experiments import report as report_cli
 
 REPO = os.path.dirname(os.path.dirname(__file__))

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from deltafl_jax import DataConfig, ExperimentConfig, load_dataset, run_experiment
-from deltafl_jax import outputs, report
+from deltafl_jax import report
+from deltafl_jax.outputs import directory as outputs
 from deltafl_jax.report import figures
 from experiments import report as report_cli
 from test_report import parse_tables, table_of

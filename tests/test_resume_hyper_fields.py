@@ -26,7 +26,7 @@ import pytest
 
 from conftest import run_runner
 from deltafl_jax.algorithms import registry
-from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.replicas.labels import ReplicaLabel
 from test_continue import models, npz, records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,8 +9,9 @@ import pytest
 
 from conftest import client_lists, linear_rows, run_rounds_history, tiny_config
 from numpy_reference import delta_fl_round
-from deltafl_jax import build_experiment, plan as plan_lib, rounds
+from deltafl_jax import build_experiment, rounds
 from deltafl_jax.engine import LocalSGDConfig
+from deltafl_jax.sampling import plan as plan_lib
 
 
 @pytest.mark.parametrize("lanes", [1, 4])

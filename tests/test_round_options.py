@@ -16,7 +16,7 @@ from numpy_reference import client_loss, exact_weights, reference_weights
 from deltafl_jax import FederatedDataset, build_experiment
 from deltafl_jax.data import ClientData
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.secagg import mm_quantile
+from deltafl_jax.privacy.secagg import mm_quantile
 from deltafl_jax.superquantile import (smoothed_eta, smoothed_superquantile,
                                        smoothed_tail_weights, superquantile, tail_weights)
 

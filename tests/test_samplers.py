@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from deltafl_jax import plan
+from deltafl_jax.sampling import plan
 from deltafl_jax.sampling import (CyclicSampler, FixedSampler, PoissonSampler, Sampling,
                                   WeightedSampler)
 from deltafl_jax.sampling.samplers import sample_clients

@@ -1,6 +1,6 @@
 """SCAFFOLD (option II) against a NumPy loop written from Algorithm 1 of Karimireddy et al.
 (:class:`Scaffold` below, float64, sharing with the engine only the random draws of
-deltafl_jax.plan): partial participation, several local steps, 3 rounds; the clients' control
+deltafl_jax.sampling.plan): partial participation, several local steps, 3 rounds; the clients' control
 variates written back, on both lane layouts; its first round is FedAvg's."""
 
 import dataclasses
@@ -11,7 +11,7 @@ import pytest
 
 from conftest import run_rounds_history, run_runner, tiny_config
 from deltafl_jax import build_experiment
-from deltafl_jax.plan import client_permutations, sample_clients
+from deltafl_jax.sampling.plan import client_permutations, sample_clients
 from numpy_reference import grad_mean_xent
 
 ROUNDS, M, EPOCHS = 3, 6, 2

@@ -11,7 +11,7 @@ import numpy_fedopt as nf
 from conftest import linear_rows, run_rounds_history, run_runner, tiny_config
 from deltafl_jax import DataConfig, build_experiment, load_dataset, load_model, run_experiment
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.server_optimizer import ServerOptimizer
+from deltafl_jax.optimizers.server import ServerOptimizer
 
 SIZES = (6, 9, 12, 7, 10)           # five training clients; one full batch of 16 covers each
 FEATURES, CLASSES = 4, 3

@@ -1,4 +1,4 @@
-"""The tail metrics (deltafl_jax.metrics, deltafl_jax.eval_sample): the worst-10% mean error
+"""The tail metrics (deltafl_jax.evaluation.metrics, deltafl_jax.evaluation.sample): the worst-10% mean error
 (the superquantile at 0.9) against scipy's LP and hand-computed cases, its relation to the
 "mean of the floor(0.1 N) worst" of PropFair and pFL-Bench, the std and the share below a
 target against NumPy loops, their sampled estimates and intervals (DKW bounds against an LP
@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from deltafl_jax.config import PERCENTILES
-from deltafl_jax.eval_sample import (EvalSampler, dkw_epsilon, share_interval,
-                                     summarize_sample, superquantile_interval)
-from deltafl_jax.metrics import (TAIL_KEYS, share_below_target, std_rows, summarize,
-                                 superquantile_rows)
-from deltafl_jax.replicas import ReplicaLabel, replica_names
+from deltafl_jax.evaluation.metrics import (TAIL_KEYS, share_below_target, std_rows, summarize,
+                                            superquantile_rows)
+from deltafl_jax.evaluation.sample import (EvalSampler, dkw_epsilon, share_interval,
+                                           summarize_sample, superquantile_interval)
+from deltafl_jax.replicas.labels import ReplicaLabel, replica_names
 from deltafl_jax.run.callbacks import Evaluation, RunContext
+from deltafl_jax.run.config import PERCENTILES
 from deltafl_jax.run.progress import error_table, evaluation_line
 
 

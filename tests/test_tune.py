@@ -16,7 +16,7 @@ import pytest
 from conftest import tiny_config
 from deltafl_jax import build_experiment
 from experiments import run as runner
-from deltafl_jax import tuning
+from deltafl_jax.studies import tuning
 from experiments import tune
 
 HERE = os.path.dirname(__file__)

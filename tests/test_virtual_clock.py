@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from conftest import refused_over_a_finished_run, run_runner, tiny_config
-from deltafl_jax import plan as plan_lib, run_experiment
+from deltafl_jax import run_experiment
 from deltafl_jax.run.experiment import build_experiment
+from deltafl_jax.sampling import plan as plan_lib
 from deltafl_jax.sampling.samplers import Cohort, sample_clients
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

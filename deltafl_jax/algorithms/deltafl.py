@@ -38,7 +38,7 @@ evaluation is chunked.
   filter (below, *Participation*).
 - ``quantile``: ``sort`` (the server sorts the losses that the clients report, line 5) or
   ``secagg_mm`` (Algorithm 3): eta from ``mm_iters`` majorisation-minimisation steps whose
-  every input is a secure-aggregation sum (:mod:`deltafl_jax.secagg`, App. B.1); the server
+  every input is a secure-aggregation sum (:mod:`deltafl_jax.privacy.secagg`, App. B.1); the server
   never sees a loss, the clients filter themselves (F_k > eta, strictly, as Algorithm 3's
   LocalUpdate writes it) and keep their full alpha_k; the round metric ``secagg_calls`` counts
   mm_iters + 1 calls for eta and 1 for the model.
@@ -91,7 +91,7 @@ from deltafl_jax.algorithms.protocol import (FederatedAlgorithm, PrivateAggregat
 from deltafl_jax.algorithms.spec import AlgorithmSpec, Clients, Grid, Reporting
 from deltafl_jax.declared import Bounds, finite_in, setting
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.secagg import SumNoise, mm_quantile
+from deltafl_jax.privacy.secagg import SumNoise, mm_quantile
 from deltafl_jax.superquantile import (quantile_levels, smoothed_eta, smoothed_tail_weights,
                                        tail_weights, threshold_weights, weighted_quantile)
 
@@ -194,7 +194,7 @@ QUANTILE_STREAM = 0x9A1   # folded into a replica's round key for the quantile's
 
 
 def private_deltafl(options: DeltaFLOptions, privacy) -> Optional[PrivateAggregate]:
-    """Private Delta-FL (Algorithm 3 with noised secure sums, :mod:`deltafl_jax.privacy`):
+    """Private Delta-FL (Algorithm 3 with noised secure sums, :mod:`deltafl_jax.privacy.dp`):
     eta from the mm_iters + 1 secure sums, each with noise z_q = privacy.quantile_noise_ratio
     x z in units of its sensitivity; the clients with F_k > eta train at weight 1, and the
     kept weight is released with noise too (denominator None), floored at half its expected
@@ -257,7 +257,7 @@ def deltafl(options: DeltaFLOptions = DeltaFLOptions(), tie_rtol: float = DEFAUL
             num_clients: int = 0) -> FederatedAlgorithm:
     """Delta-FL with hyper.theta in (0, 1]; theta = 1 is FedAvg. `thetas`: the run's levels
     as Python floats, whose 1 - theta is taken in float64 (others: 1 - float32 theta, in
-    float64). `privacy`: the run's :class:`deltafl_jax.privacy.Privacy` (its private version,
+    float64). `privacy`: the run's :class:`deltafl_jax.privacy.dp.Privacy` (its private version,
     :func:`private_deltafl`). `num_clients`: N, for ``--deltafl_participation``."""
     check_options(options)
     private = private_deltafl(options, privacy)

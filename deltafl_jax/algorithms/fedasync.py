@@ -30,7 +30,7 @@ from deltafl_jax.algorithms.fedbuff import (AsyncStep, async_validator, build_bu
 from deltafl_jax.algorithms.spec import AlgorithmSpec, Grid, Reporting
 from deltafl_jax.declared import Bounds, setting
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.replicas import Replicas
+from deltafl_jax.replicas.labels import Replicas
 
 
 ALPHA_BOUNDS = Bounds(0.0, 1.0, low_open=True)   # the mixing weight alpha in (0, 1]

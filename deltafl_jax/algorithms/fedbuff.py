@@ -9,7 +9,7 @@ applies
     Delta = (1/K) sum_k s(tau_k) Delta_k,    s(tau) = 1 / sqrt(1 + tau),
 
 Delta_k = w_k - w_{base_k} the client's local SGD from its base version and tau_k its
-staleness, through the server optimizer (g = -Delta, :mod:`deltafl_jax.server_optimizer`;
+staleness, through the server optimizer (g = -Delta, :mod:`deltafl_jax.optimizers.server`;
 by default w + Delta) from the current version; the new version is written into the ring of
 versions the device keeps. The 1/K and the uniform weights are Algorithm 1's (the buffer's
 sum divided by its size K, no weighting by n_k) with the paper's polynomial staleness scaling
@@ -44,18 +44,18 @@ import numpy as np
 import optax
 
 from deltafl_jax import engine
-from deltafl_jax import plan as plan_lib
 from deltafl_jax.algorithms.deltafl import THETA_SWEEP, DeltaFLHyper, check_thetas, theta_one
 from deltafl_jax.algorithms.fedavg import fedavg
 from deltafl_jax.algorithms.spec import AlgorithmSpec, Grid, Reporting
 from deltafl_jax.engine import mesh as mesh_lib
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.replicas import Replicas
-from deltafl_jax.rounds import RoundData
+from deltafl_jax.optimizers.server import init_states, server_step
+from deltafl_jax.replicas.labels import Replicas
+from deltafl_jax.sampling import plan as plan_lib
 from deltafl_jax.sampling.asynchronous import (AsyncScheduler, AsyncSettings, ServerStep,
                                                check_ring_fits, staleness_weight)
+from deltafl_jax.sampling.plan import RoundData
 from deltafl_jax.sampling.samplers import Cohort
-from deltafl_jax.server_optimizer import init_states, server_step
 
 
 class BufferedState(flax.struct.PyTreeNode):
@@ -140,7 +140,7 @@ def build_buffered_step(model, replicas: Replicas, local: engine.LocalSGDConfig,
 
         step_fn(state, data, inputs, key) -> (state, metrics)
 
-    with `data` a :class:`~deltafl_jax.rounds.RoundData` whose plan holds the K buffered
+    with `data` a :class:`~deltafl_jax.sampling.plan.RoundData` whose plan holds the K buffered
     jobs of each group in its K slots (in the scheduler's order), `inputs` the
     :class:`BufferedInputs`, `key` the replicas' root keys (the step's keys fold in the new
     version's number); `aggregate(delta_sum, state, slots, weights) -> Delta` turns the
@@ -207,7 +207,7 @@ def device_free_bytes() -> Optional[int]:
 class BufferedRun:
     """The host side of a FedBuff run: one :class:`AsyncScheduler` per seed, each server
     step's plan (the K buffered jobs of every seed in the plan's K slots; a job's examples
-    are shuffled by (seed, the step's index, client), :mod:`deltafl_jax.plan`) and the
+    are shuffled by (seed, the step's index, client), :mod:`deltafl_jax.sampling.plan`) and the
     jitted step (:func:`build_buffered_step`).
 
     seconds: ids [k] -> [k] float64 the virtual duration of a job of each client;

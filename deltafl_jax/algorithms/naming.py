@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 from typing import Any, List, Mapping, Optional, Tuple
 
-from deltafl_jax.replicas import ReplicaLabel
-from deltafl_jax.server_optimizer import DISPLAY as SERVER_DISPLAY
-from deltafl_jax.server_optimizer import SYMBOLS as SERVER_SYMBOLS
-from deltafl_jax.server_optimizer import ServerOptimizer, from_run_config
+from deltafl_jax.optimizers.server import DISPLAY as SERVER_DISPLAY
+from deltafl_jax.optimizers.server import SYMBOLS as SERVER_SYMBOLS
+from deltafl_jax.optimizers.server import ServerOptimizer, from_run_config
+from deltafl_jax.replicas.labels import ReplicaLabel
 
 # How the platform's replica coordinates read in a report column.
 PLATFORM_SYMBOLS = {"server_lr": "η_s", "dp_target_epsilon": "ε", "dp_noise_multiplier": "z"}

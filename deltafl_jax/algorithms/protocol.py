@@ -16,7 +16,7 @@ baselines of the CISS 2021 paper, Table I):
    (:class:`ClientFeedback`);
 4. ``server_update`` returns the aggregate Delta (and the algorithm's new state);
 5. the round's server optimizer turns Delta into the new global model
-   (:mod:`deltafl_jax.server_optimizer`: w + Delta by default).
+   (:mod:`deltafl_jax.optimizers.server`: w + Delta by default).
 
 The functions act on ONE replica; the round vmaps them over replicas. Hyper-parameters that may
 differ between replicas (theta, q, t, mu, ...) arrive in ``hyper``, the algorithm's own typed
@@ -178,7 +178,7 @@ class WeightBoundFn(Protocol):
 
 class PrivateAggregate(NamedTuple):
     """How an algorithm's average of the updates is made differentially private
-    (:mod:`deltafl_jax.privacy`); the engine clips each update to --dp_clip C first.
+    (:mod:`deltafl_jax.privacy.dp`); the engine clips each update to --dp_clip C first.
 
     max_weight(hyper, m) -> a_max: the largest weight a_k one client can get (the sum's
       sensitivity is C a_max; the noise N(0, (z C a_max)^2 I) is added to it).

@@ -14,7 +14,7 @@ tail leaderboard). The registry only collects specs.
 Where the rest lives: the round's protocol in :mod:`deltafl_jax.algorithms.protocol`, options
 and sweeps in :mod:`deltafl_jax.algorithms.options`, the report's column names in
 :mod:`deltafl_jax.algorithms.naming`, the replica grid of a run in
-:func:`deltafl_jax.replicas.grid_for`. The names an algorithm module needs (``FederatedAlgorithm``,
+:func:`deltafl_jax.replicas.labels.grid_for`. The names an algorithm module needs (``FederatedAlgorithm``,
 ``Sweep``, ``Option``, ``setting``, ``Bounds``, ``average_delta``, ...) can also be imported
 from here.
 """
@@ -32,7 +32,7 @@ from deltafl_jax.algorithms.protocol import (ClientFeedback, FederatedAlgorithm,
                                              no_state, scaled_delta)
 from deltafl_jax.declared import Bounds, setting
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.replicas.labels import ReplicaLabel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +137,7 @@ class AlgorithmSpec:
     cautions: optional (config, replicas) -> lines, one per setting of the run past a
       stability bound that the algorithm knows (Ditto's proximal step: eta (lambda + l2)
       >= 2 with SGD); the runner prints each as a warning before the first round
-      (:meth:`warnings`). `replicas`: the run's :class:`~deltafl_jax.replicas.Replicas`.
+      (:meth:`warnings`). `replicas`: the run's :class:`~deltafl_jax.replicas.labels.Replicas`.
     own_server_step: why the server step is the algorithm's own (non-empty: it refuses a
       server optimizer other than the default w + Delta); empty: the round's server optimizer
       applies to its Delta. A list of --server_lr values is crossed like the grid's `cross`,

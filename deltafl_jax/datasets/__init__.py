@@ -179,7 +179,7 @@ class DataConfig:
       writer_fraction: FEMNIST: the fraction of the eligible writers kept (the paper: 0.5).
       resample_writers_per_seed: redraw the data (FEMNIST's writer subsample, every dataset's
         train/test split) for each seed, as the authors do; each seed is then its own dataset
-        and its own program (:mod:`deltafl_jax.seed_programs`).
+        and its own program (:mod:`deltafl_jax.replicas.seed_programs`).
       partitioner: how centralised data are split into clients (:class:`Partitioner`).
 
     A setting of a group is read through it (``config.limits.max_train_clients``,

@@ -8,7 +8,7 @@ reference-notes.md ("Data preparation"):
   of them; 1.0 keeps every writer of one's own LEAF subset), drawn with ``data_seed`` when
   loading, then a 50/50 split by writer (865/865) with ``data_seed``. The authors redraw both
   for each of their 5 seeds ("a different sampling of train and test devices", CISS Sec. V):
-  ``--resample_writers_per_seed`` does the same (:mod:`deltafl_jax.seed_programs`);
+  ``--resample_writers_per_seed`` does the same (:mod:`deltafl_jax.replicas.seed_programs`);
 - x: the 28x28 image as 784 pixels in LEAF's convention (background = 1.0, ink near 0.0), stored
   as uint8 round(255 * pixel) with ``x_scale = 1/255``, so the engine sees pixel/255 in [0, 1];
 - y: 0-61; 0-9 are the digits, 10-35 the upper-case letters, 36-61 the lower-case letters.

@@ -37,14 +37,14 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from deltafl_jax.client_optimizer import ClientOptimizer
 from deltafl_jax.engine.client import LOCAL_SGD, ClientJob, ClientUpdate
 from deltafl_jax.engine.lanes import (LaneTimeline, device_ordered_sum, finish_order, per_lane,
                                       slot_blocks, slot_tables)
 from deltafl_jax.engine.mesh import SINGLE, DeviceAxis
 from deltafl_jax.engine.trees import gather_rows, select_tree, tree_all_finite, tree_sqnorm
 from deltafl_jax.models import Model
-from deltafl_jax.privacy import clip_factor
+from deltafl_jax.optimizers.client import ClientOptimizer
+from deltafl_jax.privacy.dp import clip_factor
 
 Params = Any
 
@@ -68,7 +68,7 @@ class LocalSGDConfig(NamedTuple):
     batch_size: B. lanes: c, jobs run side by side. lane_mode: "vmap" or "unroll".
     client_update: the algorithm's :class:`ClientUpdate` (default: local SGD).
     optimizer: (learning_rate, l2) -> the client optimizer, an optax transformation
-      (:meth:`deltafl_jax.client_optimizer.ClientOptimizer.transformation`).
+      (:meth:`deltafl_jax.optimizers.client.ClientOptimizer.transformation`).
     augment: ``(x [B, ...], key) -> x``, a random transformation of each step's raw minibatch
       (``--augment``, :mod:`deltafl_jax.models.augment`) with the step's key
       ``fold_in(fold_in(round key, client), local step)``; None: the minibatch as stored.
@@ -279,7 +279,7 @@ class _LaneProgram:
     def schedule(self, t0) -> LaneSchedule:
         """The lanes' jobs and minibatches at steps t0 .. t0 + K - 1. Step s of a job reads
         epoch e, batch b = divmod(s, batches_per_epoch) of its client's shuffled stream
-        (see :mod:`deltafl_jax.plan`)."""
+        (see :mod:`deltafl_jax.sampling.plan`)."""
         plan, B = self.plan, self.B
         t = t0 + jnp.arange(self.K, dtype=jnp.int32)[None, :]                  # [1, K]
         js, s, active, fresh, done = self.timeline.at(t)                       # [c, K]
@@ -417,7 +417,7 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
     Args:
       params: pytree, leading dim R: w_t of each replica.
       X, Y: the device-resident training split.
-      plan: the round's :class:`deltafl_jax.plan.RoundPlan` (device arrays, [G, ...]).
+      plan: the round's :class:`deltafl_jax.sampling.plan.RoundPlan` (device arrays, [G, ...]).
       replica_group: [R] group (seed) of each replica.
       job_weight: [R, m] aggregation weight a_{r,i}; 0 means the client does not train.
       learning_rate, l2: [R] per-replica values for this round.

@@ -1,7 +1,7 @@
 """Results as the papers show them: tables over seeds, per-client figures, curves over rounds.
 
 Reads the directories that :func:`deltafl_jax.run_experiment` writes (see
-:mod:`deltafl_jax.outputs`) and builds what Section 5 and Appendix C.3 of *Device
+:mod:`deltafl_jax.outputs.directory`) and builds what Section 5 and Appendix C.3 of *Device
 Heterogeneity in Federated Learning: A Superquantile Approach* show:
 
 - Table 2 (90th percentile) and Table 3 (mean) of the per-client test misclassification error,
@@ -31,7 +31,7 @@ weighted quantile (the smallest client value whose cumulative weight reaches the
 default; ``percentile="linear"`` is NumPy's linear interpolation, unweighted, as the
 reference scripts computed it. Every number is recomputed from the per-client arrays
 (``clients.npz`` for the final models, ``clients_history.npz`` for the curves) with
-:func:`deltafl_jax.metrics.summarize`, so that either convention applies to any run.
+:func:`deltafl_jax.evaluation.metrics.summarize`, so that either convention applies to any run.
 
 Runs that are missing or incomplete are skipped with a one-line reason, never an exception:
 :func:`load` returns them next to the runs it could read.
@@ -41,22 +41,22 @@ else a list of dicts); :func:`write_report` is what ``python -m experiments.repo
 Runs still in progress (metrics.jsonl but no summary.json yet) are skipped, saying so.
 
 Modules: :mod:`~deltafl_jax.report.io` (reading runs through
-:class:`deltafl_jax.outputs.RunReader`), :mod:`~deltafl_jax.report.tables` (columns, method
+:class:`deltafl_jax.outputs.directory.RunReader`), :mod:`~deltafl_jax.report.tables` (columns, method
 names, markdown tables), :mod:`~deltafl_jax.report.rows` (tidy rows, CSV, DataFrames), :mod:`~deltafl_jax.report.figures` (matplotlib) and
 :mod:`~deltafl_jax.report.document` (report.md). This package re-exports their public names.
 """
 
+from deltafl_jax.report.document import CONVENTIONS, write_report
+from deltafl_jax.report.figures import (CURVE_PANELS, HISTOGRAM_BINS, curve_data,
+                                        curves_figure, histogram_data, histogram_figure,
+                                        kept_data, kept_figure, mixture_data,
+                                        mixture_figure, scatter_figure, uniform_mixtures)
 from deltafl_jax.report.io import (KINDS, Run, RunError, curves_from_history,
                                    curves_from_records, find_run_dirs, load, read_run)
 from deltafl_jax.report.rows import load_runs, tidy_rows, write_csv
 from deltafl_jax.report.tables import (BEST_MARK, TABLES, Cell, Column, TableSpec, best_columns,
                                        columns, markdown_table, method_label, run_columns,
                                        runs_table, settings, table)
-from deltafl_jax.report.figures import (CURVE_PANELS, HISTOGRAM_BINS, curve_data,
-                                        curves_figure, histogram_data, histogram_figure,
-                                        kept_data, kept_figure, mixture_data,
-                                        mixture_figure, scatter_figure, uniform_mixtures)
-from deltafl_jax.report.document import CONVENTIONS, write_report
 
 __all__ = [
     "KINDS", "Run", "RunError", "curves_from_history", "curves_from_records", "find_run_dirs",

@@ -14,17 +14,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from deltafl_jax.metrics import PERCENTILE_METHODS
+from deltafl_jax.evaluation.metrics import PERCENTILE_METHODS
 from deltafl_jax.report import figures
 from deltafl_jax.report.availability import SHARE_NOTE, availability_figure, share_table
-from deltafl_jax.report.speed_drops import DROP_NOTE, drop_table
-from deltafl_jax.report.virtual_time import virtual_time_figure
 from deltafl_jax.report.io import Run
 from deltafl_jax.report.partition import partition_figure
 from deltafl_jax.report.rows import tidy_rows, write_csv
+from deltafl_jax.report.speed_drops import DROP_NOTE, drop_table
 from deltafl_jax.report.tables import (BEST_NOTE, INTERVAL_NOTE, STD_NOTE, TABLES, Column,
                                        available, best_columns, columns, markdown_table,
                                        personal_tables, runs_table, settings)
+from deltafl_jax.report.virtual_time import virtual_time_figure
 
 CONVENTIONS = {
     "lower": "the **lower weighted quantile**: the smallest client value whose cumulative "
@@ -123,8 +123,8 @@ def model_point(col: Column):
     """The saved model w of a column (the mean-estimation model's point), mean over seeds,
     or None when the run saved no models."""
     from deltafl_jax.errors import DeltaFLError
-    from deltafl_jax.outputs import RunFormatError
-    from deltafl_jax.serving import load_model
+    from deltafl_jax.outputs.directory import RunFormatError
+    from deltafl_jax.outputs.serving import load_model
 
     points = []
     for run, reps in col.parts:

@@ -25,8 +25,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from deltafl_jax.eval_sample import lower_rank
-from deltafl_jax.metrics import percentiles
+from deltafl_jax.evaluation.metrics import percentiles
+from deltafl_jax.evaluation.sample import lower_rank
 from deltafl_jax.report.tables import Column
 
 HISTOGRAM_BINS = 20        # bins of width 5 % on [0, 1] for errors
@@ -159,7 +159,7 @@ def histogram_data(col: Column, split: str = "test", quantity: str = "error"):
 def bars_p90(values, weights, percentile: str, sampled: bool) -> float:
     """The 90th percentile of the bars' values: the lower weighted quantile (or NumPy's linear
     one); for one run's sample (equal weights), the ceil(0.9 K)-th smallest value, as
-    :func:`deltafl_jax.eval_sample.summarize_sample` takes it. It is not the table's p90 when
+    :func:`deltafl_jax.evaluation.sample.summarize_sample` takes it. It is not the table's p90 when
     there are several seeds: the bars are each client's value averaged over the seeds, the
     table's p90 the mean over the seeds of each seed's p90 (:func:`table_p90`)."""
     if sampled and percentile == "lower":

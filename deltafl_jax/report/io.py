@@ -1,6 +1,6 @@
 """Reading run directories for reports.
 
-Runs are read only through :class:`deltafl_jax.outputs.RunReader`. :func:`read_run` gives a
+Runs are read only through :class:`deltafl_jax.outputs.directory.RunReader`. :func:`read_run` gives a
 :class:`Run` or raises :class:`RunError` (one line); :func:`load` reads many and skips, with a
 one-line reason, the runs that are missing, in progress or unreadable. The tidy rows, CSV files
 and DataFrames made from runs are in :mod:`deltafl_jax.report.rows`.
@@ -15,14 +15,14 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from deltafl_jax.config import PERCENTILES
 from deltafl_jax.errors import RunError
-from deltafl_jax.eval_sample import summarize_sample
-from deltafl_jax.metrics import DEFAULT_TARGET_ACCURACY, PERCENTILE_METHODS, summarize
+from deltafl_jax.evaluation.metrics import DEFAULT_TARGET_ACCURACY, PERCENTILE_METHODS, summarize
+from deltafl_jax.evaluation.sample import summarize_sample
 from deltafl_jax.models import REGRESSION_MODELS
-from deltafl_jax.outputs import (CLIENTS, CLIENTS_HISTORY, METRICS, ROUNDS, SUMMARY,
-                                 RunFormatError, RunReader)
-from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.outputs.directory import (CLIENTS, CLIENTS_HISTORY, METRICS, ROUNDS, SUMMARY,
+                                           RunFormatError, RunReader)
+from deltafl_jax.replicas.labels import ReplicaLabel
+from deltafl_jax.run.config import PERCENTILES
 from deltafl_jax.run.personal import summarize_populations
 
 KINDS = ("final", "curves", "clients", "kept")
@@ -81,7 +81,7 @@ class Run:
 
     def sampled(self, split: str = "train") -> bool:
         """Whether clients.npz holds a sample of `split`'s clients (``--eval_clients``: the
-        evaluation drew K clients of each split, :mod:`deltafl_jax.eval_sample`)."""
+        evaluation drew K clients of each split, :mod:`deltafl_jax.evaluation.sample`)."""
         return f"{split}_clients" in self.clients
 
     def client_indices(self, split: str) -> np.ndarray:
@@ -155,9 +155,9 @@ def summaries(train_loss, train_sizes, test_error, test_loss, percentile: str,
               sampled: bool, num_test: int,
               target_accuracy: Optional[float] = DEFAULT_TARGET_ACCURACY
               ) -> Dict[str, np.ndarray]:
-    """The metrics of one evaluation: :func:`deltafl_jax.metrics.summarize` of every client,
+    """The metrics of one evaluation: :func:`deltafl_jax.evaluation.metrics.summarize` of every client,
     or, for a sampled evaluation (``--eval_clients``: its per-client arrays hold the sample),
-    the estimates and intervals of :func:`deltafl_jax.eval_sample.summarize_sample` (whose
+    the estimates and intervals of :func:`deltafl_jax.evaluation.sample.summarize_sample` (whose
     percentiles are the lower quantile of the sample, whatever `percentile` asks).
     `target_accuracy`: None for a regression (no accuracy, errors unbounded above)."""
     if sampled:

@@ -26,7 +26,7 @@ SPLIT_TITLES = {"train": "training clients", "test": "test devices"}
 
 
 def _histograms(path: str) -> Optional[Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]]:
-    from deltafl_jax.outputs import RunFormatError, RunReader
+    from deltafl_jax.outputs.directory import RunFormatError, RunReader
     try:
         arrays = RunReader(path).partition()
     except RunFormatError:

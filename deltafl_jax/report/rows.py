@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from deltafl_jax.metrics import PERCENTILE_METHODS
+from deltafl_jax.evaluation.metrics import PERCENTILE_METHODS
 from deltafl_jax.report.io import KINDS, Run, load
 from deltafl_jax.report.tables import Column, columns
 

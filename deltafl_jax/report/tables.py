@@ -5,7 +5,7 @@ A :class:`Column` is the replicas of one run that differ only by seed; runs on t
 and model share a table row (:func:`columns`). Cells are mean +- std over seeds, the std being
 the population standard deviation of the seeds' values (ddof = 0, as ``np.std``;
 :data:`SEED_STD_DDOF`, :func:`seed_std`; pandas' ``std()`` is the sample one, ddof = 1).
-A run evaluated on sampled clients (``--eval_clients``, :mod:`deltafl_jax.eval_sample`) keeps
+A run evaluated on sampled clients (``--eval_clients``, :mod:`deltafl_jax.evaluation.sample`) keeps
 each metric's confidence interval as ``METRIC_lo`` / ``METRIC_hi`` in summary.json's "final";
 its cells then show ``[lo, hi]`` after mean +- std: the means over the seeds of each seed's
 bounds (:data:`INTERVAL_NOTE`).
@@ -22,8 +22,8 @@ import numpy as np
 
 from deltafl_jax.algorithms import registry
 from deltafl_jax.algorithms.naming import label_parts, method_name, method_order
-from deltafl_jax.replicas import ReplicaLabel
-from deltafl_jax.server_optimizer import from_run_config
+from deltafl_jax.optimizers.server import from_run_config
+from deltafl_jax.replicas.labels import ReplicaLabel
 
 if TYPE_CHECKING:
     from deltafl_jax.report.io import Run
@@ -78,7 +78,7 @@ class Column:
     replicas: indices into the run's arrays, in seed order; seeds: their seeds (of every
     part); identity: the replicas' ``ReplicaLabel.method_key()``. `more` holds further
     (run, replicas) parts: the other seeds' runs when each seed is its own dataset
-    (``--resample_writers_per_seed``, :mod:`deltafl_jax.seed_programs`).
+    (``--resample_writers_per_seed``, :mod:`deltafl_jax.replicas.seed_programs`).
     """
 
     run: "Run"

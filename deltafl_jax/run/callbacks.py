@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from deltafl_jax.replicas import ReplicaNames
+from deltafl_jax.replicas.labels import ReplicaNames
 
 
 @dataclasses.dataclass
@@ -62,8 +62,8 @@ class RunView:
     functions that serve, evaluate and summarise a state's models (and build w_0).
 
     names: the replicas' keys, method columns and labels as written
-    (:class:`~deltafl_jax.replicas.ReplicaNames`): what the standard callbacks read.
-    labels: the replicas' :class:`~deltafl_jax.replicas.ReplicaLabel` s, hyper-parameter
+    (:class:`~deltafl_jax.replicas.labels.ReplicaNames`): what the standard callbacks read.
+    labels: the replicas' :class:`~deltafl_jax.replicas.labels.ReplicaLabel` s, hyper-parameter
     values included, for a callback that needs those.
     evaluate(params, round) -> per-client arrays (:class:`Evaluation`); summarize(per_client)
     -> metric name -> [R]; served_params(state) -> the models evaluated and saved [R, ...];

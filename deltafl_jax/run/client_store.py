@@ -4,7 +4,7 @@ With ``--client_data=device`` both splits sit on every device, each round's plan
 training split, and an evaluation is one pass over a split's stream. With
 ``--client_data=host`` the host keeps the splits (in memory, or generated on demand:
 :class:`deltafl_jax.data.GeneratedClientData`): each round ships a buffer of the sampled
-clients' examples with a plan that indexes it (:func:`deltafl_jax.plan.pack_round`), and an
+clients' examples with a plan that indexes it (:func:`deltafl_jax.sampling.plan.pack_round`), and an
 evaluation ships its stream in blocks whose sums carry from one block to the next
 (:func:`deltafl_jax.engine.evaluate_streams` with ``init``). The device computes the same
 numbers from the same examples either way: on one device the two modes agree bit for bit
@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deltafl_jax import engine, plan as plan_lib, rounds
+from deltafl_jax import engine
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.engine import mesh as mesh_lib
 from deltafl_jax.models import Model
 from deltafl_jax.run.placement import Placement
+from deltafl_jax.sampling import plan as plan_lib
 
 
 def eval_program(model: Model, place: Placement, num_segments: int, mesh=None) -> Callable:
@@ -78,7 +79,7 @@ class ClientStore:
 
     # ---- rounds ---------------------------------------------------------------------------
 
-    def round_data(self, plan: plan_lib.RoundPlan) -> rounds.RoundData:
+    def round_data(self, plan: plan_lib.RoundPlan) -> plan_lib.RoundData:
         """A round's plan (packed when the host keeps the split) and the examples it reads,
         on the device(s)."""
         if self.host:
@@ -86,7 +87,7 @@ class ClientStore:
                                                 plan.sizes))
         else:
             x, y = self.device_splits["train"]
-        return rounds.RoundData(x=x, y=y, plan=self.put(plan))
+        return plan_lib.RoundData(x=x, y=y, plan=self.put(plan))
 
     # ---- evaluation -----------------------------------------------------------------------
 

@@ -57,15 +57,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import jax
 import numpy as np
 
-from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.datasets.known_shapes import load_or_stand_in
 from deltafl_jax.engine.mesh import tree_to_host
 from deltafl_jax.run import loop, resume
 from deltafl_jax.run.callbacks import Callback, RunContext
+from deltafl_jax.run.config import ExperimentConfig
 from deltafl_jax.run.experiment import Experiment, build_experiment
-from deltafl_jax.run.placement import tree_nbytes
 from deltafl_jax.run.loop import Recorder
+from deltafl_jax.run.placement import tree_nbytes
 from deltafl_jax.run.runner import standard_callbacks
 
 DEFAULT_TIMED_ROUNDS = 5
@@ -564,7 +564,7 @@ class ProgramWork:
     train_steps: the expected local minibatch steps of one round over every replica's jobs,
       each weighted by its spec's :meth:`~deltafl_jax.algorithms.spec.AlgorithmSpec.expected_work`
       w_r: sum_r w_r x m x mean_k s_k, with s_k the steps of training client k
-      (:meth:`deltafl_jax.plan.LocalWork.steps_for`) and m the clients a round samples
+      (:meth:`deltafl_jax.sampling.plan.LocalWork.steps_for`) and m the clients a round samples
       (uniformly, m of N: the expected sum of the sampled clients' steps is m x their mean).
     loss_examples: the expected examples of one round's loss evaluations over every
       replica: R x m x mean_k n_k for an algorithm that reads the sampled clients' losses

@@ -2,12 +2,12 @@
 
 :class:`Evaluator` gives the per-client losses and errors of every replica's served model on
 all training and all test clients (paper, App. C.2.3), or on a sample of K of each
-(``--eval_clients``, :mod:`deltafl_jax.eval_sample`); the personalised evaluation's
+(``--eval_clients``, :mod:`deltafl_jax.evaluation.sample`); the personalised evaluation's
 (``--client_holdout``, :mod:`deltafl_jax.run.personal`); and the summary metrics of each
 replica that every evaluation's metrics.jsonl records and summary.json's final metrics hold
-(:func:`deltafl_jax.metrics.summarize`, or on a sampled evaluation the estimates with 95%
+(:func:`deltafl_jax.evaluation.metrics.summarize`, or on a sampled evaluation the estimates with 95%
 confidence intervals), with the error by availability quintile of the clients
-(:class:`deltafl_jax.availability_metrics.AvailabilitySplit`).
+(:class:`deltafl_jax.evaluation.availability.AvailabilitySplit`).
 
 It owns which clients an evaluation reads and how its per-client arrays are summarised; the
 participation counts it records beside them are the planner's
@@ -27,14 +27,14 @@ import jax
 import numpy as np
 
 from deltafl_jax import engine
-from deltafl_jax.availability_metrics import AvailabilitySplit
-from deltafl_jax.config import PERCENTILES
 from deltafl_jax.engine import mesh as mesh_lib
-from deltafl_jax.eval_sample import EvalSample, EvalSampler, summarize_sample
-from deltafl_jax.metrics import summarize
+from deltafl_jax.evaluation.availability import AvailabilitySplit
+from deltafl_jax.evaluation.metrics import summarize
+from deltafl_jax.evaluation.sample import EvalSample, EvalSampler, summarize_sample
 from deltafl_jax.run import personal as personal_lib
 from deltafl_jax.run.buffered import CLIENT_COUNTS, LOST_COUNTS
 from deltafl_jax.run.client_store import ClientStore
+from deltafl_jax.run.config import PERCENTILES
 from deltafl_jax.run.program import Program
 from deltafl_jax.run.resolve import ResolvedRun, test_availability
 
@@ -110,7 +110,7 @@ class Evaluator:
     def summarize(self, per_client, method: str = "lower") -> Dict[str, np.ndarray]:
         """The papers' metrics per replica (alpha-weighted train losses, unweighted test); on
         a sampled evaluation, their estimates with 95% confidence intervals
-        (:func:`deltafl_jax.eval_sample.summarize_sample`). With a personalised evaluation,
+        (:func:`deltafl_jax.evaluation.sample.summarize_sample`). With a personalised evaluation,
         each population's summaries (:func:`deltafl_jax.run.personal.summarize_populations`),
         and with an availability model the error by availability quintile."""
         data = self.run.data

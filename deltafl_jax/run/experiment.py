@@ -1,6 +1,6 @@
 """Build an experiment: a resolved run, its compiled program, its plans and its evaluation.
 
-:func:`build_experiment` turns a frozen :class:`deltafl_jax.config.ExperimentConfig` into an
+:func:`build_experiment` turns a frozen :class:`deltafl_jax.run.config.ExperimentConfig` into an
 :class:`Experiment`, with every check that can fail done before any output is written, in four
 parts, each its own module:
 
@@ -29,10 +29,10 @@ from typing import Dict, Optional
 import jax
 import numpy as np
 
-from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import FederatedDataset
-from deltafl_jax.replicas import ReplicaNames, Replicas, replica_names
+from deltafl_jax.replicas.labels import ReplicaNames, Replicas, replica_names
 from deltafl_jax.run.callbacks import RunFacts, RunView
+from deltafl_jax.run.config import ExperimentConfig
 from deltafl_jax.run.evaluation import Evaluator, build_evaluator
 from deltafl_jax.run.planning import RoundPlanner, build_planner, virtual_clock
 from deltafl_jax.run.program import Program, compile_program
@@ -103,7 +103,7 @@ class Experiment:
     @functools.cached_property
     def names(self) -> ReplicaNames:
         """The replicas' keys, method columns and labels as written
-        (:class:`~deltafl_jax.replicas.ReplicaNames`): what the loop and callbacks read."""
+        (:class:`~deltafl_jax.replicas.labels.ReplicaNames`): what the loop and callbacks read."""
         return replica_names(self.replicas.labels, self.spec.display_name, self.spec.reporting.names_value)
 
     @functools.cached_property

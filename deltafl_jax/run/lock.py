@@ -1,5 +1,5 @@
 """One process at a time per output folder: an exclusive advisory lock on ``deltafl.lock``
-(:data:`deltafl_jax.outputs.LOCK`) in the folder, held by ``experiments.run`` (each program's
+(:data:`deltafl_jax.outputs.directory.LOCK`) in the folder, held by ``experiments.run`` (each program's
 output directory), ``experiments.tune`` (its ``--output_dir``) and ``experiments.leaderboard``
 (its ``--out``) for as long as they write there.
 
@@ -39,7 +39,7 @@ import time
 from typing import Iterator, List, Optional, Sequence
 
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.outputs import LOCK
+from deltafl_jax.outputs.directory import LOCK
 
 # Errors of a filesystem that cannot lock (the lock is then skipped, with a warning).
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)

@@ -25,8 +25,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import jax
 import numpy as np
 
-from deltafl_jax import outputs
 from deltafl_jax.engine.mesh import tree_to_host
+from deltafl_jax.outputs import directory as outputs
 from deltafl_jax.rounds import CLIENT_PART, NONFINITE, count_nonfinite_clients
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
 

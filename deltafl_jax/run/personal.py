@@ -1,7 +1,7 @@
 """Personalised evaluation of a run's models: seen clients on their own held-out data, unseen
 devices after adapting on their own data (``--client_holdout``, ``--finetune_steps``).
 
-Two populations (:mod:`deltafl_jax.holdout`):
+Two populations (:mod:`deltafl_jax.evaluation.holdout`):
 
 - ``seen``: the training clients. Each is served its personal model (the algorithm's
   ``client_model``, e.g. Ditto's v_k) or the global one, adapts it on its training examples,
@@ -19,7 +19,7 @@ stream ``[seed, round, PERSONAL_STREAM, population, client]``, so every replica 
 adapts on the same examples. On a sampled evaluation (``--eval_clients=K``) the unseen devices
 are the evaluation's test sample and the seen clients a uniform sample of K training clients
 without replacement (``[seed, round, PERSONAL_STREAM, 2]``), so both are summarised like the
-test errors (:func:`deltafl_jax.eval_sample.summarize_sample`'s intervals).
+test errors (:func:`deltafl_jax.evaluation.sample.summarize_sample`'s intervals).
 
 A seen client whose personal model is not finite (or any client whose adapted model is not:
 its held-out loss is not finite) has a NaN error, and its population's summaries are NaN
@@ -39,12 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deltafl_jax.config import PERCENTILES
 from deltafl_jax.engine import mesh as mesh_lib
 from deltafl_jax.engine.adapt import AdaptConfig, AdaptPlan, adapt_and_evaluate
 from deltafl_jax.engine.train import ClientInputs
-from deltafl_jax.eval_sample import summarize_population_sample
-from deltafl_jax.metrics import summarize_population
+from deltafl_jax.evaluation.metrics import summarize_population
+from deltafl_jax.evaluation.sample import summarize_population_sample
+from deltafl_jax.run.config import PERCENTILES
 
 PERSONAL_STREAM = 0x5EE
 POPULATIONS = ("seen", "unseen")
@@ -86,7 +86,7 @@ def _nan_rows(summaries: Dict[str, np.ndarray], rows) -> Dict[str, np.ndarray]:
 
 def summarize_populations(per_client, finetune_steps, num_seen: int, num_unseen: int,
                           method: str = "lower") -> Dict[str, np.ndarray]:
-    """Every family's summaries in `per_client` (:func:`deltafl_jax.metrics.
+    """Every family's summaries in `per_client` (:func:`deltafl_jax.evaluation.metrics.
     summarize_population`, or with intervals when the family's population was sampled: its
     ``{population}_clients`` are given; every summary of a replica NaN when one of its clients'
     errors is NaN, :func:`marked`) and, per k, the participation gap

@@ -27,12 +27,13 @@ from typing import Optional, Sequence, Tuple
 import jax
 import numpy as np
 
-from deltafl_jax import engine, plan as plan_lib
-from deltafl_jax.config import CLIENT_DATA as CLIENT_DATA_MODES, ExperimentConfig
+from deltafl_jax import engine
 from deltafl_jax.data import FederatedDataset, is_generated
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.models import Model
-from deltafl_jax.replicas import Replicas
+from deltafl_jax.replicas.labels import Replicas
+from deltafl_jax.run.config import CLIENT_DATA as CLIENT_DATA_MODES, ExperimentConfig
+from deltafl_jax.sampling import plan as plan_lib
 
 DEVICE_DATA_SHARE = 0.25   # auto: the splits stay on the device while they fit in this share
 INDEX_LIMIT = 2 ** 31 - 1   # the plans index their streams with int32

@@ -6,7 +6,7 @@
 an algorithm that samples from its state; with the virtual clock
 (:class:`deltafl_jax.sampling.timeline.VirtualClock`) the server selects and keeps the first
 to finish by the deadline. It turns the cohorts into the round's plan and data on the
-devices (:func:`deltafl_jax.plan.make_round_plan`, the program's client store), counts each
+devices (:func:`deltafl_jax.sampling.plan.make_round_plan`, the program's client store), counts each
 round trained (online clients, virtual time, drops), and keeps the host state a checkpoint
 saves. An asynchronous run's plans are its clock's
 (:class:`deltafl_jax.run.buffered.AsyncClock`).
@@ -41,10 +41,11 @@ from typing import Any, Dict, List, Optional, Sequence
 import jax
 import numpy as np
 
-from deltafl_jax import plan as plan_lib, rounds
+from deltafl_jax import rounds
 from deltafl_jax.engine import mesh as mesh_lib
 from deltafl_jax.run.program import Program, model_bytes
 from deltafl_jax.run.resolve import ResolvedRun
+from deltafl_jax.sampling import plan as plan_lib
 from deltafl_jax.sampling.timeline import VirtualClock
 
 ONLINE = "online_rounds"

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from deltafl_jax import engine, plan as plan_lib, rounds
+from deltafl_jax import engine, rounds
 from deltafl_jax.engine import mesh as mesh_lib
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.models.augment import augmentation
@@ -33,6 +33,7 @@ from deltafl_jax.run import placement as placement_lib
 from deltafl_jax.run.buffered import AsyncRound, async_speeds
 from deltafl_jax.run.client_store import ClientStore
 from deltafl_jax.run.resolve import ResolvedRun
+from deltafl_jax.sampling import plan as plan_lib
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -3,10 +3,10 @@
 Each evaluation line names its metrics: the alpha-weighted mean training loss and the
 unweighted mean and 90th percentile of the per-client test error (paper, App. C.2.3), each the
 mean over the seeds of a swept value. When the evaluation samples its clients
-(``--eval_clients``, :mod:`deltafl_jax.eval_sample`) the summaries carry ``KEY_lo`` /
+(``--eval_clients``, :mod:`deltafl_jax.evaluation.sample`) the summaries carry ``KEY_lo`` /
 ``KEY_hi`` and the 90th percentile is followed by its interval, e.g. ``p90 41.2% [38.0,
 44.9]`` (with several seeds, the means over the seeds of each seed's bounds). The tail
-metrics follow (:mod:`deltafl_jax.metrics`): ``worst10`` the mean error of the worst 10% of
+metrics follow (:mod:`deltafl_jax.evaluation.metrics`): ``worst10`` the mean error of the worst 10% of
 the test clients (with its interval on a sampled evaluation), ``std`` the std of the client
 errors, ``acc<0.5`` the share of test clients below the target accuracy. On a terminal a
 bar with rounds done, rounds per second and the ETA (and, on the virtual clock, the virtual
@@ -37,7 +37,7 @@ def count(n: int, word: str) -> str:
 
 def coordinates(label, theta: str = "θ") -> str:
     """A replica's coordinates as progress lines show them
-    (:meth:`~deltafl_jax.replicas.ReplicaLabel.coordinates`), its algorithm's spec saying
+    (:meth:`~deltafl_jax.replicas.labels.ReplicaLabel.coordinates`), its algorithm's spec saying
     whether the swept value is named: 'θ=0.5', 'qffl_q=0.1', 'server_lr=0.03' (FedAvg).
     `theta`: how θ is written ("theta" in a multi-method run's closing table)."""
     spec = registry.find(label.algorithm)
@@ -84,7 +84,7 @@ def personal_text(summary, rows, classify: bool) -> str:
 
 def tail_text(summary, rows, classify: bool, target: Optional[float] = None) -> str:
     """' worst10 48.2% [40.1, 55.0] std 20.1% acc<0.5 12%' (means over `rows`): the tail
-    metrics of :mod:`deltafl_jax.metrics` when the summaries have them, else ''."""
+    metrics of :mod:`deltafl_jax.evaluation.metrics` when the summaries have them, else ''."""
     if "test_error_worst10" not in summary:
         return ""
     scale, unit, digits = (100.0, "%", 1) if classify else (1.0, "", 3)
@@ -148,7 +148,7 @@ def bar_text(round: int, T: int, rate: float, eta: float, metrics) -> str:
             f"ETA {eta:.0f}s{virtual_text(metrics)} ")
 
 
-# The closing table's tail columns (deltafl_jax.metrics), when every final has them.
+# The closing table's tail columns (deltafl_jax.evaluation.metrics), when every final has them.
 TAIL_COLUMNS = (("test_error_worst10", "worst 10%"), ("test_error_std", "std"),
                 ("test_share_below_target", "below tgt"))
 
@@ -191,7 +191,7 @@ def error_table(rows, first: str = "replicas", classify: bool = True) -> List[st
 
 def closing_table(result, names, classify: bool = True) -> List[str]:
     """Final test error per swept value (mean over seeds) of each column of `names`
-    (:class:`~deltafl_jax.replicas.ReplicaNames`); with a personalised evaluation, then its
+    (:class:`~deltafl_jax.replicas.labels.ReplicaNames`); with a personalised evaluation, then its
     table (:func:`personal_table`)."""
     rows = [(name, [result.final[names.keys[r]] for r in rs]) for name, rs in names.columns]
     return error_table(rows, "replicas", classify) + personal_table(rows, classify)

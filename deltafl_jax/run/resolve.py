@@ -7,7 +7,7 @@ DP accounting (built once, from the grid's noise multipliers) and the client sam
 (:mod:`deltafl_jax.sampling`; Poisson sampling's cap); and
 the refusals that need the data or the built algorithm (a configuration's own checks are
 :class:`deltafl_jax.ExperimentConfig`'s; a private run's, with or without the built
-algorithm, are :func:`deltafl_jax.privacy.check_private_version`). The runner, the tuner (its grids
+algorithm, are :func:`deltafl_jax.privacy.dp.check_private_version`). The runner, the tuner (its grids
 passed as `replicas`) and ``--estimate`` all reach it through
 :func:`deltafl_jax.run.experiment.build_experiment`, which then places the run on the devices
 and compiles its round. The data is loaded by the caller, once (the command's entry point, or
@@ -33,21 +33,21 @@ from typing import List, Optional, Tuple
 import jax
 import numpy as np
 
-from deltafl_jax import plan as plan_lib
 from deltafl_jax.algorithms import registry
 from deltafl_jax.algorithms.protocol import FederatedAlgorithm
 from deltafl_jax.algorithms.spec import AlgorithmSpec
-from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.holdout import hold_out
+from deltafl_jax.evaluation.holdout import hold_out
 from deltafl_jax.models import Model, ModelOptions, build_model, default_conv_impl
-from deltafl_jax.privacy import (OVERFLOW_PLAIN, OVERFLOW_SHARE, UPDATE_RELEASE,
-                                UPDATE_RELEASE_ADD_REMOVE, Accounting, Correlated,
-                                bandmf_coefficients, check_private_version)
-from deltafl_jax.replicas import Replicas, grid_for
+from deltafl_jax.privacy.dp import (OVERFLOW_PLAIN, OVERFLOW_SHARE, UPDATE_RELEASE,
+                                    UPDATE_RELEASE_ADD_REMOVE, Accounting, Correlated,
+                                    bandmf_coefficients, check_private_version)
+from deltafl_jax.replicas.labels import Replicas, grid_for
 from deltafl_jax.run import personal as personal_lib
+from deltafl_jax.run.config import ExperimentConfig
 from deltafl_jax.run.placement import check_streams, tree_nbytes
+from deltafl_jax.sampling import plan as plan_lib
 from deltafl_jax.sampling import PoissonSampler, Sampler, WeightedSampler
 from deltafl_jax.sampling.availability import (Availability, Schedule, Trace,
                                                build_availability)
@@ -242,7 +242,7 @@ def _noise(config: ExperimentConfig, spec: AlgorithmSpec, algorithm: FederatedAl
 def _streams(config: ExperimentConfig, data: FederatedDataset, work: plan_lib.LocalWork,
              m: int, groups: int, with_replacement: bool) -> List[Tuple[str, int, int]]:
     """(the flags that size it, entries, host bytes) of each index stream the run allocates: a
-    round's training and evaluation streams (one per plan group, :func:`deltafl_jax.plan.
+    round's training and evaluation streams (one per plan group, :func:`deltafl_jax.sampling.plan.
     capacities`; a generator's clients at its size cap) and the personalised evaluation's
     adaptation stream of one block (:func:`deltafl_jax.run.personal.block_caps`)."""
     cap = getattr(data.train, "max_size", None)

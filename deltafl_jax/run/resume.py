@@ -24,10 +24,10 @@ from typing import Any, Dict, List, Mapping, Optional
 import jax
 import numpy as np
 
-from deltafl_jax import outputs
 from deltafl_jax.algorithms import registry
 from deltafl_jax.declared import flat_values
 from deltafl_jax.errors import ConfigError
+from deltafl_jax.outputs import directory as outputs
 from deltafl_jax.run import checkpoint as ckpt
 
 # Settings that may change between the run and its resume: they change no training.
@@ -70,7 +70,7 @@ def fingerprint(config, data) -> Dict[str, Any]:
     out["data_sha256"] = data_digest(data)
     out["jax_version"] = jax.__version__
     if config.privacy.clip is not None:   # a calibrated z and the epsilon depend on the accountant
-        from deltafl_jax.privacy import library_version
+        from deltafl_jax.privacy.dp import library_version
         out["dp_accounting_version"] = library_version()
     return json.loads(_canonical(out))
 
@@ -107,7 +107,7 @@ def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Li
 def _group_defaults() -> Dict[str, str]:
     """flag -> the canonical JSON of its default, for every setting of the configuration's
     groups, of the data settings and of the algorithms' options."""
-    from deltafl_jax.config import GROUPS
+    from deltafl_jax.run.config import GROUPS
     from deltafl_jax.datasets import DataConfig
     out: Dict[str, str] = {}
     for _, cls in GROUPS:

@@ -12,14 +12,14 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import jax
 
-from deltafl_jax import outputs
-from deltafl_jax.config import ExperimentConfig
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.datasets import load_dataset
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.replicas import Replicas
+from deltafl_jax.outputs import directory as outputs
+from deltafl_jax.replicas.labels import Replicas
 from deltafl_jax.run import checkpoint as ckpt, distributed, lock, resume
 from deltafl_jax.run.callbacks import Callback
+from deltafl_jax.run.config import ExperimentConfig
 from deltafl_jax.run.divergence import StopOnDivergence
 from deltafl_jax.run.experiment import Experiment, build_experiment
 from deltafl_jax.run.loop import Recorder, RunResult, evaluate, run_rounds
@@ -58,7 +58,7 @@ def check_output_dir(out: Optional[str], overwrite: bool, config=None) -> None:
     """ConfigError (one line) unless `out` may receive the run of `config`:
 
     - absent or empty: a new run;
-    - a run of this package (:func:`deltafl_jax.outputs.inspect_dir`): with `overwrite` it is
+    - a run of this package (:func:`deltafl_jax.outputs.directory.inspect_dir`): with `overwrite` it is
       replaced; without, a finished run (summary.json) is continued when only ``--num_rounds``
       grows and the run can be continued exactly (:func:`check_continuation`), and a stopped
       run resumes when its settings (its marker's) are `config`'s, ``--num_rounds`` aside;
@@ -198,7 +198,7 @@ def _prepare(out: Optional[str], config, log) -> None:
     """Make the primary process's output dir ready: emptied with overwrite, and for a run
     that was stopped before its first checkpoint (nothing to resume from: it starts afresh,
     saying so in one line); a run with a checkpoint is left for the resume. A new run's
-    directory gets its marker (:meth:`deltafl_jax.outputs.RunWriter.write_marker`)."""
+    directory gets its marker (:meth:`deltafl_jax.outputs.directory.RunWriter.write_marker`)."""
     if not out:
         return
     overwrite = config.output.overwrite

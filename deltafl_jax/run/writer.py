@@ -1,6 +1,6 @@
 """The callbacks that write a run's files into its output directory.
 
-:class:`OutputFiles` writes through :class:`deltafl_jax.outputs.RunWriter`: ``metrics.jsonl``
+:class:`OutputFiles` writes through :class:`deltafl_jax.outputs.directory.RunWriter`: ``metrics.jsonl``
 at every evaluation; ``rounds.npz``, ``clients.npz``, ``clients_history.npz``,
 ``partition.npz`` (partitioned data), the models and ``summary.json`` when the run ends.
 
@@ -19,13 +19,13 @@ from typing import Dict
 
 import numpy as np
 
-from deltafl_jax import outputs
+from deltafl_jax.outputs import directory as outputs
 from deltafl_jax.run.callbacks import Callback, Evaluation, RunContext
 
 
 class OutputFiles(Callback):
     """The callback that fills `output_dir` with the run's files (only on the process that owns
-    the outputs), when they are due; :class:`deltafl_jax.outputs.RunWriter`, which it holds,
+    the outputs), when they are due; :class:`deltafl_jax.outputs.directory.RunWriter`, which it holds,
     knows how each file is written."""
 
     def __init__(self, output_dir: str, model, model_options, data, save_models: bool = True):

@@ -73,7 +73,7 @@ _JOB_FIELDS = ("client", "base", "start", "end", "serial")
 def job_durations(speeds: DeviceSpeeds, sizes: np.ndarray, work, model_bytes: int
                   ) -> Callable[[np.ndarray], np.ndarray]:
     """ids -> [k] virtual seconds of a whole job of each client: its planned local steps
-    (`work`, a :class:`deltafl_jax.plan.LocalWork`) over its `sizes` [N] examples, timed as a
+    (`work`, a :class:`deltafl_jax.sampling.plan.LocalWork`) over its `sizes` [N] examples, timed as a
     synchronous round times them (:func:`deltafl_jax.sampling.clock.examples_done`,
     :func:`deltafl_jax.sampling.speeds.job_seconds`)."""
     sizes = np.asarray(sizes, np.int64)

@@ -4,7 +4,7 @@ Availability is decided on the host, per client and round, before the server sam
 cohort among the clients online (see :mod:`deltafl_jax.sampling`). Every model is a pure
 function of (seed, round) drawn with NumPy from ``SeedSequence`` keys of four words whose
 third word is one of this module's stream ids (0xA7A1..0xA7A3) and whose fourth is >= 1. A
-SeedSequence key pads with zeros, so no three-word key of the project (:mod:`deltafl_jax.plan`'s
+SeedSequence key pads with zeros, so no three-word key of the project (:mod:`deltafl_jax.sampling.plan`'s
 ``[seed, round, 0..4]``, the evaluation sample's, the synthetic clients') equals one here,
 and no other four-word key has these third words:
 

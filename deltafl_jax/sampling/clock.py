@@ -12,7 +12,7 @@ of D bytes:
 - E(s): under ``--local_steps`` every step reads B = batch_size examples (batches run across the
   client's back-to-back permutations), E(s) = s B; under ``--local_epochs`` each epoch of its n
   examples is cut into b = ceil(n / B) batches, the last holding what is left, so
-  E(s) = (s div b) n + min(n, (s mod b) B) (the plan's batches, :mod:`deltafl_jax.plan`).
+  E(s) = (s div b) n + min(n, (s mod b) B) (the plan's batches, :mod:`deltafl_jax.sampling.plan`).
 
 Who is kept (:func:`finish`):
 

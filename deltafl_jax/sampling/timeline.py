@@ -12,7 +12,7 @@ upload over the client's bandwidth). Each round of each plan group (one per seed
    ``--round_deadline`` (ties by client id; with ``--partial_work`` a late client keeps the
    local steps it completed by the deadline), and gives the round's virtual duration;
 3. :func:`deltafl_jax.sampling.clock.keep_cohort` puts the kept clients in the plan's m slots
-   with their steps, which cap the plan's (:func:`deltafl_jax.plan.make_round_plan`); under
+   with their steps, which cap the plan's (:func:`deltafl_jax.sampling.plan.make_round_plan`); under
    over-selection each carries its exact probability of being kept this round
    (:mod:`deltafl_jax.sampling.inclusion`).
 
@@ -59,7 +59,7 @@ class VirtualClock:
     settings: the run's :class:`~deltafl_jax.sampling.speeds.TimingSettings`; speeds: its
     :class:`~deltafl_jax.sampling.speeds.DeviceSpeeds`; seeds: each plan group's seed;
     sizes: the training clients' example counts n_k; m: the plan's slots; work: the clients'
-    local work (:class:`deltafl_jax.plan.LocalWork`); model_bytes: the model's size, sent
+    local work (:class:`deltafl_jax.sampling.plan.LocalWork`); model_bytes: the model's size, sent
     down and up once per job; availability: the run's model (a ``trace`` says when a client
     goes offline during its job; None or another model: only ``--mean_online_seconds`` does).
     """

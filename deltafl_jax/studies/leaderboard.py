@@ -5,13 +5,13 @@ dataset. ``python -m experiments.leaderboard`` is its command-line front end.
 A method is on the leaderboard when its spec has a :class:`~deltafl_jax.algorithms.leaderboard.
 Board` that applies to the dataset. For one dataset (a *setting*):
 
-1. **Learning rate** (App. C.2.2, as :func:`deltafl_jax.tuning.tune_lr_step`): FedAvg is
+1. **Learning rate** (App. C.2.2, as :func:`deltafl_jax.studies.tuning.tune_lr_step`): FedAvg is
    trained at every rate of a grid on all the training clients; the smallest terminal
    alpha-weighted mean training loss wins, and every method uses that rate.
 2. **Each method's own parameters** (its board's grid, crossed: q, mu, t, theta, c, eps, a
    server learning rate, ...): the whole grid x the tuning seeds is ONE program, trained on
    half of the training clients and evaluated on the other half (the validation clients,
-   :func:`deltafl_jax.tuning.validation_split`); the grid point with the smallest 90th
+   :func:`deltafl_jax.studies.tuning.validation_split`); the grid point with the smallest 90th
    percentile of the validation error (mean over seeds) is chosen. A method with at most one
    grid point skips this step.
 3. **Final runs**: the whole grid x the seeds is ONE program on the training clients,
@@ -38,7 +38,7 @@ from deltafl_jax.declared import finite_in
 from deltafl_jax.errors import ConfigError
 
 if TYPE_CHECKING:
-    from deltafl_jax.config import ExperimentConfig
+    from deltafl_jax.run.config import ExperimentConfig
 
 SERVER_LR = "server_lr"
 METRICS = (("test_error_mean", "mean"), ("test_error_p90", "p90"),

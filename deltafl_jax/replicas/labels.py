@@ -15,7 +15,7 @@ learning-rate schedule gamma_t = gamma_0 c^-floor(t / t_0) (App. C.2.2).
 - :func:`grid_for` is the grid a run's configuration asks of an algorithm: its swept values x
   the values of its crossed sweeps x the ``--server_lr`` values x the DP values x the seeds
   (`spec` the algorithm's :class:`~deltafl_jax.algorithms.spec.AlgorithmSpec`, `config` the
-  run's :class:`~deltafl_jax.config.ExperimentConfig`).
+  run's :class:`~deltafl_jax.run.config.ExperimentConfig`).
 
 Replicas are value-major and seed-minor (theta 1.0 seeds 1..S, then theta 0.8, ...); replicas
 that share a seed share the sampled clients and the minibatches (paired comparisons).
@@ -160,7 +160,7 @@ class Replicas:
       list, which picks the replica's clients and batches in the round plan (the plan is
       drawn once per seed and shared by the replicas of that seed). In this package "group"
       means only this; a method across seeds is a ``method_key``, and one program per seed is
-      :mod:`deltafl_jax.seed_programs`.
+      :mod:`deltafl_jax.replicas.seed_programs`.
     hyper: the algorithm's hyper-parameter pytree (a NamedTuple), leaves float32 [R].
     l2: [R] float32, the L2 weight lambda of each replica.
     schedules: R optax schedules, round -> client learning rate.

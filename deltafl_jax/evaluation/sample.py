@@ -2,11 +2,11 @@
 
 At 10^5..10^6 clients, evaluating every replica on every client at every evaluation costs more
 than the rounds. Each evaluation then evaluates K training and K test clients, and the
-summaries of :func:`deltafl_jax.metrics.summarize` become estimates with intervals.
+summaries of :func:`deltafl_jax.evaluation.metrics.summarize` become estimates with intervals.
 
 Sampling (:func:`sample_eval_clients`, :class:`EvalSampler`), a pure function of (seed, round):
 NumPy ``default_rng([seed, round, 2])`` (streams 0 and 1 are the round plans',
-:mod:`deltafl_jax.plan`), the training draw first, then the test draw.
+:mod:`deltafl_jax.sampling.plan`), the training draw first, then the test draw.
 
 - Training clients are drawn WITH replacement with probability alpha_k = n_k / sum_j n_j
   (probability proportional to size; Hansen & Hurwitz 1943; Cochran, *Sampling Techniques*,
@@ -14,7 +14,7 @@ NumPy ``default_rng([seed, round, 2])`` (streams 0 and 1 are the round plans',
   the alpha-weighted distribution G(x) = sum_{k: F_k <= x} alpha_k of the per-client losses, so
   the plain sample mean is unbiased for the alpha-weighted mean sum_k alpha_k F_k, and the
   order statistics of the sample give exact distribution-free intervals for the quantiles of
-  G (the alpha-weighted lower percentiles of :mod:`deltafl_jax.metrics`). A draw is an integer
+  G (the alpha-weighted lower percentiles of :mod:`deltafl_jax.evaluation.metrics`). A draw is an integer
   in [0, sum n) located by binary search in the cumulative sizes: O(N) once (cached by
   :class:`EvalSampler`), then O(K log N) per evaluation.
 - Test clients (unweighted, App. C.2.3) are drawn uniformly WITHOUT replacement
@@ -24,11 +24,11 @@ NumPy ``default_rng([seed, round, 2])`` (streams 0 and 1 are the round plans',
   are conservative (exact, a point, when K = N_test).
 - Both samples are sorted (training: with its repeats) so the device reads clients in order.
 
-Point estimates (:func:`summarize_sample`, the keys of :func:`deltafl_jax.metrics.summarize`):
+Point estimates (:func:`summarize_sample`, the keys of :func:`deltafl_jax.evaluation.metrics.summarize`):
 ``train_loss_mean`` the sample mean of the PPS draws; ``train_loss_p{p}`` and
 ``test_error_p{p}`` the lower sample quantile, the ceil(p K / 100)-th order statistic (the
 lower quantile of the sample with unit weights, in exact integer arithmetic: where p K / 100
-is a whole number, :func:`deltafl_jax.metrics.percentiles` compares a float32 level and may
+is a whole number, :func:`deltafl_jax.evaluation.metrics.percentiles` compares a float32 level and may
 take the next order statistic); ``test_error_mean`` and ``test_loss_mean``
 sample means.
 
@@ -47,7 +47,7 @@ mean +- z_{(1+c)/2} s / sqrt(K) (s the sample standard deviation, ddof = 1; for 
 times the finite-population correction sqrt((N - K) / (N - 1)) when N_test is given): the
 central limit theorem, not exact; NaN when K < 2.
 
-**The tail metrics** (:func:`deltafl_jax.metrics.tail_summaries`) from the test sample:
+**The tail metrics** (:func:`deltafl_jax.evaluation.metrics.tail_summaries`) from the test sample:
 
 - ``test_error_worst10``: the superquantile at 0.9 of the sample (the same fractional
   definition), with a DISTRIBUTION-FREE interval ``_lo`` / ``_hi`` from the
@@ -91,8 +91,8 @@ from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.metrics import (DEFAULT_TARGET_ACCURACY, WORST_LEVEL, share_below_target,
-                                 superquantile_rows)
+from deltafl_jax.evaluation.metrics import (DEFAULT_TARGET_ACCURACY, WORST_LEVEL,
+                                            share_below_target, superquantile_rows)
 
 def scipy_stats():
     """scipy.stats, imported on first use: it takes about a third of the package's import
@@ -253,7 +253,7 @@ def summarize_sample(train_loss, test_error, test_loss, percents,
       error_bounds: the range of a client's error (the superquantile's interval): [0, 1] for
         a misclassification rate, [0, inf) for a regression's loss.
     Returns:
-      the keys of :func:`deltafl_jax.metrics.summarize`, plus ``KEY_lo`` / ``KEY_hi`` for
+      the keys of :func:`deltafl_jax.evaluation.metrics.summarize`, plus ``KEY_lo`` / ``KEY_hi`` for
       every ``train_loss_p{p}`` / ``test_error_p{p}`` (order-statistic intervals, -inf /
       +inf where K is too small) and ``train_loss_mean_lo/hi``, ``test_error_mean_lo/hi``
       (normal approximation).
@@ -393,11 +393,11 @@ def interval_of(summary, key: str):
 
 def summarize_population_sample(name: str, error, loss, percents, confidence: float = 0.95,
                                 num_population: Optional[int] = None) -> Dict[str, np.ndarray]:
-    """:func:`deltafl_jax.metrics.summarize_population` of clients drawn uniformly without
+    """:func:`deltafl_jax.evaluation.metrics.summarize_population` of clients drawn uniformly without
     replacement from a population of `num_population`, with the test errors' intervals
     (order statistics for the percentiles, normal with the finite-population correction for
     the mean); the worst-10% mean is the sample's own (no interval)."""
-    from deltafl_jax.metrics import worst_mean
+    from deltafl_jax.evaluation.metrics import worst_mean
     error = np.atleast_2d(np.asarray(error, np.float64))
     out = {f"{name}_error_mean": error.mean(axis=1)}
     out[f"{name}_error_mean_lo"], out[f"{name}_error_mean_hi"] = _mean_interval(

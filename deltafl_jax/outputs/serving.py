@@ -3,7 +3,7 @@
 Figure 1: a user picks a conformity level and gets its model), as a :class:`LoadedModel`
 with ``predict`` and ``predict_labels``.
 
-The files are read through :class:`deltafl_jax.outputs.RunReader`; this module only turns
+The files are read through :class:`deltafl_jax.outputs.directory.RunReader`; this module only turns
 them into a network.
 """
 
@@ -20,8 +20,8 @@ import numpy as np
 from deltafl_jax.data import ClientData, FederatedDataset
 from deltafl_jax.errors import DeltaFLError
 from deltafl_jax.models import Model, ModelOptions, build_model
-from deltafl_jax.outputs import MODELS, RunReader
-from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.outputs.directory import MODELS, RunReader
+from deltafl_jax.replicas.labels import ReplicaLabel
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

@@ -25,7 +25,7 @@ r"""The papers' tuning protocol (App. C.2.2 of the long paper; Sec. 5, "Hyperpar
    ``DIR/tuning.md`` hold every grid value's score.
 
 Each grid is ONE compiled program: the grid points x seeds are replicas
-(:class:`deltafl_jax.replicas.Replicas`) with per-replica learning-rate schedules and per-replica
+(:class:`deltafl_jax.replicas.labels.Replicas`) with per-replica learning-rate schedules and per-replica
 ``l2``. ``DIR/lr_grid`` and ``DIR/l2_grid`` are ordinary run directories
 (``python -m experiments.report DIR/lr_grid --out=...`` plots them). Ties go to the first value
 in grid order. A grid value whose training loss is not finite for some seed is out.
@@ -47,7 +47,7 @@ from deltafl_jax.algorithms import registry
 from deltafl_jax.declared import finite_in
 from deltafl_jax.errors import TuningError
 from deltafl_jax.models import LINEAR_MODELS  # the tuner tunes lambda for these
-from deltafl_jax.replicas import GridPoint, ReplicaGrid, grid_for
+from deltafl_jax.replicas.labels import GridPoint, ReplicaGrid, grid_for
 
 LR_ALGORITHM = "fedavg"      # step 1 trains FedAvg
 L2_ALGORITHM = "deltafl"     # step 2 trains Delta-FL at each theta (FedAvg: theta = 1)

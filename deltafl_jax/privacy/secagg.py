@@ -49,7 +49,7 @@ def secure_sum(contributions: jax.Array) -> jax.Array:
 
 class SumNoise(NamedTuple):
     """Gaussian noise on every secure sum of :func:`mm_quantile`, for differential privacy
-    (:mod:`deltafl_jax.privacy`; weights must be at most 1).
+    (:mod:`deltafl_jax.privacy.dp`; weights must be at most 1).
 
     key: the replica's round key (each call folds in its index). multiplier: z_q, the noise
     std in units of each call's L2 sensitivity. bound: B, the values are clipped to [0, B].

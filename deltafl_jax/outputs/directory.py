@@ -1,6 +1,6 @@
 """Every file of an output directory: what a run writes (:class:`RunWriter`) and how to read
 it back (:class:`RunReader`). No other module opens these files; serving a saved model
-(:func:`deltafl_jax.serving.load_model`) reads them through :class:`RunReader`.
+(:func:`deltafl_jax.outputs.serving.load_model`) reads them through :class:`RunReader`.
 
 - ``metrics.jsonl``: one JSON object per evaluation and per replica (theta or swept value,
   seed): the round, the alpha-weighted train-loss mean and percentiles, the unweighted
@@ -43,7 +43,7 @@ their own (:func:`command_dir_state`, :func:`mark_command_dir`).
 
 Every file but ``metrics.jsonl`` is written atomically (to ``NAME.tmp`` in the same directory,
 then renamed), so a reader sees either the whole file or none. Replicas are named by
-:class:`deltafl_jax.replicas.ReplicaLabel`: ``key()`` in file names and npz ``replica_keys``,
+:class:`deltafl_jax.replicas.labels.ReplicaLabel`: ``key()`` in file names and npz ``replica_keys``,
 ``to_json()`` in ``metrics.jsonl``, ``summary.json`` and ``models/index.json``.
 
 Output format versions (``schema_version`` in summary.json): 0 (no field) and 1 read alike;
@@ -67,7 +67,7 @@ import numpy as np
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.errors import ConfigError, RunFormatError
 from deltafl_jax.models import Model, ModelOptions
-from deltafl_jax.replicas import ReplicaLabel
+from deltafl_jax.replicas.labels import ReplicaLabel
 
 SCHEMA_VERSION = 1
 
@@ -374,7 +374,7 @@ class RunWriter:
     def save_models(self, params, labels: Sequence[ReplicaLabel], model: Model,
                     options: ModelOptions, data: FederatedDataset, personal=None) -> None:
         """models/: one msgpack file per replica (params [R, ...] on the leading axis), plus
-        index.json, the model spec that :func:`deltafl_jax.serving.load_model` rebuilds the
+        index.json, the model spec that :func:`deltafl_jax.outputs.serving.load_model` rebuilds the
         network from; with `personal` ([R, N, ...]: every training client's personal model),
         ``<key>.personal.msgpack`` per replica too ([N, ...])."""
         mdir = self.path(MODELS)

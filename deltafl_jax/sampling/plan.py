@@ -39,8 +39,9 @@ no examples and no local step, and the round gives it weight 0.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
+import jax
 import numpy as np
 
 from deltafl_jax.sampling.samplers import (Cohort, FixedSampler, cyclic_cohort,  # noqa: F401
@@ -131,6 +132,18 @@ class RoundPlan(NamedTuple):
     seg_len: np.ndarray
     batches_per_epoch: np.ndarray
     steps: np.ndarray
+
+
+class RoundData(NamedTuple):
+    """x: [N, ...] and y: [N] the training split on the device; plan: this round's
+    :class:`RoundPlan` (arrays with a leading group axis G); probe: the
+    round's second sample (:class:`ProbePlan`) for an algorithm with a
+    ``probe``, else None."""
+
+    x: jax.Array
+    y: jax.Array
+    plan: RoundPlan
+    probe: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,21 +18,21 @@ import warnings
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from deltafl_jax.algorithms import registry
-from deltafl_jax.client_optimizer import ClientOptimizer
 from deltafl_jax.datasets import DataConfig
 from deltafl_jax.declared import (check_choice, check_finite, default_of, flag_of, flat_values,
                                   group, ints, one_or_floats, setting)
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.metrics import DEFAULT_TARGET_ACCURACY
+from deltafl_jax.evaluation.metrics import DEFAULT_TARGET_ACCURACY
 from deltafl_jax.models import LINEAR_MODELS
 from deltafl_jax.models.augment import AUGMENTS
-from deltafl_jax.replicas import aligned
-from deltafl_jax.privacy import Privacy, check_private_version
+from deltafl_jax.optimizers.client import ClientOptimizer
+from deltafl_jax.optimizers.server import ServerOptimizer
+from deltafl_jax.privacy.dp import Privacy, check_private_version
+from deltafl_jax.replicas.labels import aligned
+from deltafl_jax.sampling.asynchronous import AsyncSettings
 from deltafl_jax.sampling.availability import AvailabilitySettings
 from deltafl_jax.sampling.samplers import Sampling
-from deltafl_jax.sampling.asynchronous import AsyncSettings
 from deltafl_jax.sampling.speeds import TimingSettings
-from deltafl_jax.server_optimizer import ServerOptimizer
 
 PERCENTILES = (10, 20, 50, 60, 80, 90, 95)
 
@@ -96,7 +96,7 @@ class Evaluation:
         None, "evaluate K train and K test clients drawn per evaluation, with 95% confidence "
         "intervals (0: every client); unset: every client up to 100000 clients in all, 1000 "
         "beyond", kind="integer")
-    # test_share_below_target (deltafl_jax.metrics; classifiers only; it changes no training).
+    # test_share_below_target (deltafl_jax.evaluation.metrics; classifiers only; it changes no training).
     target_accuracy: float = setting(
         DEFAULT_TARGET_ACCURACY, "test_share_below_target: the share of test clients whose "
         "accuracy is below this (classifiers; in (0, 1])")
@@ -104,7 +104,7 @@ class Evaluation:
 
 @dataclasses.dataclass(frozen=True)
 class Personalisation:
-    """Personalised evaluation (deltafl_jax.holdout, deltafl_jax.run.personal)."""
+    """Personalised evaluation (deltafl_jax.evaluation.holdout, deltafl_jax.run.personal)."""
 
     client_holdout: float = setting(
         0.0, "personalised evaluation: every client keeps this fraction of its examples (at "

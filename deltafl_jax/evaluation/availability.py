@@ -17,11 +17,11 @@ and q4 hold one client each); q1 always holds the least available client. An emp
 statistics are NaN and its client count 0.
 
 **Statistics** of the clients evaluated in each quintile, with the package's own definitions
-(:mod:`deltafl_jax.metrics`, reused here): the (weighted) mean error; the 90th percentile
-(:func:`deltafl_jax.metrics.percentiles`: the lower weighted quantile by default, NumPy's
+(:mod:`deltafl_jax.evaluation.metrics`, reused here): the (weighted) mean error; the 90th percentile
+(:func:`deltafl_jax.evaluation.metrics.percentiles`: the lower weighted quantile by default, NumPy's
 linear one with ``method="linear"``); the worst-10% mean, the superquantile (CVaR) at 0.9
-(:func:`deltafl_jax.metrics.superquantile_rows`; with equal weights it is
-``test_error_worst10`` and :func:`deltafl_jax.metrics.worst_mean` of the quintile's clients).
+(:func:`deltafl_jax.evaluation.metrics.superquantile_rows`; with equal weights it is
+``test_error_worst10`` and :func:`deltafl_jax.evaluation.metrics.worst_mean` of the quintile's clients).
 A quintile with a NaN error (a diverged client) has NaN statistics for that replica. Test
 errors are unweighted, as everywhere in the package (weights None).
 
@@ -53,7 +53,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from deltafl_jax.metrics import WORST_LEVEL, percentiles, superquantile_rows
+from deltafl_jax.evaluation.metrics import WORST_LEVEL, percentiles, superquantile_rows
 
 QUINTILES = 5
 STATISTICS = ("mean", "p90", "worst10")      # of the error, per quintile

@@ -20,7 +20,7 @@ The mechanism, per round and replica, with clip C (``--dp_clip``) and noise mult
 
 Private Delta-FL (``--algorithm=deltafl --quantile=secagg_mm --weighting=unweighted`` with
 ``--dp_clip``): eta comes from the mm_iters + 1 secure sums of Algorithm 3, each noised
-(:func:`deltafl_jax.secagg.mm_quantile`): losses clipped to [0, B] (``--dp_loss_bound``) and
+(:func:`deltafl_jax.privacy.secagg.mm_quantile`): losses clipped to [0, B] (``--dp_loss_bound``) and
 beta_k = 1 / max(|F_k - mu|, xi) (``--dp_mm_floor``), with Gaussian noise of z_q
 sqrt(B^2 + 1) on the first sum (F_k, 1) and z_q sqrt(B^2 + 1) / xi on every later one
 (beta_k F_k, beta_k), z_q = ``--dp_quantile_noise_ratio`` x z. The clients then filter

@@ -15,9 +15,9 @@ shows up as eps_lb above the reported epsilon, given enough runs; an audit of a 
 mechanism finds eps_lb below it.
 
 What is audited here is DP-FedAvg's round as the simulator runs it, under Poisson client
-sampling: each client joins a round with probability q = m / N (:func:`deltafl_jax.plan.
-poisson_cohort`), every update is clipped to C (:func:`deltafl_jax.privacy.clip_factor`),
-weighted by a_max = 1 / m (:func:`deltafl_jax.privacy.poisson_weights`), summed, noised and
+sampling: each client joins a round with probability q = m / N (:func:`deltafl_jax.sampling.plan.
+poisson_cohort`), every update is clipped to C (:func:`deltafl_jax.privacy.dp.clip_factor`),
+weighted by a_max = 1 / m (:func:`deltafl_jax.privacy.dp.poisson_weights`), summed, noised and
 divided by the fixed denominator as the round does it
 (:func:`deltafl_jax.rounds.privatize_feedback`).
 The other clients' updates are random vectors longer than C, orthogonal to the canary's
@@ -27,7 +27,7 @@ one client more (add-or-remove neighbours, as the accountant). The attacker sees
 released update Delta_t and scores a run by sum_t <Delta_t, u>. The threshold is chosen on
 half of the runs and the rates are measured on the other half, so the bound is not fitted
 to the data that it is measured on. The reported epsilon is the run's
-:class:`deltafl_jax.privacy.Accounting`'s.
+:class:`deltafl_jax.privacy.dp.Accounting`'s.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deltafl_jax import plan as plan_lib
-from deltafl_jax.privacy import Accounting, clip_factor, poisson_weights
+from deltafl_jax.privacy.dp import Accounting, clip_factor, poisson_weights
+from deltafl_jax.sampling import plan as plan_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +145,7 @@ def release_scores(audit: CanaryAudit, canary: np.ndarray, noise: bool = True) -
 
 def reported_epsilon(audit: CanaryAudit) -> float:
     """The simulator's epsilon for the audited setting: DP-FedAvg under Poisson sampling,
-    add-or-remove, PLD (:class:`deltafl_jax.privacy.Accounting`)."""
+    add-or-remove, PLD (:class:`deltafl_jax.privacy.dp.Accounting`)."""
     acc = Accounting(population=audit.population + 1, m=audit.m, releases=(1.0,),
                      delta=audit.delta, noise=(audit.z,), sampler="poisson",
                      accountant="pld", rounds=audit.rounds)
