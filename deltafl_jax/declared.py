@@ -234,20 +234,27 @@ def fields_of(cls: type) -> Iterator[dataclasses.Field]:
     return (f for _, f in _paths(cls))
 
 
+def _build(cls: type, read: Callable[[Flag], Any], fixed: Mapping[str, Any]) -> Any:
+    """The group `cls` with each setting's value ``read(flag)`` (``_SAME``: its default) and
+    each of its groups built alike; `fixed`: fields given instead."""
+    kw = {}
+    for f in dataclasses.fields(cls):
+        sub = f.metadata.get(FLAG)
+        if f.name in fixed or sub is None:
+            continue
+        value = _build(sub, read, {}) if isinstance(sub, type) else read(flag_of(f))
+        if value is not _SAME:
+            kw[f.name] = value
+    return cls(**kw, **fixed)
+
+
 def from_flags(cls: type, value: Callable[[str], Any], **fixed) -> Any:
     """The group `cls` from the flags (``value(flag)``: the flag's parsed value), each parsed
     by its Flag, its groups built alike; `fixed`: fields given instead."""
-    kw = {}
-    for f in dataclasses.fields(cls):
-        sub, flag = f.metadata.get(FLAG), flag_of(f)
-        if f.name in fixed or sub is None:
-            continue
-        if isinstance(sub, type):
-            kw[f.name] = from_flags(sub, value)
-            continue
+    def read(flag: Flag) -> Any:
         raw = value(flag.name)
-        kw[f.name] = flag.parse(flag.name, raw) if flag.parse is not None else raw
-    return cls(**kw, **fixed)
+        return flag.parse(flag.name, raw) if flag.parse is not None else raw
+    return _build(cls, read, fixed)
 
 
 def _restore(flag: Flag, value):
@@ -260,16 +267,10 @@ def from_flat(cls: type, values: Mapping[str, Any], **fixed) -> Any:
     """The group `cls` from stored settings (flag -> value, e.g. summary.json's ``config``),
     its groups' included; a flag missing there (a run written before the setting existed)
     takes its default."""
-    kw = {}
-    for f in dataclasses.fields(cls):
-        sub, flag = f.metadata.get(FLAG), flag_of(f)
-        if f.name in fixed or sub is None:
-            continue
-        if isinstance(sub, type):
-            kw[f.name] = from_flat(sub, values)
-        elif flag.name in values and values[flag.name] is not None:
-            kw[f.name] = _restore(flag, values[flag.name])
-    return cls(**kw, **fixed)
+    def read(flag: Flag) -> Any:
+        stored = values.get(flag.name)
+        return _SAME if stored is None else _restore(flag, stored)
+    return _build(cls, read, fixed)
 
 
 def check_choice(flag: Flag, value: Any) -> None:
