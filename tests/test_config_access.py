@@ -61,58 +61,49 @@ def _is_data_config(node, params):
         node.attr == "data" and _is_config(node.value, params)
 
 
+def _uses(source: str, names, holds, cls: str, constructed):
+    """(line, text) of every use in `source` of a flat name in `names` on an expression that
+    `holds(node, params)` says holds a `cls`: a read ``<expr>.<name>``, ``getattr(<expr>,
+    "<name>")``, and a construction by flag name (`constructed(func, args, params)`)."""
+    tree = ast.parse(source)
+    scopes = [(tree, set())] + [(f, _config_params(f, cls)) for f in ast.walk(tree)
+                                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    found = set()
+    for scope, params in scopes:
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Attribute) and node.attr in names \
+                    and holds(node.value, params):
+                found.add((node.lineno, ast.unparse(node)))
+            if not isinstance(node, ast.Call):
+                continue
+            func, args = ast.unparse(node.func), node.args
+            flat_kw = [k.arg for k in node.keywords if k.arg in names]
+            if flat_kw and constructed(func, args, params):
+                found.add((node.lineno, f"{func}(..., {', '.join(flat_kw)}=...)"))
+            if func == "getattr" and len(args) >= 2 and holds(args[0], params) and \
+                    isinstance(args[1], ast.Constant) and args[1].value in names:
+                found.add((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
 def data_flat_uses(source: str):
     """(line, text) of every use of a flat name of DataConfig's grouped settings: a read
     ``config.data.<flag>`` / ``config.<flag>`` of a loader's DataConfig, ``getattr(config,
     "<flag>")``, and a construction by flag name (``DataConfig(name, <flag>=...)``,
     ``dataclasses.replace(config.data, <flag>=...)``)."""
-    tree = ast.parse(source)
-    scopes = [(tree, set())] + [(f, _config_params(f, "DataConfig")) for f in ast.walk(tree)
-                                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    found = set()
-    for scope, params in scopes:
-        for node in ast.walk(scope):
-            if isinstance(node, ast.Attribute) and node.attr in DATA_FLAT_NAMES \
-                    and _is_data_config(node.value, params):
-                found.add((node.lineno, ast.unparse(node)))
-            if not isinstance(node, ast.Call):
-                continue
-            func, args = ast.unparse(node.func), node.args
-            flat_kw = [k.arg for k in node.keywords if k.arg in DATA_FLAT_NAMES]
-            if flat_kw and (func.endswith("DataConfig") or func.endswith("replace") and args
-                            and _is_data_config(args[0], params)):
-                found.add((node.lineno, f"{func}(..., {', '.join(flat_kw)}=...)"))
-            if func == "getattr" and len(args) >= 2 and _is_data_config(args[0], params) and \
-                    isinstance(args[1], ast.Constant) and args[1].value in DATA_FLAT_NAMES:
-                found.add((node.lineno, ast.unparse(node)))
-    return sorted(found)
+    return _uses(source, DATA_FLAT_NAMES, _is_data_config, "DataConfig",
+                 lambda func, args, params: func.endswith("DataConfig") or (
+                     func.endswith("replace") and bool(args)
+                     and _is_data_config(args[0], params)))
 
 
 def flat_uses(source: str):
     """(line, text) of every use of a flat name on a configuration in `source`: a read
     ``config.<flag>``, ``getattr(config, "<flag>")``, and a construction by flag name
     (``ExperimentConfig(data, <flag>=...)``, ``dataclasses.replace(config, <flag>=...)``)."""
-    tree = ast.parse(source)
-    scopes = [(tree, set())] + [(f, _config_params(f)) for f in ast.walk(tree)
-                                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    found = set()
-    for scope, params in scopes:
-        for node in ast.walk(scope):
-            if isinstance(node, ast.Attribute) and node.attr in FLAT_NAMES \
-                    and _is_config(node.value, params):
-                found.add((node.lineno, ast.unparse(node)))
-            if not isinstance(node, ast.Call):
-                continue
-            func, args = ast.unparse(node.func), node.args
-            flat_kw = [k.arg for k in node.keywords if k.arg in FLAT_NAMES]
-            if func.endswith("ExperimentConfig") and flat_kw or \
-                    func.endswith("replace") and args and _is_config(args[0], params) \
-                    and flat_kw:
-                found.add((node.lineno, f"{func}(..., {', '.join(flat_kw)}=...)"))
-            if func == "getattr" and len(args) >= 2 and _is_config(args[0], params) and \
-                    isinstance(args[1], ast.Constant) and args[1].value in FLAT_NAMES:
-                found.add((node.lineno, ast.unparse(node)))
-    return sorted(found)
+    return _uses(source, FLAT_NAMES, _is_config, "ExperimentConfig",
+                 lambda func, args, params: func.endswith("ExperimentConfig") or (
+                     func.endswith("replace") and bool(args) and _is_config(args[0], params)))
 
 
 def _package_files():
