@@ -122,7 +122,8 @@ def test_the_run_ends_at_the_virtual_time_asked(tiny_synthetic):
     (("--client_holdout=0.2",), "--client_holdout: --algorithm=fedbuff"),
     (("--client_sampling=poisson",), "--client_sampling=poisson: --algorithm=fedbuff"),
     (("--max_staleness=-1",), "--max_staleness=-1"),
-    (("--algorithm=fedasync", "--fedasync_alpha=1.5"), "--fedasync_alpha=1.5"),
+    (("--algorithm=fedasync", "--fedasync_alpha=1.5"),
+     "--fedasync_alpha must be a finite number > 0 and <= 1, got 1.5"),
     (("--algorithm=fedbuff+ditto",), "which is asynchronous"),
 ])
 def test_bad_settings_are_refused_in_one_line(tmp_path, capsys, args, message):

@@ -25,6 +25,7 @@ FOREIGN = {
     "xla_gpu_deterministic_ops": "an XLA flag (--deterministic sets it)",
     "xla_force_host_platform_device_count": "an XLA flag (bench.scaling's fake devices)",
     "xla_cpu_use_onednn": "an XLA:CPU flag (measured in the benchmarks)",
+    "xla_cpu_multi_thread_eigen": "an XLA:CPU flag (measured in the benchmarks)",
     "xla_cpu_use_xnnpack": "an XLA:CPU flag (measured in the benchmarks)",
     "xla_cpu_prefer_vector_width": "an XLA:CPU flag (measured in the benchmarks)",
     "xla_gpu_enable_triton_gemm": "an XLA:GPU flag (ResNet-18-GN's compile on jax 0.11.2)",
