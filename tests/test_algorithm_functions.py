@@ -1,8 +1,8 @@
-"""Each algorithm's pure functions on hand-made inputs, without the engine (no round; each
-function jitted alone): build the :class:`FederatedAlgorithm` from its factory, call
-``client_weights`` and ``server_update`` on a hand-made :class:`ClientFeedback` (the sums
-that the engine would report, computed here in NumPy) and compare with values worked out by
-hand or from the papers' formulas written in NumPy.
+"""Each algorithm's pure functions on hand-made inputs, without the engine (no jit, no round):
+build the :class:`FederatedAlgorithm` from its factory, call ``client_weights`` and
+``server_update`` on a hand-made :class:`ClientFeedback` (the sums that the engine would
+report, computed here in NumPy) and compare with values worked out by hand or from the papers'
+formulas written in NumPy.
 
 The contract: ``server_update(state, params, feedback, hyper) -> (Delta, state, metrics)``
 with Delta the aggregate step that the round applies as w + Delta."""
@@ -82,14 +82,6 @@ def as_np(x):
     return np.asarray(x, np.float64)
 
 
-def jitted(alg):
-    """The algorithm with ``client_weights``, ``server_update`` and ``eval_params`` each run as
-    one jitted program (as the round runs them), not one compile per operation run eagerly."""
-    return alg._replace(**{name: jax.jit(getattr(alg, name)) for name in
-                           ("client_weights", "server_update", "eval_params")
-                           if getattr(alg, name) is not None})
-
-
 # ----------------------------------------------------------------------------- Delta-FL
 
 
@@ -99,7 +91,7 @@ def test_deltafl_exact_filter_keeps_the_tail_and_a_boundary_fraction():
     (F = 4, alpha .2) keeps all its weight; the boundary client (F = 3, alpha .4) the
     remaining theta - .2 = .3, a fraction 3/4 of its alpha; the others none. Normalised:
     pi = (0, .4, 0, .6)."""
-    alg = jitted(deltafl(DeltaFLOptions(), thetas=(0.5,)))
+    alg = deltafl(DeltaFLOptions(), thetas=(0.5,))
     hyper = DeltaFLHyper(theta=np.float32(0.5))
     state = alg.init(PARAMS, hyper)
     weights = alg.client_weights(RoundContext(state, LOSSES, SIZES, hyper, KEY, np.arange(4)))
@@ -111,7 +103,7 @@ def test_deltafl_exact_filter_keeps_the_tail_and_a_boundary_fraction():
 
 
 def test_deltafl_reference_filter_keeps_every_client_at_or_above_eta_at_full_weight():
-    alg = jitted(deltafl(DeltaFLOptions(filter="reference"), thetas=(0.5,)))
+    alg = deltafl(DeltaFLOptions(filter="reference"), thetas=(0.5,))
     hyper = DeltaFLHyper(theta=np.float32(0.5))
     weights = alg.client_weights(RoundContext((), LOSSES, SIZES, hyper, KEY, np.arange(4)))
     np.testing.assert_array_equal(as_np(weights), [0.0, 20.0, 0.0, 40.0])   # n_k, F_k >= 3
@@ -121,7 +113,7 @@ def test_deltafl_reference_filter_keeps_every_client_at_or_above_eta_at_full_wei
 
 
 def test_deltafl_at_theta_one_averages_every_client_with_alpha():
-    alg = jitted(deltafl(thetas=(1.0,)))
+    alg = deltafl(thetas=(1.0,))
     weights = alg.client_weights(RoundContext((), LOSSES, SIZES, DeltaFLHyper(np.float32(1.0)),
                                               KEY, np.arange(4)))
     np.testing.assert_allclose(as_np(weights), [0.1, 0.2, 0.3, 0.4], rtol=1e-6)
@@ -131,7 +123,7 @@ def test_deltafl_unweighted_is_the_quantile_of_the_plain_losses():
     """alpha_k = 1/4, theta = 0.6: cumulative .25, .5, .75, 1 over the sorted losses: eta = 2
     (the first to reach .4). F = 3 and F = 4 take .25 each; F = 2 the remaining .1 of
     theta = .6, a fraction .4 of its .25. Normalised by .6: (0, 5/12, 1/6, 5/12)."""
-    alg = jitted(deltafl(DeltaFLOptions(weighting="unweighted"), thetas=(0.6,)))
+    alg = deltafl(DeltaFLOptions(weighting="unweighted"), thetas=(0.6,))
     hyper = DeltaFLHyper(theta=np.float32(0.6))
     weights = alg.client_weights(RoundContext((), LOSSES, SIZES, hyper, KEY, np.arange(4)))
     np.testing.assert_allclose(as_np(weights), [0.0, 5 / 12, 1 / 6, 5 / 12], rtol=1e-5)
@@ -143,7 +135,7 @@ def test_the_spec_passes_the_configs_options_to_the_factory():
     spec = registry.get("deltafl")
     config = tiny_config(thetas=(0.5,), filter="reference")
     assert spec.options_for(config) == DeltaFLOptions(filter="reference")
-    alg = jitted(spec.make(config, None))
+    alg = spec.make(config, None)
     weights = alg.client_weights(RoundContext((), LOSSES, SIZES, DeltaFLHyper(np.float32(0.5)),
                                               KEY, np.arange(4)))
     np.testing.assert_array_equal(as_np(weights), [0.0, 20.0, 0.0, 40.0])
@@ -155,7 +147,7 @@ def test_the_spec_passes_the_configs_options_to_the_factory():
 @pytest.mark.parametrize("weighting,want", [("weighted", [0.1, 0.2, 0.3, 0.4]),
                                             ("unweighted", [0.25, 0.25, 0.25, 0.25])])
 def test_fedavg_weights_are_alpha_over_its_sum_and_need_no_loss(weighting, want):
-    alg = jitted(fedavg(FedAvgOptions(weighting=weighting)))
+    alg = fedavg(FedAvgOptions(weighting=weighting))
     assert not alg.uses_losses
     hyper = DeltaFLHyper(theta=np.float32(1.0))
     nan = np.full(4, np.nan, np.float32)      # the round does not evaluate F_k(w_t)
@@ -167,7 +159,7 @@ def test_fedavg_weights_are_alpha_over_its_sum_and_need_no_loss(weighting, want)
 
 
 def test_fedavg_drops_a_client_whose_update_is_not_finite():
-    alg = jitted(fedavg())
+    alg = fedavg()
     weights = np.array([0.1, 0.2, 0.3, 0.4], np.float32)
     fb = feedback(weights, finite=[True, False, True, True])
     delta, _, _ = alg.server_update((), PARAMS, fb, DeltaFLHyper(np.float32(1.0)))
@@ -175,7 +167,7 @@ def test_fedavg_drops_a_client_whose_update_is_not_finite():
 
 
 def test_fedprox_is_fedavg_with_the_proximal_term():
-    alg = jitted(fedprox())
+    alg = fedprox()
     hyper = FedProxHyper(mu=np.float32(0.5))
     weights = alg.client_weights(RoundContext((), LOSSES, SIZES, hyper, KEY, np.arange(4)))
     np.testing.assert_allclose(as_np(weights), [0.1, 0.2, 0.3, 0.4], rtol=1e-6)
@@ -196,7 +188,7 @@ def test_fedprox_is_fedavg_with_the_proximal_term():
 
 
 def test_fedavg_sub_averages_a_random_subset_of_the_given_size():
-    alg = jitted(fedavg_sub("count"))
+    alg = fedavg_sub("count")
     hyper = FedAvgSubHyper(theta=np.float32(1.0), clients=np.float32(2.0))
     key = jax.random.PRNGKey(3)
     weights = as_np(alg.client_weights(RoundContext((), LOSSES, SIZES, hyper, key, np.arange(4))))
@@ -215,7 +207,7 @@ def test_fedavg_sub_keeps_as_many_clients_as_deltafls_filter(filter, count):
     """Equal sizes, theta = 0.5: eta = 2 (cumulative .25, .5); F = 3, 4 fill theta exactly, so
     the exact filter gives the tied F = 2 nothing (2 clients) and the reference filter keeps
     it (3 clients)."""
-    alg = jitted(fedavg_sub("theta", FedAvgSubOptions(filter=filter), thetas=(0.5,)))
+    alg = fedavg_sub("theta", FedAvgSubOptions(filter=filter), thetas=(0.5,))
     sizes = np.full(4, 10, np.int32)
     hyper = FedAvgSubHyper(theta=np.float32(0.5), clients=np.float32(0.0))
     weights = as_np(alg.client_weights(RoundContext((), LOSSES, sizes, hyper, KEY, np.arange(4))))
@@ -246,7 +238,7 @@ def qffl_step_numpy(losses, sizes, lr, q):
 def test_qffl_step_is_the_papers_formula(q):
     losses = np.array([0.5, 1.0, 2.0], np.float32)
     sizes = np.array([10, 20, 30], np.int32)
-    alg = jitted(qffl())
+    alg = qffl()
     hyper = QFFLHyper(q=np.float32(q))
     weights = as_np(alg.client_weights(RoundContext((), losses, sizes, hyper, KEY, np.arange(3))))
     # a_k = n_k (F_k / F_max)^q
@@ -265,7 +257,7 @@ def test_qffl_step_is_the_papers_formula(q):
 
 def test_term_tilts_the_weights_and_keeps_a_running_estimate():
     t = 1.0
-    alg = jitted(term())
+    alg = term()
     hyper = TERMHyper(t=np.float32(t))
     state = alg.init(PARAMS, hyper)
     n = SIZES.astype(np.float64)
@@ -302,7 +294,7 @@ def test_term_tilts_the_weights_and_keeps_a_running_estimate():
 
 
 def test_term_with_a_negative_tilt_shifts_by_the_smallest_loss():
-    alg = jitted(term())
+    alg = term()
     hyper = TERMHyper(t=np.float32(-2.0))
     weights = as_np(alg.client_weights(RoundContext(alg.init(PARAMS, hyper), LOSSES, SIZES, hyper,
                                                     KEY, np.arange(4))))
@@ -327,7 +319,7 @@ def test_afl_projects_lambda_and_serves_the_average_of_its_iterates():
     """lambda_0 = (.2, .3, .5); losses (1, .2, .4) at gamma_lambda = 2 give v = (2.2, .7, 1.3),
     whose projection drops the middle client: tau = (2.2 + 1.3 - 1) / 2 = 1.25, lambda =
     (.95, 0, .05)."""
-    alg = jitted(afl(np.array([20, 30, 50])))
+    alg = afl(np.array([20, 30, 50]))
     hyper = AFLHyper(lambda_lr=np.float32(2.0))
     state = alg.init(PARAMS, hyper)
     clients = np.array([0, 1, 2], np.int32)
@@ -363,7 +355,7 @@ def test_afl_projects_lambda_and_serves_the_average_of_its_iterates():
 def test_afl_lambda_stays_on_the_simplex_when_every_client_keeps_weight():
     """lambda_0 = (.2, .3, .5), losses (1, .2, .4), gamma = .5: v = (.7, .4, .7), tau =
     (1.8 - 1) / 3: lambda = (13/30, 4/30, 13/30)."""
-    alg = jitted(afl(np.array([20, 30, 50])))
+    alg = afl(np.array([20, 30, 50]))
     hyper = AFLHyper(lambda_lr=np.float32(0.5))
     state = alg.init(PARAMS, hyper)
     losses = np.array([1.0, 0.2, 0.4], np.float32)
@@ -377,7 +369,7 @@ def test_afl_lambda_stays_on_the_simplex_when_every_client_keeps_weight():
 
 
 def test_deltafl_alt_holds_eta_between_refreshes():
-    alg = jitted(deltafl_alt(DeltaFLAltOptions(), thetas=(0.5,)))
+    alg = deltafl_alt(DeltaFLAltOptions(), thetas=(0.5,))
     hyper = DeltaFLAltHyper(theta=np.float32(0.5), eta_every=np.float32(3.0))
     state = alg.init(PARAMS, hyper)
 
@@ -417,7 +409,7 @@ def test_scaffold_client_update_is_option_two():
     the update y_k - w_t, c_k+ = c_k - c + (w_t - y_k) / (K gamma) and Delta c_k = c_k+ - c_k
     (Algorithm 1, option II), here with K = 1 step at gamma = 0.1 and numbers chosen by hand."""
     from deltafl_jax.algorithms.scaffold import ScaffoldState, scaffold
-    alg = jitted(scaffold(SIZES))
+    alg = scaffold(SIZES)
     c = {"w": np.full((2, 2), 0.5, np.float32), "b": np.array([1.0, -1.0], np.float32)}
     ck = {"w": np.array([[0.1, 0.2], [0.3, 0.4]], np.float32), "b": np.zeros(2, np.float32)}
     job = client_job(0.1, steps=1)
@@ -441,7 +433,7 @@ def test_scaffold_server_update_skips_a_client_with_a_non_finite_update(weightin
     alpha_k = n_k / n over all N training clients (weighted) or 1 / N (unweighted)."""
     from deltafl_jax.algorithms.scaffold import ScaffoldOptions, ScaffoldState, scaffold
     train_sizes = np.array([10, 20, 30, 40, 100], np.int32)        # N = 5 training clients
-    alg = jitted(scaffold(train_sizes, ScaffoldOptions(weighting=weighting)))
+    alg = scaffold(train_sizes, ScaffoldOptions(weighting=weighting))
     clients = np.array([4, 0, 2, 1], np.int32)                     # the m = 4 sampled ones
     a = np.asarray(alg.client_weights(RoundContext((), LOSSES, train_sizes[clients], None, KEY,
                                                    clients)))
