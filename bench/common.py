@@ -263,10 +263,10 @@ def forward_flops_per_example(model) -> float:
     loop's body once (a recurrent model's one character, not its sequence) and, on a GPU, no
     convolution at all (they compile to library calls)."""
     import jax
-    import jax.numpy as jnp
 
-    params = model.init(jax.random.key(0))
-    x = jnp.zeros((64,) + tuple(model.example_shape), model.input_dtype)
+    # Shapes only: tracing needs no parameter values (nothing is compiled or run).
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((64,) + tuple(model.example_shape), model.input_dtype)
     return jaxpr_matmul_flops(jax.make_jaxpr(model.apply)(params, x).jaxpr) / 64
 
 

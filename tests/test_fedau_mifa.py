@@ -37,7 +37,7 @@ def lazy_omegas(took_part, cap):
     ids = jnp.arange(N, dtype=jnp.int32)     # every client a slot; those absent do not record
     omega = jax.jit(lambda s: fedau_omega(s, ids, cap))
     record = jax.jit(lambda s, took: fedau_record(s, ids, took, cap))
-    state, out = init_estimator(N), []
+    state, out = jax.jit(init_estimator, static_argnums=0)(N), []
     for row in took_part:
         out.append(np.where(row, np.asarray(omega(state)), np.nan))
         state = record(state, jnp.asarray(row))
@@ -82,7 +82,8 @@ def test_lazy_estimator_equals_the_authors_counter(cap):
     want = np.array([authors.round(row) for row in took])
     np.testing.assert_allclose(got, want, rtol=1e-6)
     final = [np.mean(v) if v else 1.0 for v in authors.intervals]
-    np.testing.assert_allclose(np.asarray(omega_all(state, cap)), final, rtol=1e-6)
+    every = jax.jit(omega_all, static_argnums=1)(state, cap)
+    np.testing.assert_allclose(np.asarray(every), final, rtol=1e-6)
 
 
 def test_inverse_rate_by_hand():
@@ -91,12 +92,13 @@ def test_inverse_rate_by_hand():
     took = np.zeros((4, 2), bool)
     took[[0, 2], 0] = True
     took[3, 1] = True
+    rate, record = jax.jit(inverse_rate), jax.jit(rate_record)   # one program per cohort size
     state, got = init_estimator(2), {}
     for t, row in enumerate(took):
         ids = jnp.asarray(np.flatnonzero(row), jnp.int32)
-        for i, w in zip(np.asarray(ids), np.asarray(inverse_rate(state, ids))):
+        for i, w in zip(np.asarray(ids), np.asarray(rate(state, ids))):
             got[(t, int(i))] = float(w)
-        state = rate_record(state, ids, jnp.ones(ids.shape, bool))
+        state = record(state, ids, jnp.ones(ids.shape, bool))
     assert got == {(0, 0): 1.0, (2, 0): 1.5, (3, 1): 4.0}
 
 
@@ -104,7 +106,8 @@ def test_padded_slots_record_nothing():
     """Empty slots of a variable cohort (id 0 repeated, not taking part) leave client 0 alone."""
     state = init_estimator(3)
     ids = jnp.asarray([2, 0, 0], jnp.int32)
-    new = fedau_record(state, ids, jnp.asarray([True, False, False]), 0)
+    new = jax.jit(fedau_record, static_argnums=3)(state, ids, jnp.asarray([True, False, False]),
+                                                  0)
     assert new.last.tolist() == [-1, -1, 0] and new.count.tolist() == [0, 0, 1]
 
 
@@ -126,14 +129,15 @@ def test_fedau_weights_and_step_on_hand_made_inputs(weighting, denominator):
     is the engine's sum of a_k Delta_k over N (unweighted) or n (weighted)."""
     sizes = np.array([10, 20, 30, 40])
     alg = fedau(sizes, FedAUOptions(weighting=weighting))
+    server_update, client_weights = jax.jit(alg.server_update), jax.jit(alg.client_weights)
     state = alg.init(None, None)
-    _, state, _ = alg.server_update(state, jnp.zeros(2), feedback([2], [30], [0.0, 0.0]), None)
-    a = alg.client_weights(RoundContext(state, None, jnp.asarray([30, 40]), None, None,
-                           jnp.asarray([2, 3], jnp.int32)))
+    _, state, _ = server_update(state, jnp.zeros(2), feedback([2], [30], [0.0, 0.0]), None)
+    a = client_weights(RoundContext(state, None, jnp.asarray([30, 40]), None, None,
+                       jnp.asarray([2, 3], jnp.int32)))
     alpha = sizes[[2, 3]] if weighting == "weighted" else np.ones(2)
     np.testing.assert_allclose(np.asarray(a), alpha * [1.0, 1.0])
-    delta, state, metrics = alg.server_update(state, jnp.zeros(2),
-                                              feedback([2, 3], [30, 40], [4.0, -8.0]), None)
+    delta, state, metrics = server_update(state, jnp.zeros(2),
+                                          feedback([2, 3], [30, 40], [4.0, -8.0]), None)
     np.testing.assert_allclose(np.asarray(delta), np.array([4.0, -8.0]) / denominator,
                                rtol=1e-6)
     assert state.count.tolist() == [0, 0, 2, 1] and state.total.tolist() == [0, 0, 2, 2]
@@ -142,8 +146,8 @@ def test_fedau_weights_and_step_on_hand_made_inputs(weighting, denominator):
 
 def test_known_prob_weights_are_inverse_probabilities():
     alg = known_prob([5, 5, 5], [0.5, 0.25, 1.0], KnownProbOptions(weighting="unweighted"))
-    a = alg.client_weights(RoundContext((), None, jnp.asarray([5, 5]), None, None,
-                                        jnp.asarray([0, 1])))
+    a = jax.jit(alg.client_weights)(RoundContext((), None, jnp.asarray([5, 5]), None, None,
+                                                 jnp.asarray([0, 1])))
     np.testing.assert_allclose(np.asarray(a), [2.0, 4.0])
 
 
@@ -158,16 +162,16 @@ def test_mifa_steps_with_the_stored_sum_in_a_round_with_no_client():
     step is S as stored."""
     alg = mifa([1, 1, 1, 1], MifaOptions(weighting="unweighted"))
     assert alg.steps_without_clients
+    server_update = jax.jit(alg.server_update)
     params = jnp.zeros(2)
     state = alg.init(params, None)
-    np.testing.assert_allclose(np.asarray(alg.client_weights(RoundContext(
+    np.testing.assert_allclose(np.asarray(jax.jit(alg.client_weights)(RoundContext(
         state, None, jnp.asarray([3, 3]), None, None, jnp.asarray([0, 1])))), [0.25, 0.25])
     # the engine's sum of a_i (Delta_i - G_i): clients 0 and 1 send (2, 0) and (0, 4), G = 0
-    delta, state, _ = alg.server_update(state, params,
-                                        feedback([0, 1], [3, 3], [0.5, 1.0]), None)
+    delta, state, _ = server_update(state, params, feedback([0, 1], [3, 3], [0.5, 1.0]), None)
     np.testing.assert_allclose(np.asarray(delta), [0.5, 1.0])
-    delta, state, _ = alg.server_update(state, params,
-                                        feedback([0, 1], [3, 3], [0.0, 0.0], [False] * 2), None)
+    delta, state, _ = server_update(state, params,
+                                    feedback([0, 1], [3, 3], [0.0, 0.0], [False] * 2), None)
     np.testing.assert_allclose(np.asarray(delta), [0.5, 1.0])
 
 
@@ -180,14 +184,16 @@ def test_deltafl_correction_multiplies_alpha_by_omega():
     options = deltafl_module.DeltaFLOptions(deltafl_participation="fedau")
     alg = deltafl_module.deltafl(options, thetas=(0.5,), num_clients=10)
     state = alg.init(None, None)
+    record = jax.jit(fedau_record, static_argnums=3)   # one program per cohort size
     for t in range(8):
         ids = jnp.asarray([7] if t in (0, 4) else [], jnp.int32)
-        state = fedau_record(state, ids, jnp.ones(ids.shape, bool), 0)
+        state = record(state, ids, jnp.ones(ids.shape, bool), 0)
     clients, sizes = np.array([1, 3, 7, 9]), np.array([10, 30, 20, 40])
     losses = np.array([0.5, 1.0, 2.0, 0.8], np.float32)
-    got = alg.client_weights(RoundContext(state, jnp.asarray(losses), jnp.asarray(sizes, jnp.int32),
-                             deltafl_module.DeltaFLHyper(theta=jnp.float32(0.5)), None,
-                             jnp.asarray(clients, jnp.int32)))
+    got = jax.jit(alg.client_weights)(RoundContext(
+        state, jnp.asarray(losses), jnp.asarray(sizes, jnp.int32),
+        deltafl_module.DeltaFLHyper(theta=jnp.float32(0.5)), None,
+        jnp.asarray(clients, jnp.int32)))
     want = exact_weights(losses.astype(np.float64), sizes * np.array([1, 1, 2.5, 1]), 0.5)
     np.testing.assert_allclose(np.asarray(got) / np.sum(got), want / want.sum(), atol=1e-6)
     plain = exact_weights(losses.astype(np.float64), sizes.astype(np.float64), 0.5)
@@ -205,8 +211,12 @@ def test_uniform_participation_gives_every_client_the_same_correction_in_expecta
 
     def one(state, row):
         return corr.record(state, row, jnp.ones((m,), bool)), None
-    state, _ = jax.lax.scan(one, init_estimator(N), ids)
-    c = np.asarray(corr.weights(state, jnp.arange(N)))
+
+    @jax.jit   # one program, not one per operation
+    def corrections(ids):
+        state, _ = jax.lax.scan(one, init_estimator(N), ids)
+        return corr.weights(state, jnp.arange(N))
+    c = np.asarray(corrections(ids))
     np.testing.assert_allclose(c, N / m, rtol=0.1)
 
 

@@ -14,11 +14,14 @@ from scipy import optimize
 
 from conftest import client_lists, linear_rows, run_rounds_history, run_runner, tiny_config
 from deltafl_jax import build_experiment
-from deltafl_jax.algorithms.fedmgda import min_norm_weights, project_box_simplex
+from deltafl_jax.algorithms import fedmgda
 from numpy_baselines import _local
 from deltafl_jax.sampling.plan import sample_clients
 
 ROUNDS, M, EPOCHS = 3, 6, 2
+# The QP's pieces jitted: one program per size, not one compile per operation run eagerly.
+project_box_simplex = jax.jit(fedmgda.project_box_simplex)
+min_norm_weights = jax.jit(fedmgda.min_norm_weights, static_argnums=3)
 
 
 def box_of(m, eps):

@@ -1,10 +1,14 @@
 """deal_jobs against a plain Python dealer written from its definition: jobs with steps > 0,
 longest first (ties in job order), dealt to lanes in snake order 0..c-1, c-1..0, ..."""
 
+import jax
 import numpy as np
 import pytest
 
-from deltafl_jax.engine import deal_jobs
+from deltafl_jax.engine import deal_jobs as deal_jobs_eager
+
+# One program per (jobs, lanes) shape rather than one per operation run eagerly.
+deal_jobs = jax.jit(deal_jobs_eager, static_argnums=1)
 
 
 def python_deal(steps, lanes):
@@ -51,7 +55,8 @@ def test_cpu_lanes_per_device_hand_cases():
 
 @pytest.mark.parametrize("lanes", [1, 2, 3])
 def test_deal_rows_are_each_jobs_place_in_the_lanes_table(lanes):
-    from deltafl_jax.engine.lanes import deal_rows
+    from deltafl_jax.engine.lanes import deal_rows as deal_rows_eager
+    deal_rows = jax.jit(deal_rows_eager, static_argnums=1)
     rng = np.random.default_rng(lanes)
     steps = rng.integers(0, 9, size=17) * (rng.random(17) < 0.7)
     deal = deal_jobs(np.asarray(steps, np.int32), lanes)
@@ -80,7 +85,6 @@ def test_device_ordered_sum_adds_one_row_at_a_time_on_any_device_count(devices):
     order are added row by row in the given order, bit for bit, on every device (devices
     simulated by a named vmap axis); magnitudes over six decades make the result depend on
     the order, and leaves of 21, 7 and 1 elements do not divide into 2 or 3 blocks."""
-    import jax
     from deltafl_jax.engine.lanes import device_ordered_sum, slot_blocks
     from deltafl_jax.engine.mesh import DeviceAxis
     rng = np.random.default_rng(devices)
@@ -95,12 +99,16 @@ def test_device_ordered_sum_adds_one_row_at_a_time_on_any_device_count(devices):
     rows[rng.random((R, m)) < 0.2] = D * S            # jobs that add nothing
     axis = DeviceAxis(count=D, name="d" if D > 1 else None)
     like = {k: jax.ShapeDtypeStruct((R,) + v.shape[2:], v.dtype) for k, v in tables.items()}
-    cut = jax.vmap(lambda t: slot_blocks(t, D))(tables)      # [D devices, D blocks, S, k]
 
     def one_device(t):
         return device_ordered_sum(t, rows, axis, like)
 
-    got = jax.vmap(one_device, axis_name="d")(cut)
+    @jax.jit   # one program, not one per operation
+    def every_device(tables):
+        cut = jax.vmap(lambda t: slot_blocks(t, D))(tables)      # [D devices, D blocks, S, k]
+        return jax.vmap(one_device, axis_name="d")(cut)
+
+    got = every_device(tables)
     for name, table in tables.items():
         want = sequential_sums(table.reshape((D * S,) + table.shape[2:]), rows)
         for d in range(D):

@@ -30,10 +30,15 @@ def test_im2col_weight_gradient_equals_autodiff(k, cin, cout, impl):
     def loss(impl):
         return lambda x, w: jnp.sum(jnp.sin(conv2d(x, w, impl)) * target)
 
+    @jax.jit   # one program, not one compile per operation run eagerly
+    def both(x, w):
+        return ((conv2d(x, w, impl), conv2d(x, w, "xla")),
+                jax.grad(loss(impl), argnums=(0, 1))(x, w),
+                jax.grad(loss("xla"), argnums=(0, 1))(x, w))
+
+    (out, ref), (gx, gw), (rx, rw) = both(x, w)
     # sums of k*k*cin terms of size ~1: float32 rounding reaches ~1e-5 of sqrt(800)
-    np.testing.assert_allclose(conv2d(x, w, impl), conv2d(x, w, "xla"), rtol=1e-5, atol=1e-4)
-    gx, gw = jax.grad(loss(impl), argnums=(0, 1))(x, w)
-    rx, rw = jax.grad(loss("xla"), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
     # float32 rounding of sums of ~200-800 terms: relative to the gradient's scale
     np.testing.assert_allclose(gw, rw, rtol=1e-4, atol=1e-5 * float(np.abs(rw).max()) + 1e-4)
     np.testing.assert_allclose(gx, rx, rtol=1e-4, atol=1e-5 * float(np.abs(rx).max()) + 1e-4)
@@ -72,23 +77,23 @@ def test_losses_against_numpy():
     split = ClientData(x=x, y=y, offsets=np.array([0, 5]), client_ids=np.array([0]))
     data = FederatedDataset("t", split, split, num_classes=3)
     model = build_model("mlp", data, ModelOptions(mlp_hidden=(4,)))
-    params = model.init(jax.random.key(1))
-    logits = np.asarray(model.apply(params, x), np.float64)
+    params = jax.jit(model.init)(jax.random.key(1))
+    logits = np.asarray(jax.jit(model.apply)(params, x), np.float64)
     logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
-    loss, err = model.losses_and_errors(params, x, y)
+    loss, err = jax.jit(model.losses_and_errors)(params, x, y)
     np.testing.assert_allclose(loss, -logp[np.arange(5), y], rtol=1e-5)
     np.testing.assert_array_equal(err, (logits.argmax(1) != y).astype(np.float32))
     # Linear: zero initialisation (reference code), loss log C.
     lin = build_model("linear", data)
-    p0 = lin.init(jax.random.key(0))
+    p0 = jax.jit(lin.init)(jax.random.key(0))
     assert all(np.all(np.asarray(v) == 0) for v in jax.tree.leaves(p0))
-    np.testing.assert_allclose(lin.losses(p0, x, y), np.log(3), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(lin.losses)(p0, x, y), np.log(3), rtol=1e-6)
     # Mean estimation: the squared distance to the point w.
     mean_split = ClientData(x=x[:, :2], y=None, offsets=np.array([0, 5]),
                             client_ids=np.array([0]))
     mean_model = build_model("mean", FederatedDataset("m", mean_split, mean_split, 0))
     w = {"w": jnp.asarray([0.5, -1.0])}
-    np.testing.assert_allclose(mean_model.losses(w, x[:, :2], None),
+    np.testing.assert_allclose(jax.jit(mean_model.losses)(w, x[:, :2], None),
                                ((x[:, :2] - [0.5, -1.0]) ** 2).sum(1), rtol=1e-5)
 
 

@@ -100,20 +100,22 @@ def test_the_server_noise_has_the_stated_standard_deviation():
     fedavg = __import__("deltafl_jax.algorithms.fedavg", fromlist=["x"])
     private = fedavg.private_fedavg("unweighted")
     m, clip, z, d = 8, 0.3, 1.7, 500
-    fb = ClientFeedback(losses=jnp.zeros(m), sizes=jnp.ones(m, jnp.int32),
-                        weights=jnp.full(m, 1 / m), delta_sum={"w": jnp.zeros((d,))},
-                        weight_sum=jnp.float32(1.0), job_sqnorm=jnp.zeros(m),
-                        job_finite=jnp.ones(m, bool), job_trained=jnp.ones(m, bool),
-                        learning_rate=jnp.float32(0.1), clients=jnp.arange(m))
+    fb = ClientFeedback(losses=np.zeros(m, np.float32), sizes=np.ones(m, np.int32),
+                        weights=np.full(m, 1 / m, np.float32),
+                        delta_sum={"w": np.zeros((d,), np.float32)},
+                        weight_sum=np.float32(1.0), job_sqnorm=np.zeros(m, np.float32),
+                        job_finite=np.ones(m, bool), job_trained=np.ones(m, bool),
+                        learning_rate=np.float32(0.1), clients=np.arange(m, dtype=np.int32))
     keys = jax.random.split(jax.random.key(0), 200)
-    noisy = jax.vmap(lambda k: rounds._privatize(private, clip, m, fb, None, k, z))(keys)
+    privatize = jax.jit(lambda k, z: rounds._privatize(private, clip, m, fb, None, k, z))
+    noisy = jax.jit(jax.vmap(privatize, in_axes=(0, None)))(keys, z)   # one program
     draws = np.asarray(noisy.delta_sum["w"], np.float64).ravel()
     sigma = z * clip / m
     n = draws.size
     statistic = float(np.sum(draws ** 2) / sigma ** 2)
     assert stats.chi2.ppf(0.0005, n) < statistic < stats.chi2.ppf(0.9995, n)
     assert np.all(np.asarray(noisy.weight_sum) == 1.0)          # the fixed denominator
-    zero = rounds._privatize(private, clip, m, fb, None, keys[0], 0.0)
+    zero = privatize(keys[0], 0.0)
     assert np.all(np.asarray(zero.delta_sum["w"]) == 0.0)
 
 
@@ -237,8 +239,8 @@ def test_the_quantile_sums_and_the_kept_weight_get_their_stated_noise():
     keys = jax.random.split(jax.random.key(1), 4000)
     noise = secagg.SumNoise(keys[0], jnp.float32(1.5), 4.0, 0.5)
     sens = math.sqrt(17) / 0.5
-    draws = np.asarray(jax.vmap(lambda k: secagg._noised(
-        jnp.zeros(3), noise._replace(key=k), 3, sens))(keys), np.float64)
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: secagg._noised(   # one program
+        jnp.zeros(3), noise._replace(key=k), 3, sens)))(keys), np.float64)
     assert np.all(draws[:, 2] == 0)
     for col in (0, 1):
         stat = float(np.sum(draws[:, col] ** 2) / (1.5 * sens) ** 2)
@@ -246,13 +248,13 @@ def test_the_quantile_sums_and_the_kept_weight_get_their_stated_noise():
     opts = DeltaFLOptions(weighting="unweighted", quantile="secagg_mm")
     private = private_deltafl(opts, privacy.Privacy(clip=1.0, noise_multipliers=(2.0,)))
     m = 8
-    fb = ClientFeedback(losses=jnp.zeros(m), sizes=jnp.ones(m, jnp.int32),
-                        weights=jnp.ones(m), delta_sum={"w": jnp.zeros((2,))},
-                        weight_sum=jnp.float32(1000.0), job_sqnorm=jnp.zeros(m),
-                        job_finite=jnp.ones(m, bool), job_trained=jnp.ones(m, bool),
-                        learning_rate=jnp.float32(0.1), clients=jnp.arange(m))
-    out = jax.vmap(lambda k: rounds._privatize(private, 1.0, m, fb, DeltaFLHyper(0.5), k,
-                                               2.0))(keys)
+    fb = ClientFeedback(losses=np.zeros(m, np.float32), sizes=np.ones(m, np.int32),
+                        weights=np.ones(m, np.float32), delta_sum={"w": np.zeros((2,), np.float32)},
+                        weight_sum=np.float32(1000.0), job_sqnorm=np.zeros(m, np.float32),
+                        job_finite=np.ones(m, bool), job_trained=np.ones(m, bool),
+                        learning_rate=np.float32(0.1), clients=np.arange(m, dtype=np.int32))
+    out = jax.jit(jax.vmap(lambda k: rounds._privatize(private, 1.0, m, fb, DeltaFLHyper(0.5),
+                                                       k, 2.0)))(keys)
     kept = np.asarray(out.weight_sum, np.float64) - 1000.0       # the floor 2 never binds
     stat = float(np.sum(kept ** 2) / 2.0 ** 2)
     assert stats.chi2.ppf(0.0005, 4000) < stat < stats.chi2.ppf(0.9995, 4000)

@@ -11,9 +11,11 @@ import pytest
 
 from conftest import run_rounds_history, tiny_config
 from deltafl_jax import build_experiment
-from deltafl_jax.engine.lanes import finish_order
+from deltafl_jax.engine.lanes import finish_order as finish_order_eager
 
 ROUNDS = 10
+# One program per (jobs, lanes) shape, not one compile per operation run eagerly.
+finish_order = jax.jit(finish_order_eager, static_argnums=1)
 
 
 def simulated_finish_order(steps, lanes):

@@ -193,9 +193,10 @@ def test_a_smoothing_below_the_losses_float32_resolution_warns_once(tiny_synthet
     n = rng.integers(20, 80, 10).astype(np.float64)
     want = exact_weights(losses.astype(np.float64), n, 0.35)
 
+    weights_of = jax.jit(smoothed_tail_weights)   # one program, not one per operation
+
     def smoothed(nu):
-        w = np.asarray(smoothed_tail_weights(jnp.asarray(losses), jnp.asarray(n, jnp.float32),
-                                             0.35, nu), np.float64)
+        w = np.asarray(weights_of(losses, n.astype(np.float32), 0.35, nu), np.float64)
         return w / w.sum()
     assert np.abs(smoothed(1e-7) - want).max() > 0.05          # below the floor: lost
     assert np.abs(smoothed(1e-4) - want).max() < 1e-3          # well above it: the exact LP

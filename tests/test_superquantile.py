@@ -115,15 +115,21 @@ def test_weighted_quantile_matches_definition_and_reference_rule():
             assert float(wq(vp, wp, p)) == ref
 
 
+# The float32 cases below run the primitives jitted: one program per shape, not one compile
+# per operation run eagerly.
+SQ, TAIL, THRESHOLD = jax.jit(superquantile), jax.jit(tail_weights), jax.jit(threshold_weights)
+QUANTILE = jax.jit(weighted_quantile)
+
+
 def test_limits_theta_one_is_mean_and_small_theta_is_max():
     rng = np.random.default_rng(1)
     for _ in range(50):
         v = rng.normal(size=12).astype(np.float32)
         w = rng.integers(1, 100, size=12).astype(np.float32)
-        assert float(superquantile(v, w, 1.0)) == pytest.approx(float(w @ v / w.sum()), rel=1e-5)
-        np.testing.assert_allclose(tail_weights(v, w, 1.0), w / w.sum(), rtol=1e-6)
+        assert float(SQ(v, w, 1.0)) == pytest.approx(float(w @ v / w.sum()), rel=1e-5)
+        np.testing.assert_allclose(TAIL(v, w, 1.0), w / w.sum(), rtol=1e-6)
         theta = 0.5 * w.min() / w.sum()  # below the smallest weight share: only the max counts
-        assert float(superquantile(v, w, theta)) == pytest.approx(float(v.max()), rel=1e-6)
+        assert float(SQ(v, w, theta)) == pytest.approx(float(v.max()), rel=1e-6)
 
 
 def test_hand_computed_cases():
@@ -131,28 +137,28 @@ def test_hand_computed_cases():
     # covered by all of client 3 (cap 2/3 > 1/2) -> value 3. At theta = 2/3: 3 and 2 get 1/2.
     v = np.array([1.0, 2.0, 3.0], np.float32)
     w = np.ones(3, np.float32)
-    np.testing.assert_allclose(tail_weights(v, w, 0.5), [0, 1 / 3, 2 / 3], atol=1e-6)
-    np.testing.assert_allclose(tail_weights(v, w, 2 / 3), [0, 0.5, 0.5], atol=1e-6)
-    assert float(superquantile(v, w, 2 / 3)) == pytest.approx(2.5)
+    np.testing.assert_allclose(TAIL(v, w, 0.5), [0, 1 / 3, 2 / 3], atol=1e-6)
+    np.testing.assert_allclose(TAIL(v, w, 2 / 3), [0, 0.5, 0.5], atol=1e-6)
+    assert float(SQ(v, w, 2 / 3)) == pytest.approx(2.5)
     # Boundary client with a fraction: weights 1, 1, 2, theta = 0.6 -> tail mass 2.4 of 4:
     # client 3 (weight 2, value 3) full, client 2 gets 0.4 of its 1 -> pi = (0, 1/6, 5/6).
     w = np.array([1.0, 1.0, 2.0], np.float32)
-    np.testing.assert_allclose(tail_weights(v, w, 0.6), [0, 0.4 / 2.4, 2 / 2.4], atol=1e-6)
+    np.testing.assert_allclose(TAIL(v, w, 0.6), [0, 0.4 / 2.4, 2 / 2.4], atol=1e-6)
     # The reference filter keeps the boundary client with its full weight.
-    np.testing.assert_allclose(threshold_weights(v, w, 0.6), [0, 1, 2])
+    np.testing.assert_allclose(THRESHOLD(v, w, 0.6), [0, 1, 2])
     # Ties at the boundary share the remainder in proportion to their weights.
     v = np.array([5.0, 2.0, 2.0, 1.0], np.float32)
     w = np.array([1.0, 1.0, 3.0, 1.0], np.float32)   # W = 6, theta = 0.5 -> mass 3
-    np.testing.assert_allclose(tail_weights(v, w, 0.5), [1 / 3, 0.5 / 3, 1.5 / 3, 0], atol=1e-6)
+    np.testing.assert_allclose(TAIL(v, w, 0.5), [1 / 3, 0.5 / 3, 1.5 / 3, 0], atol=1e-6)
 
 
 def test_zero_weights_are_ignored_and_vmap_over_theta_and_batches():
     v = np.array([9.0, 1.0, 2.0, 3.0], np.float32)
     w = np.array([0.0, 1.0, 1.0, 1.0], np.float32)  # the 9 is padding
-    assert float(weighted_quantile(v, w, 1.0)) == 3.0
-    assert float(superquantile(v, w, 1 / 3)) == pytest.approx(3.0)
+    assert float(QUANTILE(v, w, 1.0)) == 3.0
+    assert float(SQ(v, w, 1 / 3)) == pytest.approx(3.0)
     thetas = jnp.array([1.0, 2 / 3, 1 / 3])
-    got = jax.vmap(superquantile, in_axes=(None, None, 0))(v, w, thetas)
+    got = jax.jit(jax.vmap(superquantile, in_axes=(None, None, 0)))(v, w, thetas)
     np.testing.assert_allclose(got, [2.0, 2.5, 3.0], rtol=1e-6)
     vs = np.stack([v, v[::-1]])
     ws = np.stack([w, w[::-1]])
