@@ -95,6 +95,27 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
+FAST_SUITE_MARKEXPR = "not slow"
+
+
+def pytest_configure(config):
+    """The fast suite (the README's test command, ``-m 'not slow'``) compiles with XLA's most
+    expensive optimizations off (``jax_disable_most_optimizations``: LLVM at -O0, no expensive
+    passes), in this process, the xdist workers and the commands the tests start. Most of that
+    suite's time is XLA compiling small programs it runs once, so this cuts its CPU by about a
+    quarter. The HLO the code builds, its ops and their order are the same; what changes is how
+    LLVM emits the kernels, so floats can differ in the last bits from an optimized build, and
+    every fast test compares within a tolerance or two programs compiled alike. Runs that select
+    the slow tests (CI's second step: the goldens and the kill-and-resume recordings, compared
+    bit for bit with files written at XLA's default level) compile as users do."""
+    if (config.getoption("markexpr") == FAST_SUITE_MARKEXPR
+            and "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ):
+        os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+    if os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1":
+        import jax
+        jax.config.update("jax_disable_most_optimizations", True)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The process that made the sandbox (the xdist controller, after every worker is done)
     fails the run if the user's caches changed while it ran."""

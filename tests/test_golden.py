@@ -30,6 +30,9 @@ ALGORITHMS = sorted(d for d in os.listdir(GOLDEN) if os.path.isdir(os.path.join(
 
 @pytest.fixture(scope="module")
 def rerun(tmp_path_factory, capsys_module=None):
+    if jax.config.read("jax_disable_most_optimizations"):   # tests/conftest.py, fast tests only
+        pytest.fail("the goldens were recorded at XLA's default optimization level: run them "
+                    "without JAX_DISABLE_MOST_OPTIMIZATIONS (e.g. -m slow)")
     out = tmp_path_factory.mktemp("golden")
     from experiments import run as runner
     runner.FLAGS.unparse_flags()

@@ -90,3 +90,16 @@ def test_a_run_that_changes_the_users_cache_fails(tmp_path):
     sandbox = lines[report].split("under ", 1)[1].rstrip("):")
     assert os.path.basename(sandbox).startswith("deltafl_tests_home_")
     assert not os.path.exists(sandbox)
+
+
+def test_the_fast_tests_compile_without_expensive_optimizations(request):
+    """tests/conftest.py: the README's command (-m 'not slow') compiles with XLA's most expensive
+    optimizations off, here and in the commands the tests start; a run that selects the slow
+    tests (the goldens) compiles at XLA's defaults."""
+    import jax
+    fast = request.config.getoption("markexpr") == "not slow"
+    assert jax.config.read("jax_disable_most_optimizations") is fast
+    child = subprocess.run([sys.executable, "-c", "import jax; print(jax.config.read("
+                            "'jax_disable_most_optimizations'))"],
+                           capture_output=True, text=True, check=True, cwd=REPO)
+    assert child.stdout.strip() == str(fast)
