@@ -20,7 +20,8 @@ Sides, each a process of its own that runs one round per request (``peer_common.
   --batch_size=10 --learning_rate=0.1 --local_epochs=1`` plus each entry of ``--engines``
   (``default``: no placement flag, so, as the command line does on a CPU, one host device per
   core; ``devices=1``; ``devices=2``; several flags joined by ``+``, e.g.
-  ``devices=2+clients_per_step=2``). A process's host devices are set in its XLA_FLAGS before
+  ``devices=2+clients_per_step=2``; ``xla=--flag=v,--flag2=w`` adds XLA flags to that side's
+  process). A process's host devices are set in its XLA_FLAGS before
   JAX starts (``--xla_force_host_platform_device_count``), as the command line sets them. A
   round is timed from the host's round plan (``round_data``) to the new model on the host.
 
@@ -87,6 +88,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 CHANNELS, CLASSES, SEED = 3, 10, 1
 FLOP_TOLERANCE = 0.01   # the two sides' counts of the same network's FLOPs
+XLA_ENTRY = "xla"       # --engines=xla=--flag=v,--flag2=w: XLA flags of that side's process
 
 
 def engine_settings(entry: str) -> dict:
@@ -192,6 +194,7 @@ def engine_side() -> None:
     from deltafl_jax.models import ModelOptions, build_model
 
     settings = engine_settings(FLAGS.engine_flags)
+    settings.pop(XLA_ENTRY, None)   # in this process's XLA_FLAGS already (start_sides)
     data = cifar_like_dataset()
     cfg = ExperimentConfig(
         data=DataConfig("npz"), model="pfl_cnn", algorithm="fedavg", seeds=(SEED,),
@@ -208,7 +211,7 @@ def engine_side() -> None:
              "jax_gemm_gflops": gemm_peak_gflops(FLAGS.gemm_n)}
     state, keys = exp.initial_state(), exp.keys()
     for _, t, _ in serve(("jax", "jaxlib", "flax", "numpy"), extra):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         rd = exp.round_data(t)
         t1 = time.perf_counter()
         state, met = exp.round_fn(state, rd, keys)
@@ -216,6 +219,7 @@ def engine_side() -> None:
         dt = time.perf_counter() - t0
         trained = int(np.sum(met["train_real_examples"]))
         print("DONE " + json.dumps({"round": t, "seconds": dt, "host_plan_s": t1 - t0,
+                                    "cpu_s": time.process_time() - c0,
                                     "real_examples": trained,
                                     "padded_examples": int(np.sum(met["train_padded_examples"])),
                                     "eval_examples": int(np.sum(met["eval_real_examples"]))}),
@@ -401,7 +405,8 @@ def start_sides() -> dict:
         env = dict(os.environ)   # this side's host devices, whatever the caller's flags say
         kept = [f for f in env.get("XLA_FLAGS", "").split()
                 if not f.startswith(HOST_DEVICES_FLAG)]
-        env["XLA_FLAGS"] = " ".join(kept + [f"{HOST_DEVICES_FLAG}={int(devices)}"])
+        extra = [f for f in str(settings.get(XLA_ENTRY, "")).split(",") if f]
+        env["XLA_FLAGS"] = " ".join(kept + extra + [f"{HOST_DEVICES_FLAG}={int(devices)}"])
         sides[f"engine_{entry}"] = Side(
             [sys.executable, "-m", "bench.peer_pfl", "--role=engine", f"--engine_flags={entry}",
              *common], env)
@@ -458,6 +463,10 @@ def summarise(sides: dict, times: dict, peaks: dict) -> dict:
                 side.info["engine_flops_per_example"] * examples / 1e9)
             rows[name]["host_plan_s_median"] = float(np.median([r["host_plan_s"]
                                                                 for r in timed]))
+        if all("cpu_s" in r for r in timed):   # the process's CPU seconds over its wall time
+            rows[name]["cpu_s_median"] = float(np.median([r["cpu_s"] for r in timed]))
+            rows[name]["cores_busy_median"] = float(np.median([r["cpu_s"] / r["seconds"]
+                                                               for r in timed]))
     pfl = [k for k in med if k.startswith("pfl")]
     ratios = {f"{p}_over_{k}": med[p] / med[k] for p in pfl for k in med
               if k.startswith("engine")}

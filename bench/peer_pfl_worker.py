@@ -178,13 +178,14 @@ def round_callback(net, commands, first_round: int):
 
     class Rounds(TrainingProcessCallback):
         def __init__(self):
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
             self.round = first_round
 
         def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
             synchronize()
             dt = time.perf_counter() - self.t0
             print("DONE " + json.dumps({"round": self.round, "seconds": dt,
+                                        "cpu_s": time.process_time() - self.c0,
                                         "real_examples": net.examples,
                                         "padded_examples": net.examples}), flush=True)
             net.examples = 0
@@ -192,7 +193,7 @@ def round_callback(net, commands, first_round: int):
             if cmd is None or cmd[0] != "round":
                 return True, Metrics()
             self.round = cmd[1]
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
             return False, Metrics()
 
     return Rounds()
