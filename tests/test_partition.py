@@ -5,15 +5,17 @@ partition.npz; data_prep.stats.
 The partition of labels y with seed s is, in Flower Datasets, ``FederatedDataset(shuffle=True,
 seed=s)`` (Hugging Face ``Dataset.shuffle(seed=s)``: ``default_rng(s).permutation(n)``) followed
 by the partitioner with ``seed=s``. The restatements below are written from the partitioners'
-descriptions, in plain Python lists and loops; the comparison with ``flwr_datasets`` runs where it
-is installed (it is not a dependency: see docs/guides/own-data.md)."""
+descriptions, in plain Python lists and loops. Flower Datasets itself is not a dependency (see
+docs/guides/own-data.md): its partitions of the same labels, for every partitioner and three
+seeds, are recorded in tests/fixtures/flower_partitions.npz (tests/fixtures/flower_partitions.py
+says how), the partitioners are compared with that recording everywhere, and the recording with
+``flwr_datasets`` where it is installed."""
 
 import json
 import math
 import os
 import subprocess
 import sys
-import warnings
 
 import numpy as np
 import pytest
@@ -21,22 +23,9 @@ import pytest
 from deltafl_jax import DataConfig, DataError, load_dataset
 from deltafl_jax.datasets import partition as P
 
+from fixtures.flower_partitions import LABELS, SEEDS, SPECS, flower_partition, recorded
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LABELS = np.random.default_rng(7).integers(0, 10, size=3000)
-SPECS = {
-    "iid": dict(method="iid", num_clients=17),
-    "dirichlet": dict(method="dirichlet", num_clients=20, alpha=0.3),
-    "dirichlet_balanced": dict(method="dirichlet", num_clients=20, alpha=0.3,
-                               self_balancing=True),
-    "shards": dict(method="shards", num_clients=30, shards_per_client=2),
-    "pathological": dict(method="pathological", num_clients=25, classes_per_client=3),
-    "pathological_first": dict(method="pathological", num_clients=25, classes_per_client=3,
-                               class_assignment_mode="first-deterministic"),
-    "inner_dirichlet": dict(method="inner_dirichlet", num_clients=20, alpha=0.5),
-    "size_linear": dict(method="size", num_clients=20, size_law="linear"),
-    "size_square": dict(method="size", num_clients=20, size_law="square"),
-    "size_exponential": dict(method="size", num_clients=5, size_law="exponential"),
-}
 
 
 # ---- NumPy restatements (the assignment of rows to clients; rows as in the shuffled split) ----
@@ -169,43 +158,27 @@ def test_each_partitioner_equals_its_numpy_restatement(name):
         assert [set(p.tolist()) for p in ours] == restated(LABELS, SPECS[name], seed)
 
 
-def flower_partition(flwr, datasets, spec, seed):
-    """Flower Datasets' partition (FederatedDataset's shuffle, then the partitioner)."""
-    pt = flwr.partitioner
-    k, m = spec["num_clients"], spec["method"]
-    make = {
-        "iid": lambda: pt.IidPartitioner(k),
-        "dirichlet": lambda: pt.DirichletPartitioner(
-            k, "label", spec["alpha"], self_balancing=spec.get("self_balancing", False),
-            seed=seed),
-        "shards": lambda: pt.ShardPartitioner(
-            k, "label", num_shards_per_partition=spec["shards_per_client"], seed=seed),
-        "pathological": lambda: pt.PathologicalPartitioner(
-            k, "label", spec["classes_per_client"],
-            class_assignment_mode=spec.get("class_assignment_mode", "random"), seed=seed),
-        "inner_dirichlet": lambda: pt.InnerDirichletPartitioner(
-            P.even_sizes(len(LABELS), k).tolist(), "label", spec["alpha"], seed=seed),
-        "size": lambda: {"linear": pt.LinearPartitioner, "square": pt.SquarePartitioner,
-                         "exponential": pt.ExponentialPartitioner}[spec["size_law"]](k),
-    }[m]
-    part = make()
-    part.dataset = datasets.Dataset.from_dict(
-        {"label": LABELS.tolist(), "row": list(range(len(LABELS)))}).shuffle(seed=seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return [np.asarray(part.load_partition(j)["row"]) for j in range(k)]
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_each_partitioner_equals_flower_datasets_row_for_row(name):
+    """The same rows in the same order as Flower Datasets' recorded partition, every client."""
+    for seed in SEEDS:
+        ours = P.partition(LABELS, P.PartitionSpec(seed=seed, **SPECS[name]))
+        theirs = recorded(name, seed)
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
-def test_each_partitioner_equals_flower_datasets_row_for_row(name):
-    flwr = pytest.importorskip("flwr_datasets")   # the restatement test above always runs
+def test_the_recording_is_flower_datasets_own_partition(name):
+    flwr = pytest.importorskip("flwr_datasets")   # the comparison above always runs
     import datasets
-    for seed in (0, 3, 42):
-        ours = P.partition(LABELS, P.PartitionSpec(seed=seed, **SPECS[name]))
+    for seed in SEEDS:
         theirs = flower_partition(flwr, datasets, SPECS[name], seed)
-        assert len(ours) == len(theirs)
-        for a, b in zip(ours, theirs):
-            np.testing.assert_array_equal(a, b)   # the same rows in the same order
+        want = recorded(name, seed)
+        assert len(want) == len(theirs)
+        for a, b in zip(want, theirs):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_dirichlet_shares_have_the_dirichlet_mean_and_variance_over_50_seeds():
