@@ -17,8 +17,8 @@ Public entry points:
 Importing the package is cheap: each public name is imported from its module on first use
 (PEP 562's module ``__getattr__``), so that a command that only parses its flags, or a tool
 that reads a run's files, does not start JAX, Flax or optax. ``deltafl_jax.superquantile``
-is the function, as ``from deltafl_jax import superquantile`` has always given, even once the
-module of the same name is imported.
+is the function (``from deltafl_jax import superquantile``), also once the module of that name
+is imported.
 """
 
 from __future__ import annotations
