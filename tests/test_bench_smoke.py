@@ -683,7 +683,21 @@ def test_resnet_profile_smoke_counts_and_splits(tmp_path):
             "3x3 convs input grad"} == set(step["groups"])
 
 
+
+def test_command_start_smoke_runs_each_case_in_both_trees(tmp_path):
+    """This tree against itself: each case answers alike in both, with its exit code and the
+    CPU of every run."""
+    res = run_json(["bench.command_start", f"--before={REPO}", "--repeats=2",
+                    "--cases=run_bad_flag,prepare_no_source"], tmp_path, "command_start")
+    assert res["trees"]["before"] == res["trees"]["after"] == os.path.abspath(REPO)
+    assert list(res["cases"]) == ["run_bad_flag", "prepare_no_source"]
+    for row in res["cases"].values():
+        assert row["exit_code"] == {"before": 2, "after": 2} and row["same_output"]
+        for tree in ("before", "after"):
+            assert len(row[tree]["cpu_s_all"]) == 2 and row[tree]["cpu_s"] > 0
+
 SMOKE_RUNS = {
+    "command_start.py": ["test_command_start_smoke_runs_each_case_in_both_trees"],
     "suite_cpu.py": ["test_suite_cpu_smoke_charges_each_test_its_cpu_and_compiles",
                      "test_suite_cpu_merge_counts_the_workers_once"],
     "fedbuff_step.py": ["test_fedbuff_step_smoke_times_both"],
