@@ -27,12 +27,14 @@ FLAGFILE_HELP = ("--flagfile=FILE reads flags from FILE, one --flag=value a line
 
 
 def usage(program: str) -> str:
-    """The usage lines of ``python -m experiments.NAME --help``: the command's own example
-    line(s) from its module docstring when it is the running program, else a generic line,
-    and how --flagfile works."""
+    """The usage lines of ``python -m PACKAGE.NAME --help`` (``experiments.run``,
+    ``data_prep.prepare``, ...): the command's own example line(s) from its module docstring
+    when it is the running program, else a generic line, and how --flagfile works."""
+    main = sys.modules.get("__main__")
     name = os.path.splitext(os.path.basename(program))[0]
-    module = f"experiments.{name}"
-    doc = getattr(sys.modules.get("__main__"), "__doc__", None) or ""
+    running = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    module = running if running.endswith("." + name) else f"experiments.{name}"
+    doc = getattr(main, "__doc__", None) or ""
     lines = [line.strip() for line in doc.splitlines()
              if line.strip().startswith(f"python -m {module} ")]
     if not lines:

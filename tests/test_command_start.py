@@ -67,5 +67,5 @@ def test_a_refused_command_line_is_answered_before_the_heavy_imports(tmp_path, m
 def test_help_is_printed_before_the_heavy_imports(tmp_path, module):
     code, out, err, heavy = probe(tmp_path, module, ["--help"])
     assert code == 0, err
-    assert out.startswith("usage: python -m ") and "--flagfile=FILE" in out
+    assert out.startswith(f"usage: python -m {module} ") and "--flagfile=FILE" in out
     assert heavy == [], f"{module} --help imported {', '.join(heavy)}"
