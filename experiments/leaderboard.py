@@ -62,8 +62,8 @@ _define(flags.DEFINE_bool, "download", False, "fetch and prepare a setting's dat
 _define(flags.DEFINE_list, "settings", [], "run only these settings (flagfile names) of the set")
 _define(flags.DEFINE_list, "methods", [], "run only these methods (default: every method whose "
         "leaderboard Board applies)")
-_define(flags.DEFINE_string, "out", "runs/leaderboard", "where the programs, tables and "
-        "figures go")
+OUT_DEFAULT = "runs/leaderboard"
+_define(flags.DEFINE_string, "out", OUT_DEFAULT, "where the programs, tables and figures go")
 _define(flags.DEFINE_list, "tune_seeds", [], "seeds of the tuning runs (the learning-rate "
         "grid and the validation grids; default: the final runs' seeds, 1, 2, 3 or --seeds, on "
         "the cpu set, 1 elsewhere)")
@@ -747,8 +747,10 @@ ARGS: List[str] = []   # the command line, re-read after each setting's flagfile
 
 
 def parse_flags_or_fail(argv):
-    """cli's parsing, keeping the command line for :func:`plan`."""
+    """cli's parsing, keeping the command line for :func:`plan`; --out's default is this
+    command's own, whichever command defined the flag (experiments.report defines it too)."""
     ARGS[:] = list(argv)
+    FLAGS.set_default("out", OUT_DEFAULT)
     return cli.parse_flags_or_fail(argv)
 
 

@@ -23,13 +23,15 @@ import sys
 
 from absl import app, flags, logging
 
-from experiments.command import fail, parse_flags_or_fail
+from experiments import command
+from experiments.command import fail
 
 FLAGS = flags.FLAGS
 # The report's mark on its --out folder: a later report may write into it again.
 MARKER = "deltafl_report.json"
 
-flags.DEFINE_string("out", None, "directory for report.md, the figures and the CSV files")
+if "out" not in FLAGS:   # experiments.leaderboard defines --out too; one process may import both
+    flags.DEFINE_string("out", None, "directory for report.md, the figures and the CSV files")
 flags.DEFINE_enum("percentile", "lower", ["lower", "linear"],
                   "lower: weighted lower quantile (train losses alpha-weighted); linear: "
                   "NumPy's linear interpolation, unweighted, as the reference scripts")
@@ -85,6 +87,13 @@ def write(runs, skipped, warn):
             with contextlib.suppress(OSError):
                 os.rmdir(d)
         raise
+
+
+def parse_flags_or_fail(argv):
+    """The command line's flags (experiments.command), --out's default this command's own
+    (no default: it is required) whichever command defined the flag."""
+    FLAGS.set_default("out", None)
+    return command.parse_flags_or_fail(argv)
 
 
 def main(argv):

@@ -233,3 +233,19 @@ def test_the_start_up_line_counts_in_the_singular_and_the_plural(tmp_path, capsy
     assert code == 0, err
     line = [l for l in (out + err).splitlines() if l.startswith("deltafl_jax: synthetic")][0]
     assert "4 replicas (2 seeds)" in line and "2 client lanes per step" in line, line
+
+
+def test_report_and_leaderboard_share_one_process():
+    """Both commands define --out (absl's flags are global): imported in one process, in
+    either order, each parses with its own default."""
+    from experiments import leaderboard, report
+    try:
+        for _ in range(2):
+            report.FLAGS.unparse_flags()
+            report.parse_flags_or_fail(["report", "runs/x"])
+            assert report.FLAGS.out is None
+            leaderboard.FLAGS.unparse_flags()
+            leaderboard.parse_flags_or_fail(["leaderboard"])
+            assert leaderboard.FLAGS.out == "runs/leaderboard"
+    finally:
+        report.FLAGS.unparse_flags()
