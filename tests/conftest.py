@@ -1,6 +1,7 @@
 import os
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 
@@ -96,21 +97,43 @@ import pytest  # noqa: E402
 
 
 FAST_SUITE_MARKEXPR = "not slow"
+# XLA:CPU's emitters of fused kernels spend a fixed ~8 ms setting up each kernel, so a round
+# (about 200 kernels even for the linear model) compiles in half the time with the older
+# emitters. Same results (the goldens match bit for bit with it), slower small kernels.
+FAST_SUITE_XLA_FLAG = "--xla_cpu_use_fusion_emitters=false"
+PROBED_VAR = "DELTAFL_TESTS_XLA_FLAG_PROBED"
+
+
+def _xla_accepts(flag):
+    """Whether this jaxlib's XLA knows `flag` (XLA aborts on an unknown one): a child process
+    compiles one program with it."""
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flag).strip())
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1.0)"],
+                           env=env, capture_output=True, timeout=300)
+    return probe.returncode == 0
 
 
 def pytest_configure(config):
     """The fast suite (the README's test command, ``-m 'not slow'``) compiles with XLA's most
     expensive optimizations off (``jax_disable_most_optimizations``: LLVM at -O0, no expensive
     passes), in this process, the xdist workers and the commands the tests start. Most of that
-    suite's time is XLA compiling small programs it runs once, so this cuts its CPU by about a
-    quarter. The HLO the code builds, its ops and their order are the same; what changes is how
-    LLVM emits the kernels, so floats can differ in the last bits from an optimized build, and
-    every fast test compares within a tolerance or two programs compiled alike. Runs that select
-    the slow tests (CI's second step: the goldens and the kill-and-resume recordings, compared
-    bit for bit with files written at XLA's default level) compile as users do."""
-    if (config.getoption("markexpr") == FAST_SUITE_MARKEXPR
-            and "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ):
+    suite's time is XLA compiling small programs it runs once. With it, where this jaxlib's XLA
+    accepts it, :data:`FAST_SUITE_XLA_FLAG` (XLA:CPU's older emitters of fused kernels, which
+    compile each kernel faster). The HLO the code builds, its ops and their order are the same;
+    what changes is how the kernels are emitted, so floats can differ in the last bits from an
+    optimized build, and every fast test compares within a tolerance or two programs compiled
+    alike. Runs that select the slow tests (CI's second step: the goldens and the
+    kill-and-resume recordings, compared bit for bit with files written at XLA's default
+    level) compile as users do."""
+    fast = config.getoption("markexpr") == FAST_SUITE_MARKEXPR
+    if fast and "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ:
         os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+    from jax._src import xla_bridge
+    if (fast and "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]
+            and PROBED_VAR not in os.environ and not xla_bridge.backends_are_initialized()):
+        os.environ[PROBED_VAR] = "1"   # the workers inherit the flag, or that it was refused
+        if _xla_accepts(FAST_SUITE_XLA_FLAG):
+            os.environ["XLA_FLAGS"] += " " + FAST_SUITE_XLA_FLAG
     if os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1":
         import jax
         jax.config.update("jax_disable_most_optimizations", True)

@@ -103,3 +103,11 @@ def test_the_fast_tests_compile_without_expensive_optimizations(request):
                             "'jax_disable_most_optimizations'))"],
                            capture_output=True, text=True, check=True, cwd=REPO)
     assert child.stdout.strip() == str(fast)
+
+
+def test_the_fast_tests_compile_with_the_older_fused_kernel_emitters(request):
+    """tests/conftest.py: where XLA accepts it, the fast tests (and the commands they start)
+    compile with --xla_cpu_use_fusion_emitters=false; the slow tests without it."""
+    from conftest import FAST_SUITE_XLA_FLAG
+    fast = request.config.getoption("markexpr") == "not slow"
+    assert (FAST_SUITE_XLA_FLAG in os.environ.get("XLA_FLAGS", "")) is fast
