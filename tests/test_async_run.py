@@ -48,14 +48,13 @@ def by_hand(data, config, settings, aggregate=None):
                       settings=settings, offsets=data.train.offsets, work=work,
                       seconds=job_durations(speeds, data.train.sizes, work, nbytes),
                       availability=resolve(config, data).availability, aggregate=aggregate)
-    keys = jax.jit(jax.vmap(jax.random.key))(np.asarray(SEEDS, np.uint32))
-    state = jax.jit(lambda k: init_buffered_state(jax.vmap(model.init)(k),
-                                                  run.schedulers[0].V))(keys)   # one program
+    keys = jax.vmap(jax.random.key)(np.asarray(SEEDS, np.uint32))
+    state = init_buffered_state(jax.vmap(model.init)(keys), run.schedulers[0].V)
     times = []
     for _ in range(STEPS):
         state, metrics = run.step(state, data.train.x, data.train.y, keys)
         times.append(metrics["virtual_time"])
-    return jax.device_get(jax.jit(current_params)(state)), np.stack(times)
+    return jax.device_get(current_params(state)), np.stack(times)
 
 
 def async_config(out=None, **kw):
