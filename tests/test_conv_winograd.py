@@ -48,12 +48,18 @@ def test_values_and_gradients_equal_xla_direct_convolution(case):
     x, k, pads = sample(case)
 
     def loss(conv):
-        return jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(jnp.sin(conv(a, b))), (0, 1)))
+        return jax.value_and_grad(lambda a, b: jnp.sum(jnp.sin(conv(a, b))), (0, 1))
 
     direct = lambda a, b: lax.conv_general_dilated(a, b, (1, 1), pads, dimension_numbers=DN)
     ours = lambda a, b: conv_winograd(a, b, pads)
-    assert_close(jax.jit(ours)(x, k), direct(x, k))
-    for r, g in zip(jax.tree.leaves(loss(direct)(x, k)), jax.tree.leaves(loss(ours)(x, k))):
+
+    @jax.jit   # one program per case, not one per function compared
+    def both(a, b):
+        return (ours(a, b), loss(ours)(a, b)), (direct(a, b), loss(direct)(a, b))
+
+    got, ref = both(x, k)
+    assert_close(got[0], ref[0])
+    for r, g in zip(jax.tree.leaves(ref[1]), jax.tree.leaves(got[1])):
         assert_close(g, r)
 
 
@@ -75,10 +81,15 @@ def test_values_and_weight_gradient_equal_numpy(case):
     x, k, pads = sample(case, seed=1)
     x64, k64 = np.asarray(x, np.float64), np.asarray(k, np.float64)
     y = numpy_conv(x64, k64, pads)
-    conv = jax.jit(lambda a, b: conv_winograd(a, b, pads))
-    assert_close(conv(x, k), y)
     r = np.random.default_rng(2).normal(size=y.shape)
-    dw = jax.jit(jax.grad(lambda b: jnp.sum(conv(x, b) * jnp.asarray(r, jnp.float32))))(k)
+
+    @jax.jit   # the values and the weight gradient in one program
+    def values_and_weight_gradient(a, b):
+        conv = lambda b: conv_winograd(a, b, pads)
+        return conv(b), jax.grad(lambda b: jnp.sum(conv(b) * jnp.asarray(r, jnp.float32)))(b)
+
+    got, dw = values_and_weight_gradient(x, k)
+    assert_close(got, y)
     (plo, phi), (qlo, qhi) = pads
     eye = np.eye(k.shape[2])
     # the weight gradient's (i, j, c, o) entry is the convolution's output for a unit kernel
@@ -128,15 +139,20 @@ def test_nn_conv_in_vmapped_lanes_equals_flax(layer):
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.normal(size=(2, 3, 9, 8, 4)), jnp.float32)
     module = ConvNet(LAYERS[layer])
-    p = module.init(jax.random.key(0), x[0])
-    lanes = jax.tree.map(lambda a: jnp.stack([a, -0.7 * a]), p)
 
-    def grads(impl):
+    def grads(impl, lanes, x):
         def loss(q, xb):
             return jnp.sum(jnp.sin(rewritten(module.apply, impl)(q, xb)))
-        return jax.tree.leaves(jax.jit(jax.vmap(jax.value_and_grad(loss, (0, 1))))(lanes, x))
+        return jax.vmap(jax.value_and_grad(loss, (0, 1)))(lanes, x)
 
-    for r, g in zip(grads("xla"), grads("winograd")):
+    @jax.jit   # the initialisation and both lanes' gradients in one program
+    def both(x):
+        p = module.init(jax.random.key(0), x[0])
+        lanes = jax.tree.map(lambda a: jnp.stack([a, -0.7 * a]), p)
+        return grads("xla", lanes, x), grads("winograd", lanes, x)
+
+    ref, got = both(x)
+    for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         assert_close(g, r)
 
 
@@ -158,7 +174,7 @@ def test_pfl_cnn_step_has_no_convolution_and_equals_xla():
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.normal(size=(3, 12, 10, 3)), jnp.float32)
     y = jnp.asarray([1, 0, 4])
-    p = PflCNN(5, conv_impl="xla").init(jax.random.key(1), x)
+    p = jax.jit(PflCNN(5, conv_impl="xla").init)(jax.random.key(1), x)
 
     def loss_of(impl):
         def loss(q):
@@ -169,8 +185,8 @@ def test_pfl_cnn_step_has_no_convolution_and_equals_xla():
     prims = {e.primitive.name for e in equations(
         jax.make_jaxpr(jax.grad(loss_of("winograd")))(p).jaxpr)}
     assert "conv_general_dilated" not in prims and "dot_general" in prims
-    ref = jax.jit(jax.value_and_grad(loss_of("xla")))(p)
-    got = jax.jit(jax.value_and_grad(loss_of("winograd")))(p)
+    ref, got = jax.jit(lambda q: (jax.value_and_grad(loss_of("xla"))(q),    # one program
+                                  jax.value_and_grad(loss_of("winograd"))(q)))(p)
     for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         assert_close(g, r)
 

@@ -6,6 +6,7 @@ K = 3, staleness weights 1/sqrt(1 + tau), several server steps."""
 import heapq
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -92,14 +93,14 @@ def test_fedbuff_matches_numpy_event_simulation(tmp_path, alpha):
     w0 = {"Dense_0": {"kernel": np.random.default_rng(6).normal(
         size=(2, FEATURES, CLASSES)).astype(np.float32) * 0.3,
                       "bias": np.zeros((2, CLASSES), np.float32)}}
-    state = init_buffered_state(w0, sch.V)
+    state = jax.jit(init_buffered_state, static_argnums=1)(w0, sch.V)
     local = LocalSGDConfig(batch_size=BATCH, lanes=2)
     step_fn = jax.jit(build_buffered_step(model, replicas, local) if alpha is None else
                       build_fedasync_step(model, replicas, local, alpha))
     work = plan_lib.LocalWork(batch_size=BATCH, local_epochs=EPOCHS)
     offsets = data.train.offsets
     caps = plan_lib.capacities(np.diff(offsets), k, work, eval_chunk=8, with_replacement=True)
-    keys = jax.vmap(jax.random.key)(np.zeros(2, np.uint32))
+    keys = jax.jit(jax.vmap(jax.random.key))(np.zeros(2, np.uint32))
     got_bases = []
     for v in range(STEPS):
         step = sch.next_step()
@@ -110,7 +111,7 @@ def test_fedbuff_matches_numpy_event_simulation(tmp_path, alpha):
         state, metrics = step_fn(state, rd, step_inputs([step]), keys)
     xs = [data.train.client(k)[0].astype(np.float64) for k in range(len(SIZES))]
     ys = [data.train.client(k)[1] for k in range(len(SIZES))]
-    served = jax.device_get(current_params(state))["Dense_0"]
+    served = jax.device_get(jax.jit(current_params)(state))["Dense_0"]
     for r, lr in enumerate(LRS):
         start = (w0["Dense_0"]["kernel"][r].astype(np.float64), np.zeros(CLASSES))
         versions, bases = numpy_fedbuff(xs, ys, seconds, start, lr, STEPS, k, alpha)
@@ -135,7 +136,9 @@ def test_buffered_run_resumes_bit_for_bit(tmp_path):
                         l2=np.zeros(3, np.float32),
                         schedules=tuple(optax.constant_schedule(lr) for lr in (0.3, 0.3, 0.1)),
                         labels=())
-    keys = jax.vmap(jax.random.key)(np.asarray([3, 4, 4], np.uint32))
+    keys = jax.jit(jax.vmap(jax.random.key))(np.asarray([3, 4, 4], np.uint32))
+    start = jax.jit(lambda keys, V: init_buffered_state(jax.vmap(model.init)(keys), V),
+                    static_argnums=1)   # one program, not one per operation run eagerly
 
     def fresh():
         run = BufferedRun(model, replicas, LocalSGDConfig(batch_size=4, lanes=2),
@@ -144,8 +147,7 @@ def test_buffered_run_resumes_bit_for_bit(tmp_path):
                           work=plan_lib.LocalWork(batch_size=4, local_epochs=1),
                           seconds=lambda ids: seconds[ids],
                           availability=Bernoulli(np.full(len(SIZES), 0.7)))
-        params = jax.vmap(model.init)(keys)
-        return run, init_buffered_state(params, run.schedulers[0].V)
+        return run, start(keys, run.schedulers[0].V)
 
     def go(run, state, n):
         times = []
@@ -182,9 +184,17 @@ def test_a_step_without_a_finite_update_keeps_the_model():
     replicas = Replicas(group=np.zeros(2, np.int32), hyper=(), l2=np.zeros(2, np.float32),
                         schedules=(optax.constant_schedule(0.1),
                                    optax.constant_schedule(float("nan"))), labels=())
-    keys = jax.vmap(jax.random.key)(np.zeros(2, np.uint32))
-    w0 = jax.vmap(model.init)(keys)
-    w0 = jax.tree.map(lambda p: p + 0.1, w0)
+    keys = jax.jit(jax.vmap(jax.random.key))(np.zeros(2, np.uint32))
+
+    @jax.jit   # one program, not one per operation run eagerly
+    def start(keys):
+        """Version 0 in slot 0, version 1 in slot 1, the current one; and version 1."""
+        w0 = jax.tree.map(lambda p: p + 0.1, jax.vmap(model.init)(keys))
+        state = init_buffered_state(w0, 3)
+        state = state.replace(current=jnp.ones(2, jnp.int32), ring=jax.tree.map(
+            lambda a: a.at[:, 1].set(a[:, 0] * 2.0), state.ring))
+        return state, current_params(state)
+
     work = plan_lib.LocalWork(batch_size=BATCH, local_epochs=1)
     caps = plan_lib.capacities(np.asarray(SIZES), 1, work, eval_chunk=8)
     plan = plan_lib.make_round_plan([0], 0, data.train.offsets, 1, work, caps,
@@ -196,17 +206,14 @@ def test_a_step_without_a_finite_update_keeps_the_model():
     local = LocalSGDConfig(batch_size=BATCH, lanes=1)
     for fn in (build_buffered_step(model, replicas, local),
                build_fedasync_step(model, replicas, local, 0.5)):
-        state = init_buffered_state(w0, 3)     # version 0 in slot 0, version 1 in slot 1
-        state = state.replace(current=np.ones(2, np.int32), ring=jax.tree.map(
-            lambda a: a.at[:, 1].set(a[:, 0] * 2.0), state.ring))
-        w1 = current_params(state)
+        state, w1 = start(keys)
         state, metrics = jax.jit(fn)(state, RoundData(data.train.x, data.train.y, plan),
                                      inputs, keys)
-        served = current_params(state)
+        served = jax.jit(current_params)(state)
         for a, b in zip(jax.tree.leaves(served), jax.tree.leaves(w1)):
             np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(b)[1])
             assert not np.allclose(np.asarray(a)[0], np.asarray(b)[0])
-        assert int(metrics["num_rejected"][1]) == 1
+        assert int(np.asarray(metrics["num_rejected"])[1]) == 1
 
 
 DEVICES_SCRIPT = r"""

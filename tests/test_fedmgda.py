@@ -131,14 +131,30 @@ def fedmgda_round(W, b, xs, ys, seed, t, m, lr, l2, batch, epochs, eps, eta):
     return W + d[:W.size].reshape(W.shape), b + d[W.size:]
 
 
+@pytest.fixture(scope="module")
+def three_rounds(tiny_synthetic):
+    """run(lanes): (config, experiment, the models after round 1 (on the host), the final
+    state, the rounds' metrics) of 3 rounds, each number of lanes run once in the module."""
+    runs = {}
+
+    def run(lanes):
+        if lanes not in runs:
+            cfg = tiny_config(algorithm="fedmgda", thetas=(), seeds=(1, 2), l2_reg=1e-3,
+                              clients_per_round=M, local_epochs=EPOCHS, batch_size=8,
+                              clients_per_step=lanes, fedmgda_epsilon=(0.0, 0.05, 1.0),
+                              fedmgda_iters=1000, server_lr=(1.0, 0.3))
+            exp = build_experiment(cfg, tiny_synthetic)
+            first, _ = run_rounds_history(exp, 1)
+            first = jax.device_get(first.params)   # before the next round takes the state
+            state, hist = run_rounds_history(exp, ROUNDS)
+            runs[lanes] = cfg, exp, first, state, hist
+        return runs[lanes]
+    return run
+
+
 @pytest.mark.parametrize("lanes", [3, 1])
-def test_three_rounds_equal_algorithm_1(tiny_synthetic, lanes):
-    cfg = tiny_config(algorithm="fedmgda", thetas=(), seeds=(1, 2), l2_reg=1e-3,
-                      clients_per_round=M, local_epochs=EPOCHS, batch_size=8,
-                      clients_per_step=lanes, fedmgda_epsilon=(0.0, 0.05, 1.0),
-                      fedmgda_iters=1000, server_lr=(1.0, 0.3))
-    exp = build_experiment(cfg, tiny_synthetic)
-    state, hist = run_rounds_history(exp, ROUNDS)
+def test_three_rounds_equal_algorithm_1(tiny_synthetic, three_rounds, lanes):
+    cfg, exp, _, state, hist = three_rounds(lanes)
     xs, ys = client_lists(tiny_synthetic.train)
     assert M < len(xs)
     for r, lab in enumerate(exp.replicas.labels):
@@ -160,14 +176,13 @@ def test_three_rounds_equal_algorithm_1(tiny_synthetic, lanes):
     assert np.all(weights[:, eps == 0.05] <= 1.0 / M + 0.05 + 1e-6)
 
 
-def test_epsilon_zero_is_the_uniform_mean_of_normalised_updates(tiny_synthetic):
+def test_epsilon_zero_is_the_uniform_mean_of_normalised_updates(tiny_synthetic, three_rounds):
     """One round at eps = 0 against FedAvg's own client models (uniform weights, plain step):
-    w_1 = w_0 + mean_k (w_k - w_0) / ||w_k - w_0||."""
-    kw = dict(thetas=(), seeds=(1,), l2_reg=1e-3, local_epochs=EPOCHS, clients_per_round=M,
-              clients_per_step=3)
-    exp = build_experiment(tiny_config(algorithm="fedmgda", fedmgda_epsilon=(0.0,),
-                                       fedmgda_iters=1, **kw), tiny_synthetic)
-    state = run_rounds_history(exp, 1)[0]
+    w_1 = w_0 + mean_k (w_k - w_0) / ||w_k - w_0||. The replica at eps = 0, eta = 1, seed 1
+    of the 3-lane run above, after its first round."""
+    _, exp, first, _, _ = three_rounds(3)
+    (r,) = [r for r, lab in enumerate(exp.replicas.labels) if lab.param_value == 0.0
+            and dict(lab.extra)["server_lr"] == 1.0 and lab.seed == 1]
     xs, ys = client_lists(tiny_synthetic.train)
     W0, b0 = np.zeros((xs[0].shape[1], 10)), np.zeros(10)
     steps = []
@@ -176,7 +191,7 @@ def test_epsilon_zero_is_the_uniform_mean_of_normalised_updates(tiny_synthetic):
         d = np.concatenate([(Wk - W0).ravel(), bk - b0])
         steps.append(d / np.linalg.norm(d))
     mean = np.mean(steps, axis=0)
-    got_W, got_b = linear_rows(state.params, 0)
+    got_W, got_b = linear_rows(first, r)
     np.testing.assert_allclose(np.concatenate([got_W.ravel(), got_b]), mean, atol=1e-6)
 
 

@@ -43,15 +43,17 @@ def gifair_round(W, b, xs, ys, seed, t, m, lr, l2, batch, epochs, c, weighting):
 
 def test_weights_hand_case():
     F = np.array([0.3, 0.1, 0.3, 0.9], np.float32)
-    np.testing.assert_array_equal(rank_signs(F), [0.0, -3.0, 0.0, 3.0])   # a tie: equal r
+    signs = jax.jit(rank_signs)                 # one program per length, not one per operation
+    weights = jax.jit(gifair_weights, static_argnums=3)
+    np.testing.assert_array_equal(signs(F), [0.0, -3.0, 0.0, 3.0])   # a tie: equal r
     n = np.array([10, 20, 30, 40])
     # p = 0.1, 0.2, 0.3, 0.4; lambda_max = 0.1 / 3; c = 1: 0.1, 0.1, 0.3, 0.5
-    np.testing.assert_allclose(gifair_weights(F, n, 1.0, "weighted"), [0.1, 0.1, 0.3, 0.5],
+    np.testing.assert_allclose(weights(F, n, 1.0, "weighted"), [0.1, 0.1, 0.3, 0.5],
                                rtol=1e-6)
-    np.testing.assert_allclose(gifair_weights(F, n, 0.5, "unweighted"),
+    np.testing.assert_allclose(weights(F, n, 0.5, "unweighted"),
                                0.25 + 0.5 * (0.25 / 3) * np.array([0, -3, 0, 3]), rtol=1e-6)
     nan = np.array([0.2, np.nan, 0.1], np.float32)
-    np.testing.assert_array_equal(rank_signs(nan), [0.0, 2.0, -2.0])       # NaN: the largest
+    np.testing.assert_array_equal(signs(nan), [0.0, 2.0, -2.0])       # NaN: the largest
 
 
 @pytest.mark.parametrize("weighting,lanes", [("weighted", 3), ("unweighted", 1)])

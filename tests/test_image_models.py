@@ -194,9 +194,10 @@ def test_forward_equals_numpy(which, impl):
     name, make, forward, shape = instances()[which]
     module = make(impl)
     x = np.random.default_rng(3).normal(size=(2,) + shape)
-    p64 = perturbed(jax.jit(module.init)(jax.random.key(1), jnp.zeros((1,) + shape))["params"], 4)
-    p32 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p64)
-    out = jax.jit(module.apply)({"params": p32}, jnp.asarray(x, jnp.float32))
+    zeros = np.zeros((1,) + shape, np.float32)
+    p64 = perturbed(jax.jit(module.init)(jax.random.key(1), zeros)["params"], 4)
+    p32 = jax.tree.map(lambda a: np.asarray(a, np.float32), p64)   # cast on the host
+    out = jax.jit(module.apply)({"params": p32}, np.asarray(x, np.float32))
     np.testing.assert_allclose(np.asarray(out), forward(p64, x), rtol=2e-4, atol=2e-4,
                                err_msg=name)
 
@@ -210,8 +211,9 @@ def test_gradient_equals_numpy_finite_differences(which):
     rng = np.random.default_rng(5)
     x = rng.normal(size=(2,) + shape)
     y = np.array([1, 3])
-    p64 = perturbed(jax.jit(module.init)(jax.random.key(2), jnp.zeros((1,) + shape))["params"], 6)
-    p32 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p64)
+    zeros = np.zeros((1,) + shape, np.float32)
+    p64 = perturbed(jax.jit(module.init)(jax.random.key(2), zeros)["params"], 6)
+    p32 = jax.tree.map(lambda a: np.asarray(a, np.float32), p64)   # cast on the host
 
     def loss(p):
         z = module.apply({"params": p}, jnp.asarray(x, jnp.float32))
@@ -300,8 +302,9 @@ def np_crop_flip(x, dy, dx, flip, pad=4):
 def test_crop_flip_is_the_padded_crop_and_mirror_of_its_draws(shape):
     x = np.random.default_rng(0).integers(1, 256, size=(64,) + shape, dtype=np.uint8)
     key = jax.random.key(7)
-    dy, dx, flip = (np.asarray(a) for a in crop_flip_draws(key, 64))
-    got = np.asarray(jax.jit(crop_flip)(jnp.asarray(x), key))
+    draws, got = jax.jit(lambda x, key: (crop_flip_draws(key, 64), crop_flip(x, key)))(x, key)
+    dy, dx, flip = (np.asarray(a) for a in draws)
+    got = np.asarray(got)
     np.testing.assert_array_equal(got, np_crop_flip(x, dy, dx, flip))
     assert got.dtype == np.uint8
     # the draws cover the 9 x 9 offsets and both flips; some pixels come from the zero border
@@ -324,11 +327,12 @@ def test_one_round_with_crop_flip_equals_numpy():
     W, b = np.zeros((75, 4)), np.zeros(4)
     dW, db = np.zeros_like(W), np.zeros_like(b)
     chosen = sample_clients(3, 0, 6, 3)
+    draws = jax.jit(lambda k: crop_flip_draws(   # one program, not one per operation
+        jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(root, 0), k), 0), 6))
     for k in chosen:
         xk, yk = data.train.client(int(k))
         order = client_permutations(3, 0, int(k), 6, 1)
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(root, 0), int(k)), 0)
-        dy, dx, flip = (np.asarray(a) for a in crop_flip_draws(key, 6))
+        dy, dx, flip = (np.asarray(a) for a in draws(int(k)))
         xa = np_crop_flip(xk[order], dy, dx, flip).reshape(6, -1)
         xa = (xa.astype(np.float32) * np.float32(1 / 255)).astype(np.float64)
         Wk, bk = local_sgd(W, b, xa, yk[order], np.arange(6), 0.5, 0.0, 6, epochs=1)

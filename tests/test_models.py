@@ -23,9 +23,9 @@ def image_dataset(n=4, classes=62):
 @pytest.mark.parametrize("k,cin,cout", [(5, 1, 32), (5, 32, 64), (3, 4, 2), (4, 3, 5)])
 def test_im2col_weight_gradient_equals_autodiff(k, cin, cout, impl):
     rng = np.random.default_rng(k + cin)
-    x = jnp.asarray(rng.normal(size=(3, 9, 7, cin)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(k, k, cin, cout)), jnp.float32)
-    target = jnp.asarray(rng.normal(size=(3, 9, 7, cout)), jnp.float32)
+    x = rng.normal(size=(3, 9, 7, cin)).astype(np.float32)   # inputs made on the host
+    w = rng.normal(size=(k, k, cin, cout)).astype(np.float32)
+    target = jnp.asarray(rng.normal(size=(3, 9, 7, cout)).astype(np.float32))
 
     def loss(impl):
         return lambda x, w: jnp.sum(jnp.sin(conv2d(x, w, impl)) * target)
@@ -110,10 +110,11 @@ def test_unknown_model_names_the_choices():
 def test_orthogonal_init_equals_jax_qr_initialiser_without_lapack(shape):
     from deltafl_jax.models.init import orthogonal
     key = jax.random.key(7)
-    ours = jax.jit(orthogonal(), static_argnums=1)(key, shape)
-    ref = jax.nn.initializers.orthogonal()(key, shape)   # QR, computed eagerly
+    init = jax.jit(orthogonal(), static_argnums=1)
+    ours = init(key, shape)
+    ref = jax.jit(jax.nn.initializers.orthogonal(), static_argnums=1)(key, shape)   # by QR
     np.testing.assert_allclose(ours, ref, atol=2e-5)
-    lowered = jax.jit(orthogonal(), static_argnums=1).lower(key, shape).as_text()
+    lowered = init.lower(key, shape).as_text()
     assert "lapack" not in lowered.lower()
 
 

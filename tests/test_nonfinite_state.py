@@ -229,8 +229,10 @@ def test_the_global_models_errors_are_nan_once_its_loss_is_not_finite(tiny_synth
 
 
 def test_a_huge_but_finite_model_at_l2_zero_has_a_finite_train_loss(tiny_synthetic):
-    # ||w||^2 of a model near 1e30 overflows float32; at l2 = 0 the L2 term is 0, not 0 x inf
-    result = run_experiment(tiny_config(thetas=(1.0,), learning_rate=1e30, eval_every=1,
+    # ||w||^2 of a model near 1e30 overflows float32; at l2 = 0 the L2 term is 0, not 0 x inf.
+    # A server step of 1e30 x the mean update makes it (the round program of the test above,
+    # whose server learning rate is an argument of the round)
+    result = run_experiment(tiny_config(thetas=(1.0,), server_lr=(1e30,), eval_every=1,
                                         num_rounds=1), tiny_synthetic)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(result.state.params))
     sqnorm = sum(float(np.sum(np.asarray(x, np.float64) ** 2))

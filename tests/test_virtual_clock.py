@@ -291,16 +291,17 @@ def test_the_clock_alone_changes_no_result(tiny_synthetic, tmp_path):
     """--client_speed without a deadline or over-selection only measures: the same cohorts,
     steps and models as a run without it, which writes nothing of the clock."""
     out = str(tmp_path / "run")
-    plain = run_experiment(tiny_config(num_rounds=3, eval_every=3, clients_per_round=4,
-                                       output_dir=out), tiny_synthetic)
+    # 6 of the 12 clients a round: tiny_config's round program, compiled by other tests too
+    plain = run_experiment(tiny_config(num_rounds=3, eval_every=3, output_dir=out),
+                           tiny_synthetic)
     recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert all("virtual_time" not in r for r in recs)
     with np.load(os.path.join(out, "rounds.npz")) as r:
         assert not {"virtual_time", "num_dropped", "num_late", "round_seconds"} & set(r.files)
     with np.load(os.path.join(out, "clients.npz")) as c:
         assert not {"train_rounds_selected", "train_rounds_dropped"} & set(c.files)
-    clocked = run_experiment(tiny_config(num_rounds=3, eval_every=3, clients_per_round=4,
-                                         client_speed="lognormal"), tiny_synthetic)
+    clocked = run_experiment(tiny_config(num_rounds=3, eval_every=3, client_speed="lognormal"),
+                             tiny_synthetic)
     for k in ("num_selected", "train_real_examples"):
         np.testing.assert_array_equal(plain.per_round[k], clocked.per_round[k], err_msg=k)
     import jax
