@@ -24,6 +24,7 @@ import pytest
 from deltafl_jax import ConfigError, DataConfig, ExperimentConfig, run_experiment
 from deltafl_jax.outputs import directory as outputs
 from deltafl_jax.run import lock
+from test_command_start import probe
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--dataset=synthetic", "--synthetic_num_clients=16", "--synthetic_max_examples=60",
@@ -261,8 +262,18 @@ def users_folder(root, *names):
 
 
 def test_report_refuses_a_folder_of_other_files(finished_run, tmp_path, capsys):
+    """Refused with one line, exit 2, the folder untouched, before JAX and matplotlib are
+    imported (the runs are read with NumPy alone); in-process too, for a copy of the
+    package's source."""
     folder = users_folder(tmp_path, "report.md", "final.csv")
-    line = refused_untouched(folder, "experiments.report", str(finished_run), f"--out={folder}")
+    before = snapshot(folder)
+    code, _, err, heavy = probe(tmp_path, "experiments.report",
+                                [str(finished_run), f"--out={folder}"])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert snapshot(folder) == before
+    assert heavy == [], heavy
+    line = lines[0]
     assert line.startswith(f"error: --out={folder} is not a folder of experiments.report (it "
                            f"holds final.csv, report.md and no deltafl_report.json)")
     source = tmp_path / "deltafl_jax"       # a copy of the package's source
