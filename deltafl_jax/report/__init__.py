@@ -95,10 +95,19 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """A public name, imported from its module on first use."""
-    if name not in _EXPORTS:
+    """A public name, imported from its module on first use; else a module of the package
+    (``deltafl_jax.report.figures``), imported on first use."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif not name.startswith("__"):
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value
     return value
 
