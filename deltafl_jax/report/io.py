@@ -169,7 +169,7 @@ def summaries(train_loss, train_sizes, test_error, test_loss, percentile: str,
     from deltafl_jax.evaluation.metrics import DEFAULT_TARGET_ACCURACY, summarize
     from deltafl_jax.evaluation.sample import summarize_sample
     from deltafl_jax.run.config import PERCENTILES
-    if target_accuracy == DEFAULT_TARGET:
+    if isinstance(target_accuracy, str):   # DEFAULT_TARGET
         target_accuracy = DEFAULT_TARGET_ACCURACY
     if sampled:
         return summarize_sample(train_loss, test_error, test_loss, PERCENTILES,
