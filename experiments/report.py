@@ -108,9 +108,7 @@ def main(argv):
         fail(f"--out={FLAGS.out} exists and is not a directory")
     if FLAGS.dpi < 10:
         fail(f"--dpi must be at least 10, got {FLAGS.dpi}")
-    import matplotlib
-    matplotlib.use("Agg")
-    from deltafl_jax.report import load
+    from deltafl_jax.report import load   # reads the runs without importing JAX or matplotlib
 
     def warn(line):
         print(line, file=sys.stderr, flush=True)
@@ -119,6 +117,8 @@ def main(argv):
     if not runs:
         fail(f"no complete run among {' '.join(paths)} (see the lines above)")
     check_out(FLAGS.out, [run.path for run in runs])
+    import matplotlib
+    matplotlib.use("Agg")
     try:   # written beside --out and moved in at the end: a failure leaves no folder
         out = write(runs, skipped, warn)
     except OSError as e:

@@ -21,9 +21,11 @@ import time
 
 import pytest
 
-from deltafl_jax import ConfigError, DataConfig, ExperimentConfig, run_experiment
+from deltafl_jax import ConfigError, run_experiment
 from deltafl_jax.outputs import directory as outputs
+from conftest import tiny_config
 from deltafl_jax.run import lock
+from test_command_start import probe
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--dataset=synthetic", "--synthetic_num_clients=16", "--synthetic_max_examples=60",
@@ -126,14 +128,16 @@ def test_run_tune_and_leaderboard_refuse_a_locked_folder(held):
 def test_a_lock_is_exclusive_and_released_whatever_the_exit(tmp_path):
     """flock semantics through the module: refused while another process holds the folder;
     that process killed with SIGKILL frees it (its file stays, unlocked) and the folder is
-    taken over; release removes the file and the folders made for it."""
+    taken over; release removes the file and the folders made for it. The holder imports the
+    lock without JAX."""
     folder = tmp_path / "a" / "b"
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from deltafl_jax.run import lock\n"
-         "lock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)",
+         "lock.acquire(sys.argv[1]); print('held', 'jax' in sys.modules, flush=True); "
+         "time.sleep(600)",
          str(folder)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "held"
+        assert holder.stdout.readline().split() == ["held", "False"]   # no JAX needed
         assert lock.holder(str(folder)).startswith(f"pid {holder.pid} ")
         with pytest.raises(ConfigError, match=f"^--output_dir={folder} is in use by another "
                                               f"process \\(pid {holder.pid} "):
@@ -229,14 +233,13 @@ def test_a_killed_run_is_taken_over_and_resumed(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """A finished tiny run to report on (in-process: the refusals below need only a run)."""
+def finished_run(tmp_path_factory, tiny_synthetic):
+    """A finished tiny run to report on (in-process: the refusals below need only a run): the
+    run of conftest's refused_over_a_finished_run, whose programs the persistent compilation
+    cache holds once any test of the run has built them."""
     out = tmp_path_factory.mktemp("finished") / "run"
-    run_experiment(ExperimentConfig(
-        data=DataConfig("synthetic", synthetic_num_clients=16, synthetic_max_examples=60),
-        model="linear", thetas=(1.0, 0.5), seeds=(1,), num_rounds=2, clients_per_round=3,
-        batch_size=8, eval_every=2, output_dir=str(out), save_models=False, verbose=False,
-        tensorboard=False), log=lambda line: None)
+    run_experiment(tiny_config(num_rounds=1, eval_every=1, output_dir=str(out),
+                               tensorboard=False), tiny_synthetic, log=lambda line: None)
     return out
 
 
@@ -261,8 +264,18 @@ def users_folder(root, *names):
 
 
 def test_report_refuses_a_folder_of_other_files(finished_run, tmp_path, capsys):
+    """Refused with one line, exit 2, the folder untouched, before JAX and matplotlib are
+    imported (the runs are read with NumPy alone); in-process too, for a copy of the
+    package's source."""
     folder = users_folder(tmp_path, "report.md", "final.csv")
-    line = refused_untouched(folder, "experiments.report", str(finished_run), f"--out={folder}")
+    before = snapshot(folder)
+    code, _, err, heavy = probe(tmp_path, "experiments.report",
+                                [str(finished_run), f"--out={folder}"])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert snapshot(folder) == before
+    assert heavy == [], heavy
+    line = lines[0]
     assert line.startswith(f"error: --out={folder} is not a folder of experiments.report (it "
                            f"holds final.csv, report.md and no deltafl_report.json)")
     source = tmp_path / "deltafl_jax"       # a copy of the package's source

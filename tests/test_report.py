@@ -2,8 +2,10 @@
 way (percentiles by repeating each loss n_k times), the figures' plotted arrays, the CSV files,
 and runs that are missing or incomplete (skipped with one line, never a crash)."""
 
+import contextlib
 import csv
 import dataclasses
+import io
 import json
 import os
 import shutil
@@ -173,10 +175,25 @@ def test_tables_against_metrics_jsonl_and_numpy(runs, tmp_path, capsys, percenti
             assert float(row[metric]) == pytest.approx(want[metric], rel=1e-6, abs=1e-7)
 
 
-def test_bold_marks_the_lowest_mean_of_the_row(runs, tmp_path, capsys):
-    code, _, err = cli([runs["delta"], f"--out={tmp_path}"], capsys)
-    assert code == 0, err
-    header, rows = table_of(parse_tables(open(tmp_path / "report.md").read()), "Table 2")
+@pytest.fixture(scope="module")
+def delta_report(runs, tmp_path_factory):
+    """The folder of ``experiments.report`` (in-process) on the delta run alone, at the
+    defaults: written once, read by the tests below."""
+    out = tmp_path_factory.mktemp("delta_report") / "rep"
+    report_cli.FLAGS.unparse_flags()
+    err, code = io.StringIO(), 0
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            report_cli.main(report_cli.parse_flags_or_fail(["report", runs["delta"],
+                                                            f"--out={out}"]))
+        except SystemExit as e:
+            code = e.code
+    assert code == 0, err.getvalue()
+    return out
+
+
+def test_bold_marks_the_lowest_mean_of_the_row(delta_report):
+    header, rows = table_of(parse_tables(open(delta_report / "report.md").read()), "Table 2")
     cells = rows["synthetic / linear"]
     means = [cell_numbers(c)[0] for c in cells]
     bold = [c.startswith("**") for c in cells]
@@ -295,11 +312,9 @@ def test_curves_and_kept_clients_plot_the_per_round_data(runs, delta_columns):
     assert rz["num_selected"][:, rkeys.index("theta=1_seed=1")].tolist() == [4] * 6
 
 
-def test_clients_csv_holds_every_final_per_client_value(runs, tmp_path, capsys):
-    code, _, err = cli([runs["delta"], f"--out={tmp_path}"], capsys)
-    assert code == 0, err
+def test_clients_csv_holds_every_final_per_client_value(runs, delta_report):
     z = np.load(os.path.join(runs["delta"], "clients.npz"))
-    with open(tmp_path / "clients.csv") as f:
+    with open(delta_report / "clients.csv") as f:
         rows = list(csv.DictReader(f))
     R, n_train = z["train_loss"].shape
     n_test = z["test_loss"].shape[1]
@@ -315,8 +330,8 @@ def test_clients_csv_holds_every_final_per_client_value(runs, tmp_path, capsys):
     for name in ("fig4_hist_test_error_synthetic_linear.png", "fig5_scatter_synthetic_linear.png",
                  "fig6_curves_synthetic_linear.png",
                  "fig16_kept_clients_synthetic_linear.png"):
-        assert os.path.getsize(tmp_path / name) > 1000, name
-        assert f"]({name})" in open(tmp_path / "report.md").read()
+        assert os.path.getsize(delta_report / name) > 1000, name
+        assert f"]({name})" in open(delta_report / "report.md").read()
 
 
 def test_missing_and_incomplete_runs_are_skipped_with_one_line(runs, tmp_path, capsys):
@@ -450,7 +465,8 @@ def readme_notebook_snippet():
     return found[0]
 
 
-def test_the_readmes_load_runs_snippet_runs_as_written(runs, tmp_path, monkeypatch):
+def test_the_readmes_load_runs_snippet_runs_as_written(runs, delta_report, tmp_path,
+                                                       monkeypatch):
     """The snippet needs pandas, which the README's install command (the test extra) brings;
     it reads runs/synthetic relative to the working directory."""
     code = readme_notebook_snippet()
@@ -472,15 +488,15 @@ def test_the_readmes_load_runs_snippet_runs_as_written(runs, tmp_path, monkeypat
     assert sorted(got.index) == sorted(by_method)
     # One std convention: the snippet's std is the report's (ddof = 0), which for
     # two seeds is 1/sqrt(2) of pandas' default sample std.
-    rep = report.write_report(report.load([runs["delta"]])[0], str(tmp_path / "rep"))
-    header, rows = table_of(parse_tables(open(rep["report"]).read()), "Table 2")
+    md = open(delta_report / "report.md").read()   # the report of the same run
+    header, rows = table_of(parse_tables(md), "Table 2")
     for method, values in by_method.items():
         assert got.loc[method, "mean"] == pytest.approx(np.mean(values), rel=1e-6)
         assert got.loc[method, "std"] == pytest.approx(np.std(values, ddof=0), rel=1e-6)
         assert got.loc[method, "std"] != pytest.approx(np.std(values, ddof=1), rel=1e-3)
         mean, std = cell_numbers(rows["synthetic / linear"][header.index(method)])
         assert std == pytest.approx(100 * got.loc[method, "std"], abs=0.0051)
-    assert "ddof = 0" in open(rep["report"]).read()
+    assert "ddof = 0" in md
 
 
 def test_column_names_follow_the_papers_tables():

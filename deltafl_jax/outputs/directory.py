@@ -58,16 +58,19 @@ import json
 import os
 import shutil
 import zipfile
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import flax.serialization
-import jax
 import numpy as np
 
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.errors import ConfigError, RunFormatError
-from deltafl_jax.models import Model, ModelOptions
 from deltafl_jax.replicas.labels import ReplicaLabel
+
+if TYPE_CHECKING:
+    from deltafl_jax.models import Model, ModelOptions
+
+# JAX and Flax are imported where models are saved or read, so that reading a run's metrics
+# (the report, a command that checks a folder) does not import them.
 
 SCHEMA_VERSION = 1
 
@@ -377,6 +380,8 @@ class RunWriter:
         index.json, the model spec that :func:`deltafl_jax.outputs.serving.load_model` rebuilds the
         network from; with `personal` ([R, N, ...]: every training client's personal model),
         ``<key>.personal.msgpack`` per replica too ([N, ...])."""
+        import flax.serialization
+        import jax
         mdir = self.path(MODELS)
         os.makedirs(mdir, exist_ok=True)
         host = jax.device_get(params)
@@ -611,6 +616,7 @@ class RunReader:
     def read_model_params(self, template, file: str):
         """The parameters saved in models/`file`, restored into `template`'s structure (a
         freshly initialised model of the run's spec)."""
+        import flax.serialization
         try:
             with open(self.path(os.path.join(MODELS, file)), "rb") as f:
                 return flax.serialization.from_bytes(template, f.read())

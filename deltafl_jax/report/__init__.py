@@ -43,20 +43,43 @@ Runs still in progress (metrics.jsonl but no summary.json yet) are skipped, sayi
 Modules: :mod:`~deltafl_jax.report.io` (reading runs through
 :class:`deltafl_jax.outputs.directory.RunReader`), :mod:`~deltafl_jax.report.tables` (columns, method
 names, markdown tables), :mod:`~deltafl_jax.report.rows` (tidy rows, CSV, DataFrames), :mod:`~deltafl_jax.report.figures` (matplotlib) and
-:mod:`~deltafl_jax.report.document` (report.md). This package re-exports their public names.
+:mod:`~deltafl_jax.report.document` (report.md). This package re-exports their public names,
+each imported from its module on first use (PEP 562's module ``__getattr__``): reading runs
+(:func:`load`) imports NumPy only, the tables JAX (the metrics), the figures matplotlib.
 """
 
-from deltafl_jax.report.document import CONVENTIONS, write_report
-from deltafl_jax.report.figures import (CURVE_PANELS, HISTOGRAM_BINS, curve_data,
-                                        curves_figure, histogram_data, histogram_figure,
-                                        kept_data, kept_figure, mixture_data,
-                                        mixture_figure, scatter_figure, uniform_mixtures)
-from deltafl_jax.report.io import (KINDS, Run, RunError, curves_from_history,
-                                   curves_from_records, find_run_dirs, load, read_run)
-from deltafl_jax.report.rows import load_runs, tidy_rows, write_csv
-from deltafl_jax.report.tables import (BEST_MARK, TABLES, Cell, Column, TableSpec, best_columns,
-                                       columns, markdown_table, method_label, run_columns,
-                                       runs_table, settings, table)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deltafl_jax.report.document import CONVENTIONS, write_report
+    from deltafl_jax.report.figures import (CURVE_PANELS, HISTOGRAM_BINS, curve_data,
+                                            curves_figure, histogram_data, histogram_figure,
+                                            kept_data, kept_figure, mixture_data,
+                                            mixture_figure, scatter_figure, uniform_mixtures)
+    from deltafl_jax.report.io import (KINDS, Run, RunError, curves_from_history,
+                                       curves_from_records, find_run_dirs, load, read_run)
+    from deltafl_jax.report.rows import load_runs, tidy_rows, write_csv
+    from deltafl_jax.report.tables import (BEST_MARK, TABLES, Cell, Column, TableSpec,
+                                           best_columns, columns, markdown_table, method_label,
+                                           run_columns, runs_table, settings, table)
+
+# Each public name -> the module that defines it.
+_EXPORTS = {
+    **dict.fromkeys(["CONVENTIONS", "write_report"], "deltafl_jax.report.document"),
+    **dict.fromkeys(["CURVE_PANELS", "HISTOGRAM_BINS", "curve_data", "curves_figure",
+                     "histogram_data", "histogram_figure", "kept_data", "kept_figure",
+                     "mixture_data", "mixture_figure", "scatter_figure", "uniform_mixtures"],
+                    "deltafl_jax.report.figures"),
+    **dict.fromkeys(["KINDS", "Run", "RunError", "curves_from_history", "curves_from_records",
+                     "find_run_dirs", "load", "read_run"], "deltafl_jax.report.io"),
+    **dict.fromkeys(["load_runs", "tidy_rows", "write_csv"], "deltafl_jax.report.rows"),
+    **dict.fromkeys(["BEST_MARK", "TABLES", "Cell", "Column", "TableSpec", "best_columns",
+                     "columns", "markdown_table", "method_label", "run_columns", "runs_table",
+                     "settings", "table"], "deltafl_jax.report.tables"),
+}
 
 __all__ = [
     "KINDS", "Run", "RunError", "curves_from_history", "curves_from_records", "find_run_dirs",
@@ -69,3 +92,25 @@ __all__ = [
     "scatter_figure", "uniform_mixtures",
     "CONVENTIONS", "write_report",
 ]
+
+
+def __getattr__(name: str):
+    """A public name, imported from its module on first use; else a module of the package
+    (``deltafl_jax.report.figures``), imported on first use."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif not name.startswith("__"):
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -11,19 +11,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from deltafl_jax.errors import RunError
-from deltafl_jax.evaluation.metrics import DEFAULT_TARGET_ACCURACY, PERCENTILE_METHODS, summarize
-from deltafl_jax.evaluation.sample import summarize_sample
-from deltafl_jax.models import REGRESSION_MODELS
 from deltafl_jax.outputs.directory import (CLIENTS, CLIENTS_HISTORY, METRICS, ROUNDS, SUMMARY,
                                            RunFormatError, RunReader)
 from deltafl_jax.replicas.labels import ReplicaLabel
-from deltafl_jax.run.config import PERCENTILES
-from deltafl_jax.run.personal import summarize_populations
+
+# Reading runs imports NumPy only; the metrics (JAX), the models (Flax) and the run's settings
+# are imported where the tables and curves are computed, so that a report refused for its
+# command line, its runs or its folder answers before those imports.
+
+# `target_accuracy` left at its default: the simulator's default target
+# (deltafl_jax.evaluation.metrics.DEFAULT_TARGET_ACCURACY), read when it is used.
+DEFAULT_TARGET = "default"
 
 KINDS = ("final", "curves", "clients", "kept")
 CLIENT_ARRAYS = ("train_loss", "train_error", "test_loss", "test_error", "train_sizes",
@@ -71,6 +74,8 @@ class Run:
     def target_accuracy(self) -> Optional[float]:
         """The target of ``test_share_below_target`` (the run's --target_accuracy, the default
         for runs before it), or None for a regression model (no accuracy)."""
+        from deltafl_jax.evaluation.metrics import DEFAULT_TARGET_ACCURACY
+        from deltafl_jax.models import REGRESSION_MODELS
         if self.model in REGRESSION_MODELS:
             return None
         return float(self.config.get("target_accuracy", DEFAULT_TARGET_ACCURACY))
@@ -120,6 +125,7 @@ class Run:
 
     def final(self, percentile: str = "lower") -> Dict[str, np.ndarray]:
         """Metric name -> [R] for the final models, recomputed from clients.npz."""
+        from deltafl_jax.run.personal import summarize_populations
         key = ("final", percentile)
         if key not in self._cache:
             c = self.clients
@@ -153,13 +159,18 @@ class Run:
 
 def summaries(train_loss, train_sizes, test_error, test_loss, percentile: str,
               sampled: bool, num_test: int,
-              target_accuracy: Optional[float] = DEFAULT_TARGET_ACCURACY
+              target_accuracy: Union[float, str, None] = DEFAULT_TARGET
               ) -> Dict[str, np.ndarray]:
     """The metrics of one evaluation: :func:`deltafl_jax.evaluation.metrics.summarize` of every client,
     or, for a sampled evaluation (``--eval_clients``: its per-client arrays hold the sample),
     the estimates and intervals of :func:`deltafl_jax.evaluation.sample.summarize_sample` (whose
     percentiles are the lower quantile of the sample, whatever `percentile` asks).
     `target_accuracy`: None for a regression (no accuracy, errors unbounded above)."""
+    from deltafl_jax.evaluation.metrics import DEFAULT_TARGET_ACCURACY, summarize
+    from deltafl_jax.evaluation.sample import summarize_sample
+    from deltafl_jax.run.config import PERCENTILES
+    if isinstance(target_accuracy, str):   # DEFAULT_TARGET
+        target_accuracy = DEFAULT_TARGET_ACCURACY
     if sampled:
         return summarize_sample(train_loss, test_error, test_loss, PERCENTILES,
                                 num_test=num_test, target_accuracy=target_accuracy,
@@ -171,7 +182,7 @@ def summaries(train_loss, train_sizes, test_error, test_loss, percentile: str,
 
 def curves_from_history(history: Dict[str, np.ndarray], train_sizes: np.ndarray,
                         percentile: str, num_test: int = 0,
-                        target_accuracy: Optional[float] = DEFAULT_TARGET_ACCURACY):
+                        target_accuracy: Union[float, str, None] = DEFAULT_TARGET):
     """(rounds [E], metric -> [E, R]) recomputed from the per-client history."""
     sampled = "train_clients" in history
     per_eval = [summaries(history["train_loss"][e], train_sizes, history["test_error"][e],
