@@ -282,14 +282,14 @@ def _input_tiles_transpose(dv, x_shape, pads: Pads, tiles_hw):
     b, h, wd, c = x_shape
     th, tw = tiles_hw
     (plo, _), (qlo, _) = pads
-    z = _pad(dv.reshape(4, 4, b, th, tw, c), ((0, 0),) * 3 + ((1, 1), (1, 1), (0, 0)))
+    z = dv.reshape(4, 4, b, th, tw, c)
     parities = []
     for a in range(2):
         for bb in range(2):
             coefs, parts = [], []
             for p_, q_, xi, nu in np.ndindex(2, 2, 4, 4):
                 coefs.append(_BT[xi, 2 * p_ + a] * _BT[nu, 2 * q_ + bb])
-                parts.append(z[xi, nu, :, 1 - p_:2 - p_ + th, 1 - q_:2 - q_ + tw])
+                parts.append(_pad(z[xi, nu], ((0, 0), (p_, 1 - p_), (q_, 1 - q_), (0, 0))))
             parities.append(_weighted(coefs, parts))
     dxp = jnp.stack(parities).reshape(2, 2, b, th + 1, tw + 1, c).transpose(2, 3, 0, 4, 1, 5)
     dxp = dxp.reshape(b, 2 * th + 2, 2 * tw + 2, c)
