@@ -262,10 +262,11 @@ def winograd_applies(kernel_shape, strides, dilation, groups) -> bool:
 def conv_winograd(x, w, pads: Pads = ((0, 0), (0, 0))):
     """NHWC x HWIO 3 x 3 stride-1 convolution with explicit (lo, hi) `pads` by Winograd's
     F(2x2, 3x3) (the comment above): 16 matrix products [tiles, C] x [C, O], 2.25x fewer
-    multiplies than the direct convolution's. Its backward pass: the input gradient is the
-    full convolution of dy (padded by 2 - lo, 2 - hi) with the flipped, channel-swapped kernel,
-    by the same algorithm; the weight gradient is G^T (sum over tiles of V^T dM) G with
-    dM = A dY A^T, 16 products [C, tiles] x [tiles, O]."""
+    multiplies than the direct convolution's. Its backward pass, the transpose of each step:
+    dM = A dY A^T for every output tile; the weight gradient G^T (sum over tiles of V^T dM) G,
+    16 products [C, tiles] x [tiles, O]; the input gradient dM U^T (16 products [tiles, O] x
+    [O, C]) taken back through the input tiles' transform (B dV B^T added into the input
+    pixels each tile read), over the same tiles as the forward pass."""
     return _winograd_forward(x, w, pads)
 
 
