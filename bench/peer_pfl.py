@@ -43,8 +43,8 @@ network's FLOPs per round over s/round; the fraction of the GEMM peak divides it
 fastest float32 GEMM measured in this run (numpy, jax and torch, 2048 x 2048).
 
 ``--profile_repeats=N`` times the parts of one local step of ``pfl_cnn`` (each a jitted loop
-of 5 steps, since XLA:CPU's kernels differ inside a loop; the minimum and median of N calls,
-the parts interleaved) with the convolutions of ``--conv_impl=im2col_wgrad`` and
+of 5 steps, since XLA:CPU's kernels differ inside a loop; the minimum and median of N calls in
+wall and in CPU milliseconds, the parts interleaved) with the convolutions of ``--conv_impl=im2col_wgrad`` and
 ``winograd``; ``--profile_only`` times only those.
 """
 
@@ -335,20 +335,25 @@ def step_pieces(side: int, batch: int) -> dict:
 
 def profile_step(side: int, batch: int, repeats: int) -> dict:
     """Milliseconds per step of each piece (:func:`step_pieces`), outside the engine's lanes:
-    {name: {"min": ..., "median": ...}} over `repeats` calls, the pieces interleaved."""
+    {name: {"min": ..., "median": ..., "cpu_min": ..., "cpu_median": ...}} over `repeats`
+    calls, the pieces interleaved; "min" and "median" are wall time, "cpu_" the process's CPU
+    time (every thread's), which moves less with other work on a shared machine."""
     import jax
 
     pieces = step_pieces(side, batch)
     for fn, args in pieces.values():
         jax.block_until_ready(fn(*args))
-    times = {name: [] for name in pieces}
+    wall = {name: [] for name in pieces}
+    cpu = {name: [] for name in pieces}
     for _ in range(repeats):
         for name, (fn, args) in pieces.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn(*args))
-            times[name].append(1e3 * (time.perf_counter() - t0) / PROFILE_STEPS)
-    return {name: {"min": float(np.min(v)), "median": float(np.median(v))}
-            for name, v in times.items()}
+            wall[name].append(1e3 * (time.perf_counter() - t0) / PROFILE_STEPS)
+            cpu[name].append(1e3 * (time.process_time() - c0) / PROFILE_STEPS)
+    return {name: {"min": float(np.min(wall[name])), "median": float(np.median(wall[name])),
+                   "cpu_min": float(np.min(cpu[name])), "cpu_median": float(np.median(cpu[name]))}
+            for name in pieces}
 
 
 class Side:

@@ -5,6 +5,8 @@ output sizes odd and even; every ``nn.Conv`` of a model routed to it (3 x 3 at s
 to the im2col path (anything else) under vmapped lanes; and pfl-research's CNN trained without
 any convolution in its gradient."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -205,3 +207,19 @@ def test_weight_gradient_products_contract_as_the_forward_products():
     assert products
     for line in products:
         assert "lhs_contracting_dims={2}" in line and "rhs_contracting_dims={1}" in line, line
+
+
+def test_input_gradient_products_run_over_the_output_tiles():
+    """Both gradients start from the same dM = A dY A^T over the output's 2 x 2 tiles: the
+    input gradient is dM U^T ([16, T, O] x [16, O, C]) taken back through the input tiles'
+    transform, so every product of the gradient runs over the output's T tiles, none over the
+    more tiles of the output gradient padded by 2 (the full convolution with the flipped
+    kernel); its values are the direct convolution's (tests above)."""
+    x, k, pads = sample("valid_even_out")
+    r = jnp.ones((2, 8, 6, 6), jnp.float32)
+    grad = jax.jit(jax.grad(lambda a, b: jnp.sum(conv_winograd(a, b, pads) * r), (0, 1)))
+    hlo = grad.lower(x, k).compile().as_text()
+    shapes = {tuple(int(n) for n in m.split(","))
+              for m in re.findall(r"= f32\[([\d,]+)\]\{[\d,]*\} dot\(", hlo)}
+    tiles = 2 * (8 // 2) * (6 // 2)             # batch 2, output 8 x 6: 4 x 3 tiles
+    assert shapes == {(16, 5, 6), (16, tiles, 5)}, shapes

@@ -39,6 +39,7 @@ from typing import Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 _DN = ("NHWC", "HWIO", "NHWC")
@@ -153,33 +154,31 @@ conv_general.defvjp(_general_fwd, _general_bwd)
 
 # Winograd's minimal filtering F(2x2, 3x3) (Lavin & Gray 2016, eq. 8):
 #     Y = A^T [ (G g G^T) * (B^T d B) ] A
-# for a 4 x 4 input tile d, a 3 x 3 kernel g and a 2 x 2 output tile Y, with
-#     B^T = [[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]],
-#     G   = [[1, 0, 0], [1/2, 1/2, 1/2], [1/2, -1/2, 1/2], [0, 0, 1]],
-#     A^T = [[1, 1, 1, 0], [0, 1, -1, -1]].
+# for a 4 x 4 input tile d (tiles 2 apart), a 3 x 3 kernel g and a 2 x 2 output tile Y.
 # Summed over the input channels, the elementwise product is one matrix product per tile
 # position (xi, nu) of the 16: M[xi nu] = V[xi nu] @ U[xi nu], V [tiles, C], U [C, O].
+_BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]])
+_G = np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]])
+_AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]])
 
 
-def _bt(d):
-    """B^T applied to four stacked rows (or columns) d0..d3."""
-    d0, d1, d2, d3 = d
-    return [d0 - d2, d1 + d2, d2 - d1, d1 - d3]
+def _weighted(coefs, parts):
+    """sum_k coefs[k] parts[k] over the nonzero coefficients (+-1 without a multiply)."""
+    terms = [p if c == 1 else -p if c == -1 else float(c) * p
+             for c, p in zip(np.ravel(coefs).tolist(), parts) if c != 0]
+    return functools.reduce(lambda a, b: a + b, terms)
 
 
-def _g(r):
-    """G applied to three stacked rows (or columns) r0..r2."""
-    return [r[0], (r[0] + r[1] + r[2]) * 0.5, (r[0] - r[1] + r[2]) * 0.5, r[2]]
-
-
-def _gt(r):
-    """G^T applied to four stacked rows (or columns) r0..r3."""
-    return [r[0] + 0.5 * (r[1] + r[2]), 0.5 * (r[1] - r[2]), 0.5 * (r[1] + r[2]) + r[3]]
-
-
-def _a(p):
-    """A applied to two stacked rows (or columns) p0, p1 (the transpose of A^T)."""
-    return [p[0], p[0] + p[1], p[0] - p[1], -p[1]]
+def _sandwich(left, parts, right):
+    """left P right^T for a matrix P of equal-shape arrays parts[r][s]: the
+    left.shape[0] * right.shape[0] positions (a, b) row-major, stacked on a new leading axis.
+    Each position is its own sum of parts (its nonzero coefficients only) and the stack a
+    plain concatenation: XLA:CPU runs a loop fusion per position and a copy. Sums computed in
+    stages (rows, then columns) share their first stage between positions, which XLA fuses
+    into the concatenation, and a fused concatenation measured slower on XLA:CPU."""
+    flat = [p for row in parts for p in row]
+    return jnp.stack([_weighted(np.outer(left[a], right[b]), flat)
+                      for a in range(left.shape[0]) for b in range(right.shape[0])])
 
 
 def _tile_grid(x, pads: Pads):
@@ -198,34 +197,26 @@ def _input_tiles(x, pads: Pads):
     the first axis the tile position (xi, nu) row-major."""
     xp, out_hw, (th, tw) = _tile_grid(x, pads)
     d = [[xp[:, i:i + 2 * th - 1:2, j:j + 2 * tw - 1:2, :] for j in range(4)] for i in range(4)]
-    cols = [_bt([d[i][j] for i in range(4)]) for j in range(4)]
-    v = [_bt([cols[j][xi] for j in range(4)]) for xi in range(4)]
-    stacked = jnp.stack([v[xi][nu] for xi in range(4) for nu in range(4)])
-    return stacked.reshape(16, x.shape[0] * th * tw, x.shape[-1]), out_hw, (th, tw)
+    v = _sandwich(_BT, d, _BT)
+    return v.reshape(16, x.shape[0] * th * tw, x.shape[-1]), out_hw, (th, tw)
 
 
 def _kernel_tiles(w):
     """U = G g G^T of a [3, 3, C, O] kernel: [16, C, O]."""
-    rows = _g([w[i] for i in range(3)])
-    u = [_g([rows[xi][j] for j in range(3)]) for xi in range(4)]
-    return jnp.stack([u[xi][nu] for xi in range(4) for nu in range(4)])
+    return _sandwich(_G, [[w[i, j] for j in range(3)] for i in range(3)], _G)
 
 
 def _kernel_tiles_transpose(du):
     """dw = G^T dU G: the [16, C, O] gradient of the kernel tiles back to [3, 3, C, O]."""
-    u = du.reshape((4, 4) + du.shape[1:])
-    rows = [_gt([u[xi, nu] for nu in range(4)]) for xi in range(4)]
-    out = [_gt([rows[xi][j] for xi in range(4)]) for j in range(3)]
-    return jnp.stack([jnp.stack([out[j][i] for j in range(3)]) for i in range(3)])
+    dw = _sandwich(_G.T, [[du[4 * xi + nu] for nu in range(4)] for xi in range(4)], _G.T)
+    return dw.reshape((3, 3) + du.shape[1:])
 
 
 def _output_tiles(m, batch, out_hw, tiles_hw):
     """Y = A^T M A for every tile: [16, B*th*tw, O] -> [B, out_h, out_w, O]."""
     (oh, ow), (th, tw) = out_hw, tiles_hw
-    m = m.reshape((4, 4) + m.shape[1:])
-    rows = [m[0] + m[1] + m[2], m[1] - m[2] - m[3]]
-    y = jnp.stack([jnp.stack([r[0] + r[1] + r[2], r[1] - r[2] - r[3]]) for r in rows])
-    cout = y.shape[-1]
+    cout = m.shape[-1]
+    y = _sandwich(_AT, [[m[4 * xi + nu] for nu in range(4)] for xi in range(4)], _AT)
     y = y.reshape(2, 2, batch, th, tw, cout).transpose(2, 3, 0, 4, 1, 5)
     return y.reshape(batch, 2 * th, 2 * tw, cout)[:, :oh, :ow, :]
 
@@ -236,10 +227,8 @@ def _output_tiles_transpose(dy, tiles_hw):
     th, tw = tiles_hw
     t = _pad(dy, ((0, 0), (0, 2 * th - oh), (0, 2 * tw - ow), (0, 0)))
     t = t.reshape(b, th, 2, tw, 2, cout)
-    rows = [_a([t[:, :, i, :, j, :] for i in range(2)]) for j in range(2)]
-    m = [_a([rows[j][xi] for j in range(2)]) for xi in range(4)]
-    return jnp.stack([m[xi][nu] for xi in range(4) for nu in range(4)]).reshape(
-        16, b * th * tw, cout)
+    dm = _sandwich(_AT.T, [[t[:, :, i, :, j, :] for j in range(2)] for i in range(2)], _AT.T)
+    return dm.reshape(16, b * th * tw, cout)
 
 
 _BATCHED = (((2,), (1,)), ((0,), (0,)))      # [16, T, C] x [16, C, O] -> [16, T, O]
@@ -254,7 +243,6 @@ def _tiles_major(v):
     less CPU time this way, docs/benchmarks/pfl-research.md). The barrier keeps the
     transposed copy; the values are the same."""
     return lax.optimization_barrier(jnp.swapaxes(v, 1, 2))
-
 
 
 def _winograd_forward(x, w, pads: Pads):
@@ -274,10 +262,11 @@ def winograd_applies(kernel_shape, strides, dilation, groups) -> bool:
 def conv_winograd(x, w, pads: Pads = ((0, 0), (0, 0))):
     """NHWC x HWIO 3 x 3 stride-1 convolution with explicit (lo, hi) `pads` by Winograd's
     F(2x2, 3x3) (the comment above): 16 matrix products [tiles, C] x [C, O], 2.25x fewer
-    multiplies than the direct convolution's. Its backward pass: the input gradient is the
-    full convolution of dy (padded by 2 - lo, 2 - hi) with the flipped, channel-swapped kernel,
-    by the same algorithm; the weight gradient is G^T (sum over tiles of V^T dM) G with
-    dM = A dY A^T, 16 products [C, tiles] x [tiles, O]."""
+    multiplies than the direct convolution's. Its backward pass, the transpose of each step:
+    dM = A dY A^T for every output tile; the weight gradient G^T (sum over tiles of V^T dM) G,
+    16 products [C, tiles] x [tiles, O]; the input gradient dM U^T (16 products [tiles, O] x
+    [O, C]) taken back through the input tiles' transform (B dV B^T added into the input
+    pixels each tile read), over the same tiles as the forward pass."""
     return _winograd_forward(x, w, pads)
 
 
@@ -285,12 +274,39 @@ def _winograd_fwd(x, w, pads):
     return _winograd_forward(x, w, pads), (x, w)
 
 
+def _input_tiles_transpose(dv, x_shape, pads: Pads, tiles_hw):
+    """The transpose of :func:`_input_tiles`: dV [16, B*th*tw, C], the gradient of the tiles
+    V = B^T d B, to the gradient of x. Each tile's dd = B dV B^T is added into the 4 x 4
+    input pixels it read, tiles 2 apart, so pixel (2T + a, 2U + b) of the padded input gets
+    sum over p, q in {0, 1} of dd of tile (T - p, U - q) at (2p + a, 2q + b); the padding is
+    then cropped (and a cropped border padded back with zeros)."""
+    b, h, wd, c = x_shape
+    th, tw = tiles_hw
+    (plo, _), (qlo, _) = pads
+    z = dv.reshape(4, 4, b, th, tw, c)
+    parities = []
+    for a in range(2):
+        for bb in range(2):
+            coefs, parts = [], []
+            for p_, q_, xi, nu in np.ndindex(2, 2, 4, 4):
+                coefs.append(_BT[xi, 2 * p_ + a] * _BT[nu, 2 * q_ + bb])
+                parts.append(_pad(z[xi, nu], ((0, 0), (p_, 1 - p_), (q_, 1 - q_), (0, 0))))
+            parities.append(_weighted(coefs, parts))
+    dxp = jnp.stack(parities).reshape(2, 2, b, th + 1, tw + 1, c).transpose(2, 3, 0, 4, 1, 5)
+    dxp = dxp.reshape(b, 2 * th + 2, 2 * tw + 2, c)
+    return _pad(dxp, ((0, 0), (-plo, plo + h - 2 * th - 2), (-qlo, qlo + wd - 2 * tw - 2),
+                      (0, 0)))
+
+
 def _winograd_bwd(pads, res, dy):
+    """dM = A dY A^T is shared by both gradients: dW = G^T (V^T dM) G, and dx the transpose
+    of the input tiles' transform of dV = dM U^T."""
     x, w = res
-    (plo, phi), (qlo, qhi) = pads
-    dx = _winograd_forward(dy, _transposed_kernel(w, 1), ((2 - plo, 2 - phi), (2 - qlo, 2 - qhi)))
     v, _, tiles_hw = _input_tiles(x, pads)
-    du = lax.dot_general(_tiles_major(v), _output_tiles_transpose(dy, tiles_hw), _BATCHED)
+    dm = _output_tiles_transpose(dy, tiles_hw)
+    du = lax.dot_general(_tiles_major(v), dm, _BATCHED)
+    dv = lax.dot_general(dm, _kernel_tiles(jnp.swapaxes(w, 2, 3)), _BATCHED)
+    dx = _input_tiles_transpose(dv, x.shape, pads, tiles_hw)
     return dx.astype(x.dtype), _kernel_tiles_transpose(du).astype(w.dtype)
 
 
