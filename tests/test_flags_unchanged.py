@@ -27,7 +27,8 @@ HELP_UPDATED = {
     # added, and every nn.Conv of a model of one's own takes the same path
     "conv_impl": "convolutions (the built-in networks' and every nn.Conv): im2col_wgrad (CPU, "
                  "GPU) | winograd (3x3 at stride 1 by Winograd's F(2x2, 3x3), the rest as "
-                 "im2col_wgrad) | im2col | xla (TPU; the module as written); unset: by backend",
+                 "im2col_wgrad; pfl_cnn's on CPU) | im2col | xla (TPU; the module as written); "
+                 "unset: by backend and model",
     # the image models
     "model": "linear | cnn | mlp | mean | gru | lstm | sent140_linear | lstm_nwp | fedavg_cnn | "
              "pfl_cnn | resnet18_gn, or a model of your own registered by --model_module",

@@ -108,10 +108,10 @@ def linear(data, opts):
 
 def cnn(data, opts):
     _image_shape(data)
-    impl = opts.conv_impl or default_conv_impl()
+    lanes = LanePreferences(cpu_lane_mode="unroll", cpu_eval_chunk=128)
+    impl = opts.conv_impl or default_conv_impl(opts.conv_backend, lanes)
     return Model("cnn", ConvNet(_classes(data, "cnn"), impl, opts.cnn_hidden), "softmax",
-                 data.feature_shape, data.train.x_dtype, data.x_scale,
-                 lanes=LanePreferences(cpu_lane_mode="unroll", cpu_eval_chunk=128))
+                 data.feature_shape, data.train.x_dtype, data.x_scale, lanes=lanes)
 
 
 def mlp(data, opts):

@@ -387,8 +387,15 @@ def max_pool_2x2(x):
     return x.reshape(b, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
 
 
-def default_conv_impl(backend: str | None = None) -> str:
-    """im2col weight gradient on CPU and GPU (see module docstring); the backend's own on TPU,
-    where it is unmeasured."""
+def default_conv_impl(backend: str | None = None, preferences=None) -> str:
+    """The convolutions of a model left to the backend (`backend` None: the one running): on
+    CPU the model's own measured choice (``preferences.cpu_conv_impl``, a
+    :class:`~deltafl_jax.models.LanePreferences`: Winograd for pfl-research's CNN) or the
+    im2col weight gradient; im2col weight gradient on GPU (see module docstring); the backend's
+    own on TPU, where it is unmeasured."""
     backend = backend or jax.default_backend()
-    return "xla" if backend == "tpu" else "im2col_wgrad"
+    if backend == "tpu":
+        return "xla"
+    if backend == "cpu" and preferences is not None and preferences.cpu_conv_impl:
+        return preferences.cpu_conv_impl
+    return "im2col_wgrad"

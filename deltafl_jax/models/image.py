@@ -41,6 +41,7 @@ weight gradients out of the lanes' loops; the models run unrolled lanes on CPU l
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import flax.linen as nn
@@ -175,6 +176,11 @@ class ResNetGN(nn.Module):
 # Unrolled lanes on CPU, as for the ConvNet (a vmap over per-client kernels is a grouped
 # convolution); smaller evaluation chunks for the larger activations.
 IMAGE_LANES = LanePreferences(cpu_lane_mode="unroll", cpu_eval_chunk=128)
+# pfl-research's CNN on CPU by Winograd's F(2x2, 3x3): on the quiet 2-core CPU its round took
+# 1.10-1.20 s against 1.42-1.52 s with the im2col weight gradient (bench.peer_pfl, 2026-11-27,
+# docs/benchmarks/pfl-research.md); ResNet-18-GN's round was no faster by Winograd (3.50-3.73
+# s against 3.33-3.48 s, bench.resnet_profile), so it keeps the default.
+PFL_LANES = dataclasses.replace(IMAGE_LANES, cpu_conv_impl="winograd")
 RESNET_LANES = LanePreferences(cpu_lane_mode="unroll", cpu_eval_chunk=64,
                                accelerator_eval_chunk=512)
 
@@ -196,7 +202,7 @@ def _image_classes(data: FederatedDataset, name: str) -> int:
 
 def _build(name, module_cls, lanes, data: FederatedDataset, options: ModelOptions) -> Model:
     classes = _image_classes(data, name)
-    impl = options.conv_impl or default_conv_impl()
+    impl = options.conv_impl or default_conv_impl(options.conv_backend, lanes)
     return Model(name, module_cls(classes, conv_impl=impl), "softmax", data.feature_shape,
                  data.train.x_dtype, data.x_scale, lanes=lanes)
 
@@ -208,7 +214,7 @@ def fedavg_cnn(data: FederatedDataset, options: ModelOptions) -> Model:
 
 def pfl_cnn(data: FederatedDataset, options: ModelOptions) -> Model:
     """pfl-research's CIFAR-10 benchmark CNN."""
-    return _build("pfl_cnn", PflCNN, IMAGE_LANES, data, options)
+    return _build("pfl_cnn", PflCNN, PFL_LANES, data, options)
 
 
 def resnet18_gn(data: FederatedDataset, options: ModelOptions) -> Model:

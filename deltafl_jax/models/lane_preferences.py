@@ -28,12 +28,15 @@ class LanePreferences:
       convolution (:meth:`filled`, which :func:`~deltafl_jax.models.build_model` applies).
     cpu_eval_chunk / accelerator_eval_chunk: examples per evaluation work item. cpu_eval_chunk
       None: 2048, or 128 for a registered convolutional model (as cpu_lane_mode).
+    cpu_conv_impl: the convolutions on CPU when --conv_impl is unset ("winograd",
+      "im2col_wgrad", ...; :func:`~deltafl_jax.models.default_conv_impl`); None: im2col_wgrad.
     """
 
     cpu_lanes: int = 2
     cpu_lane_mode: Optional[str] = None
     cpu_eval_chunk: Optional[int] = None
     accelerator_eval_chunk: int = 1024
+    cpu_conv_impl: Optional[str] = None
 
     @property
     def unset(self) -> bool:

@@ -61,7 +61,7 @@ class Model:
         (:mod:`deltafl_jax.models.conv_intercept`): "im2col_wgrad", "winograd", "im2col" or
         "xla" (the module as it is); None: ``ModelOptions.conv_impl`` when
         :func:`~deltafl_jax.models.build_model` builds it, else
-        :func:`~deltafl_jax.models.default_conv_impl` of the backend.
+        :func:`~deltafl_jax.models.default_conv_impl` of the backend and ``lanes``.
     """
 
     name: str
@@ -111,7 +111,8 @@ class Model:
         (:func:`deltafl_jax.models.conv_intercept.rewritten`)."""
         forward = lambda p, x: self.module.apply({"params": p}, x)  # noqa: E731
         if self.conv_impl != "xla":   # "xla": the module as it is, nothing rewritten
-            forward = rewritten(forward, self.conv_impl or default_conv_impl())
+            forward = rewritten(forward, self.conv_impl or default_conv_impl(
+                preferences=self.lanes))
         return forward(params, self.preprocess(x))
 
     def losses_and_errors(self, params: Params, x, y):
@@ -170,7 +171,8 @@ def sequence_losses_and_errors(logits, ids, pad_id: int = 0, error_ignore_ids=()
 class ModelOptions:
     """Model choices that do not come from the dataset."""
 
-    conv_impl: Optional[str] = None  # None: chosen for the backend
+    conv_impl: Optional[str] = None  # None: chosen for the backend and the model
+    conv_backend: Optional[str] = None  # that backend (--placement_backend); None: the running one
     mlp_hidden: tuple = (64,)
     cnn_hidden: int = 0
     use_bias: Optional[bool] = None  # linear models; None: linear_bias_default(dataset)

@@ -39,7 +39,7 @@ from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.evaluation.holdout import hold_out
-from deltafl_jax.models import Model, ModelOptions, build_model, default_conv_impl
+from deltafl_jax.models import Model, ModelOptions, build_model
 from deltafl_jax.privacy.dp import (OVERFLOW_PLAIN, OVERFLOW_SHARE, UPDATE_RELEASE,
                                     UPDATE_RELEASE_ADD_REMOVE, Accounting, Correlated,
                                     bandmf_coefficients, check_private_version)
@@ -266,9 +266,8 @@ def _streams(config: ExperimentConfig, data: FederatedDataset, work: plan_lib.Lo
 
 def _model(config: ExperimentConfig, data: FederatedDataset) -> Tuple[Model, ModelOptions]:
     place = config.placement
-    conv_impl = place.conv_impl or (default_conv_impl(place.placement_backend)
-                                    if place.placement_backend else None)
-    options = ModelOptions(conv_impl=conv_impl, use_bias=config.training.use_bias)
+    options = ModelOptions(conv_impl=place.conv_impl, conv_backend=place.placement_backend,
+                           use_bias=config.training.use_bias)
     try:
         return build_model(config.training.model, data, options), options
     except ValueError as e:
