@@ -177,7 +177,7 @@ class ResNetGN(nn.Module):
 # convolution); smaller evaluation chunks for the larger activations.
 IMAGE_LANES = LanePreferences(cpu_lane_mode="unroll", cpu_eval_chunk=128)
 # pfl-research's CNN on CPU by Winograd's F(2x2, 3x3): on the quiet 2-core CPU its round took
-# 1.10-1.20 s against 1.42-1.52 s with the im2col weight gradient (bench.peer_pfl, 2026-11-27,
+# 1.13-1.21 s against 1.42-1.61 s with the im2col weight gradient (bench.peer_pfl, 2026-11-27,
 # docs/benchmarks/pfl-research.md); ResNet-18-GN's round was no faster by Winograd (3.50-3.73
 # s against 3.33-3.48 s, bench.resnet_profile), so it keeps the default.
 PFL_LANES = dataclasses.replace(IMAGE_LANES, cpu_conv_impl="winograd")
