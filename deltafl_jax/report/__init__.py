@@ -50,8 +50,9 @@ each imported from its module on first use (PEP 562's module ``__getattr__``): r
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from deltafl_jax.lazy_exports import lazy_attributes
 
 if TYPE_CHECKING:
     from deltafl_jax.report.document import CONVENTIONS, write_report
@@ -94,23 +95,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """A public name, imported from its module on first use; else a module of the package
-    (``deltafl_jax.report.figures``), imported on first use."""
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif not name.startswith("__"):
-        try:
-            value = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, __all__)
