@@ -501,20 +501,22 @@ def toy_pfl_cnn_flops() -> float:
 def test_peer_pfl_smoke_engine_side(tmp_path):
     """bench/peer_pfl.py without --pfl_python: the engine on 1 and 2 host devices, each round
     training the cohort's examples, the network's FLOPs as counted by hand."""
-    res = run_json(["bench.peer_pfl", "--engines=devices=1,devices=2+clients_per_step=2",
-                    *PFL_TOY], tmp_path, "peer_pfl")
-    assert set(res["sides"]) == {"engine_devices=1", "engine_devices=2+clients_per_step=2"}
+    wgrad = "devices=2+clients_per_step=2+conv_impl=im2col_wgrad"
+    res = run_json(["bench.peer_pfl", f"--engines=devices=1,{wgrad}", *PFL_TOY], tmp_path,
+                   "peer_pfl")
+    assert set(res["sides"]) == {"engine_devices=1", f"engine_{wgrad}"}
     assert res["speedup_vs_pfl"] == {}
-    for name, devices, lanes in (("engine_devices=1", 1, 2),
-                                 ("engine_devices=2+clients_per_step=2", 2, 2)):
+    for name, devices, lanes in (("engine_devices=1", 1, 2), (f"engine_{wgrad}", 2, 2)):
         row = res["sides"][name]
         info = row["info"]
         assert info["jax_devices"] == devices and info["placement"]["devices"] == devices
         assert info["placement"]["lanes"] == lanes
         assert row["train_examples_per_round"] == 30
         assert info["network_flops_per_example"] == toy_pfl_cnn_flops()
-        # the SAME-then-crop convolutions compute the border too
-        assert info["engine_flops_per_example"] > info["network_flops_per_example"]
+        if name == "engine_devices=1":   # pfl_cnn's CPU default, Winograd: fewer multiplies
+            assert info["engine_flops_per_example"] < 0.6 * info["network_flops_per_example"]
+        else:   # the SAME-then-crop convolutions compute the border too
+            assert info["engine_flops_per_example"] > info["network_flops_per_example"]
         assert row["network_gflop_per_round"] == pytest.approx(30 * toy_pfl_cnn_flops() / 1e9)
         assert 0 < row["fraction_of_gemm_peak"] and row["s_per_round"] > 0
     assert res["engine_command_lines"]["engine_devices=1"].startswith(
