@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax.data import FederatedDataset
-from deltafl_jax.models.conv import conv2d, default_conv_impl, max_pool_2x2
+from deltafl_jax.models.conv import conv2d, max_pool_2x2
 from deltafl_jax.models.inputs import linear_bias, numeric_features
 from deltafl_jax.models.lane_preferences import LanePreferences
 from deltafl_jax.models.model import Model
@@ -109,9 +109,9 @@ def linear(data, opts):
 def cnn(data, opts):
     _image_shape(data)
     lanes = LanePreferences(cpu_lane_mode="unroll", cpu_eval_chunk=128)
-    impl = opts.conv_impl or default_conv_impl(opts.conv_backend, lanes)
-    return Model("cnn", ConvNet(_classes(data, "cnn"), impl, opts.cnn_hidden), "softmax",
-                 data.feature_shape, data.train.x_dtype, data.x_scale, lanes=lanes)
+    net = ConvNet(_classes(data, "cnn"), opts.conv_impl_for(lanes), opts.cnn_hidden)
+    return Model("cnn", net, "softmax", data.feature_shape, data.train.x_dtype, data.x_scale,
+                 lanes=lanes)
 
 
 def mlp(data, opts):

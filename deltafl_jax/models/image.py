@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax.data import FederatedDataset
-from deltafl_jax.models.conv import default_conv_impl, max_pool_2x2
+from deltafl_jax.models.conv import max_pool_2x2
 from deltafl_jax.models.image_conv import (conv1x1_stride2, conv_same, conv_stride2, conv_valid,
                                            local_response_norm, max_pool_3x3_stride2_same)
 from deltafl_jax.models.inputs import numeric_features
@@ -202,8 +202,7 @@ def _image_classes(data: FederatedDataset, name: str) -> int:
 
 def _build(name, module_cls, lanes, data: FederatedDataset, options: ModelOptions) -> Model:
     classes = _image_classes(data, name)
-    impl = options.conv_impl or default_conv_impl(options.conv_backend, lanes)
-    return Model(name, module_cls(classes, conv_impl=impl), "softmax", data.feature_shape,
+    return Model(name, module_cls(classes, conv_impl=options.conv_impl_for(lanes)), "softmax", data.feature_shape,
                  data.train.x_dtype, data.x_scale, lanes=lanes)
 
 

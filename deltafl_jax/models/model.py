@@ -176,3 +176,9 @@ class ModelOptions:
     mlp_hidden: tuple = (64,)
     cnn_hidden: int = 0
     use_bias: Optional[bool] = None  # linear models; None: linear_bias_default(dataset)
+
+    def conv_impl_for(self, lanes: LanePreferences) -> str:
+        """The convolutions of a model with these lane preferences: ``conv_impl`` (the flag),
+        else :func:`~deltafl_jax.models.default_conv_impl` of ``conv_backend`` and the
+        model."""
+        return self.conv_impl or default_conv_impl(self.conv_backend, lanes)

@@ -11,7 +11,6 @@ import jax
 
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.models import builtin
-from deltafl_jax.models.conv import default_conv_impl
 from deltafl_jax.models.conv_intercept import has_convolution
 from deltafl_jax.models.model import Model, ModelOptions
 
@@ -88,8 +87,7 @@ def _completed(model: Model, options: ModelOptions, registered: bool) -> Model:
     registered model's CPU lane choices that its preferences leave unset filled in by
     whether its forward pass has a convolution (:meth:`LanePreferences.filled`)."""
     if model.conv_impl is None and (options.conv_impl or options.conv_backend):
-        model = dataclasses.replace(model, conv_impl=options.conv_impl or default_conv_impl(
-            options.conv_backend, model.lanes))
+        model = dataclasses.replace(model, conv_impl=options.conv_impl_for(model.lanes))
     if registered and model.lanes.unset:
         example = jax.ShapeDtypeStruct((1,) + tuple(model.example_shape), model.input_dtype)
         conv = has_convolution(model.module, jax.eval_shape(model.preprocess, example))
