@@ -29,6 +29,10 @@ Rounds alternate: in round t every side runs its round t, in an order that rotat
 so no side always runs right after another; ``os.getloadavg()`` is recorded around each. The
 figure per side is the median of ``--rounds`` rounds after ``--warmup`` (compilation; pfl's
 round 0 also evaluates its cohort before and after training, which later rounds do not).
+``speedup_vs_pfl`` divides those medians; ``speedup_vs_pfl_paired`` is the median over the
+timed rounds t of pfl's round t over the engine's round t, two rounds run one after the
+other: the 2-core machine's speed shifts by up to 25% between spells of a few rounds, and one
+side's median can fall in one spell and the other's in another.
 
 Work per round, counted on both sides: the FLOPs of one training example's forward and
 backward pass times the examples trained in the round (2500). pfl's count is PyTorch's own
@@ -473,10 +477,12 @@ def summarise(sides: dict, times: dict, peaks: dict) -> dict:
             rows[name]["cores_busy_median"] = float(np.median([r["cpu_s"] / r["seconds"]
                                                                for r in timed]))
     pfl = [k for k in med if k.startswith("pfl")]
-    ratios = {f"{p}_over_{k}": med[p] / med[k] for p in pfl for k in med
-              if k.startswith("engine")}
+    pairs = [(p, k) for p in pfl for k in med if k.startswith("engine")]
+    ratios = {f"{p}_over_{k}": med[p] / med[k] for p, k in pairs}
+    paired = {f"{p}_over_{k}": float(np.median(np.divide(times[p], times[k])))
+              for p, k in pairs}
     return {"sides": rows, "s_per_round": med, "speedup_vs_pfl": ratios,
-            "gemm_peak_gflops": peak}
+            "speedup_vs_pfl_paired": paired, "gemm_peak_gflops": peak}
 
 
 def flop_check(rows: dict) -> list:

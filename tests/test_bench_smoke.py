@@ -505,7 +505,7 @@ def test_peer_pfl_smoke_engine_side(tmp_path):
     res = run_json(["bench.peer_pfl", f"--engines=devices=1,{wgrad}", *PFL_TOY], tmp_path,
                    "peer_pfl")
     assert set(res["sides"]) == {"engine_devices=1", f"engine_{wgrad}"}
-    assert res["speedup_vs_pfl"] == {}
+    assert res["speedup_vs_pfl"] == res["speedup_vs_pfl_paired"] == {}
     for name, devices, lanes in (("engine_devices=1", 1, 2), (f"engine_{wgrad}", 2, 2)):
         row = res["sides"][name]
         info = row["info"]
@@ -539,6 +539,9 @@ def test_peer_pfl_smoke_against_pfl(tmp_path):
     assert pfl["info"]["train_flops_per_example"] == toy_pfl_cnn_flops()
     assert pfl["train_examples_per_round"] == eng["train_examples_per_round"] == 30
     assert set(res["speedup_vs_pfl"]) == {"pfl_over_engine_devices=1"}
+    pfl_t, eng_t = pfl["round_times_s"], eng["round_times_s"]
+    assert res["speedup_vs_pfl_paired"]["pfl_over_engine_devices=1"] == pytest.approx(
+        float(np.median([a / b for a, b in zip(pfl_t, eng_t)])))
     assert res["gemm_gflops"]["torch_pfl"] > 0 and res["profile_ms"]["torch_sgd_step_pfl"] > 0
 
 

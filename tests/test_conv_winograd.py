@@ -16,7 +16,7 @@ from jax import lax
 
 from deltafl_jax.models.conv import conv2d, conv_winograd, winograd_applies
 from deltafl_jax.models.conv_intercept import equations, rewritten
-from deltafl_jax.models.image import PflCNN
+from deltafl_jax.models.image import PflCNN, ResNetGN
 
 DN = ("NHWC", "HWIO", "NHWC")
 
@@ -169,10 +169,13 @@ def test_conv2d_same_winograd_equals_xla_and_keeps_other_kernels():
 
 
 
-def test_pfl_cnn_step_has_no_convolution_and_equals_xla():
+def test_pfl_cnn_step_convolves_only_the_data_and_equals_xla():
     """pfl-research's CNN with conv_impl="winograd": the loss and every gradient of a batch
-    equal XLA's convolutions under autodiff, and the gradient's program has no convolution
-    (both layers are 3 x 3 VALID at stride 1)."""
+    equal XLA's convolutions under autodiff. The second layer runs Winograd's products (no
+    convolution); the first, whose input is the data, runs XLA's forward convolution with an
+    im2col weight gradient (``input_layer_impl``), so the gradient's program has exactly one
+    convolution, over the 3 input channels (the first layer's input gradient is in the jaxpr,
+    and XLA drops it: nothing reads it)."""
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.normal(size=(3, 12, 10, 3)), jnp.float32)
     y = jnp.asarray([1, 0, 4])
@@ -184,9 +187,10 @@ def test_pfl_cnn_step_has_no_convolution_and_equals_xla():
             return jnp.mean(jax.nn.logsumexp(z, axis=1) - z[jnp.arange(3), y])
         return loss
 
-    prims = {e.primitive.name for e in equations(
-        jax.make_jaxpr(jax.grad(loss_of("winograd")))(p).jaxpr)}
-    assert "conv_general_dilated" not in prims and "dot_general" in prims
+    hlo = jax.jit(jax.grad(loss_of("winograd"))).lower(p).compile().as_text()
+    convs = re.findall(r"= f32\[([\d,]+)\]\{[\d,]*\} convolution\((.*)", hlo)
+    assert [shape.split(",")[-1] for shape, _ in convs] == ["32"], convs   # conv1's output
+    assert " dot(" in hlo
     ref, got = jax.jit(lambda q: (jax.value_and_grad(loss_of("xla"))(q),    # one program
                                   jax.value_and_grad(loss_of("winograd"))(q)))(p)
     for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
@@ -223,3 +227,16 @@ def test_input_gradient_products_run_over_the_output_tiles():
               for m in re.findall(r"= f32\[([\d,]+)\]\{[\d,]*\} dot\(", hlo)}
     tiles = 2 * (8 // 2) * (6 // 2)             # batch 2, output 8 x 6: 4 x 3 tiles
     assert shapes == {(16, 5, 6), (16, tiles, 5)}, shapes
+
+
+def test_resnet_stem_convolves_the_data_and_the_inner_layers_run_winograd():
+    """ResNet-GN with conv_impl="winograd": its forward pass convolves only the images (the
+    stem, ``input_layer_impl``: 3 channels) and the stride-2 layer (4 channels, not
+    Winograd's); every 3 x 3 stride-1 layer inside the blocks is Winograd's products."""
+    x = jnp.ones((2, 8, 8, 3), jnp.float32)
+    net = ResNetGN(5, widths=(4, 8), blocks=(1, 1), groups=2, conv_impl="winograd")
+    p = jax.jit(net.init)(jax.random.key(0), x)
+    convs = [e for e in equations(jax.make_jaxpr(net.apply)(p, x).jaxpr)
+             if e.primitive.name == "conv_general_dilated"]
+    assert [(e.invars[0].aval.shape[-1], e.params["window_strides"]) for e in convs] == [
+        (3, (1, 1)), (4, (2, 2))]

@@ -24,10 +24,11 @@ DROPPED_DUPLICATES = {}   # flag -> the flag that stays
 # flag -> the help it must have now (its name, default, type and choices unchanged)
 HELP_UPDATED = {
     # the GPU default became im2col_wgrad (measured on an H100), im2col and winograd were
-    # added, and every nn.Conv of a model of one's own takes the same path
+    # added, and every nn.Conv of a model of one's own takes the same path; a built-in
+    # network's first layer keeps im2col_wgrad under winograd (its input needs no gradient)
     "conv_impl": "convolutions (the built-in networks' and every nn.Conv): im2col_wgrad (CPU, "
-                 "GPU) | winograd (3x3 at stride 1 by Winograd's F(2x2, 3x3), the rest as "
-                 "im2col_wgrad; pfl_cnn's on CPU) | im2col | xla (TPU; the module as written); "
+                 "GPU) | winograd (3x3 at stride 1 by Winograd's F(2x2, 3x3), the rest and a "
+                 "built-in network's first layer as im2col_wgrad; pfl_cnn's on CPU) | im2col | xla (TPU; the module as written); "
                  "unset: by backend and model",
     # the image models
     "model": "linear | cnn | mlp | mean | gru | lstm | sent140_linear | lstm_nwp | fedavg_cnn | "

@@ -37,6 +37,10 @@
 Every convolution goes through :mod:`deltafl_jax.models.image_conv` (the fast path of
 :func:`deltafl_jax.models.conv.conv_general`), which keeps XLA:CPU's
 weight gradients out of the lanes' loops; the models run unrolled lanes on CPU like ``cnn``.
+With ``--conv_impl=winograd`` (``pfl_cnn``'s default on CPU) a network's first convolution,
+whose input is the data and needs no gradient, keeps the im2col weight gradient
+(:func:`~deltafl_jax.models.image_conv.input_layer_impl`); the other 3 x 3 stride-1 layers run
+Winograd's F(2x2, 3x3).
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ import numpy as np
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.models.conv import max_pool_2x2
 from deltafl_jax.models.image_conv import (conv1x1_stride2, conv_same, conv_stride2, conv_valid,
-                                           local_response_norm, max_pool_3x3_stride2_same)
+                                           input_layer_impl, local_response_norm,
+                                           max_pool_3x3_stride2_same)
 from deltafl_jax.models.inputs import numeric_features
 from deltafl_jax.models.lane_preferences import LanePreferences
 from deltafl_jax.models.model import Model, ModelOptions
@@ -109,7 +114,8 @@ class PflCNN(nn.Module):
         for i, feats in ((1, 32), (2, 64)):
             kernel = self.param(f"conv{i}_kernel", glorot, (3, 3, x.shape[-1], feats))
             bias = self.param(f"conv{i}_bias", nn.initializers.zeros, (feats,))
-            x = nn.relu(conv_valid(x, kernel, self.conv_impl) + bias)
+            impl = input_layer_impl(self.conv_impl) if i == 1 else self.conv_impl
+            x = nn.relu(conv_valid(x, kernel, impl) + bias)
         x = max_pool_2x2(x).reshape(x.shape[0], -1)
         x = nn.relu(nn.Dense(128, kernel_init=glorot, name="dense1")(x))
         return nn.Dense(self.num_outputs, kernel_init=glorot, name="dense2")(x)
@@ -163,7 +169,7 @@ class ResNetGN(nn.Module):
         x = as_images(x)
         stem = self.param("stem", nn.initializers.he_normal(),
                           (3, 3, x.shape[-1], self.widths[0]))
-        x = conv_same(x, stem, self.conv_impl)
+        x = conv_same(x, stem, input_layer_impl(self.conv_impl))
         x = nn.relu(nn.GroupNorm(num_groups=self.groups, epsilon=GN_EPSILON, name="stem_gn")(x))
         for s, (width, count) in enumerate(zip(self.widths, self.blocks)):
             for b in range(count):
