@@ -29,6 +29,8 @@ FOREIGN = {
     "xla_cpu_use_xnnpack": "an XLA:CPU flag (measured in the benchmarks)",
     "xla_cpu_prefer_vector_width": "an XLA:CPU flag (measured in the benchmarks)",
     "xla_cpu_use_fusion_emitters": "an XLA:CPU flag (the fast tests compile with it off)",
+    "xla_cpu_copy_insertion_use_region_analysis": "an XLA:CPU flag (measured in the "
+                                                  "benchmarks)",
     "xla_gpu_enable_triton_gemm": "an XLA:GPU flag (ResNet-18-GN's compile on jax 0.11.2)",
     "suite_cpu_out": "the pytest option of bench/suite_cpu.py, a plugin",
     "index": "pip's --index-url",
