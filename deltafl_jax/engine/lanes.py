@@ -114,24 +114,6 @@ def deal_rows(deal: LaneDeal, J: int):
     return jnp.full((J + 1,), n, jnp.int32).at[flat].set(jnp.arange(n, dtype=jnp.int32))[:J]
 
 
-def ordered_sum(values, rows):
-    """sum_k values[rows[r, k]] for every replica r, added one row at a time in the order
-    given, starting from zeros (values: pytree of [S, ...] leaves; rows: [R, m] int32; a row
-    >= S adds nothing). Each element is added in the same order whatever the leaves' shape,
-    so a slice of the elements sums to the same bits alone."""
-    rows = jnp.asarray(rows)
-    R, m = rows.shape
-
-    def add(k, total):
-        def one(t, v):
-            keep = (rows[:, k] < v.shape[0]).reshape((R,) + (1,) * (v.ndim - 1))
-            return t + jnp.where(keep, v[jnp.minimum(rows[:, k], v.shape[0] - 1)], 0)
-        return jax.tree.map(one, total, values)
-
-    zeros = jax.tree.map(lambda v: jnp.zeros((R,) + v.shape[1:], v.dtype), values)
-    return jax.lax.fori_loop(0, m, add, zeros)
-
-
 def slot_blocks(tree, blocks: int):
     """Leaves [c, ...] -> [blocks, c, k]: each row flattened, padded with zeros to blocks x k
     elements (k = ceil(size / blocks)) and cut into `blocks` consecutive blocks."""
@@ -151,29 +133,55 @@ def slot_tables(like, slots: int, blocks: int):
 
 
 def device_ordered_sum(tables, rows, axis, like):
-    """:func:`ordered_sum` of the rows of the D devices' slot tables stacked in device order,
-    the same [R, ...] sums (the leaves of `like` without their first axis) on every device.
+    """sum_k row[rows[r, k]] for every replica r, one row at a time in the order given, starting
+    from zeros, of the D devices' slot tables' rows stacked in device order: the same
+    [R, ...] sums (the leaves of `like` without their first axis) on every device; a row past
+    the D x S rows adds nothing. Each element is added in the same order whatever the leaves'
+    shape, so a slice of the elements sums to the same bits alone.
 
     tables: this device's :func:`slot_tables` [D, S, k] (D = ``axis.count`` blocks per row);
     rows: [R, m] int32 into the D x S stacked rows (device j's slot s: j * S + s; D x S:
     nothing). No device holds every row: device i adds, over all the rows, block i of each
-    row, which one all-to-all brings it from every device (``axis.exchange``), and one psum of
-    the [R, D, k] sums joins the blocks (the other devices' blocks are zeros there, and a sum
-    that starts from +0 is never -0, so adding them changes no bit). Every element is added
-    in the same order as on one device."""
+    row. It reads block i of its own rows in place, and block i of device j's rows arrives in
+    one of D - 1 collective permutes (``axis.shift`` by s = i - j mod D: every device sends
+    block i + s of its rows to device i + s). So the other devices' blocks are copied twice
+    (cut out, then permuted) and a device's own block not at all, where an all-to-all, which
+    XLA:CPU runs as slices, the exchange and a concatenation, copied every block three times
+    (docs/benchmarks/pfl-research.md measures both); each step of the sum reads the row's
+    block from each of the D sources and keeps the one it needs. One
+    psum of the [R, D, k] sums joins the blocks (the other devices' blocks are zeros there,
+    and a sum that starts from +0 is never -0, so adding them changes no bit). Every element
+    is added in the same order as on one device."""
     D = axis.count
+    here = axis.index()
+    rows = jnp.asarray(rows)
+    R, m = rows.shape
 
-    def stacked(t):   # [D, S, k] -> [D * S, k]: block i of every device's rows
-        return axis.exchange(t).reshape(-1, t.shape[-1])
+    def block(t, j):   # [S, k]: block j of this device's rows
+        return jax.lax.dynamic_index_in_dim(t, j, 0, keepdims=False)
 
-    def join(part, v):   # [R, k] -> [R, ...]
-        R, k = part.shape
+    def leaf_sum(t, v):   # t [D, S, k] -> [R, ...]
+        S, k = t.shape[1], t.shape[2]
+        # by_shift[s]: block `here` of the rows of device here - s
+        by_shift = [block(t, here)] + [axis.shift(block(t, (here + s) % D), s)
+                                       for s in range(1, D)]
+
+        def add(q, total):
+            keep = rows[:, q] < D * S
+            row = jnp.minimum(rows[:, q], D * S - 1)
+            slot, shift = row % S, (here - row // S) % D
+            val = by_shift[0][slot]
+            for s in range(1, D):
+                val = jnp.where((shift == s)[:, None], by_shift[s][slot], val)
+            return total + jnp.where(keep[:, None], val, 0)
+
+        part = jax.lax.fori_loop(0, m, add, jnp.zeros((R, k), t.dtype))
         if D > 1:
-            part = axis.sum(jnp.zeros((R, D, k), part.dtype).at[:, axis.index()].set(part))
+            part = axis.sum(jnp.zeros((R, D, k), part.dtype).at[:, here].set(part))
         flat = part.reshape(R, D * k)[:, :math.prod(v.shape[1:])]
         return flat.reshape((R,) + v.shape[1:])
 
-    return jax.tree.map(join, ordered_sum(jax.tree.map(stacked, tables), rows), like)
+    return jax.tree.map(leaf_sum, tables, like)
 
 
 def device_share(deal: LaneDeal, device, lanes: int) -> LaneDeal:

@@ -5,8 +5,8 @@ With D > 1 devices the round is ``jit(shard_map(round_fn))`` over a 1-D mesh (ax
 work is dealt across D x c global lanes (:func:`deltafl_jax.engine.lanes.deal_jobs`,
 evaluation items round-robin), each device runs its own while loops to its own trip counts, and
 the partial sums are reduced once after the loops (``psum``; the jobs' updates cross the
-devices through one ``all_to_all`` instead, :func:`deltafl_jax.engine.lanes.device_ordered_sum`;
-no collective inside a loop body).
+devices through D - 1 collective permutes instead,
+:func:`deltafl_jax.engine.lanes.device_ordered_sum`; no collective inside a loop body).
 The filter and the server update then run identically on every device. With D = 1 none of
 this is used, and the round is the plain jitted function.
 
@@ -51,12 +51,13 @@ class DeviceAxis:
     def max(self, x):
         return jax.lax.pmax(x, self.name) if self.name else x
 
-    def exchange(self, x):
-        """x [D, ...] on every device -> [D, ...]: x[i] of every device, in device order, on
-        device i (one all-to-all; x itself when D = 1)."""
-        if not self.name:
+    def shift(self, x, s: int):
+        """Device j's x, on device (j + s) mod D (one collective permute; x itself when
+        s = 0 mod D or D = 1)."""
+        if not self.name or s % self.count == 0:
             return x
-        return jax.lax.all_to_all(x, self.name, 0, 0, tiled=True)
+        return jax.lax.ppermute(x, self.name,
+                                [(j, (j + s) % self.count) for j in range(self.count)])
 
     def spread(self, x):
         """[D]: every device's value of the scalar x, in device order (one all-reduce)."""
