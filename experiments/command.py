@@ -43,6 +43,17 @@ def usage(program: str) -> str:
                      + ["", FLAGFILE_HELP])
 
 
+def print_help(text: str) -> None:
+    """`text` on stdout. A reader that stops early (``--help | head``) closes the pipe: the
+    rest is not wanted, so it is dropped quietly instead of ending in a BrokenPipeError
+    traceback (stdout is pointed at /dev/null, so the interpreter's last flush fails no
+    more)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def parse_flags_or_fail(argv):
     """absl's flag parsing; --help prints the flags and exits 0, a bad flag or a missing
     flagfile, or one that is not text, is one line and exit code 2."""
@@ -50,8 +61,8 @@ def parse_flags_or_fail(argv):
     COMMAND_LINE.update(a.lstrip("-").split("=", 1)[0] for a in argv[1:] if a.startswith("--"))
     if any(a in HELP_FLAGS for a in argv[1:]):
         modules = [m for m in FLAGS.flags_by_module_dict() if not m.startswith("absl")]
-        print(usage(argv[0]) + "\n\n" + "\n\n".join(FLAGS.module_help(m) for m in modules),
-              flush=True)
+        print_help(usage(argv[0]) + "\n\n" + "\n\n".join(FLAGS.module_help(m)
+                                                          for m in modules))
         sys.exit(0)
     try:
         return FLAGS(argv)

@@ -69,3 +69,18 @@ def test_help_is_printed_before_the_heavy_imports(tmp_path, module):
     assert code == 0, err
     assert out.startswith(f"usage: python -m {module} ") and "--flagfile=FILE" in out
     assert heavy == [], f"{module} --help imported {', '.join(heavy)}"
+
+
+@pytest.mark.parametrize("module", ["data_prep.prepare", "experiments.report"])
+def test_help_into_a_closed_pipe_ends_quietly(module):
+    """``python -m MODULE --help | head -1``: the reader has gone before the help is written
+    (here the pipe's read end is closed first, so the write fails every time); the command
+    exits 0 with nothing on stderr, no BrokenPipeError traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO,
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
