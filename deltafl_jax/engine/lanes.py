@@ -156,32 +156,40 @@ def device_ordered_sum(tables, rows, axis, like):
     here = axis.index()
     rows = jnp.asarray(rows)
     R, m = rows.shape
+    leaves, treedef = jax.tree.flatten(tables)
+    S = leaves[0].shape[1]
 
     def block(t, j):   # [S, k]: block j of this device's rows
         return jax.lax.dynamic_index_in_dim(t, j, 0, keepdims=False)
 
-    def leaf_sum(t, v):   # t [D, S, k] -> [R, ...]
-        S, k = t.shape[1], t.shape[2]
-        # by_shift[s]: block `here` of the rows of device here - s
-        by_shift = [block(t, here)] + [axis.shift(block(t, (here + s) % D), s)
-                                       for s in range(1, D)]
+    # per leaf, by_shift[s]: block `here` of the rows of device here - s
+    sources = [[block(t, here)] + [axis.shift(block(t, (here + s) % D), s) for s in range(1, D)]
+               for t in leaves]
 
-        def add(q, total):
-            keep = rows[:, q] < D * S
-            row = jnp.minimum(rows[:, q], D * S - 1)
-            slot, shift = row % S, (here - row // S) % D
+    def add(q, totals):
+        keep = (rows[:, q] < D * S)[:, None]
+        row = jnp.minimum(rows[:, q], D * S - 1)
+        slot, shift = row % S, (here - row // S) % D
+
+        def pick(by_shift):
             val = by_shift[0][slot]
             for s in range(1, D):
                 val = jnp.where((shift == s)[:, None], by_shift[s][slot], val)
-            return total + jnp.where(keep[:, None], val, 0)
+            return val
 
-        part = jax.lax.fori_loop(0, m, add, jnp.zeros((R, k), t.dtype))
+        return [t + jnp.where(keep, pick(src), 0) for t, src in zip(totals, sources)]
+
+    parts = jax.lax.fori_loop(0, m, add, [jnp.zeros((R, t.shape[2]), t.dtype) for t in leaves])
+
+    def join(part, v):   # [R, k] -> [R, ...]
+        k = part.shape[1]
         if D > 1:
             part = axis.sum(jnp.zeros((R, D, k), part.dtype).at[:, here].set(part))
         flat = part.reshape(R, D * k)[:, :math.prod(v.shape[1:])]
         return flat.reshape((R,) + v.shape[1:])
 
-    return jax.tree.map(leaf_sum, tables, like)
+    return jax.tree.unflatten(treedef, [join(p, v) for p, v in
+                                        zip(parts, treedef.flatten_up_to(like))])
 
 
 def device_share(deal: LaneDeal, device, lanes: int) -> LaneDeal:
