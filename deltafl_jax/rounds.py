@@ -439,24 +439,24 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
                    num_sampled: int,
                    server_tx: Optional[optax.GradientTransformation] = None,
                    expected: Optional[int] = None, adaptive=None, correlated=None,
-                   variable: bool = False):
+                   variable: bool = False, tables: bool = False):
     """The round of `algorithm` for `replicas`, with the server optimizer's transformation
     `server_tx` (None: the plain step w + Delta), client-level DP when ``local.clip`` is set
     (:class:`_RoundDP`); `variable`: the plan's cohorts may leave slots empty (Poisson, or
-    fewer clients online than slots). An unjitted pure function."""
+    fewer clients online than slots). An unjitted pure function; with `tables` it takes and
+    returns the lanes' slot tables too (:class:`deltafl_jax.run.program.TableRound`)."""
     dpr = _RoundDP(algorithm, local.clip, num_sampled, expected, adaptive, correlated)
     z_np = np.asarray(replicas.dp_noise, np.float32)
     local = local._replace(client_update=algorithm.client_update)
     group = jnp.asarray(replicas.group, jnp.int32)
-    schedules = replicas.schedules
     hyper_np = jax.tree.map(lambda v: np.asarray(v, np.float32), replicas.hyper)
     l2_np = np.asarray(replicas.l2, np.float32)
 
-    def round_fn(state: ServerState, data: RoundData, key) -> Tuple[ServerState, Dict]:
+    def round_with_tables(state: ServerState, data: RoundData, key, slot_tables=None):
         t = state.round
         hyper = jax.tree.map(jnp.asarray, hyper_np)
         l2 = jnp.asarray(l2_np)
-        lr = jnp.stack([jnp.asarray(s(t), jnp.float32) for s in schedules])
+        lr = jnp.stack([jnp.asarray(s(t), jnp.float32) for s in replicas.schedules])
         if algorithm.uses_losses:
             losses, sizes, ev = _losses(model, state, data, group, l2, num_sampled, eval_chunk,
                                         eval_lanes, local.axis)
@@ -476,7 +476,7 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         tr = engine.train_jobs(model, state.params, X=data.x, Y=data.y, plan=data.plan,
                                replica_group=group, job_weight=weights, learning_rate=lr,
                                l2=l2, hyper=hyper, cfg=local, clients=inputs, runs=runs,
-                               clip=dpr.clips(state), keys=keys)
+                               clip=dpr.clips(state), keys=keys, tables=slot_tables)
         feedback = _feedback(tr, losses, sizes, weights, lr, clients)
         feedback, dp, extra = dpr.feedback(feedback, tr, hyper, keys, z, state.dp, keep)
         feedback = _probed(model, algorithm, state, feedback, data, group, hyper, l2,
@@ -491,6 +491,15 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
                                     algorithm.uses_losses), **extra}
         new = state.replace(params=params, algo_state=algo_state, round=t + 1, dp=dp,
                             server_opt_state=opt_state, client_state=client_state)
-        return new, {**metrics, **state_nonfinite(new, clients, sizes > 0)}
+        return new, {**metrics, **state_nonfinite(new, clients, sizes > 0)}, tr.tables
+
+    return round_with_tables if tables else _without_tables(round_with_tables)
+
+
+def _without_tables(round_with_tables):
+    """``round_fn(state, data, key) -> (state, metrics)``: fresh slot tables every round."""
+    def round_fn(state: ServerState, data: RoundData, key) -> Tuple[ServerState, Dict]:
+        new, metrics, _ = round_with_tables(state, data, key)
+        return new, metrics
 
     return round_fn

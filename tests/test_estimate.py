@@ -283,8 +283,12 @@ def _check_round_memory(exp, est):
     assert held.state == _nbytes(state) and held.keys == _nbytes(keys)
     assert held.data == _nbytes(splits)
     assert held.plan == _nbytes(data) - _nbytes(train)   # the plan: every job slot
+    # On CPU the lanes' slot tables are kept between rounds (program.TableRound): given to
+    # the round and returned in place, so arguments and aliased outputs, not temporaries.
+    assert held.tables == _nbytes(exp.round_fn.tables) > 0
     # The compiled round reads nothing beyond these arrays and holds the new state.
-    assert held.arguments <= held.state + held.plan + _nbytes(train) + held.keys
+    assert held.arguments <= held.state + held.plan + _nbytes(train) + held.keys + held.tables
+    assert held.aliased >= held.tables
     per_model = _nbytes(state.params) // exp.replicas.size
     new_state, _ = jax.block_until_ready(exp.round_fn(state, data, keys))   # donates state
     assert held.outputs >= _nbytes(new_state)

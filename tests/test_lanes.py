@@ -79,12 +79,15 @@ def sequential_sums(table, rows):
     return total
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 64])
 @pytest.mark.parametrize("devices", [1, 2, 3])
-def test_device_ordered_sum_adds_one_row_at_a_time_on_any_device_count(devices):
+def test_device_ordered_sum_adds_one_row_at_a_time_on_any_device_count(devices, chunk_bytes):
     """The devices' slot tables (each row cut into one block per device) stacked in device
     order are added row by row in the given order, bit for bit, on every device (devices
     simulated by a named vmap axis); magnitudes over six decades make the result depend on
-    the order, and leaves of 21, 7 and 1 elements do not divide into 2 or 3 blocks."""
+    the order, and leaves of 21, 7 and 1 elements do not divide into 2 or 3 blocks. With
+    64-byte chunks the kernel's and the bias's blocks cross in several permutes each (5 rows
+    of 11 columns: 4 chunks of 3, the last one redoing a column), to the same bits."""
     from deltafl_jax.engine.lanes import device_ordered_sum, slot_blocks
     from deltafl_jax.engine.mesh import DeviceAxis
     rng = np.random.default_rng(devices)
@@ -101,7 +104,9 @@ def test_device_ordered_sum_adds_one_row_at_a_time_on_any_device_count(devices):
     like = {k: jax.ShapeDtypeStruct((R,) + v.shape[2:], v.dtype) for k, v in tables.items()}
 
     def one_device(t):
-        return device_ordered_sum(t, rows, axis, like)
+        if chunk_bytes is None:
+            return device_ordered_sum(t, rows, axis, like)
+        return device_ordered_sum(t, rows, axis, like, chunk_bytes=chunk_bytes)
 
     @jax.jit   # one program, not one per operation
     def every_device(tables):

@@ -171,3 +171,44 @@ def test_unrolled_lanes_equal_vmapped_lanes(tiny_synthetic):
         outs.append(state.params)
     for x, y in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_kept_slot_tables_change_no_bit(tiny_synthetic, lanes):
+    """On CPU the round keeps the lanes' slot tables from one round to the next
+    (program.TableRound): whatever they hold, the rounds give the same bits. Three rounds
+    from the same state, once with the tables as the rounds left them and once with every
+    table overwritten by NaN before each round, against the round built without kept tables
+    (rounds.build_round_fn's plain form, jitted here)."""
+    import jax.numpy as jnp
+    from deltafl_jax.run.program import TableRound
+    cfg = tiny_config(thetas=(1.0, 0.5), seeds=(1, 2), clients_per_step=lanes, local_epochs=2)
+    exp = build_experiment(cfg, tiny_synthetic)
+    table_round = exp.round_fn
+    assert isinstance(table_round, TableRound)
+    run = exp.run
+    plain = jax.jit(rounds.build_round_fn(
+        run.model, run.algorithm, run.replicas, table_round_local(exp), exp.placement.eval_chunk,
+        exp.placement.eval_lanes, exp.program.slots))
+    keys = exp.keys()
+
+    def three(fn, poison=False):
+        state = exp.initial_state()
+        for t in range(3):
+            if poison and table_round.tables is not None:
+                table_round.tables = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan),
+                                                  table_round.tables)
+            state, metrics = fn(state, exp.round_data(t, state), keys)
+        return jax.device_get((state, metrics))
+
+    want = three(plain)
+    for poison in (False, True):
+        got = three(table_round, poison)
+        chex.assert_trees_all_equal(got, want)
+    assert jax.tree.leaves(table_round.tables)   # the rounds were given tables and kept them
+
+
+def table_round_local(exp):
+    """The experiment's local-SGD configuration, as its program built it (one device)."""
+    from deltafl_jax.run import program
+    return program._local_config(exp.run, exp.placement, None)

@@ -132,7 +132,12 @@ def slot_tables(like, slots: int, blocks: int):
         (blocks, slots, ceil_div(math.prod(v.shape[1:]), blocks)), v.dtype), like)
 
 
-def device_ordered_sum(tables, rows, axis, like):
+EXCHANGE_CHUNK_BYTES = 8 << 20
+"""The most bytes of one leaf's block of a device's rows that one collective permute of
+:func:`device_ordered_sum` moves: a bigger block crosses in chunks, one after another."""
+
+
+def device_ordered_sum(tables, rows, axis, like, chunk_bytes: int = EXCHANGE_CHUNK_BYTES):
     """sum_k row[rows[r, k]] for every replica r, one row at a time in the order given, starting
     from zeros, of the D devices' slot tables' rows stacked in device order: the same
     [R, ...] sums (the leaves of `like` without their first axis) on every device; a row past
@@ -148,23 +153,54 @@ def device_ordered_sum(tables, rows, axis, like):
     (cut out, then permuted) and a device's own block not at all, where an all-to-all, which
     XLA:CPU runs as slices, the exchange and a concatenation, copied every block three times
     (docs/benchmarks/pfl-research.md measures both); each step of the sum reads the row's
-    block from each of the D sources and keeps the one it needs. One
-    psum of the [R, D, k] sums joins the blocks (the other devices' blocks are zeros there,
-    and a sum that starts from +0 is never -0, so adding them changes no bit). Every element
-    is added in the same order as on one device."""
+    block from each of the D sources and keeps the one it needs.
+
+    A leaf whose block of S rows holds more than `chunk_bytes` crosses in chunks of its
+    columns, one chunk's permutes and sum after another (:func:`_chunked_sum`), so that the
+    copies in flight take little memory: XLA:CPU allocates a program's temporaries afresh,
+    page by page, at every execution.
+
+    One psum of the [R, D, k] sums joins the blocks (the other devices' blocks are zeros
+    there, and a sum that starts from +0 is never -0, so adding them changes no bit). Every
+    element is added in the same order as on one device."""
     D = axis.count
-    here = axis.index()
     rows = jnp.asarray(rows)
-    R, m = rows.shape
+    R = rows.shape[0]
     leaves, treedef = jax.tree.flatten(tables)
     S = leaves[0].shape[1]
+    big = [D > 1 and S * t.shape[2] * t.dtype.itemsize > chunk_bytes for t in leaves]
+    whole = iter(_ordered_sum([_sources(t, axis) for t, b in zip(leaves, big) if not b],
+                              rows, axis, S))
+    parts = [_chunked_sum(t, rows, axis, chunk_bytes) if b else next(whole)
+             for t, b in zip(leaves, big)]
 
-    def block(t, j):   # [S, k]: block j of this device's rows
+    def join(part, v):   # [R, k] -> [R, ...]
+        k = part.shape[1]
+        if D > 1:
+            part = axis.sum(jnp.zeros((R, D, k), part.dtype).at[:, axis.index()].set(part))
+        flat = part.reshape(R, D * k)[:, :math.prod(v.shape[1:])]
+        return flat.reshape((R,) + v.shape[1:])
+
+    return jax.tree.unflatten(treedef, [join(p, v) for p, v in
+                                        zip(parts, jax.tree.leaves(like))])
+
+
+def _sources(t, axis):
+    """by_shift[s] [S, k]: block `here` of the rows of device here - s (s = 0: this device's
+    own, read in place; the others through ``axis.shift``) of a [D, S, k] table."""
+    D, here = axis.count, axis.index()
+
+    def block(j):
         return jax.lax.dynamic_index_in_dim(t, j, 0, keepdims=False)
 
-    # per leaf, by_shift[s]: block `here` of the rows of device here - s
-    sources = [[block(t, here)] + [axis.shift(block(t, (here + s) % D), s) for s in range(1, D)]
-               for t in leaves]
+    return [block(here)] + [axis.shift(block((here + s) % D), s) for s in range(1, D)]
+
+
+def _ordered_sum(by_leaf, rows, axis, S):
+    """Per leaf, [R, k']: its rows[r, q] added for q = 0, 1, ... from zeros, each row read from
+    the one of the leaf's D sources (:func:`_sources`) that holds it."""
+    D, here = axis.count, axis.index()
+    R, m = rows.shape
 
     def add(q, totals):
         keep = (rows[:, q] < D * S)[:, None]
@@ -177,19 +213,28 @@ def device_ordered_sum(tables, rows, axis, like):
                 val = jnp.where((shift == s)[:, None], by_shift[s][slot], val)
             return val
 
-        return [t + jnp.where(keep, pick(src), 0) for t, src in zip(totals, sources)]
+        return [t + jnp.where(keep, pick(src), 0) for t, src in zip(totals, by_leaf)]
 
-    parts = jax.lax.fori_loop(0, m, add, [jnp.zeros((R, t.shape[2]), t.dtype) for t in leaves])
+    return jax.lax.fori_loop(0, m, add, [jnp.zeros((R, src[0].shape[1]), src[0].dtype)
+                                         for src in by_leaf])
 
-    def join(part, v):   # [R, k] -> [R, ...]
-        k = part.shape[1]
-        if D > 1:
-            part = axis.sum(jnp.zeros((R, D, k), part.dtype).at[:, here].set(part))
-        flat = part.reshape(R, D * k)[:, :math.prod(v.shape[1:])]
-        return flat.reshape((R,) + v.shape[1:])
 
-    return jax.tree.unflatten(treedef, [join(p, v) for p, v in
-                                        zip(parts, treedef.flatten_up_to(like))])
+def _chunked_sum(t, rows, axis, chunk_bytes: int):
+    """:func:`_ordered_sum` of one [D, S, k] table in C chunks of kc columns, at most
+    `chunk_bytes` a block (a ``fori_loop`` of C trips, the same on every device, so the
+    permutes inside pair up). The last chunk starts at k - kc and so redoes a few columns of
+    the one before, to the same bits."""
+    _, S, k = t.shape
+    C = ceil_div(S * k * t.dtype.itemsize, chunk_bytes)
+    kc = ceil_div(k, C)
+
+    def one(c, total):
+        start = jnp.minimum(c * kc, k - kc)
+        cut = jax.lax.dynamic_slice_in_dim(t, start, kc, axis=2)
+        part, = _ordered_sum([_sources(cut, axis)], rows, axis, S)
+        return jax.lax.dynamic_update_slice_in_dim(total, part, start, axis=1)
+
+    return jax.lax.fori_loop(0, C, one, jnp.zeros((rows.shape[0], k), t.dtype))
 
 
 def device_share(deal: LaneDeal, device, lanes: int) -> LaneDeal:

@@ -6,7 +6,9 @@ work is dealt across D x c global lanes (:func:`deltafl_jax.engine.lanes.deal_jo
 evaluation items round-robin), each device runs its own while loops to its own trip counts, and
 the partial sums are reduced once after the loops (``psum``; the jobs' updates cross the
 devices through D - 1 collective permutes instead,
-:func:`deltafl_jax.engine.lanes.device_ordered_sum`; no collective inside a loop body).
+:func:`deltafl_jax.engine.lanes.device_ordered_sum`, a big leaf's in chunks, in a loop of the
+same trip count on every device; no collective inside the lanes' loops, whose trip counts
+differ).
 The filter and the server update then run identically on every device. With D = 1 none of
 this is used, and the round is the plain jitted function.
 

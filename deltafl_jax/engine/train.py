@@ -111,6 +111,7 @@ class TrainResult(NamedTuple):
     job_state: Any = None              # [R, m, ...] the clients' new states (empty: none)
     job_output: Any = None             # [R, m, ...] the jobs' outputs (empty: none)
     job_clipped: Any = None            # [R, m] bool: the update was clipped (cfg.clip)
+    tables: Any = None   # (update, weight): this device's slot tables after the loop [D, S, k]
 
 
 class Jobs(NamedTuple):
@@ -391,17 +392,19 @@ class _LaneProgram:
             carry = self.step(carry, sch, x, y, k)
         return carry._replace(trip=carry.trip + 1, real=carry.real + jnp.sum(sch.valid))
 
-    def init(self) -> LaneCarry:
-        """Every lane starts its first job."""
+    def init(self, tables=None) -> LaneCarry:
+        """Every lane starts its first job; the slot tables are `tables` (update, weight)
+        as they are, else zeros: a row is read only after a job of this round wrote it."""
         js0 = self.timeline.job_of(jnp.zeros((self.c,), jnp.int32))
         r0 = self.jobs.replica[js0]
         step = self.start_jobs(js0, r0)
         job_state, job_output = self.job_buffers(step, js0, r0)
         S = self.timeline.slots
+        if tables is None:
+            tables = (slot_tables(self.update_like, S, self.timeline.devices),
+                      slot_tables(self.weight_like, S, self.timeline.devices))
         return LaneCarry(
-            trip=jnp.int32(0), step=step,
-            update=slot_tables(self.update_like, S, self.timeline.devices),
-            weight=slot_tables(self.weight_like, S, self.timeline.devices),
+            trip=jnp.int32(0), step=step, update=tables[0], weight=tables[1],
             sqnorm=jnp.zeros((self.J,), jnp.float32),
             finite=jnp.zeros((self.J,), bool), real=jnp.int32(0),
             job_state=job_state, job_output=job_output,
@@ -410,7 +413,7 @@ class _LaneProgram:
 
 def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, learning_rate,
                l2, hyper, cfg: LocalSGDConfig, clients: Optional[ClientInputs] = None,
-               runs=None, clip=None, keys=None, base=None) -> TrainResult:
+               runs=None, clip=None, keys=None, base=None, tables=None) -> TrainResult:
     """LocalUpdate for every job (r, i) with job_weight[r, i] > 0 (or `runs`[r, i]), and the
     weighted sums.
 
@@ -432,18 +435,18 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
       base: [R, m] int32, each job's starting model among V versions per replica, params
         then having leaves [R, V, ...] (buffered asynchronous aggregation: every job from its
         own base version); None: every job starts from its replica's params [R, ...].
+      tables: the slot tables to fill, as ``TrainResult.tables`` returns them (None: zeros).
 
     ``trips`` counts minibatch steps of the busiest lane (the critical path); the loop runs
     ceil(trips / cfg.unroll) trips, and ``padded_examples`` counts trips * lanes * batch (the
     last loop trip may run up to unroll - 1 more steps with every lane idle).
     """
-    R, m = job_weight.shape
-    jobs = make_jobs(plan, replica_group, job_weight, runs)
+    (R, m), jobs = job_weight.shape, make_jobs(plan, replica_group, job_weight, runs)
     prog = _LaneProgram(model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
                         hyper, cfg, clients, clip, keys, base)
     trips = prog.deal.trips
     loop_trips = (trips + prog.K - 1) // prog.K
-    out = lax.while_loop(lambda cr: cr.trip < loop_trips, prog.body, prog.init())
+    out = lax.while_loop(lambda cr: cr.trip < loop_trips, prog.body, prog.init(tables))
     axis = cfg.axis   # one reduction of the devices' partial sums, after the loop
 
     def per_job(tree):   # [J, ...] partial per device -> [R, m, ...]
@@ -466,4 +469,5 @@ def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, l
                        device_examples=axis.spread(out.real),
                        job_state=per_job(out.job_state), job_output=per_job(out.job_output),
                        job_clipped=None if out.clipped is None else
-                       per_job(out.clipped.astype(jnp.int32)) > 0)
+                       per_job(out.clipped.astype(jnp.int32)) > 0,
+                       tables=(out.update, out.weight))

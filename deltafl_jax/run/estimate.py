@@ -90,6 +90,9 @@ class RoundMemory:
       metrics), of the outputs that reuse an argument's buffer, and of its temporaries (the
       lanes' step states: local models, optimizer states, an algorithm's second model; the
       per-job results).
+    tables: on CPU, the lanes' slot tables, kept from one round to the next
+      (:class:`deltafl_jax.run.program.TableRound`): arguments and aliased outputs of the
+      round rather than temporaries; 0 elsewhere.
     The arrays are summed over their global shapes: on one device these are its bytes.
     """
 
@@ -101,12 +104,13 @@ class RoundMemory:
     outputs: int
     aliased: int
     temporaries: int
+    tables: int = 0
 
     @property
     def total(self) -> int:
         """The arrays held + the outputs that do not reuse them + the temporaries."""
-        return (self.data + self.state + self.plan + self.keys + self.outputs - self.aliased
-                + self.temporaries)
+        return (self.data + self.state + self.plan + self.keys + self.tables + self.outputs
+                - self.aliased + self.temporaries)
 
 
 def round_memory(compiled, exp: Experiment, state, round_data, keys) -> Optional[RoundMemory]:
@@ -121,11 +125,13 @@ def round_memory(compiled, exp: Experiment, state, round_data, keys) -> Optional
     splits = jax.tree.leaves(exp.program.store.device_splits)
     shared = {id(x) for x in splits}    # the train split's arrays, passed in round_data too
     plan = [x for x in jax.tree.leaves(round_data) if id(x) not in shared]
+    owner = getattr(compiled, "owner", None)   # a TableRound's compiled round
+    tables = tree_nbytes(owner.tables) if owner is not None and owner.tables else 0
     return RoundMemory(data=tree_nbytes(splits), state=tree_nbytes(state),
                        plan=tree_nbytes(plan), keys=tree_nbytes(keys),
                        arguments=int(m.argument_size_in_bytes),
                        outputs=int(m.output_size_in_bytes), aliased=int(m.alias_size_in_bytes),
-                       temporaries=int(m.temp_size_in_bytes))
+                       temporaries=int(m.temp_size_in_bytes), tables=tables)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +303,8 @@ class Estimate:
 
 def _round_memory_line(m: RoundMemory) -> str:
     return (f"  round memory   {_mb(m.total)}: data {_mb(m.data)}, state {_mb(m.state)}, "
-            f"plan {_mb(m.plan)}, new outputs {_mb(m.outputs - m.aliased)}, temporaries "
+            f"plan {_mb(m.plan)}, " + (f"slot tables {_mb(m.tables)}, " if m.tables else "")
+            + f"new outputs {_mb(m.outputs - m.aliased)}, temporaries "
             f"{_mb(m.temporaries)} (lanes, per-job results)")
 
 

@@ -23,6 +23,7 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax import engine, rounds
@@ -119,7 +120,7 @@ def compile_program(run: ResolvedRun) -> Program:
         caps = plan_lib.capacities(capacity_sizes(data.train, m), m, run.work,
                                    place.eval_chunk,
                                    with_replacement=run.algorithm.sampling is not None)
-        buffered, round_fn = None, _round_fn(run, place, m, mesh, server_tx)
+        buffered, round_fn = None, _round_fn(run, place, m, mesh, server_tx, devices)
     else:
         buffered = _async_round(run, settings, place, mesh, server_tx)
         caps, round_fn = buffered.run.caps, buffered.round_fn
@@ -186,16 +187,102 @@ def _local_config(run: ResolvedRun, place, mesh) -> engine.LocalSGDConfig:
                                  augment=_augment(run))
 
 
-def _round_fn(run: ResolvedRun, place, m: int, mesh, server_tx) -> Callable:
-    """The jitted round: plain for one device, jit(shard_map(...)) over a mesh otherwise."""
+def _round_fn(run: ResolvedRun, place, m: int, mesh, server_tx, devices) -> Callable:
+    """The jitted round: plain for one device, jit(shard_map(...)) over a mesh otherwise; on
+    CPU devices a :class:`TableRound`, which keeps the lanes' slot tables between rounds."""
     privacy = run.config.privacy
+    tables = all(d.platform == "cpu" for d in devices)
     raw = rounds.build_round_fn(
         run.model, run.algorithm, run.replicas, _local_config(run, place, mesh),
         place.eval_chunk, place.eval_lanes, m, server_tx, expected=run.expected,
         adaptive=privacy if privacy.adaptive else None,
         correlated=run.accounting.correlated if run.accounting is not None else None,
-        variable=run.variable)
-    return jax.jit(raw if mesh is None else mesh_lib.sharded(raw, mesh, 3), donate_argnums=(0,))
+        variable=run.variable, tables=tables)
+    n = 4 if tables else 3
+    fn = jax.jit(raw if mesh is None else mesh_lib.sharded(raw, mesh, n),
+                 donate_argnums=(0, 3) if tables else (0,))
+    return TableRound(fn, mesh) if tables else fn
+
+
+class TableRound:
+    """A round ``round_fn(state, data, keys) -> (state, metrics)`` that keeps the lanes' slot
+    tables from one round to the next: the jitted ``fn(state, data, keys, tables) -> (state,
+    metrics, tables)`` (:func:`deltafl_jax.rounds.build_round_fn` with ``tables=True``) gets
+    the last round's tables, donated, and this keeps the ones it returns.
+
+    Why: XLA:CPU allocates a program's temporaries afresh at every execution, and memory that
+    large comes from the kernel page by page (a page fault and a page of zeros each): the
+    tables, one row per job of the device (6.4 MB a row for pfl_cnn), were most of a round's
+    fresh memory (docs/benchmarks/pfl-research.md). A donated argument that the output
+    reuses is not allocated again. What the tables hold changes nothing (a round reads no row
+    it did not write), so a round's results are the same bits as without them, and one
+    TableRound serves any number of states. Accelerators' allocators reuse memory
+    themselves; they get the plain jitted round.
+
+    Device arrays; on a mesh each device holds its own tables, returned as if replicated
+    (the round never reads another device's). ``lower`` gives a :class:`LoweredTables`
+    (``--estimate``)."""
+
+    def __init__(self, fn, mesh):
+        self.fn, self.mesh = fn, mesh
+        self.tables = None
+
+    def _tables(self, state, data, keys):
+        if self.tables is None:   # zeros of the shapes the round returns, on its devices
+            shapes = jax.eval_shape(self.fn, state, data, keys, None)[2]
+            zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            self.tables = (jax.jit(zeros)() if self.mesh is None else jax.jit(
+                zeros, out_shardings=mesh_lib.replicated(self.mesh))())
+        return self.tables
+
+    def __call__(self, state, data, keys):
+        tables = self._tables(state, data, keys)
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, data, keys))):
+            return self.fn(state, data, keys, tables)[:2]   # traced (make_jaxpr, jit): kept
+        self.tables = None   # donated: if the call fails, the next one starts afresh
+        state, metrics, self.tables = self.fn(state, data, keys, tables)
+        return state, metrics
+
+    def lower(self, state, data, keys) -> "LoweredTables":
+        return LoweredTables(self, self.fn.lower(state, data, keys,
+                                                 self._tables(state, data, keys)))
+
+
+class LoweredTables:
+    """A :class:`TableRound` lowered: ``as_text()``, and ``compile()`` -> a compiled round
+    called as ``(state, data, keys)`` that passes and keeps its owner's tables, with the
+    compiled program's ``memory_analysis()`` and ``cost_analysis()``."""
+
+    def __init__(self, owner: TableRound, lowered):
+        self.owner, self.lowered = owner, lowered
+
+    def as_text(self) -> str:
+        return self.lowered.as_text()
+
+    def compile(self) -> "CompiledTables":
+        return CompiledTables(self.owner, self.lowered.compile())
+
+
+class CompiledTables:
+    """See :class:`LoweredTables` (and ``as_text()``, the compiled program's)."""
+
+    def __init__(self, owner: TableRound, compiled):
+        self.owner, self.compiled = owner, compiled
+
+    def __call__(self, state, data, keys):
+        tables = self.owner._tables(state, data, keys)
+        self.owner.tables = None
+        state, metrics, self.owner.tables = self.compiled(state, data, keys, tables)
+        return state, metrics
+
+    def as_text(self) -> str:
+        return self.compiled.as_text()
+
+    def memory_analysis(self):
+        return self.compiled.memory_analysis()
+
+    def cost_analysis(self):
+        return self.compiled.cost_analysis()
 
 
 def _async_round(run: ResolvedRun, settings, place, mesh, server_tx) -> AsyncRound:
