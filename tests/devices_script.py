@@ -50,7 +50,10 @@ def main(which):
                        ditto_lambda=(0.5,), client_holdout=0.2,  # evaluation
                        finetune_steps=(0, 3), learning_rate=0.05)
         rounds = 6
-    else:  # the ConvNet on small FEMNIST-shaped data
+    else:  # the ConvNet on small FEMNIST-shaped data; "cnn_chunks": its big leaves' blocks
+        if which == "cnn_chunks":   # cross the devices in 64 KB chunks (a loop of permutes)
+            from deltafl_jax.engine import lanes
+            lanes.EXCHANGE_CHUNK_BYTES = 1 << 16
         rng = np.random.default_rng(0)
         from deltafl_jax import ClientData, FederatedDataset
         sizes = rng.integers(8, 30, size=12)

@@ -13,7 +13,7 @@ copies that XLA:CPU runs concurrently while each keeps ordinary convolutions).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -137,7 +137,7 @@ EXCHANGE_CHUNK_BYTES = 8 << 20
 :func:`device_ordered_sum` moves: a bigger block crosses in chunks, one after another."""
 
 
-def device_ordered_sum(tables, rows, axis, like, chunk_bytes: int = EXCHANGE_CHUNK_BYTES):
+def device_ordered_sum(tables, rows, axis, like, chunk_bytes: Optional[int] = None):
     """sum_k row[rows[r, k]] for every replica r, one row at a time in the order given, starting
     from zeros, of the D devices' slot tables' rows stacked in device order: the same
     [R, ...] sums (the leaves of `like` without their first axis) on every device; a row past
@@ -155,7 +155,8 @@ def device_ordered_sum(tables, rows, axis, like, chunk_bytes: int = EXCHANGE_CHU
     (docs/benchmarks/pfl-research.md measures both); each step of the sum reads the row's
     block from each of the D sources and keeps the one it needs.
 
-    A leaf whose block of S rows holds more than `chunk_bytes` crosses in chunks of its
+    A leaf whose block of S rows holds more than `chunk_bytes` (None:
+    :data:`EXCHANGE_CHUNK_BYTES`) crosses in chunks of its
     columns, one chunk's permutes and sum after another (:func:`_chunked_sum`), so that the
     copies in flight take little memory: XLA:CPU allocates a program's temporaries afresh,
     page by page, at every execution.
@@ -164,6 +165,7 @@ def device_ordered_sum(tables, rows, axis, like, chunk_bytes: int = EXCHANGE_CHU
     there, and a sum that starts from +0 is never -0, so adding them changes no bit). Every
     element is added in the same order as on one device."""
     D = axis.count
+    chunk_bytes = EXCHANGE_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     rows = jnp.asarray(rows)
     R = rows.shape[0]
     leaves, treedef = jax.tree.flatten(tables)
