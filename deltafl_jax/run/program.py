@@ -23,7 +23,6 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax import engine, rounds
@@ -230,9 +229,9 @@ class TableRound:
     def _tables(self, state, data, keys):
         if self.tables is None:   # zeros of the shapes the round returns, on its devices
             shapes = jax.eval_shape(self.fn, state, data, keys, None)[2]
-            zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            self.tables = (jax.jit(zeros)() if self.mesh is None else jax.jit(
-                zeros, out_shardings=mesh_lib.replicated(self.mesh))())
+            where = None if self.mesh is None else mesh_lib.replicated(self.mesh)
+            self.tables = jax.tree.map(   # from the host: no program to compile
+                lambda s: jax.device_put(np.zeros(s.shape, s.dtype), where), shapes)
         return self.tables
 
     def __call__(self, state, data, keys):
