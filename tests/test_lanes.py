@@ -104,8 +104,6 @@ def test_device_ordered_sum_adds_one_row_at_a_time_on_any_device_count(devices, 
     like = {k: jax.ShapeDtypeStruct((R,) + v.shape[2:], v.dtype) for k, v in tables.items()}
 
     def one_device(t):
-        if chunk_bytes is None:
-            return device_ordered_sum(t, rows, axis, like)
         return device_ordered_sum(t, rows, axis, like, chunk_bytes=chunk_bytes)
 
     @jax.jit   # one program, not one per operation

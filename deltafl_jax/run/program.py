@@ -235,11 +235,15 @@ class TableRound:
         return self.tables
 
     def __call__(self, state, data, keys):
-        tables = self._tables(state, data, keys)
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, data, keys))):
-            return self.fn(state, data, keys, tables)[:2]   # traced (make_jaxpr, jit): kept
+            return self.fn(state, data, keys, self._tables(state, data, keys))[:2]  # traced
+        return self.run(self.fn, state, data, keys)
+
+    def run(self, fn, state, data, keys):
+        """`fn` (this round, jitted or compiled) on the kept tables, keeping those it returns."""
+        tables = self._tables(state, data, keys)
         self.tables = None   # donated: if the call fails, the next one starts afresh
-        state, metrics, self.tables = self.fn(state, data, keys, tables)
+        state, metrics, self.tables = fn(state, data, keys, tables)
         return state, metrics
 
     def lower(self, state, data, keys) -> "LoweredTables":
@@ -269,10 +273,7 @@ class CompiledTables:
         self.owner, self.compiled = owner, compiled
 
     def __call__(self, state, data, keys):
-        tables = self.owner._tables(state, data, keys)
-        self.owner.tables = None
-        state, metrics, self.owner.tables = self.compiled(state, data, keys, tables)
-        return state, metrics
+        return self.owner.run(self.compiled, state, data, keys)
 
     def as_text(self) -> str:
         return self.compiled.as_text()
