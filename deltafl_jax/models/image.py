@@ -54,6 +54,7 @@ import numpy as np
 
 from deltafl_jax.data import FederatedDataset
 from deltafl_jax.models.conv import max_pool_2x2
+from deltafl_jax.models.dense import OuterGradDense
 from deltafl_jax.models.image_conv import (conv1x1_stride2, conv_same, conv_stride2, conv_valid,
                                            input_layer_impl, local_response_norm,
                                            max_pool_3x3_stride2_same)
@@ -117,7 +118,10 @@ class PflCNN(nn.Module):
             impl = input_layer_impl(self.conv_impl) if i == 1 else self.conv_impl
             x = nn.relu(conv_valid(x, kernel, impl) + bias)
         x = max_pool_2x2(x).reshape(x.shape[0], -1)
-        x = nn.relu(nn.Dense(128, kernel_init=glorot, name="dense1")(x))
+        # on the CPU path (winograd) the large dense1's weight gradient is elementwise, fused
+        # into the update (deltafl_jax.models.dense)
+        dense = OuterGradDense if self.conv_impl == "winograd" else nn.Dense
+        x = nn.relu(dense(128, kernel_init=glorot, name="dense1")(x))
         return nn.Dense(self.num_outputs, kernel_init=glorot, name="dense2")(x)
 
 

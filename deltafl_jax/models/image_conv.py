@@ -22,35 +22,44 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from deltafl_jax.models.conv import conv2d, conv_fast, im2col_forward
+from deltafl_jax.models.conv import conv2d, conv_fast, conv_patches_kept, im2col_forward
 
 _DN = ("NHWC", "HWIO", "NHWC")
 
 
 def conv_padded(x, w, strides, pads, impl: str):
     """NHWC x HWIO convolution with explicit (lo, hi) `pads` per spatial axis on the path of
-    `impl`: "xla", "im2col", "im2col_wgrad" or "winograd" (3 x 3 at stride 1; the others as
-    "im2col_wgrad")."""
+    `impl`: "xla", "im2col", "im2col_wgrad", "winograd" (3 x 3 at stride 1; the others as
+    "im2col_wgrad") or "patches_kept" (a first layer's, :func:`input_layer_impl`)."""
     if impl == "xla":
         return lax.conv_general_dilated(x, w, strides, pads, dimension_numbers=_DN)
     if impl == "im2col":
         return im2col_forward(x, w, strides, pads)
+    if impl == "patches_kept":
+        return conv_patches_kept(x, w, tuple(strides), tuple(tuple(p) for p in pads))
     return conv_fast(x, w, tuple(strides), tuple(pads), (1, 1), 1, impl)
 
 
 def input_layer_impl(impl: str) -> str:
     """The path for a network's first convolution, whose input, the data, needs no gradient:
-    "im2col_wgrad" where `impl` is "winograd". Winograd's F(2x2, 3x3) saves multiplies in all
-    three products, but a first layer computes two of them, over 1-3 input channels (the
-    transformed products [tiles, C] x [C, O] at C = 3), while XLA's own forward convolution and
-    one im2col product for the weight gradient run at full width (k*k*C = 27). Measured on the
-    2-core CPU, a loop of local steps of pfl-research's CNN: 6.41 ms a step with its first
-    layer on the im2col weight gradient against 7.07 ms with both layers on Winograd."""
-    return "im2col_wgrad" if impl == "winograd" else impl
+    "patches_kept" (:func:`deltafl_jax.models.conv.conv_patches_kept`) where `impl` is
+    "winograd". Winograd's F(2x2, 3x3) saves multiplies in all three products, but a first
+    layer computes two of them, over 1-3 input channels (the transformed products
+    [tiles, C] x [C, O] at C = 3), while one im2col product for each (k*k*C = 27 wide) runs at
+    full width. Measured on the 2-core CPU, a loop of local steps of pfl-research's CNN: 6.41
+    ms a step with its first layer on XLA's forward convolution and the im2col weight gradient
+    against 7.07 ms with both layers on Winograd; the forward pass as the im2col product
+    whose patches the weight gradient reuses was faster again (its first layer alone 0.69
+    against 1.05 ms a step, docs/benchmarks/pfl-research.md)."""
+    return "patches_kept" if impl == "winograd" else impl
 
 
 def conv_same(x, w, impl: str):
-    """SAME, stride 1 (:func:`deltafl_jax.models.conv.conv2d`)."""
+    """SAME, stride 1 (:func:`deltafl_jax.models.conv.conv2d`; "patches_kept" by
+    :func:`conv_padded`)."""
+    if impl == "patches_kept":
+        pads = tuple(((k - 1) // 2, k - 1 - (k - 1) // 2) for k in w.shape[:2])
+        return conv_padded(x, w, (1, 1), pads, impl)
     return conv2d(x, w, impl)
 
 
