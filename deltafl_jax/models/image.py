@@ -38,9 +38,10 @@ Every convolution goes through :mod:`deltafl_jax.models.image_conv` (the fast pa
 :func:`deltafl_jax.models.conv.conv_general`), which keeps XLA:CPU's
 weight gradients out of the lanes' loops; the models run unrolled lanes on CPU like ``cnn``.
 With ``--conv_impl=winograd`` (``pfl_cnn``'s default on CPU) a network's first convolution,
-whose input is the data and needs no gradient, keeps the im2col weight gradient
-(:func:`~deltafl_jax.models.image_conv.input_layer_impl`); the other 3 x 3 stride-1 layers run
-Winograd's F(2x2, 3x3).
+whose input is the data and needs no gradient, is one im2col product whose patches its weight
+gradient reuses (:func:`~deltafl_jax.models.image_conv.input_layer_impl`); the other 3 x 3
+stride-1 layers run Winograd's F(2x2, 3x3); and ``pfl_cnn``'s dense1 takes its weight gradient
+as a sum of outer products fused into the update (:mod:`deltafl_jax.models.dense`).
 """
 
 from __future__ import annotations
