@@ -13,7 +13,8 @@ A replica's hyper-parameters are rebuilt from the command line at each run, neve
 checkpoint holds the round's state and the summary the replicas' labels, whose theta = 1 does
 not come from the hyper-parameters. So the stored labels are the ones the specs give now, and
 the same command with ``--num_rounds=4`` continues each run from its checkpoint to the outputs
-of an uninterrupted 4-round run, bit for bit."""
+of an uninterrupted 4-round run: bit for bit on a CPU that computes the fixture's first two
+rounds bit for bit, to float32 rounding on one whose kernels round differently."""
 
 import dataclasses
 import json
@@ -73,13 +74,48 @@ def test_a_run_checkpointed_before_the_change_continues_to_the_uninterrupted_run
         a, b = os.path.join(out, m), os.path.join(whole, m)
         assert f"continuing {a} from its checkpoint after round 2, to round 4" in stdout
         assert [r for r in records(a) if r["round"] <= 2] == shorter[m]
-        assert records(a) == records(b)
+        # Bit for bit where this CPU computes the fixture's first two rounds as the machine
+        # that wrote it did; another CPU's kernels round differently in the last bits (seen:
+        # 2e-8 relative on an AMD EPYC Zen 4), and the continued run starts from the fixture's
+        # bits, so there the two runs agree to float32 rounding.
+        same = as_equal if [r for r in records(b) if r["round"] <= 2] == shorter[m] else \
+            as_close
+        same(records(a), records(b), m)
         for name in ("rounds.npz", "clients.npz", "clients_history.npz"):
             x, y = npz(os.path.join(a, name)), npz(os.path.join(b, name))
             assert sorted(x) == sorted(y), name
             for k in x:
-                np.testing.assert_array_equal(x[k], y[k], err_msg=f"{m} {name}:{k}")
+                same(x[k], y[k], f"{m} {name}:{k}")
         ma, mb = models(a), models(b)
         assert sorted(ma) == sorted(mb) and ma
         for f in ma:
-            jax.tree.map(np.testing.assert_array_equal, ma[f], mb[f])
+            jax.tree.map(lambda u, v: same(u, v, f"{m} {f}"), ma[f], mb[f])
+
+
+def as_equal(x, y, what):
+    """Bit for bit: records (lists of dicts) or arrays."""
+    if isinstance(x, list):
+        assert x == y, what
+    else:
+        np.testing.assert_array_equal(x, y, err_msg=what)
+
+
+def as_close(x, y, what, rtol=1e-5):
+    """Equal to float32 rounding: records compare their numbers to rtol and the rest exactly;
+    arrays of floats to rtol, others exactly."""
+    if isinstance(x, list):
+        assert len(x) == len(y), what
+        for rx, ry in zip(x, y):
+            assert sorted(rx) == sorted(ry), what
+            for k in rx:
+                if isinstance(rx[k], float):
+                    assert np.isclose(rx[k], ry[k], rtol=rtol, atol=0), (what, rx["round"], k)
+                else:
+                    assert rx[k] == ry[k], (what, rx["round"], k)
+        return
+    x, y = np.asarray(x), np.asarray(y)
+    if np.issubdtype(x.dtype, np.floating):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=rtol * float(np.max(np.abs(y), initial=0)),
+                                   err_msg=what)
+    else:
+        np.testing.assert_array_equal(x, y, err_msg=what)
