@@ -336,17 +336,9 @@ def conv_patches_kept(x, w, strides=(1, 1), padding: Pads = ((0, 0), (0, 0))):
 
 
 def _patches_kept_fwd(x, w, strides, padding):
-    b, h, wd, c = x.shape
-    kh, kw, _, cout = w.shape
-    (sh, sw) = strides
-    oh = _out_size(h, kh, sh, 1, padding[0])
-    ow = _out_size(wd, kw, sw, 1, padding[1])
-    xp = _pad(x, ((0, 0),) + tuple(padding) + ((0, 0),))
-    cols = jnp.concatenate([xp[:, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw, :]
-                            for i in range(kh) for j in range(kw)], axis=-1)
-    cols = cols.reshape(b * oh * ow, kh * kw * c)
-    y = (cols @ w.reshape(kh * kw * c, cout)).reshape(b, oh, ow, cout)
-    return y, (cols, x, w)
+    cols = _patches(x, w.shape[:2], strides, padding, (1, 1))         # [B, H_out, W_out, K]
+    y = cols @ w.reshape(-1, w.shape[-1])
+    return y, (cols.reshape(-1, cols.shape[-1]), x, w)
 
 
 def _patches_kept_bwd(strides, padding, res, dy):
@@ -376,18 +368,24 @@ def im2col_forward(x, w, strides=(1, 1), padding: Pads = None, dilation=(1, 1)):
     over lanes (one kernel per client), the three are batched matrix products, where the
     backend's convolution would be a grouped convolution with one group per lane. `padding`
     None: SAME."""
-    b, h, wd, c = x.shape
-    kh, kw, _, cout = w.shape
+    kh, kw, c, cout = w.shape
     if padding is None:
         padding = (_same_pads(kh), _same_pads(kw))
-    (sh, sw), (dh, dw) = strides, dilation
+    cols = _patches(x, (kh, kw), strides, padding, dilation)
+    return cols @ w.reshape(kh * kw * c, cout)
+
+
+def _patches(x, kshape, strides, padding: Pads, dilation):
+    """[B, H_out, W_out, kh*kw*C] patches of an NHWC input: entry (b, h, w, (i, j, c)) is
+    x_pad[b, s h + d i, s w + d j, c]."""
+    _, h, wd, _ = x.shape
+    (kh, kw), (sh, sw), (dh, dw) = kshape, strides, dilation
     oh = _out_size(h, kh, sh, dh, padding[0])
     ow = _out_size(wd, kw, sw, dw, padding[1])
     xp = _pad(x, ((0, 0),) + tuple(padding) + ((0, 0),))
-    cols = jnp.concatenate([xp[:, dh * i:dh * i + sh * (oh - 1) + 1:sh,
+    return jnp.concatenate([xp[:, dh * i:dh * i + sh * (oh - 1) + 1:sh,
                                dw * j:dw * j + sw * (ow - 1) + 1:sw, :]
                             for i in range(kh) for j in range(kw)], axis=-1)
-    return cols @ w.reshape(kh * kw * c, cout)
 
 
 def conv2d_im2col(x, w):
@@ -410,6 +408,9 @@ def conv2d(x, w, impl: str = "im2col_wgrad"):
         return conv_fast(x, w, (1, 1), (_same_pads(kh), _same_pads(kw)), impl=impl)
     if impl == "im2col":
         return conv2d_im2col(x, w)
+    if impl == "patches_kept":   # a first layer's (image_conv.input_layer_impl)
+        kh, kw = w.shape[:2]
+        return conv_patches_kept(x, w, (1, 1), (_same_pads(kh), _same_pads(kw)))
     raise ValueError(f"unknown conv impl {impl!r}; expected one of {', '.join(CONV_IMPLS)}")
 
 

@@ -11,7 +11,8 @@ the optimizer's elementwise update: one pass reads W and writes the new W, and d
 stored. On the 2-core CPU, one core, a loop of pfl-research's dense layer with its ReLU, both
 gradients and the SGD update: 1.41 ms a step against 1.80 ms with the matrix product
 (docs/benchmarks/pfl-research.md). The sum runs over b = 0 .. B-1 in order, a different
-rounding from the matrix product's (float32 rounding, tests/test_models.py); the forward pass
+rounding from the matrix product's (equal to float32 rounding,
+tests/test_first_layer_and_dense.py); the forward pass
 and the input gradient are the usual products.
 """
 

@@ -55,11 +55,7 @@ def input_layer_impl(impl: str) -> str:
 
 
 def conv_same(x, w, impl: str):
-    """SAME, stride 1 (:func:`deltafl_jax.models.conv.conv2d`; "patches_kept" by
-    :func:`conv_padded`)."""
-    if impl == "patches_kept":
-        pads = tuple(((k - 1) // 2, k - 1 - (k - 1) // 2) for k in w.shape[:2])
-        return conv_padded(x, w, (1, 1), pads, impl)
+    """SAME, stride 1 (:func:`deltafl_jax.models.conv.conv2d`)."""
     return conv2d(x, w, impl)
 
 
