@@ -152,14 +152,33 @@ def _general_bwd(strides, padding, dilation, groups, res, dy):
 conv_general.defvjp(_general_fwd, _general_bwd)
 
 
-# Winograd's minimal filtering F(2x2, 3x3) (Lavin & Gray 2016, eq. 8):
+# Winograd's minimal filtering F(m x m, 3 x 3) (Lavin & Gray 2016, eqs. 8 and 12):
 #     Y = A^T [ (G g G^T) * (B^T d B) ] A
-# for a 4 x 4 input tile d (tiles 2 apart), a 3 x 3 kernel g and a 2 x 2 output tile Y.
-# Summed over the input channels, the elementwise product is one matrix product per tile
-# position (xi, nu) of the 16: M[xi nu] = V[xi nu] @ U[xi nu], V [tiles, C], U [C, O].
-_BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]])
-_G = np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]])
-_AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]])
+# for an n x n input tile d (n = m + 2, tiles m apart), a 3 x 3 kernel g and an m x m output
+# tile Y. Summed over the input channels, the elementwise product is one matrix product per
+# tile position (xi, nu) of the n^2: M[xi nu] = V[xi nu] @ U[xi nu], V [tiles, C], U [C, O].
+# The direct convolution's 9 m^2 multiplies per output tile and channel pair become n^2:
+# 2.25x fewer at m = 2 (16 products), 4x at m = 4 (36 products, the Toom-Cook points
+# 0, +-1, +-2 and infinity: Lavin & Gray's F(4x4, 3x3)). The transforms are sums with
+# small integer (or 1/4, 1/6, 1/12, 1/24) coefficients: in float32 the relative error of the
+# m = 4 weight gradient measured 1e-5 for pfl-research's second layer, against 3-5e-6 for
+# XLA's direct convolution and 8e-7 for m = 2 (docs/benchmarks/pfl-research.md).
+_WINOGRAD = {   # m: (B^T [n, n], G [n, 3], A^T [m, n])
+    2: (np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]]),
+        np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]]),
+        np.array([[1, 1, 1, 0], [0, 1, -1, -1]])),
+    4: (np.array([[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0],
+                  [0, -2, -1, 2, 1, 0], [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]]),
+        np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
+                  [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]]),
+        np.array([[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0],
+                  [0, 1, -1, 8, -8, 1]])),
+}
+WINOGRAD_TILES = tuple(_WINOGRAD)
+# The output tile of --conv_impl=winograd: m = 4 took pfl-research's second layer (forward
+# and both gradients, one core) from 7.3 to 5.0 ms a step against m = 2
+# (docs/benchmarks/pfl-research.md).
+WINOGRAD_TILE = 4
 
 
 def _weighted(coefs, parts):
@@ -181,62 +200,77 @@ def _sandwich(left, parts, right):
                       for a in range(left.shape[0]) for b in range(right.shape[0])])
 
 
-def _tile_grid(x, pads: Pads):
-    """x zero-padded by `pads` and then at the high end to whole 2 x 2 output tiles:
+def _tile_grid(x, pads: Pads, m: int):
+    """x zero-padded by `pads` and then at the high end to whole m x m output tiles:
     (x_pad, (out_h, out_w), (tiles_h, tiles_w))."""
     _, h, wd, _ = x.shape
     (plo, phi), (qlo, qhi) = pads
     oh, ow = h + plo + phi - 2, wd + qlo + qhi - 2
-    th, tw = (oh + 1) // 2, (ow + 1) // 2
-    xp = _pad(x, ((0, 0), (plo, 2 * th + 2 - h - plo), (qlo, 2 * tw + 2 - wd - qlo), (0, 0)))
+    th, tw = -(-oh // m), -(-ow // m)
+    xp = _pad(x, ((0, 0), (plo, m * th + 2 - h - plo), (qlo, m * tw + 2 - wd - qlo), (0, 0)))
     return xp, (oh, ow), (th, tw)
 
 
-def _input_tiles(x, pads: Pads):
-    """V = B^T d B for every 4 x 4 tile d (stride 2) of the padded input: [16, B*th*tw, C],
+def _input_tiles(x, pads: Pads, m: int):
+    """V = B^T d B for every n x n tile d (stride m) of the padded input: [n^2, B*th*tw, C],
     the first axis the tile position (xi, nu) row-major."""
-    xp, out_hw, (th, tw) = _tile_grid(x, pads)
-    d = [[xp[:, i:i + 2 * th - 1:2, j:j + 2 * tw - 1:2, :] for j in range(4)] for i in range(4)]
-    v = _sandwich(_BT, d, _BT)
-    return v.reshape(16, x.shape[0] * th * tw, x.shape[-1]), out_hw, (th, tw)
+    bt = _WINOGRAD[m][0]
+    n = m + 2
+    xp, out_hw, (th, tw) = _tile_grid(x, pads, m)
+    d = [[xp[:, i:i + m * (th - 1) + 1:m, j:j + m * (tw - 1) + 1:m, :] for j in range(n)]
+         for i in range(n)]
+    v = _sandwich(bt, d, bt)
+    return v.reshape(n * n, x.shape[0] * th * tw, x.shape[-1]), out_hw, (th, tw)
 
 
-def _kernel_tiles(w):
-    """U = G g G^T of a [3, 3, C, O] kernel: [16, C, O]."""
-    return _sandwich(_G, [[w[i, j] for j in range(3)] for i in range(3)], _G)
+def _kernel_matrix(m: int):
+    """G (x) G, [n^2, 9]: U = G g G^T of every (input, output) channel pair as one product."""
+    g = _WINOGRAD[m][1]
+    return np.kron(g, g)
 
 
-def _kernel_tiles_transpose(du):
-    """dw = G^T dU G: the [16, C, O] gradient of the kernel tiles back to [3, 3, C, O]."""
-    dw = _sandwich(_G.T, [[du[4 * xi + nu] for nu in range(4)] for xi in range(4)], _G.T)
-    return dw.reshape((3, 3) + du.shape[1:])
+def _kernel_tiles(w, m: int):
+    """U = G g G^T of a [3, 3, C, O] kernel: [n^2, C, O], one [n^2, 9] x [9, C*O] product
+    (36 small loop fusions at m = 4 measured 0.36 ms a step, on one core, the product less)."""
+    k = _kernel_matrix(m)
+    return jnp.dot(jnp.asarray(k, w.dtype), w.reshape(9, -1)).reshape((-1,) + w.shape[2:])
 
 
-def _output_tiles(m, batch, out_hw, tiles_hw):
-    """Y = A^T M A for every tile: [16, B*th*tw, O] -> [B, out_h, out_w, O]."""
+def _kernel_tiles_transpose(du, m: int):
+    """dw = G^T dU G: the [n^2, C, O] gradient of the kernel tiles back to [3, 3, C, O]."""
+    k = _kernel_matrix(m)
+    return jnp.dot(jnp.asarray(k.T, du.dtype), du.reshape(k.shape[0], -1)).reshape(
+        (3, 3) + du.shape[1:])
+
+
+def _output_tiles(mm, batch, out_hw, tiles_hw, m: int):
+    """Y = A^T M A for every tile: [n^2, B*th*tw, O] -> [B, out_h, out_w, O]."""
+    at = _WINOGRAD[m][2]
+    n = m + 2
     (oh, ow), (th, tw) = out_hw, tiles_hw
-    cout = m.shape[-1]
-    y = _sandwich(_AT, [[m[4 * xi + nu] for nu in range(4)] for xi in range(4)], _AT)
-    y = y.reshape(2, 2, batch, th, tw, cout).transpose(2, 3, 0, 4, 1, 5)
-    return y.reshape(batch, 2 * th, 2 * tw, cout)[:, :oh, :ow, :]
+    cout = mm.shape[-1]
+    y = _sandwich(at, [[mm[n * xi + nu] for nu in range(n)] for xi in range(n)], at)
+    y = y.reshape(m, m, batch, th, tw, cout).transpose(2, 3, 0, 4, 1, 5)
+    return y.reshape(batch, m * th, m * tw, cout)[:, :oh, :ow, :]
 
 
-def _output_tiles_transpose(dy, tiles_hw):
-    """dM = A dY A^T for every 2 x 2 tile of dy [B, out_h, out_w, O]: [16, B*th*tw, O]."""
+def _output_tiles_transpose(dy, tiles_hw, m: int):
+    """dM = A dY A^T for every m x m tile of dy [B, out_h, out_w, O]: [n^2, B*th*tw, O]."""
+    at = _WINOGRAD[m][2]
     b, oh, ow, cout = dy.shape
     th, tw = tiles_hw
-    t = _pad(dy, ((0, 0), (0, 2 * th - oh), (0, 2 * tw - ow), (0, 0)))
-    t = t.reshape(b, th, 2, tw, 2, cout)
-    dm = _sandwich(_AT.T, [[t[:, :, i, :, j, :] for j in range(2)] for i in range(2)], _AT.T)
-    return dm.reshape(16, b * th * tw, cout)
+    t = _pad(dy, ((0, 0), (0, m * th - oh), (0, m * tw - ow), (0, 0)))
+    t = t.reshape(b, th, m, tw, m, cout)
+    dm = _sandwich(at.T, [[t[:, :, i, :, j, :] for j in range(m)] for i in range(m)], at.T)
+    return dm.reshape((m + 2) ** 2, b * th * tw, cout)
 
 
-_BATCHED = (((2,), (1,)), ((0,), (0,)))      # [16, T, C] x [16, C, O] -> [16, T, O]
+_BATCHED = (((2,), (1,)), ((0,), (0,)))      # [n^2, T, C] x [n^2, C, O] -> [n^2, T, O]
 
 
 def _tiles_major(v):
-    """V [16, T, C] transposed to [16, C, T] in memory, so that the weight gradient
-    V^T dM is the same batched product as the forward pass's ([16, C, T] x [16, T, O]). XLA
+    """V [n^2, T, C] transposed to [n^2, C, T] in memory, so that the weight gradient
+    V^T dM is the same batched product as the forward pass's ([n^2, C, T] x [n^2, T, O]). XLA
     would otherwise fold the transpose into the product's dimension numbers, a product that
     contracts the leading axis of both operands, which XLA:CPU runs on its Eigen kernel rather
     than the YNNPACK one of the forward products (a round of pfl_cnn on 2 host devices: 4%
@@ -245,10 +279,10 @@ def _tiles_major(v):
     return lax.optimization_barrier(jnp.swapaxes(v, 1, 2))
 
 
-def _winograd_forward(x, w, pads: Pads):
-    v, out_hw, tiles_hw = _input_tiles(x, pads)
-    m = lax.dot_general(v, _kernel_tiles(w), _BATCHED)
-    return _output_tiles(m, x.shape[0], out_hw, tiles_hw)
+def _winograd_forward(x, w, pads: Pads, m: int):
+    v, out_hw, tiles_hw = _input_tiles(x, pads, m)
+    mm = lax.dot_general(v, _kernel_tiles(w, m), _BATCHED)
+    return _output_tiles(mm, x.shape[0], out_hw, tiles_hw, m)
 
 
 def winograd_applies(kernel_shape, strides, dilation, groups) -> bool:
@@ -258,56 +292,63 @@ def winograd_applies(kernel_shape, strides, dilation, groups) -> bool:
             and tuple(dilation) == (1, 1) and groups == 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def conv_winograd(x, w, pads: Pads = ((0, 0), (0, 0))):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def conv_winograd(x, w, pads: Pads = ((0, 0), (0, 0)), tile: int = WINOGRAD_TILE):
     """NHWC x HWIO 3 x 3 stride-1 convolution with explicit (lo, hi) `pads` by Winograd's
-    F(2x2, 3x3) (the comment above): 16 matrix products [tiles, C] x [C, O], 2.25x fewer
-    multiplies than the direct convolution's. Its backward pass, the transpose of each step:
-    dM = A dY A^T for every output tile; the weight gradient G^T (sum over tiles of V^T dM) G,
-    16 products [C, tiles] x [tiles, O]; the input gradient dM U^T (16 products [tiles, O] x
-    [O, C]) taken back through the input tiles' transform (B dV B^T added into the input
-    pixels each tile read), over the same tiles as the forward pass."""
-    return _winograd_forward(x, w, pads)
+    F(m x m, 3 x 3), m = `tile` (2 or 4; the comment above): (m + 2)^2 matrix products
+    [tiles, C] x [C, O]. Its backward pass, the transpose of each step: dM = A dY A^T for
+    every output tile; the weight gradient G^T (sum over tiles of V^T dM) G, (m + 2)^2
+    products [C, tiles] x [tiles, O]; the input gradient dM U^T ((m + 2)^2 products
+    [tiles, O] x [O, C]) taken back through the input tiles' transform (B dV B^T added into
+    the input pixels each tile read), over the same tiles as the forward pass."""
+    return _winograd_forward(x, w, pads, tile)
 
 
-def _winograd_fwd(x, w, pads):
-    return _winograd_forward(x, w, pads), (x, w)
+def _winograd_fwd(x, w, pads, tile):
+    return _winograd_forward(x, w, pads, tile), (x, w)
 
 
-def _input_tiles_transpose(dv, x_shape, pads: Pads, tiles_hw):
-    """The transpose of :func:`_input_tiles`: dV [16, B*th*tw, C], the gradient of the tiles
-    V = B^T d B, to the gradient of x. Each tile's dd = B dV B^T is added into the 4 x 4
-    input pixels it read, tiles 2 apart, so pixel (2T + a, 2U + b) of the padded input gets
-    sum over p, q in {0, 1} of dd of tile (T - p, U - q) at (2p + a, 2q + b); the padding is
-    then cropped (and a cropped border padded back with zeros)."""
+def _input_tiles_transpose(dv, x_shape, pads: Pads, tiles_hw, m: int):
+    """The transpose of :func:`_input_tiles`: dV [n^2, B*th*tw, C], the gradient of the tiles
+    V = B^T d B, to the gradient of x. Each tile's dd = B dV B^T is added into the n x n input
+    pixels it read, tiles m apart (n = m + 2 <= 2m), so pixel (mT + a, mU + b) of the padded
+    input gets the sum over p, q in {0, 1} of dd[mp + a, mq + b] of tile (T - p, U - q),
+    where mp + a < n and mq + b < n; the padding is then cropped (and a cropped border padded
+    back with zeros). Each dd[r, s] is one sum over dV and the shift of a tile (T - p) one pad
+    of that sum: padding the n^2 parts of dV instead measured 2 ms a step at m = 4 (one core,
+    pfl-research's second layer) against 0.35 ms."""
+    bt = _WINOGRAD[m][0]
+    n = m + 2
     b, h, wd, c = x_shape
     th, tw = tiles_hw
     (plo, _), (qlo, _) = pads
-    z = dv.reshape(4, 4, b, th, tw, c)
+    z = dv.reshape(n * n, b, th, tw, c)
     parities = []
-    for a in range(2):
-        for bb in range(2):
-            coefs, parts = [], []
-            for p_, q_, xi, nu in np.ndindex(2, 2, 4, 4):
-                coefs.append(_BT[xi, 2 * p_ + a] * _BT[nu, 2 * q_ + bb])
-                parts.append(_pad(z[xi, nu], ((0, 0), (p_, 1 - p_), (q_, 1 - q_), (0, 0))))
-            parities.append(_weighted(coefs, parts))
-    dxp = jnp.stack(parities).reshape(2, 2, b, th + 1, tw + 1, c).transpose(2, 3, 0, 4, 1, 5)
-    dxp = dxp.reshape(b, 2 * th + 2, 2 * tw + 2, c)
-    return _pad(dxp, ((0, 0), (-plo, plo + h - 2 * th - 2), (-qlo, qlo + wd - 2 * tw - 2),
+    for a in range(m):
+        for bb in range(m):
+            parts = []
+            for p_, q_ in np.ndindex(2, 2):
+                r, s_ = m * p_ + a, m * q_ + bb
+                if r < n and s_ < n:
+                    dd = _weighted(np.outer(bt[:, r], bt[:, s_]), list(z))
+                    parts.append(_pad(dd, ((0, 0), (p_, 1 - p_), (q_, 1 - q_), (0, 0))))
+            parities.append(functools.reduce(lambda u, v: u + v, parts))
+    dxp = jnp.stack(parities).reshape(m, m, b, th + 1, tw + 1, c).transpose(2, 3, 0, 4, 1, 5)
+    dxp = dxp.reshape(b, m * th + m, m * tw + m, c)
+    return _pad(dxp, ((0, 0), (-plo, plo + h - m * th - m), (-qlo, qlo + wd - m * tw - m),
                       (0, 0)))
 
 
-def _winograd_bwd(pads, res, dy):
+def _winograd_bwd(pads, tile, res, dy):
     """dM = A dY A^T is shared by both gradients: dW = G^T (V^T dM) G, and dx the transpose
     of the input tiles' transform of dV = dM U^T."""
     x, w = res
-    v, _, tiles_hw = _input_tiles(x, pads)
-    dm = _output_tiles_transpose(dy, tiles_hw)
+    v, _, tiles_hw = _input_tiles(x, pads, tile)
+    dm = _output_tiles_transpose(dy, tiles_hw, tile)
     du = lax.dot_general(_tiles_major(v), dm, _BATCHED)
-    dv = lax.dot_general(dm, _kernel_tiles(jnp.swapaxes(w, 2, 3)), _BATCHED)
-    dx = _input_tiles_transpose(dv, x.shape, pads, tiles_hw)
-    return dx.astype(x.dtype), _kernel_tiles_transpose(du).astype(w.dtype)
+    dv = lax.dot_general(dm, jnp.swapaxes(_kernel_tiles(w, tile), 1, 2), _BATCHED)
+    dx = _input_tiles_transpose(dv, x.shape, pads, tiles_hw, tile)
+    return dx.astype(x.dtype), _kernel_tiles_transpose(du, tile).astype(w.dtype)
 
 
 conv_winograd.defvjp(_winograd_fwd, _winograd_bwd)

@@ -40,7 +40,7 @@ weight gradients out of the lanes' loops; the models run unrolled lanes on CPU l
 With ``--conv_impl=winograd`` (``pfl_cnn``'s default on CPU) a network's first convolution,
 whose input is the data and needs no gradient, is one im2col product whose patches its weight
 gradient reuses (:func:`~deltafl_jax.models.image_conv.input_layer_impl`); the other 3 x 3
-stride-1 layers run Winograd's F(2x2, 3x3); and ``pfl_cnn``'s dense1 takes its weight gradient
+stride-1 layers run Winograd's F(4x4, 3x3); and ``pfl_cnn``'s dense1 takes its weight gradient
 as a sum of outer products fused into the update (:mod:`deltafl_jax.models.dense`).
 """
 
@@ -187,9 +187,9 @@ class ResNetGN(nn.Module):
 # Unrolled lanes on CPU, as for the ConvNet (a vmap over per-client kernels is a grouped
 # convolution); smaller evaluation chunks for the larger activations.
 IMAGE_LANES = LanePreferences(cpu_lane_mode="unroll", cpu_eval_chunk=128)
-# pfl-research's CNN on CPU by Winograd's F(2x2, 3x3): on the quiet 2-core CPU its round took
-# 1.13-1.21 s against 1.42-1.61 s with the im2col weight gradient (bench.peer_pfl, 2026-11-27,
-# docs/benchmarks/pfl-research.md); ResNet-18-GN's round was no faster by Winograd (3.50-3.73
+# pfl-research's CNN on CPU by Winograd (then F(2x2, 3x3), now F(4x4, 3x3)): on the quiet 2-core
+# CPU its round took 1.13-1.21 s against 1.42-1.61 s with the im2col weight gradient
+# (bench.peer_pfl, 2026-11-27, docs/benchmarks/pfl-research.md); ResNet-18-GN's round was no faster by Winograd (3.50-3.73
 # s against 3.33-3.48 s, bench.resnet_profile), so it keeps the default.
 PFL_LANES = dataclasses.replace(IMAGE_LANES, cpu_conv_impl="winograd")
 RESNET_LANES = LanePreferences(cpu_lane_mode="unroll", cpu_eval_chunk=64,

@@ -43,7 +43,7 @@ def conv_padded(x, w, strides, pads, impl: str):
 def input_layer_impl(impl: str) -> str:
     """The path for a network's first convolution, whose input, the data, needs no gradient:
     "patches_kept" (:func:`deltafl_jax.models.conv.conv_patches_kept`) where `impl` is
-    "winograd". Winograd's F(2x2, 3x3) saves multiplies in all three products, but a first
+    "winograd". Winograd's F(m x m, 3 x 3) saves multiplies in all three products, but a first
     layer computes two of them, over 1-3 input channels (the transformed products
     [tiles, C] x [C, O] at C = 3), while one im2col product for each (k*k*C = 27 wide) runs at
     full width. Measured on the 2-core CPU, a loop of local steps of pfl-research's CNN: 6.41
