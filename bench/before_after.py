@@ -3,6 +3,8 @@ r"""The engine's round at two commits of this project, interleaved round by roun
     python -m bench.before_after --before=../deltafl_jax_36a2d9c [--make_before] \
         [--after=.] [--models=cnn,linear] [--algorithms=fedavg,deltafl] [--rounds=5] \
         [--out=bench/results/before_after_cpu.json]
+    python -m bench.before_after --before=../deltafl_jax_ddd4c01 --before_commit=ddd4c01 \
+        --models=pfl_cnn --algorithms=fedavg --devices=2 --rounds=8
 
 A change of the round (the server step as an optax transformation applied by the round, the
 engine's optional per-client hooks) is accepted when FedAvg and Delta-FL cost the same per
@@ -10,7 +12,13 @@ round before and after it. This script times both source trees on the workloads 
 ``bench/compare.py`` and ``bench/peers.py`` (``engine_runner``): m = ``--clients`` of
 ``--num_clients`` FEMNIST-like clients (``bench.common.femnist_like_dataset``, seed 0), one
 local epoch, lr 0.05, seed 1, the ConvNet (batch 16) or softmax regression (batch 10), FedAvg
-(``--algorithm=fedavg``, theta = 1) and Delta-FL at theta = 0.5.
+(``--algorithm=fedavg``, theta = 1) and Delta-FL at theta = 0.5. ``--models=pfl_cnn`` is
+pfl-research's CIFAR-10 benchmark instead (``bench/peer_pfl.py``'s engine side): its CNN with
+the model's defaults, 1000 clients of 50 random CIFAR-shaped images
+(``bench.common.cifar_like_dataset``), m = 50, batch 10, lr 0.1, one local epoch; ``--clients``
+and ``--num_clients`` are FEMNIST's and do not apply to it. Both workers build these images
+with this script's tree's ``bench/common.py`` (loaded by path), so the two trees train the
+same data even where the older tree lacks the generator.
 
 One worker process per (tree, workload) runs this file with ``cwd`` and ``PYTHONPATH`` set to
 its tree, so it imports that tree's ``deltafl_jax`` (it checks ``deltafl_jax.__file__`` and
@@ -66,10 +74,11 @@ flags.DEFINE_string("out", None, "write the JSON here (default the git-ignored "
 flags.DEFINE_string("worker", None, "(internal) run as a worker with this JSON spec")
 FLAGS = flags.FLAGS
 
-# The configuration of bench/peers.py's engine_runner.
-LR = 0.05
+# The configuration of bench/peers.py's engine_runner; pfl_cnn's is bench/peer_pfl.py's.
 SEED = 1
-BATCH = {"cnn": 16, "linear": 10}
+BATCH = {"cnn": 16, "linear": 10, "pfl_cnn": 10}
+LEARNING_RATE = {"cnn": 0.05, "linear": 0.05, "pfl_cnn": 0.1}
+PFL_CLIENTS, PFL_POPULATION = 50, 1000    # pfl-research's cohort and its users
 THETA = {"fedavg": 1.0, "deltafl": 0.5}
 HERE = os.path.dirname(os.path.abspath(__file__))
 THIS_FILE = os.path.abspath(__file__)
@@ -130,22 +139,38 @@ def _versions() -> dict:
     return out
 
 
+def _this_trees_common():
+    """bench/common.py of the tree holding this script, loaded by path (the worker's own tree
+    is on PYTHONPATH and may be older)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("before_after_common",
+                                                  os.path.join(HERE, "common.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _build(spec: dict, timer):
-    """bench/peers.py's engine_runner configuration; (experiment, state, keys, READY info)."""
+    """bench/peers.py's engine_runner configuration, or bench/peer_pfl.py's engine side for
+    pfl_cnn; (experiment, state, keys, READY info)."""
     import jax
 
-    from bench.common import femnist_like_dataset
     from deltafl_jax import DataConfig, ExperimentConfig, build_experiment
 
-    t0 = time.perf_counter()
-    data = femnist_like_dataset(spec["num_clients"], seed=0)
-    data_s = time.perf_counter() - t0
     model, algorithm = spec["model"], spec["algorithm"]
+    t0 = time.perf_counter()
+    if model == "pfl_cnn":
+        data = _this_trees_common().cifar_like_dataset(PFL_POPULATION)
+    else:
+        from bench.common import femnist_like_dataset
+        data = femnist_like_dataset(spec["num_clients"], seed=0)
+    data_s = time.perf_counter() - t0
     cfg = ExperimentConfig(
-        data=DataConfig("femnist_like"), model=model, algorithm=algorithm,
+        data=DataConfig(data.name), model=model, algorithm=algorithm,
         thetas=(THETA[algorithm],), seeds=(SEED,), num_rounds=spec["num_rounds"],
-        clients_per_round=spec["clients"], batch_size=BATCH[model], learning_rate=LR,
-        output_dir=None, save_models=False, verbose=False, devices=spec["devices"])
+        clients_per_round=spec["clients"], batch_size=BATCH[model],
+        learning_rate=LEARNING_RATE[model], output_dir=None, save_models=False, verbose=False,
+        devices=spec["devices"])
     t0 = time.perf_counter()
     with timer:
         exp = build_experiment(cfg, data)
@@ -390,15 +415,18 @@ def side_summary(info: dict, rounds: list) -> dict:
 
 def time_workload(model: str, algorithm: str, devices: int, trees: dict) -> dict:
     """Both trees' workers for one workload, alternating round by round."""
+    pfl = model == "pfl_cnn"
     spec = {"model": model, "algorithm": algorithm, "devices": devices,
-            "clients": FLAGS.clients, "num_clients": FLAGS.num_clients,
+            "clients": PFL_CLIENTS if pfl else FLAGS.clients,
+            "num_clients": PFL_POPULATION if pfl else FLAGS.num_clients,
             "num_rounds": FLAGS.warmup + FLAGS.rounds}
     name = f"{model} {algorithm}" + ("" if devices == 1 else f" {devices}dev")
     infos, rounds, load = interleave(name, spec, trees)
     rows, mismatches = compare_rounds(rounds)
     out = {"workload": name, "model": model, "algorithm": algorithm, "theta": THETA[algorithm],
-           "devices": devices, "batch_size": BATCH[model], "learning_rate": LR,
-           "local_epochs": 1, "m": FLAGS.clients, "num_clients": FLAGS.num_clients,
+           "devices": devices, "batch_size": BATCH[model],
+           "learning_rate": LEARNING_RATE[model], "local_epochs": 1, "m": spec["clients"],
+           "num_clients": spec["num_clients"],
            "rounds_timed": FLAGS.rounds, "warmup": FLAGS.warmup,
            "before": side_summary(infos["before"], rounds["before"]),
            "after": side_summary(infos["after"], rounds["after"])}
@@ -467,7 +495,7 @@ def drive() -> int:
                        "the first of each round alternates (before, after / after, before)",
               "settings": {"rounds": FLAGS.rounds, "warmup": FLAGS.warmup,
                            "clients": FLAGS.clients, "num_clients": FLAGS.num_clients,
-                           "learning_rate": LR, "seed": SEED, "batch_size": BATCH},
+                           "learning_rate": LEARNING_RATE, "seed": SEED, "batch_size": BATCH},
               "loadavg_start": list(os.getloadavg()), "workloads": []}
     t0 = time.perf_counter()
     for model, algorithm, devices in workloads:

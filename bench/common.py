@@ -138,6 +138,25 @@ def sent140_like_dataset(num_clients: int = 438, num_test_clients: int = 439, se
                                       "vocabulary_size": vocabulary})
 
 
+def cifar_like_dataset(num_clients: int = 1000, client_size: int = 50, side: int = 32,
+                       channels: int = 3, classes: int = 10, seed: int = 0) -> FederatedDataset:
+    """pfl-research's CIFAR-10 benchmark's shape with random pixels: `num_clients` clients of
+    `client_size` uint8 side x side x channels images (scaled by 1/255 as the CIFAR loaders'),
+    `classes` labels; two test clients (a timed round does not evaluate)."""
+    rng = np.random.default_rng(seed)
+
+    def split(clients):
+        n = clients * client_size
+        return ClientData(
+            x=rng.integers(0, 256, (n, side, side, channels), dtype=np.uint8),
+            y=rng.integers(0, classes, n).astype(np.int32),
+            offsets=np.arange(clients + 1, dtype=np.int64) * client_size,
+            client_ids=np.arange(clients))
+
+    return FederatedDataset("cifar_like", split(num_clients), split(2), num_classes=classes,
+                            x_scale=1 / 255)
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

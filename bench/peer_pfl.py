@@ -123,22 +123,10 @@ def user_flags(settings: dict) -> str:
 
 
 def cifar_like_dataset():
-    """`--num_clients` clients of `--client_size` random uint8 side x side x 3 images (pixels
-    scaled by 1/255 as the CIFAR loaders'), 10 classes; two test clients (a round does not
-    evaluate)."""
-    from deltafl_jax import ClientData, FederatedDataset
-    rng = np.random.default_rng(0)
-
-    def split(clients):
-        n = clients * FLAGS.client_size
-        return ClientData(
-            x=rng.integers(0, 256, (n, FLAGS.side, FLAGS.side, CHANNELS), dtype=np.uint8),
-            y=rng.integers(0, CLASSES, n).astype(np.int32),
-            offsets=np.arange(clients + 1, dtype=np.int64) * FLAGS.client_size,
-            client_ids=np.arange(clients))
-
-    return FederatedDataset("cifar_like", split(FLAGS.num_clients), split(2),
-                            num_classes=CLASSES, x_scale=1 / 255)
+    """`--num_clients` clients of `--client_size` random side x side x 3 images, 10 classes
+    (bench.common.cifar_like_dataset, seed 0)."""
+    from bench.common import cifar_like_dataset as generate
+    return generate(FLAGS.num_clients, FLAGS.client_size, FLAGS.side, CHANNELS, CLASSES)
 
 
 def matmul_flops_list(jaxpr) -> list:
@@ -253,6 +241,7 @@ def network_pieces(impl: str, xs, ys, params) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from deltafl_jax.models.conv import conv_winograd
     from deltafl_jax.models.image import PflCNN
     from deltafl_jax.models.image_conv import conv_valid
 
@@ -265,12 +254,20 @@ def network_pieces(impl: str, xs, ys, params) -> dict:
     def block(a, w, b):
         return jnp.sum(jnp.square(jax.nn.relu(conv_valid(a, w, impl) + b)))
 
+    def block_tile2(a, w, b):
+        return jnp.sum(jnp.square(jax.nn.relu(conv_winograd(a, w, ((0, 0), (0, 0)), 2) + b)))
+
     pp = params["params"]
     h1 = jax.nn.relu(conv_valid(xs[0], pp["conv1_kernel"], "xla"))
     c1 = (pp["conv1_kernel"], pp["conv1_bias"])
     c2 = (pp["conv2_kernel"], pp["conv2_bias"])
     sub = lambda a, g: jax.tree.map(lambda u, v: u - 1e-6 * v, a, g)
+    out = {} if impl != "winograd" else {
+        # the same block by F(2x2, 3x3), the library's other tile (conv.WINOGRAD_TILES)
+        "conv2_forward_both_grads_winograd_tile2": scanned(
+            lambda c, _: sub(c, jax.grad(block_tile2, (0, 1, 2))(*c)), (h1,) + c2, xs)}
     return {
+        **out,
         f"sgd_step_{impl}": scanned(_sgd(loss), params, (xs, ys)),
         f"forward_{impl}": scanned(lambda p, xy: jax.tree.map(
             lambda a: a + 0.0 * jnp.mean(net.apply(p, xy[0])), p), params, (xs, ys)),
