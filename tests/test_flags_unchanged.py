@@ -26,11 +26,13 @@ HELP_UPDATED = {
     # the GPU default became im2col_wgrad (measured on an H100), im2col and winograd were
     # added, and every nn.Conv of a model of one's own takes the same path; a built-in
     # network's first layer keeps im2col_wgrad under winograd (its input needs no gradient);
-    # Winograd's tiles grew from 2 x 2 to 4 x 4 (docs/benchmarks/pfl-research.md)
+    # Winograd's tiles grew from 2 x 2 to 4 x 4 and ResNet-18-GN took it on CPU
+    # (docs/benchmarks/pfl-research.md, docs/benchmarks/resnet.md)
     "conv_impl": "convolutions (the built-in networks' and every nn.Conv): im2col_wgrad (CPU, "
-                 "GPU) | winograd (3x3 at stride 1 by Winograd's F(4x4, 3x3), the rest and a "
-                 "built-in network's first layer as im2col_wgrad; pfl_cnn's on CPU) | im2col | xla (TPU; the module as written); "
-                 "unset: by backend and model",
+                 "GPU) | winograd (3x3 at stride 1 by Winograd's F(4x4, 3x3), the rest as "
+                 "im2col_wgrad and a built-in network's first layer as one im2col product; "
+                 "pfl_cnn's and resnet18_gn's on CPU) | im2col | xla (TPU; the module as "
+                 "written); unset: by backend and model",
     # the image models
     "model": "linear | cnn | mlp | mean | gru | lstm | sent140_linear | lstm_nwp | fedavg_cnn | "
              "pfl_cnn | resnet18_gn, or a model of your own registered by --model_module",

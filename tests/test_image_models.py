@@ -505,14 +505,17 @@ def test_gpu_xla_flags_hand_cases():
 
 
 def test_the_convolutions_left_unset_are_the_models_and_the_backends():
-    """--conv_impl unset: on CPU pfl-research's CNN runs Winograd's convolutions (its measured
-    choice, LanePreferences.cpu_conv_impl), the other networks the im2col weight gradient; the
-    flag, or another backend's program (--placement_backend), decides over the model."""
+    """--conv_impl unset: on CPU pfl-research's CNN and ResNet-18-GN run Winograd's
+    convolutions (their measured choice, LanePreferences.cpu_conv_impl), the other networks the
+    im2col weight gradient; the flag, or another backend's program (--placement_backend),
+    decides over the model."""
     cifar = image_data((32, 32, 3))
     impl = lambda name, opts=ModelOptions(): build_model(name, cifar, opts).module.conv_impl  # noqa: E731
     assert jax.default_backend() == "cpu"
     assert impl("pfl_cnn") == "winograd"
-    assert impl("resnet18_gn") == impl("fedavg_cnn") == "im2col_wgrad"
+    assert impl("resnet18_gn") == "winograd"
+    assert impl("fedavg_cnn") == "im2col_wgrad"
+    assert impl("resnet18_gn", ModelOptions(conv_backend="gpu")) == "im2col_wgrad"
     assert impl("pfl_cnn", ModelOptions(conv_impl="im2col_wgrad")) == "im2col_wgrad"
     assert impl("pfl_cnn", ModelOptions(conv_backend="gpu")) == "im2col_wgrad"
     assert impl("pfl_cnn", ModelOptions(conv_backend="tpu")) == "xla"

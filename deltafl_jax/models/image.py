@@ -189,11 +189,13 @@ class ResNetGN(nn.Module):
 IMAGE_LANES = LanePreferences(cpu_lane_mode="unroll", cpu_eval_chunk=128)
 # pfl-research's CNN on CPU by Winograd (then F(2x2, 3x3), now F(4x4, 3x3)): on the quiet 2-core
 # CPU its round took 1.13-1.21 s against 1.42-1.61 s with the im2col weight gradient
-# (bench.peer_pfl, 2026-11-27, docs/benchmarks/pfl-research.md); ResNet-18-GN's round was no faster by Winograd (3.50-3.73
-# s against 3.33-3.48 s, bench.resnet_profile), so it keeps the default.
+# (bench.peer_pfl, 2026-11-27, docs/benchmarks/pfl-research.md). ResNet-18-GN's round was no
+# faster by F(2x2, 3x3) (3.50-3.73 s against 3.33-3.48 s, bench.resnet_profile); by F(4x4, 3x3)
+# it took 25.9 s against 34.9-38.2 s (the flagfile's round with 2 clients of all their images,
+# 2026-11-27, docs/benchmarks/resnet.md).
 PFL_LANES = dataclasses.replace(IMAGE_LANES, cpu_conv_impl="winograd")
 RESNET_LANES = LanePreferences(cpu_lane_mode="unroll", cpu_eval_chunk=64,
-                               accelerator_eval_chunk=512)
+                               accelerator_eval_chunk=512, cpu_conv_impl="winograd")
 
 
 def _image_classes(data: FederatedDataset, name: str) -> int:

@@ -153,9 +153,10 @@ class Placement:
         "quarter of a device's memory")
     conv_impl: Optional[str] = setting(
         None, "convolutions (the built-in networks' and every nn.Conv): im2col_wgrad (CPU, "
-        "GPU) | winograd (3x3 at stride 1 by Winograd's F(4x4, 3x3), the rest and a built-in "
-        "network's first layer as im2col_wgrad; pfl_cnn's on CPU) | im2col | xla (TPU; the "
-        "module as written); unset: by backend and model",
+        "GPU) | winograd (3x3 at stride 1 by Winograd's F(4x4, 3x3), the rest as im2col_wgrad "
+        "and a built-in network's first layer as one im2col product; pfl_cnn's and "
+        "resnet18_gn's on CPU) | im2col | xla (TPU; the module as written); unset: by backend "
+        "and model",
         kind="string")
 
 
