@@ -1,7 +1,7 @@
 r"""A user's own CNN written with Flax's ``nn.Conv`` against the same network built in.
 
     python -m bench.own_model_conv [--rounds=5] [--clients=10] [--examples=50] [--with_xla]
-        [--out=bench/results/own_model_conv_cpu.json]
+        [--with_im2col_wgrad] [--out=bench/results/own_model_conv_cpu.json]
 
 The network is pfl-research's CIFAR-10 benchmark CNN (conv 3x3-32 VALID + ReLU, conv 3x3-64
 VALID + ReLU, max-pool 2, dense 128 + ReLU, dense 10; 1,626,442 parameters), timed two ways
@@ -10,10 +10,13 @@ in one process, a Delta-FL round (theta = 0.5, one local epoch, batch 10) of eac
 - ``own_model``: the ``# my_cifar_cnn.py`` block of docs/guides/own-model.md, as written
   (``nn.Conv``, ``nn.max_pool``, ``nn.Dense``, default lanes), imported from a file as
   ``--model_module`` imports it and trained with ``--model=cifar_cnn`` and the default
-  ``--conv_impl``: its convolutions take the fast path by interception
-  (:mod:`deltafl_jax.models.conv_intercept`);
+  ``--conv_impl`` (on CPU ``winograd``, a registered convolutional model's): its
+  convolutions, pooling and dense products take the built-in networks' fast paths by
+  interception (:mod:`deltafl_jax.models.conv_intercept`);
 - ``builtin``: ``--model=pfl_cnn`` (:mod:`deltafl_jax.models.image`), the tuned built-in
   network (the same fast convolutions, pooling by reshape, unrolled lanes);
+- ``own_model_im2col_wgrad`` (with ``--with_im2col_wgrad``): the guide's network with
+  ``--conv_impl=im2col_wgrad``, its CPU default before 2026-11-27;
 - ``own_model_xla`` (with ``--with_xla``): the guide's network with ``--conv_impl=xla``,
   Flax's convolutions as they are (slow: about 30x).
 
@@ -36,7 +39,7 @@ import time
 
 import numpy as np
 
-from bench.common import CompileTimer, emit, machine, median
+from bench.common import CompileTimer, cifar_like_dataset, emit, machine, median
 
 GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                      "guides", "own-model.md")
@@ -66,23 +69,8 @@ def register_guide_model() -> None:
     spec.loader.exec_module(module)
 
 
-def cifar_like(num_clients: int, examples: int, seed: int = 0):
-    """Random 32x32x3 uint8 images in `num_clients` clients of `examples` each, 10 classes;
-    two test clients."""
-    from deltafl_jax import ClientData, FederatedDataset
-    rng = np.random.default_rng(seed)
-
-    def split(n):
-        total = n * examples
-        return ClientData(x=rng.integers(0, 256, size=(total, 32, 32, 3), dtype=np.uint8),
-                          y=rng.integers(0, 10, size=total).astype(np.int32),
-                          offsets=np.arange(n + 1) * examples, client_ids=np.arange(n))
-
-    return FederatedDataset("cifar_like", split(num_clients), split(2), num_classes=10,
-                            x_scale=1 / 255)
-
-
 VARIANTS = {"own_model": ("cifar_cnn", None), "builtin": ("pfl_cnn", None),
+            "own_model_im2col_wgrad": ("cifar_cnn", "im2col_wgrad"),
             "own_model_xla": ("cifar_cnn", "xla")}
 
 
@@ -125,12 +113,14 @@ def main():
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--examples", type=int, default=50)
     p.add_argument("--with_xla", action="store_true")
+    p.add_argument("--with_im2col_wgrad", action="store_true")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     register_guide_model()
     load_before = os.getloadavg()
-    data = cifar_like(a.clients, a.examples)
-    names = ["own_model", "builtin"] + (["own_model_xla"] if a.with_xla else [])
+    data = cifar_like_dataset(a.clients, a.examples)
+    names = (["own_model", "builtin"] + (["own_model_im2col_wgrad"] if a.with_im2col_wgrad else [])
+             + (["own_model_xla"] if a.with_xla else []))
     runners = {n: Runner(n, data, a) for n in names}
     first = {}
     for n, r in runners.items():
@@ -139,7 +129,10 @@ def main():
     for _ in range(a.rounds):
         for r in runners.values():
             r.times.append(r.round())
-    rows = {n: {"model": VARIANTS[n][0], "conv_impl": r.exp.model.conv_impl or "default",
+    from deltafl_jax.models import default_conv_impl
+    rows = {n: {"model": VARIANTS[n][0],
+                "conv_impl": (r.exp.model.conv_impl
+                              or default_conv_impl(preferences=r.exp.model.lanes)),
                 "lanes": r.exp.placement.lanes, "lane_mode": r.exp.placement.lane_mode,
                 "s_per_round": median(r.times), "round_times_s": r.times, **first[n]}
             for n, r in runners.items()}

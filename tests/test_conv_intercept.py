@@ -6,6 +6,7 @@ engine without XLA's weight-gradient convolutions unless ``--conv_impl=xla``."""
 
 import importlib.util
 import os
+import re
 import sys
 
 import flax.linen as nn
@@ -239,15 +240,70 @@ def test_convolutional_lanes_fill_only_what_the_model_leaves_unset():
                                   d.x_scale, lanes=lanes)
 
     chosen = LanePreferences(cpu_lane_mode="vmap")
+    names = ("t_conv", "t_conv_vmap", "t_conv_im2col", "t_dense")
     try:
         for name, module, lanes, want in (
-                ("t_conv", Conv(), LanePreferences(), ("unroll", 128)),
-                ("t_conv_vmap", Conv(), chosen, ("vmap", 128)),
-                ("t_dense", Dense(), LanePreferences(), ("vmap", 2048))):
+                ("t_conv", Conv(), LanePreferences(), ("unroll", 128, "winograd")),
+                ("t_conv_vmap", Conv(), chosen, ("vmap", 128, "winograd")),
+                ("t_conv_im2col", Conv(), LanePreferences(cpu_conv_impl="im2col_wgrad"),
+                 ("unroll", 128, "im2col_wgrad")),
+                ("t_dense", Dense(), LanePreferences(), ("vmap", 2048, None))):
             register_model(name, factory(module, lanes), replace=True)
             got = build_model(name, data).lanes
-            assert (got.lane_mode("cpu"), got.eval_chunk("cpu")) == want, name
+            assert (got.lane_mode("cpu"), got.eval_chunk("cpu"), got.cpu_conv_impl) == want, name
     finally:
-        for name in ("t_conv", "t_conv_vmap", "t_dense"):
+        for name in names:
             MODELS.pop(name, None)
     assert build_model("mlp", data).lanes.lane_mode("cpu") == "vmap"
+
+
+class GuideCNN(nn.Module):
+    """docs/guides/own-model.md's CIFAR CNN (pfl-research's), small: two 3x3 VALID nn.Conv,
+    a 2x2 nn.max_pool, two nn.Dense."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(4, (3, 3), padding="VALID")(x))
+        x = nn.relu(nn.Conv(6, (3, 3), padding="VALID")(x))
+        x = nn.max_pool(x, (2, 2), strides=(2, 2))
+        x = nn.relu(nn.Dense(7)(x.reshape(x.shape[0], -1)))
+        return nn.Dense(5)(x)
+
+
+def test_a_models_own_cnn_under_winograd_takes_the_built_in_networks_cpu_paths():
+    """Under --conv_impl=winograd (a registered convolutional model's CPU default) the
+    guide's CNN written with Flax's layers gets pfl_cnn's CPU paths: the first layer, on the
+    data, one im2col product whose patches its weight gradient keeps; the second by Winograd;
+    each dense kernel's weight gradient a sum of outer products fused into the SGD update. So
+    an SGD step's program has no convolution and no [N, M] product for a dense kernel; on
+    im2col_wgrad both are there (the checks can fail). The loss and every gradient equal
+    Flax's layers under plain autodiff."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(3, 10, 10, 3)), jnp.float32)
+    y = jnp.asarray([1, 4, 0])
+    module = GuideCNN()
+    params = module.init(jax.random.key(2), x)
+
+    def loss_of(impl):
+        def loss(p):
+            z = rewritten(module.apply, impl)(p, x)
+            return jnp.mean(jax.nn.logsumexp(z, axis=1) - z[jnp.arange(3), y])
+        return loss
+
+    def step_hlo(impl):
+        step = lambda p: jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss_of(impl))(p))
+        return jax.jit(step).lower(params).compile().as_text()
+
+    def dense_weight_products(hlo):
+        return re.findall(r"= f32\[(?:54,7|7,5)\]\{[\d,]*\} dot\(", hlo)
+
+    fast, plain = step_hlo("winograd"), step_hlo("im2col_wgrad")
+    assert " convolution(" not in fast and " convolution(" in plain
+    assert dense_weight_products(fast) == [] and dense_weight_products(plain)
+    # Winograd runs the second layer only: its 36 tile products, none of the first's [36, 3, 4]
+    assert re.search(r"= f32\[36,4,6\]", fast) and not re.search(r"= f32\[36,3,4\]", fast)
+    ref, got = jax.jit(lambda p: (jax.value_and_grad(loss_of("xla"))(p),     # one program
+                                  jax.value_and_grad(loss_of("winograd"))(p)))(params)
+    for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5,
+                                   atol=1e-5 * float(np.max(np.abs(np.asarray(r)))))

@@ -47,7 +47,12 @@ def sample(case, seed=0):
     return x, k, pads
 
 
-@pytest.mark.parametrize("tile", WINOGRAD_TILES)
+# --conv_impl=winograd's tile in the fast suite, the library's other (m = 2) with CI's slow step
+TILES = [t if t == WINOGRAD_TILE else pytest.param(t, marks=pytest.mark.slow)
+         for t in WINOGRAD_TILES]
+
+
+@pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("case", sorted(SHAPES))
 def test_values_and_gradients_equal_xla_direct_convolution(case, tile):
     x, k, pads = sample(case)
@@ -78,7 +83,7 @@ def numpy_conv(x, k, pads):
                for i in range(3) for j in range(3))
 
 
-@pytest.mark.parametrize("tile", WINOGRAD_TILES)
+@pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("case", ["valid_odd_out", "crop"])
 def test_values_and_weight_gradient_equal_numpy(case, tile):
     """The forward pass against a NumPy direct convolution; the weight gradient of
@@ -114,6 +119,7 @@ def numpy_weight_gradient(x, r, pads):
                                for j in range(3)]) for i in range(3)])
 
 
+@pytest.mark.slow   # a float64 reference at full size: CI's second step
 def test_float32_error_at_pfl_researchs_second_layer():
     """At pfl-research's second layer (batch 10, 30 x 30 x 32 -> 28 x 28 x 64, VALID), the
     float32 error of the output and of the weight gradient of sum(y * r), relative to the

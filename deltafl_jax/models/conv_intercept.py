@@ -29,6 +29,21 @@ evaluates that jaxpr again with
 and every other operation bound as it was (the jaxprs of nested ``jit`` calls that hold such
 operations are evaluated the same way, inline). A forward pass without them runs as it is.
 
+With ``impl="winograd"`` (the CPU default of a registered convolutional model, as of the
+built-in ``pfl_cnn`` and ``resnet18_gn``) the rewrite also gives a model of one's own the
+built-in networks' other CPU paths, by what each operand depends on (tracked from the
+parameters, the first argument, through every equation):
+
+- a convolution whose input does not depend on the parameters (a first layer, on the data) is
+  one im2col product whose patches its weight gradient reuses
+  (:func:`~deltafl_jax.models.conv.conv_patches_kept`,
+  :func:`~deltafl_jax.models.image_conv.input_layer_impl`): its input gradient, which nothing
+  reads, is dropped, and over 1-3 input channels Winograd's products are narrow;
+- a product [B, N] x [N, M] (``nn.Dense``) whose second operand depends on the parameters,
+  for B <= :data:`~deltafl_jax.models.dense.OUTER_MAX_BATCH`, takes its weight gradient as
+  the sum of the B outer products (:func:`~deltafl_jax.models.dense.matmul_outer_grad`), which
+  XLA fuses into the optimizer's update.
+
 Why a rewrite of the traced program rather than a drop-in module: a user's network, the guides'
 examples and networks copied from elsewhere are written with Flax's layers (or ``lax`` itself);
 a module of the project's own would leave each of them slow until rewritten, and would rename
@@ -52,7 +67,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from deltafl_jax.models.conv import CONV_IMPLS, conv_fast, explicit_pads, im2col_forward
+from deltafl_jax.models.conv import (CONV_IMPLS, conv_fast, conv_patches_kept, explicit_pads,
+                                     im2col_forward)
+from deltafl_jax.models.dense import OUTER_MAX_BATCH, matmul_outer_grad
+from deltafl_jax.models.image_conv import input_layer_impl
 
 _SPECS = {3: ("NWC", "WIO", "NWC"), 4: ("NHWC", "HWIO", "NHWC")}
 
@@ -89,7 +107,8 @@ def fast_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=No
     :func:`~deltafl_jax.models.conv.conv_general` where :func:`supported`, XLA's own
     otherwise. `impl="im2col"` computes a one-group forward as a matrix product too;
     `impl="winograd"` a 3 x 3 stride-1 one-group convolution by
-    :func:`~deltafl_jax.models.conv.conv_winograd`."""
+    :func:`~deltafl_jax.models.conv.conv_winograd`; `impl="patches_kept"` an undilated
+    one-group convolution by :func:`~deltafl_jax.models.conv.conv_patches_kept`."""
     if not supported(lhs, rhs, lhs_dilation, dimension_numbers, batch_group_count, precision,
                      preferred_element_type):
         return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation,
@@ -103,6 +122,8 @@ def fast_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=No
     pads = explicit_pads(pad, w.shape[:2], strides, dilation, x.shape[1:3])
     if impl == "im2col" and feature_group_count == 1:
         y = im2col_forward(x, w, strides, pads, dilation)
+    elif impl == "patches_kept" and feature_group_count == 1 and dilation == (1, 1):
+        y = conv_patches_kept(x, w, strides, pads)
     else:
         y = conv_fast(x, w, strides, pads, dilation, int(feature_group_count), impl)
     return y[:, 0] if one_d else y
@@ -153,68 +174,94 @@ def _disjoint_pool(params) -> bool:
             and all(d == 1 for d in params["window_dilation"]))
 
 
-def _replacement(eqn, invals, impl: str):
-    """The fast computation of `eqn` on `invals`, or None to bind it as it is."""
+_DENSE = (((1,), (0,)), ((), ()))          # [B, N] x [N, M]
+
+
+def _outer_grad_product(lhs, rhs, p, rhs_on_params: bool) -> bool:
+    """Whether a ``dot_general`` is a small minibatch's dense layer (module docstring)."""
+    return (rhs_on_params and lhs.ndim == 2 and rhs.ndim == 2
+            and tuple(map(tuple, p["dimension_numbers"][0])) == _DENSE[0]
+            and not any(p["dimension_numbers"][1]) and lhs.shape[0] <= OUTER_MAX_BATCH
+            and p.get("precision") is None and lhs.dtype == rhs.dtype
+            and p.get("preferred_element_type") in (None, lhs.dtype))
+
+
+def _replacement(eqn, invals, on_params, impl: str):
+    """The fast computation of `eqn` on `invals` (`on_params`: whether each depends on the
+    parameters), or None to bind it as it is."""
     name, p = eqn.primitive.name, eqn.params
     if name == "conv_general_dilated" and p.get("out_sharding") is None:
         lhs, rhs = invals
         if supported(lhs, rhs, p["lhs_dilation"], p["dimension_numbers"],
                      p["batch_group_count"], p["precision"], p["preferred_element_type"]):
+            first = impl == "winograd" and not on_params[0]
             return fast_conv_general_dilated(
                 lhs, rhs, p["window_strides"], p["padding"], p["lhs_dilation"],
-                p["rhs_dilation"], p["dimension_numbers"], p["feature_group_count"], impl=impl)
+                p["rhs_dilation"], p["dimension_numbers"], p["feature_group_count"],
+                impl=input_layer_impl(impl) if first else impl)
     if name == "reduce_window_max" and _disjoint_pool(p):
         return max_pool_disjoint(invals[0], tuple(p["window_dimensions"]))
+    if (name == "dot_general" and impl == "winograd"
+            and _outer_grad_product(*invals, p, on_params[1])):
+        return matmul_outer_grad(*invals)
     return None
 
 
-def _is_target(eqn) -> bool:
+def _is_target(eqn, impl: str) -> bool:
     """Whether :func:`_replacement` may replace `eqn` (the kind of operation; its shapes decide)."""
     return eqn.primitive.name == "conv_general_dilated" or (
-        eqn.primitive.name == "reduce_window_max" and _disjoint_pool(eqn.params))
+        eqn.primitive.name == "reduce_window_max" and _disjoint_pool(eqn.params)) or (
+        eqn.primitive.name == "dot_general" and impl == "winograd")
 
 
-def _replaceable(jaxpr) -> bool:
+def _replaceable(jaxpr, impl: str) -> bool:
     """Whether :func:`_evaluate` would consider replacing anything in `jaxpr`: a target among
     its equations or those of its nested ``jit`` calls (not inside custom-derivative calls,
     such as the built-in networks' own fast convolutions, which stay as they are)."""
-    return any(_is_target(e) or (e.primitive.name in ("jit", "pjit")
-                                 and _replaceable(e.params["jaxpr"].jaxpr))
+    return any(_is_target(e, impl) or (e.primitive.name in ("jit", "pjit")
+                                       and _replaceable(e.params["jaxpr"].jaxpr, impl))
                for e in jaxpr.eqns)
 
 
-def _evaluate(jaxpr, consts, args, impl: str):
-    """Evaluate `jaxpr` on `args` with :func:`_replacement`'s computations."""
-    env = {}
+def _evaluate(jaxpr, consts, args, on_params, impl: str):
+    """Evaluate `jaxpr` on `args` with :func:`_replacement`'s computations; `on_params`:
+    whether each of `args` depends on the parameters. Returns (outputs, whether each does)."""
+    env, dep = {}, {}
 
     def read(v):
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
+    def depends(v):
+        return False if isinstance(v, jcore.Literal) else dep[v]
+
     for v, a in zip(jaxpr.constvars, consts):
-        env[v] = a
-    for v, a in zip(jaxpr.invars, args):
-        env[v] = a
+        env[v], dep[v] = a, False
+    for v, a, d in zip(jaxpr.invars, args, on_params):
+        env[v], dep[v] = a, d
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in ("jit", "pjit") and _replaceable(eqn.params["jaxpr"].jaxpr):
+        indeps = [depends(v) for v in eqn.invars]
+        outdeps = [any(indeps)] * len(eqn.outvars)
+        if (eqn.primitive.name in ("jit", "pjit")
+                and _replaceable(eqn.params["jaxpr"].jaxpr, impl)):
             inner = eqn.params["jaxpr"]
-            outs = _evaluate(inner.jaxpr, inner.consts, invals, impl)
+            outs, outdeps = _evaluate(inner.jaxpr, inner.consts, invals, indeps, impl)
         else:
-            outs = _replacement(eqn, invals, impl)
+            outs = _replacement(eqn, invals, indeps, impl)
             if outs is None:
                 with eqn.ctx.manager:
                     outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
             if not eqn.primitive.multiple_results:
                 outs = [outs]
-        for v, o in zip(eqn.outvars, outs):
-            env[v] = o
-    return [read(v) for v in jaxpr.outvars]
+        for v, o, d in zip(eqn.outvars, outs, outdeps):
+            env[v], dep[v] = o, d
+    return [read(v) for v in jaxpr.outvars], [depends(v) for v in jaxpr.outvars]
 
 
 def rewritten(fn: Callable, impl: Optional[str]) -> Callable:
-    """`fn` with its convolutions and max-poolings on the fast path of `impl`
-    ("im2col_wgrad", "winograd" or "im2col"; module docstring); "xla" and None: `fn`
-    itself."""
+    """`fn(params, *inputs)` with its convolutions, max-poolings and (under "winograd") small
+    dense products on the fast path of `impl` ("im2col_wgrad", "winograd" or "im2col"; module
+    docstring); "xla" and None: `fn` itself. The first argument holds the parameters."""
     if impl is not None and impl not in CONV_IMPLS:
         raise ValueError(f"unknown conv impl {impl!r}; expected one of {', '.join(CONV_IMPLS)}")
     if impl in (None, "xla"):
@@ -222,9 +269,12 @@ def rewritten(fn: Callable, impl: Optional[str]) -> Callable:
 
     def run(*args):
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        if not _replaceable(closed.jaxpr):
+        if not _replaceable(closed.jaxpr, impl):
             return fn(*args)
-        outs = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(args), impl)
+        params = len(jax.tree.leaves(args[0]))
+        leaves = jax.tree.leaves(args)
+        outs, _ = _evaluate(closed.jaxpr, closed.consts, leaves,
+                            [i < params for i in range(len(leaves))], impl)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run

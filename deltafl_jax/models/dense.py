@@ -28,10 +28,20 @@ import jax.numpy as jnp
 OUTER_MAX_BATCH = 32
 
 
+def outer_sum(h, dz):
+    """h^T dz for h [B, N], dz [B, M]: the sum of the B outer products h_b (x) dz_b in order
+    where B <= OUTER_MAX_BATCH (elementwise, so XLA fuses it into its consumer), the matrix
+    product otherwise."""
+    if h.shape[0] <= OUTER_MAX_BATCH:
+        return functools.reduce(lambda a, b: a + b,
+                                [h[i][:, None] * dz[i][None, :] for i in range(h.shape[0])])
+    return h.T @ dz
+
+
 @jax.custom_vjp
 def dense_outer_grad(h, kernel, bias):
     """h [B, N] @ kernel [N, M] + bias [M], with the weight gradient of the module docstring
-    (the matrix product h^T dz where B > OUTER_MAX_BATCH)."""
+    (:func:`outer_sum`)."""
     return h @ kernel + bias
 
 
@@ -41,15 +51,30 @@ def _fwd(h, kernel, bias):
 
 def _bwd(res, dz):
     h, kernel = res
-    if h.shape[0] <= OUTER_MAX_BATCH:
-        dk = functools.reduce(lambda a, b: a + b,
-                              [h[i][:, None] * dz[i][None, :] for i in range(h.shape[0])])
-    else:
-        dk = h.T @ dz
-    return dz @ kernel.T, dk.astype(kernel.dtype), jnp.sum(dz, axis=0)
+    return dz @ kernel.T, outer_sum(h, dz).astype(kernel.dtype), jnp.sum(dz, axis=0)
 
 
 dense_outer_grad.defvjp(_fwd, _bwd)
+
+
+@jax.custom_vjp
+def matmul_outer_grad(h, kernel):
+    """h [B, N] @ kernel [N, M], the weight gradient by :func:`outer_sum`: what
+    :mod:`deltafl_jax.models.conv_intercept` computes a model's own ``nn.Dense`` products with
+    under ``--conv_impl=winograd``."""
+    return h @ kernel
+
+
+def _matmul_fwd(h, kernel):
+    return h @ kernel, (h, kernel)
+
+
+def _matmul_bwd(res, dz):
+    h, kernel = res
+    return (dz @ kernel.T).astype(h.dtype), outer_sum(h, dz).astype(kernel.dtype)
+
+
+matmul_outer_grad.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 class OuterGradDense(nn.Module):

@@ -14,6 +14,13 @@ DENSE_LANE_MODE, DENSE_EVAL_CHUNK = "vmap", 2048
 # vmapped lanes and chunks of 2048 took 1.96x the s/round of 2 unrolled lanes and chunks of
 # 128; 2 vmapped lanes and chunks of 128, 1.16x.
 CONV_LANE_MODE, CONV_EVAL_CHUNK = "unroll", 128
+# ... and their convolutions by Winograd with the built-in networks' other CPU paths
+# (deltafl_jax.models.conv_intercept), as the built-in pfl_cnn and resnet18_gn: pfl-research's
+# CNN written with nn.Conv, nn.max_pool and nn.Dense ran at 0.93-1.01x the built-in pfl_cnn's
+# s/round this way, 1.02x on im2col_wgrad (bench/own_model_conv.py, docs/guides/own-model.md);
+# a local step of the built-in network took 8.6 ms on winograd against 17.3 ms on im2col_wgrad
+# (bench/results/peer_pfl_profile_cpu_tile4.json).
+CONV_CPU_IMPL = "winograd"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +36,8 @@ class LanePreferences:
     cpu_eval_chunk / accelerator_eval_chunk: examples per evaluation work item. cpu_eval_chunk
       None: 2048, or 128 for a registered convolutional model (as cpu_lane_mode).
     cpu_conv_impl: the convolutions on CPU when --conv_impl is unset ("winograd",
-      "im2col_wgrad", ...; :func:`~deltafl_jax.models.default_conv_impl`); None: im2col_wgrad.
+      "im2col_wgrad", ...; :func:`~deltafl_jax.models.default_conv_impl`); None: im2col_wgrad,
+      or "winograd" for a registered convolutional model (as cpu_lane_mode).
     """
 
     cpu_lanes: int = 2
@@ -40,15 +48,19 @@ class LanePreferences:
 
     @property
     def unset(self) -> bool:
-        """Whether the CPU's lane mode or evaluation chunk is left to the model's layers."""
-        return self.cpu_lane_mode is None or self.cpu_eval_chunk is None
+        """Whether the CPU's lane mode, evaluation chunk or convolutions are left to the
+        model's layers."""
+        return None in (self.cpu_lane_mode, self.cpu_eval_chunk, self.cpu_conv_impl)
 
     def filled(self, convolutional: bool) -> "LanePreferences":
-        """The unset CPU choices filled in for a model with or without convolutions."""
+        """The unset CPU choices filled in for a model with or without convolutions (a model
+        without one keeps cpu_conv_impl None: nothing of it is rewritten)."""
         mode, chunk = ((CONV_LANE_MODE, CONV_EVAL_CHUNK) if convolutional
                        else (DENSE_LANE_MODE, DENSE_EVAL_CHUNK))
-        return dataclasses.replace(self, cpu_lane_mode=self.cpu_lane_mode or mode,
-                                   cpu_eval_chunk=self.cpu_eval_chunk or chunk)
+        return dataclasses.replace(
+            self, cpu_lane_mode=self.cpu_lane_mode or mode,
+            cpu_eval_chunk=self.cpu_eval_chunk or chunk,
+            cpu_conv_impl=self.cpu_conv_impl or (CONV_CPU_IMPL if convolutional else None))
 
     def lanes(self, m: int, backend: str, devices: int = 1) -> int:
         """Lanes per device. On CPU, unrolled lanes are independent op streams that keep the

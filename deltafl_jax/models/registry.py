@@ -86,12 +86,12 @@ def _completed(model: Model, options: ModelOptions, registered: bool) -> Model:
     """`model` with its ``conv_impl`` from `options` unless its factory set one; a
     registered model's CPU lane choices that its preferences leave unset filled in by
     whether its forward pass has a convolution (:meth:`LanePreferences.filled`)."""
-    if model.conv_impl is None and (options.conv_impl or options.conv_backend):
-        model = dataclasses.replace(model, conv_impl=options.conv_impl_for(model.lanes))
     if registered and model.lanes.unset:
         example = jax.ShapeDtypeStruct((1,) + tuple(model.example_shape), model.input_dtype)
         conv = has_convolution(model.module, jax.eval_shape(model.preprocess, example))
         model = dataclasses.replace(model, lanes=model.lanes.filled(conv))
+    if model.conv_impl is None and (options.conv_impl or options.conv_backend):
+        model = dataclasses.replace(model, conv_impl=options.conv_impl_for(model.lanes))
     return model
 
 
