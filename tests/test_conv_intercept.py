@@ -270,6 +270,7 @@ class GuideCNN(nn.Module):
         return nn.Dense(5)(x)
 
 
+@pytest.mark.slow   # four compiled programs: CI's second step
 def test_a_models_own_cnn_under_winograd_takes_the_built_in_networks_cpu_paths():
     """Under --conv_impl=winograd (a registered convolutional model's CPU default) the
     guide's CNN written with Flax's layers gets pfl_cnn's CPU paths: the first layer, on the
