@@ -174,13 +174,13 @@ def _disjoint_pool(params) -> bool:
             and all(d == 1 for d in params["window_dilation"]))
 
 
-_DENSE = (((1,), (0,)), ((), ()))          # [B, N] x [N, M]
+_DENSE_CONTRACTION = ((1,), (0,))          # [B, N] x [N, M]
 
 
 def _outer_grad_product(lhs, rhs, p, rhs_on_params: bool) -> bool:
     """Whether a ``dot_general`` is a small minibatch's dense layer (module docstring)."""
     return (rhs_on_params and lhs.ndim == 2 and rhs.ndim == 2
-            and tuple(map(tuple, p["dimension_numbers"][0])) == _DENSE[0]
+            and tuple(map(tuple, p["dimension_numbers"][0])) == _DENSE_CONTRACTION
             and not any(p["dimension_numbers"][1]) and lhs.shape[0] <= OUTER_MAX_BATCH
             and p.get("precision") is None and lhs.dtype == rhs.dtype
             and p.get("preferred_element_type") in (None, lhs.dtype))
