@@ -21,19 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
+import math
 import warnings
 from typing import Callable, Dict, Optional, Tuple
 
 from deltafl_jax.data import DataError, FederatedDataset
-from deltafl_jax.declared import flat_paths, group, set_fields, setting
+from deltafl_jax.declared import Bounds, flat_paths, group, set_fields, setting
+from deltafl_jax.datasets.home import default_data_dir
 from deltafl_jax.errors import UsageError
-
-
-def default_data_dir() -> str:
-    """Where prepared datasets live: $DELTAFL_DATA, else ~/.cache/deltafl_jax."""
-    return os.environ.get("DELTAFL_DATA") or os.path.join(
-        os.path.expanduser("~"), ".cache", "deltafl_jax")
 
 
 def toy_means_flag(name: str, text: str) -> Tuple[Tuple[float, float], ...]:
@@ -160,6 +155,54 @@ class Partitioner:
         flag="partition_seed")
 
 
+@dataclasses.dataclass(frozen=True)
+class TextSettings:
+    """Text with natural clients, ``--dataset=text:PATH`` (``config.data.text``;
+    :mod:`deltafl_jax.datasets.text`), tokenised with the tokenizer of ``--base_model``.
+
+    Attributes:
+      base_model: the pretrained base (a Hugging Face folder, or a hub id with
+        ``download_base_model``) whose tokenizer tokenises the text and which ``--model=llama``
+        fine-tunes.
+      download_base_model: fetch a hub id with huggingface_hub (never at run time otherwise).
+      text_column: the column of the text (unless prompt and response columns are given).
+      prompt_column, response_column: an instruction/response pair, joined by
+        ``prompt_template``; only the response's tokens are scored by the loss.
+      client_column: the column naming each row's client (None: ``--partition`` splits).
+      max_length: tokens per sequence (longer ones truncated, shorter ones padded).
+      pack: join a client's documents, each ended by EOS, and cut them into sequences of
+        ``max_length`` instead of one truncated sequence per document.
+    """
+
+    base_model: Optional[str] = setting(
+        None, "--model=llama: the pretrained base, a Hugging Face folder (config.json, "
+        "model.safetensors, tokenizer.json) or a hub id with --download_base_model; "
+        "--dataset=text:PATH is tokenised by its tokenizer", kind="string")
+    download_base_model: bool = setting(
+        False, "--base_model names a Hugging Face hub id: download it with huggingface_hub "
+        "(otherwise nothing is fetched)")
+    text_column: str = setting("text", "--dataset=text:PATH: the column holding the text")
+    prompt_column: Optional[str] = setting(
+        None, "--dataset=text:PATH: the instruction column of an instruction/response pair (with "
+        "--response_column; the loss scores the response's tokens only)", kind="string")
+    response_column: Optional[str] = setting(
+        None, "--dataset=text:PATH: the response column of an instruction/response pair",
+        kind="string")
+    prompt_template: str = setting(
+        "### Instruction:\\n{prompt}\\n\\n### Response:\\n",
+        "--dataset=text:PATH: how an instruction is shown to the model ({prompt} is replaced by "
+        "it, \\n by a newline; the response follows)")
+    client_column: Optional[str] = setting(
+        None, "--dataset=text:PATH: the column naming each row's client (user_id, ...); unset: "
+        "--partition splits the rows into clients", kind="string")
+    max_length: int = setting(
+        128, "--dataset=text:PATH: tokens per sequence (longer truncated, shorter padded); at "
+        "most the base's max_position_embeddings", bounds=Bounds(1, math.inf, integer=True))
+    pack: bool = setting(
+        False, "--dataset=text:PATH: join each client's documents (each ended by EOS) and cut "
+        "them into sequences of --max_length, instead of one truncated sequence per document")
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class DataConfig:
     """Everything a dataset loader may read: the fields that choose the data, and the settings
@@ -181,6 +224,7 @@ class DataConfig:
         train/test split) for each seed, as the authors do; each seed is then its own dataset
         and its own program (:mod:`deltafl_jax.replicas.seed_programs`).
       partitioner: how centralised data are split into clients (:class:`Partitioner`).
+      text: ``--dataset=text:PATH``'s columns, tokenizer and sequences (:class:`TextSettings`).
 
     A setting of a group is read through it (``config.limits.max_train_clients``,
     ``config.synthetic.alpha``, ``config.partitioner.method``); :data:`FLAT` maps each of
@@ -194,7 +238,8 @@ class DataConfig:
     """
 
     dataset: str = setting(
-        help="synthetic | gaussian_toy | npz | shakespeare | sent140 | femnist | stackoverflow",
+        help="synthetic | gaussian_toy | npz | shakespeare | sent140 | femnist | stackoverflow | "
+        "text:PATH (jsonl, csv or parquet, tokenised by --base_model's tokenizer)",
         kind="string", flag_default="synthetic")
     data_path: Optional[str] = setting(None, "npz file, or the raw source of a real dataset",
                                        kind="string")
@@ -217,6 +262,7 @@ class DataConfig:
         "from each seed, as the authors do; each seed then runs as its own program into "
         "<output_dir>/seed_<s>/")
     partitioner: Partitioner = group(Partitioner)
+    text: TextSettings = group(TextSettings)
 
     def __init__(self, dataset: str, **settings):
         set_fields(self, dict(settings, dataset=dataset))
@@ -291,7 +337,7 @@ def load_centralised(name: str, data_path: Optional[str] = None,
     """Centralised train/test image arrays of `name` (:data:`CENTRALISED`), prepared into the
     cache under `cache_dir` on first use; see :func:`deltafl_jax.datasets.centralised
     .load_centralised`."""
-    from deltafl_jax.datasets import centralised  # local import: centralised imports this module
+    from deltafl_jax.datasets import centralised  # local import: read on first use
     return centralised.load_centralised(name, data_path, cache_dir, download)
 
 
@@ -331,7 +377,13 @@ def prepare_dataset(config: "DataConfig", download: bool = False) -> str:
 PARTITIONABLE = ("npz",)
 
 
+TEXT_PREFIX = "text:"   # --dataset=text:PATH (:mod:`deltafl_jax.datasets.text`)
+
+
 def _loader(name: str) -> Callable[[DataConfig], FederatedDataset]:
+    if name.startswith(TEXT_PREFIX):
+        from deltafl_jax.datasets import text   # local import: text imports this package
+        return text.load
     if name not in DATASETS:
         raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(dataset_names())}")
     module_name, fn_name = DATASETS[name].split(":")
@@ -341,19 +393,20 @@ def _loader(name: str) -> Callable[[DataConfig], FederatedDataset]:
 def load_dataset(config: DataConfig) -> FederatedDataset:
     """Build or load the dataset named by `config.dataset`, then apply the client limits and
     the input normalisation (``config.normalize``)."""
-    from deltafl_jax.datasets import limits  # local import: limits imports this module
-    from deltafl_jax.datasets import normalize
+    from deltafl_jax.datasets import limits, normalize, npz, partition  # local: read on use
 
-    from deltafl_jax.datasets import partition
-
+    # Every setting is checked before a loader prepares, caches or writes anything.
+    limits.check_limits(config)
     if config.normalize != "none":
         normalize.check_method(config.normalize)
+    if config.partitioner.method != "none":
+        partition.check_spec(partition.spec_of(config))
     if centralised_key(config.dataset) is not None:
-        from deltafl_jax.datasets import npz
         data = partition.kept(limits.apply_limits(npz.load_partitioned_images(config), config))
         return normalize.normalize(data, config.normalize)
     method = config.partitioner.method
-    if method != "none" and config.dataset not in PARTITIONABLE:
+    if method != "none" and config.dataset not in PARTITIONABLE and \
+            not config.dataset.startswith(TEXT_PREFIX):
         raise DataError(f"--partition={method}: --dataset={config.dataset} has its "
                         f"own clients; --partition splits centralised data "
                         f"({', '.join(PARTITIONABLE)} without a client column)")
