@@ -63,3 +63,9 @@ class CheckpointError(DeltaFLError):
 class CheckpointMismatch(DeltaFLError):
     """A readable checkpoint that this run cannot use: its state has other leaves, shapes or
     dtypes (another configuration), or it has another format. The message names which."""
+
+
+class HFCheckpointError(CheckpointError):
+    """A Hugging Face model folder or peft adapter that cannot be used (no config.json, an
+    architecture that is not supported, no tokenizer.json, a tensor missing, a LoRA target that
+    matches no layer), or a hub id that cannot be fetched. The message is one line naming it."""
