@@ -149,7 +149,7 @@ def main(argv):
         fail("the host ran out of memory making the data or the run: fewer or smaller clients "
              "(--synthetic_num_clients, --toy_examples_per_client), --client_data=host, or "
              "--estimate to see what a run holds")
-    if len(configs) > 1 and configs[0].verbose:
+    if len(configs) > 1 and configs[0].output.verbose:
         what = "test error" if classifies(results) else "test loss"
         print("\n".join(["", f"Final {what} per method (mean over seeds):"]
                         + comparison_lines(results)), flush=True)

@@ -31,6 +31,11 @@ DATA_FLAT_NAMES = set(datasets.FLAT)
 
 
 def _last_name(node):
+    """The name an expression ends with; an item of a list of configurations
+    (``configs[0]``) ends with ``config``."""
+    if isinstance(node, ast.Subscript):
+        name = _last_name(node.value)
+        return name[:-1] if name.endswith("configs") else ""
     return node.id if isinstance(node, ast.Name) else \
         node.attr if isinstance(node, ast.Attribute) else ""
 
@@ -106,6 +111,14 @@ def flat_uses(source: str):
                      func.endswith("replace") and bool(args) and _is_config(args[0], params)))
 
 
+def flat_reads(source: str):
+    """(line, text) of every flat read of a setting in `source` (what warns: a construction
+    by flag name does not)."""
+    never = lambda func, args, params: False   # noqa: E731
+    return sorted(set(_uses(source, FLAT_NAMES, _is_config, "ExperimentConfig", never))
+                  | set(_uses(source, DATA_FLAT_NAMES, _is_data_config, "DataConfig", never)))
+
+
 def _package_files():
     return sorted(os.path.relpath(p, REPO).replace(os.sep, "/") for p in
                   glob.glob(os.path.join(REPO, "deltafl_jax", "**", "*.py"), recursive=True))
@@ -122,6 +135,18 @@ def test_the_package_reads_settings_through_their_groups():
                      sorted(set(flat_uses(source)) | set(data_flat_uses(source)))]
     assert not offences, ("flat settings read inside deltafl_jax/ (read config.<group>.<field>; "
                           "FLAT maps each flag to its group and field):\n" + "\n".join(offences))
+
+
+def test_the_commands_read_settings_through_their_groups():
+    """experiments/ (the commands) reads no setting by its flat name either: a run of several
+    algorithms printed a DeprecationWarning from ``configs[0].verbose`` (issue 51)."""
+    offences = []
+    for path in sorted(glob.glob(os.path.join(REPO, "experiments", "**", "*.py"),
+                                 recursive=True)):
+        with open(path, encoding="utf-8") as f:
+            offences += [f"{os.path.relpath(path, REPO)}:{line}: {text}"
+                         for line, text in flat_reads(f.read())]
+    assert not offences, "flat settings read in experiments/:\n" + "\n".join(offences)
 
 
 def test_the_not_yet_converted_modules_exist():
@@ -142,11 +167,13 @@ def test_the_scan_finds_every_kind_of_flat_use():
         "    g = dataclasses.replace(config, output_dir=None)\n"   # 7
         "    h = ExperimentConfig(data, num_rounds=5)\n"   # 8
         "    i = getattr(getattr(run, 'config', None), 'eval_every', None)\n"   # 9
+        "    j = configs[0].verbose\n"                    # 10
         "    ok = (config.training.learning_rate, config.privacy.clip, config.options,\n"
         "          dataclasses.replace(config.output, output_dir=None), cfg.batch_size,\n"
         "          run.seeds, config.algorithm, config.thetas,\n"
         "          ExperimentConfig(data, training=config.training))\n")
-    assert [line for line, _ in flat_uses(source)] == [3, 4, 5, 6, 7, 8, 9]
+    assert [line for line, _ in flat_uses(source)] == [3, 4, 5, 6, 7, 8, 9, 10]
+    assert [line for line, _ in flat_reads(source)] == [3, 4, 5, 6, 9, 10]
 
 
 # The nested path of a few flags, written out by hand (the table FLAT is built from the

@@ -182,24 +182,28 @@ def fedavg_average(old, workers, ratios):
 
 
 def reference_rounds(data, seed, lr, l2, batch, momentum, gmf, rounds, local_steps=None,
-                     average=authors_average):
+                     average=authors_average, kept=None):
     """`rounds` rounds of sampled FedNova on the softmax regression of the engine's linear
     model: the authors' local optimizer on each sampled client's minibatches (the engine's
     order), its average with p_k = n_k / sum_S n, and its global momentum buffer when gmf > 0
-    (buf = cum / lr, then gmf buf + cum / lr; w <- w - lr buf)."""
+    (buf = cum / lr, then gmf buf + cum / lr; w <- w - lr buf). `kept(t)`: (the clients a
+    round's deadline kept, the local steps each completed) in place of the sampled cohort's
+    planned epochs; p_k is then renormalised over the kept clients."""
     train = data.train
     xs = [train.client(k)[0].astype(np.float64) for k in range(train.num_clients)]
     ys = [train.client(k)[1] for k in range(train.num_clients)]
     d, c = xs[0].shape[1], data.num_classes
     params, buf = {"W": np.zeros((d, c)), "b": np.zeros(c)}, None
     for t in range(rounds):
-        chosen = sample_clients(seed, t, train.num_clients, M)
+        chosen, done = (sample_clients(seed, t, train.num_clients, M), None) if kept is None \
+            else kept(t)
         workers, n = [], []
-        for k in chosen:
+        for i, k in enumerate(chosen):
             x, y = xs[k], ys[k]
             nk, nb = len(y), -(-len(y) // batch)
-            steps = local_steps if local_steps is not None else EPOCHS * nb
-            order = client_permutations(seed, t, int(k), nk, -(-steps // nb))
+            planned = local_steps if local_steps is not None else EPOCHS * nb
+            steps = planned if done is None else int(done[i])
+            order = client_permutations(seed, t, int(k), nk, -(-planned // nb))
             w = AuthorsClient(params, lr, momentum, l2)
             for s in range(steps):
                 e, b = divmod(s, nb)
@@ -254,6 +258,50 @@ def test_equal_local_steps_run_is_fedavg(tiny_synthetic):
                               local_steps=5, average=fedavg_average)[0]
     for got, want in zip(linear_rows(state.params, 0), (fedavg["W"], fedavg["b"])):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["dropped", "cut_short"])
+def test_a_deadline_that_drops_clients_renormalises_over_the_kept(tiny_synthetic, partial):
+    """A round deadline (lognormal speeds) that drops some of the 6 sampled clients, or with
+    --partial_work cuts their local epochs short: FedNova averages the kept clients'
+    normalised updates, each by its own completed steps tau_k (a_k = tau_k), with
+    p_k = n_k / sum n over the kept clients alone and tau_eff = sum_kept p_k a_k: the
+    authors' step and average (NumPy) on the clients and steps the clock kept, within 1e-5."""
+    base = dict(algorithm="fednova", thetas=(), seeds=(1, 2), l2_reg=1e-3,
+                clients_per_round=M, local_epochs=EPOCHS, batch_size=8, clients_per_step=3,
+                client_speed="lognormal")
+    probe = build_experiment(tiny_config(**base), tiny_synthetic)
+    sizes, speeds = tiny_synthetic.train.sizes, probe.clock.speeds
+    ids = np.arange(sizes.size)
+    full = speeds.per_example_s(ids) * EPOCHS * sizes + 2 * 4 * 61 * 10 / \
+        speeds.bandwidth_Bps(ids)   # the linear model's W [60, 10] and b [10] in float32
+    cfg = tiny_config(**base, round_deadline=float(np.quantile(full, 0.35 if partial else 0.6)),
+                      partial_work=partial)
+    exp = build_experiment(cfg, tiny_synthetic)
+    clock = build_experiment(cfg, tiny_synthetic)   # the same clock, read for the reference
+    kept = []
+    for t in range(ROUNDS):
+        cohorts, steps = clock.kept_cohorts(t)
+        clock.count_round(t)
+        kept.append([(c.clients[:c.present.sum()], s[:c.present.sum()])
+                     for c, s in zip(cohorts, steps)])
+    planned = [EPOCHS * -(-sizes[c] // 8) for round_kept in kept for c, _ in round_kept]
+    done = [s for round_kept in kept for _, s in round_kept]
+    if partial:
+        assert any(np.any(s < p) for s, p in zip(done, planned))   # epochs cut short
+    else:
+        assert min(s.size for s in done) < M                        # clients dropped
+        assert all(np.all(s == p) for s, p in zip(done, planned))
+    state, hist = run_rounds_history(exp, ROUNDS)
+    for r, lab in enumerate(exp.replicas.labels):
+        g = (1, 2).index(lab.seed)
+        want, tau_eff, _ = reference_rounds(tiny_synthetic, lab.seed, cfg.learning_rate,
+                                            cfg.l2_reg, 8, 0.0, 0.0, ROUNDS,
+                                            kept=lambda t: kept[t][g])
+        W, b = linear_rows(state.params, r)
+        np.testing.assert_allclose(W, want["W"], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(b, want["b"], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(hist[-1]["tau_eff"])[r], tau_eff, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- flags and the spec

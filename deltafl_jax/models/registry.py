@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 from typing import Callable, Dict
 
+import flax
 import jax
 
 from deltafl_jax.data import FederatedDataset
@@ -82,14 +83,30 @@ def register_model(name: str, factory: Callable[[FederatedDataset, ModelOptions]
     MODELS[name] = factory
 
 
-def _completed(model: Model, options: ModelOptions, registered: bool) -> Model:
+def _convolves(model: Model, data: FederatedDataset) -> bool:
+    """Whether a registered `model`'s forward pass on one of its examples runs a convolution:
+    traced, not run. A forward pass that cannot take the examples' shape (a 2-D convolution
+    on flat features) is a ValueError naming the model, the shape and the dataset, with the
+    first line of what JAX or Flax said."""
+    example = jax.ShapeDtypeStruct((1,) + tuple(model.example_shape), model.input_dtype)
+    try:
+        return has_convolution(model.module, jax.eval_shape(model.preprocess, example))
+    except (TypeError, ValueError, flax.errors.FlaxError) as e:
+        said = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(
+            f"model {model.name!r} cannot take {data.name}'s examples of shape "
+            f"{tuple(model.example_shape)} ({model.input_dtype}): its forward pass fails with "
+            f"\"{said.strip()}\"; give it a dataset of the shape it expects, or reshape the "
+            f"input in its module") from None
+
+
+def _completed(model: Model, options: ModelOptions, convolves) -> Model:
     """`model` with its ``conv_impl`` from `options` unless its factory set one; a
     registered model's CPU lane choices that its preferences leave unset filled in by
-    whether its forward pass has a convolution (:meth:`LanePreferences.filled`)."""
-    if registered and model.lanes.unset:
-        example = jax.ShapeDtypeStruct((1,) + tuple(model.example_shape), model.input_dtype)
-        conv = has_convolution(model.module, jax.eval_shape(model.preprocess, example))
-        model = dataclasses.replace(model, lanes=model.lanes.filled(conv))
+    whether its forward pass has a convolution (`convolves`, None for a built-in model;
+    :meth:`LanePreferences.filled`)."""
+    if convolves is not None and model.lanes.unset:
+        model = dataclasses.replace(model, lanes=model.lanes.filled(convolves))
     if model.conv_impl is None and (options.conv_impl or options.conv_backend):
         model = dataclasses.replace(model, conv_impl=options.conv_impl_for(model.lanes))
     return model
@@ -100,11 +117,13 @@ def build_model(name: str, data: FederatedDataset, options: ModelOptions = Model
     Raises ValueError for an unknown name (saying how a model of one's own is
     registered) or a mismatch."""
     if name in MODELS:
-        return _completed(MODELS[name](data, options), options, name not in BUILT_IN)
+        model = MODELS[name](data, options)
+        return _completed(model, options, _convolves(model, data) if name not in BUILT_IN
+                          else None)
     if name in LAZY_MODELS:
         module_name, fn_name = LAZY_MODELS[name].split(":")
         factory = getattr(importlib.import_module(module_name), fn_name)
-        return _completed(factory(data, options), options, False)
+        return _completed(factory(data, options), options, None)
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(model_names())}, or "
                      f"register yours first: import the module that calls "
                      f"deltafl_jax.register_model({name!r}, ...) (on the command line: "

@@ -279,6 +279,8 @@ def _sampled(config: ExperimentConfig, spec: AlgorithmSpec, data: FederatedDatas
     if config.sampling.sampler == "cyclic" and spec.clients.full_participation:
         raise ConfigError(f"--client_sampling=cyclic: --algorithm={spec.name} trains every "
                           f"client every round")
+    if spec.asynchronous is not None:   # its scheduler keeps --concurrency jobs in flight
+        return min(m, int(data.train.num_clients))   # m is never read: the default 10 is fine
     if m > data.train.num_clients:
         raise ConfigError(
             f"--clients_per_round={m} exceeds the {data.train.num_clients} training clients of "

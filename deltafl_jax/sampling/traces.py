@@ -59,12 +59,19 @@ _ALLOWED = {("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "sca
 def load_schedule(path: str, num_clients: int, num_rounds: int) -> np.ndarray:
     """The array ``available`` [R, N] bool of the schedule at `path` (R >= num_rounds)."""
     try:
-        f = np.load(path, allow_pickle=False)
+        with open(path, "rb") as head:
+            magic = head.read(6)
+        npz_or_npy = magic.startswith((b"PK\x03\x04", b"\x93NUMPY"))   # a zip, or an .npy
+        f = np.load(path, allow_pickle=False) if npz_or_npy else None
         names = f.files if isinstance(f, np.lib.npyio.NpzFile) else None
         available = f["available"] if names is not None and "available" in names else None
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise DataError(f"--availability_schedule={path}: not a readable .npz "
                         f"({type(e).__name__}: {e})".replace("\n", " ")) from None
+    if not npz_or_npy:   # np.load would call it "pickled (object) data"
+        raise DataError(f"--availability_schedule={path}: not a readable .npz (it starts with "
+                        f"{magic!r}, not as a zip does); expected an .npz holding 'available', "
+                        f"bool [rounds, clients], as numpy.savez(path, available=...) writes")
     if names is None:
         raise DataError(f"--availability_schedule={path}: a single .npy array, not an .npz "
                         f"holding 'available'")
