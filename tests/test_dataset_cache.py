@@ -22,7 +22,9 @@ import time
 import numpy as np
 import pytest
 
-from deltafl_jax.datasets import DataConfig, cache, load_dataset, prepared
+from deltafl_jax.datasets import (DataConfig, cache, centralised, load_centralised,
+                                  load_dataset, prepared)
+from test_image_datasets import tree_snapshot, write_mnist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -307,3 +309,132 @@ def test_verify_missing_truncated_and_bad_flags(tmp_path, tiny_source):
     wrong = subprocess.run([sys.executable, "-m", "data_prep.verify", "--dataset=synthetic"],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
     assert wrong.returncode == 2 and "--dataset must be one of" in wrong.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# The cache is keyed by what its source files hold (centralised image data, issue 51)
+
+
+def _mnist(seed, n_train=6, n_test=3):
+    """MNIST-shaped arrays of `seed`: every seed gives IDX files of the same sizes."""
+    rng = np.random.default_rng(seed)
+    return {"train": (rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
+                      rng.integers(0, 10, n_train, dtype=np.uint8)),
+            "test": (rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
+                     rng.integers(0, 10, n_test, dtype=np.uint8))}
+
+
+def _same_images(got, arrays):
+    np.testing.assert_array_equal(got.train_x[..., 0], arrays["train"][0])
+    np.testing.assert_array_equal(got.train_y, arrays["train"][1])
+    np.testing.assert_array_equal(got.test_x[..., 0], arrays["test"][0])
+    np.testing.assert_array_equal(got.test_y, arrays["test"][1])
+
+
+def _regenerate(source, arrays):
+    """Write `arrays` over the IDX files of `source`, keeping each file's modification time
+    (as an archive extracted again does): only the bytes tell."""
+    times = {f: os.stat(os.path.join(source, f)).st_mtime_ns for f in os.listdir(source)}
+    write_mnist(source, arrays, gz=False)
+    for f, ns in times.items():
+        os.utime(os.path.join(source, f), ns=(ns, ns))
+    assert {f: os.path.getsize(os.path.join(source, f)) for f in times} == sizes(source)
+
+
+def sizes(source):
+    return {f: os.path.getsize(os.path.join(source, f)) for f in os.listdir(source)}
+
+
+def test_regenerated_idx_files_are_prepared_again(tmp_path, capsys, monkeypatch):
+    """The IDX files of a folder written anew (same sizes, same modification times): the next
+    load, with --data_path or without it, sees the new data and says why in one line; the same
+    bytes touched again are no change (the copy is read, nothing parsed, nothing said)."""
+    source, data_dir = str(tmp_path / "src"), str(tmp_path / "cache")
+    first, second = _mnist(1), _mnist(2)
+    write_mnist(source, first, gz=False)
+    before = sizes(source)
+    _same_images(load_centralised("mnist", source, data_dir), first)
+    capsys.readouterr()
+    _regenerate(source, second)
+    assert sizes(source) == before
+    _same_images(load_centralised("mnist", source, data_dir), second)
+    changed = [l for l in capsys.readouterr().err.splitlines() if "changed" in l]
+    assert changed == [f"deltafl_jax: the source of the prepared mnist changed since it was "
+                       f"prepared ({source}/t10k-images-idx3-ubyte holds other bytes: the same "
+                       f"size, another sha256); preparing it again"]
+    _same_images(load_centralised("mnist", None, data_dir), second)   # the new copy, kept
+    assert capsys.readouterr().err == ""
+    _regenerate(source, first)    # back to the first data, without --data_path
+    _same_images(load_centralised("mnist", None, data_dir), first)
+    err = capsys.readouterr().err
+    assert f"the source of the prepared mnist changed since it was prepared ({source}/" in err
+    for f in os.listdir(source):  # the same bytes, a new modification time: no change
+        os.utime(os.path.join(source, f))
+    monkeypatch.setattr(centralised, "read_files",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("parsed again")))
+    _same_images(load_centralised("mnist", source, data_dir), first)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_copy_prepared_before_sources_were_recorded(tmp_path, capsys):
+    """A cached copy without ``source_files`` (as this package wrote it before): kept while its
+    source holds the same images (nothing prepared), prepared again once it does not."""
+    source, data_dir = str(tmp_path / "src"), str(tmp_path / "cache")
+    first = _mnist(3)
+    write_mnist(source, first)
+    arrays, metadata = centralised.read_source("mnist", source, data_dir)
+    del metadata["source_files"]
+    path = centralised.write_cache("mnist", data_dir, arrays, metadata)
+    records = _records_file(path)
+    stamp = os.stat(records).st_mtime_ns
+    capsys.readouterr()
+    _same_images(load_centralised("mnist", source, data_dir), first)
+    assert capsys.readouterr().err == "" and os.stat(records).st_mtime_ns == stamp
+    second = _mnist(4)
+    write_mnist(source, second)
+    _same_images(load_centralised("mnist", None, data_dir), second)
+    err = capsys.readouterr().err
+    assert f"changed since it was prepared ({source} holds other images or labels)" in err
+    assert "source_files" in load_centralised("mnist", source, data_dir).metadata
+
+
+def test_preparing_images_leaves_no_temporary_folder_and_names_what_it_prepares(tmp_path):
+    """python -m data_prep.prepare --dataset=mnist: tfds' temporary folders (one empty
+    tmp*tfds per preparation before) are removed; the line names the images, not clients
+    that a centralised dataset does not have."""
+    source, temp = str(tmp_path / "src"), tmp_path / "tmp"
+    temp.mkdir()
+    write_mnist(source, _mnist(5, 40, 20))
+    proc = subprocess.run([sys.executable, "-m", "data_prep.prepare", "--dataset=mnist",
+                           f"--source={source}", f"--data_dir={tmp_path / 'cache'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TMPDIR=str(temp)))
+    assert proc.returncode == 0, proc.stderr
+    assert os.listdir(temp) == []
+    (line,) = [l for l in proc.stderr.splitlines() if "preparing" in l]
+    assert line.startswith("deltafl_jax: preparing mnist (40 train and 20 test images, "
+                           "centralised: --partition splits them into clients) in "), line
+    assert "2 clients" not in line
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--partition=dirichlet", "--dirichlet_alpha=0"], "--dirichlet_alpha must be > 0, got 0"),
+    (["--partition=iid", "--num_clients=0"], "--num_clients must be at least 1, got 0"),
+    (["--partition=iid", "--max_train_clients=0"], "--max_train_clients must be at least 1"),
+])
+def test_bad_partition_settings_write_no_cache(tmp_path, flags, words):
+    """Refused with one line and exit 2 before anything is written: no dataset cache in
+    --data_dir, no output folder (the cache was written first before)."""
+    source = str(tmp_path / "src")
+    write_mnist(source, _mnist(6, 40, 20))
+    before = tree_snapshot(source)
+    data_dir, out = tmp_path / "cache", tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", "--dataset=mnist",
+                           f"--data_path={source}", f"--data_dir={data_dir}", "--model=linear",
+                           "--num_rounds=1", f"--output_dir={out}", *flags], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert words in lines[0]
+    assert not data_dir.exists() and not out.exists()
+    assert tree_snapshot(source) == before

@@ -232,3 +232,43 @@ def build_and_install(builder_root: str, out_dir: str, config: str, content: str
         _install(built, out_dir, builder_root, config, content)
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The source a dataset was prepared from
+
+
+def file_facts(paths: Sequence[str]) -> dict:
+    """{path: {"size", "mtime_ns", "sha256"}} of the source files `paths`: what a preparation
+    read, recorded in the prepared dataset's metadata so that the next load can tell whether
+    the source still holds it (:func:`source_change`)."""
+    out = {}
+    for path in sorted(paths):
+        st = os.stat(path)
+        out[path] = {"size": int(st.st_size), "mtime_ns": int(st.st_mtime_ns),
+                     "sha256": _file_sha256(path)}
+    return out
+
+
+def source_change(recorded: Mapping[str, Mapping], paths: Sequence[str]) -> Optional[str]:
+    """None when the source files `paths` hold what `recorded` (their :func:`file_facts` at
+    preparation) says, else a few words naming the first difference: a file read now that was
+    not then, or the other way round, another size, other contents (sha256). Every file is
+    hashed, whatever its size and modification time: a file rewritten in place keeps its size,
+    and a copy or an archive's extraction keeps a modification time; a modification time alone
+    (the same bytes, touched) is no change, as the prepared data would be the same."""
+    now, then = set(paths), set(recorded)
+    if now != then:
+        added, gone = sorted(now - then), sorted(then - now)
+        return f"{added[0]} is new" if added else f"{gone[0]} is no longer read"
+    for path in sorted(now):
+        want = recorded[path]
+        try:
+            size = os.path.getsize(path)
+            if size != int(want["size"]):
+                return f"{path} has {size} bytes, not {want['size']}"
+            if _file_sha256(path) != want["sha256"]:
+                return f"{path} holds other bytes: the same size, another sha256"
+        except (OSError, KeyError, TypeError, ValueError) as err:
+            return f"{path} cannot be checked ({err})"
+    return None

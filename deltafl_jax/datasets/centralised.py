@@ -14,9 +14,16 @@ Images are uint8 [n, height, width, channels] (NHWC; MNIST's have one channel), 
 Either is prepared once into the cache of prepared datasets (:mod:`.prepared`: array_record files
 under ``<data_dir>/deltafl_<key>/centralised/``, checksummed, installed with one rename), in
 records of :data:`CHUNK` examples, ``train/00000``, ``train/00001``, ... then ``test/...``; the
-next load reads that copy and parses nothing. The cached copy is used whatever its source unless
-``--data_path`` names another source than the one it was prepared from (then it is prepared
-again from the new one).
+next load reads that copy and parses nothing. The copy is keyed by its source: the folder (or
+archive, or tfds copy) it was prepared from, and what the files read there held, their size,
+modification time and sha256 (``source_files`` of its metadata, :func:`deltafl_jax.datasets.cache
+.file_facts`). A load checks the files it would read (``--data_path``'s, else those the copy was
+prepared from) against them and prepares the copy again, saying so in one line, when
+``--data_path`` names another source or a file changed (:func:`deltafl_jax.datasets.cache
+.source_change`: every file is hashed; a new modification time over the same bytes is no change).
+A source that is no longer there leaves the copy in use. A copy prepared before sources were
+recorded is checked against its source by parsing it once per load (kept when the arrays are
+equal); ``python -m data_prep.prepare`` prepares it again with the record.
 """
 
 from __future__ import annotations
@@ -25,12 +32,12 @@ import dataclasses
 import os
 import re
 import sys
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from deltafl_jax.datasets import (archives, cifar_files, default_data_dir, idx, prepared,
-                                  tfds_images)
+from deltafl_jax.datasets import archives, cache, cifar_files, idx, prepared, tfds_images
+from deltafl_jax.datasets.home import default_data_dir
 from deltafl_jax.errors import DamagedDataset, DataError
 
 CONFIG = "centralised"
@@ -151,6 +158,26 @@ def read_files(name: str, source: str) -> Arrays:
     return cifar_files.read_cifar(source, archive, sub, batches, label_key, spec.num_classes)
 
 
+def source_files(name: str, source: str) -> List[str]:
+    """The files a preparation of `name` (a published dataset) reads from `source`: MNIST's and
+    Fashion-MNIST's four IDX files (:func:`deltafl_jax.datasets.idx.find_file`), CIFAR's archive
+    (`source` itself, or in the folder) or its extracted batches (:mod:`.cifar_files`)."""
+    spec = PUBLISHED[name]
+    if spec.reader == "idx":
+        return [idx.find_file(source, f"{prefix}-{kind}")
+                for _, prefix in idx.SPLITS for kind in ("images-idx3-ubyte", "labels-idx1-ubyte")]
+    archive, sub, batches, _ = CIFAR_LAYOUT[name]
+    if os.path.isfile(source):
+        return [source]
+    if os.path.isfile(os.path.join(source, archive)):
+        return [os.path.join(source, archive)]
+    wanted = [b for split in SPLITS for b in batches[split]]
+    for where in (os.path.join(source, sub), source):
+        if all(os.path.isfile(os.path.join(where, w)) for w in wanted):
+            return [os.path.join(where, w) for w in wanted]
+    raise DataError(f"{source}: no {sub} batches ({', '.join(wanted)})")
+
+
 def _file_source(name: str, data_path: Optional[str], data_dir: str, download: bool) -> str:
     if data_path:
         return os.path.abspath(data_path)
@@ -170,7 +197,8 @@ def read_source(name: str, data_path: Optional[str], data_dir: str,
     source = _file_source(name, data_path, data_dir, download)
     arrays = read_files(name, source)
     metadata = {"num_classes": PUBLISHED[name].num_classes, "source": source,
-                "image_shape": list(arrays["train"][0].shape[1:])}
+                "image_shape": list(arrays["train"][0].shape[1:]),
+                "source_files": cache.file_facts(source_files(name, source))}
     return arrays, metadata
 
 
@@ -195,8 +223,11 @@ def write_cache(name: str, data_dir: str, arrays: Arrays, metadata: Mapping) -> 
     meta = dict(metadata, dataset=name, split_records=counts,
                 split_sizes={s: int(len(arrays[s][1])) for s in SPLITS})
     spec = {"x": ((None,) + tuple(shapes.pop()), np.uint8), "y": ((None,), np.int32)}
+    what = (f"{meta['split_sizes']['train']} train and {meta['split_sizes']['test']} test "
+            f"images, centralised: --partition splits them into clients")
     return prepared.write(data_dir, storage_key(name), CONFIG, spec, records, meta,
-                          description=f"{name}: centralised images, {CHUNK} per record.")
+                          description=f"{name}: centralised images, {CHUNK} per record.",
+                          what=what)
 
 
 def open_cached(name: str, data_dir: str, source: Optional[str]) -> Optional[Centralised]:
@@ -237,16 +268,61 @@ def prepare_into(name: str, data_path: Optional[str], data_dir: str,
     return write_cache(name, data_dir, arrays, metadata)
 
 
+def _legacy_change(c: Centralised, source: Optional[str], data_dir: str) -> Optional[str]:
+    """For a copy prepared before sources were recorded: parse `source` again and compare its
+    arrays with the copy's (None when equal, or when the source cannot be read)."""
+    if not source or not os.path.exists(source):
+        return None
+    try:
+        arrays, _ = read_source(c.name, source, data_dir)
+    except DataError:
+        return None
+    same = all(np.array_equal(a, b) for a, b in (
+        (arrays["train"][0], c.train_x), (arrays["train"][1], c.train_y),
+        (arrays["test"][0], c.test_x), (arrays["test"][1], c.test_y)))
+    return None if same else f"{source} holds other images or labels"
+
+
+def stale(c: Centralised, given: Optional[str], data_dir: str) -> Optional[str]:
+    """Why the cached copy `c` no longer holds what its source does (a few words), None when
+    it does or when its source is not there to check (module docstring). The source is `given`
+    (``--data_path``, absolute), else the one `c` was prepared from."""
+    meta = c.metadata
+    source = given or meta.get("source")
+    recorded = meta.get("source_files")
+    if recorded is None:
+        return _legacy_change(c, source, data_dir)
+    if c.name in PUBLISHED:
+        try:
+            files = source_files(c.name, source)
+        except DataError:   # the source is gone (or incomplete): the copy stays in use
+            return None
+    else:
+        files = list(recorded)
+        if not all(os.path.isfile(f) for f in files):
+            return None
+    return cache.source_change(recorded, files)
+
+
 def load_centralised(name: str, data_path: Optional[str] = None,
                      cache_dir: Optional[str] = None, download: bool = False) -> Centralised:
     """`name` as centralised arrays: from the cache under `cache_dir` (default: $DELTAFL_DATA,
-    else ~/.cache/deltafl_jax) when it is there, else parsed from its source and cached first.
-    `download` lets a missing source be fetched (the only network access)."""
+    else ~/.cache/deltafl_jax) when it is there and its source still holds what it was
+    prepared from (:func:`stale`), else parsed from its source and cached first (one line on
+    stderr says why when the source changed). `download` lets a missing source be fetched (the
+    only network access)."""
     _check(name)
     data_dir = cache_dir or default_data_dir()
-    cached = open_cached(name, data_dir, _given_source(name, data_path))
+    given = _given_source(name, data_path)
+    cached = open_cached(name, data_dir, given)
     if cached is not None:
-        return cached
+        why = stale(cached, given, data_dir)
+        if why is None:
+            return cached
+        if name in PUBLISHED:
+            data_path = data_path or cached.metadata.get("source")
+        print(f"deltafl_jax: the source of the prepared {name} changed since it was prepared "
+              f"({why}); preparing it again", file=sys.stderr, flush=True)
     prepare_into(name, data_path, data_dir, download)
     cached = open_cached(name, data_dir, None)
     if cached is None:

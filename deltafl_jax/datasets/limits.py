@@ -34,14 +34,20 @@ def _subsample(split: ClientData, max_clients: int, seed: int) -> ClientData:
     return split.subset(choose_clients(split.num_clients, max_clients, seed))
 
 
+def check_limits(config) -> None:
+    """DataError (one line naming the flag) for a limit below 1; checked before any data are
+    loaded (:func:`deltafl_jax.datasets.load_dataset`)."""
+    for name in ("max_examples_per_client", "max_train_clients", "max_test_clients"):
+        value = getattr(config.limits, name)
+        if value is not None and value < 1:
+            raise DataError(f"--{name} must be at least 1, got {value}")
+
+
 def apply_limits(data: FederatedDataset, config) -> FederatedDataset:
     """Keep the first `max_examples_per_client` examples of each client (the text datasets keep
     contiguous text this way) and a seeded subset of `max_train_clients` / `max_test_clients`."""
+    check_limits(config)
     train, test, kept = data.train, data.test, config.limits
-    for name in ("max_examples_per_client", "max_train_clients", "max_test_clients"):
-        value = getattr(kept, name)
-        if value is not None and value < 1:
-            raise DataError(f"--{name} must be at least 1, got {value}")
     if kept.max_train_clients is not None:
         train = _subsample(train, kept.max_train_clients, config.data_seed + 1)
     if kept.max_test_clients is not None:

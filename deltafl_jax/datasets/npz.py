@@ -27,7 +27,7 @@ import zipfile
 import numpy as np
 
 from deltafl_jax.data import ClientData, DataError, FederatedDataset
-from deltafl_jax.datasets import partition as partitioning
+from deltafl_jax.datasets import centralised, partition as partitioning
 
 REQUIRED = ("train_x", "train_client", "test_x", "test_client")
 CLIENT_COLUMNS = ("train_client", "test_client")
@@ -112,11 +112,10 @@ def load_partitioned_images(config) -> FederatedDataset:
     ``fashion_mnist``, ``cifar10``, ``cifar100``, ``tfds:NAME``) from the cache (prepared from
     ``--data_path`` on first use; no download at run time), split into train and test clients
     by ``--partition``; pixels are uint8, seen by the model as pixel / 255."""
-    from deltafl_jax.datasets import load_centralised   # local import: the registry imports us
     if config.partitioner.method == "none":
         raise DataError(f"--dataset={config.dataset} has no clients of its own: give "
                         f"--partition=iid|dirichlet|shards|pathological|inner_dirichlet|size")
-    c = load_centralised(config.dataset, config.data_path, config.resolved_data_dir)
+    c = centralised.load_centralised(config.dataset, config.data_path, config.resolved_data_dir)
     return partitioned_images(c, config)
 
 

@@ -96,6 +96,8 @@ def check_spec(spec: PartitionSpec) -> None:
         raise DataError(f"--partition_seed (or --data_seed) must be >= 0, got {spec.seed}")
     if spec.method in ("dirichlet", "inner_dirichlet") and not spec.alpha > 0:
         raise DataError(f"--dirichlet_alpha must be > 0, got {spec.alpha:g}")
+    if spec.method == "dirichlet" and spec.min_partition_size < 0:
+        raise DataError(f"--min_partition_size must be >= 0, got {spec.min_partition_size}")
     if spec.method == "shards" and spec.shards_per_client < 1:
         raise DataError(f"--shards_per_client must be at least 1, got {spec.shards_per_client}")
     if spec.method == "shards" and spec.shard_size is not None and spec.shard_size < 1:

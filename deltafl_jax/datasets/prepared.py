@@ -103,7 +103,7 @@ def find_config(data_dir: str, name: str, min_client_examples: int) -> Optional[
 
 def write(data_dir: str, name: str, config: str, spec: FeatureSpec, clients: Sequence[Mapping],
           metadata: Mapping[str, Any], arrays: Optional[Mapping[str, np.ndarray]] = None,
-          description: str = "") -> str:
+          description: str = "", what: Optional[str] = None) -> str:
     """Package `clients` as the tfds dataset deltafl_<name>/<config>, replacing any older one.
 
     Args:
@@ -117,6 +117,8 @@ def write(data_dir: str, name: str, config: str, spec: FeatureSpec, clients: Seq
         (length of the first field) are added as "client_ids" and "client_sizes".
       arrays: side arrays saved as <key>.npy in the dataset directory.
       description: one paragraph for tfds' dataset_info.json.
+      what: what the records hold, for the line saying that it is prepared (default: "N
+        clients"; a dataset without clients of its own says what it holds instead).
 
     Returns:
       The dataset's directory.
@@ -135,7 +137,7 @@ def write(data_dir: str, name: str, config: str, spec: FeatureSpec, clients: Seq
     os.makedirs(builder_root, exist_ok=True)
     cache.remove_leftovers(builder_root)
     content = cache.content_sha256(name, config, VERSION, spec, clients, meta, side)
-    print(f"deltafl_jax: preparing {name} ({len(clients)} clients) in {out_dir}",
+    print(f"deltafl_jax: preparing {name} ({what or f'{len(clients)} clients'}) in {out_dir}",
           file=sys.stderr, flush=True)
     # tfds builds in a private data_dir of ours; the finished directory is then renamed into
     # place (:mod:`deltafl_jax.datasets.cache`: "A whole cache").

@@ -27,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -52,14 +54,21 @@ def quiet():
     """Silence tfds while it works: its info/warning logs (absl) and the "Downloading and
     preparing" lines it prints on stdout, which stays for the callers' own output
     (data_prep.stats --json prints exactly one JSON object there). The absl level is restored
-    afterwards."""
+    afterwards. tfds' temporary folders (``tempfile.mkdtemp("tfds")`` in
+    ``DatasetInfo.initialize_from_bucket``, which it never removes) go into a folder of our own,
+    removed on the way out with whatever it holds; the temporary directory is restored."""
     logger = logging.getLogger("absl")
     level = logger.level
     logger.setLevel(logging.ERROR)
+    before = tempfile.tempdir
+    scratch = tempfile.mkdtemp(prefix="deltafl_tfds_")
+    tempfile.tempdir = scratch
     try:
         with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
             yield
     finally:
+        tempfile.tempdir = before
+        shutil.rmtree(scratch, ignore_errors=True)
         logger.setLevel(level)
 
 

@@ -32,6 +32,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from deltafl_jax.datasets import cache
 from deltafl_jax.datasets.tfds_format import quiet, tfds_module
 from deltafl_jax.errors import DataError
 
@@ -172,5 +173,13 @@ def read(name: str, data_path: Optional[str], data_dir: str,
     metadata = {"num_classes": spec[1], "label_names": list(spec[2]), "image_shape": list(spec[0]),
                 "tfds_version": str(builder.info.version),
                 "source": os.path.abspath(data_path) if data_path else os.fspath(
-                    builder.data_dir)}
+                    builder.data_dir),
+                "source_files": cache.file_facts(files_under(os.fspath(builder.data_dir)))}
     return arrays, metadata
+
+
+def files_under(folder: str):
+    """Every file below `folder` (tfds' prepared copy of one version of a dataset: the files
+    it was read from), absolute; none when it is not a folder."""
+    return [os.path.abspath(os.path.join(here, f)) for here, _, files in os.walk(folder)
+            for f in files]
