@@ -140,7 +140,8 @@ def _bernoulli_pair(model: str, m: int, p: float, rounds: int) -> dict:
     exps = {a: build_experiment(_femnist_config(model, m, a, p), data)
             for a in ("always", "bernoulli")}
     timed = _interleaved(exps, rounds)
-    rows = [tm.row(model=model, m=m, availability=a, availability_p=p if a != "always" else 1.0,
+    rows = [tm.row(model=model, m=m, availability=a,
+                   availability_p=1.0 if tm.exp.config.online.chosen.everyone else p,
                    clients=data.train.num_clients, train_clients=data.train.num_clients)
             for a, tm in timed.items()]
     return {"rows": rows, "peak_rss_mb": round(peak_rss_mb(), 1)}
@@ -168,7 +169,7 @@ def _run_pair(spec: str, argv) -> dict:
 
 def _one_pair(args) -> dict:
     kind, _, what = args.pair.partition(":")
-    if kind == "bernoulli":
+    if kind == "femnist":   # always against bernoulli on a FEMNIST-like dataset
         model, m = what.split("-")
         rounds = args.cnn_rounds if model == "cnn" and args.cnn_rounds else args.rounds
         return _bernoulli_pair(model, int(m), args.bernoulli_p, rounds)
@@ -205,7 +206,7 @@ def main(argv=None):
               "bernoulli": [], "ratios": {}}
     for pair in filter(None, args.models.split(",")):
         model, m = pair.split(":")
-        got = _run_pair(f"bernoulli:{model}-{m}", passed)
+        got = _run_pair(f"femnist:{model}-{m}", passed)
         fixed, bern = got["rows"]
         key = f"{model}, m = {m}"
         result["bernoulli"].append(got)
@@ -215,7 +216,7 @@ def main(argv=None):
               f"{bern['s_per_round']:.3f} s/round", file=sys.stderr, flush=True)
     if args.sizes:
         sizes = sorted(int(n) for n in args.sizes.split(","))
-        got = _run_pair("markov:" + "-".join(map(str, sizes)), passed)
+        got = _run_pair("synthetic:" + "-".join(map(str, sizes)), passed)
         result["markov"] = got
         small = got["rows"][0]
         for row in got["rows"][1:]:

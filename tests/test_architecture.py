@@ -354,3 +354,53 @@ def test_a_swept_value_never_reaches_the_loop_or_the_callbacks():
     crossed = {p.replace(os.sep, "/") for p in code_paths.hyper_path()}
     assert "deltafl_jax/outputs/directory.py" in crossed        # the value was followed to the files
     assert sorted(p for p in crossed if p.startswith("deltafl_jax/run/")) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Every availability model whole in its module: nothing outside deltafl_jax/sampling/availability/
+# tests a model's name (the run reads the model's declaration: everyone, replays, covers_test,
+# needs_labels).
+
+AVAILABILITY_PACKAGE = os.path.join(PACKAGE, "sampling", "availability")
+
+
+def availability_name_tests(source: str, where: str = "<source>"):
+    """:func:`name_tests` of the availability models' names, less the comparisons of a client
+    sampler's name (``--client_sampling=cyclic`` shares one)."""
+    from deltafl_jax.sampling.availability import TABLE
+    return [hit for hit in name_tests(source, set(TABLE), where)
+            if "sampler" not in hit.split(": ", 1)[1]]
+
+
+def test_the_availability_name_checker_catches_the_code_before_the_table():
+    """Commit 96482cd (before the table) tested model names in the resolve step and the
+    configuration's checks: the checker finds them there, and not a sampler's test."""
+    import subprocess
+    old = "96482cd"
+    try:
+        subprocess.run(["git", "rev-parse", "--verify", f"{old}^{{commit}}"], cwd=ROOT,
+                       check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip(f"no git history here (commit {old})")
+    for path, count in (("deltafl_jax/run/resolve.py", 3), ("deltafl_jax/run/config.py", 1)):
+        source = subprocess.run(["git", "show", f"{old}:{path}"], cwd=ROOT, check=True,
+                                capture_output=True, text=True).stdout
+        assert len(availability_name_tests(source, path)) == count, path
+    assert availability_name_tests('ok = config.sampling.sampler == "cyclic"') == []
+
+
+def test_nothing_outside_the_availability_package_tests_a_model_name():
+    found = []
+    for top in NAME_CHECKED:
+        for dirpath, _, files in os.walk(top):
+            if (dirpath == AVAILABILITY_PACKAGE
+                    or dirpath.startswith(AVAILABILITY_PACKAGE + os.sep)):
+                continue
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    with open(path) as fh:
+                        found += availability_name_tests(fh.read(), os.path.relpath(path, ROOT))
+    assert not found, ("an availability model's name is tested outside deltafl_jax/sampling/"
+                       "availability/; make the decision an attribute of its model:\n"
+                       + "\n".join(found))

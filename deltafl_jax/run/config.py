@@ -470,7 +470,7 @@ def _check(c: ExperimentConfig):
     c.client.check()
     c.sampling.check()
     c.privacy.check(c.sampling.sampler)
-    if c.privacy.enabled and c.online.model != "always":
+    if c.privacy.enabled and not c.online.chosen.everyone:
         raise ConfigError(f"--dp_clip with --availability={c.online.model}: the DP "
                           f"accountant assumes every client can be sampled in every round; "
                           f"client-level DP runs with --availability=always")

@@ -49,8 +49,7 @@ from deltafl_jax.run.config import ExperimentConfig
 from deltafl_jax.run.placement import check_streams, tree_nbytes
 from deltafl_jax.sampling import plan as plan_lib
 from deltafl_jax.sampling import PoissonSampler, Sampler, WeightedSampler
-from deltafl_jax.sampling.availability import (Availability, Schedule, Trace,
-                                               build_availability)
+from deltafl_jax.sampling.availability import Availability, build_availability
 from deltafl_jax.sampling.inclusion import (KeepOrder, arrivals, expected_kept_probability,
                                             keep_order, mean_kept_probability)
 from deltafl_jax.sampling.speeds import DeviceSpeeds, build_speeds
@@ -318,7 +317,7 @@ def _availability(config: ExperimentConfig, spec: AlgorithmSpec,
     ``always``). ConfigError for an algorithm whose round needs a full cohort of m clients
     (fewer may be online) or that trains every client every round."""
     settings = config.online
-    if settings.model == "always":
+    if settings.chosen.everyone:
         return None
     if spec.asynchronous is None and spec.clients.fixed_cohort:
         # (an asynchronous run's scheduler starts online clients only)
@@ -332,19 +331,19 @@ def _built(config: ExperimentConfig, split, num_classes: int) -> Availability:
     """``--availability``'s model over the clients of `split` (their sizes, and their label
     counts when the model reads them)."""
     settings = config.online
-    needs_labels = settings.probabilities == "data" or (
-        settings.model == "cyclic" and settings.cyclic == "labels")
     return build_availability(settings, num_clients=split.num_clients, sizes=split.sizes,
                               label_counts=label_counts(split, num_classes)
-                              if needs_labels else None, num_rounds=config.training.num_rounds)
+                              if settings.chosen.needs_labels(settings) else None,
+                              num_rounds=config.training.num_rounds)
 
 
 def test_availability(config: ExperimentConfig, data: FederatedDataset) -> Optional[Availability]:
     """The same availability model over the test devices, so that their errors can be split by
     availability as the training clients' are: the generated models' law (the same settings
-    and ``--availability_seed``) and a trace's devices assigned alike; None for ``always`` and
-    for a schedule, which covers the training clients only."""
-    if config.online.model in ("always", "schedule"):
+    and ``--availability_seed``) and a trace's devices assigned alike; None for a model that
+    does not cover them (``covers_test``: ``always``, and a schedule, which names the training
+    clients only)."""
+    if not config.online.chosen.covers_test:
         return None
     return _built(config, data.test, data.num_classes)
 
@@ -376,7 +375,7 @@ def participation_probabilities(config: ExperimentConfig, availability: Optional
     sampler = config.sampling.sampler
     if sampler != "fixed":
         p = availability.rates() * q
-    elif isinstance(availability, (Schedule, Trace)):
+    elif availability.replays:
         p = np.zeros((num_clients,), np.float64)
         for t in range(config.training.num_rounds):
             ids = availability.online(0, t)
@@ -400,7 +399,7 @@ def _kept_probabilities(config: ExperimentConfig, availability: Optional[Availab
     M = config.timing.slots(m)
     if availability is None:
         return mean_kept_probability(order, M, m)
-    if isinstance(availability, (Schedule, Trace)):
+    if availability.replays:
         return mean_kept_probability(order, M, m, (availability.online(0, t)
                                                    for t in range(config.training.num_rounds)))
     return expected_kept_probability(order, availability.rates(), M, m)

@@ -56,7 +56,6 @@ Lea and Flood 2014), two such 53-bit uniforms give one normal by Box and Muller'
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 from typing import Optional
 
@@ -64,7 +63,7 @@ import numpy as np
 
 from deltafl_jax.declared import finite_in, setting
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.sampling.traces import DataOnlyUnpickler
+from deltafl_jax.sampling.traces import read_pickle
 
 STREAM = 0x5BD1   # [data_seed, 0, STREAM, what]: the keys of the generated speeds
 
@@ -295,14 +294,8 @@ def load_capacity_trace(path: str):
     """(keys, computation ms per sample [T], communication kbit/s [T]) of FedScale's
     client_device_capacity pickle, in the file's order; ConfigError (one line) for a file
     that cannot be read, does not parse, is empty or holds a bad entry."""
-    try:
-        with open(path, "rb") as f:
-            data = DataOnlyUnpickler(io.BytesIO(f.read())).load()
-    except OSError as e:
-        raise ConfigError(f"--client_speed_trace={path}: cannot read it ({e.strerror})") from None
-    except Exception as e:   # a damaged pickle raises anything; none is trusted
-        raise ConfigError(f"--client_speed_trace={path}: not a FedScale client_device_capacity "
-                          f"pickle ({type(e).__name__}: {e})".replace("\n", " ")) from None
+    data = read_pickle(path, "client_speed_trace", "a FedScale client_device_capacity pickle",
+                       ConfigError)
     if not isinstance(data, dict) or not data:
         raise ConfigError(f"--client_speed_trace={path}: a capacity trace is a non-empty dict "
                           f"{{client_id: {{'computation': ms, 'communication': kbps}}}}")

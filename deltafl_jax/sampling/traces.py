@@ -114,6 +114,21 @@ class DataOnlyUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, which a trace never needs")
 
 
+def read_pickle(path: str, flag: str, what: str, error: type = DataError):
+    """The object of the pickle at `path`, read by :class:`DataOnlyUnpickler` (module
+    docstring); `error` in one line, ``--flag=path: ...``, when the file cannot be read or
+    does not unpickle (`what` names what it should have been: a damaged pickle, or one that
+    names a class)."""
+    try:
+        with open(path, "rb") as f:
+            return DataOnlyUnpickler(io.BytesIO(f.read())).load()
+    except OSError as e:
+        raise error(f"--{flag}={path}: cannot read it ({e.strerror})") from None
+    except Exception as e:   # a damaged pickle raises anything; none is trusted
+        raise error(f"--{flag}={path}: not {what} ({type(e).__name__}: {e})".replace(
+            "\n", " ")) from None
+
+
 def _numbers(values, what: str) -> np.ndarray:
     try:
         out = np.asarray(values, np.float64).reshape(-1)
@@ -141,14 +156,7 @@ def _fedscale_entry(path: str, key, entry):
 def load_fedscale(path: str) -> RawTraces:
     """FedScale's client_behave_trace pickle, read by the restricted unpickler (module
     docstring)."""
-    try:
-        with open(path, "rb") as f:
-            data = DataOnlyUnpickler(io.BytesIO(f.read())).load()
-    except OSError as e:
-        raise DataError(f"--availability_trace={path}: cannot read it ({e.strerror})") from None
-    except Exception as e:   # a damaged pickle raises anything; none is trusted
-        raise DataError(f"--availability_trace={path}: not a FedScale client_behave_trace "
-                        f"pickle ({type(e).__name__}: {e})".replace("\n", " ")) from None
+    data = read_pickle(path, "availability_trace", "a FedScale client_behave_trace pickle")
     if not isinstance(data, dict) or not data:
         raise DataError(f"--availability_trace={path}: a FedScale trace is a non-empty dict "
                         f"{{client_id: {{'active': ..., 'inactive': ..., 'finish_time': ...}}}}")

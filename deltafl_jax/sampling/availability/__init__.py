@@ -1,0 +1,147 @@
+"""Who of the N training clients is online in each round: the availability models, one module
+each, and the table the run looks them up in (``--availability``).
+
+Availability is decided on the host, per client and round, before the server samples its
+cohort among the clients online (see :mod:`deltafl_jax.sampling`). A model is a module of this
+package whose ``MODEL`` is a subclass of :class:`~deltafl_jax.sampling.availability.base.
+Availability` declaring its name, its settings group, what it needs and gives and its build
+(:mod:`~deltafl_jax.sampling.availability.base`, which also gives the streams of the draws).
+The package finds the models itself, so adding one is one file
+(docs/guides/availability.md, "Adding an availability model"):
+
+- :data:`TABLE`: name -> model class, every module's ``MODEL``, ordered by its ``position``;
+- :class:`AvailabilitySettings`: ``--availability`` (the model's name), the clients'
+  probabilities' group (:mod:`~deltafl_jax.sampling.availability.probabilities`),
+  ``--availability_seed`` and every model's own group, merged into one flat group (the
+  configuration's ``online``; its flags, defaults and stored names are the groups' own);
+- :func:`build_availability`: the chosen model's build (a table lookup).
+
+The shipped models (their laws are in ``docs/guides/availability.md``): ``always``
+(:mod:`.always`), ``bernoulli`` (:mod:`.bernoulli`), ``markov`` (:mod:`.markov`), ``cyclic``
+(:mod:`.cyclic`), ``schedule`` (:mod:`.schedule`) and ``trace`` (:mod:`.trace`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from deltafl_jax.declared import flag_of, setting
+from deltafl_jax.errors import ConfigError
+from deltafl_jax.sampling.availability.always import Always
+from deltafl_jax.sampling.availability.base import (MODEL_STREAM, SEED_STREAM, STREAM,
+                                                    Availability, Population)
+from deltafl_jax.sampling.availability.bernoulli import Bernoulli
+from deltafl_jax.sampling.availability.cyclic import Cyclic, CyclicLabels
+from deltafl_jax.sampling.availability.markov import Markov
+from deltafl_jax.sampling.availability.probabilities import ProbabilitySettings
+from deltafl_jax.sampling.availability.schedule import Schedule
+from deltafl_jax.sampling.availability.trace import Trace
+
+PREFIX = "availability_"   # every model setting's flag starts with it
+
+
+def discover(package: str, path) -> Tuple[type, ...]:
+    """The ``MODEL`` of every module of `package` (its `path`) that has one, by position then
+    name; TypeError for a declaration the table cannot hold (no name, two models of one name
+    or one stream word, a settings flag without the ``availability_`` prefix)."""
+    found = []
+    for info in pkgutil.iter_modules(path):
+        model = getattr(importlib.import_module(f"{package}.{info.name}"), "MODEL", None)
+        if model is not None:
+            found.append(model)
+    found.sort(key=lambda m: (m.position, m.name))
+    names, words = {}, {}
+    for model in found:
+        if not (isinstance(model, type) and issubclass(model, Availability) and model.name):
+            raise TypeError(f"{model!r}: MODEL must be a named subclass of Availability")
+        for seen, key, what in ((names, model.name, "name"), (words, model.word, "stream word")):
+            if key in seen and (what == "name" or key != 0):
+                raise TypeError(f"availability models {seen[key].__name__} and "
+                                f"{model.__name__} share the {what} {key!r}")
+            seen[key] = model
+        bad = [f.name for f in dataclasses.fields(model.settings)
+               if flag_of(f) is None or not flag_of(f).name.startswith(PREFIX)]
+        if bad:
+            raise TypeError(f"{model.__name__}.settings: fields {bad} need a flag starting "
+                            f"with --{PREFIX}")
+    return tuple(found)
+
+
+TABLE: Dict[str, type] = {m.name: m for m in discover(__name__, __path__)}
+MODELS: Tuple[str, ...] = tuple(TABLE)
+
+
+def _group_fields(group: type):
+    return [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+            for f in dataclasses.fields(group)]
+
+
+def own_settings(settings, group: type):
+    """The settings group `group` (a model's ``settings``, or ProbabilitySettings) of the
+    merged `settings`, its fields read back by name."""
+    return group(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(group)})
+
+
+def settings_class(table: Dict[str, type]) -> type:
+    """The merged settings group of the models of `table`: ``model`` (``--availability``, one
+    of the table's names), the probabilities' group, ``seed``, then each model's own group in
+    the table's order, flat. When one is made, every group checks its own values, then the
+    chosen model its :meth:`~deltafl_jax.sampling.availability.base.Availability.check`; its
+    ``chosen`` is the chosen model's class. TypeError when two groups declare one field."""
+    groups = (ProbabilitySettings,) + tuple(dict.fromkeys(m.settings for m in table.values()))
+    model = ("model", str, setting(
+        "always", "who is online each round: " + " | ".join(m.summary for m in table.values()),
+        flag="availability", choices=tuple(table)))
+    seed = ("seed", int, setting(
+        0, "seeds the draws of the model itself (data-correlated weights, traces assigned by "
+        "seed), the same for every --seeds", flag="availability_seed"))
+    fields = [model] + _group_fields(ProbabilitySettings) + [seed]
+    for group in groups[1:]:
+        fields += _group_fields(group)
+    names = [name for name, _, _ in fields]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise TypeError(f"availability settings {twice} are declared by two groups")
+
+    def check(self) -> None:   # every group's own checks (whatever the model), the model's
+        if self.model not in table:
+            raise ConfigError(f"--availability must be one of {', '.join(table)}, got "
+                              f"{self.model!r}")
+        for group in groups:
+            own_settings(self, group)
+        table[self.model].check(self)
+
+    cls = dataclasses.make_dataclass("AvailabilitySettings", fields, frozen=True, namespace={
+        "__doc__": "Which clients are online in a round: ``--availability`` and the flags of "
+                   "every model's settings group, merged flat (module docstring; "
+                   "docs/guides/availability.md).",
+        "__post_init__": check,
+        "chosen": property(lambda self: table[self.model],
+                           doc="The chosen model's class (its declaration).")})
+    cls.__module__ = __name__
+    return cls
+
+
+AvailabilitySettings: Any = settings_class(TABLE)
+
+
+def build_availability(settings, *, num_clients: int, sizes: np.ndarray,
+                       label_counts: Optional[np.ndarray], num_rounds: int) -> Availability:
+    """The availability model of a run: `settings` an :class:`AvailabilitySettings`, sizes [N]
+    the training clients' example counts, label_counts [N, C] their label counts (None: no
+    labels), num_rounds the run's rounds. Raises ConfigError or DataError (one line) for a
+    model under which it cannot run (a bad file, a probability outside [0, 1], no client
+    online in any round)."""
+    return settings.chosen.build(settings, Population(
+        num_clients=int(num_clients), sizes=sizes, label_counts=label_counts,
+        num_rounds=int(num_rounds)))
+
+
+__all__ = ["AvailabilitySettings", "Availability", "Population", "TABLE", "MODELS",
+           "build_availability", "STREAM", "SEED_STREAM", "MODEL_STREAM", "Always",
+           "Bernoulli", "Markov", "Cyclic", "CyclicLabels", "Schedule", "Trace"]
