@@ -193,8 +193,8 @@ class Tokens:
                             f"{positions} positions of --base_model={text.base_model} "
                             f"(max_position_embeddings)")
         self.vocab_size = int(config["vocab_size"])
-        self.eos = _first_id(config.get("eos_token_id"))
-        pad = _first_id(config.get("pad_token_id"))
+        self.eos = first_id(config.get("eos_token_id"))
+        pad = first_id(config.get("pad_token_id"))
         self.pad = pad if pad is not None else (self.eos if self.eos is not None else 0)
 
     def ids(self, text: str, special: bool = True) -> List[int]:
@@ -213,7 +213,7 @@ class Tokens:
         return prompt + response, [False] * len(prompt) + [True] * len(response)
 
 
-def _first_id(value) -> Optional[int]:
+def first_id(value) -> Optional[int]:
     if isinstance(value, (list, tuple)):
         value = value[0] if value else None
     return None if value is None else int(value)

@@ -179,6 +179,25 @@ def worst_mean(values, fraction: float = WORST_FRACTION) -> np.ndarray:
     return total / mass
 
 
+def perplexity_summaries(per_client, percents=(90,)) -> dict:
+    """A language model's per-client perplexity exp(mean token loss of the client), for each
+    population whose losses `per_client` holds ([R, N] ``train_loss`` without its L2 term is
+    not separated here: ``test_loss`` and, with ``--client_holdout``, ``seen_loss``):
+    ``{name}_ppl_mean`` (the unweighted mean over the clients), ``{name}_ppl_p{p}`` (lower
+    percentiles) and ``{name}_ppl_worst10`` (:func:`worst_mean`: the mean of the worst 10%),
+    each [R]."""
+    out = {}
+    for name in ("test", "seen"):
+        if f"{name}_loss" not in per_client:
+            continue
+        ppl = np.exp(np.asarray(per_client[f"{name}_loss"], np.float64))
+        out[f"{name}_ppl_mean"] = ppl.mean(axis=1)
+        for p, v in zip(percents, percentiles(ppl, None, percents).T):
+            out[f"{name}_ppl_p{p}"] = v
+        out[f"{name}_ppl_worst10"] = worst_mean(ppl)
+    return out
+
+
 def summarize_population(name: str, error, loss, percents, method: str = "lower") -> dict:
     """The test errors' summaries for a population of clients (each counts once):
     ``{name}_error_mean``, ``{name}_error_p{p}``, ``{name}_error_worst10`` and

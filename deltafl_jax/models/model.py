@@ -176,6 +176,7 @@ class ModelOptions:
     mlp_hidden: tuple = (64,)
     cnn_hidden: int = 0
     use_bias: Optional[bool] = None  # linear models; None: linear_bias_default(dataset)
+    llm: Any = None   # --model=llama: what is fine-tuned (deltafl_jax.models.llm.LLMSettings)
 
     def conv_impl_for(self, lanes: LanePreferences) -> str:
         """The convolutions of a model with these lane preferences: ``conv_impl`` (the flag),

@@ -34,6 +34,7 @@ LAZY_MODELS: Dict[str, str] = {
     "fedavg_cnn": "deltafl_jax.models.image:fedavg_cnn",
     "pfl_cnn": "deltafl_jax.models.image:pfl_cnn",
     "resnet18_gn": "deltafl_jax.models.image:resnet18_gn",
+    "llama": "deltafl_jax.models.llm:llama_model",
 }
 
 

@@ -392,6 +392,8 @@ class RunWriter:
             with _atomic(os.path.join(mdir, name), "wb") as f:
                 f.write(flax.serialization.to_bytes(one))
             entry = {"file": name, **_label_json(lab)}
+            if hasattr(model, "export"):   # --model=llama: the adapters in peft's format too
+                model.export(os.path.join(mdir, replica_key(lab) + ".peft"), one)
             if personal is not None:
                 entry["personal_file"] = replica_key(lab) + ".personal.msgpack"
                 own = jax.tree.map(lambda a: np.asarray(a[r]), personal)

@@ -97,6 +97,33 @@ class LoadedModel:
         except Exception:  # pylint: disable=broad-except  (Flax's shape errors, and others)
             raise refusal from None
 
+    def perplexity(self, x) -> float:
+        """A language model's (``--model=llama``) perplexity on `x`: exp of the mean over the
+        sequences of their mean token loss, the evaluation's per-client perplexity when `x` is
+        one client's stored sequences [n, L]; a list of strings is tokenised first (each one
+        sequence of the run's length, truncated)."""
+        from deltafl_jax.models import llm
+        model = self._language_model()
+        if isinstance(x, (list, tuple)) and x and isinstance(x[0], str):
+            x = llm.tokenised(model, list(x), int(self.input_shape[0]))
+        return float(np.exp(np.mean(llm.sequence_losses(model, self.params, np.asarray(x)))))
+
+    def generate(self, prompt: str, max_new_tokens: int = 32) -> str:
+        """A language model's greedy continuation of `prompt` (the prompt included), decoded
+        by the base's tokenizer (:func:`deltafl_jax.models.llm.generate`)."""
+        from deltafl_jax.models import llm
+        model = self._language_model()
+        tok = llm.tokenizer_of(model)
+        ids = llm.generate(model, self.params, tok.encode(prompt).ids, max_new_tokens,
+                           llm.first_id(model.module.config.eos_token_id))
+        return tok.decode(ids, skip_special_tokens=True)
+
+    def _language_model(self):
+        if not hasattr(self.model, "export"):
+            raise DeltaFLError(f"model {self.model.name!r} is not a language model "
+                               f"(--model=llama); perplexity and generate are its")
+        return self.model
+
     def predict_labels(self, x) -> np.ndarray:
         """Predicted classes [B] (int32) on raw inputs x: the argmax of the scores for softmax
         models, ``logit > 0`` for sigmoid models (the rule of their error), the argmax for a
@@ -129,8 +156,11 @@ def spec_dataset(spec: Mapping[str, Any], mdir: str) -> FederatedDataset:
 
 def spec_model(spec: Mapping[str, Any], mdir: str) -> Model:
     """The network of models/index.json's spec."""
-    options = ModelOptions(**{k: tuple(v) if isinstance(v, list) else v
-                              for k, v in spec["options"].items()})
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
+    if values.get("llm") is not None:   # --model=llama's settings (a dict in index.json)
+        from deltafl_jax.models.llm import LLMSettings
+        values["llm"] = LLMSettings(**values["llm"])
+    options = ModelOptions(**values)
     return build_model(spec["model"], spec_dataset(spec, mdir), options)
 
 

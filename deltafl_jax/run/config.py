@@ -25,6 +25,7 @@ from deltafl_jax.errors import ConfigError
 from deltafl_jax.evaluation.metrics import DEFAULT_TARGET_ACCURACY
 from deltafl_jax.models import LINEAR_MODELS
 from deltafl_jax.models.augment import AUGMENTS
+from deltafl_jax.models.llm import LLMSettings, check_run
 from deltafl_jax.optimizers.client import ClientOptimizer
 from deltafl_jax.optimizers.server import ServerOptimizer
 from deltafl_jax.privacy.dp import Privacy, check_private_version
@@ -48,7 +49,8 @@ class Training:
     steps."""
 
     model: str = setting("linear", "linear | cnn | mlp | mean | gru | lstm | sent140_linear | "
-                         "lstm_nwp | fedavg_cnn | pfl_cnn | resnet18_gn, or a model of your own "
+                         "lstm_nwp | fedavg_cnn | pfl_cnn | resnet18_gn | llama (a pretrained "
+                         "--base_model, with --dataset=text:PATH), or a model of your own "
                          "registered by --model_module")
     use_bias: Optional[bool] = setting(
         None, "linear and sent140_linear: add a bias b (L2 then applies to it too); unset: no "
@@ -186,7 +188,8 @@ GROUPS = (("training", Training), ("evaluation", Evaluation), ("server", ServerO
           ("client", ClientOptimizer), ("sampling", Sampling),
           ("online", AvailabilitySettings), ("timing", TimingSettings),
           ("asynchronous", AsyncSettings), ("privacy", Privacy),
-          ("personal", Personalisation), ("placement", Placement), ("output", Output))
+          ("personal", Personalisation), ("placement", Placement), ("output", Output),
+          ("llm", LLMSettings))
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -234,6 +237,7 @@ class ExperimentConfig:
     personal: Personalisation = group(Personalisation)
     placement: Placement = group(Placement)
     output: Output = group(Output)
+    llm: LLMSettings = group(LLMSettings)   # --model=llama: --finetune, --lora_rank, ...
 
     def __init__(self, data: DataConfig, **settings):
         thetas = settings.pop("thetas", None)   # Delta-FL's sweep, given as before
@@ -470,6 +474,9 @@ def _check(c: ExperimentConfig):
     c.client.check()
     c.sampling.check()
     c.privacy.check(c.sampling.sampler)
+    c.llm.check()
+    if c.training.model == "llama" or c.data.dataset.startswith("text:"):
+        check_run(c.training.model, c.data.dataset, c.data.text, c.llm)
     if c.privacy.enabled and not c.online.chosen.everyone:
         raise ConfigError(f"--dp_clip with --availability={c.online.model}: the DP "
                           f"accountant assumes every client can be sampled in every round; "

@@ -29,7 +29,7 @@ import numpy as np
 from deltafl_jax import engine
 from deltafl_jax.engine import mesh as mesh_lib
 from deltafl_jax.evaluation.availability import AvailabilitySplit
-from deltafl_jax.evaluation.metrics import summarize
+from deltafl_jax.evaluation.metrics import perplexity_summaries, summarize
 from deltafl_jax.evaluation.sample import EvalSample, EvalSampler, summarize_sample
 from deltafl_jax.run import personal as personal_lib
 from deltafl_jax.run.buffered import CLIENT_COUNTS, LOST_COUNTS
@@ -131,6 +131,8 @@ class Evaluator:
                 data.test.num_clients, method))
         if self.availability_split is not None:
             out.update(self.availability_split.summaries(per_client, method))
+        if getattr(self.run.model, "perplexity", False):   # a language model (models.llm)
+            out.update(perplexity_summaries(per_client))
         return out
 
 

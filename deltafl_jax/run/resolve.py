@@ -266,7 +266,8 @@ def _streams(config: ExperimentConfig, data: FederatedDataset, work: plan_lib.Lo
 def _model(config: ExperimentConfig, data: FederatedDataset) -> Tuple[Model, ModelOptions]:
     place = config.placement
     options = ModelOptions(conv_impl=place.conv_impl, conv_backend=place.placement_backend,
-                           use_bias=config.training.use_bias)
+                           use_bias=config.training.use_bias,
+                           llm=config.llm if config.training.model == "llama" else None)
     try:
         return build_model(config.training.model, data, options), options
     except ValueError as e:
