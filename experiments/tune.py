@@ -190,7 +190,7 @@ def main(argv):
         cli.start_backend()   # XLA flags (--devices on a CPU, --deterministic) come first
         cli.import_model_module()
         inputs = _inputs()
-        out_dir = inputs[0].output_dir
+        out_dir = inputs[0].output.output_dir
         # The folder is this process's until it ends (its grids lock their own folders).
         with locked(out_dir, log=lambda s: print(s, flush=True)):
             check_out(out_dir)   # as it is now that it is ours

@@ -174,18 +174,36 @@ from deltafl_jax.data import split_clients  # noqa: E402
 from deltafl_jax.datasets.synthetic import synthetic_clients  # noqa: E402
 
 
-def run_runner(argv, capsys):
-    """Runs experiments.run in-process; returns (exit code, stderr, stdout)."""
-    from experiments import run as runner
-    runner.FLAGS.unparse_flags()
-    code = 0
-    try:
-        rest = runner.parse_flags_or_fail(["run"] + list(argv))
-        runner.main(rest)
-    except SystemExit as e:
-        code = e.code
+def run_command(command, argv, capsys=None):
+    """Runs a command of experiments/ (``run``, ``report``, ``tune``, ``leaderboard``: its
+    module) in-process as ``python -m`` does: the flags reset, parsed from `argv` by the
+    module's own parser (experiments.cli's when it has none) and its ``main`` called; returns
+    (exit code, stderr, stdout), read from `capsys`, or from the streams redirected here
+    without it (a fixture wider than a test)."""
+    import contextlib
+    import io
+    from experiments import cli
+    parse = getattr(command, "parse_flags_or_fail", cli.parse_flags_or_fail)
+    command.FLAGS.unparse_flags()
+    code, err, out = 0, io.StringIO(), io.StringIO()
+    with contextlib.ExitStack() as streams:
+        if capsys is None:
+            streams.enter_context(contextlib.redirect_stderr(err))
+            streams.enter_context(contextlib.redirect_stdout(out))
+        try:
+            command.main(parse([command.__name__.rsplit(".", 1)[-1]] + list(argv)))
+        except SystemExit as e:
+            code = e.code
+    if capsys is None:
+        return code, err.getvalue(), out.getvalue()
     captured = capsys.readouterr()
     return code, captured.err, captured.out
+
+
+def run_runner(argv, capsys):
+    """experiments.run in-process (:func:`run_command`): (exit code, stderr, stdout)."""
+    from experiments import run as runner
+    return run_command(runner, argv, capsys)
 
 
 @pytest.fixture(scope="session")

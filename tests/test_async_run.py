@@ -167,7 +167,8 @@ def test_the_report_draws_fedbuff_beside_synchronous_rounds(tiny_synthetic, tmp_
     virtual times and evaluations (hand-read: from the later seed's first evaluation, each
     seed's last evaluation at or before that time)."""
     from deltafl_jax import report
-    from deltafl_jax.report.virtual_time import clock_data, virtual_time_figure
+    from deltafl_jax.report.virtual_time import virtual_time_figure
+    from test_virtual_clock import check_curve_against_the_files
     buff, sync = str(tmp_path / "fedbuff"), str(tmp_path / "fedavg")
     run_experiment(async_config(buff, num_rounds=4, eval_every=2), tiny_synthetic)
     run_experiment(tiny_config(algorithm="fedavg", thetas=(1.0,), seeds=SEEDS, num_rounds=4,
@@ -177,14 +178,7 @@ def test_the_report_draws_fedbuff_beside_synchronous_rounds(tiny_synthetic, tmp_
     cols = report.columns(runs)
     assert len({c.setting for c in cols}) == 1 and len(cols) == 2
     (col,) = [c for c in cols if c.run.path.rstrip("/") == buff]
-    with np.load(os.path.join(buff, "rounds.npz")) as r:
-        clock = r["virtual_time"]
-    recs = [json.loads(line) for line in open(os.path.join(buff, "metrics.jsonl"))]
-    p90 = {(x["round"], x["seed"]): x["test_error_p90"] for x in recs}
-    times, mean, _, _ = clock_data(col, "test_error_p90")
-    assert times[0] == max(clock[1]) and times[-1] == min(clock[3])
-    want = [p90[(2 if times[0] < clock[3, g] else 4, g + 1)] for g in range(2)]
-    assert mean[0] == pytest.approx(np.mean(want), abs=1e-6)
+    check_curve_against_the_files(col, buff)
     fig = virtual_time_figure(cols)
     labels = {line.get_label() for line in fig.axes[0].get_lines()}
     assert {c.label for c in cols} <= labels and any("FedBuff" in x for x in labels)

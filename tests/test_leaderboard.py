@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from conftest import run_command
 from deltafl_jax.algorithms import registry
 from deltafl_jax.algorithms.leaderboard import BoardSetting
 from deltafl_jax.errors import ConfigError
@@ -28,17 +29,10 @@ SMALL = BoardSetting(dataset="synthetic", model="linear", train_clients=200,
 
 
 def run_board(argv, capsys):
-    """experiments.leaderboard in-process; (exit code, stderr, stdout)."""
+    """experiments.leaderboard in-process (conftest.run_command); (exit code, stderr,
+    stdout)."""
     from experiments import leaderboard as board
-    board.FLAGS.unparse_flags()
-    code = 0
-    try:
-        rest = board.parse_flags_or_fail(["leaderboard"] + list(argv))
-        board.main(rest)
-    except SystemExit as e:
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.err, captured.out
+    return run_command(board, argv, capsys)
 
 
 def test_every_board_is_valid():
@@ -234,6 +228,26 @@ def test_readme_tables_are_the_commands():
         assert {m["name"] for m in record["methods"]} == set(lb.board_methods(
             BoardSetting(record["dataset"], record["model"], record["train_clients"],
                          record["clients_per_round"])))
+
+
+def test_ditto_and_apfl_records_are_fedavgs_bit_for_bit():
+    """docs/results/leaderboard.md: Ditto's and APFL's rows are FedAvg's on every setting (the
+    global model they are scored on is FedAvg's, and FedAvg trained inside Delta-FL's program
+    is FedAvg alone bit for bit): every per-seed test statistic of the stored records is
+    equal (the mean training loss, summed in each method's own program, to float32
+    rounding)."""
+    from experiments.leaderboard import SETS
+    for name in SETS["cpu"]:
+        with open(os.path.join(RESULTS, f"{name}.json")) as f:
+            methods = {m["name"]: m for m in json.load(f)["methods"]}
+        (fedavg,) = methods["fedavg"]["final"].values()
+        for other in ("ditto", "apfl"):
+            (final,) = methods[other]["final"].values()
+            stats = [k for k in final if k.startswith("test_")]
+            assert len(stats) >= 5 and final["seeds"] == fedavg["seeds"]
+            assert {k: final[k] for k in stats} == {k: fedavg[k] for k in stats}, (name, other)
+            np.testing.assert_allclose(final["train_loss_mean"], fedavg["train_loss_mean"],
+                                       rtol=1e-6)
 
 
 BAD = {

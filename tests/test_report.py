@@ -2,10 +2,8 @@
 way (percentiles by repeating each loss n_k times), the figures' plotted arrays, the CSV files,
 and runs that are missing or incomplete (skipped with one line, never a crash)."""
 
-import contextlib
 import csv
 import dataclasses
-import io
 import json
 import os
 import shutil
@@ -16,6 +14,7 @@ import types
 import numpy as np
 import pytest
 
+from conftest import run_command
 from deltafl_jax import DataConfig, ExperimentConfig, run_experiment
 from deltafl_jax import report
 from deltafl_jax.replicas.labels import ReplicaLabel
@@ -46,17 +45,9 @@ def runs(tmp_path_factory):
     return {"delta": delta, "fedavg": fedavg, "root": str(root)}
 
 
-def cli(argv, capsys):
-    """experiments.report in-process: (exit code, stdout, stderr)."""
-    report_cli.FLAGS.unparse_flags()
-    code = 0
-    try:
-        rest = report_cli.parse_flags_or_fail(["report"] + list(argv))
-        report_cli.main(rest)
-    except SystemExit as e:
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+def cli(argv, capsys=None):
+    """experiments.report in-process (conftest.run_command): (exit code, stderr, stdout)."""
+    return run_command(report_cli, argv, capsys)
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,7 +120,7 @@ def table_of(tables, prefix):
 @pytest.mark.parametrize("percentile", ["lower", "linear"])
 def test_tables_against_metrics_jsonl_and_numpy(runs, tmp_path, capsys, percentile):
     out = tmp_path / "rep"
-    code, stdout, err = cli([runs["delta"], runs["fedavg"], f"--out={out}",
+    code, err, stdout = cli([runs["delta"], runs["fedavg"], f"--out={out}",
                              f"--percentile={percentile}"], capsys)
     assert code == 0, err
     assert "wrote" in stdout and os.path.exists(out / "report.md")
@@ -180,15 +171,8 @@ def delta_report(runs, tmp_path_factory):
     """The folder of ``experiments.report`` (in-process) on the delta run alone, at the
     defaults: written once, read by the tests below."""
     out = tmp_path_factory.mktemp("delta_report") / "rep"
-    report_cli.FLAGS.unparse_flags()
-    err, code = io.StringIO(), 0
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            report_cli.main(report_cli.parse_flags_or_fail(["report", runs["delta"],
-                                                            f"--out={out}"]))
-        except SystemExit as e:
-            code = e.code
-    assert code == 0, err.getvalue()
+    code, err, _ = cli([runs["delta"], f"--out={out}"])
+    assert code == 0, err
     return out
 
 
@@ -346,7 +330,7 @@ def test_missing_and_incomplete_runs_are_skipped_with_one_line(runs, tmp_path, c
     empty = tmp_path / "empty"
     empty.mkdir()
     out = tmp_path / "rep"
-    code, _, err = cli([runs["delta"], str(missing), str(cut), str(broken), str(empty),
+    code, err, _ = cli([runs["delta"], str(missing), str(cut), str(broken), str(empty),
                         f"--out={out}"], capsys)
     assert code == 0, err
     lines = [l for l in err.splitlines() if l.startswith("skipped")]
@@ -362,7 +346,7 @@ def test_missing_and_incomplete_runs_are_skipped_with_one_line(runs, tmp_path, c
 
     # Nothing usable: one line, exit code 2, no report.
     out2 = tmp_path / "rep2"
-    code, _, err = cli([str(missing), str(cut), f"--out={out2}"], capsys)
+    code, err, _ = cli([str(missing), str(cut), f"--out={out2}"], capsys)
     assert code == 2
     assert err.splitlines()[-1].startswith("error: no complete run among")
     assert not (out2 / "report.md").exists()
@@ -378,7 +362,7 @@ def test_bad_input_exits_2_with_one_line(runs, tmp_path, capsys, argv, message):
     (tmp_path / "file").write_text("x")
     argv = [a.replace("RUN", runs["delta"]).replace("OUT", str(tmp_path / "o"))
             .replace("FILE", str(tmp_path / "file")) for a in argv]
-    code, _, err = cli(argv, capsys)
+    code, err, _ = cli(argv, capsys)
     lines = [l for l in err.splitlines() if l.strip()]
     assert code == 2 and len(lines) == 1 and message in lines[0], err
 
@@ -595,7 +579,7 @@ def test_a_report_is_never_written_into_a_run(runs, tmp_path, capsys):
     shutil.copytree(runs["delta"], run_dir)
     for out in (run_dir / "report", run_dir, runs["fedavg"]):
         before = sorted(os.listdir(run_dir))
-        code, _, err = cli([str(run_dir), f"--out={out}"], capsys)
+        code, err, _ = cli([str(run_dir), f"--out={out}"], capsys)
         lines = [l for l in err.splitlines() if l.strip()]
         assert code == 2 and len(lines) == 1, err
         assert ("is inside the run" in lines[0]) or ("is a run of deltafl_jax" in lines[0])

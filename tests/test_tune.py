@@ -13,9 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import run_command, tiny_config
 from deltafl_jax import build_experiment
-from experiments import run as runner
 from deltafl_jax.studies import tuning
 from experiments import tune
 
@@ -153,15 +152,8 @@ def test_best_skips_diverged_values_and_breaks_ties_by_grid_order():
 
 
 def cli(argv, capsys):
-    tune.FLAGS.unparse_flags()
-    code = 0
-    try:
-        rest = runner.parse_flags_or_fail(["tune"] + list(argv))
-        tune.main(rest)
-    except SystemExit as e:
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    """experiments.tune in-process (conftest.run_command): (exit code, stderr, stdout)."""
+    return run_command(tune, argv, capsys)
 
 
 def grid_means(run_dir, score):
@@ -201,7 +193,7 @@ def test_what_each_step_tunes_is_the_specs_decision():
 @pytest.mark.slow
 def test_cli_picks_the_argmin_and_writes_a_flagfile_the_runner_accepts(tmp_path, capsys):
     out = tmp_path / "tune"
-    code, stdout, err = cli([f"--flagfile={TINY}", f"--output_dir={out}", "--num_rounds=9",
+    code, err, stdout = cli([f"--flagfile={TINY}", f"--output_dir={out}", "--num_rounds=9",
                              "--lr_grid=0.02,0.3", "--lr_decay_grid=1,2",
                              "--lr_decay_every=3", "--l2_grid=3,1e-4"], capsys)
     assert code == 0, err
@@ -263,7 +255,7 @@ def test_cli_picks_the_argmin_and_writes_a_flagfile_the_runner_accepts(tmp_path,
     assert np.atleast_1d(summary["config"]["l2_reg"]).tolist() == want_l2
 
     # A second tuning into the same directory is refused.
-    code, _, err = cli([f"--flagfile={TINY}", f"--output_dir={out}"], capsys)
+    code, err, _ = cli([f"--flagfile={TINY}", f"--output_dir={out}"], capsys)
     assert code == 2 and "already holds tuning results" in err
 
 
@@ -283,7 +275,7 @@ def test_cli_picks_the_argmin_and_writes_a_flagfile_the_runner_accepts(tmp_path,
 ])
 def test_bad_input_exits_2_with_one_line_and_trains_nothing(tmp_path, capsys, args, message):
     out = tmp_path / "tune"
-    code, _, err = cli([f"--flagfile={TINY}", f"--output_dir={out}"] + args, capsys)
+    code, err, _ = cli([f"--flagfile={TINY}", f"--output_dir={out}"] + args, capsys)
     lines = [l for l in err.splitlines() if l.strip()]
     assert code == 2 and len(lines) == 1 and message in lines[0], err
     assert not out.exists()

@@ -262,24 +262,33 @@ def test_seed_curves_on_common_times_are_step_functions():
     np.testing.assert_allclose(mean, [0.85, 0.7, 0.65, 0.5])
 
 
-def test_the_report_draws_the_error_against_virtual_time(tiny_synthetic, tmp_path):
-    """A clocked run's report holds the figure, drawn from the run's own virtual times and
-    evaluations; a run without the clock has none."""
-    from deltafl_jax import report
+def check_curve_against_the_files(col, run_dir):
+    """The error against virtual time that the report draws of a run of seeds 1, 2, 4 rounds
+    evaluated every 2 (a report column `col`), hand-read from the run's rounds.npz and
+    metrics.jsonl: it starts at the later seed's first evaluation and ends at the earlier
+    seed's last; its first point is the mean over seeds of each seed's last evaluation at or
+    before that time. (tests/test_async_run.py checks a FedBuff run's curve with it too.)"""
     from deltafl_jax.report.virtual_time import clock_data
-    clocked, plain = str(tmp_path / "clocked"), str(tmp_path / "plain")
-    run_experiment(_config(num_rounds=4, eval_every=2, output_dir=clocked), tiny_synthetic)
-    run_experiment(tiny_config(num_rounds=2, eval_every=2, output_dir=plain), tiny_synthetic)
-    (run,), _ = report.load([clocked])
-    (col,) = report.columns([run])
-    with np.load(os.path.join(clocked, "rounds.npz")) as r:
+    with np.load(os.path.join(run_dir, "rounds.npz")) as r:
         clock = r["virtual_time"]
-    recs = [json.loads(line) for line in open(os.path.join(clocked, "metrics.jsonl"))]
+    recs = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     p90 = {(x["round"], x["seed"]): x["test_error_p90"] for x in recs}
     times, mean, _, _ = clock_data(col, "test_error_p90")
     assert times[0] == max(clock[1]) and times[-1] == min(clock[3])
     want = [p90[(2 if times[0] < clock[3, g] else 4, g + 1)] for g in range(2)]
     assert mean[0] == pytest.approx(np.mean(want), abs=1e-6)
+
+
+def test_the_report_draws_the_error_against_virtual_time(tiny_synthetic, tmp_path):
+    """A clocked run's report holds the figure, drawn from the run's own virtual times and
+    evaluations; a run without the clock has none."""
+    from deltafl_jax import report
+    clocked, plain = str(tmp_path / "clocked"), str(tmp_path / "plain")
+    run_experiment(_config(num_rounds=4, eval_every=2, output_dir=clocked), tiny_synthetic)
+    run_experiment(tiny_config(num_rounds=2, eval_every=2, output_dir=plain), tiny_synthetic)
+    (run,), _ = report.load([clocked])
+    (col,) = report.columns([run])
+    check_curve_against_the_files(col, clocked)
     out = report.write_report([run], str(tmp_path / "rep"))
     assert any("virtual_time_error" in f for f in out["figures"])
     (plain_run,), _ = report.load([plain])
