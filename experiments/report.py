@@ -42,19 +42,24 @@ flags.DEFINE_bool("best", False, "tables and figures show each baseline (q-FFL, 
 
 
 def check_out(out: str, run_paths) -> None:
-    """--out may not be a run, nor lie inside one (a run's folder holds only what a run writes,
-    docs/reference/outputs.md: the run could not be rerun or continued there), nor be a folder
-    that is not a report's: it must be absent, empty, or one this command wrote before (it
-    carries :data:`MARKER`), so that nobody's files are replaced."""
-    from deltafl_jax.outputs.directory import command_dir_state, inspect_dir
+    """--out may not be a run, nor lie inside one, reported or not (a run's folder holds only
+    what a run writes, docs/reference/outputs.md: the run could not be rerun or continued
+    there; :func:`deltafl_jax.outputs.directory.enclosing_run`), nor be a folder that is not a
+    report's: it must be absent, empty, or one this command wrote before (it carries
+    :data:`MARKER`), so that nobody's files are replaced."""
+    from deltafl_jax.outputs.directory import command_dir_state, enclosing_run
     target = os.path.realpath(out)
     for path in run_paths:
         root = os.path.realpath(path)
         if target == root or target.startswith(root + os.sep):
             fail(f"--out={out} is inside the run {path}; write the report beside it (a run's "
                  f"folder holds only what a run writes)")
-    if inspect_dir(out).kind == "run":
+    run = enclosing_run(out)
+    if run == target:
         fail(f"--out={out} is a run of deltafl_jax; write the report elsewhere")
+    if run is not None:
+        fail(f"--out={out} is inside the run {run}; write the report beside it (a run's "
+             f"folder holds only what a run writes)")
     state = command_dir_state(out, MARKER)
     if state.kind == "other":
         shown = ", ".join(state.foreign[:4]) + (

@@ -341,3 +341,102 @@ def test_links_that_loop_are_not_followed(tmp_path):
     line = refused_untouched(folder, "experiments.run", *TINY, "--num_rounds=2",
                              f"--output_dir={folder}")
     assert line.startswith(f"error: --output_dir={folder} is not a run but holds runs (a_run);")
+
+
+# --------------------------------------------------------------------------------------------
+# A folder is a run only if this package wrote it; nothing goes inside a run (issue 51)
+
+
+def test_report_refuses_an_out_inside_a_run_it_does_not_report(finished_run, tmp_path):
+    """--out inside a run that the report does not read (runs/long/rep while reporting
+    runs/markov), or the run itself: one line, exit 2, the run byte for byte as it was (it
+    can still be continued)."""
+    other = tmp_path / "markov"
+    shutil.copytree(finished_run, other)
+    where = os.path.realpath(finished_run)
+    for out in (finished_run / "rep", finished_run / "rep" / "deeper",
+                finished_run / "checkpoints"):
+        line = refused_untouched(finished_run, "experiments.report", str(other), f"--out={out}")
+        assert line == (f"error: --out={out} is inside the run {where}; write the report "
+                        f"beside it (a run's folder holds only what a run writes)")
+    line = refused_untouched(finished_run, "experiments.report", str(other),
+                             f"--out={finished_run}")
+    assert line == (f"error: --out={finished_run} is a run of deltafl_jax; write the report "
+                    f"elsewhere")
+
+
+def users_results(tmp_path):
+    """A folder of someone's own summary.json and metrics.jsonl (not written by this package)."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / outputs.SUMMARY).write_text(json.dumps({"accuracy": 0.91, "epochs": 3}) + "\n")
+    (folder / outputs.METRICS).write_text("".join(
+        json.dumps({"epoch": e, "loss": 1.0 / e}) + "\n" for e in (1, 2, 3)))
+    return folder
+
+
+def test_someones_summary_and_metrics_are_not_a_run(tmp_path):
+    """Not "a finished run with other settings": a folder that is not a run, refused with and
+    without --overwrite (which replaced the files before), nothing replaced."""
+    folder = users_results(tmp_path)
+    for extra in ((), ("--overwrite",)):
+        line = refused_untouched(folder, "experiments.run", *TINY, "--num_rounds=2",
+                                 f"--output_dir={folder}", *extra)
+        assert line == (f"error: --output_dir={folder} is not a run of deltafl_jax: it holds "
+                        f"metrics.jsonl, summary.json but no deltafl_run.json, the mark of a run "
+                        f"this package wrote; choose a new or empty directory (--overwrite "
+                        f"replaces a run, never other files)")
+
+
+def test_which_folders_are_runs(tmp_path):
+    """A run carries the marker; one written before the marker existed is known by its own
+    files (a run of this package kept in tests/fixtures, its marker removed): its checkpoint,
+    its summary.json, or its metrics.jsonl, each alone. Someone's files of the same names, or
+    a marker of someone else's, are not; nor is a folder inside them."""
+    fixture = os.path.join(REPO, "tests", "fixtures", "resume_before_32")
+    everything = set(os.listdir(fixture)) - {outputs.MARKER}
+    for i, keep in enumerate((everything, {"checkpoints"}, {outputs.SUMMARY},
+                              {outputs.METRICS})):
+        run = tmp_path / f"run{i}"
+        shutil.copytree(fixture, run)
+        for entry in set(os.listdir(run)) - keep:
+            shutil.rmtree(run / entry) if (run / entry).is_dir() else (run / entry).unlink()
+        assert outputs.inspect_dir(str(run)) == outputs.DirState("run"), keep
+        assert outputs.enclosing_run(str(run / "rep" / "deeper")) == os.path.realpath(run)
+    folder = users_results(tmp_path)
+    state = outputs.inspect_dir(str(folder))
+    assert (state.kind, state.unmarked) == ("other", True)
+    assert outputs.enclosing_run(str(folder / "sub")) is None
+    (folder / outputs.MARKER).write_text(json.dumps({"written_by": "someone"}))
+    assert outputs.inspect_dir(str(folder)).kind == "other"
+
+
+@pytest.mark.slow   # three tiny runs
+def test_a_run_written_before_the_marker_continues(tmp_path):
+    """A finished run whose folder has no marker (written before it existed) is continued to
+    more rounds by the same command, bit for bit as an uninterrupted run, and marked."""
+    out, fresh = tmp_path / "old", tmp_path / "fresh"
+    argv = [*TINY, "--eval_every=1", "--checkpoint_every=1"]
+    code, err, _ = command("experiments.run", *argv, "--num_rounds=2", f"--output_dir={out}")
+    assert code == 0, err
+    os.remove(out / outputs.MARKER)
+    code, err, _ = command("experiments.run", *argv, "--num_rounds=4", f"--output_dir={out}")
+    assert code == 0, err
+    assert json.loads((out / outputs.MARKER).read_text())["written_by"] == "deltafl_jax"
+    code, err, _ = command("experiments.run", *argv, "--num_rounds=4", f"--output_dir={fresh}")
+    assert code == 0, err
+    timeless = lambda path: [{k: v for k, v in json.loads(l).items() if k != "elapsed_s"}
+                             for l in path.read_text().splitlines()]
+    assert timeless(out / outputs.METRICS) == timeless(fresh / outputs.METRICS)
+
+
+def test_a_run_inside_a_run_is_refused(finished_run):
+    """--output_dir inside another run (its folder, or its checkpoints/): one line, exit 2,
+    with or without --overwrite, the run left as it was."""
+    where = os.path.realpath(finished_run)
+    for out, extra in ((finished_run / "sub", ()),
+                       (finished_run / "checkpoints", ("--overwrite",))):
+        line = refused_untouched(finished_run, "experiments.run", *TINY, "--num_rounds=2",
+                                 f"--output_dir={out}", *extra)
+        assert line == (f"error: --output_dir={out} lies inside the run {where}, which could "
+                        f"then no longer be continued; choose a directory outside it")

@@ -33,11 +33,18 @@ it back (:class:`RunReader`). No other module opens these files; serving a saved
 
 What a run directory is (:func:`inspect_dir`). A directory is **a run of this package** when
 every entry in it is one that a run writes (the names above, ``tb/``, ``checkpoints/``, and
-their ``NAME.tmp`` leftovers) and it carries the marker, or, for runs written before the
-marker existed, a ``summary.json``, ``metrics.jsonl`` or ``checkpoints/``. Anything else that
-is not empty (a source folder, the parent of runs, a folder holding other files) is not, and
-the runner never writes into it, ``--overwrite`` or not (:func:`deltafl_jax.run.check_output_dir`).
-It is decided from the directory's own entries, never by walking below them. The other
+their ``NAME.tmp`` leftovers) and this package wrote it: it carries the marker (``written_by``
+``deltafl_jax``), or, for a run written before the marker existed (:func:`pre_marker_run`), one
+of this package's own files: a checkpoint (``checkpoints/<round>/meta/metadata``, JSON with the
+checkpoint's ``format`` and the configuration's ``fingerprint``), a summary.json with the run's
+``config`` (naming ``num_rounds``), ``replicas`` and ``final`` metrics, or a metrics.jsonl whose
+first record holds ``round``, ``num_selected``, ``num_rejected`` and ``elapsed_s``. A folder
+holding a summary.json or a metrics.jsonl of someone else's is not a run. Anything else that is
+not empty (a source folder, the parent of runs, a folder holding other files) is not, and the
+runner never writes into it, ``--overwrite`` or not (:func:`deltafl_jax.run.check_output_dir`).
+It is decided from the directory's own entries (and, without the marker, the first line of those
+files), never by walking below them. A folder inside a run (:func:`enclosing_run`) is no
+command's output folder either: the run could no longer be continued there. The other
 commands' output folders (a report's, a leaderboard's) follow the same rule with a marker of
 their own (:func:`command_dir_state`, :func:`mark_command_dir`).
 
@@ -90,8 +97,10 @@ TMP_SUFFIX = ".tmp"
 # The lock of the process writing the folder (deltafl_jax.run.lock); present only while it runs
 # (or left by one that was killed), never a result: inspect_dir and --overwrite pass it by.
 LOCK = "deltafl.lock"
-# A run written before the marker existed is recognised by one of these.
+# A run written before the marker existed is recognised by one of these (pre_marker_run).
 LEGACY_EVIDENCE = (SUMMARY, METRICS, "checkpoints")
+# The first record of a run's metrics.jsonl holds these (every version of this package).
+_METRICS_FIELDS = ("round", "num_selected", "num_rejected", "elapsed_s")
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,13 +192,17 @@ class DirState:
 
     kind: "absent", "empty", "run" (a run of this package) or "other"; for a command's own
     folder (:func:`command_dir_state`), "mine" instead of "run".
-    foreign: the entries a run does not write, sorted (folders end with "/").
+    foreign: the entries a run does not write, sorted (folders end with "/"); for a folder of
+    a run's file names that this package did not write (`unmarked`), all its entries.
     runs: the entries that are runs themselves (an "other" directory that holds runs).
+    unmarked: every entry bears a name a run writes, but neither the marker nor a pre-marker
+    run's own files say this package wrote them (:func:`pre_marker_run`).
     """
 
     kind: str
     foreign: Tuple[str, ...] = ()
     runs: Tuple[str, ...] = ()
+    unmarked: bool = False
 
 
 def _is_run_entry(name: str) -> bool:
@@ -202,14 +215,73 @@ def _holds_marker(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, MARKER))
 
 
+def _first_json(path: str, first_line: bool = False) -> Any:
+    """The JSON of the file `path` (of its first line only, with `first_line`), or None when
+    it is absent or does not parse; at most 1 MiB of a first line is read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.loads(f.readline(1 << 20) if first_line else f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _has_fields(value: Any, *fields: str) -> bool:
+    return isinstance(value, dict) and all(k in value for k in fields)
+
+
+def _checkpoint_of_ours(folder: str) -> bool:
+    """Whether `folder`/checkpoints holds a checkpoint this package saved: a round's folder
+    whose ``meta/metadata`` is JSON with the checkpoint's format and the configuration's
+    fingerprint (:mod:`deltafl_jax.run.checkpoint`); one listing, one small file read."""
+    try:
+        steps = sorted((n for n in os.listdir(os.path.join(folder, "checkpoints"))
+                        if n.isdigit()), key=int, reverse=True)
+    except OSError:
+        return False
+    return bool(steps) and _has_fields(
+        _first_json(os.path.join(folder, "checkpoints", steps[0], "meta", "metadata")),
+        "format", "fingerprint")
+
+
+def pre_marker_run(folder: str) -> bool:
+    """Whether `folder`, which carries no marker, holds a run this package wrote before the
+    marker existed (2026-11-25): its newest checkpoint is one of ours
+    (``checkpoints/<round>/meta/metadata`` with ``format`` and ``fingerprint``), or its
+    summary.json is a JSON object with the run's ``config`` (naming ``num_rounds``), its
+    ``replicas`` and its ``final`` metrics, or the first record of its metrics.jsonl holds
+    ``round``, ``num_selected``, ``num_rejected`` and ``elapsed_s`` (what every version of
+    this package has written there). A user's own summary.json or metrics.jsonl is none of
+    these. Reads at most one small file of each."""
+    if _checkpoint_of_ours(folder):
+        return True
+    summary = _first_json(os.path.join(folder, SUMMARY))
+    if _has_fields(summary, "config", "replicas", "final") and \
+            _has_fields(summary["config"], "num_rounds"):
+        return True
+    return _has_fields(_first_json(os.path.join(folder, METRICS), first_line=True),
+                       *_METRICS_FIELDS)
+
+
+def written_by_us(folder: str) -> bool:
+    """Whether this package wrote the run in `folder`: its marker is ours
+    (``written_by``), or, without a marker, :func:`pre_marker_run`. Other entries beside the
+    run's are not looked at (see :func:`inspect_dir`)."""
+    if os.path.lexists(os.path.join(folder, MARKER)):
+        return _marked_by(folder, MARKER)
+    return any(os.path.lexists(os.path.join(folder, n)) for n in LEGACY_EVIDENCE) and \
+        pre_marker_run(folder)
+
+
 def inspect_dir(path: str) -> DirState:
     """Whether `path` is absent, empty, a run of this package, or something else (see the
-    module docstring: every entry one a run writes, and the marker or a pre-marker run's
-    summary.json / metrics.jsonl / checkpoints/).
+    module docstring: every entry one a run writes, and written by this package: its marker,
+    or a pre-marker run's own files, :func:`written_by_us`).
 
-    Decided from the top level alone: one listing of `path` and one stat per entry (its
-    subfolders' markers name the runs it holds), never a walk, so a large folder (``/usr``,
-    ``/``) is answered at once. :data:`LOCK` is passed by."""
+    Decided from the top level alone: one listing of `path`, one stat per entry (its
+    subfolders' markers name the runs it holds) and, for a folder without the marker, the
+    first line of its summary.json / metrics.jsonl / newest checkpoint's metadata, never a
+    walk, so a large folder (``/usr``, ``/``) is answered at once. :data:`LOCK` is passed
+    by."""
     if not os.path.lexists(path):
         return DirState("absent")
     if not os.path.isdir(path):
@@ -221,12 +293,29 @@ def inspect_dir(path: str) -> DirState:
     names = [e.name for e in entries]
     foreign = tuple(e.name + ("/" if _is_dir(e) else "") for e in entries
                     if not _is_run_entry(e.name))
-    evidence = MARKER in names or any(n in names for n in LEGACY_EVIDENCE)
-    if not foreign and evidence:
-        return DirState("run")
+    if not foreign:
+        if written_by_us(path):
+            return DirState("run")
+        shown = tuple(e.name + ("/" if _is_dir(e) else "") for e in entries)
+        return DirState("other", shown, unmarked=True)
     runs = tuple(e.name + "/" for e in entries if not _is_run_entry(e.name)
                  and e.is_dir(follow_symlinks=False) and _holds_marker(e.path))
-    return DirState("other", foreign if foreign else tuple(names), runs)
+    return DirState("other", foreign, runs)
+
+
+def enclosing_run(path: str) -> Optional[str]:
+    """The run of this package (:func:`written_by_us`) that `path` is, or lies inside, the
+    nearest first; None when neither `path` nor any folder above it is one. Symbolic links
+    are resolved first; other entries beside a run's do not make it less of one (a folder
+    already written into a run is still inside it)."""
+    here = os.path.realpath(path)
+    while True:
+        if os.path.isdir(here) and written_by_us(here):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
 
 
 def _is_dir(entry: os.DirEntry) -> bool:

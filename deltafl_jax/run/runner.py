@@ -62,8 +62,11 @@ def check_output_dir(out: Optional[str], overwrite: bool, config=None) -> None:
       replaced; without, a finished run (summary.json) is continued when only ``--num_rounds``
       grows and the run can be continued exactly (:func:`check_continuation`), and a stopped
       run resumes when its settings (its marker's) are `config`'s, ``--num_rounds`` aside;
-    - anything else (a folder holding other files, the parent of runs) is refused, with or
-      without `overwrite`, which replaces a run and never someone's files;
+    - anything else (a folder holding other files, the parent of runs, a folder of a run's
+      file names that this package did not write, e.g. someone's own summary.json) is refused,
+      with or without `overwrite`, which replaces a run and never someone's files; so is a
+      folder inside a run (:func:`deltafl_jax.outputs.directory.enclosing_run`), which the
+      run could no longer be continued around;
     - a folder that another process holds (:mod:`deltafl_jax.run.lock`) is refused (checked
       by process 0 of a distributed run only: it alone takes the lock).
 
@@ -74,6 +77,10 @@ def check_output_dir(out: Optional[str], overwrite: bool, config=None) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"--output_dir={out} exists and is not a directory")
     state = outputs.inspect_dir(out)
+    inside = outputs.enclosing_run(os.path.dirname(os.path.abspath(out)))
+    if inside is not None:
+        raise ConfigError(f"--output_dir={out} lies inside the run {inside}, which could then "
+                          f"no longer be continued; choose a directory outside it")
     if state.kind == "other":
         if state.runs:
             raise ConfigError(
@@ -81,6 +88,12 @@ def check_output_dir(out: Optional[str], overwrite: bool, config=None) -> None:
                 f"({_listing([r.rstrip('/') for r in state.runs])}); name a directory of its "
                 f"own, e.g. {os.path.join(out, 'NAME')} (--overwrite replaces a run, never a "
                 f"folder of them)")
+        if state.unmarked:
+            raise ConfigError(
+                f"--output_dir={out} is not a run of deltafl_jax: it holds "
+                f"{_listing(list(state.foreign))} but no {outputs.MARKER}, the mark of a run "
+                f"this package wrote; choose a new or empty directory (--overwrite replaces a "
+                f"run, never other files)")
         raise ConfigError(
             f"--output_dir={out} is not a run of deltafl_jax: it holds "
             f"{_listing(list(state.foreign))} (not files a run writes); choose a new or empty "
