@@ -120,7 +120,8 @@ def test_config_reads_transformers_4_keys():
     assert LlamaConfig.from_hf(v4).rope_theta == 500.0
 
 
-def test_tokenizer_is_copied_and_read(tmp_path):
+def model_with_tokenizer(tmp_path):
+    """llama_gqa written by us with a word-level tokenizer.json made by `tokenizers`."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     vocab = {"[UNK]": 0, "to": 1, "be": 2, "or": 3, "not": 4}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -128,8 +129,20 @@ def test_tokenizer_is_copied_and_read(tmp_path):
     tok.save(str(tmp_path / "tok.json"))
     config, params = read_checkpoint(os.path.join(FIXTURES, "llama_gqa"))
     write_checkpoint(str(tmp_path / "model"), config, params, str(tmp_path / "tok.json"))
-    assert read_tokenizer(str(tmp_path / "model")).encode("to be or not to be").ids == [
-        1, 2, 3, 4, 1, 2]
+    return tmp_path / "model"
+
+
+def test_tokenizer_is_copied_and_read(tmp_path):
+    folder = model_with_tokenizer(tmp_path)
+    assert read_tokenizer(str(folder)).encode("to be or not to be").ids == [1, 2, 3, 4, 1, 2]
+
+
+@pytest.mark.slow
+def test_transformers_loads_the_tokenizer_we_write(tmp_path):
+    folder = model_with_tokenizer(tmp_path)
+    text = "to be or not to be, that"
+    live = run_reference(tmp_path, "--tokens", folder, text)
+    assert live.tolist() == read_tokenizer(str(folder)).encode(text).ids == [1, 2, 3, 4, 1, 2, 0, 0]
 
 
 # --------------------------------------------------------------------------- bad input
@@ -218,17 +231,21 @@ def reference_python():
         return candidate if os.path.isfile(candidate) else None
 
 
-def live_logits(tmp_path, model_folder, ids, adapter_folder=None):
+def run_reference(tmp_path, *args):
+    """What live_logits.py ARGS... saves in OUT.npy, run by the reference Python."""
     python = reference_python()
     if python is None:
         pytest.skip("transformers and peft are not installed here (pip install .[llm-ref]) and "
                     "there is no .venv-ref (tests/fixtures/llama/record.py)")
-    np.save(tmp_path / "ids.npy", ids)
-    args = [python, os.path.join(FIXTURES, "live_logits.py"), str(model_folder),
-            str(tmp_path / "ids.npy"), str(tmp_path / "out.npy")]
-    subprocess.run(args + ([str(adapter_folder)] if adapter_folder else []), check=True,
-                   timeout=600)
+    subprocess.run([python, os.path.join(FIXTURES, "live_logits.py"), *map(str, args),
+                    str(tmp_path / "out.npy")], check=True, timeout=600)
     return np.load(tmp_path / "out.npy")
+
+
+def live_logits(tmp_path, model_folder, ids, adapter_folder=None):
+    np.save(tmp_path / "ids.npy", ids)
+    return run_reference(tmp_path, model_folder, tmp_path / "ids.npy",
+                         *([adapter_folder] if adapter_folder else []))
 
 
 @pytest.mark.slow

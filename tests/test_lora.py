@@ -32,7 +32,6 @@ def test_b_zero_forward_equals_the_base():
     """A base read from transformers' file, adapters on all seven projections: bit for bit."""
     config, base = read_checkpoint(os.path.join(FIXTURES, "llama_gqa"))
     lora = LoraConfig(rank=4, alpha=16, targets=("all-linear",))
-    lora = LoraConfig(4, 16, lora_targets_matching(config, lora.targets))
     adapters = init_adapters(jax.random.PRNGKey(1), config, lora)
     assert len(paths(adapters)) == 2 * 7 * config.num_hidden_layers
     plain = jax.jit(Llama(config).apply)({"params": base}, IDS)
@@ -135,3 +134,7 @@ def test_lora_targets_matching():
     with pytest.raises(HFCheckpointError, match="LoRA target 'qkv_proj' matches no layer"):
         lora_targets_matching(TINY, ["q_proj", "qkv_proj"])
     assert LoraConfig().targets == ("q_proj", "v_proj") and LoraConfig().scaling == 2.0
+    assert LoraConfig(targets=["all-linear"]).targets == PROJECTIONS
+    assert LoraConfig(targets=("v_proj", "q_proj")) == LoraConfig()
+    with pytest.raises(HFCheckpointError, match="LoRA target 'c_attn' matches no layer"):
+        LoraConfig(targets=("c_attn",))

@@ -273,9 +273,8 @@ def read_peft_adapter(folder: str, config: Optional[LlamaConfig] = None) -> Tupl
     """(LoraConfig, adapters) of a peft folder; adapters is the nested dict of lora_A/lora_B
     kernels in the Flax tree ([in, r], [r, out]), to merge with the base's params. With the
     base's `config`, every targeted projection of every layer must be there, of its shape."""
-    lora = read_peft_config(folder)
+    lora = read_peft_config(folder)      # its targets checked and in the layer's order
     names = lora_targets_matching(config, lora.targets)
-    lora = LoraConfig(lora.rank, lora.alpha, names, lora.dropout)
     tensors = read_tensors(folder, [ADAPTER_WEIGHTS])
     wanted = ({p: s for p, s in param_shapes(config, lora).items()
                if any(part in LORA_LEAVES for part in p)} if config is not None else None)

@@ -203,14 +203,15 @@ class LoraConfig:
     """LoRA's settings (Hu et al. 2021). The scale of B A x is alpha / rank. The default alpha
     is 16, twice the rank as in pfl-research's LLM benchmark and most recipes (peft's own
     default lora_alpha is 8, a scale of 1 at rank 8). ``dropout`` is kept for the peft files
-    only: the forward here is deterministic (no dropout on the adapters' input)."""
+    only: the forward here is deterministic (no dropout on the adapters' input). ``targets`` are
+    kept in the layer's order, "all-linear" expanded (see :func:`lora_targets_matching`)."""
     rank: int = 8
     alpha: float = 16.0
     targets: Tuple[str, ...] = ("q_proj", "v_proj")
     dropout: float = 0.0
 
     def __post_init__(self):
-        object.__setattr__(self, "targets", tuple(self.targets))
+        object.__setattr__(self, "targets", lora_targets_matching(None, self.targets))
         if self.rank < 1:
             raise ConfigError(f"the LoRA rank must be at least 1, not {self.rank}")
 
@@ -223,9 +224,9 @@ def lora_targets_matching(config: LlamaConfig, targets) -> Tuple[str, ...]:
     """The projections of every layer that `targets` names, in the layer's order.
 
     "all-linear" (peft's shorthand) names all seven; a name matching no projection raises
-    HFCheckpointError naming it. `config` is there for the day layers differ."""
+    HFCheckpointError naming it. `config` (may be None) is there for the day layers differ."""
     del config   # every layer of this architecture has the same seven projections
-    names = tuple(targets)
+    names = (targets,) if isinstance(targets, str) else tuple(targets)
     if "all-linear" in names:
         return PROJECTIONS
     unknown = [t for t in names if t not in PROJECTIONS]
