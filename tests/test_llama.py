@@ -281,6 +281,7 @@ def dot_operand_dtypes(jaxpr):
                 yield from dot_operand_dtypes(inner)
 
 
+@pytest.mark.slow   # three compiles (two gradients, one bfloat16 forward)
 def test_remat_and_bfloat16_compute():
     """nn.remat per layer changes memory, not the function: the same gradients (to float32
     reassociation, 1e-5). bfloat16 compute on a

@@ -177,7 +177,8 @@ def write_checkpoint(folder: str, config: LlamaConfig, params: Mapping[str, Any]
 
 def _shards(tensors: Mapping[str, np.ndarray], max_bytes: Optional[int]) -> list:
     """Names grouped in order into shards of at most `max_bytes` (one tensor may exceed it)."""
-    shards, size = [[]], 0
+    shards: list = [[]]
+    size = 0
     for name, array in tensors.items():
         if max_bytes is not None and shards[-1] and size + array.nbytes > max_bytes:
             shards.append([])

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, cast
 
 import flax.linen as nn
 import jax
@@ -130,7 +130,7 @@ class LlamaConfig:
     def from_hf(cls, hf: Mapping[str, Any]) -> "LlamaConfig":
         """From a config.json's dict (transformers 4's rope_theta/rope_scaling or 5's
         rope_parameters); HFCheckpointError naming what is not supported."""
-        model_type = hf.get("model_type")
+        model_type = str(hf.get("model_type"))
         archs = list(hf.get("architectures") or [ARCHITECTURES.get(model_type, "")])
         known = set(ARCHITECTURES.values())
         if model_type not in ARCHITECTURES or not set(archs) <= known:
@@ -220,7 +220,7 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
-def lora_targets_matching(config: LlamaConfig, targets) -> Tuple[str, ...]:
+def lora_targets_matching(config: Optional[LlamaConfig], targets) -> Tuple[str, ...]:
     """The projections of every layer that `targets` names, in the layer's order.
 
     "all-linear" (peft's shorthand) names all seven; a name matching no projection raises
@@ -242,7 +242,7 @@ def lora_targets_matching(config: LlamaConfig, targets) -> Tuple[str, ...]:
 def rope_inverse_frequencies(config: LlamaConfig, length: int) -> Tuple[np.ndarray, float]:
     """(inv_freq float32 [head_dim / 2], attention factor) of the rotary embedding for a call on
     `length` positions, as transformers' ROPE_INIT_FUNCTIONS compute them."""
-    rope, dim, base = config.rope, config.head_dim, config.rope_theta
+    rope, dim, base = config.rope, cast(int, config.head_dim), config.rope_theta
     kind = rope["rope_type"]
     if kind == "dynamic" and length > config.max_position_embeddings:
         factor = rope["factor"]   # NTK-aware base, recomputed for the longer call
@@ -275,7 +275,7 @@ def _yarn_frequencies(config: LlamaConfig, rope: Mapping[str, Any]) -> Tuple[np.
     """YaRN (Peng et al. 2023): interpolated frequencies below the band [beta_slow, beta_fast]
     rotations, extrapolated above, a linear ramp in it; cos and sin scaled by the attention
     factor 0.1 ln(factor) + 1 (or mscale / mscale_all_dim's ratio, or as given)."""
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = cast(int, config.head_dim), config.rope_theta   # filled in by __post_init__
     original = rope.get("original_max_position_embeddings") or config.max_position_embeddings
     factor = rope.get("factor") or config.max_position_embeddings / original
 
