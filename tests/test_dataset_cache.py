@@ -420,7 +420,8 @@ def test_preparing_images_leaves_no_temporary_folder_and_names_what_it_prepares(
 @pytest.mark.parametrize("flags, words", [
     (["--partition=dirichlet", "--dirichlet_alpha=0"], "--dirichlet_alpha must be > 0, got 0"),
     (["--partition=iid", "--num_clients=0"], "--num_clients must be at least 1, got 0"),
-    (["--partition=iid", "--max_train_clients=0"], "--max_train_clients must be at least 1"),
+    (["--partition=iid", "--num_clients=4", "--max_train_clients=0"],
+     "--max_train_clients must be at least 1, got 0"),
 ])
 def test_bad_partition_settings_write_no_cache(tmp_path, flags, words):
     """Refused with one line and exit 2 before anything is written: no dataset cache in
