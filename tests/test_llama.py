@@ -212,7 +212,9 @@ def test_resolve_base_model(tmp_path, monkeypatch):
                    match="not a folder; pass --download")
     one_line_error(resolve_base_model, str(tmp_path / "nowhere"), download=True,
                    match="neither a folder nor a hub id")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")   # offline: the hub is never reached
+    from huggingface_hub import constants   # read at its import: set both, whenever that was
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)   # offline: the hub is never reached
     one_line_error(resolve_base_model, "someone/no-such-model", download=True,
                    match="cannot be downloaded")
 
