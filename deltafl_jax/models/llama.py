@@ -143,6 +143,9 @@ class LlamaConfig:
         rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
         if rope.get("partial_rotary_factor") == 1.0:
             del rope["partial_rotary_factor"]
+        if rope["rope_type"] in ("llama3", "yarn"):   # as transformers 5 standardises it
+            rope.setdefault("original_max_position_embeddings",
+                            hf.get("max_position_embeddings", 2048))
         return cls(
             vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
             intermediate_size=int(hf["intermediate_size"]),
@@ -159,7 +162,8 @@ class LlamaConfig:
             pad_token_id=hf.get("pad_token_id"))
 
     def to_hf(self) -> Dict[str, Any]:
-        """A config.json dict that transformers 4.40+ and 5 load (rope in the 4.x keys)."""
+        """A config.json dict that transformers loads (rope_theta and rope_scaling as in
+        transformers 4: 5 reads them too; 4.43+ for a rope_scaling other than None)."""
         out = {"architectures": [ARCHITECTURES[self.model_type]], "model_type": self.model_type,
                "hidden_act": "silu", "initializer_range": INIT_STD, "attention_dropout": 0.0,
                "use_cache": True, "torch_dtype": "float32"}
