@@ -305,3 +305,19 @@ def test_remat_and_bfloat16_compute():
     out = np.asarray(jax.jit(apply)({"params": half}, ids))
     assert out.dtype == np.float32
     assert np.abs(out - expected).max() < 0.05 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("hf,published", [
+    # TinyLlama-1.1B (the base of pfl-research's LLM benchmark): untied, 32 heads on 4 kv heads
+    (dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+          num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4), 1_100_048_384),
+    # Qwen2-0.5B: tied, q/k/v biases, 14 heads on 2
+    (dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+          tie_word_embeddings=True), 494_032_768)])
+def test_real_shapes_count_their_published_parameters(hf, published):
+    """The tree of a real checkpoint's configuration (an abstract init: nothing allocated)
+    holds as many parameters as its model card says."""
+    from deltafl_jax.models.llama import param_shapes
+    shapes = param_shapes(LlamaConfig.from_hf(hf))
+    assert sum(int(np.prod(s)) for s in shapes.values()) == published
