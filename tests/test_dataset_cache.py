@@ -5,11 +5,15 @@
 - A damaged cache (a truncated or missing file, a missing checksums file) is detected on open by
   the recorded sizes and rebuilt on the next load with one warning line; the rebuilt data equal
   the original.
-- Opening costs O(metadata): open and read call no sha256. A file altered in place
+- Opening costs O(metadata): open and read hash no file of the cache (a load hashes its source's
+  files, to tell whether they still hold what was prepared). A file altered in place
   (same size) is caught by ``python -m data_prep.verify`` (exit 2, one line; 0 when whole), and
   when it breaks a read, by the full check that then runs (DamagedDataset: prepare again).
 - A second preparation of the same content keeps the installed copy; other content replaces it.
 - The temporary directory of a killed preparation on this host is removed by the next one.
+- A prepared copy is keyed by what its source files hold: a rewritten source file (the same size
+  and modification time included) is prepared again, saying so in one line; settings that no data
+  can meet are refused before any cache is written; tfds leaves no temporary folder.
 """
 
 import contextlib
@@ -225,7 +229,7 @@ def test_open_and_read_hash_nothing_verify_hashes_every_file(tmp_path, tiny_sour
         again = load_dataset(_config(data_dir, tiny_source))  # open_or_prepare, open, read
         info = prepared.open_prepared(data_dir, "shakespeare", prepared.config_name(10))
         prepared.read(info, "shakespeare")
-    assert hashed == []
+    assert hashed == ["tiny.md"]   # the source's play (is it what was prepared?), no cache file
     _assert_same(original, again)
     with count_hashing(monkeypatch) as hashed:
         assert cache.damage(path) is None  # the full check: each listed file once
@@ -377,13 +381,14 @@ def test_regenerated_idx_files_are_prepared_again(tmp_path, capsys, monkeypatch)
 
 
 def test_a_copy_prepared_before_sources_were_recorded(tmp_path, capsys):
-    """A cached copy without ``source_files`` (as this package wrote it before): kept while its
-    source holds the same images (nothing prepared), prepared again once it does not."""
+    """A cached copy without a record of its source files (as this package wrote it before; the
+    loaders read ``source_files`` with .get, so null stands for absent): kept while its source
+    holds the same images (nothing prepared), prepared again once it does not."""
     source, data_dir = str(tmp_path / "src"), str(tmp_path / "cache")
     first = _mnist(3)
     write_mnist(source, first)
     arrays, metadata = centralised.read_source("mnist", source, data_dir)
-    del metadata["source_files"]
+    metadata["source_files"] = None
     path = centralised.write_cache("mnist", data_dir, arrays, metadata)
     records = _records_file(path)
     stamp = os.stat(records).st_mtime_ns
@@ -439,3 +444,25 @@ def test_bad_partition_settings_write_no_cache(tmp_path, flags, words):
     assert words in lines[0]
     assert not data_dir.exists() and not out.exists()
     assert tree_snapshot(source) == before
+
+
+def test_source_change_of_a_large_source_hashes_only_files_whose_time_changed(tmp_path):
+    """cache.source_change without always_hash (a source above prepared.HASH_EVERY_LOAD): a file
+    of the recorded size and modification time is taken as it was (not read); another time
+    sends it to its sha256; another size is a change without reading it."""
+    path = tmp_path / "big.bin"
+    path.write_bytes(b"a" * 64)
+    recorded = cache.file_facts([str(path)])
+    ns = os.stat(path).st_mtime_ns
+    path.write_bytes(b"b" * 64)
+    os.utime(path, ns=(ns, ns))
+    assert cache.source_change(recorded, [str(path)], always_hash=False) is None
+    assert "another sha256" in cache.source_change(recorded, [str(path)], always_hash=True)
+    os.utime(path, ns=(ns + 10 ** 9, ns + 10 ** 9))
+    assert "another sha256" in cache.source_change(recorded, [str(path)], always_hash=False)
+    path.write_bytes(b"a" * 64)   # the recorded bytes again, a new time: no change
+    assert cache.source_change(recorded, [str(path)], always_hash=False) is None
+    path.write_bytes(b"a" * 65)
+    assert cache.source_change(recorded, [str(path)]) == f"{path} has 65 bytes, not 64"
+    assert cache.source_change(recorded, []) == f"{path} is no longer read"
+    assert cache.source_change({}, [str(path)]) == f"{path} is new"

@@ -183,11 +183,21 @@ def test_second_load_comes_from_the_prepared_array_record_files(plays, tmp_path)
     first = load_dataset(config)
     files = glob.glob(str(tmp_path / "cache" / "deltafl_shakespeare" / "min1" / "*" / "*"))
     assert any(".array_record-" in os.path.basename(f) for f in files)
-    # Rewrite the play: a load from the prepared dataset does not read the plays again.
-    (plays / "comedies" / "the-storm.md").write_text(PLAY.replace("Boatswain!", "Ho!"))
-    second = load_dataset(config)
+    # A second load reads the prepared dataset, not the plays (their parser is not called) ...
+    from deltafl_jax.datasets import shakespeare
+    real = shakespeare.build_roles
+    shakespeare.build_roles = lambda *a: (_ for _ in ()).throw(AssertionError("parsed again"))
+    try:
+        second = load_dataset(config)
+    finally:
+        shakespeare.build_roles = real
     np.testing.assert_array_equal(first.train.x, second.train.x)
     np.testing.assert_array_equal(first.test.y, second.test.y)
+    # ... until a play is rewritten: the prepared copy is keyed by what the plays hold.
+    (plays / "comedies" / "the-storm.md").write_text(PLAY.replace("Boatswain!", "Ho!"))
+    third = load_dataset(config)
+    assert not np.array_equal(np.concatenate([first.train.x.ravel(), first.test.x.ravel()]),
+                              np.concatenate([third.train.x.ravel(), third.test.x.ravel()]))
     assert "tensorflow" not in sys.modules
 
 

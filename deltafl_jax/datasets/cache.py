@@ -24,6 +24,16 @@ sha256 pass (:func:`check_files`) runs at preparation, in ``python -m data_prep.
 reading the metadata or the records fails (or gives inconsistent metadata): a file that then fails
 its sha256 is a :class:`DamagedDataset` telling the user to prepare it again. A byte altered in
 place that the reads survive (array_record's padding) is seen by ``data_prep.verify`` only.
+
+Its source. A prepared dataset is keyed by what its raw source held, not by its path alone: the
+metadata records the size, modification time and sha256 of every source file read
+(:func:`file_facts`; :func:`~deltafl_jax.datasets.prepared.write` records the files below
+``metadata["source"]`` unless the dataset names them), and a load that names its source compares
+the files there with the record (:func:`source_change`) and prepares the dataset again, with one
+line on stderr naming the file, when one changed. Sources up to
+:data:`~deltafl_jax.datasets.prepared.HASH_EVERY_LOAD` bytes are hashed at every such load; larger
+ones (a raw FEMNIST or StackOverflow of gigabytes) when a file's size or modification time
+changed.
 """
 
 from __future__ import annotations
@@ -250,13 +260,16 @@ def file_facts(paths: Sequence[str]) -> dict:
     return out
 
 
-def source_change(recorded: Mapping[str, Mapping], paths: Sequence[str]) -> Optional[str]:
+def source_change(recorded: Mapping[str, Mapping], paths: Sequence[str],
+                  always_hash: bool = True) -> Optional[str]:
     """None when the source files `paths` hold what `recorded` (their :func:`file_facts` at
     preparation) says, else a few words naming the first difference: a file read now that was
-    not then, or the other way round, another size, other contents (sha256). Every file is
-    hashed, whatever its size and modification time: a file rewritten in place keeps its size,
-    and a copy or an archive's extraction keeps a modification time; a modification time alone
-    (the same bytes, touched) is no change, as the prepared data would be the same."""
+    not then, or the other way round, another size, other contents (sha256). With
+    `always_hash`, every file is hashed whatever its size and modification time (a file
+    rewritten in place keeps its size, and a copy or an archive's extraction keeps a
+    modification time); without, only a file whose modification time changed (for sources too
+    large to hash at every load). A modification time alone (the same bytes, touched) is no
+    change, as the prepared data would be the same."""
     now, then = set(paths), set(recorded)
     if now != then:
         added, gone = sorted(now - then), sorted(then - now)
@@ -267,6 +280,8 @@ def source_change(recorded: Mapping[str, Mapping], paths: Sequence[str]) -> Opti
             size = os.path.getsize(path)
             if size != int(want["size"]):
                 return f"{path} has {size} bytes, not {want['size']}"
+            if not always_hash and os.stat(path).st_mtime_ns == int(want["mtime_ns"]):
+                continue
             if _file_sha256(path) != want["sha256"]:
                 return f"{path} holds other bytes: the same size, another sha256"
         except (OSError, KeyError, TypeError, ValueError) as err:

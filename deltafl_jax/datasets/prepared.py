@@ -130,6 +130,8 @@ def write(data_dir: str, name: str, config: str, spec: FeatureSpec, clients: Seq
     meta["client_ids"] = [str(c["client_id"]) for c in clients]
     meta["client_sizes"] = [int(len(c[first])) for c in clients]
     meta["arrays"] = sorted(arrays or {})
+    if "source_files" not in meta and isinstance(meta.get("source"), str):
+        meta["source_files"] = cache.file_facts(source_files(meta["source"]))
     side = dict(arrays or {})
     records_class = tfds_format.builder_class(name, spec, clients, meta, side, description)
     out_dir = dataset_path(data_dir, name, config)
@@ -190,12 +192,40 @@ def _open_checked(path: str, name: str, config: str) -> Prepared:
                     num_records=num_records)
 
 
+# A source of at most this many bytes is hashed at every load that names it; a larger one (a
+# raw FEMNIST or StackOverflow of gigabytes) only when a file's size or modification time changed.
+HASH_EVERY_LOAD = 512 << 20
+
+
+def source_files(source: str) -> List[str]:
+    """The files of the raw source `source` (absolute): the file itself, or every file below the
+    folder; none when it is not there."""
+    if os.path.isfile(source):
+        return [os.path.abspath(source)]
+    return sorted(os.path.abspath(os.path.join(here, f)) for here, _, files in os.walk(source)
+                  for f in files)
+
+
+def source_changed(info: Prepared, source: str) -> Optional[str]:
+    """Why the prepared `info` no longer holds what `source` does (a few words; None when it
+    does, when `source` is not there, or when `info` was prepared before sources were
+    recorded): :func:`deltafl_jax.datasets.cache.source_change` against the ``source_files``
+    that :func:`write` recorded (every file hashed up to :data:`HASH_EVERY_LOAD` bytes in all)."""
+    recorded = info.metadata.get("source_files")
+    if not isinstance(recorded, dict) or not os.path.exists(source):
+        return None
+    total = sum(int(f.get("size", 0)) for f in recorded.values())
+    return cache.source_change(recorded, source_files(source),
+                               always_hash=total <= HASH_EVERY_LOAD)
+
+
 def open_or_prepare(data_dir: str, name: str, min_client_examples: int,
                     prepare: Callable[[], Any], source: Optional[str] = None) -> Prepared:
     """The prepared dataset that serves clients of >= `min_client_examples` examples, calling
     `prepare()` (which writes config min<k>) when there is none, when `source` is given and
-    the prepared one was built from another source, or when it is damaged (one warning line on
-    stderr)."""
+    the prepared one was built from another source or its files changed since
+    (:func:`source_changed`; one line on stderr says which), or when it is damaged (one warning
+    line on stderr)."""
     config = find_config(data_dir, name, min_client_examples)
     info = None
     if config:
@@ -205,6 +235,11 @@ def open_or_prepare(data_dir: str, name: str, min_client_examples: int,
             print(f"deltafl_jax: warning: the prepared {name} at {err.path} is damaged "
                   f"({err.reason}); rebuilding it", file=sys.stderr, flush=True)
     if info is not None and source is not None and info.metadata.get("source") != source:
+        info = None
+    why = source_changed(info, source) if info is not None and source is not None else None
+    if why is not None:
+        print(f"deltafl_jax: the source of the prepared {name} changed since it was prepared "
+              f"({why}); preparing it again", file=sys.stderr, flush=True)
         info = None
     if info is None:
         prepare()
