@@ -4,7 +4,7 @@ tests/fixtures/llama/ holds tiny random models that transformers 5 wrote itself 
 run in a separate environment with torch, transformers and peft) with the float32 logits it
 computed for fixed ids: grouped- and multi-query attention, tied and untied heads, head_dim !=
 hidden/heads, linear, dynamic, llama3 and YaRN rope, Llama's biases, Qwen2's q/k/v biases in a
-bfloat16 file, a sharded index, and two peft adapters with nonzero A and B. The Flax model's
+bfloat16 file, a sharded index, Mistral's sliding window, and two peft adapters with nonzero A and B. The Flax model's
 logits must equal them within 1e-4 relative (Touvron et al. 2023; Hu et al. 2021). The slow tests
 also hand what we write back to transformers and peft (live_logits.py) where they are installed.
 """
@@ -30,7 +30,7 @@ from deltafl_jax.models.llama import Llama, LlamaConfig, LoraConfig, merge_param
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "llama")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ["llama_gqa", "llama_tied_linear", "llama_dynamic_bias", "llama3_untied", "llama_yarn",
-           "qwen2_bias_bf16"]
+           "qwen2_bias_bf16", "mistral_window"]
 ADAPTERS = [("llama_gqa", "adapter_qv"), ("qwen2_bias_bf16", "adapter_all")]
 RTOL = 1e-4
 
@@ -57,8 +57,8 @@ def test_logits_equal_transformers(name):
     config, params = read_checkpoint(os.path.join(FIXTURES, name))
     ids, expected = reference(name)
     assert_logits_equal(logits(config, params, ids), expected)
-    if config.rope_scaling:   # the recorded ids exercise the scaling: plain rope misses
-        plain = dataclasses.replace(config, rope_scaling=None)
+    if config.rope_scaling or config.sliding_window:   # the ids exercise them: without, a miss
+        plain = dataclasses.replace(config, rope_scaling=None, sliding_window=None)
         assert np.abs(logits(plain, params, ids) - expected).max() > 1e-2 * np.abs(expected).max()
 
 
@@ -74,6 +74,7 @@ def test_the_fixtures_cover_what_they_claim():
     assert os.path.isfile(os.path.join(FIXTURES, "llama3_untied", "model.safetensors.index.json"))
     _, qwen = read_checkpoint(os.path.join(FIXTURES, "qwen2_bias_bf16"))
     assert qwen["embed_tokens"]["embedding"].dtype.name == "bfloat16"
+    assert reference("mistral_window")[0].shape[1] > configs["mistral_window"].sliding_window
     assert {c.rope["rope_type"] for c in configs.values()} == {"default", "linear", "dynamic",
                                                                "llama3", "yarn"}
 
@@ -165,10 +166,14 @@ def test_bad_folders_fail_with_one_line(tmp_path):
     one_line_error(read_tokenizer, str(folder), match="has no tokenizer.json")
     with open(folder / "config.json") as f:
         hf = json.load(f)
-    for arch, model_type in [("MistralForCausalLM", "mistral"), ("GPT2LMHeadModel", "gpt2")]:
+    for arch, model_type in [("Gemma2ForCausalLM", "gemma2"), ("GPT2LMHeadModel", "gpt2")]:
         with open(folder / "config.json", "w") as f:
             json.dump(dict(hf, architectures=[arch], model_type=model_type), f)
         one_line_error(read_checkpoint, str(folder), match=f"architecture {arch} .* not supported")
+    with open(folder / "config.json", "w") as f:
+        json.dump(dict(hf, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                       use_sliding_window=True), f)
+    one_line_error(read_checkpoint, str(folder), match="use_sliding_window=true .* not supported")
     with open(folder / "config.json", "w") as f:
         json.dump(dict(hf, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), f)
     one_line_error(read_checkpoint, str(folder), match="rope_scaling type 'longrope'")
@@ -251,7 +256,8 @@ def live_logits(tmp_path, model_folder, ids, adapter_folder=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama3_untied", "qwen2_bias_bf16", "llama_tied_linear"])
+@pytest.mark.parametrize("name", ["llama3_untied", "qwen2_bias_bf16", "llama_tied_linear",
+                                  "mistral_window", "llama_dynamic_bias"])
 def test_transformers_loads_what_we_write(name, tmp_path):
     config, params = read_checkpoint(os.path.join(FIXTURES, name))
     write_checkpoint(str(tmp_path / "model"), config, params, max_shard_bytes=4000)

@@ -3,7 +3,8 @@
 The architecture is LLaMA's (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language
 Models", Sec. 2.2) as Hugging Face transformers implements it (``LlamaForCausalLM``,
 ``Qwen2ForCausalLM``), so the checkpoints of the Llama, TinyLlama, SmolLM and Qwen2 families load
-by renaming their tensors (:mod:`deltafl_jax.models.hf_checkpoint`):
+(and Mistral's, whose only difference is an optional sliding window) load by renaming their
+tensors (:mod:`deltafl_jax.models.hf_checkpoint`):
 
 - pre-normalisation with RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``,
   the statistic taken in float32;
@@ -15,7 +16,7 @@ by renaming their tensors (:mod:`deltafl_jax.models.hf_checkpoint`):
   (Peng et al. 2023, with its attention factor on cos and sin);
 - grouped-query attention (Ainslie et al. 2023): query head h reads key/value head
   ``h // (num_attention_heads / num_key_value_heads)``, causal, softmax in float32, scaled by
-  ``head_dim ** -0.5``;
+  ``head_dim ** -0.5``; with Mistral's ``sliding_window`` w, position i reads j > i - w only;
 - the SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``;
 - output head tied to the embedding or separate; q/k/v biases (Qwen2, or ``attention_bias``
   for Llama, which also puts one on o_proj).
@@ -49,7 +50,8 @@ import numpy as np
 from deltafl_jax.errors import ConfigError, HFCheckpointError
 
 # model_type -> the transformers class that reads it (config.json's "architectures").
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -92,6 +94,7 @@ class LlamaConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Any = None          # an int, or a tuple of ints as some checkpoints have
     pad_token_id: Optional[int] = None
+    sliding_window: Optional[int] = None   # Mistral's: position i attends to j > i - window
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -105,6 +108,11 @@ class LlamaConfig:
         if self.model_type not in ARCHITECTURES:
             raise HFCheckpointError(f"model_type {self.model_type!r} is not supported "
                                     f"(supported: {', '.join(ARCHITECTURES)})")
+        if self.model_type != "llama" and (self.attention_bias or self.mlp_bias):
+            raise HFCheckpointError(f"attention_bias/mlp_bias are Llama's; {self.model_type} "
+                                    f"fixes its biases")
+        if self.sliding_window is not None and self.model_type != "mistral":
+            raise HFCheckpointError(f"sliding_window is Mistral's, not {self.model_type}'s")
         if self.num_attention_heads % self.num_key_value_heads:
             raise HFCheckpointError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -123,8 +131,8 @@ class LlamaConfig:
 
     @property
     def o_bias(self) -> bool:
-        """Whether o_proj has a bias (Llama's attention_bias; never for Qwen2)."""
-        return self.attention_bias and self.model_type != "qwen2"
+        """Whether o_proj has a bias (Llama's attention_bias; never for Qwen2 or Mistral)."""
+        return self.attention_bias
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "LlamaConfig":
@@ -138,6 +146,7 @@ class LlamaConfig:
                 f"architecture {'/'.join(archs) or '?'} (model_type {model_type!r}) is not "
                 f"supported; supported: {', '.join(sorted(known))}")
         _check_hf_variant(hf)
+        llama = model_type == "llama"   # the biases are settings of Llama's only
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
         rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
@@ -156,8 +165,9 @@ class LlamaConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
             rope_scaling=None if rope["rope_type"] == "default" else tuple(sorted(rope.items())),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)), model_type=model_type,
+            attention_bias=llama and bool(hf.get("attention_bias", False)),
+            mlp_bias=llama and bool(hf.get("mlp_bias", False)), model_type=model_type,
+            sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
             bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"))
 
@@ -172,9 +182,12 @@ class LlamaConfig:
                 value = getattr(self, field.name)
                 out[field.name] = list(value) if isinstance(value, tuple) else value
         out["rope_scaling"] = self.rope if self.rope_scaling else None
-        if self.model_type == "qwen2":
+        if self.model_type != "llama":
             for key in ("attention_bias", "mlp_bias"):
                 del out[key]
+        if self.model_type != "mistral":
+            del out["sliding_window"]
+        if self.model_type == "qwen2":
             out["use_sliding_window"] = False
         return out
 
@@ -405,7 +418,10 @@ class Attention(_Projections):
         q = q.reshape(batch, length, kv, heads // kv, d)          # query head h = k*G + g
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k,
                             preferred_element_type=jnp.float32) * (d ** -0.5)
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))      # [T, S]: j <= i
+        if c.sliding_window is not None:                                 # and j > i - w
+            causal = causal & jnp.triu(jnp.ones((length, length), dtype=bool),
+                                       1 - c.sliding_window)
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # [B, KV, G, T, S]
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(batch, length, heads * d)
