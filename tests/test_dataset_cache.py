@@ -28,6 +28,7 @@ import pytest
 
 from deltafl_jax.datasets import (DataConfig, cache, centralised, load_centralised,
                                   load_dataset, prepared)
+from deltafl_jax.errors import DataError
 from test_image_datasets import tree_snapshot, write_mnist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -422,12 +423,39 @@ def test_preparing_images_leaves_no_temporary_folder_and_names_what_it_prepares(
     assert "2 clients" not in line
 
 
-@pytest.mark.parametrize("flags, words", [
+BAD_PARTITIONS = [
     (["--partition=dirichlet", "--dirichlet_alpha=0"], "--dirichlet_alpha must be > 0, got 0"),
     (["--partition=iid", "--num_clients=0"], "--num_clients must be at least 1, got 0"),
     (["--partition=iid", "--num_clients=4", "--max_train_clients=0"],
      "--max_train_clients must be at least 1, got 0"),
-])
+    (["--partition=dirichlet", "--min_partition_size=-1"],
+     "--min_partition_size must be >= 0, got -1"),
+]
+
+
+def _data_config(source, data_dir, flags):
+    settings = {"data_path": source, "data_dir": str(data_dir)}
+    for flag in flags:
+        name, value = flag[2:].split("=")
+        settings[name] = value if name == "partition" else float(value) \
+            if name == "dirichlet_alpha" else int(value)
+    return DataConfig("mnist", **settings)
+
+
+@pytest.mark.parametrize("flags, words", BAD_PARTITIONS)
+def test_bad_partition_settings_are_refused_before_the_cache(tmp_path, flags, words):
+    """load_dataset checks the settings before the loader prepares anything: the refusal names
+    the flag and --data_dir is not made."""
+    source = str(tmp_path / "src")
+    write_mnist(source, _mnist(6, 40, 20))
+    data_dir = tmp_path / "cache"
+    with pytest.raises(DataError, match=f"^{words}$"):
+        load_dataset(_data_config(source, data_dir, flags))
+    assert not data_dir.exists()
+
+
+@pytest.mark.slow   # a start-up of experiments.run (JAX) each; the fast test above, in-process
+@pytest.mark.parametrize("flags, words", BAD_PARTITIONS[:1])
 def test_bad_partition_settings_write_no_cache(tmp_path, flags, words):
     """Refused with one line and exit 2 before anything is written: no dataset cache in
     --data_dir, no output folder (the cache was written first before)."""

@@ -146,3 +146,35 @@ def test_a_stopped_run_of_other_settings_is_refused(tmp_path, capsys):
     code, err, stdout = run(capsys, out)
     assert code == 0, err
     assert "stopped before its first checkpoint; starting it afresh" in stdout
+
+
+def test_someones_summary_and_metrics_are_not_a_run(tmp_path, capsys):
+    """A run's file names that this package did not write (no marker, no run's own fields):
+    'not a run', with and without --overwrite (which replaced them before), nothing changed.
+    tests/test_output_folders.py checks the same by subprocess (slow)."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "summary.json").write_text(json.dumps({"accuracy": 0.91}) + "\n")
+    (folder / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "loss": 0.5}) + "\n")
+    for message in refused(capsys, folder):
+        assert message == (f"error: --output_dir={folder} is not a run of deltafl_jax: it holds "
+                           f"metrics.jsonl, summary.json but no deltafl_run.json, the mark of a "
+                           f"run this package wrote; choose a new or empty directory "
+                           f"(--overwrite replaces a run, never other files)")
+
+
+def test_an_output_dir_inside_a_run_is_refused(tmp_path, capsys):
+    """Inside a finished run (a copy of the one kept in tests/fixtures: its folder, or its
+    checkpoints/), with or without --overwrite: one line, exit 2, the run byte for byte as it
+    was."""
+    out = tmp_path / "run"
+    shutil.copytree(os.path.join(REPO, "tests", "fixtures", "resume_before_32"), out)
+    before = snapshot(out)
+    for inner in (out / "sub", out / "checkpoints"):
+        for flags in ((), ("--overwrite",)):
+            code, err, _ = run(capsys, inner, *flags)
+            lines = [l for l in err.splitlines() if l.strip()]
+            assert code == 2 and lines == [
+                f"error: --output_dir={inner} lies inside the run {os.path.realpath(out)}, "
+                f"which could then no longer be continued; choose a directory outside it"], err
+            assert snapshot(out) == before

@@ -375,6 +375,7 @@ def users_results(tmp_path):
     return folder
 
 
+@pytest.mark.slow   # two start-ups of experiments.run (JAX): test_output_dir checks it in-process
 def test_someones_summary_and_metrics_are_not_a_run(tmp_path):
     """Not "a finished run with other settings": a folder that is not a run, refused with and
     without --overwrite (which replaced the files before), nothing replaced."""
@@ -430,6 +431,7 @@ def test_a_run_written_before_the_marker_continues(tmp_path):
     assert timeless(out / outputs.METRICS) == timeless(fresh / outputs.METRICS)
 
 
+@pytest.mark.slow   # two start-ups of experiments.run (JAX): test_output_dir checks it in-process
 def test_a_run_inside_a_run_is_refused(finished_run):
     """--output_dir inside another run (its folder, or its checkpoints/): one line, exit 2,
     with or without --overwrite, the run left as it was."""
