@@ -12,16 +12,36 @@ EXPERIMENTS = os.path.join(os.path.dirname(HERE), "experiments")
 FLAGFILES = sorted(glob.glob(os.path.join(EXPERIMENTS, "*.flags")))
 
 
-def plan(name):
+# Flagfiles of other commands than experiments.run (tests/test_llm.py runs this one).
+OTHER_COMMANDS = {"pretrain_shakespeare.flags": "experiments.pretrain"}
+
+
+def plan(name, *extra):
     from experiments import run as runner
     runner.FLAGS.unparse_flags()
-    runner.parse_flags_or_fail(["run", f"--flagfile={os.path.join(EXPERIMENTS, name)}"])
+    runner.parse_flags_or_fail(["run", f"--flagfile={os.path.join(EXPERIMENTS, name)}", *extra])
     return runner.planned_configs()
 
 
-@pytest.mark.parametrize("path", FLAGFILES, ids=os.path.basename)
-def test_every_flagfile_gives_valid_configs(path):
-    configs = plan(os.path.basename(path))
+def _local_base(path):
+    """The --base_model folder a flagfile names when it is a local path (not a hub id to
+    download), else None."""
+    lines = [l.strip() for l in open(path) if l.strip().startswith("--")]
+    if "--download_base_model" in lines:
+        return None
+    return next((l.split("=", 1)[1] for l in lines if l.startswith("--base_model=")), None)
+
+
+@pytest.mark.parametrize("path", [p for p in FLAGFILES if os.path.basename(p) not in
+                                  OTHER_COMMANDS], ids=os.path.basename)
+def test_every_flagfile_gives_valid_configs(path, tmp_path):
+    extra = []
+    base = _local_base(path)
+    if base is not None and not os.path.isdir(base):   # the base another command writes
+        from llm_fixtures import tokenizer_folder       # (experiments.pretrain): a stand-in
+        tokenizer_folder(str(tmp_path / "base"))        # with its config and tokenizer
+        extra.append(f"--base_model={tmp_path / 'base'}")
+    configs = plan(os.path.basename(path), *extra)
     assert configs and all(c.output_dir for c in configs)
 
 

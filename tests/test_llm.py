@@ -282,3 +282,33 @@ def test_one_and_two_devices_agree(base, rows, tmp_path):
     with np.load(os.path.join(one, "clients.npz")) as a, np.load(os.path.join(two,
                                                                              "clients.npz")) as b:
         np.testing.assert_allclose(a["test_loss"], b["test_loss"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_pretrain_writes_a_checkpoint_of_the_other_plays(tmp_path):
+    """experiments.pretrain with its flagfile, shrunk: a folder that read_checkpoint loads and
+    whose Llama gives the logits of the trained parameters; roles.jsonl holds only the plays of
+    the other genres; transformers loads it where installed."""
+    out = str(tmp_path / "base")
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.pretrain",
+         "--flagfile=experiments/pretrain_shakespeare.flags", f"--output_dir={out}",
+         "--vocab_size=300", "--hidden_size=16", "--intermediate_size=32", "--num_layers=1",
+         "--max_length=32", "--steps=3", "--batch_size=2"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config, params = hf_checkpoint.read_checkpoint(out)
+    assert (config.vocab_size, config.hidden_size, config.max_position_embeddings) == (300, 16, 32)
+    rows = [json.loads(l) for l in open(os.path.join(out, "roles.jsonl"))]
+    genres = {r["play"].split("/")[0] for r in rows}
+    assert rows and not genres & {"histories", "problems"}
+    summary = json.load(open(os.path.join(out, "pretrain.json")))
+    assert summary["client_roles"] == len(rows) and np.isfinite(summary["losses"]["held_out"])
+    ids = np.array([hf_checkpoint.read_tokenizer(out).encode(rows[0]["text"][:80]).ids])
+    ours = np.asarray(llama.Llama(config).apply({"params": params}, jnp.asarray(ids)))
+    torch = pytest.importorskip("torch", reason="the llm-ref extra compares with transformers")
+    transformers = pytest.importorskip("transformers", reason="the llm-ref extra")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    with torch.no_grad():
+        theirs = ref(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
