@@ -324,12 +324,17 @@ def name_the_filter(head: str, filter: str) -> str:
     return head if filter == "exact" else f"{head} ({filter} filter)"
 
 
+PARTICIPATION_NAMES = {"fedau": "FedAU-corrected", "inverse": "1/p̂-corrected"}
+
+
 def column_name(label, options: DeltaFLOptions, head: str) -> str:
     """Delta-FL at theta = 1 is FedAvg (bit for bit) and is named so; the reference filter is
-    named."""
-    if float(label.theta) == 1.0:
+    named, and so is a participation correction ('Δ-FL, θ = 0.5 (FedAU-corrected)')."""
+    correction = PARTICIPATION_NAMES.get(getattr(options, "deltafl_participation", "none"))
+    if float(label.theta) == 1.0 and correction is None:
         return "FedAvg"
-    return name_the_filter(head, options.filter)
+    named = name_the_filter(head, options.filter)
+    return f"{named} ({correction})" if correction else named
 
 
 # --smoothing below this many float32 steps of a typical loss resolves nothing (see below).

@@ -19,13 +19,13 @@ and the share of completed updates dropped as stale.
 from __future__ import annotations
 
 import re
-import textwrap
 from typing import List, Optional, Sequence
 
 import numpy as np
 
 from deltafl_jax.evaluation.availability import QUINTILES
-from deltafl_jax.report.figures import method_styles, new_figure, percent_axis
+from deltafl_jax.report.figures import (error_limits, legend_below, legend_layout,
+                                        method_styles, new_figure, percent_axis, wrap_label)
 from deltafl_jax.report.tables import Column
 
 AVAILABILITY_STATS = (("mean", "mean"), ("p90", "p90"), ("worst10", "worst 10%"))
@@ -87,46 +87,134 @@ def quintile_ticks(rates: List[np.ndarray]) -> List[str]:
     return [f"{n}\n{r:.3g}" if np.isfinite(r) else n for n, r in zip(names, rates[0])]
 
 
+UNIFORM_RTOL = 1e-6
+
+
+def uniform_rate(cols: Sequence[Column]) -> Optional[float]:
+    """The rate every client has when the availability is the same for all (every quintile of
+    every family and column has the same mean rate, to within :data:`UNIFORM_RTOL`): the
+    quintiles are then a split by client index, not by availability; None otherwise (or when
+    no column has the split)."""
+    rates = [final_values(c, f"{family}_avail_q{j}_rate_mean")
+             for family in availability_families(cols) for c in cols
+             for j in range(1, QUINTILES + 1)]
+    rates = np.concatenate([r for r in rates if r is not None] or [np.zeros(0)])
+    rates = rates[np.isfinite(rates)]
+    if rates.size == 0 or not np.allclose(rates, rates[0], rtol=UNIFORM_RTOL, atol=0.0):
+        return None
+    return float(rates[0])
+
+
+def uniform_note(setting: str, rate: float) -> str:
+    """The report's note of a setting whose availability is the same for every client."""
+    return (f"{setting}: every client has the same availability ({rate:.3g}), so its "
+            f"'quintiles' would split the clients by index, not by availability; the "
+            f"availability figure shows one group of all clients")
+
+
+def whole_data(col: Column, family: str, stat: str):
+    """([1] mean over seeds, [1] min, [1] max) of the family's `stat` error over all its
+    clients (summary.json's ``{family}_error_{stat}``), or None."""
+    v = final_values(col, f"{family}_error_{stat}")
+    return None if v is None else (v.mean()[None], v.min()[None], v.max()[None])
+
+
+def draw_panel(ax, cols, family: str, stat: str, styles, uniform: bool) -> List[np.ndarray]:
+    """One panel: a line per method over the quintiles (a point per method with its min/max
+    whisker when `uniform`); returns the quintiles' mean rates of the methods drawn."""
+    rates = []
+    for j, c in enumerate(cols):
+        st = styles[c.label]
+        if uniform:
+            got = (whole_data(c, family, stat)
+                   if availability_data(c, family, stat) is not None else None)
+            if got is not None:
+                mean, lo, hi = got
+                x = np.array([1.0 + 0.6 * ((j + 0.5) / len(cols) - 0.5)])
+                ax.errorbar(x, mean, yerr=np.stack([mean - lo, hi - mean]), color=st.color,
+                            marker=st.marker, linestyle="none", label=c.label, markersize=5,
+                            capsize=2)
+            continue
+        got = availability_data(c, family, stat)
+        if got is None:
+            continue
+        rate, mean, lo, hi = got
+        rates.append(rate)
+        x = np.arange(1, QUINTILES + 1)
+        ax.plot(x, mean, color=st.color, marker=st.marker, linestyle=st.linestyle,
+                label=c.label, markersize=4)
+        ax.fill_between(x, lo, hi, color=st.color, alpha=0.2, linewidth=0)
+    return rates
+
+
 def availability_figure(cols: Sequence[Column]):
     """The error against availability: one row of panels per family, one column per
     statistic (mean, p90, worst-10% mean, in %), the x axis the availability quintile of the
     family's clients (q1 the least available, with its mean rate), a line per method in its
-    style (mean over seeds, band min/max over seeds); None when no run has the split."""
+    style (mean over seeds, band min/max over seeds); None when no run has the split. When
+    every client has the same availability (:func:`uniform_rate`) the quintiles mean nothing:
+    one group of all clients instead, a point per method (whisker: min/max over seeds), and
+    the title says why."""
     families = availability_families(cols)
     if not families:
         return None
     styles = method_styles([c.label for c in cols])
+    rate = uniform_rate(cols)
     fig, axes = new_figure(len(families), len(AVAILABILITY_STATS), 11.0,
-                           2.9 * len(families) + 0.8, sharex=True)
-    x = np.arange(1, QUINTILES + 1)
+                           2.9 * len(families) + 1.0 +
+                           legend_layout([c.label for c in cols], 11.0)[1], sharex=True)
     for f, family in enumerate(families):
         rates = []
         for s, (stat, name) in enumerate(AVAILABILITY_STATS):
             ax = axes[f][s]
-            for c in cols:
-                got = availability_data(c, family, stat)
-                if got is None:
-                    continue
-                rate, mean, lo, hi = got
-                rates.append(rate)
-                st = styles[c.label]
-                ax.plot(x, mean, color=st.color, marker=st.marker, linestyle=st.linestyle,
-                        label=c.label, markersize=4)
-                ax.fill_between(x, lo, hi, color=st.color, alpha=0.15, linewidth=0)
+            rates += draw_panel(ax, cols, family, stat, styles, rate is not None)
             percent_axis(ax.yaxis)
+            error_limits(ax)
             ax.grid(alpha=0.3)
-            ax.set_title(textwrap.fill(f"{family_text(family)}: {name}", 34), fontsize=9)
+            ax.set_title(wrap_label(f"{family_text(family)}: {name}", 34), fontsize=9)
         axes[f][0].set_ylabel("error (%)", fontsize=8)
         for ax in axes[f]:
-            ax.set_xticks(x, quintile_ticks(rates))
+            if rate is None:
+                ax.set_xticks(np.arange(1, QUINTILES + 1), quintile_ticks(rates), fontsize=8)
+            else:
+                ax.set_xticks([1.0], [f"all clients\n(rate {rate:.3g} each)"], fontsize=8)
+                ax.set_xlim(0.5, 1.5)
     for ax in axes[-1]:
-        ax.set_xlabel("availability quintile (mean rate)", fontsize=8)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, fontsize=7, loc="outside right center")
-    fig.suptitle(f"{cols[0].setting}: error by availability quintile (q1: least available; "
-                 f"line: mean over seeds, band: min/max over seeds)", fontsize=10)
+        ax.set_xlabel("availability quintile (mean rate)" if rate is None else
+                      "one group: the availability is the same for every client", fontsize=8)
+    legend_below(fig, *axes[0][0].get_legend_handles_labels())
+    what = ("error by availability quintile (q1: least available; line: mean over seeds, "
+            "band: min/max over seeds)") if rate is None else (
+        f"error of all clients (every client's availability is {rate:.3g}: quintiles would "
+        f"split them by index, not by availability; point: mean over seeds, whisker: min/max)")
+    fig.suptitle(wrap_label(f"{cols[0].setting}: {what}", 120), fontsize=10)
     return fig
+
+
+TAIL_STATS = (("p90", "p90"), ("worst10", "worst 10%"))
+
+
+def tail_table(cols: Sequence[Column], family: str) -> Optional[str]:
+    """The markdown table of the tail by availability quintile beside the figure: a row per
+    method and tail statistic (p90, worst-10% mean) of the family's error, a column per
+    quintile (% mean over seeds, [min, max] over seeds), the quintiles' mean rate in the header
+    when every row has the same; None when no column has the split."""
+    rows, rates = [], []
+    for c in cols:
+        for stat, name in TAIL_STATS:
+            got = availability_data(c, family, stat)
+            if got is None:
+                continue
+            rates.append(got[0])
+            per_seed = np.stack([final_values(c, f"{family}_avail_q{j}_error_{stat}")
+                                 for j in range(1, QUINTILES + 1)])          # [5, S]
+            rows.append(f"| {c.label} | {name} | " +
+                        " | ".join(percent_cell(v) for v in per_seed) + " |")
+    if not rows:
+        return None
+    heads = [t.replace("\n", " (") + (")" if "\n" in t else "") for t in quintile_ticks(rates)]
+    return "\n".join(["| method | statistic | " + " | ".join(heads) + " |",
+                      "|---|---|" + "---|" * QUINTILES, *rows])
 
 
 def family_text(family: str) -> str:

@@ -16,7 +16,9 @@ import numpy as np
 
 from deltafl_jax.evaluation.metrics import PERCENTILE_METHODS
 from deltafl_jax.report import figures
-from deltafl_jax.report.availability import SHARE_NOTE, availability_figure, share_table
+from deltafl_jax.report.availability import (SHARE_NOTE, availability_families,
+                                             availability_figure, share_table, tail_table,
+                                             family_text, uniform_note, uniform_rate)
 from deltafl_jax.report.io import Run
 from deltafl_jax.report.partition import partition_figure
 from deltafl_jax.report.rows import tidy_rows, write_csv
@@ -46,6 +48,7 @@ FILES_SECTION = [
 
 Figure = Tuple[str, str, str]   # (setting, caption, file name)
 CLOCK_FIGURE = "virtual_time_error_"   # the error against virtual time, then the drop table
+AVAILABILITY_FIGURE = "availability_error_"   # then the tail by availability quintile
 
 
 def slug(text: str) -> str:
@@ -69,38 +72,88 @@ def run_notes(runs: Sequence[Run], percentile: str = "lower") -> List[str]:
     return notes
 
 
-def setting_figures(sc: Sequence[Column], setting: str, percentile: str, notes: List[str]):
-    """(figure, file name, caption) of one setting's figures; notes the missing curves."""
-    name = slug(setting)
-    out = [(figures.histogram_figure(sc, "test", "error", percentile),
-            f"fig4_hist_test_error_{name}.png",
-            "Fig. 4: histogram of the per-client test misclassification error"),
-           (figures.histogram_figure(sc, "train", "loss", percentile),
-            f"fig12_hist_train_loss_{name}.png",
-            "Figs. 12–13: histogram of the per-client train loss (α-weighted)"),
-           (figures.scatter_figure(sc), f"fig5_scatter_{name}.png",
-            "Fig. 5: train loss and test error per client against its number of examples")]
+def paged(name: str, k: int, count: int) -> str:
+    """'fig5_scatter_x.png' -> 'fig5_scatter_x_p2.png' for the k-th (0-based) of several pages."""
+    return name if count == 1 else name.replace(".png", f"_p{k + 1}.png")
+
+
+def grid_figures(sc: Sequence[Column], name: str, percentile: str):
+    """Figs. 4, 12 and 5, each on as many pages as the methods need
+    (:data:`~deltafl_jax.report.figures.PAGE_METHODS`), a page's caption naming its methods."""
+    out = []
+    styles = figures.method_styles([c.label for c in sc])
+    for kind, draw, file, caption in (
+            ("histogram", lambda cs: figures.histogram_figure(cs, "test", "error", percentile,
+                                                              styles),
+             f"fig4_hist_test_error_{name}.png",
+             "Fig. 4: histogram of the per-client test misclassification error"),
+            ("histogram", lambda cs: figures.histogram_figure(cs, "train", "loss", percentile,
+                                                              styles),
+             f"fig12_hist_train_loss_{name}.png",
+             "Figs. 12–13: histogram of the per-client train loss (α-weighted)"),
+            ("scatter", lambda cs: figures.scatter_figure(cs, styles), f"fig5_scatter_{name}.png",
+             "Fig. 5: train loss and test error per client against its number of examples")):
+        chunks = figures.pages(sc, figures.PAGE_METHODS[kind])
+        for k, chunk in enumerate(chunks):
+            part = f" (page {k + 1} of {len(chunks)}: {chunk[0].label} to {chunk[-1].label})" \
+                if len(chunks) > 1 else ""
+            out.append((draw(chunk), paged(file, k, len(chunks)), caption + part))
+    return out
+
+
+def round_figures(sc: Sequence[Column], name: str, percentile: str, notes: List[str]):
+    """Figs. 6-11 and 16: one figure per kind of round (synchronous rounds, asynchronous server
+    steps: :func:`~deltafl_jax.report.figures.round_axis`), never both on one axis; notes the
+    missing curves."""
+    setting = sc[0].setting
     no_curves = [c.label for c in sc
                  if figures.curve_data(c, "train_loss_mean", percentile) is None]
     if no_curves:
         why = ("neither clients_history.npz nor metrics.jsonl" if percentile == "lower" else
                f"no clients_history.npz to recompute {percentile} percentiles from")
         notes.append(f"{setting}: no curves for {', '.join(no_curves)} ({why})")
-    if len(no_curves) < len(sc):
-        out.append((figures.curves_figure(sc, percentile), f"fig6_curves_{name}.png",
-                    "Figs. 6–11: train loss and test error over rounds"))
-    if any(figures.kept_data(c) is not None for c in sc):
-        out.append((figures.kept_figure(sc), f"fig16_kept_clients_{name}.png",
-                    "Fig. 16: clients kept per round"))
+    styles = figures.method_styles([c.label for c in sc])
+    groups: Dict[str, List[Column]] = {}
+    for c in sc:
+        groups.setdefault(figures.round_axis(c), []).append(c)
+    out = []
+    for axis, cols in groups.items():
+        tail = "" if axis == figures.ROUND_AXIS or len(groups) == 1 else "_server_steps"
+        what = ("" if axis == figures.ROUND_AXIS else
+                " (asynchronous methods: against server steps, apart from synchronous rounds)")
+        if any(c.label not in no_curves for c in cols):
+            out.append((figures.curves_figure(cols, percentile, axis, styles),
+                        f"fig6_curves_{name}{tail}.png",
+                        "Figs. 6–11: train loss and test error over "
+                        f"{'rounds' if axis == figures.ROUND_AXIS else 'server steps'}{what}"))
+        if any(figures.kept_data(c) is not None for c in cols):
+            out.append((figures.kept_figure(cols, axis, styles),
+                        f"fig16_kept_clients_{name}{tail}.png",
+                        ("Fig. 16: clients kept per round" if axis == figures.ROUND_AXIS else
+                         "Fig. 16: updates aggregated per server step") + what))
+    return out
+
+
+def setting_figures(sc: Sequence[Column], setting: str, percentile: str, notes: List[str]):
+    """(figure, file name, caption) of one setting's figures; notes the missing curves."""
+    name = slug(setting)
+    out = grid_figures(sc, name, percentile) + round_figures(sc, name, percentile, notes)
     personal = figures.personal_figure(sc, percentile)
     if personal is not None:
         out.append((personal, f"personal_held_out_error_{name}.png",
-                    "Personalised evaluation: held-out error (mean, p90, worst 10%) of unseen "
-                    "devices and seen clients, without and after adaptation"))
+                    "Held-out error (mean, p90, worst 10%) of unseen devices and seen clients "
+                    "(--client_holdout), of the model each is served"
+                    + (", without and after adaptation" if any(
+                        "_ft" in f for f in figures.personal_families(sc)) else "")))
     by_availability = availability_figure(sc)
     if by_availability is not None:
-        out.append((by_availability, f"availability_error_{name}.png",
-                    "The error (mean, p90, worst 10%) by availability quintile of the clients"))
+        rate = uniform_rate(sc)
+        if rate is not None:
+            notes.append(uniform_note(setting, rate))
+        out.append((by_availability, f"{AVAILABILITY_FIGURE}{name}.png",
+                    "The error (mean, p90, worst 10%) by availability quintile of the clients"
+                    if rate is None else "The error (mean, p90, worst 10%) of all clients: "
+                    "the availability is the same for every client, no quintiles"))
     by_clock = virtual_time_figure(sc, percentile)
     if by_clock is not None:
         out.append((by_clock, f"{CLOCK_FIGURE}{name}.png",
@@ -253,8 +306,62 @@ def markdown(runs: Sequence[Run], cols: Sequence[Column], percentile: str,
         if name.startswith(CLOCK_FIGURE):
             drops = drop_table([c for c in cols if c.setting == setting])
             md += [] if drops is None else [f"{DROP_NOTE}", "", drops, ""]
+        if name.startswith(AVAILABILITY_FIGURE):
+            md += tail_section([c for c in cols if c.setting == setting])
     md += updates_section(cols)
     return "\n".join(md + FILES_SECTION)
+
+
+TAIL_NOTE = ("The tail by availability quintile: the 90th percentile and the worst-10% mean "
+             "of the error of each quintile's clients (q1 the least available fifth, with the "
+             "quintile's mean rate; % mean over seeds, [min, max] over seeds), as the figure "
+             "above draws them.")
+
+
+def tail_section(cols: Sequence[Column]) -> List[str]:
+    """The tables of the tail by availability quintile, one per family, beside the availability
+    figure; [] when the availability is the same for every client (its quintiles would split
+    the clients by index: :func:`~deltafl_jax.report.availability.uniform_rate`)."""
+    if uniform_rate(cols) is not None:
+        return []
+    out: List[str] = []
+    for family in availability_families(cols):
+        table = tail_table(cols, family)
+        if table is not None:
+            out += [f"*{family_text(family)}.* {TAIL_NOTE}", "", table, ""]
+    return out
+
+
+def setup_of(run: Run) -> Dict[str, str]:
+    """What a report row may pool that changes what its numbers mean: the round budget,
+    synchronous rounds or asynchronous server steps, the availability and the device speeds."""
+    cfg = run.config
+    asynchronous = any(figures.asynchronous(lab.algorithm) for lab in run.labels)
+    return {"rounds": f"{cfg.get('num_rounds', '?')} "
+                      f"{'server steps' if asynchronous else 'rounds'}",
+            "availability": f"availability {cfg.get('availability', 'none')}",
+            "speeds": f"device speeds {cfg.get('client_speed', 'none')}"}
+
+
+def pooled_notes(cols: Sequence[Column]) -> List[str]:
+    """A note per row (setting) whose runs differ in set-up (:func:`setup_of`): what differs
+    and which runs have which, since the row's cells and figures put them side by side."""
+    notes: List[str] = []
+    for setting in settings(cols):
+        runs = {run.path: run for c in cols if c.setting == setting for run, _ in c.parts}
+        setups = {run.name: setup_of(run) for run in runs.values()}
+        parts = []
+        for key in ("rounds", "availability", "speeds"):
+            by_value: Dict[str, List[str]] = {}
+            for name, setup in setups.items():
+                by_value.setdefault(setup[key], []).append(name)
+            if len(by_value) > 1:
+                parts.append("; ".join(f"{v} ({', '.join(sorted(n))})"
+                                       for v, n in by_value.items()))
+        if parts:
+            notes.append(f"{setting}: pools runs of different set-ups in one row (its tables "
+                         f"and figures): " + " | ".join(parts))
+    return notes
 
 
 def updates_section(cols: Sequence[Column]) -> List[str]:
@@ -290,7 +397,7 @@ def write_report(runs: Sequence[Run], out_dir: str, percentile: str = "lower",
     log = log or (lambda s: None)
     every = columns(runs)
     cols = best_columns(every, percentile) if best else every
-    notes = run_notes(runs, percentile)
+    notes = run_notes(runs, percentile) + pooled_notes(cols)
     drawn: Dict[str, Any] = {}
     with staged(out_dir) as tmp:
         saved = save_figures(cols, tmp, percentile, dpi, notes, drawn)

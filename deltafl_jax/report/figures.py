@@ -19,8 +19,9 @@ both stay visible.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import textwrap
+import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -82,11 +83,12 @@ def log_size_axis(axis) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
-# Okabe & Ito's colour-blind-safe palette (Color Universal Design, 2008), black last.
-PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442",
-           "#000000")
-MARKERS = ("o", "s", "^", "D", "v", "P", "X")     # 7, coprime with 8: (colour, marker) pairs
-LINESTYLES = ("-", "--", "-.", ":")              # differ for the first 56 methods
+# Okabe & Ito's colour-blind-safe palette (Color Universal Design, 2008), black last, without
+# its yellow (#F0E442: a contrast of 1.3 against white, a line or band nearly invisible).
+PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#000000")
+MIN_CONTRAST = 2.0      # WCAG contrast ratio of every colour against the white background
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "p", "h", "*", "d", "H", "8")
+LINESTYLES = ("-", "--", "-.", ":")              # change each time the palette starts over
 HATCHES = ("", "////", "....", "xxxx")            # bars: one per round of the palette
 
 
@@ -94,19 +96,77 @@ HATCHES = ("", "////", "....", "xxxx")            # bars: one per round of the p
 class Style:
     """How a figure draws one method: colour, marker, line style and (bars) hatching."""
     color: str
-    marker: str
+    marker: object      # a matplotlib marker: a name, or (sides, 0 polygon / 1 star, angle)
     linestyle: str
     hatch: str
 
 
+def relative_luminance(rgb) -> np.ndarray:
+    """[...] WCAG 2.x relative luminance of sRGB colours [..., 3] in [0, 1]."""
+    rgb = np.asarray(rgb, np.float64)
+    lin = np.where(rgb <= 0.04045, rgb / 12.92, ((rgb + 0.055) / 1.055) ** 2.4)
+    return lin @ np.array([0.2126, 0.7152, 0.0722])
+
+
+def cielab(rgb) -> np.ndarray:
+    """[..., 3] CIE L*a*b* (D65) of sRGB colours [..., 3] in [0, 1]."""
+    rgb = np.asarray(rgb, np.float64)
+    lin = np.where(rgb <= 0.04045, rgb / 12.92, ((rgb + 0.055) / 1.055) ** 2.4)
+    xyz = lin @ np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722],
+                          [0.0193, 0.1192, 0.9505]]).T / np.array([0.95047, 1.0, 1.08883])
+    f = np.where(xyz > (6 / 29) ** 3, np.cbrt(xyz), xyz / (3 * (6 / 29) ** 2) + 4 / 29)
+    return np.stack([116 * f[..., 1] - 16, 500 * (f[..., 0] - f[..., 1]),
+                     200 * (f[..., 1] - f[..., 2])], axis=-1)
+
+
+@functools.lru_cache(maxsize=1)
+def colour_candidates() -> np.ndarray:
+    """[K, 3] sRGB colours a method past :data:`PALETTE` may take: a grid of hues, saturations
+    and values, kept where the contrast against white is at least :data:`MIN_CONTRAST`."""
+    from matplotlib.colors import hsv_to_rgb
+    hsv = np.array([(h / 36.0, s, v) for h in range(36) for s in (0.55, 0.8, 1.0)
+                    for v in (0.4, 0.6, 0.8)])
+    rgb = hsv_to_rgb(hsv)
+    return rgb[1.05 / (relative_luminance(rgb) + 0.05) >= MIN_CONTRAST]
+
+
+_COLOURS: List[str] = list(PALETTE)
+
+
+def colour(i: int) -> str:
+    """The i-th method's colour: :data:`PALETTE`, then, one at a time, the candidate
+    (:func:`colour_candidates`) farthest in CIELAB from every colour given so far (the
+    greedy farthest-point rule), so that any count of methods gets distinct colours."""
+    from matplotlib.colors import to_hex, to_rgb
+    while len(_COLOURS) <= i:
+        cand = colour_candidates()
+        taken = cielab(np.array([to_rgb(c) for c in _COLOURS]))          # [M, 3]
+        far = np.linalg.norm(cielab(cand)[:, None] - taken[None], axis=-1).min(axis=1)
+        _COLOURS.append(to_hex(cand[int(np.argmax(far))]))
+    return _COLOURS[i]
+
+
+def marker(i: int):
+    """The i-th method's marker: :data:`MARKERS`, then regular polygons and stars of 3 to 8
+    sides turned by an odd multiple of 1/8, 1/16, ... of their symmetry angle 360°/sides (the
+    named markers are turned by 0, 1/4, 1/2 or 3/4 of it), so every method has its own."""
+    if i < len(MARKERS):
+        return MARKERS[i]
+    j = i - len(MARKERS)
+    turn, k = j // 12, 3                 # the turn-th odd fraction of 1/8, 1/16, ...
+    while turn >= 2 ** (k - 1):
+        turn, k = turn - 2 ** (k - 1), k + 1
+    sides = 3 + j % 6
+    return (sides, (j // 6) % 2, 360.0 / sides * (2 * turn + 1) / 2 ** k)
+
+
 def style(i: int) -> Style:
-    """The style of the i-th method of a report (0-based, in the report's order): colours
-    cycle through :data:`PALETTE`, markers through :data:`MARKERS`, and the line style and
-    the bars' hatching change each time the colours start over, so that no two of the first
-    32 methods look alike in any figure and the first eight have eight different colours."""
+    """The style of the i-th method of a report (0-based, in the report's order): its own
+    colour (:func:`colour`) and its own marker (:func:`marker`) for any count of methods, the
+    line style and the bars' hatching changing each time the palette's colours are used up."""
     turn = i // len(PALETTE)
-    return Style(PALETTE[i % len(PALETTE)], MARKERS[i % len(MARKERS)],
-                 LINESTYLES[turn % len(LINESTYLES)], HATCHES[turn % len(HATCHES)])
+    return Style(colour(i), marker(i), LINESTYLES[turn % len(LINESTYLES)],
+                 HATCHES[turn % len(HATCHES)])
 
 
 def method_styles(labels: Sequence[str]) -> Dict[str, Style]:
@@ -133,17 +193,104 @@ def identical_to(named_arrays: Sequence[Tuple[str, Optional[np.ndarray]]]) -> Di
     return out
 
 
+def wrap_label(text: str, width: int = 30) -> str:
+    """`text` on lines of at most `width` characters where it can: broken at spaces, and a
+    word longer than `width` after one of '_', '/', '-', ',' or ']' in it, never between two
+    letters or digits ('trace_fedscale_trace' -> 'trace_fedscale_' / 'trace')."""
+    pieces: List[Tuple[str, str]] = []        # (joiner to the previous piece, piece)
+    for word in text.split():
+        joiner = " "
+        while len(word) > width:
+            cuts = [m.end() for m in re.finditer(r"[_/\-,\]]", word[:width])]
+            if not cuts:
+                break
+            pieces.append((joiner, word[:cuts[-1]]))
+            word, joiner = word[cuts[-1]:], ""
+        pieces.append((joiner, word))
+    lines: List[str] = []
+    for joiner, piece in pieces:
+        if lines and len(lines[-1]) + len(joiner) + len(piece) <= width:
+            lines[-1] += joiner + piece
+        else:
+            lines.append(piece)
+    return "\n".join(lines)
+
+
 def title_text(label: str, same_as: Optional[str] = None, width: int = 30) -> str:
-    """A panel title: the method's label wrapped to `width` characters, then '(identical to
-    X)' when its values are those of an earlier method."""
-    text = textwrap.fill(label, width)
-    return text + (f"\n(identical to {same_as})" if same_as else "")
+    """A panel title: the method's label wrapped to `width` characters (:func:`wrap_label`),
+    then '(identical to X)' when its values are those of an earlier method."""
+    text = wrap_label(label, width)
+    return text + ("\n" + wrap_label(f"(identical to {same_as})", width) if same_as else "")
 
 
 def panel_grid(n: int, max_cols: int = 4) -> Tuple[int, int]:
     """(rows, columns) of a grid of n panels, at most `max_cols` wide."""
     cols = max(1, min(n, max_cols))
     return math.ceil(n / cols), cols
+
+
+# Methods per figure file of the per-method grids: fig4/12 at most 4 rows of 4 panels (10.8 in,
+# 1,190 px at the report's 110 dpi), fig5 at most 2 rows of method pairs of panels (9.8 in);
+# a setting with more methods gets several pages (:func:`pages`).
+PAGE_METHODS = {"histogram": 16, "scatter": 8}
+
+
+def pages(items: Sequence, per_page: int) -> List[List]:
+    """`items` cut into pages of at most `per_page`, as equal as the count allows."""
+    items = list(items)
+    count = max(1, math.ceil(len(items) / per_page))
+    size = math.ceil(len(items) / count)
+    return [items[k:k + size] for k in range(0, len(items), size)] or [[]]
+
+
+LEGEND_CHAR_IN = 0.06     # about the width of a character of the legends' 7-point font
+LEGEND_ROW_IN = 0.17      # and the height of one of their rows, in inches
+
+
+def legend_layout(labels: Sequence[str], width: float) -> Tuple[int, float]:
+    """(columns, height in inches) of a legend of `labels` below the axes of a figure `width`
+    inches wide: as many columns of the longest label as fit, so that the axes keep their
+    width whatever the count and length of the methods' labels."""
+    longest = max([len(line) for t in labels for line in t.split("\n")] or [1])
+    ncols = max(1, min(len(labels), int((width - 0.3) // (LEGEND_CHAR_IN * longest + 0.6))))
+    return ncols, LEGEND_ROW_IN * math.ceil(len(labels) / ncols) + 0.2
+
+
+def legend_below(fig, handles, labels) -> None:
+    """The figure's legend below its axes, in :func:`legend_layout`'s columns (a figure made
+    with that layout's height added)."""
+    if handles:
+        ncols, _ = legend_layout(labels, fig.get_size_inches()[0])
+        fig.legend(handles, labels, fontsize=7, loc="outside lower center", ncols=ncols)
+
+
+def error_limits(ax) -> None:
+    """The y range of an axis of errors (fractions) kept to [0, 1] and a margin of 5% of the
+    range above 1: matplotlib widens a flat line of zeros to [-0.05, 0.05], an error below 0
+    that no run can have (and a flat line of ones to [0.95, 1.05])."""
+    lo, hi = ax.get_ylim()
+    lo = max(lo, 0.0)
+    hi = min(hi, 1.0 + 0.05 * (1.0 - lo)) if lo < 1.0 else hi
+    ax.set_ylim(lo, hi if hi > lo else lo + 0.05)
+
+
+ROUND_AXIS = "communication round"
+STEP_AXIS = "server step (one aggregation of a buffer of updates)"
+
+
+def round_axis(col: Column) -> str:
+    """What the rounds of a column's runs count: :data:`STEP_AXIS` for an asynchronous method
+    (FedBuff, FedAsync: a round is a server step, one aggregation of K updates computed on
+    older models), else :data:`ROUND_AXIS` (a synchronous round of a cohort)."""
+    return STEP_AXIS if asynchronous(col.run.labels[col.replicas[0]].algorithm) else ROUND_AXIS
+
+
+def asynchronous(algorithm: str) -> bool:
+    """Whether the registry's `algorithm` aggregates asynchronously (its spec's
+    ``asynchronous`` server step); False for an algorithm that is not registered."""
+    from deltafl_jax.algorithms import registry
+    spec = registry.find(algorithm)
+    return spec is not None and spec.asynchronous is not None
 
 
 def histogram_data(col: Column, split: str = "test", quantity: str = "error"):
@@ -200,19 +347,20 @@ def histogram_bins(data, quantity: str) -> np.ndarray:
 
 
 def histogram_figure(cols: Sequence[Column], split: str = "test", quantity: str = "error",
-                     percentile: str = "lower"):
+                     percentile: str = "lower", styles: Optional[Dict[str, Style]] = None):
     """Fig. 4 (Figs. 12-13): one panel per method in a grid of at most four columns, in the
     report's order, shared bins (:func:`histogram_bins`), bars = fraction of clients
     (alpha-weighted for training clients, see :func:`histogram_data`) in the method's colour;
     the dashed line is the table's 90th percentile (:func:`mark_p90`). A method whose values
-    equal an earlier one's says so in its title."""
+    equal an earlier one's says so in its title. `styles`: the report's, when `cols` is a
+    page of a setting's methods (:func:`pages`)."""
     n = len(cols)
     rows, ncols = panel_grid(n)
     fig, axes = new_figure(rows, ncols, 2.9 * ncols + 0.5, 2.5 * rows + 0.8, sharex=True,
                            sharey=True)
     data = [histogram_data(c, split, quantity) for c in cols]
     bins = histogram_bins(data, quantity)
-    styles = method_styles([c.label for c in cols])
+    styles = styles or method_styles([c.label for c in cols])
     same = identical_to([(c.label, v) for c, (v, _) in zip(cols, data)])
     for i, (c, (v, w)) in enumerate(zip(cols, data)):
         ax = axes[i // ncols][i % ncols]
@@ -253,15 +401,16 @@ def sample_note(cols: Sequence[Column]) -> str:
 SCATTER_ROWS = (("train", "loss", "train loss"), ("test", "error", "test error"))
 
 
-def scatter_figure(cols: Sequence[Column]):
+def scatter_figure(cols: Sequence[Column], styles: Optional[Dict[str, Style]] = None):
     """Fig. 5 (Figs. 14-15): per method, a train-loss panel (each training client's loss
     against its number of examples) above a test-error panel (each test client's error); the
     methods in a grid of at most four columns, in the report's order and colours; values
-    averaged over seeds. Panels of one quantity share their axes' limits."""
+    averaged over seeds. Panels of one quantity share their axes' limits; `styles` as
+    :func:`histogram_figure`'s."""
     n = len(cols)
     grid_rows, ncols = panel_grid(n)
     fig, axes = new_figure(2 * grid_rows, ncols, 2.9 * ncols + 0.6, 4.6 * grid_rows + 0.6)
-    styles = method_styles([c.label for c in cols])
+    styles = styles or method_styles([c.label for c in cols])
     drawn: Dict[int, List] = {0: [], 1: []}
     for j, c in enumerate(cols):
         for i, (split, quantity, name) in enumerate(SCATTER_ROWS):
@@ -277,7 +426,7 @@ def scatter_figure(cols: Sequence[Column]):
             if j % ncols == 0:
                 ax.set_ylabel(name + (" (%)" if quantity == "error" else ""), fontsize=8)
             drawn[i].append(ax)
-        axes[2 * (j // ncols)][j % ncols].set_title(textwrap.fill(c.label, 30), fontsize=9)
+        axes[2 * (j // ncols)][j % ncols].set_title(wrap_label(c.label, 30), fontsize=9)
     for i in (0, 1):
         share_limits(drawn[i])
     for j in range(n, grid_rows * ncols):
@@ -322,13 +471,17 @@ def curve_data(col: Column, metric: str, percentile: str = "lower"):
     return rounds, v.mean(axis=1), v.min(axis=1), v.max(axis=1)
 
 
-def curves_figure(cols: Sequence[Column], percentile: str = "lower"):
+def curves_figure(cols: Sequence[Column], percentile: str = "lower", xlabel: str = ROUND_AXIS,
+                  styles: Optional[Dict[str, Style]] = None):
     """Figs. 6-11: train-loss mean and p90, test-error mean and p90 over rounds; a line per
     method (mean over seeds, in its style) with a min/max band over seeds. A method whose four
     curves equal an earlier one's is named '(identical to X)' in the legend and drawn dashed
-    with its markers offset (:func:`draw_curve`)."""
-    fig, axes = new_figure(2, 2, 10.5, 6.4, sharex=True)
-    styles = method_styles([c.label for c in cols])
+    with its markers offset (:func:`draw_curve`). `xlabel`: what a round counts
+    (:func:`round_axis`; the columns given share it); `styles`: the report's, when `cols` is
+    a part of a setting."""
+    fig, axes = new_figure(2, 2, 10.5, 6.0 + legend_layout(legend_labels(cols), 10.5)[1],
+                           sharex=True)
+    styles = styles or method_styles([c.label for c in cols])
     got = {c.label: [curve_data(c, m, percentile) for m, _ in CURVE_PANELS] for c in cols}
     same = identical_to([(c.label, None if None in got[c.label] else
                           np.concatenate([np.concatenate([g[1], g[2], g[3]])
@@ -346,14 +499,20 @@ def curves_figure(cols: Sequence[Column], percentile: str = "lower"):
         ax.grid(alpha=0.3)
         if "error" in metric:
             percent_axis(ax.yaxis)
+            error_limits(ax)
     for ax in axes[1]:
-        ax.set_xlabel("communication round")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, fontsize=7, loc="outside right center")
-    fig.suptitle(f"{cols[0].setting}: performance across rounds ({percentile} percentiles; "
+        ax.set_xlabel(xlabel)
+    legend_below(fig, *axes[0][0].get_legend_handles_labels())
+    what = "rounds" if xlabel == ROUND_AXIS else "server steps"
+    fig.suptitle(f"{cols[0].setting}: performance across {what} ({percentile} percentiles; "
                  f"band: min/max over seeds)", fontsize=10)
     return fig
+
+
+def legend_labels(cols: Sequence[Column]) -> List[str]:
+    """The longest legend entries the columns can have (a label with '(identical to X)')."""
+    longest = max([len(c.label) for c in cols] or [0])
+    return [c.label + " " * (longest + 16 - len(c.label)) for c in cols]
 
 
 def draw_curve(ax, got, st: Style, label: str, tie: int, ties: int) -> None:
@@ -382,11 +541,14 @@ def kept_data(col: Column):
     return np.arange(1, v.shape[0] + 1), v.mean(axis=1), v.min(axis=1), v.max(axis=1)
 
 
-def kept_figure(cols: Sequence[Column]):
-    """Fig. 16: clients kept per round after the filter, mean over seeds, band = min/max."""
-    fig, axes = new_figure(1, 1, 9.5, 3.8)
+def kept_figure(cols: Sequence[Column], xlabel: str = ROUND_AXIS,
+                styles: Optional[Dict[str, Style]] = None):
+    """Fig. 16: clients kept per round after the filter (an asynchronous run: the updates
+    aggregated per server step), mean over seeds, band = min/max; `xlabel` and `styles` as
+    :func:`curves_figure`'s."""
+    fig, axes = new_figure(1, 1, 9.5, 3.6 + legend_layout(legend_labels(cols), 9.5)[1])
     ax = axes[0][0]
-    styles = method_styles([c.label for c in cols])
+    styles = styles or method_styles([c.label for c in cols])
     got = {c.label: kept_data(c) for c in cols}
     same = identical_to([(c.label, None if got[c.label] is None else got[c.label][1])
                          for c in cols])
@@ -401,12 +563,13 @@ def kept_figure(cols: Sequence[Column]):
         ax.plot(rounds, mean, color=st.color, label=label, linewidth=1.0,
                 linestyle=(0, (4, 2 * tie)) if tie else st.linestyle, zorder=3 + tie)
         ax.fill_between(rounds, lo, hi, color=st.color, alpha=0.2, linewidth=0)
-    ax.set_xlabel("communication round")
-    ax.set_ylabel("clients kept")
+    ax.set_xlabel(xlabel)
+    kept = "clients kept" if xlabel == ROUND_AXIS else "updates aggregated"
+    ax.set_ylabel(kept)
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title(f"{cols[0].setting}: clients kept per round (band: min/max over seeds)",
+    legend_below(fig, *ax.get_legend_handles_labels())
+    per = "round" if xlabel == ROUND_AXIS else "server step"
+    ax.set_title(f"{cols[0].setting}: {kept} per {per} (band: min/max over seeds)",
                  fontsize=10)
     return fig
 
@@ -431,8 +594,18 @@ def family_title(family: str) -> str:
     """'unseen_ft5' -> 'unseen devices, after 5 adaptation steps'."""
     population, _, k = family.partition("_ft")
     who = "unseen devices (test clients)" if population == "unseen" else \
-        "seen clients (their own model)"
+        "seen clients (the model served to each)"
     return f"{who}, " + (f"after {k} adaptation steps" if k else "no adaptation")
+
+
+def held_out_title(families: Sequence[str]) -> str:
+    """What the held-out figure shows: the error on each client's held-out examples
+    (``--client_holdout``) of the model served to it (a personal one only where the method
+    keeps one: Ditto, APFL), 'and after k adaptation steps' when the run fine-tuned: it is a
+    personalised evaluation only when something was personalised."""
+    steps = sorted({int(f.partition("_ft")[2]) for f in families if "_ft" in f})
+    after = f", and after {'/'.join(map(str, steps))} adaptation steps" if steps else ""
+    return f"held-out error per client (--client_holdout) of the model served{after}"
 
 
 def personal_data(col: Column, family: str, percentile: str = "lower"):
@@ -457,7 +630,9 @@ def personal_figure(cols: Sequence[Column], percentile: str = "lower"):
     styles = method_styles([c.label for c in cols])
     have = [c for c in cols if personal_data(c, families[0], percentile) is not None]
     rows, ncols = panel_grid(len(families), 2)
-    fig, axes = new_figure(rows, ncols, 5.2 * ncols + 2.6, 3.2 * rows + 0.7, sharey=True)
+    width = 5.2 * ncols + 0.6
+    fig, axes = new_figure(rows, ncols, width, 3.2 * rows + 0.9 +
+                           legend_layout([c.label for c in have], width)[1], sharey=True)
     width = 0.8 / max(1, len(have))
     x = np.arange(len(PERSONAL_STATS))
     for f, family in enumerate(families):
@@ -479,10 +654,9 @@ def personal_figure(cols: Sequence[Column], percentile: str = "lower"):
         axes[f // ncols][f % ncols].set_visible(False)
     for r in range(rows):
         axes[r][0].set_ylabel("held-out error (%)", fontsize=8)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, loc="outside right center")
-    fig.suptitle(f"{cols[0].setting}: personalised evaluation, held-out error per client "
-                 f"(bars: mean over seeds; whiskers: min/max over seeds)", fontsize=10)
+    legend_below(fig, *axes[0][0].get_legend_handles_labels())
+    fig.suptitle(f"{cols[0].setting}: {held_out_title(families)}\n(bars: mean over seeds; "
+                 f"whiskers: min/max over seeds)", fontsize=10)
     return fig
 
 
@@ -567,7 +741,7 @@ def draw_means(ax, means, points, styles: Dict[str, Style]) -> None:
     pad = 0.35 * max(float(np.ptp(means[:, 0])), float(np.ptp(means[:, 1])), 1e-6)
     ax.set_xlim(means[:, 0].min() - pad, means[:, 0].max() + pad)
     ax.set_ylim(means[:, 1].min() - pad, means[:, 1].max() + pad)
-    ax.set_aspect("equal", adjustable="datalim")
+    ax.set_aspect("equal", adjustable="box")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper right")
     ax.set_title("means μ_k of the clients and the models w", fontsize=9)
@@ -640,3 +814,65 @@ def mixture_figure(cols: Sequence[Column], means=None, points=None):
     fig.suptitle(f"{cols[0].setting}: Fig. 3, losses over mixtures of the training "
                  f"distributions (final models, mean over seeds)", fontsize=10)
     return fig
+
+
+# --------------------------------------------------------------------------------------------
+# Labels of points that do not overprint one another (the leaderboard's frontier)
+
+LABEL_RINGS = (3.0, 9.0, 16.0, 25.0, 36.0, 50.0)    # offsets from the point, in points
+LABEL_DIRECTIONS = ((1, 1), (1, -1), (-1, 1), (-1, -1), (1, 0), (-1, 0), (0, 1), (0, -1))
+LEADER_FROM = 1          # from this ring on a thin line joins the label to its point
+
+
+def label_candidates():
+    """The offsets (points) tried for a label, nearest first: :data:`LABEL_DIRECTIONS` at each
+    of :data:`LABEL_RINGS`, with the alignment that keeps the text on that side."""
+    side = {1: ("left", "bottom"), -1: ("right", "top"), 0: ("center", "center")}
+    for k, r in enumerate(LABEL_RINGS):
+        for dx, dy in LABEL_DIRECTIONS:
+            yield k, (dx * r, dy * r), side[dx][0], side[dy][1]
+
+
+def place_labels(ax, items, marks, fontsize: float = 6.0) -> List[str]:
+    """Annotate the points of `items` [(x, y, text, colour)] (in data coordinates) so that no
+    label overlaps another, a point of `marks` [(x, y, radius in points)] or the axes' frame:
+    each label takes the first free place of :func:`label_candidates` (greedy, in the order
+    given: put the important ones first), joined to its point by a thin line when it sits
+    farther out. Lays the figure out first and keeps that layout (its engine set to none), so
+    the places hold when it is saved. Returns the texts that found no place (not drawn)."""
+    fig = ax.figure
+    fig.draw_without_rendering()
+    fig.set_layout_engine("none")
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    scale = fig.dpi / 72.0
+    taken = []
+    for x, y, radius in marks:
+        cx, cy = ax.transData.transform((x, y))
+        r = radius * scale
+        taken.append((cx - r, cy - r, cx + r, cy + r))
+    lost = []
+    for x, y, text, color in items:
+        for ring, offset, ha, va in label_candidates():
+            ann = ax.annotate(text, (x, y), xytext=offset, textcoords="offset points",
+                              fontsize=fontsize, color=color, ha=ha, va=va,
+                              annotation_clip=False)
+            b = ann.get_window_extent(renderer)
+            box = (b.x0 - 1, b.y0 - 1, b.x1 + 1, b.y1 + 1)
+            inside = frame.x0 <= box[0] and box[2] <= frame.x1 and frame.y0 <= box[1] and \
+                box[3] <= frame.y1
+            if inside and not any(box[0] < t[2] and t[0] < box[2] and box[1] < t[3] and
+                                  t[1] < box[3] for t in taken):
+                taken.append(box)
+                if ring >= LEADER_FROM:
+                    ann.remove()
+                    ax.annotate(text, (x, y), xytext=offset, textcoords="offset points",
+                                fontsize=fontsize, color=color, ha=ha, va=va,
+                                annotation_clip=False, arrowprops=dict(
+                                    arrowstyle="-", color=color, linewidth=0.5,
+                                    shrinkA=0, shrinkB=3))
+                break
+            ann.remove()
+        else:
+            lost.append(text)
+    return lost

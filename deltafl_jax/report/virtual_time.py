@@ -16,7 +16,8 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from deltafl_jax.report.figures import method_styles, new_figure, percent_axis
+from deltafl_jax.report.figures import (error_limits, legend_below, legend_layout,
+                                        method_styles, new_figure, percent_axis)
 from deltafl_jax.report.tables import Column
 
 CLOCK_PANELS = (("test_error_mean", "test error (%): mean"),
@@ -71,7 +72,8 @@ def virtual_time_figure(cols: Sequence[Column], percentile: str = "lower"):
     if all(g is None for gs in got.values() for g in gs):
         return None
     styles = method_styles([c.label for c in cols])
-    fig, axes = new_figure(1, len(CLOCK_PANELS), 10.5, 3.9, sharex=True)
+    fig, axes = new_figure(1, len(CLOCK_PANELS), 10.5,
+                           3.7 + legend_layout([c.label for c in cols], 10.5)[1], sharex=True)
     for k, ((metric, title), ax) in enumerate(zip(CLOCK_PANELS, axes[0])):
         for c in cols:
             data = got[c.label][k]
@@ -88,9 +90,8 @@ def virtual_time_figure(cols: Sequence[Column], percentile: str = "lower"):
         ax.set_xlabel("virtual time (hours)")
         ax.grid(alpha=0.3)
         percent_axis(ax.yaxis)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, fontsize=7, loc="outside right center")
+        error_limits(ax)
+    legend_below(fig, *axes[0][0].get_legend_handles_labels())
     fig.suptitle(f"{cols[0].setting}: test error against virtual time ({percentile} "
                  f"percentiles; each seed's last evaluation so far; band: min/max over seeds)",
                  fontsize=10)

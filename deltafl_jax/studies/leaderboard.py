@@ -299,22 +299,39 @@ def frontier_figure(record: Mapping[str, Any], path: str, dpi: int = 110) -> str
 def frontier_plot(record: Mapping[str, Any]):
     """The trade-off figure of one setting (a matplotlib Figure): test error mean (x) against
     p90 (y), one point per method and grid point (the chosen ones large and outlined), the
-    Pareto frontier dashed. Each method has its own colour and marker
+    Pareto frontier dashed. Each method has its own colour and marker for any count of methods
     (:func:`deltafl_jax.report.figures.method_styles`, in :func:`frontier_order`); the legend
     sits beside the axes; a method whose chosen point coincides with an earlier one's is named
-    '(same point as X)'."""
+    '(same point as X)'. Each point's parameter is written beside it in the method's colour
+    where it overlaps no other label or point
+    (:func:`deltafl_jax.report.figures.place_labels`); the title lists those that found no
+    room."""
+    from deltafl_jax.report.figures import place_labels
+    fig, ax, items, marks = frontier_axes(record)
+    lost = place_labels(ax, items, marks)
+    if lost:            # say so in the title, and place them again on the new layout
+        fig, ax, items, marks = frontier_axes(record, lost)
+        place_labels(ax, [i for i in items if i[2] not in lost], marks)
+    return fig
+
+
+def frontier_axes(record: Mapping[str, Any], lost: Sequence[str] = ()):
+    """(figure, axes, labels [(x, y, text, colour)] chosen points first, marks [(x, y, radius
+    in points)]) of :func:`frontier_plot` before its labels are placed; `lost`: the labels
+    named in the title for want of room."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     from deltafl_jax.report.figures import method_styles
 
     points = frontier_points(record)
+    methods = frontier_order(record)
     fig = Figure(figsize=(9.0, 5.4), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    methods = frontier_order(record)
     styles = method_styles(methods)
     chosen: Dict[Tuple[float, float], str] = {}
+    items, marks = [], []
     for name in methods:
         mine = [p for p in points if p["method"] == name and math.isfinite(p["p90"])]
         st = styles[name]
@@ -331,20 +348,22 @@ def frontier_plot(record: Mapping[str, Any]):
             ax.scatter(p["mean"], p["p90"], color=st.color, marker=st.marker,
                        s=90 if p["chosen"] else 26, zorder=3,
                        edgecolors="black" if p["chosen"] else "none", label=label)
+            marks.append((p["mean"], p["p90"], 5.5 if p["chosen"] else 3.0))
             if p["text"]:
-                ax.annotate(p["text"], (p["mean"], p["p90"]), fontsize=6,
-                            xytext=(4, 3), textcoords="offset points", color=st.color)
+                items.append((p["mean"], p["p90"], p["text"], st.color, p["chosen"]))
     front = pareto(points)
     if len(front) > 1:
         ax.plot([p["mean"] for p in front], [p["p90"] for p in front], "k--", lw=0.8,
                 zorder=2, label="Pareto frontier")
     ax.set_xlabel("test error, mean over clients (%)")
     ax.set_ylabel("test error, 90th percentile (%)")
+    note = f"\nno room to label: {', '.join(lost)}" if lost else ""
     ax.set_title(f"{record['title']}: every method and parameter (large, outlined: chosen on "
-                 f"validation)", fontsize=9)
+                 f"validation){note}", fontsize=9)
     ax.grid(alpha=0.3)
-    fig.legend(fontsize=7, loc="outside right upper")
-    return fig
+    fig.legend(fontsize=7, loc="outside right upper", ncols=max(1, math.ceil(len(methods) / 26)))
+    items.sort(key=lambda i: not i[4])
+    return fig, ax, [i[:4] for i in items], marks
 
 
 # --------------------------------------------------------------------------------------------
