@@ -25,6 +25,7 @@ import pytest
 from conftest import run_runner, tiny_config
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.run.resolve import resolve
+from test_newcomer_errors import one_line_refusal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -57,15 +58,6 @@ deltafl_jax.register_model("tiny_cnn", tiny_cnn, replace=True)
 '''
 
 
-def _one_line(code, err, out):
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err
-    assert not os.path.exists(out)
-    return lines[0]
-
-
 def _own_model(tmp_path, padding):
     path = tmp_path / "my_tiny_cnn.py"
     path.write_text(TINY_CNN.format(padding=padding))
@@ -85,7 +77,7 @@ def test_an_own_model_given_data_of_another_shape_names_the_mismatch(tmp_path, c
     out = str(tmp_path / "out")
     code, err, _ = run_runner([f"--flagfile={TINY}", *_own_model(tmp_path, padding),
                                f"--output_dir={out}"], capsys)
-    line = _one_line(code, err, out)
+    line = one_line_refusal(code, err, out)
     assert line.startswith("error: model 'tiny_cnn' cannot take synthetic's examples of "
                            "shape (60,) (float32)"), line
 
@@ -94,7 +86,7 @@ def test_a_text_file_as_the_schedule_says_what_file_was_expected(tmp_path, capsy
     out = str(tmp_path / "out")
     code, err, _ = run_runner([f"--flagfile={TINY}", *_text_schedule(tmp_path),
                                f"--output_dir={out}"], capsys)
-    line = _one_line(code, err, out)
+    line = one_line_refusal(code, err, out)
     assert "pickled" not in line and "allow_pickle" not in line, line
     assert "--availability_schedule=" in line and "not a readable .npz" in line
     assert "expected an .npz holding 'available', bool [rounds, clients]" in line
@@ -129,7 +121,7 @@ def test_the_command_names_the_mismatch_by_subprocess(tmp_path, case):
     out = str(tmp_path / "out")
     flags = _own_model(tmp_path, '"SAME"') if case == "own model" else _text_schedule(tmp_path)
     proc = _command(f"--flagfile={TINY}", *flags, f"--output_dir={out}")
-    line = _one_line(proc.returncode, proc.stderr, out)
+    line = one_line_refusal(proc.returncode, proc.stderr, out)
     assert ("cannot take synthetic's examples of shape (60,)" if case == "own model"
             else "expected an .npz holding 'available'") in line, line
 
