@@ -5,7 +5,7 @@ r"""The cost of a FedBuff server step of K jobs against a synchronous FedAvg rou
 
 Both on the same FEMNIST-like population, model, batch and lanes: the FedAvg round is the
 experiment's jitted round (``--algorithm=fedavg``, m = K); the FedBuff step is
-:class:`deltafl_jax.algorithms.fedbuff.BufferedRun`'s (C = 2K jobs in flight, lognormal job
+:class:`deltafl_jax.asynchronous.run.BufferedRun`'s (C = 2K jobs in flight, lognormal job
 times), the host's event simulation and plan included, as the round's plan is. The two are
 timed interleaved, one of each in turn after a warm-up; the JSON (``--out``, by default the
 git-ignored ``bench/out/fedbuff_step.json``) holds each shape's medians, their ratio, every
@@ -36,7 +36,9 @@ def time_shape(shape: str) -> dict:
 
     from bench.common import femnist_like_dataset, median
     from deltafl_jax import DataConfig, ExperimentConfig, build_experiment, engine
-    from deltafl_jax.algorithms.fedbuff import BufferedRun, init_buffered_state
+    from deltafl_jax.algorithms.buffered.fedbuff import RULE
+    from deltafl_jax.asynchronous.run import BufferedRun
+    from deltafl_jax.asynchronous.step import init_buffered_state
     from deltafl_jax.sampling.asynchronous import AsyncSettings
 
     spec, K = SHAPES[shape], FLAGS.buffer_size
@@ -53,7 +55,7 @@ def time_shape(shape: str) -> dict:
                                   branchless=place.branchless, order_lanes=place.order_lanes,
                                   optimizer=cfg.client.transformation)
     speeds = np.random.default_rng(0).lognormal(0.0, 1.0, FLAGS.num_clients)
-    run = BufferedRun(exp.model, exp.replicas, local, seeds=(1,),
+    run = BufferedRun(exp.model, exp.replicas, local, rule=RULE, seeds=(1,),
                       settings=AsyncSettings(2 * K, K, None), offsets=data.train.offsets,
                       work=exp.run.work, seconds=lambda ids: speeds[ids])
     sync_state, keys = exp.initial_state(), exp.keys()

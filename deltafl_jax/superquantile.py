@@ -121,6 +121,29 @@ def _tie_tolerance(eta, tie_rtol):
     return jnp.asarray(tie_rtol, eta.dtype) * jnp.abs(eta)
 
 
+def tail_fractions(values, weights, theta, tie_rtol=0.0, level=None):
+    """The share m_k in [0, 1] of each weight that the superquantile LP's maximiser keeps:
+    1 for v_k above eta = weighted_quantile(v, w, 1 - theta), the same fraction
+    (theta W - w_above) / w_tied for the values tied at eta, 0 below; the tail weights are
+    pi = w m / sum(w m) (:func:`tail_weights`), and sum_k w_k m_k = theta W. At theta = 1
+    every m_k with a finite value and a positive weight is exactly 1. Arguments as
+    :func:`tail_weights`'s; returns [N] m, in the order of `values`."""
+    values = jnp.asarray(values)
+    weights = jnp.asarray(weights, dtype=jnp.result_type(values.dtype, jnp.float32))
+    theta = jnp.asarray(theta, weights.dtype)
+    total = jnp.sum(weights)
+    eta = weighted_quantile(values, weights, 1.0 - theta if level is None else level)
+    tol = _tie_tolerance(eta, tie_rtol)
+    above = values > eta + tol
+    tied = (jnp.abs(values - eta) <= tol) & (weights > 0)
+    w_above = jnp.sum(jnp.where(above, weights, 0.0))
+    w_tied = jnp.sum(jnp.where(tied, weights, 0.0))
+    # Mass (in weight units) that the tied values may still take: theta W - w_above, which is
+    # in [0, w_tied] by the quantile's definition; clip against rounding.
+    rest = jnp.clip(theta * total - w_above, 0.0, w_tied)
+    return jnp.where(above, 1.0, jnp.where(tied, rest / w_tied, 0.0)).astype(weights.dtype)
+
+
 def tail_weights(values, weights, theta, tie_rtol=0.0, level=None):
     """The maximising pi of the superquantile LP (the exact Delta-FL aggregation weights).
 
@@ -138,22 +161,11 @@ def tail_weights(values, weights, theta, tie_rtol=0.0, level=None):
       level: the quantile level of eta (None: 1 - theta in the weights' precision); pass
         ``quantile_levels(thetas)(theta)`` for the authors' double-precision 1 - theta.
     Returns:
-      [N] pi, in the order of `values`.
+      [N] pi, in the order of `values`: w m / sum(w m), m of :func:`tail_fractions`.
     """
     values = jnp.asarray(values)
     weights = jnp.asarray(weights, dtype=jnp.result_type(values.dtype, jnp.float32))
-    theta = jnp.asarray(theta, weights.dtype)
-    total = jnp.sum(weights)
-    eta = weighted_quantile(values, weights, 1.0 - theta if level is None else level)
-    tol = _tie_tolerance(eta, tie_rtol)
-    above = values > eta + tol
-    tied = (jnp.abs(values - eta) <= tol) & (weights > 0)
-    w_above = jnp.sum(jnp.where(above, weights, 0.0))
-    w_tied = jnp.sum(jnp.where(tied, weights, 0.0))
-    # Mass (in weight units) that the tied values may still take: theta W - w_above, which is
-    # in [0, w_tied] by the quantile's definition; clip against rounding.
-    rest = jnp.clip(theta * total - w_above, 0.0, w_tied)
-    pi = jnp.where(above, weights, 0.0) + jnp.where(tied, weights * (rest / w_tied), 0.0)
+    pi = weights * tail_fractions(values, weights, theta, tie_rtol, level)
     return pi / jnp.sum(pi)
 
 
@@ -261,6 +273,7 @@ __all__ = [
     "superquantile",
     "superquantile_dual",
     "tail_weights",
+    "tail_fractions",
     "threshold_weights",
     "smoothed_eta",
     "smoothed_tail_weights",

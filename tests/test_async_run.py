@@ -16,8 +16,9 @@ import pytest
 
 from conftest import refused_over_a_finished_run, run_runner, tiny_config
 from deltafl_jax import run_experiment
-from deltafl_jax.algorithms.fedasync import mixing
-from deltafl_jax.algorithms.fedbuff import BufferedRun, current_params, init_buffered_state
+from deltafl_jax.algorithms.buffered import fedasync, fedbuff
+from deltafl_jax.asynchronous.run import BufferedRun
+from deltafl_jax.asynchronous.step import current_params, init_buffered_state
 from deltafl_jax.engine import LocalSGDConfig
 from deltafl_jax.models import build_model
 from deltafl_jax.replicas.labels import Replicas
@@ -31,7 +32,7 @@ TINY = os.path.join(REPO, "tests", "tiny.flags")
 SEEDS, STEPS, LR, B = (1, 2), 6, 0.05, 8
 
 
-def by_hand(data, config, settings, aggregate=None):
+def by_hand(data, config, settings, rule=fedbuff.RULE):
     """The run's server steps through BufferedRun, built here from the settings: (served
     models [R, ...] after STEPS steps, each step's virtual time [STEPS, G])."""
     model = build_model("linear", data)
@@ -47,7 +48,7 @@ def by_hand(data, config, settings, aggregate=None):
     run = BufferedRun(model, replicas, LocalSGDConfig(batch_size=B, lanes=1), seeds=SEEDS,
                       settings=settings, offsets=data.train.offsets, work=work,
                       seconds=job_durations(speeds, data.train.sizes, work, nbytes),
-                      availability=resolve(config, data).availability, aggregate=aggregate)
+                      availability=resolve(config, data).availability, rule=rule)
     keys = jax.vmap(jax.random.key)(np.asarray(SEEDS, np.uint32))
     state = init_buffered_state(jax.vmap(model.init)(keys), run.schedulers[0].V)
     times = []
@@ -81,7 +82,7 @@ def test_the_run_equals_buffered_run_driven_by_hand(tiny_synthetic, tmp_path, al
     result = run_experiment(config, tiny_synthetic)
     settings = AsyncSettings(5, 1 if algorithm == "fedasync" else 3, 2)
     served, times = by_hand(tiny_synthetic, config, settings,
-                            mixing(0.7) if algorithm == "fedasync" else None)
+                            fedasync.rule(0.7) if algorithm == "fedasync" else fedbuff.RULE)
     for a, b in zip(jax.tree.leaves(result.served), jax.tree.leaves(served)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(result.per_round["virtual_time"], times)

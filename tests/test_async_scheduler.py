@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.sampling.asynchronous import (AsyncScheduler, check_ring_fits, ring_size,
-                                               staleness_weight)
+from deltafl_jax.asynchronous.rule import polynomial
+from deltafl_jax.sampling.asynchronous import AsyncScheduler, check_ring_fits, ring_size
 from deltafl_jax.sampling.availability import Bernoulli, Markov
 
 
@@ -169,7 +169,7 @@ def test_bad_settings_name_the_flag():
 
 
 def test_staleness_weight():
-    np.testing.assert_allclose(staleness_weight([0, 3, 8]), [1.0, 0.5, 1.0 / 3.0])
+    np.testing.assert_allclose(polynomial([0, 3, 8]), [1.0, 0.5, 1.0 / 3.0])
 
 
 def test_settings_group_refuses_bad_flags():

@@ -1,4 +1,4 @@
-"""FedBuff's server step (deltafl_jax/algorithms/fedbuff.py) driven by the asynchronous
+"""FedBuff's server step (deltafl_jax/algorithms/buffered/fedbuff.py) driven by the asynchronous
 scheduler, against a NumPy event simulation written from the paper (Nguyen et al. 2022,
 Algorithm 1): every client always online, C = N, fixed per-client speeds read from a file,
 K = 3, staleness weights 1/sqrt(1 + tau), several server steps."""
@@ -11,10 +11,11 @@ import numpy as np
 import optax
 import pytest
 
-from numpy_reference import grad_mean_xent
-from deltafl_jax.algorithms.fedasync import build_fedasync_step
-from deltafl_jax.algorithms.fedbuff import (build_buffered_step, current_params,
-                                            init_buffered_state, step_inputs)
+from numpy_reference import client_loss, exact_weights, grad_mean_xent
+from deltafl_jax.algorithms.buffered import fedbuff
+from deltafl_jax.algorithms.buffered.fedasync import build_fedasync_step
+from deltafl_jax.asynchronous.step import (build_buffered_step, current_params,
+                                           init_buffered_state, step_inputs)
 from deltafl_jax.data import ClientData, FederatedDataset
 from deltafl_jax.engine import LocalSGDConfig
 from deltafl_jax.models import build_model
@@ -42,12 +43,15 @@ def dataset():
     return FederatedDataset("tiny", split(SIZES), split((5, 5)), num_classes=CLASSES)
 
 
-def numpy_fedbuff(xs, ys, seconds, w0, lr, steps, K=K, alpha=None):
+def numpy_fedbuff(xs, ys, seconds, w0, lr, steps, K=K, alpha=None, rho=0.0, theta=None):
     """Algorithm 1 with a heap of (end, client, base, start): each client trains EPOCHS
     full-batch steps from its base version; K updates make a step
     w <- w + (1/K) sum_k s(tau_k) Delta_k. With `alpha` (FedAsync, K = 1): the update's
-    model x_new is mixed in, w <- (1 - alpha s) w + alpha s x_new. Returns the versions and
-    each step's bases."""
+    model x_new is mixed in, w <- (1 - alpha s) w + alpha s x_new, and the worker's gradient
+    gains rho (x - x_tau) (Xie et al.'s regularised local objective). With `theta` (buffered
+    Delta-FL): w <- w + sum_k pi_k s(tau_k) Delta_k, pi the tail weights at theta of the
+    losses F_k(w_{tau_k}) with equal weights (numpy_reference.exact_weights). Returns the
+    versions and each step's bases."""
     versions = [w0]
     heap = [(float(d), c, 0) for c, d in enumerate(seconds)]
     heapq.heapify(heap)
@@ -56,11 +60,12 @@ def numpy_fedbuff(xs, ys, seconds, w0, lr, steps, K=K, alpha=None):
         end, c, base = heapq.heappop(heap)
         W, b = versions[base]
         W0, b0 = W, b
+        loss = client_loss(W0, b0, xs[c], ys[c], 0.0)
         for _ in range(EPOCHS):
             gW, gb = grad_mean_xent(W, b, xs[c], ys[c])
-            W, b = W - lr * gW, b - lr * gb
+            W, b = W - lr * (gW + rho * (W - W0)), b - lr * (gb + rho * (b - b0))
         tau = len(versions) - 1 - base
-        buffer.append((1.0 / np.sqrt(1.0 + tau), W - W0, b - b0, base))
+        buffer.append((1.0 / np.sqrt(1.0 + tau), W - W0, b - b0, base, loss))
         if alpha is not None:
             a = alpha / np.sqrt(1.0 + tau)
             Wc, bc = versions[-1]
@@ -68,18 +73,22 @@ def numpy_fedbuff(xs, ys, seconds, w0, lr, steps, K=K, alpha=None):
             bases.append([base])
             buffer = []
         elif len(buffer) == K:
+            pi = (np.full(K, 1.0 / K) if theta is None else
+                  exact_weights(np.asarray([u[4] for u in buffer]), np.ones(K), theta))
             W, b = versions[-1]
-            versions.append((W + sum(s * dW for s, dW, _, _ in buffer) / K,
-                             b + sum(s * db for s, _, db, _ in buffer) / K))
+            versions.append((W + sum(p * u[0] * u[1] for p, u in zip(pi, buffer)),
+                             b + sum(p * u[0] * u[2] for p, u in zip(pi, buffer))))
             bases.append([u[3] for u in buffer])
             buffer = []
         heapq.heappush(heap, (end + float(seconds[c]), c, len(versions) - 1))
     return versions, bases
 
 
-@pytest.mark.parametrize("alpha", [None, 0.6])
-def test_fedbuff_matches_numpy_event_simulation(tmp_path, alpha):
-    """FedBuff with K = 3, and FedAsync (alpha: K = 1, mixing alpha s(tau))."""
+@pytest.mark.parametrize("alpha, rho", [(None, 0.0), (0.6, 0.0), pytest.param(
+    0.6, 0.5, marks=pytest.mark.slow)])   # rho: another compiled step, CI's second step
+def test_fedbuff_matches_numpy_event_simulation(tmp_path, alpha, rho):
+    """FedBuff with K = 3, and FedAsync (alpha: K = 1, mixing alpha s(tau); rho: the
+    worker's proximal term (rho/2)||x - x_tau||^2)."""
     k = K if alpha is None else 1
     data = dataset()
     model = build_model("linear", data)
@@ -95,8 +104,9 @@ def test_fedbuff_matches_numpy_event_simulation(tmp_path, alpha):
                       "bias": np.zeros((2, CLASSES), np.float32)}}
     state = jax.jit(init_buffered_state, static_argnums=1)(w0, sch.V)
     local = LocalSGDConfig(batch_size=BATCH, lanes=2)
-    step_fn = jax.jit(build_buffered_step(model, replicas, local) if alpha is None else
-                      build_fedasync_step(model, replicas, local, alpha))
+    step_fn = jax.jit(build_buffered_step(model, replicas, local, rule=fedbuff.RULE)
+                      if alpha is None else
+                      build_fedasync_step(model, replicas, local, alpha, rho=rho))
     work = plan_lib.LocalWork(batch_size=BATCH, local_epochs=EPOCHS)
     offsets = data.train.offsets
     caps = plan_lib.capacities(np.diff(offsets), k, work, eval_chunk=8, with_replacement=True)
@@ -114,7 +124,7 @@ def test_fedbuff_matches_numpy_event_simulation(tmp_path, alpha):
     served = jax.device_get(jax.jit(current_params)(state))["Dense_0"]
     for r, lr in enumerate(LRS):
         start = (w0["Dense_0"]["kernel"][r].astype(np.float64), np.zeros(CLASSES))
-        versions, bases = numpy_fedbuff(xs, ys, seconds, start, lr, STEPS, k, alpha)
+        versions, bases = numpy_fedbuff(xs, ys, seconds, start, lr, STEPS, k, alpha, rho)
         assert got_bases == bases
         np.testing.assert_allclose(served["kernel"][r], versions[-1][0], atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(served["bias"][r], versions[-1][1], atol=1e-5, rtol=1e-5)
@@ -126,7 +136,8 @@ def test_buffered_run_resumes_bit_for_bit(tmp_path):
     """Six server steps straight equal three, a save of the schedulers' state and of the
     device state, a fresh run restored from them, and three more (C < N, S = 1, clients
     online with probability 0.7: drops, stale updates and idle slots all occur)."""
-    from deltafl_jax.algorithms.fedbuff import BufferedRun, BufferedState
+    from deltafl_jax.asynchronous.run import BufferedRun
+    from deltafl_jax.asynchronous.step import BufferedState
     from deltafl_jax.sampling.asynchronous import AsyncSettings
     from deltafl_jax.sampling.availability import Bernoulli
     data = dataset()
@@ -142,7 +153,7 @@ def test_buffered_run_resumes_bit_for_bit(tmp_path):
 
     def fresh():
         run = BufferedRun(model, replicas, LocalSGDConfig(batch_size=4, lanes=2),
-                          seeds=(3, 4), settings=AsyncSettings(4, 2, 1),
+                          rule=fedbuff.RULE, seeds=(3, 4), settings=AsyncSettings(4, 2, 1),
                           offsets=data.train.offsets,
                           work=plan_lib.LocalWork(batch_size=4, local_epochs=1),
                           seconds=lambda ids: seconds[ids],
@@ -204,7 +215,7 @@ def test_a_step_without_a_finite_update_keeps_the_model():
                                      np.asarray([1]), np.asarray([0]), np.zeros(1),
                                      np.ones(1), np.asarray([0], np.int32), 1, 2, 0)])
     local = LocalSGDConfig(batch_size=BATCH, lanes=1)
-    for fn in (build_buffered_step(model, replicas, local),
+    for fn in (build_buffered_step(model, replicas, local, rule=fedbuff.RULE),
                build_fedasync_step(model, replicas, local, 0.5)):
         state, w1 = start(keys)
         state, metrics = jax.jit(fn)(state, RoundData(data.train.x, data.train.y, plan),
@@ -222,7 +233,9 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax, numpy as np, optax
 sys.path.insert(0, sys.argv[1])
 from test_fedbuff import SIZES, dataset
-from deltafl_jax.algorithms.fedbuff import BufferedRun, current_params, init_buffered_state
+from deltafl_jax.algorithms.buffered.fedbuff import RULE
+from deltafl_jax.asynchronous.run import BufferedRun
+from deltafl_jax.asynchronous.step import current_params, init_buffered_state
 from deltafl_jax.engine import LocalSGDConfig
 from deltafl_jax.engine.mesh import make_mesh
 from deltafl_jax.models import build_model
@@ -238,7 +251,7 @@ keys = jax.vmap(jax.random.key)(np.asarray([1, 2], np.uint32))
 out = {}
 for d in (1, 2):
     run = BufferedRun(model, replicas, LocalSGDConfig(batch_size=4, lanes=2, order_lanes=2),
-                      seeds=(1, 2), settings=AsyncSettings(5, 3, 2), offsets=data.train.offsets,
+                      rule=RULE, seeds=(1, 2), settings=AsyncSettings(5, 3, 2), offsets=data.train.offsets,
                       work=plan_lib.LocalWork(batch_size=4, local_epochs=1),
                       seconds=lambda ids: seconds[ids], mesh=make_mesh(d) if d > 1 else None)
     state = init_buffered_state(jax.vmap(model.init)(keys), run.schedulers[0].V)
@@ -273,7 +286,7 @@ def test_one_and_two_devices_agree():
 def test_a_ring_that_cannot_fit_is_refused_in_one_line():
     """C = 6, K = 3, no staleness bound: V = 9 versions of two replicas' 4 x 3 + 3 floats
     (120 bytes each) need 1080 bytes."""
-    from deltafl_jax.algorithms.fedbuff import BufferedRun, version_bytes
+    from deltafl_jax.asynchronous.run import BufferedRun, version_bytes
     from deltafl_jax.errors import ConfigError
     from deltafl_jax.sampling.asynchronous import AsyncSettings
     data = dataset()
@@ -281,7 +294,7 @@ def test_a_ring_that_cannot_fit_is_refused_in_one_line():
     replicas = Replicas(group=np.zeros(2, np.int32), hyper=(), l2=np.zeros(2, np.float32),
                         schedules=(optax.constant_schedule(0.1),) * 2, labels=())
     assert version_bytes(model, 2) == 2 * (FEATURES * CLASSES + CLASSES) * 4
-    kw = dict(seeds=(0,), settings=AsyncSettings(6, 3, None), offsets=data.train.offsets,
+    kw = dict(rule=fedbuff.RULE, seeds=(0,), settings=AsyncSettings(6, 3, None), offsets=data.train.offsets,
               work=plan_lib.LocalWork(batch_size=4), seconds=lambda ids: np.ones(len(ids)))
     with pytest.raises(ConfigError, match="the 9 model versions"):
         BufferedRun(model, replicas, LocalSGDConfig(batch_size=4, lanes=1),

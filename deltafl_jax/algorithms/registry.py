@@ -13,7 +13,7 @@ from typing import Dict, Iterable, Optional, Tuple
 from deltafl_jax.algorithms import afl, afl_qffl, deltafl, fedavg, fedavg_sub, fedprox, qffl, term
 from deltafl_jax.algorithms import (apfl, deltafl_alt, ditto, drfa, feddyn, fedmgda, gifair,
                                     propfair, scaffold)
-from deltafl_jax.algorithms import fedasync, fedau, fedbuff, fednova, fedvarp, mifa
+from deltafl_jax.algorithms import buffered, fedau, fednova, fedvarp, mifa
 from deltafl_jax.algorithms.options import Sweep, option_flags
 from deltafl_jax.algorithms.spec import AlgorithmSpec
 from deltafl_jax.declared import Flag, unique
@@ -42,8 +42,7 @@ SPECS: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
     mifa.SPEC,
     fedvarp.SPEC,
     fednova.SPEC,
-    fedbuff.SPEC,
-    fedasync.SPEC,
+    *buffered.SPECS,   # the buffered asynchronous rules, found in their package
 )}
 
 # Layers over any algorithm, named after '+' in a method name (``deltafl+ditto``): a

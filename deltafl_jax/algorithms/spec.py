@@ -145,7 +145,7 @@ class AlgorithmSpec:
     dp_requires: for an algorithm with a private version (--dp_clip), what its options must
       be for it (the one line of the refusal otherwise); empty: it has none.
     asynchronous: the server step of buffered asynchronous aggregation
-      (:class:`deltafl_jax.algorithms.fedbuff.AsyncStep`: FedBuff, FedAsync); the run then
+      (:class:`deltafl_jax.asynchronous.rule.AsyncStep`: FedBuff, FedAsync, ...); the run then
       steps the server whenever K updates have arrived (:mod:`deltafl_jax.run.buffered`)
       instead of running synchronous rounds; None: synchronous rounds (`factory`'s).
     grid: the replicas beyond the sweep (:class:`Grid`: fixed hyper fields, crossed sweeps,

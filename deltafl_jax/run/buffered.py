@@ -1,9 +1,9 @@
-"""An asynchronous run (a spec with ``asynchronous``: FedBuff, FedAsync) in the run loop.
+"""An asynchronous run (a spec with ``asynchronous``: FedBuff, FedAsync, ...) in the run loop.
 
 A "round" of the loop is one server step: ``--num_rounds`` server steps, evaluated every
 ``--eval_every`` of them through the usual evaluation, with the usual outputs and
 checkpoints. :class:`AsyncRound` is what :class:`deltafl_jax.run.experiment.Experiment` reads
-of such a run: the jitted step, the initial :class:`~deltafl_jax.algorithms.fedbuff.BufferedState`,
+of such a run: the jitted step, the initial :class:`~deltafl_jax.asynchronous.step.BufferedState`,
 the model it serves, and :class:`AsyncClock`, which plays the part the synchronous
 :class:`~deltafl_jax.sampling.timeline.VirtualClock` plays in a round's plan, its counts, its
 virtual time and the checkpoint's host state.
@@ -22,8 +22,8 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from deltafl_jax.algorithms.fedbuff import BufferedRun, current_params, init_buffered_state
-from deltafl_jax.sampling.asynchronous import job_durations
+from deltafl_jax.asynchronous.run import BufferedRun
+from deltafl_jax.asynchronous.step import current_params, init_buffered_state
 from deltafl_jax.sampling.speeds import BYTES_PER_KBPS, DeviceSpeeds, build_speeds
 from deltafl_jax.sampling.timeline import TIME
 
@@ -159,22 +159,16 @@ class AsyncClock:
 
 
 class AsyncRound:
-    """What the run loop reads of an asynchronous run: the jitted step as a round
+    """What the run loop reads of an asynchronous run: the jitted step of `run` (a
+    :class:`~deltafl_jax.asynchronous.run.BufferedRun`) as a round
     ``round_fn(state, (data, inputs), keys)``, the initial state, the served model and the
-    clock."""
+    clock (`num_clients` training clients; `availability`'s rates, None: no model)."""
 
-    def __init__(self, model, replicas, local, *, seeds, settings, data, work, speeds,
-                 model_bytes: int, server_tx, aggregate, availability, mesh, eval_chunk: int,
-                 packed: bool, mean_online_seconds: Optional[float] = None):
-        seconds = job_durations(speeds, data.train.sizes, work, model_bytes)
-        self.run = BufferedRun(model, replicas, local, seeds=seeds, settings=settings,
-                               offsets=data.train.offsets, work=work, seconds=seconds,
-                               eval_chunk=eval_chunk, server_tx=server_tx,
-                               availability=availability, mesh=mesh, aggregate=aggregate,
-                               packed=packed, mean_online_seconds=mean_online_seconds)
-        self.clock = AsyncClock(self.run, data.train.num_clients,
+    def __init__(self, run: BufferedRun, num_clients: int, availability=None):
+        self.run = run
+        self.clock = AsyncClock(run, num_clients,
                                 None if availability is None else availability.rates())
-        self.buffer_size = settings.buffer_size
+        self.buffer_size = run.K
 
     def round_fn(self, state, data, keys):
         round_data, inputs = data

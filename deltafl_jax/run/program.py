@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from deltafl_jax import engine, rounds
+from deltafl_jax.asynchronous.run import BufferedRun
 from deltafl_jax.engine import mesh as mesh_lib
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.models.augment import augmentation
@@ -34,6 +35,7 @@ from deltafl_jax.run.buffered import AsyncRound, async_speeds
 from deltafl_jax.run.client_store import ClientStore
 from deltafl_jax.run.resolve import ResolvedRun
 from deltafl_jax.sampling import plan as plan_lib
+from deltafl_jax.sampling.asynchronous import job_durations
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -287,18 +289,21 @@ class CompiledTables:
 
 def _async_round(run: ResolvedRun, settings, place, mesh, server_tx) -> AsyncRound:
     """An asynchronous run's server step as its round (:mod:`deltafl_jax.run.buffered`), with
-    its clock and the plan's capacities (K slots)."""
+    its clock and the plan's capacities (K slots): the spec's rule
+    (:class:`~deltafl_jax.asynchronous.rule.BufferedRule`) on a
+    :class:`~deltafl_jax.asynchronous.run.BufferedRun`."""
     config, data = run.config, run.data
     settings.check(data.train.num_clients)
-    return AsyncRound(
+    speeds = async_speeds(config.timing, data.train.num_clients, config.data.data_seed)
+    buffered = BufferedRun(
         run.model, run.replicas, _local_config(run, place, None),
-        seeds=run.seeds, settings=settings, data=data, work=run.work,
-        speeds=async_speeds(config.timing, data.train.num_clients, config.data.data_seed),
-        model_bytes=model_bytes(run.model), server_tx=server_tx,
-        aggregate=run.spec.asynchronous.aggregate(run.spec.options_for(config)),
-        availability=run.availability, mesh=mesh, eval_chunk=place.eval_chunk,
-        packed=place.client_data == "host",
+        rule=run.spec.asynchronous.make(config, run.spec.options_for(config)),
+        seeds=run.seeds, settings=settings, offsets=data.train.offsets, work=run.work,
+        seconds=job_durations(speeds, data.train.sizes, run.work, model_bytes(run.model)),
+        eval_chunk=place.eval_chunk, eval_lanes=place.eval_lanes, server_tx=server_tx,
+        availability=run.availability, mesh=mesh, packed=place.client_data == "host",
         mean_online_seconds=config.timing.mean_online_seconds)
+    return AsyncRound(buffered, data.train.num_clients, run.availability)
 
 
 def _check_probe(run: ResolvedRun, place) -> None:

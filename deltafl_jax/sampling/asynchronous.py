@@ -4,7 +4,7 @@ and when the server steps (FedBuff, Nguyen et al., AISTATS 2022, Algorithm 1).
 Host-side, pure NumPy and deterministic from the seed, so a run is the same on every machine
 and device count. :class:`AsyncScheduler` simulates the events; the device then trains each
 server step's K jobs in lanes, each from its own base version
-(:mod:`deltafl_jax.algorithms.fedbuff`).
+(:mod:`deltafl_jax.asynchronous.step`).
 
 The events (virtual seconds; a job's duration is ``seconds([client])``, the job time of
 :mod:`deltafl_jax.sampling.speeds` for the client's planned local steps, :func:`job_durations`):
@@ -29,6 +29,12 @@ the online set at version v is ``availability.online(seed, v)``, the set of the 
 "round", asked once per version, in increasing order as the stateful models require. A
 slot with no idle online client stays empty and is tried again after every later event and
 every server step.
+
+FedScale's events (``refill_before_step``, ``draw_busy``; SymbioticLab/FedScale's
+asynchronous aggregator): the slot freed by the completion that fills the buffer starts its
+job *before* the server step, so that job's base is the old version; and the client is drawn
+among all online clients, those still training included (a client may run two jobs at once;
+completions tied in time and client go in order of their serial numbers).
 
 Going offline mid-job (``mean_online_seconds`` T, :mod:`deltafl_jax.sampling.offline`): when
 job `serial` of client c starts, its client's remaining online session E is drawn,
@@ -88,14 +94,12 @@ def job_durations(speeds: DeviceSpeeds, sizes: np.ndarray, work, model_bytes: in
     return seconds
 
 
-def staleness_weight(tau) -> np.ndarray:
-    """s(tau) = 1 / sqrt(1 + tau), FedBuff's polynomial staleness scaling (float64)."""
-    return 1.0 / np.sqrt(1.0 + np.asarray(tau, np.float64))
-
-
-def ring_size(concurrency: int, buffer_size: int, max_staleness: Optional[int]) -> int:
-    """V = min(S + 2, C + K): the model versions the device keeps (module docstring)."""
-    v = concurrency + buffer_size
+def ring_size(concurrency: int, buffer_size: int, max_staleness: Optional[int],
+              refill_before_step: bool = False) -> int:
+    """V = min(S + 2, C + K): the model versions the device keeps (module docstring);
+    min(S + 2, C + K + 1) when the freed slot refills before the server step (its job's
+    base, the old version, is read beside the C - 1 others and the K buffered)."""
+    v = concurrency + buffer_size + int(bool(refill_before_step))
     return v if max_staleness is None else min(int(max_staleness) + 2, v)
 
 
@@ -195,21 +199,27 @@ class AsyncScheduler:
     max_staleness: S (None: every update is kept); seconds: ids [k] -> [k] float64 > 0 the
     virtual duration of a job of each client; seed: the run's seed; availability: an
     :class:`~deltafl_jax.sampling.availability.Availability` (None: every client online);
-    mean_online_seconds: T, the mean online session (None: no job is lost).
+    mean_online_seconds: T, the mean online session (None: no job is lost);
+    refill_before_step: the slot freed by the completion that fills the buffer starts its
+    job before the server step, from the old version (FedScale); draw_busy: a job's client
+    is drawn among all online clients, those training included (FedScale; a client may then
+    run two jobs at once). Both False: FedBuff's events (module docstring).
     """
 
     def __init__(self, *, num_clients: int, concurrency: int, buffer_size: int,
                  max_staleness: Optional[int], seconds: Callable[[np.ndarray], np.ndarray],
-                 seed: int, availability=None, mean_online_seconds: Optional[float] = None):
+                 seed: int, availability=None, mean_online_seconds: Optional[float] = None,
+                 refill_before_step: bool = False, draw_busy: bool = False):
         check_async(num_clients, concurrency, buffer_size, max_staleness)
         self.N, self.C, self.K = int(num_clients), int(concurrency), int(buffer_size)
         self.S = None if max_staleness is None else int(max_staleness)
+        self.refill_before_step, self.draw_busy = bool(refill_before_step), bool(draw_busy)
         self.seconds, self.seed, self.availability = seconds, int(seed), availability
         self.mean_online = None if mean_online_seconds is None else float(mean_online_seconds)
         if self.mean_online is not None:
             check_sessions(self.mean_online,
                            float(np.min(seconds(np.arange(self.N, dtype=np.int64)))))
-        self.V = ring_size(self.C, self.K, self.S)
+        self.V = ring_size(self.C, self.K, self.S, self.refill_before_step)
         self.clock, self.version, self.serial, self.dropped, self.lost = 0.0, 0, 0, 0, 0
         self.flight_lost = np.zeros(self.C, bool)
         self.flight = _empty_jobs(self.C)
@@ -238,7 +248,8 @@ class AsyncScheduler:
     def start(self, slot: int) -> None:
         """Start a job in `slot` (empty) from the current version, if a client is idle."""
         busy = self.flight["client"][self.flight["client"] >= 0]
-        idle = np.setdiff1d(self.online_now(), busy, assume_unique=True)
+        idle = (self.online_now() if self.draw_busy
+                else np.setdiff1d(self.online_now(), busy, assume_unique=True))
         if idle.size == 0:
             return
         rng = np.random.default_rng([self.seed, self.serial, STREAM])
@@ -268,12 +279,14 @@ class AsyncScheduler:
     # ------------------------------------------------------------------ events
 
     def next_completion(self) -> int:
-        """The slot of the job in flight that ends first (ties: the lower client id)."""
+        """The slot of the job in flight that ends first (ties: the lower client id, then,
+        for two jobs of one client under ``draw_busy``, the earlier job)."""
         busy = np.flatnonzero(self.flight["client"] >= 0)
         if busy.size == 0:
             raise RunError(f"no client is online to train at version {self.version} "
                            f"(virtual time {self.clock:g} s): the asynchronous run cannot go on")
-        order = np.lexsort((self.flight["client"][busy], self.flight["end"][busy]))
+        order = np.lexsort((self.flight["serial"][busy], self.flight["client"][busy],
+                            self.flight["end"][busy]))
         return int(busy[order[0]])
 
     def complete(self, slot: int) -> bool:
@@ -301,6 +314,8 @@ class AsyncScheduler:
         """Run the events up to the next server step, and take it."""
         while True:
             full = self.complete(self.next_completion())
+            if full and self.refill_before_step:
+                self.fill()
             if full:
                 step = self.server_step()
                 self.fill()
