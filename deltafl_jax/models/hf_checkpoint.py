@@ -41,12 +41,16 @@ PEFT_PREFIX = "base_model.model."
 # Tensors some checkpoints carry that the model computes itself (old rotary caches).
 IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-# peft settings this reader does not implement: key -> the value it must have.
+# peft settings that change the forward and that this model does not implement: key -> the
+# value (or an empty one) it must have. Those of peft 0.10 are written; the later ones only read.
 PEFT_DEFAULTS = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none",
                  "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
-                 "alpha_pattern": {}, "lora_bias": False, "target_parameters": None,
-                 "layer_replication": None, "exclude_modules": None,
-                 "trainable_token_indices": None}
+                 "alpha_pattern": {}}
+PEFT_LATER = {"lora_bias": False, "target_parameters": None, "layer_replication": None,
+              "exclude_modules": None, "trainable_token_indices": None,
+              "alora_invocation_tokens": None, "use_qalora": False, "use_bdlora": None,
+              "arrow_config": None, "velora_config": None, "monteclora_config": None,
+              "kasa_config": None}
 
 
 # --------------------------------------------------------------------------- names
@@ -261,8 +265,8 @@ def read_peft_config(folder: str) -> LoraConfig:
         cfg = json.load(f)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise HFCheckpointError(f"{path}: peft_type {cfg['peft_type']} is not supported (LORA only)")
-    for key, default in PEFT_DEFAULTS.items():
-        if cfg.get(key, default) not in (default, None, {}, False):
+    for key, default in {**PEFT_DEFAULTS, **PEFT_LATER}.items():
+        if cfg.get(key) and cfg[key] != default:   # None, False, {} and [] are all "off"
             raise HFCheckpointError(f"{path}: {key}={cfg[key]!r} is not supported")
     targets = cfg.get("target_modules") or ()
     targets = [targets] if isinstance(targets, str) else list(targets)
