@@ -214,7 +214,7 @@ def test_bad_write_writes_nothing(tmp_path):
 def test_resolve_base_model(tmp_path, monkeypatch):
     assert resolve_base_model(str(tmp_path), download=False) == str(tmp_path)
     one_line_error(resolve_base_model, "TinyLlama/TinyLlama-1.1B-Chat-v1.0", download=False,
-                   match="not a folder; pass --download")
+                   match="no such folder; to fetch the hub model .*, pass --download")
     one_line_error(resolve_base_model, str(tmp_path / "nowhere"), download=True,
                    match="neither a folder nor a hub id")
     from huggingface_hub import constants   # read at its import: set both, whenever that was

@@ -217,8 +217,8 @@ def resolve_base_model(spec: str, download: bool) -> str:
     if not HUB_ID.fullmatch(spec):
         raise HFCheckpointError(f"--base_model={spec} is neither a folder nor a hub id (owner/name)")
     if not download:
-        raise HFCheckpointError(f"--base_model={spec} is not a folder; pass --download to fetch it "
-                                f"from the Hugging Face hub")
+        raise HFCheckpointError(f"--base_model={spec}: no such folder; to fetch the hub model "
+                                f"{spec}, pass --download")
     from huggingface_hub import snapshot_download
     try:
         return snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "tokenizer*"])
