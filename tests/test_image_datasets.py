@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import tarfile
+import tempfile
 
 import numpy as np
 import pytest
@@ -283,6 +284,10 @@ def test_records_split_into_chunks_come_back_in_order(tmp_path, monkeypatch):
 def test_tfds_mock_data_is_loaded_and_cached(tmp_path, monkeypatch, name, shape, classes):
     import tensorflow_datasets as tfds
 
+    # tfds' own calls below (the reference data sources) make a tempfile.mkdtemp("tfds") each
+    # that tfds never removes: into tmp_path, not /tmp (the package's calls clean up after
+    # themselves, tfds_format.quiet).
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     cache = str(tmp_path / "cache")
     # The mock fakes every builder's preparation and data source, the cache's own included, so
     # the examples are read under it and cached after it.
