@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -404,20 +405,18 @@ def test_a_copy_prepared_before_sources_were_recorded(tmp_path, capsys):
     assert "source_files" in load_centralised("mnist", source, data_dir).metadata
 
 
-def test_preparing_images_leaves_no_temporary_folder_and_names_what_it_prepares(tmp_path):
-    """python -m data_prep.prepare --dataset=mnist: tfds' temporary folders (one empty
-    tmp*tfds per preparation before) are removed; the line names the images, not clients
-    that a centralised dataset does not have."""
+def test_preparing_images_leaves_no_temporary_folder_and_names_what_it_prepares(
+        tmp_path, capsys, monkeypatch):
+    """A preparation (load_centralised, as a run's first load and data_prep.prepare do): tfds'
+    temporary folders (one empty tmp*tfds per preparation before) are removed; the line names
+    the images, not the records as clients that a centralised dataset does not have."""
     source, temp = str(tmp_path / "src"), tmp_path / "tmp"
     temp.mkdir()
     write_mnist(source, _mnist(5, 40, 20))
-    proc = subprocess.run([sys.executable, "-m", "data_prep.prepare", "--dataset=mnist",
-                           f"--source={source}", f"--data_dir={tmp_path / 'cache'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, TMPDIR=str(temp)))
-    assert proc.returncode == 0, proc.stderr
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    load_centralised("mnist", source, str(tmp_path / "cache"))
     assert os.listdir(temp) == []
-    (line,) = [l for l in proc.stderr.splitlines() if "preparing" in l]
+    (line,) = [l for l in capsys.readouterr().err.splitlines() if "preparing" in l]
     assert line.startswith("deltafl_jax: preparing mnist (40 train and 20 test images, "
                            "centralised: --partition splits them into clients) in "), line
     assert "2 clients" not in line
