@@ -39,7 +39,7 @@ def time_shape(shape: str) -> dict:
     from deltafl_jax.algorithms.buffered.fedbuff import RULE
     from deltafl_jax.asynchronous.run import BufferedRun
     from deltafl_jax.asynchronous.step import init_buffered_state
-    from deltafl_jax.sampling.asynchronous import AsyncSettings
+    from deltafl_jax.asynchronous.scheduler import AsyncSettings
 
     spec, K = SHAPES[shape], FLAGS.buffer_size
     data = femnist_like_dataset(FLAGS.num_clients, seed=0, flat=spec["flat"])

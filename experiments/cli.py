@@ -53,7 +53,7 @@ GROUP_TITLES = {
               "docs/guides/availability.md)",
     "timing": "Device speeds and the virtual clock (deltafl_jax.sampling.speeds, clock; "
               "docs/guides/device-speeds.md)",
-    "asynchronous": "Buffered asynchronous aggregation (deltafl_jax.sampling.asynchronous; "
+    "asynchronous": "Buffered asynchronous aggregation (deltafl_jax.asynchronous.scheduler; "
                     "docs/guides/asynchronous.md)",
     "privacy": "Client-level differential privacy and client sampling (deltafl_jax.privacy.dp)",
     "placement": "Placement: devices, lanes, chunks (deltafl_jax.run.config.Placement)",

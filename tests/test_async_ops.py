@@ -17,7 +17,7 @@ from deltafl_jax import run_experiment
 from deltafl_jax.evaluation.availability import count_split
 from deltafl_jax.run import resolve as resolve_lib
 from deltafl_jax.run.buffered import async_speeds
-from deltafl_jax.sampling.asynchronous import job_durations
+from deltafl_jax.asynchronous.scheduler import job_durations
 from deltafl_jax.sampling.plan import LocalWork
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -26,7 +26,7 @@ from deltafl_jax.models import build_model
 from deltafl_jax.replicas.labels import Replicas
 from deltafl_jax.sampling import Cohort
 from deltafl_jax.sampling import plan as plan_lib
-from deltafl_jax.sampling.asynchronous import AsyncSettings
+from deltafl_jax.asynchronous.scheduler import AsyncSettings
 from deltafl_jax.sampling.plan import RoundData
 
 LRS, BATCH, SEED = (0.3, 0.1), 16, 2

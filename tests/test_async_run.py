@@ -24,7 +24,7 @@ from deltafl_jax.models import build_model
 from deltafl_jax.replicas.labels import Replicas
 from deltafl_jax.run.resolve import resolve
 from deltafl_jax.sampling import plan as plan_lib
-from deltafl_jax.sampling.asynchronous import AsyncSettings, job_durations
+from deltafl_jax.asynchronous.scheduler import AsyncSettings, job_durations
 from deltafl_jax.sampling.speeds import build_speeds
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""The asynchronous scheduler (deltafl_jax/sampling/asynchronous.py) against an independent
+"""The asynchronous scheduler (deltafl_jax/asynchronous/scheduler.py) against an independent
 event simulation written with heapq, and its invariants: the ring of versions, availability,
 checkpoints and bad settings."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.asynchronous.rule import polynomial
-from deltafl_jax.sampling.asynchronous import AsyncScheduler, check_ring_fits, ring_size
+from deltafl_jax.asynchronous.scheduler import AsyncScheduler, check_ring_fits, ring_size
 from deltafl_jax.sampling.availability import Bernoulli, Markov
 
 
@@ -174,7 +174,7 @@ def test_staleness_weight():
 
 def test_settings_group_refuses_bad_flags():
     from deltafl_jax.declared import declared
-    from deltafl_jax.sampling.asynchronous import AsyncSettings
+    from deltafl_jax.asynchronous.scheduler import AsyncSettings
     assert {f.name for _, f in declared(AsyncSettings)} == {"concurrency", "buffer_size",
                                                             "max_staleness"}
     assert AsyncSettings(concurrency=20, buffer_size=10, max_staleness=3).ring == 5
@@ -190,7 +190,7 @@ def test_job_durations_time_the_planned_steps():
     """A uniform device of 0.01 s an example and 1000 B/s, a model of 500 bytes: 1 s of
     transfer; two epochs of batches of 4 over 10 examples, or 3 steps of 4 examples."""
     from deltafl_jax.sampling.plan import LocalWork
-    from deltafl_jax.sampling.asynchronous import job_durations
+    from deltafl_jax.asynchronous.scheduler import job_durations
     from deltafl_jax.sampling.speeds import DeviceSpeeds
     speeds = DeviceSpeeds(3, 0.01, 1000.0)
     sizes = np.asarray([10, 3, 4])

@@ -22,7 +22,7 @@ from deltafl_jax.models import build_model
 from deltafl_jax.replicas.labels import Replicas
 from deltafl_jax.sampling import plan as plan_lib
 from deltafl_jax.sampling import Cohort
-from deltafl_jax.sampling.asynchronous import AsyncScheduler, ServerStep
+from deltafl_jax.asynchronous.scheduler import AsyncScheduler, ServerStep
 from deltafl_jax.sampling.plan import RoundData
 
 SIZES = (6, 9, 12, 7, 10, 8)
@@ -138,7 +138,7 @@ def test_buffered_run_resumes_bit_for_bit(tmp_path):
     online with probability 0.7: drops, stale updates and idle slots all occur)."""
     from deltafl_jax.asynchronous.run import BufferedRun
     from deltafl_jax.asynchronous.step import BufferedState
-    from deltafl_jax.sampling.asynchronous import AsyncSettings
+    from deltafl_jax.asynchronous.scheduler import AsyncSettings
     from deltafl_jax.sampling.availability import Bernoulli
     data = dataset()
     model = build_model("linear", data)
@@ -241,7 +241,7 @@ from deltafl_jax.engine.mesh import make_mesh
 from deltafl_jax.models import build_model
 from deltafl_jax.replicas.labels import Replicas
 from deltafl_jax.sampling import plan as plan_lib
-from deltafl_jax.sampling.asynchronous import AsyncSettings
+from deltafl_jax.asynchronous.scheduler import AsyncSettings
 data = dataset()
 model = build_model("linear", data)
 seconds = np.random.default_rng(9).lognormal(0.0, 1.0, size=len(SIZES))
@@ -288,7 +288,7 @@ def test_a_ring_that_cannot_fit_is_refused_in_one_line():
     (120 bytes each) need 1080 bytes."""
     from deltafl_jax.asynchronous.run import BufferedRun, version_bytes
     from deltafl_jax.errors import ConfigError
-    from deltafl_jax.sampling.asynchronous import AsyncSettings
+    from deltafl_jax.asynchronous.scheduler import AsyncSettings
     data = dataset()
     model = build_model("linear", data)
     replicas = Replicas(group=np.zeros(2, np.int32), hyper=(), l2=np.zeros(2, np.float32),

@@ -238,7 +238,7 @@ def test_asynchronous_jobs_lost_mid_job_equal_an_event_simulation():
     step's time, clients, base versions and jobs lost since the previous step equal the
     reference's, and some jobs are lost; a scheduler restored from another's state in the
     middle goes on identically."""
-    from deltafl_jax.sampling.asynchronous import AsyncScheduler
+    from deltafl_jax.asynchronous.scheduler import AsyncScheduler
     table = np.array([1.0, 2.5, 4.0, 1.5, 3.0, 6.0])
 
     def make():

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 import jax
 import numpy as np
 
-from deltafl_jax.sampling.asynchronous import AsyncSettings
+from deltafl_jax.asynchronous.scheduler import AsyncSettings
 
 
 def polynomial(tau) -> np.ndarray:

@@ -1,6 +1,6 @@
 """The host side of a buffered asynchronous run: :class:`BufferedRun`.
 
-One :class:`~deltafl_jax.sampling.asynchronous.AsyncScheduler` per seed (with the rule's
+One :class:`~deltafl_jax.asynchronous.scheduler.AsyncScheduler` per seed (with the rule's
 refill and draw policy), each server step's plan (the K buffered jobs of every seed in the
 plan's K slots; a job's examples are shuffled by (seed, the step's index, client),
 :mod:`deltafl_jax.sampling.plan`), the rule's staleness weights, and the jitted step
@@ -21,7 +21,7 @@ from deltafl_jax.asynchronous.step import BufferedState, build_buffered_step, st
 from deltafl_jax.engine import mesh as mesh_lib
 from deltafl_jax.replicas.labels import Replicas
 from deltafl_jax.sampling import plan as plan_lib
-from deltafl_jax.sampling.asynchronous import (AsyncScheduler, AsyncSettings, check_ring_fits,
+from deltafl_jax.asynchronous.scheduler import (AsyncScheduler, AsyncSettings, check_ring_fits,
                                                ring_size)
 from deltafl_jax.sampling.plan import RoundData
 from deltafl_jax.sampling.samplers import Cohort
@@ -95,7 +95,7 @@ class BufferedRun:
 
     def next_step(self, index: int):
         """(the plan, the :class:`~deltafl_jax.asynchronous.step.BufferedInputs`, the
-        schedulers' :class:`~deltafl_jax.sampling.asynchronous.ServerStep` s) of server step
+        schedulers' :class:`~deltafl_jax.asynchronous.scheduler.ServerStep` s) of server step
         `index` of every seed."""
         steps = [s.next_step() for s in self.schedulers]
         cohorts = [Cohort(s.clients.astype(np.int32), np.ones(self.K, bool),

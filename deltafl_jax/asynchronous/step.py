@@ -2,7 +2,7 @@
 :class:`~deltafl_jax.asynchronous.rule.BufferedRule` (FedBuff, Nguyen et al., AISTATS 2022,
 Algorithm 1, and its kin).
 
-The host's :class:`~deltafl_jax.sampling.asynchronous.AsyncScheduler` decides, on a virtual
+The host's :class:`~deltafl_jax.asynchronous.scheduler.AsyncScheduler` decides, on a virtual
 clock, which K updates fill each buffer and from which model version each client started.
 One server step here trains those K jobs in lanes, each from its own base version w_{tau_k}
 (read from the ring of versions the device keeps), with the rule's job weights a_k (by
@@ -37,7 +37,7 @@ from deltafl_jax import engine
 from deltafl_jax.asynchronous.rule import BufferedRule, StepContext, polynomial
 from deltafl_jax.optimizers.server import init_states, server_step
 from deltafl_jax.replicas.labels import Replicas
-from deltafl_jax.sampling.asynchronous import ServerStep
+from deltafl_jax.asynchronous.scheduler import ServerStep
 from deltafl_jax.sampling.plan import RoundData
 
 
@@ -58,7 +58,7 @@ class BufferedState(flax.struct.PyTreeNode):
 
 class BufferedInputs(NamedTuple):
     """One server step of every group (seed), from its scheduler's
-    :class:`~deltafl_jax.sampling.asynchronous.ServerStep`.
+    :class:`~deltafl_jax.asynchronous.scheduler.ServerStep`.
 
     slots: [G, K] int32 the ring slot of each update's base version; weights: [G, K] float32
     s(tau_k); staleness: [G, K] int32 tau_k; new_slot: [G] int32 where the new version goes.

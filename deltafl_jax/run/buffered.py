@@ -9,7 +9,7 @@ the model it serves, and :class:`AsyncClock`, which plays the part the synchrono
 virtual time and the checkpoint's host state.
 
 The loop plans step t + 1 while the device runs step t, and the schedulers are stateful
-(:class:`~deltafl_jax.sampling.asynchronous.AsyncScheduler`): the clock keeps each
+(:class:`~deltafl_jax.asynchronous.scheduler.AsyncScheduler`): the clock keeps each
 scheduler's state as it was before the newest plan, so that a checkpoint after step t holds
 the schedulers after step t (the plan of step t + 1 is drawn again on resume, identically).
 Without ``--client_speed`` every client's device is the uniform one (the speed settings'

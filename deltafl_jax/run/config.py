@@ -30,7 +30,7 @@ from deltafl_jax.optimizers.client import ClientOptimizer
 from deltafl_jax.optimizers.server import ServerOptimizer
 from deltafl_jax.privacy.dp import Privacy, check_private_version
 from deltafl_jax.replicas.labels import aligned
-from deltafl_jax.sampling.asynchronous import AsyncSettings
+from deltafl_jax.asynchronous.scheduler import AsyncSettings
 from deltafl_jax.sampling.availability import AvailabilitySettings
 from deltafl_jax.sampling.samplers import Sampling
 from deltafl_jax.sampling.speeds import TimingSettings

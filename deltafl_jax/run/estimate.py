@@ -24,7 +24,7 @@ way with its server steps as rounds: ``round_s`` is the mean of consecutive serv
 the start (the schedulers' events are sequential; each step trains its K jobs in lanes, each
 from its base version in the ring), the projection is over ``num_rounds`` server steps, and
 the block adds the bytes of the ring of model versions the device keeps (every replica's
-V versions, :func:`deltafl_jax.sampling.asynchronous.ring_size`). With
+V versions, :func:`deltafl_jax.asynchronous.scheduler.ring_size`). With
 ``--stop_at_virtual_time`` (either kind of run) the projection is still over ``num_rounds``
 rounds, and the block says that the virtual stop may end the run earlier.
 

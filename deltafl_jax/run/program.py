@@ -35,7 +35,7 @@ from deltafl_jax.run.buffered import AsyncRound, async_speeds
 from deltafl_jax.run.client_store import ClientStore
 from deltafl_jax.run.resolve import ResolvedRun
 from deltafl_jax.sampling import plan as plan_lib
-from deltafl_jax.sampling.asynchronous import job_durations
+from deltafl_jax.asynchronous.scheduler import job_durations
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
