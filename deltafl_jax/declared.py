@@ -21,7 +21,9 @@ flat, flag -> value; :func:`set_fields` lets such a class take its groups' setti
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
+import pkgutil
 from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple
 
 from deltafl_jax.errors import ConfigError, UsageError
@@ -304,6 +306,71 @@ def flat_values(obj) -> Dict[str, Any]:
         elif isinstance(f.metadata.get(FLAG), type):
             out.update(flat_values(getattr(obj, f.name)))
     return out
+
+
+def declared_models(package: str, path: Iterable[str], base: type,
+                    prefix: str) -> Tuple[type, ...]:
+    """The ``MODEL`` of every module of `package` (its `path`) that has one, by its
+    ``position`` then its ``name``: a table of models each declared in one module (the
+    availability models, the device speeds). TypeError for a declaration the table cannot
+    hold: not a named subclass of `base`, two models of one name, a settings flag that does
+    not start with `prefix`."""
+    found = []
+    for info in pkgutil.iter_modules(list(path)):
+        model = getattr(importlib.import_module(f"{package}.{info.name}"), "MODEL", None)
+        if model is not None:
+            found.append(model)
+    found.sort(key=lambda m: (getattr(m, "position", 0), getattr(m, "name", "")))
+    names: Dict[str, type] = {}
+    for model in found:
+        if not (isinstance(model, type) and issubclass(model, base) and model.name):
+            raise TypeError(f"{model!r}: MODEL must be a named subclass of {base.__name__}")
+        if model.name in names:
+            raise TypeError(f"models {names[model.name].__name__} and {model.__name__} share "
+                            f"the name {model.name!r}")
+        names[model.name] = model
+        bad = [f.name for f in dataclasses.fields(model.settings)
+               if flag_of(f) is None or not flag_of(f).name.startswith(prefix)]
+        if bad:
+            raise TypeError(f"{model.__name__}.settings: fields {bad} need a flag starting "
+                            f"with --{prefix}")
+    return tuple(found)
+
+
+def given(settings: Any, group: type) -> bool:
+    """Whether any field of the group class `group` holds, in `settings` (a group merging it,
+    :func:`merged_group`), another value than its default: a merged group checks only those
+    of its groups (and the chosen model's), whose defaults are valid, so that a run enters
+    no module of a model it does not use."""
+    return any(getattr(settings, f.name) != default_of(f) for f in dataclasses.fields(group))
+
+
+def merged_group(name: str, module: str, doc: str, parts: Sequence[Any],
+                 namespace: Optional[Mapping[str, Any]] = None) -> type:
+    """A frozen dataclass `name` (of `module`) holding the settings of `parts` flat, in order:
+    a part is one field, (field name, type, :func:`setting`), or a group class, which gives
+    each of its fields (the availability models' groups, the device speeds'). A field that
+    several groups declare alike (one name, one Flag, one default) is kept once, where it
+    first appears; TypeError naming it when two declarations of one name differ. `namespace`:
+    its methods (``__post_init__``, properties)."""
+    fields: Dict[str, Tuple[str, Any, dataclasses.Field]] = {}
+    for part in parts:
+        items = ([part] if isinstance(part, tuple) else
+                 [(f.name, f.type, f) for f in dataclasses.fields(part)])
+        for field_name, field_type, f in items:
+            if field_name in fields:
+                seen = fields[field_name][2]
+                if (seen.metadata.get(FLAG) != f.metadata.get(FLAG)
+                        or default_of(seen) != default_of(f)):
+                    raise TypeError(f"{name}.{field_name} is declared differently by two of "
+                                    f"its groups; declare it once and share that declaration")
+                continue
+            fields[field_name] = (field_name, field_type, dataclasses.field(
+                default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+    cls = dataclasses.make_dataclass(name, list(fields.values()), frozen=True,
+                                     namespace=dict(namespace or {}, __doc__=doc))
+    cls.__module__ = module
+    return cls
 
 
 def set_fields(obj, settings: Dict[str, Any]) -> None:

@@ -2,7 +2,7 @@
 records (jobs started, updates aggregated, stale drops) and their sums by availability
 quintile against a NumPy event simulation of FedBuff's scheduler; the report's table of the
 updates aggregated by quintile against NumPy from clients.npz; ``--estimate`` of FedBuff
-runs (deltafl_jax/run/buffered.py, deltafl_jax/evaluation/availability.py,
+runs (deltafl_jax/run/buffered.py, deltafl_jax/evaluation/by_availability.py,
 deltafl_jax/report/availability.py, deltafl_jax/run/estimate.py)."""
 
 import json
@@ -14,7 +14,7 @@ import pytest
 
 from conftest import run_runner, tiny_config
 from deltafl_jax import run_experiment
-from deltafl_jax.evaluation.availability import count_split
+from deltafl_jax.evaluation.by_availability import count_split
 from deltafl_jax.run import resolve as resolve_lib
 from deltafl_jax.run.buffered import async_speeds
 from deltafl_jax.asynchronous.scheduler import job_durations

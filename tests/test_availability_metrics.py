@@ -1,4 +1,4 @@
-"""The test error by availability quintile (deltafl_jax/evaluation/availability.py): the quintiles
+"""The test error by availability quintile (deltafl_jax/evaluation/by_availability.py): the quintiles
 by rank with ties by index, against hand-computed cases; each quintile's mean, p90 and worst-10%
 error and its participation counts against a NumPy restatement (loops over the clients, the
 lower weighted quantile and the superquantile's LP written out); the split of an evaluation
@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from deltafl_jax.evaluation.availability import (QUINTILES, AvailabilitySplit,
+from deltafl_jax.evaluation.by_availability import (QUINTILES, AvailabilitySplit,
                                                  availability_quintiles, population_split,
                                                  quintile_split)
 

@@ -136,7 +136,7 @@ def test_evaluations_split_the_error_by_the_availability_of_both_populations(tin
     by quintile of p_i: the training clients' p_i from the run's model, the test devices' from
     the same model over the test split, the seen clients' rounds online and sampled summed
     per quintile; without it, nothing of the kind is reported."""
-    from deltafl_jax.evaluation.availability import population_split
+    from deltafl_jax.evaluation.by_availability import population_split
     from deltafl_jax.run.experiment import build_experiment
     from deltafl_jax.run.resolve import label_counts
     from deltafl_jax.sampling.availability import AvailabilitySettings, build_availability

@@ -94,6 +94,17 @@ def test_the_settings_are_each_models_group_merged_flat():
         AvailabilitySettings(model="sometimes")
 
 
+def test_every_groups_defaults_are_valid_so_a_run_checks_only_the_groups_it_was_given():
+    """AvailabilitySettings checks a group only when its values differ from the defaults (or
+    it is the chosen model's): sound because every group's defaults pass its own checks; a
+    value given to a model not chosen is still refused."""
+    from deltafl_jax.sampling.availability.probabilities import ProbabilitySettings
+    for group in (ProbabilitySettings,) + tuple(m.settings for m in TABLE.values()):
+        group()                                    # its __post_init__ checks pass
+    with pytest.raises(ConfigError, match="--availability_period=0: must be >= 1"):
+        AvailabilitySettings(model="always", period=0)
+
+
 def one_file_model(tmp_path, monkeypatch):
     """The package's table with the one-file model EVERY_K dropped into its folder (a folder
     on its path, so that the real one is left alone)."""

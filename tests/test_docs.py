@@ -44,6 +44,8 @@ FOREIGN = {
 }
 # The recipe's example algorithm (docs/guides/add-algorithm.md): names it invents.
 EXAMPLE = "myalgo"
+# The one-file models of the availability and device-speed guides: their flags and files.
+GUIDE_EXAMPLES = ("every_k", "availability_every", "two_tier", "client_speed_slowdown")
 # The usage line's `--flag=value`.
 PLACEHOLDERS = {"flag"}
 
@@ -84,6 +86,7 @@ def unknown_flags(text, names, booleans):
             if family and any(n.startswith(name) for n in names):
                 continue
             if (name in names or name in FOREIGN or name in PLACEHOLDERS or EXAMPLE in name
+                    or name in GUIDE_EXAMPLES
                     or (name.startswith("no") and name[2:] in booleans)):
                 continue
             bad.append((number, name))
@@ -110,6 +113,7 @@ def missing_paths(text, root=REPO):
             before = line[:match.start()]
             if (re.search(r"--(out|output_dir)=$", before) or "<" in path or "*" in path
                     or EXAMPLE in path or path.startswith("bench/out")
+                    or any(e in path for e in GUIDE_EXAMPLES)
                     or any(re.fullmatch(r"[A-Z]+", seg) for seg in re.split(r"[/.]", path))):
                 continue
             for one in _expand(path):

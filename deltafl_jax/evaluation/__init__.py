@@ -1,1 +1,1 @@
-"""What an evaluation measures: the metrics and their tails (`metrics`), sampled evaluation with its intervals (`sample`), the error and participation by availability quintile (`availability`) and every client's own held-out data (`holdout`)."""
+"""What an evaluation measures: the metrics and their tails (`metrics`), sampled evaluation with its intervals (`sample`), the error and participation by availability quintile (`by_availability`) and every client's own held-out data (`holdout`)."""

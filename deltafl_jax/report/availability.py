@@ -1,5 +1,5 @@
 """The report's figure of the test error against availability (a run given an availability
-split, :mod:`deltafl_jax.evaluation.availability`).
+split, :mod:`deltafl_jax.evaluation.by_availability`).
 
 The numbers are the run's own, as it wrote them: each replica's final
 ``{family}_avail_q{j}_error_{mean,p90,worst10}`` and ``{family}_avail_q{j}_rate_mean`` of
@@ -11,7 +11,7 @@ not hold the clients' availability, so nothing is recomputed. A family is the te
 An asynchronous run (FedBuff, FedAsync) with an availability model also writes, per quintile
 of the training clients' availability, the sums of its per-client counts
 (``train_avail_q{j}_{jobs_started,updates_aggregated,updates_stale}`` and
-``train_avail_q{j}_rate_mean``; :func:`deltafl_jax.evaluation.availability.count_split`):
+``train_avail_q{j}_rate_mean``; :func:`deltafl_jax.evaluation.by_availability.count_split`):
 :func:`share_table` tables the share of the updates aggregated that came from each quintile
 and the share of completed updates dropped as stale.
 """
@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from deltafl_jax.evaluation.availability import QUINTILES
+from deltafl_jax.evaluation.by_availability import QUINTILES
 from deltafl_jax.report.figures import (error_limits, legend_below, legend_layout,
                                         method_styles, new_figure, percent_axis, wrap_label)
 from deltafl_jax.report.tables import Column

@@ -156,7 +156,7 @@ def render_availability(run_dirs: Sequence[str]) -> str:
     """The table of runs with availability and ``--client_holdout``: one row per method,
     columns the seen clients' held-out error (%): over all of them, and over the fifth of them
     least (and most) often online by the availability model (``seen_avail_q{j}``:
-    :mod:`deltafl_jax.evaluation.availability`), each the mean +- std over seeds, the lowest
+    :mod:`deltafl_jax.evaluation.by_availability`), each the mean +- std over seeds, the lowest
     mean of a column in bold."""
     rows: Dict[str, Dict[str, List[float]]] = {}
     for reader, summary, naming in _summaries(run_dirs):

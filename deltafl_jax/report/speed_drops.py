@@ -13,7 +13,7 @@ config (:func:`deltafl_jax.sampling.speeds.build_speeds` of its ``timing`` setti
 seed; a generated model needs no file, a capacity trace must still be readable at its path).
 
 The training clients are ranked by their compute seconds per example and cut into quintiles
-as :func:`deltafl_jax.evaluation.availability.availability_quintiles` cuts availability rates
+as :func:`deltafl_jax.evaluation.by_availability.availability_quintiles` cuts availability rates
 (ties by client index, groups as equal as N allows), here q1 the **fastest** fifth and q5 the
 slowest. A quintile's drop rate is the sum over its clients of the rounds dropped over the
 sum of the rounds selected (NaN when none of its clients was ever selected), per replica;
@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from deltafl_jax.errors import DeltaFLError
-from deltafl_jax.evaluation.availability import QUINTILES, availability_quintiles
+from deltafl_jax.evaluation.by_availability import QUINTILES, availability_quintiles
 from deltafl_jax.report.availability import columns_with, percent_cell
 from deltafl_jax.report.tables import Column
 

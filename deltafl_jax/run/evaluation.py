@@ -7,7 +7,7 @@ all training and all test clients (paper, App. C.2.3), or on a sample of K of ea
 replica that every evaluation's metrics.jsonl records and summary.json's final metrics hold
 (:func:`deltafl_jax.evaluation.metrics.summarize`, or on a sampled evaluation the estimates with 95%
 confidence intervals), with the error by availability quintile of the clients
-(:class:`deltafl_jax.evaluation.availability.AvailabilitySplit`).
+(:class:`deltafl_jax.evaluation.by_availability.AvailabilitySplit`).
 
 It owns which clients an evaluation reads and how its per-client arrays are summarised; the
 participation counts it records beside them are the planner's
@@ -28,7 +28,7 @@ import numpy as np
 
 from deltafl_jax import engine
 from deltafl_jax.engine import mesh as mesh_lib
-from deltafl_jax.evaluation.availability import AvailabilitySplit
+from deltafl_jax.evaluation.by_availability import AvailabilitySplit
 from deltafl_jax.evaluation.metrics import perplexity_summaries, summarize
 from deltafl_jax.evaluation.sample import EvalSample, EvalSampler, summarize_sample
 from deltafl_jax.run import personal as personal_lib

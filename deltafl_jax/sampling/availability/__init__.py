@@ -24,13 +24,11 @@ The shipped models (their laws are in ``docs/guides/availability.md``): ``always
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-from deltafl_jax.declared import flag_of, setting
+from deltafl_jax.declared import declared_models, given, merged_group, setting
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.sampling.availability.always import Always
 from deltafl_jax.sampling.availability.base import (MODEL_STREAM, SEED_STREAM, STREAM,
@@ -46,39 +44,21 @@ PREFIX = "availability_"   # every model setting's flag starts with it
 
 
 def discover(package: str, path) -> Tuple[type, ...]:
-    """The ``MODEL`` of every module of `package` (its `path`) that has one, by position then
-    name; TypeError for a declaration the table cannot hold (no name, two models of one name
-    or one stream word, a settings flag without the ``availability_`` prefix)."""
-    found = []
-    for info in pkgutil.iter_modules(path):
-        model = getattr(importlib.import_module(f"{package}.{info.name}"), "MODEL", None)
-        if model is not None:
-            found.append(model)
-    found.sort(key=lambda m: (m.position, m.name))
-    names, words = {}, {}
+    """The models of `package` (:func:`deltafl_jax.declared.declared_models`: every module's
+    ``MODEL``, by position then name); TypeError also for two models of one stream word."""
+    found = declared_models(package, path, Availability, PREFIX)
+    words: Dict[int, type] = {}
     for model in found:
-        if not (isinstance(model, type) and issubclass(model, Availability) and model.name):
-            raise TypeError(f"{model!r}: MODEL must be a named subclass of Availability")
-        for seen, key, what in ((names, model.name, "name"), (words, model.word, "stream word")):
-            if key in seen and (what == "name" or key != 0):
-                raise TypeError(f"availability models {seen[key].__name__} and "
-                                f"{model.__name__} share the {what} {key!r}")
-            seen[key] = model
-        bad = [f.name for f in dataclasses.fields(model.settings)
-               if flag_of(f) is None or not flag_of(f).name.startswith(PREFIX)]
-        if bad:
-            raise TypeError(f"{model.__name__}.settings: fields {bad} need a flag starting "
-                            f"with --{PREFIX}")
-    return tuple(found)
+        if model.word in words:
+            raise TypeError(f"availability models {words[model.word].__name__} and "
+                            f"{model.__name__} share the stream word {model.word}")
+        if model.word:
+            words[model.word] = model
+    return found
 
 
 TABLE: Dict[str, type] = {m.name: m for m in discover(__name__, __path__)}
 MODELS: Tuple[str, ...] = tuple(TABLE)
-
-
-def _group_fields(group: type):
-    return [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
-            for f in dataclasses.fields(group)]
 
 
 def own_settings(settings, group: type):
@@ -90,9 +70,11 @@ def own_settings(settings, group: type):
 def settings_class(table: Dict[str, type]) -> type:
     """The merged settings group of the models of `table`: ``model`` (``--availability``, one
     of the table's names), the probabilities' group, ``seed``, then each model's own group in
-    the table's order, flat. When one is made, every group checks its own values, then the
-    chosen model its :meth:`~deltafl_jax.sampling.availability.base.Availability.check`; its
-    ``chosen`` is the chosen model's class. TypeError when two groups declare one field."""
+    the table's order, flat. When one is made, every group given other values than its
+    defaults checks them (:func:`deltafl_jax.declared.given`; the chosen model's group always),
+    then the chosen model its :meth:`~deltafl_jax.sampling.availability.base.Availability.check`; its
+    ``chosen`` is the chosen model's class. TypeError when two groups declare one field
+    differently (:func:`deltafl_jax.declared.merged_group`)."""
     groups = (ProbabilitySettings,) + tuple(dict.fromkeys(m.settings for m in table.values()))
     model = ("model", str, setting(
         "always", "who is online each round: " + " | ".join(m.summary for m in table.values()),
@@ -100,31 +82,24 @@ def settings_class(table: Dict[str, type]) -> type:
     seed = ("seed", int, setting(
         0, "seeds the draws of the model itself (data-correlated weights, traces assigned by "
         "seed), the same for every --seeds", flag="availability_seed"))
-    fields = [model] + _group_fields(ProbabilitySettings) + [seed]
-    for group in groups[1:]:
-        fields += _group_fields(group)
-    names = [name for name, _, _ in fields]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise TypeError(f"availability settings {twice} are declared by two groups")
 
-    def check(self) -> None:   # every group's own checks (whatever the model), the model's
+    def check(self) -> None:   # the groups' own checks (whatever the model), the model's
         if self.model not in table:
             raise ConfigError(f"--availability must be one of {', '.join(table)}, got "
                               f"{self.model!r}")
-        for group in groups:
-            own_settings(self, group)
-        table[self.model].check(self)
+        chosen = table[self.model]
+        for group in groups:   # a group left at its defaults (valid) is not entered
+            if group is chosen.settings or given(self, group):
+                own_settings(self, group)
+        chosen.check(self)
 
-    cls = dataclasses.make_dataclass("AvailabilitySettings", fields, frozen=True, namespace={
-        "__doc__": "Which clients are online in a round: ``--availability`` and the flags of "
-                   "every model's settings group, merged flat (module docstring; "
-                   "docs/guides/availability.md).",
-        "__post_init__": check,
-        "chosen": property(lambda self: table[self.model],
-                           doc="The chosen model's class (its declaration).")})
-    cls.__module__ = __name__
-    return cls
+    return merged_group(
+        "AvailabilitySettings", __name__, "Which clients are online in a round: "
+        "``--availability`` and the flags of every model's settings group, merged flat (module "
+        "docstring; docs/guides/availability.md).",
+        (model, ProbabilitySettings, seed) + groups[1:],
+        {"__post_init__": check, "chosen": property(
+            lambda self: table[self.model], doc="The chosen model's class (its declaration).")})
 
 
 AvailabilitySettings: Any = settings_class(TABLE)
