@@ -193,3 +193,27 @@ def test_buffered_deltafl_with_k_equal_c_and_no_staleness_is_synchronous_deltafl
         np.testing.assert_allclose(served[leaf], want[leaf], atol=1e-6, rtol=1e-6)
     np.testing.assert_allclose(metrics[0]["eta"], np.asarray(sync["eta"]), rtol=1e-6)
     assert metrics[0]["kept_updates"].tolist() == [3, 4]
+
+
+def test_the_rules_refuse_what_they_cannot_run():
+    """A ConfigError naming the flag, before anything is built: --fedasync_rho below 0,
+    FedScale's form at a theta other than 1, buffered Delta-FL at theta 0 or with a client
+    sampler; buffered Delta-FL takes a theta sweep and the reference filter."""
+    from conftest import tiny_config
+    from deltafl_jax.algorithms import registry
+    from deltafl_jax.errors import ConfigError
+    refused = [
+        (dict(algorithm="fedasync", thetas=(1.0,), fedasync_rho=-0.5), "--fedasync_rho"),
+        (dict(algorithm="fedbuff_fedscale", thetas=(0.5,)), "--thetas"),
+        (dict(algorithm="deltafl_buffered", thetas=(0.0,)), "--thetas"),
+        (dict(algorithm="deltafl_buffered", client_sampling="poisson"), "--client_sampling")]
+    for overrides, flag in refused:
+        with pytest.raises(ConfigError, match=flag):   # the configuration or the spec's check
+            config = tiny_config(concurrency=4, buffer_size=2, **overrides)
+            registry.get(config.algorithm).check(config)
+    ok = tiny_config(algorithm="deltafl_buffered", thetas=(1.0, 0.5), filter="reference",
+                     concurrency=4, buffer_size=2)
+    spec = registry.get("deltafl_buffered")
+    spec.check(ok)
+    assert spec.sweep_values(ok) == (1.0, 0.5)
+    assert spec.asynchronous.make(ok, spec.options_for(ok)).uses_losses
