@@ -264,6 +264,7 @@ def test_uniform_availability_draws_one_group_and_says_why(tmp_path):
     assert any("same availability (0.2)" in n for n in notes)
 
 
+@pytest.mark.slow   # 8 fabricated runs and a drawn figure (2 s): CI's second step
 def test_quintile_ticks_do_not_run_together_and_the_tail_is_tabled(tmp_path):
     from deltafl_jax.report import availability, document
     rates = [0.0331, 0.0982, 0.165, 0.301, 0.55]
@@ -304,3 +305,14 @@ def test_a_corrected_delta_fl_is_named_with_its_correction():
         "Δ-FL, θ = 0.5 (FedAU-corrected)"
     assert method_label(lab, {"options": {"deltafl_participation": "none"}}) == "Δ-FL, θ = 0.5"
     assert method_label(ReplicaLabel("deltafl", 1.0, 1), {}) == "FedAvg"
+
+
+def test_error_limits_leave_errors_of_a_dataset_without_classes_as_drawn():
+    fig, axes = figures.new_figure(1, 2, 4, 2)
+    axes[0][0].plot([1, 2, 3], [0.5, 3.0, 2.0])      # a regression's 'error': not a fraction
+    axes[0][1].plot([1, 2, 3], [0.9, 1.0, 1.0])      # fractions up to 1
+    for ax in axes[0]:
+        figures.error_limits(ax)
+    assert axes[0][0].get_ylim()[1] > 3.0 and axes[0][0].get_ylim()[0] < 0.5
+    lo, hi = axes[0][1].get_ylim()
+    assert 0.0 <= lo < 0.9 and 1.0 < hi <= 1.0 + 0.05 * (1.0 - lo) + 1e-12

@@ -150,8 +150,9 @@ def draw_panel(ax, cols, family: str, stat: str, styles, uniform: bool) -> List[
 def availability_figure(cols: Sequence[Column]):
     """The error against availability: one row of panels per family, one column per
     statistic (mean, p90, worst-10% mean, in %), the x axis the availability quintile of the
-    family's clients (q1 the least available, with its mean rate), a line per method in its
-    style (mean over seeds, band min/max over seeds); None when no run has the split. When
+    family's clients (q1 the least available, with its mean rate, under every row: the
+    families' quintiles have rates of their own), a line per method in its style (mean over
+    seeds, band min/max over seeds); None when no run has the split. When
     every client has the same availability (:func:`uniform_rate`) the quintiles mean nothing:
     one group of all clients instead, a point per method (whisker: min/max over seeds), and
     the title says why."""
@@ -162,7 +163,7 @@ def availability_figure(cols: Sequence[Column]):
     rate = uniform_rate(cols)
     fig, axes = new_figure(len(families), len(AVAILABILITY_STATS), 11.0,
                            2.9 * len(families) + 1.0 +
-                           legend_layout([c.label for c in cols], 11.0)[1], sharex=True)
+                           legend_layout([c.label for c in cols], 11.0)[1])
     for f, family in enumerate(families):
         rates = []
         for s, (stat, name) in enumerate(AVAILABILITY_STATS):

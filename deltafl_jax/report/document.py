@@ -356,12 +356,18 @@ def pooled_notes(cols: Sequence[Column]) -> List[str]:
             for name, setup in setups.items():
                 by_value.setdefault(setup[key], []).append(name)
             if len(by_value) > 1:
-                parts.append("; ".join(f"{v} ({', '.join(sorted(n))})"
-                                       for v, n in by_value.items()))
+                parts.append("; ".join(f"{v} ({named(n)})" for v, n in by_value.items()))
         if parts:
             notes.append(f"{setting}: pools runs of different set-ups in one row (its tables "
                          f"and figures): " + " | ".join(parts))
     return notes
+
+
+def named(names: Sequence[str], most: int = 3) -> str:
+    """'a, b, c and 4 more' of run names (sorted)."""
+    names = sorted(names)
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def updates_section(cols: Sequence[Column]) -> List[str]:

@@ -266,11 +266,15 @@ def legend_below(fig, handles, labels) -> None:
 
 def error_limits(ax) -> None:
     """The y range of an axis of errors (fractions) kept to [0, 1] and a margin of 5% of the
-    range above 1: matplotlib widens a flat line of zeros to [-0.05, 0.05], an error below 0
-    that no run can have (and a flat line of ones to [0.95, 1.05])."""
+    range above 1 when the data lie in [0, 1]: matplotlib widens a flat line of zeros to
+    [-0.05, 0.05], an error below 0 that no run can have (and a flat line of ones to
+    [0.95, 1.05]). The 'error' of a dataset without classes (any value) is left as drawn."""
     lo, hi = ax.get_ylim()
+    data = ax.dataLim
+    if not (np.isfinite([data.y0, data.y1]).all() and 0.0 <= data.y0 and data.y1 <= 1.0):
+        return
     lo = max(lo, 0.0)
-    hi = min(hi, 1.0 + 0.05 * (1.0 - lo)) if lo < 1.0 else hi
+    hi = min(hi, 1.0 + 0.05 * (1.0 - lo))
     ax.set_ylim(lo, hi if hi > lo else lo + 0.05)
 
 
@@ -833,13 +837,14 @@ def label_candidates():
             yield k, (dx * r, dy * r), side[dx][0], side[dy][1]
 
 
-def place_labels(ax, items, marks, fontsize: float = 6.0) -> List[str]:
+def place_labels(ax, items, marks, fontsize: float = 6.0) -> List[int]:
     """Annotate the points of `items` [(x, y, text, colour)] (in data coordinates) so that no
     label overlaps another, a point of `marks` [(x, y, radius in points)] or the axes' frame:
     each label takes the first free place of :func:`label_candidates` (greedy, in the order
     given: put the important ones first), joined to its point by a thin line when it sits
     farther out. Lays the figure out first and keeps that layout (its engine set to none), so
-    the places hold when it is saved. Returns the texts that found no place (not drawn)."""
+    the places hold when it is saved. Returns the indices of the items whose label found no
+    place (not drawn)."""
     fig = ax.figure
     fig.draw_without_rendering()
     fig.set_layout_engine("none")
@@ -852,27 +857,26 @@ def place_labels(ax, items, marks, fontsize: float = 6.0) -> List[str]:
         r = radius * scale
         taken.append((cx - r, cy - r, cx + r, cy + r))
     lost = []
-    for x, y, text, color in items:
-        for ring, offset, ha, va in label_candidates():
-            ann = ax.annotate(text, (x, y), xytext=offset, textcoords="offset points",
-                              fontsize=fontsize, color=color, ha=ha, va=va,
-                              annotation_clip=False)
-            b = ann.get_window_extent(renderer)
-            box = (b.x0 - 1, b.y0 - 1, b.x1 + 1, b.y1 + 1)
+    for i, (x, y, text, color) in enumerate(items):
+        probe = ax.text(0, 0, text, fontsize=fontsize)
+        size = probe.get_window_extent(renderer)
+        probe.remove()
+        px, py = ax.transData.transform((x, y))
+        for ring, (dx, dy), ha, va in label_candidates():
+            x0 = px + dx * scale - {"left": 0.0, "center": 0.5, "right": 1.0}[ha] * size.width
+            y0 = py + dy * scale - {"bottom": 0.0, "center": 0.5, "top": 1.0}[va] * size.height
+            box = (x0 - 1, y0 - 1, x0 + size.width + 1, y0 + size.height + 1)
             inside = frame.x0 <= box[0] and box[2] <= frame.x1 and frame.y0 <= box[1] and \
                 box[3] <= frame.y1
             if inside and not any(box[0] < t[2] and t[0] < box[2] and box[1] < t[3] and
                                   t[1] < box[3] for t in taken):
                 taken.append(box)
-                if ring >= LEADER_FROM:
-                    ann.remove()
-                    ax.annotate(text, (x, y), xytext=offset, textcoords="offset points",
-                                fontsize=fontsize, color=color, ha=ha, va=va,
-                                annotation_clip=False, arrowprops=dict(
-                                    arrowstyle="-", color=color, linewidth=0.5,
-                                    shrinkA=0, shrinkB=3))
+                ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points",
+                            fontsize=fontsize, color=color, ha=ha, va=va, annotation_clip=False,
+                            arrowprops=None if ring < LEADER_FROM else dict(
+                                arrowstyle="-", color=color, linewidth=0.5, shrinkA=0,
+                                shrinkB=3))
                 break
-            ann.remove()
         else:
-            lost.append(text)
+            lost.append(i)
     return lost

@@ -308,21 +308,22 @@ def frontier_plot(record: Mapping[str, Any]):
     room."""
     from deltafl_jax.report.figures import place_labels
     fig, ax, items, marks = frontier_axes(record)
-    lost = place_labels(ax, items, marks)
+    lost = place_labels(ax, [i[1:] for i in items], marks)
     if lost:            # say so in the title, and place them again on the new layout
-        fig, ax, items, marks = frontier_axes(record, lost)
-        place_labels(ax, [i for i in items if i[2] not in lost], marks)
+        fig, ax, items, marks = frontier_axes(record, [f"{items[k][0]} {items[k][3]}"
+                                                       for k in lost])
+        place_labels(ax, [i[1:] for k, i in enumerate(items) if k not in lost], marks)
     return fig
 
 
 def frontier_axes(record: Mapping[str, Any], lost: Sequence[str] = ()):
-    """(figure, axes, labels [(x, y, text, colour)] chosen points first, marks [(x, y, radius
-    in points)]) of :func:`frontier_plot` before its labels are placed; `lost`: the labels
-    named in the title for want of room."""
+    """(figure, axes, labels [(method, x, y, text, colour)] chosen points first, marks [(x, y,
+    radius in points)]) of :func:`frontier_plot` before its labels are placed; `lost`: the
+    labels ('method parameter') named in the title for want of room."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from deltafl_jax.report.figures import method_styles
+    from deltafl_jax.report.figures import method_styles, wrap_label
 
     points = frontier_points(record)
     methods = frontier_order(record)
@@ -350,20 +351,20 @@ def frontier_axes(record: Mapping[str, Any], lost: Sequence[str] = ()):
                        edgecolors="black" if p["chosen"] else "none", label=label)
             marks.append((p["mean"], p["p90"], 5.5 if p["chosen"] else 3.0))
             if p["text"]:
-                items.append((p["mean"], p["p90"], p["text"], st.color, p["chosen"]))
+                items.append((name, p["mean"], p["p90"], p["text"], st.color, p["chosen"]))
     front = pareto(points)
     if len(front) > 1:
         ax.plot([p["mean"] for p in front], [p["p90"] for p in front], "k--", lw=0.8,
                 zorder=2, label="Pareto frontier")
     ax.set_xlabel("test error, mean over clients (%)")
     ax.set_ylabel("test error, 90th percentile (%)")
-    note = f"\nno room to label: {', '.join(lost)}" if lost else ""
-    ax.set_title(f"{record['title']}: every method and parameter (large, outlined: chosen on "
-                 f"validation){note}", fontsize=9)
+    note = "\n" + wrap_label(f"no room to label: {', '.join(lost)}", 95) if lost else ""
+    ax.set_title(wrap_label(f"{record['title']}: every method and parameter (large, outlined: "
+                            f"chosen on validation)", 95) + note, fontsize=9)
     ax.grid(alpha=0.3)
     fig.legend(fontsize=7, loc="outside right upper", ncols=max(1, math.ceil(len(methods) / 26)))
-    items.sort(key=lambda i: not i[4])
-    return fig, ax, [i[:4] for i in items], marks
+    items.sort(key=lambda i: not i[5])
+    return fig, ax, [i[:5] for i in items], marks
 
 
 # --------------------------------------------------------------------------------------------
