@@ -415,3 +415,32 @@ def test_nothing_outside_the_availability_package_tests_a_model_name():
     assert not found, ("an availability model's name is tested outside deltafl_jax/sampling/"
                        "availability/; make the decision an attribute of its model:\n"
                        + "\n".join(found))
+
+
+SPEEDS_PACKAGE = os.path.join(PACKAGE, "sampling", "speeds")
+
+
+def speed_name_tests(source: str, where: str = "<source>"):
+    """:func:`name_tests` of the device-speed models' names in comparisons about a speed
+    (``none`` and ``uniform`` name other settings' values too)."""
+    from deltafl_jax.sampling.speeds import TABLE
+    return [hit for hit in name_tests(source, set(TABLE), where)
+            if "speed" in hit.split(": ", 1)[1]]
+
+
+def test_nothing_outside_the_speeds_package_tests_a_speed_model_name():
+    assert len(speed_name_tests('if config.get("client_speed", "none") == "none": pass\n'
+                                'if method == "none": pass')) == 1
+    found = []
+    for top in NAME_CHECKED:
+        for dirpath, _, files in os.walk(top):
+            if dirpath == SPEEDS_PACKAGE or dirpath.startswith(SPEEDS_PACKAGE + os.sep):
+                continue
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    with open(path) as fh:
+                        found += speed_name_tests(fh.read(), os.path.relpath(path, ROOT))
+    assert not found, ("a speed model's name is tested outside deltafl_jax/sampling/speeds/; "
+                       "read its declaration (TimingSettings.active, .chosen):\n"
+                       + "\n".join(found))

@@ -71,8 +71,6 @@ def run_per_example_s(run) -> Optional[np.ndarray]:
     from deltafl_jax.sampling.speeds import TimingSettings, build_speeds
 
     config = run.config
-    if config.get("client_speed", "none") == "none":
-        return None
     timing = {f.name: config[f.name] for f in dataclasses.fields(TimingSettings)
               if f.name in config}
     try:
