@@ -345,6 +345,12 @@ def given(settings: Any, group: type) -> bool:
     return any(getattr(settings, f.name) != default_of(f) for f in dataclasses.fields(group))
 
 
+def group_of(settings: Any, group: type) -> Any:
+    """The group class `group` made from the same-named fields of `settings` (a group that
+    merges it, :func:`merged_group`): the group's own checks run as it is made."""
+    return group(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(group)})
+
+
 def merged_group(name: str, module: str, doc: str, parts: Sequence[Any],
                  namespace: Optional[Mapping[str, Any]] = None) -> type:
     """A frozen dataclass `name` (of `module`) holding the settings of `parts` flat, in order:

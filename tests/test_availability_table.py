@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from deltafl_jax.declared import declarations
+from deltafl_jax.declared import declarations, group_of
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.sampling import availability
 from deltafl_jax.sampling.availability import (TABLE, AvailabilitySettings, build_availability,
@@ -89,7 +89,7 @@ def test_the_settings_are_each_models_group_merged_flat():
         assert own == [f for f in flags if f in own]          # in the group's order
     settings = AvailabilitySettings(model="markov", markov_off_on=0.2)
     assert settings.chosen is TABLE["markov"]
-    assert availability.own_settings(settings, TABLE["markov"].settings).markov_off_on == 0.2
+    assert group_of(settings, TABLE["markov"].settings).markov_off_on == 0.2
     with pytest.raises(ConfigError, match="--availability must be one of always, bernoulli"):
         AvailabilitySettings(model="sometimes")
 

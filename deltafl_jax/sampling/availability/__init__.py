@@ -3,10 +3,10 @@ each, and the table the run looks them up in (``--availability``).
 
 Availability is decided on the host, per client and round, before the server samples its
 cohort among the clients online (see :mod:`deltafl_jax.sampling`). A model is a module of this
-package whose ``MODEL`` is a subclass of :class:`~deltafl_jax.sampling.availability.base.
-Availability` declaring its name, its settings group, what it needs and gives and its build
-(:mod:`~deltafl_jax.sampling.availability.base`, which also gives the streams of the draws).
-The package finds the models itself, so adding one is one file
+package whose ``MODEL`` is a subclass of
+:class:`~deltafl_jax.sampling.availability.base.Availability` declaring its name, its
+settings group, what it needs and gives and its build (the base module also gives the streams
+of the draws). The package finds the models itself, so adding one is one file
 (docs/guides/availability.md, "Adding an availability model"):
 
 - :data:`TABLE`: name -> model class, every module's ``MODEL``, ordered by its ``position``;
@@ -23,12 +23,11 @@ The shipped models (their laws are in ``docs/guides/availability.md``): ``always
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-from deltafl_jax.declared import declared_models, given, merged_group, setting
+from deltafl_jax.declared import declared_models, given, group_of, merged_group, setting
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.sampling.availability.always import Always
 from deltafl_jax.sampling.availability.base import (MODEL_STREAM, SEED_STREAM, STREAM,
@@ -61,20 +60,15 @@ TABLE: Dict[str, type] = {m.name: m for m in discover(__name__, __path__)}
 MODELS: Tuple[str, ...] = tuple(TABLE)
 
 
-def own_settings(settings, group: type):
-    """The settings group `group` (a model's ``settings``, or ProbabilitySettings) of the
-    merged `settings`, its fields read back by name."""
-    return group(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(group)})
-
-
 def settings_class(table: Dict[str, type]) -> type:
     """The merged settings group of the models of `table`: ``model`` (``--availability``, one
     of the table's names), the probabilities' group, ``seed``, then each model's own group in
     the table's order, flat. When one is made, every group given other values than its
     defaults checks them (:func:`deltafl_jax.declared.given`; the chosen model's group always),
-    then the chosen model its :meth:`~deltafl_jax.sampling.availability.base.Availability.check`; its
-    ``chosen`` is the chosen model's class. TypeError when two groups declare one field
-    differently (:func:`deltafl_jax.declared.merged_group`)."""
+    then the chosen model its
+    :meth:`~deltafl_jax.sampling.availability.base.Availability.check`; its ``chosen`` is the
+    chosen model's class. TypeError when two groups declare one field differently
+    (:func:`deltafl_jax.declared.merged_group`)."""
     groups = (ProbabilitySettings,) + tuple(dict.fromkeys(m.settings for m in table.values()))
     model = ("model", str, setting(
         "always", "who is online each round: " + " | ".join(m.summary for m in table.values()),
@@ -90,7 +84,7 @@ def settings_class(table: Dict[str, type]) -> type:
         chosen = table[self.model]
         for group in groups:   # a group left at its defaults (valid) is not entered
             if group is chosen.settings or given(self, group):
-                own_settings(self, group)
+                group_of(self, group)
         chosen.check(self)
 
     return merged_group(

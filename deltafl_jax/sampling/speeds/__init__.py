@@ -25,7 +25,8 @@ import dataclasses
 import math
 from typing import Any, Dict, Optional, Tuple
 
-from deltafl_jax.declared import declared_models, finite_in, given, merged_group, setting
+from deltafl_jax.declared import (declared_models, finite_in, given, group_of, merged_group,
+                                  setting)
 from deltafl_jax.errors import ConfigError
 from deltafl_jax.sampling.speeds.base import (BYTES_PER_KBPS, STREAM, DeviceSpeeds, flag_text,
                                               hashed_normal, hashed_uniform, job_seconds,
@@ -81,12 +82,6 @@ class ClockSettings:
                      if f.name != "partial_work" and getattr(self, f.name) != f.default)
 
 
-def own_settings(settings, group: type):
-    """The settings group `group` (a model's ``settings``, or ClockSettings) of the merged
-    `settings`, its fields read back by name."""
-    return group(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(group)})
-
-
 def settings_class(table: Dict[str, type]) -> type:
     """The merged settings group of the models of `table`: ``client_speed`` (one of the
     table's names), each model's own group in the table's order, then ClockSettings, flat (a
@@ -111,9 +106,9 @@ def settings_class(table: Dict[str, type]) -> type:
         chosen.check(self)
         for group in groups:   # a group left at its defaults (valid) is not entered
             if group is chosen.settings or given(self, group):
-                own_settings(self, group).check()
+                group_of(self, group).check()
         if not self.active:
-            for name in own_settings(self, ClockSettings).off():
+            for name in group_of(self, ClockSettings).off():
                 raise ConfigError(f"--{name} needs a virtual clock: give --client_speed="
                                   f"{clocks}")
 
