@@ -473,10 +473,9 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         inputs = engine.ClientInputs(state.algo_state, state.client_state, clients)
         runs = (jnp.broadcast_to(keep[:, None], weights.shape) if algorithm.all_sampled_work
                 else None)
-        tr = engine.train_jobs(model, state.params, X=data.x, Y=data.y, plan=data.plan,
-                               replica_group=group, job_weight=weights, learning_rate=lr,
-                               l2=l2, hyper=hyper, cfg=local, clients=inputs, runs=runs,
-                               clip=dpr.clips(state), keys=keys, tables=slot_tables)
+        tr = engine.train_jobs(model, state.params, data,
+                               engine.ReplicaRound(group, lr, l2, hyper, keys, dpr.clips(state)),
+                               engine.JobChoice(weights, runs), local, inputs, slot_tables)
         feedback = _feedback(tr, losses, sizes, weights, lr, clients)
         feedback, dp, extra = dpr.feedback(feedback, tr, hyper, keys, z, state.dp, keep)
         feedback = _probed(model, algorithm, state, feedback, data, group, hyper, l2,

@@ -204,10 +204,10 @@ def build_buffered_step(model, replicas: Replicas, local: engine.LocalSGDConfig,
         hyper, l2 = jax.tree.map(jnp.asarray, hyper_np), jnp.asarray(l2_np)
         ctx = _context(model, rule, shape, state, data, inputs, group, l2, hyper)
         weights, rule_metrics = rule.weights(ctx)
-        tr = engine.train_jobs(model, state.ring, X=data.x, Y=data.y, plan=data.plan,
-                               replica_group=group, job_weight=weights, learning_rate=lr,
-                               l2=l2, hyper=hyper, cfg=local, base=ctx.slots, keys=keys,
-                               clients=engine.ClientInputs((), (), data.plan.clients[group]))
+        tr = engine.train_jobs(model, state.ring, data,
+                               engine.ReplicaRound(group, lr, l2, hyper, keys),
+                               engine.JobChoice(weights, base=ctx.slots), local,
+                               engine.ClientInputs((), (), data.plan.clients[group]))
         delta = rule.aggregate(ctx._replace(job_weights=weights, delta_sum=tr.delta_sum,
                                             weight_sum=tr.weight_sum,
                                             kept=tr.job_trained & tr.job_finite))

@@ -14,11 +14,12 @@ from deltafl_jax.engine.lanes import (LANE_MODES, LaneDeal, LoopShape, deal_jobs
 from deltafl_jax.engine.client import (LOCAL_SGD, AdaptState, ClientJob, ClientUpdate,
                                        LocalState, difference, fine_tune_step, local_final,
                                        local_init, optimizer_step)
-from deltafl_jax.engine.train import ClientInputs, LocalSGDConfig, TrainResult, train_jobs
+from deltafl_jax.engine.train import (ClientInputs, JobChoice, LocalSGDConfig, ReplicaRound,
+                                      TrainResult, train_jobs)
 from deltafl_jax.engine.trees import tree_all_finite, tree_sqnorm
 
 __all__ = ["EvalResult", "evaluate_streams", "LANE_MODES", "LaneDeal", "LoopShape", "deal_jobs",
            "loop_shape", "per_lane",
            "LOCAL_SGD", "AdaptState", "ClientJob", "ClientUpdate", "LocalState", "difference",
-           "fine_tune_step", "local_final", "local_init", "optimizer_step", "ClientInputs", "LocalSGDConfig", "TrainResult", "train_jobs",
+           "fine_tune_step", "local_final", "local_init", "optimizer_step", "ClientInputs", "JobChoice", "LocalSGDConfig", "ReplicaRound", "TrainResult", "train_jobs",
            "tree_all_finite", "tree_sqnorm"]

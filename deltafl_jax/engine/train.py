@@ -1,7 +1,7 @@
 """LocalUpdate (Algorithm 2, lines 7-8) for every kept (replica, client) job, in one jitted loop.
 
 Jobs are the (replica, client) pairs whose aggregation weight is positive (or every sampled
-client, for an algorithm whose clients all work: ``runs`` in :func:`train_jobs`); a job that
+client, for an algorithm whose clients all work: ``JobChoice.runs``); a job that
 the filter dropped costs nothing. :func:`deltafl_jax.engine.lanes.deal_jobs` deals the jobs to
 ``lanes`` lanes; each lane runs its jobs back to back, one minibatch step per trip of a
 ``lax.while_loop`` that stops when the busiest lane is done. A finished job keeps a_j u_j
@@ -15,8 +15,8 @@ jobs only, neither on the other replicas of its program nor on the number of dev
 What a client does is its algorithm's :class:`~deltafl_jax.engine.client.ClientUpdate`
 (fedjax's ``for_each_client``): when a lane starts a job it calls ``init`` (from w_t of the
 job's replica, or from the job's own base version among its replica's kept versions under
-buffered asynchronous aggregation: ``base`` in :func:`train_jobs`; the algorithm's state and
-the client's own state) and carries the returned step state; each step calls ``step`` with
+buffered asynchronous aggregation: :attr:`JobChoice.base`; the algorithm's state and the
+client's own state) and carries the returned step state; each step calls ``step`` with
 the step's minibatch gradient function; when the job ends ``final`` gives the client's new
 state, its update u_j (w_j - w_t for the averaging methods) and an output, kept per job and
 returned besides the sums. The default,
@@ -30,7 +30,7 @@ Nothing here is jitted: the caller jits the round once (see :mod:`deltafl_jax.ro
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +94,43 @@ class LocalSGDConfig(NamedTuple):
     optimizer: Callable[[Any, Any], optax.GradientTransformation] = \
         ClientOptimizer().transformation
     augment: Optional[Callable] = None
+
+
+class RoundData(Protocol):
+    """The round's training data as the engine reads it (a
+    :class:`deltafl_jax.sampling.plan.RoundData`)."""
+
+    @property
+    def x(self) -> jax.Array: ...      # [N, ...] the device-resident training inputs
+
+    @property
+    def y(self) -> jax.Array: ...      # [N] their labels
+
+    @property
+    def plan(self) -> Any: ...         # the round's RoundPlan (device arrays, [G, ...])
+
+
+class ReplicaRound(NamedTuple):
+    """Each replica's values for this round (R replicas; traced, so one program serves all)."""
+
+    group: jax.Array                 # [R] int32, the group (seed) of each replica
+    learning_rate: jax.Array         # [R] the client learning rate gamma of the round
+    l2: jax.Array                    # [R] lambda
+    hyper: Any                       # the algorithm's hyper pytree, leaves [R]
+    keys: Optional[jax.Array] = None  # [R] round keys (ClientJob.key); None: a fixed key
+    clip: Optional[jax.Array] = None  # [R] each replica's clip C (adaptive clipping), else
+    #                                   None: the static ``LocalSGDConfig.clip``
+
+
+class JobChoice(NamedTuple):
+    """Which (replica, sampled client) jobs train this round, with what weight, from where."""
+
+    weight: jax.Array                # [R, m] aggregation weight a_{r,i}; 0: does not train
+    runs: Optional[jax.Array] = None  # [R, m] bool, the jobs that train (None: weight > 0);
+    #   a job that trains with weight 0 adds nothing to the sums, its client's state is updated
+    base: Optional[jax.Array] = None  # [R, m] int32, each job's starting model among V
+    #   versions per replica, params then having leaves [R, V, ...] (buffered asynchronous
+    #   aggregation); None: every job starts from its replica's params [R, ...]
 
 
 class TrainResult(NamedTuple):
@@ -189,17 +226,20 @@ class _LaneProgram:
     that finish a job there (one ``lax.cond``, taken only on those steps).
     """
 
-    def __init__(self, model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
-                 hyper, cfg, clients: Optional[ClientInputs] = None, clip=None, keys=None,
-                 base=None):
+    def __init__(self, model, params, data: RoundData, replicas: ReplicaRound,
+                 choice: JobChoice, cfg, clients: Optional[ClientInputs] = None):
         self.model = model
-        self.base = base   # [R, m] each job's version in params' [R, V, ...] leaves, or None
+        # [R, m] each job's version in params' [R, V, ...] leaves, or None
+        self.base = choice.base
+        learning_rate, keys = replicas.learning_rate, replicas.keys
+        jobs = make_jobs(data.plan, replicas.group, choice.weight, choice.runs)
         # [R] the replicas' round keys (ClientJob.key); a fixed key when none is given
         self.keys = (keys if keys is not None else
                      jax.random.split(jax.random.key(0), learning_rate.shape[0]))
-        self.params, self.X, self.Y, self.plan = params, X, Y, plan
-        self.group, self.jobs, self.lr, self.l2, self.hyper = (replica_group, jobs,
-                                                               learning_rate, l2, hyper)
+        self.params, self.X, self.Y, self.plan = params, data.x, data.y, data.plan
+        self.group, self.jobs, self.lr, self.l2, self.hyper = (replicas.group, jobs,
+                                                               learning_rate, replicas.l2,
+                                                               replicas.hyper)
         self.c, self.B, self.J, self.K = (cfg.lanes, cfg.batch_size, jobs.steps.shape[0],
                                           max(1, cfg.unroll))
         # this device's c of the D x c global lanes
@@ -210,11 +250,11 @@ class _LaneProgram:
         self.branchless = cfg.branchless
         self.clients = clients if clients is not None else ClientInputs((), (), None)
         self.clip = cfg.clip
-        self.clip_r = clip   # [R] a traced clip per replica (adaptive clipping), or None
+        self.clip_r = replicas.clip   # [R] a traced clip per replica (adaptive clipping), or None
         self.augment = cfg.augment
         self.weight_like = jax.ShapeDtypeStruct(learning_rate.shape, jnp.float32)   # [R]
         # leaves [R, ...]: one model per replica (params without the versions' axis V)
-        self.update_like = params if base is None else jax.tree.map(
+        self.update_like = params if self.base is None else jax.tree.map(
             lambda p: jax.ShapeDtypeStruct(p.shape[:1] + p.shape[2:], p.dtype), params)
 
     # ---------------------------------------------------------------- one lane's client work
@@ -411,39 +451,30 @@ class _LaneProgram:
             clipped=jnp.zeros((self.J,), bool) if self.clip is not None else None)
 
 
-def train_jobs(model: Model, params, *, X, Y, plan, replica_group, job_weight, learning_rate,
-               l2, hyper, cfg: LocalSGDConfig, clients: Optional[ClientInputs] = None,
-               runs=None, clip=None, keys=None, base=None, tables=None) -> TrainResult:
-    """LocalUpdate for every job (r, i) with job_weight[r, i] > 0 (or `runs`[r, i]), and the
-    weighted sums.
+def train_jobs(model: Model, params, data: RoundData, replicas: ReplicaRound,
+               choice: JobChoice, cfg: LocalSGDConfig, clients: Optional[ClientInputs] = None,
+               tables=None) -> TrainResult:
+    """LocalUpdate for every job (r, i) with choice.weight[r, i] > 0 (or choice.runs[r, i]),
+    and the weighted sums.
 
     Args:
-      params: pytree, leading dim R: w_t of each replica.
-      X, Y: the device-resident training split.
-      plan: the round's :class:`deltafl_jax.sampling.plan.RoundPlan` (device arrays, [G, ...]).
-      replica_group: [R] group (seed) of each replica.
-      job_weight: [R, m] aggregation weight a_{r,i}; 0 means the client does not train.
-      learning_rate, l2: [R] per-replica values for this round.
-      hyper: the algorithm's hyper pytree, leaves [R].
+      params: pytree, leading dim R: w_t of each replica (with ``choice.base``: leaves
+        [R, V, ...], V versions per replica).
+      data: the device-resident training split and the round's plan (:class:`RoundData`).
+      replicas: each replica's group, learning rate, l2, hyper, round key and clip
+        (:class:`ReplicaRound`).
+      choice: the jobs that train, their weights and base versions (:class:`JobChoice`).
       cfg: static choices.
       clients: what the client update reads besides w_t (None: nothing).
-      runs: [R, m] bool, the jobs that train (None: job_weight > 0); a job that trains with
-        weight 0 adds nothing to the sums, and its client's state is still updated.
-      clip: [R] each replica's clip, traced (adaptive clipping), instead of ``cfg.clip``
-        (which must then be set).
-      keys: [R] the replicas' round keys, which each job's ``ClientJob.key`` carries.
-      base: [R, m] int32, each job's starting model among V versions per replica, params
-        then having leaves [R, V, ...] (buffered asynchronous aggregation: every job from its
-        own base version); None: every job starts from its replica's params [R, ...].
       tables: the slot tables to fill, as ``TrainResult.tables`` returns them (None: zeros).
 
     ``trips`` counts minibatch steps of the busiest lane (the critical path); the loop runs
     ceil(trips / cfg.unroll) trips, and ``padded_examples`` counts trips * lanes * batch (the
     last loop trip may run up to unroll - 1 more steps with every lane idle).
     """
-    (R, m), jobs = job_weight.shape, make_jobs(plan, replica_group, job_weight, runs)
-    prog = _LaneProgram(model, params, X, Y, plan, replica_group, jobs, learning_rate, l2,
-                        hyper, cfg, clients, clip, keys, base)
+    R, m = choice.weight.shape
+    prog = _LaneProgram(model, params, data, replicas, choice, cfg, clients)
+    jobs = prog.jobs
     trips = prog.deal.trips
     loop_trips = (trips + prog.K - 1) // prog.K
     out = lax.while_loop(lambda cr: cr.trip < loop_trips, prog.body, prog.init(tables))
