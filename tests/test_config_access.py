@@ -374,5 +374,6 @@ def test_the_data_settings_are_stored_as_before():
     flat = config.flat()["data"]
     assert [k for k in flat if k in stored] == list(stored)   # the same keys, in order
     assert json.loads(json.dumps({k: flat[k] for k in stored})) == stored
-    assert set(flat) - set(stored) == set(declared.flat_paths(type(data.partitioner)))
+    assert set(flat) - set(stored) == (set(declared.flat_paths(type(data.partitioner)))
+                                       | set(declared.flat_paths(type(data.text))))
     assert DataConfig(**flat) == data

@@ -33,9 +33,13 @@ HELP_UPDATED = {
                  "im2col_wgrad and a built-in network's first layer as one im2col product; "
                  "pfl_cnn's and resnet18_gn's on CPU) | im2col | xla (TPU; the module as "
                  "written); unset: by backend and model",
-    # the image models
+    # the image models, and a pretrained language model (issue 52)
     "model": "linear | cnn | mlp | mean | gru | lstm | sent140_linear | lstm_nwp | fedavg_cnn | "
-             "pfl_cnn | resnet18_gn, or a model of your own registered by --model_module",
+             "pfl_cnn | resnet18_gn | llama (a pretrained --base_model, with "
+             "--dataset=text:PATH), or a model of your own registered by --model_module",
+    # text with natural clients (issue 52)
+    "dataset": "synthetic | gaussian_toy | npz | shakespeare | sent140 | femnist | stackoverflow "
+               "| text:PATH (jsonl, csv or parquet, tokenised by --base_model's tokenizer)",
     # the centralised image datasets download too
     "download": "femnist / stackoverflow / the image datasets only: fetch the published files "
                 "first (emnist_all.sqlite.lzma; stackoverflow.sqlite.lzma and "
