@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -357,38 +356,9 @@ def profile_step(side: int, batch: int, repeats: int) -> dict:
             for name in pieces}
 
 
-class Side:
-    """One side's process, one round per request."""
-
-    def __init__(self, cmd, env=None):
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1, env=env, cwd=REPO)
-        self.info = json.loads(self._expect("READY"))
-        self.rounds = []
-
-    def _expect(self, word: str) -> str:
-        for line in self.proc.stdout:
-            if line.startswith(word + " "):
-                return line[len(word) + 1:]
-        raise RuntimeError(f"{self.proc.args[:3]} exited (code {self.proc.wait()}) "
-                           f"before {word}")
-
-    def round(self, t: int) -> float:
-        self.proc.stdin.write(f"round {t}\n")
-        done = json.loads(self._expect("DONE"))
-        self.rounds.append(done)
-        return float(done["seconds"])
-
-    def close(self):
-        try:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.close()
-        finally:
-            self.proc.wait(timeout=120)
-
-
 def start_sides() -> dict:
     """The pfl side (with --pfl_python) and one engine side per --engines entry."""
+    from bench import peer_common
     from deltafl_jax.engine.mesh import HOST_DEVICES_FLAG, default_host_devices
 
     sides = {}
@@ -396,7 +366,7 @@ def start_sides() -> dict:
         if not os.path.exists(FLAGS.pfl_python):
             raise app.UsageError(f"--pfl_python={FLAGS.pfl_python} does not exist")
         for threads in (int(n) for n in FLAGS.pfl_threads):
-            sides["pfl" + (f"_threads{threads}" if threads else "")] = Side(
+            sides["pfl" + (f"_threads{threads}" if threads else "")] = peer_common.Side(
                 [FLAGS.pfl_python, os.path.join(HERE, "peer_pfl_worker.py"),
                  f"--num_clients={FLAGS.num_clients}", f"--client_size={FLAGS.client_size}",
                  f"--cohort={FLAGS.cohort}", f"--batch_size={FLAGS.batch_size}",
@@ -413,9 +383,9 @@ def start_sides() -> dict:
                 if not f.startswith(HOST_DEVICES_FLAG)]
         extra = [f for f in str(settings.get(XLA_ENTRY, "")).split(",") if f]
         env["XLA_FLAGS"] = " ".join(kept + extra + [f"{HOST_DEVICES_FLAG}={int(devices)}"])
-        sides[f"engine_{entry}"] = Side(
+        sides[f"engine_{entry}"] = peer_common.Side(
             [sys.executable, "-m", "bench.peer_pfl", "--role=engine", f"--engine_flags={entry}",
-             *common], env)
+             *common], env, cwd=REPO)
     return sides
 
 
@@ -428,24 +398,6 @@ def numpy_gemm_gflops(n: int, repeats: int = 5) -> float:
         a @ a
         best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best / 1e9
-
-
-def alternate(sides: dict) -> tuple:
-    """Every side's rounds, interleaved; returns (times per side, load records)."""
-    names = list(sides)
-    times = {k: [] for k in names}
-    loads = []
-    for t in range(FLAGS.warmup + FLAGS.rounds):
-        for name in names[t % len(names):] + names[:t % len(names)]:
-            before = os.getloadavg()[0]
-            dt = sides[name].round(t)
-            if t >= FLAGS.warmup:
-                times[name].append(dt)
-            loads.append({"round": t, "side": name, "seconds": dt, "load1_before": before,
-                          "load1_after": os.getloadavg()[0]})
-        print(f"# round {t}: " + ", ".join(f"{k} {sides[k].rounds[-1]['seconds']:.2f}s"
-                                           for k in names), file=sys.stderr, flush=True)
-    return times, loads
 
 
 def summarise(sides: dict, times: dict, peaks: dict) -> dict:
@@ -493,6 +445,7 @@ def flop_check(rows: dict) -> list:
 
 
 def bench() -> None:
+    from bench import peer_common
     from bench.common import backend_name, emit, gemm_peak_gflops, machine
 
     if FLAGS.rounds < 1 or FLAGS.warmup < 0:
@@ -513,7 +466,7 @@ def bench() -> None:
                                        for e in FLAGS.engines}}
     sides = start_sides()
     try:
-        times, loads = alternate(sides)
+        times, loads = peer_common.alternate(sides, FLAGS.warmup, FLAGS.rounds)
     finally:
         for side in sides.values():
             side.close()

@@ -36,10 +36,9 @@ whole round, sampling and aggregation included) and the examples its local steps
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
-from peer_common import serve
+from peer_common import pfl_round_callback, serve
 
 PACKAGES = ("pfl", "torch", "numpy")
 
@@ -170,35 +169,6 @@ def federated_data(args):
     return FederatedDataset.from_slices(users, get_user_sampler("random", list(users)))
 
 
-def round_callback(net, commands, first_round: int):
-    """A pfl callback that reports each round's time and work (``DONE``), then waits for the
-    next command: ``round T`` goes on, anything else stops pfl's run."""
-    from pfl.callback.base import TrainingProcessCallback
-    from pfl.metrics import Metrics
-
-    class Rounds(TrainingProcessCallback):
-        def __init__(self):
-            self.t0, self.c0 = time.perf_counter(), time.process_time()
-            self.round = first_round
-
-        def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
-            synchronize()
-            dt = time.perf_counter() - self.t0
-            print("DONE " + json.dumps({"round": self.round, "seconds": dt,
-                                        "cpu_s": time.process_time() - self.c0,
-                                        "real_examples": net.examples,
-                                        "padded_examples": net.examples}), flush=True)
-            net.examples = 0
-            cmd = next(commands, None)
-            if cmd is None or cmd[0] != "round":
-                return True, Metrics()
-            self.round = cmd[1]
-            self.t0, self.c0 = time.perf_counter(), time.process_time()
-            return False, Metrics()
-
-    return Rounds()
-
-
 def run(args):
     import numpy as np
     import torch
@@ -228,7 +198,7 @@ def run(args):
     first = next(commands, None)
     if first is None or first[0] != "round":
         return
-    rounds = round_callback(net, commands, first[1])
+    rounds = pfl_round_callback(net, commands, first[1], synchronize)
     FederatedAveraging().run(
         algorithm_params=NNAlgorithmParams(
             central_num_iterations=args.max_rounds, evaluation_frequency=args.max_rounds + 1,

@@ -577,6 +577,70 @@ def test_peer_pfl_smoke_against_pfl(tmp_path):
     assert res["gemm_gflops"]["torch_pfl"] > 0 and res["profile_ms"]["torch_sgd_step_pfl"] > 0
 
 
+# bench/peer_pfl_llm.py at toy size: a random Llama of width 64, 2 layers, 4 heads (2 key/value
+# heads), MLP 172, vocabulary 512; sequences of 32 tokens; 8 users of 4 (4 train), cohort 2.
+LLM_TOY = ["--vocab=512", "--hidden=64", "--layers=2", "--heads=4", "--kv_heads=2",
+           "--intermediate=172", "--seq_len=32", "--num_clients=8", "--sequences_per_client=4",
+           "--cohort=2", "--rounds=1"]
+
+
+def toy_llama_lora_flops(T=32, H=64, kv=32, inter=172, V=512, r=8) -> float:
+    """One LoRA step's FLOPs per sequence of the toy Llama (2 layers, adapters on q and v), by
+    hand, per token in multiply-adds: forward, each layer's projections (q, k, v, o, the MLP's
+    three), its adapters (x A then B), attention (Q K^T and P V over T keys) and the head;
+    backward, the head's and the last layer's input gradients, the adapters' two weight and two
+    input products, attention's four products; in the first layer (its input is the frozen
+    embedding) no input gradient of q, k, v or of their adapters, and attention's three
+    products towards Q and V only."""
+    proj = 2 * H * H + 2 * H * kv + 3 * H * inter
+    lora = (H * r + r * H) + (H * r + r * kv)
+    attn = 2 * T * H
+    forward = 2 * (proj + lora + attn) + H * V
+    last = proj + 2 * lora + 2 * attn
+    first = 3 * H * inter + H * H + 3 * T * H + (H * r + 2 * r * H) + (H * r + 2 * r * kv)
+    return 2.0 * T * (forward + H * V + last + first)
+
+
+@pytest.mark.slow
+def test_peer_pfl_llm_smoke_engine_side(tmp_path):
+    """bench/peer_pfl_llm.py without --pfl_python: the engine reads the users' file as a user
+    would, trains the cohort's sequences each round, and its step's FLOPs and parameter counts
+    are the toy Llama's by hand."""
+    res = run_json(["bench.peer_pfl_llm", "--engines=devices=1", *LLM_TOY], tmp_path,
+                   "peer_pfl_llm")
+    assert set(res["sides"]) == {"engine_devices=1"} and res["speedup_vs_pfl"] == {}
+    row = res["sides"]["engine_devices=1"]
+    info = row["info"]
+    assert row["train_sequences_per_round"] == 2 * 4
+    assert info["users_for_pfl"] == {"clients": 4, "client_size": 4, "seq_len": 32}
+    assert info["trainable_parameters"] == 2 * (64 * 8 + 8 * 64 + 64 * 8 + 8 * 32)
+    assert info["parameters"] == (2 * 512 * 64 + 64 + 2 * (
+        2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 172 + 2 * 64) + info["trainable_parameters"])
+    assert info["train_flops_per_example"] == toy_llama_lora_flops()
+    assert row["gflop_per_round"] == pytest.approx(8 * toy_llama_lora_flops() / 1e9)
+    line = res["engine_command_lines"]["engine_devices=1"]
+    assert "--model=llama" in line and "--lora_rank=8" in line and line.endswith("--devices=1")
+    assert len(res["load"]) == 2 and res["uptime_start"]
+
+
+@needs_pfl
+@pytest.mark.slow
+def test_peer_pfl_llm_smoke_against_pfl(tmp_path):
+    """pfl-research's LoRA fine-tuning (bench/peer_pfl_llm_worker.py: transformers + peft in its
+    own venv) beside the engine on the same checkpoint: the same parameter counts, the same
+    FLOPs per sequence by PyTorch's counter and by hand, the same sequences per round."""
+    res = run_json(["bench.peer_pfl_llm", f"--pfl_python={PFL_PYTHON}", "--engines=devices=1",
+                    *LLM_TOY], tmp_path, "peer_pfl_llm")
+    pfl, eng = res["sides"]["pfl"], res["sides"]["engine_devices=1"]
+    assert pfl["info"]["pfl"] == "0.6.0" and pfl["info"]["peft"]
+    for key in ("parameters", "trainable_parameters"):
+        assert pfl["info"][key] == eng["info"][key]
+    assert pfl["info"]["train_flops_per_example"] == toy_llama_lora_flops()
+    assert pfl["train_sequences_per_round"] == eng["train_sequences_per_round"] == 8
+    assert res["speedup_vs_pfl"]["pfl_over_engine_devices=1"] == pytest.approx(
+        pfl["s_per_round"] / eng["s_per_round"])
+
+
 @pytest.mark.slow
 def test_virtual_clock_smoke_times_both_rows_alike(tmp_path):
     """bench.virtual_clock at toy size: the run without the clock and the clock alone train the
@@ -752,6 +816,8 @@ SMOKE_RUNS = {
     "peer_fedjax.py": ["test_peers_smoke_fedjax"],
     "peer_pfl.py": ["test_peer_pfl_smoke_engine_side"],
     "peer_pfl_worker.py": ["test_peer_pfl_smoke_against_pfl"],
+    "peer_pfl_llm.py": ["test_peer_pfl_llm_smoke_engine_side"],
+    "peer_pfl_llm_worker.py": ["test_peer_pfl_llm_smoke_against_pfl"],
     "peers.py": ["test_peers_smoke_engine_side"],
     "personal_cost.py": ["test_personal_cost_smoke"],
     "population.py": ["test_population_smoke_reports_every_row"],
