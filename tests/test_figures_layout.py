@@ -257,7 +257,7 @@ def test_uniform_availability_draws_one_group_and_says_why(tmp_path):
             assert len(ln.get_xdata()) == 1
             assert float(ln.get_ydata()[0]) == pytest.approx(0.315 + off)
         assert all(len(ln.get_xdata()) <= 2 for ln in ax.lines)
-    assert "quintiles would" in fig._suptitle.get_text()
+    assert "quintiles would" in fig._suptitle.get_text().replace("\n", " ")
     assert document.tail_section(cols) == []
     notes = []
     document.setting_figures(cols, "synthetic / linear", "lower", notes)
@@ -291,7 +291,7 @@ def test_quintile_ticks_do_not_run_together_and_the_tail_is_tabled(tmp_path):
 def test_held_out_figure_is_titled_by_what_it_shows(tmp_path):
     fake_run(tmp_path / "delta", "deltafl", None, (1.0, 0.5), personal=True)
     fig = figures.personal_figure(setting_columns(tmp_path))
-    title = fig._suptitle.get_text()
+    title = fig._suptitle.get_text().replace("\n", " ")
     assert "personalised evaluation" not in title
     assert "held-out error per client (--client_holdout) of the model served, and after 5 " \
         "adaptation steps" in title

@@ -24,8 +24,9 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from deltafl_jax.evaluation.by_availability import QUINTILES
-from deltafl_jax.report.figures import (error_limits, legend_below, legend_layout,
-                                        method_styles, new_figure, percent_axis, wrap_label)
+from deltafl_jax.report.figures import (error_limits, figure_title, legend_below,
+                                        legend_layout, method_styles, new_figure,
+                                        percent_axis, wrap_label)
 from deltafl_jax.report.tables import Column
 
 AVAILABILITY_STATS = (("mean", "mean"), ("p90", "p90"), ("worst10", "worst 10%"))
@@ -188,7 +189,7 @@ def availability_figure(cols: Sequence[Column]):
             "band: min/max over seeds)") if rate is None else (
         f"error of all clients (every client's availability is {rate:.3g}: quintiles would "
         f"split them by index, not by availability; point: mean over seeds, whisker: min/max)")
-    fig.suptitle(wrap_label(f"{cols[0].setting}: {what}", 120), fontsize=10)
+    figure_title(fig, f"{cols[0].setting}: {what}")
     return fig
 
 

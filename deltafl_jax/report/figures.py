@@ -216,6 +216,14 @@ def wrap_label(text: str, width: int = 30) -> str:
     return "\n".join(lines)
 
 
+def figure_title(fig, text: str, fontsize: float = 10.0) -> None:
+    """The figure's suptitle, each line wrapped (:func:`wrap_label`) to the characters its
+    width holds at `fontsize`, so that a title never runs past the figure's edges."""
+    width = max(20, int(fig.get_size_inches()[0] * 72.0 / (0.56 * fontsize)) - 2)
+    fig.suptitle("\n".join(wrap_label(line, width) for line in text.split("\n")),
+                 fontsize=fontsize)
+
+
 def title_text(label: str, same_as: Optional[str] = None, width: int = 30) -> str:
     """A panel title: the method's label wrapped to `width` characters (:func:`wrap_label`),
     then '(identical to X)' when its values are those of an earlier method."""
@@ -386,7 +394,7 @@ def histogram_figure(cols: Sequence[Column], split: str = "test", quantity: str 
                                                        else ""), fontsize=8)
     what = "test misclassification error" if (split, quantity) == ("test", "error") else \
         f"{split} {quantity}"
-    fig.suptitle(f"{cols[0].setting}: {what} per client (final model, mean over seeds; "
+    figure_title(fig, f"{cols[0].setting}: {what} per client (final model, mean over seeds; "
                  f"dashed: the table's p90){sample_note(cols)}", fontsize=10)
     return fig
 
@@ -436,7 +444,7 @@ def scatter_figure(cols: Sequence[Column], styles: Optional[Dict[str, Style]] = 
     for j in range(n, grid_rows * ncols):
         for i in (0, 1):
             axes[2 * (j // ncols) + i][j % ncols].set_visible(False)
-    fig.suptitle(f"{cols[0].setting}: per-client final values against client size "
+    figure_title(fig, f"{cols[0].setting}: per-client final values against client size "
                  f"(mean over seeds){sample_note(cols)}", fontsize=10)
     return fig
 
@@ -508,7 +516,7 @@ def curves_figure(cols: Sequence[Column], percentile: str = "lower", xlabel: str
         ax.set_xlabel(xlabel)
     legend_below(fig, *axes[0][0].get_legend_handles_labels())
     what = "rounds" if xlabel == ROUND_AXIS else "server steps"
-    fig.suptitle(f"{cols[0].setting}: performance across {what} ({percentile} percentiles; "
+    figure_title(fig, f"{cols[0].setting}: performance across {what} ({percentile} percentiles; "
                  f"band: min/max over seeds)", fontsize=10)
     return fig
 
@@ -659,7 +667,7 @@ def personal_figure(cols: Sequence[Column], percentile: str = "lower"):
     for r in range(rows):
         axes[r][0].set_ylabel("held-out error (%)", fontsize=8)
     legend_below(fig, *axes[0][0].get_legend_handles_labels())
-    fig.suptitle(f"{cols[0].setting}: {held_out_title(families)}\n(bars: mean over seeds; "
+    figure_title(fig, f"{cols[0].setting}: {held_out_title(families)}\n(bars: mean over seeds; "
                  f"whiskers: min/max over seeds)", fontsize=10)
     return fig
 
@@ -815,7 +823,7 @@ def mixture_figure(cols: Sequence[Column], means=None, points=None):
         draw_simplex(axes.pop(0), fig, alpha, theta, losses[labels[0]], losses[labels[-1]],
                      (labels[0], labels[-1]))
     draw_histogram(axes.pop(0), alpha, theta, losses, styles)
-    fig.suptitle(f"{cols[0].setting}: Fig. 3, losses over mixtures of the training "
+    figure_title(fig, f"{cols[0].setting}: Fig. 3, losses over mixtures of the training "
                  f"distributions (final models, mean over seeds)", fontsize=10)
     return fig
 

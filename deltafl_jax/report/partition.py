@@ -19,7 +19,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from deltafl_jax.report.figures import new_figure
+from deltafl_jax.report.figures import figure_title, new_figure
 from deltafl_jax.report.tables import Column
 
 SPLIT_TITLES = {"train": "training clients", "test": "test devices"}
@@ -96,7 +96,7 @@ def partition_figure(cols: Sequence[Column]):
         ax.set_xlabel("client")
         ax.set_ylabel("class")
         fig.colorbar(image, ax=ax, label="share of the client's examples")
-    fig.suptitle(partition_title(name, arrays), fontsize=10)
+    figure_title(fig, partition_title(name, arrays), fontsize=10)
     return fig
 
 

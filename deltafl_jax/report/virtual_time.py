@@ -16,8 +16,9 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from deltafl_jax.report.figures import (error_limits, legend_below, legend_layout,
-                                        method_styles, new_figure, percent_axis)
+from deltafl_jax.report.figures import (error_limits, figure_title, legend_below,
+                                        legend_layout, method_styles, new_figure,
+                                        percent_axis)
 from deltafl_jax.report.tables import Column
 
 CLOCK_PANELS = (("test_error_mean", "test error (%): mean"),
@@ -92,7 +93,7 @@ def virtual_time_figure(cols: Sequence[Column], percentile: str = "lower"):
         percent_axis(ax.yaxis)
         error_limits(ax)
     legend_below(fig, *axes[0][0].get_legend_handles_labels())
-    fig.suptitle(f"{cols[0].setting}: test error against virtual time ({percentile} "
+    figure_title(fig, f"{cols[0].setting}: test error against virtual time ({percentile} "
                  f"percentiles; each seed's last evaluation so far; band: min/max over seeds)",
                  fontsize=10)
     return fig
