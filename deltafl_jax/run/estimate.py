@@ -65,7 +65,7 @@ from deltafl_jax.run.callbacks import Callback, RunContext
 from deltafl_jax.run.config import ExperimentConfig
 from deltafl_jax.run.experiment import Experiment, build_experiment
 from deltafl_jax.run.loop import Recorder
-from deltafl_jax.run.placement import tree_nbytes
+from deltafl_jax.run.placement import frozen_bytes, tree_nbytes
 from deltafl_jax.run.runner import standard_callbacks
 
 DEFAULT_TIMED_ROUNDS = 5
@@ -93,6 +93,11 @@ class RoundMemory:
     tables: on CPU, the lanes' slot tables, kept from one round to the next
       (:class:`deltafl_jax.run.program.TableRound`): arguments and aliased outputs of the
       round rather than temporaries; 0 elsewhere.
+    frozen: the model's frozen part (a pretrained base under LoRA:
+      :func:`deltafl_jax.run.placement.frozen_bytes`), once, whatever the lanes and replicas:
+      the round closes over it, so the compiled program holds one copy that every lane and
+      replica reads (JAX 0.10 embeds a closed-over array in the program as a constant, which
+      none of ``memory_analysis()``'s figures above counts); 0 for a model without one.
     The arrays are summed over their global shapes: on one device these are its bytes.
     """
 
@@ -105,12 +110,13 @@ class RoundMemory:
     aliased: int
     temporaries: int
     tables: int = 0
+    frozen: int = 0
 
     @property
     def total(self) -> int:
         """The arrays held + the outputs that do not reuse them + the temporaries."""
-        return (self.data + self.state + self.plan + self.keys + self.tables + self.outputs
-                - self.aliased + self.temporaries)
+        return (self.data + self.state + self.plan + self.keys + self.tables + self.frozen
+                + self.outputs - self.aliased + self.temporaries)
 
 
 def round_memory(compiled, exp: Experiment, state, round_data, keys) -> Optional[RoundMemory]:
@@ -131,7 +137,8 @@ def round_memory(compiled, exp: Experiment, state, round_data, keys) -> Optional
                        plan=tree_nbytes(plan), keys=tree_nbytes(keys),
                        arguments=int(m.argument_size_in_bytes),
                        outputs=int(m.output_size_in_bytes), aliased=int(m.alias_size_in_bytes),
-                       temporaries=int(m.temp_size_in_bytes), tables=tables)
+                       temporaries=int(m.temp_size_in_bytes), tables=tables,
+                       frozen=frozen_bytes(exp.model))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,7 +309,9 @@ class Estimate:
 
 
 def _round_memory_line(m: RoundMemory) -> str:
-    return (f"  round memory   {_mb(m.total)}: data {_mb(m.data)}, state {_mb(m.state)}, "
+    return (f"  round memory   {_mb(m.total)}: "
+            + (f"frozen base {_mb(m.frozen)} (once per device), " if m.frozen else "")
+            + f"data {_mb(m.data)}, state {_mb(m.state)}, "
             f"plan {_mb(m.plan)}, " + (f"slot tables {_mb(m.tables)}, " if m.tables else "")
             + f"new outputs {_mb(m.outputs - m.aliased)}, temporaries "
             f"{_mb(m.temporaries)} (lanes, per-job results)")

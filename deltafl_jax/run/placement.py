@@ -10,7 +10,8 @@ the bytes each device holds.
   generated on demand.
 - :func:`compute_footprint` / :func:`placement_line` / :func:`check_memory`: the bytes each
   device holds, the start-up line that shows them, and a one-line refusal of a run that cannot
-  fit.
+  fit. A model's frozen part (a pretrained base under LoRA: :func:`frozen_bytes`) is counted
+  once per device, shared by every lane and replica.
 - :func:`check_streams`: a one-line refusal, before anything is built or written, of a plan
   whose index streams (a round's training and evaluation streams, the personalised
   evaluation's adaptation stream) are longer than int32 indices reach or than the host's memory
@@ -155,7 +156,9 @@ class Footprint:
     the lanes' local models (params, anchor and optimizer state, about 3 copies of one
     model per lane, and a job context each), and the round's updates: one model per (replica,
     sampled client), kept so that each replica's sum adds its clients in its own order
-    (:func:`deltafl_jax.engine.lanes.finish_order`)."""
+    (:func:`deltafl_jax.engine.lanes.finish_order`). ``frozen``: the model's frozen part
+    (:func:`frozen_bytes`), once: every lane and replica reads the same arrays, and only the
+    trainable part (the models, states, lanes and updates above) is per replica or lane."""
 
     data: int
     state: int
@@ -163,14 +166,23 @@ class Footprint:
     lanes: int
     clients: int = 0
     updates: int = 0
+    frozen: int = 0
 
     @property
     def total(self) -> int:
-        return self.data + self.state + self.plan + self.lanes + self.clients + self.updates
+        return (self.data + self.state + self.plan + self.lanes + self.clients + self.updates
+                + self.frozen)
 
 
 def tree_nbytes(tree) -> int:
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def frozen_bytes(model: Model) -> int:
+    """Bytes of `model`'s frozen part: the pretrained weights that a fine-tuned language model
+    holds outside its parameters (``frozen`` of :class:`deltafl_jax.models.llm.LLMModel`, in
+    its ``--base_dtype``) and merges in at every forward pass; 0 for a model without one."""
+    return tree_nbytes(getattr(model, "frozen", None) or {})
 
 
 def data_bytes(data: FederatedDataset, place: Placement, caps: plan_lib.Capacities,
@@ -199,7 +211,7 @@ def compute_footprint(data: FederatedDataset, model: Model, replicas: Replicas,
                      plan=4 * G * (2 * caps.eval_len + caps.train_len + 6 * m),
                      lanes=place.lanes * (3 * model_bytes + per_client),
                      clients=clients + 2 * replicas.size * m * per_client,
-                     updates=replicas.size * m * model_bytes)
+                     updates=replicas.size * m * model_bytes, frozen=frozen_bytes(model))
 
 
 def _mb(n: int) -> str:
@@ -219,8 +231,11 @@ def placement_line(place: Placement, usage: Footprint, data: FederatedDataset, n
             f"data {_mb(usage.data)} (the round's sampled clients and one evaluation block of "
             f"{place.eval_block} examples; the host keeps the {data.train.num_clients} + "
             f"{data.test.num_clients} clients)")
+    frozen = (f"frozen base {_mb(usage.frozen)} (once, shared by every lane and replica), "
+              if usage.frozen else "")
     return (f"placement: {place.devices} {running} device(s) x {place.lanes} lane(s) "
-            f"({place.lane_mode}{as_on}); per device: {held}, state {_mb(usage.state)}{clients}, "
+            f"({place.lane_mode}{as_on}); per device: {frozen}{held}, state {_mb(usage.state)}"
+            f"{clients}, "
             f"round plan {_mb(usage.plan)}, lanes {_mb(usage.lanes)}, "
             f"updates {_mb(usage.updates)} ({num_replicas} replicas x m)")
 
@@ -256,6 +271,8 @@ def _biggest(usage: Footprint) -> str:
                ("the per-client state (fewer replicas, or --max_train_clients)", usage.clients),
                ("the lanes (--clients_per_step)", usage.lanes),
                ("the round's updates (fewer replicas or --clients_per_round)", usage.updates),
+               ("the frozen base (--base_dtype=bfloat16, or a smaller --base_model)",
+                usage.frozen),
                key=lambda kv: kv[1])[0]
 
 
