@@ -126,13 +126,12 @@ def replica_keys(replicas: Replicas, seeds: Sequence[int]):
 _root_keys = jax.jit(jax.vmap(jax.random.key))
 
 
-def _losses(model, state, data, group, l2, m, eval_chunk, eval_lanes, axis):
+def _losses(model, state, data, group, l2, m, layout: engine.EvalLayout):
     """F_k(w_t) [R, m] of the sampled clients, plus (l2/2)||w_t||^2, and the evaluation."""
     plan = data.plan
-    ev = engine.evaluate_streams(model, state.params, X=data.x, Y=data.y, idx=plan.eval_idx,
-                                 seg=plan.eval_seg, length=plan.eval_len,
-                                 stream_of_replica=group, num_segments=m, chunk=eval_chunk,
-                                 lanes=eval_lanes, axis=axis)
+    ev = engine.evaluate_streams(model, state.params, data.x, data.y,
+                                 engine.EvalStreams(plan.eval_idx, plan.eval_seg, plan.eval_len, m),
+                                 group, layout)
     sizes = plan.sizes[group]                                   # [R, m]
     sqnorm = jax.vmap(engine.tree_sqnorm)(state.params)         # [R]
     return ev.loss_sum / sizes + 0.5 * (l2 * sqnorm)[:, None], sizes, ev
@@ -243,21 +242,20 @@ def _round_metrics(weights, sizes, losses, lr, tr, ev, algo_metrics, uses_losses
     }
 
 
-def _probed(model, algorithm, state, feedback, data, group, hyper, l2, eval_chunk,
-            eval_lanes, axis):
+def _probed(model, algorithm, state, feedback, data, replicas: engine.ReplicaRound,
+            layout: engine.EvalLayout):
     """The feedback with ``probe_losses`` [R, m'] and ``probe_clients``: the losses F_i of the
     round's second sample at the model each replica's ``algorithm.probe`` chooses (DRFA: the
     snapshot average), with (l2/2)||w||^2 as every F_k; the feedback as it is without a
     probe."""
     if algorithm.probe is None:
         return feedback
-    probe = data.probe
-    at = jax.vmap(algorithm.probe)(state.algo_state, state.params, feedback, hyper)
+    probe, group, l2 = data.probe, replicas.group, replicas.l2
+    at = jax.vmap(algorithm.probe)(state.algo_state, state.params, feedback, replicas.hyper)
     m = probe.clients.shape[1]
-    ev = engine.evaluate_streams(model, at, X=data.x, Y=data.y, idx=probe.eval_idx,
-                                 seg=probe.eval_seg, length=probe.eval_len,
-                                 stream_of_replica=group, num_segments=m, chunk=eval_chunk,
-                                 lanes=eval_lanes, axis=axis)
+    ev = engine.evaluate_streams(model, at, data.x, data.y,
+                                 engine.EvalStreams(probe.eval_idx, probe.eval_seg,
+                                                    probe.eval_len, m), group, layout)
     sqnorm = jax.vmap(engine.tree_sqnorm)(at)
     return feedback._replace(
         probe_losses=ev.loss_sum / probe.sizes[group] + 0.5 * (l2 * sqnorm)[:, None],
@@ -448,6 +446,7 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
     dpr = _RoundDP(algorithm, local.clip, num_sampled, expected, adaptive, correlated)
     z_np = np.asarray(replicas.dp_noise, np.float32)
     local = local._replace(client_update=algorithm.client_update)
+    layout = engine.EvalLayout(eval_chunk, eval_lanes, local.axis)
     group = jnp.asarray(replicas.group, jnp.int32)
     hyper_np = jax.tree.map(lambda v: np.asarray(v, np.float32), replicas.hyper)
     l2_np = np.asarray(replicas.l2, np.float32)
@@ -458,8 +457,7 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         l2 = jnp.asarray(l2_np)
         lr = jnp.stack([jnp.asarray(s(t), jnp.float32) for s in replicas.schedules])
         if algorithm.uses_losses:
-            losses, sizes, ev = _losses(model, state, data, group, l2, num_sampled, eval_chunk,
-                                        eval_lanes, local.axis)
+            losses, sizes, ev = _losses(model, state, data, group, l2, num_sampled, layout)
         else:
             losses, sizes, ev = _no_losses(data, group)
         keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(key)
@@ -473,13 +471,12 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         inputs = engine.ClientInputs(state.algo_state, state.client_state, clients)
         runs = (jnp.broadcast_to(keep[:, None], weights.shape) if algorithm.all_sampled_work
                 else None)
-        tr = engine.train_jobs(model, state.params, data,
-                               engine.ReplicaRound(group, lr, l2, hyper, keys, dpr.clips(state)),
-                               engine.JobChoice(weights, runs), local, inputs, slot_tables)
+        each = engine.ReplicaRound(group, lr, l2, hyper, keys, dpr.clips(state))
+        tr = engine.train_jobs(model, state.params, data, each, engine.JobChoice(weights, runs),
+                               local, inputs, slot_tables)
         feedback = _feedback(tr, losses, sizes, weights, lr, clients)
         feedback, dp, extra = dpr.feedback(feedback, tr, hyper, keys, z, state.dp, keep)
-        feedback = _probed(model, algorithm, state, feedback, data, group, hyper, l2,
-                           eval_chunk, eval_lanes, local.axis)
+        feedback = _probed(model, algorithm, state, feedback, data, each, layout)
         params, algo_state, opt_state, algo_metrics = _server(
             algorithm, server_tx, state, feedback, hyper, keep)
         client_state = state.client_state

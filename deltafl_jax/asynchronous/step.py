@@ -137,9 +137,9 @@ def base_losses(model, ring, data: RoundData, slots, group, l2, chunk: int, lane
     bases = jax.tree.map(lambda a: jax.vmap(lambda x, s: x[s])(a, slots), ring)  # [R, K, ...]
     flat = jax.tree.map(lambda a: a.reshape((R * K,) + a.shape[2:]), bases)
     streams = (group[:, None] * K + jnp.arange(K, dtype=group.dtype)[None, :]).reshape(R * K)
-    ev = engine.evaluate_streams(model, flat, X=data.x, Y=data.y, idx=idx, seg=seg,
-                                 length=length, stream_of_replica=streams, num_segments=K,
-                                 chunk=chunk, lanes=lanes, axis=axis)
+    ev = engine.evaluate_streams(model, flat, data.x, data.y,
+                                 engine.EvalStreams(idx, seg, length, K), streams,
+                                 engine.EvalLayout(chunk, lanes, axis))
     own = jnp.diagonal(ev.loss_sum.reshape(R, K, K), axis1=1, axis2=2)          # [R, K]
     sqnorm = jax.vmap(engine.tree_sqnorm)(flat).reshape(R, K)
     sizes = plan.sizes[group]

@@ -8,7 +8,7 @@ run inside ``lax.while_loop``s whose trip counts come from the data
 (:mod:`deltafl_jax.engine.lanes`).
 """
 
-from deltafl_jax.engine.evaluate import EvalResult, evaluate_streams
+from deltafl_jax.engine.evaluate import EvalLayout, EvalResult, EvalStreams, evaluate_streams
 from deltafl_jax.engine.lanes import (LANE_MODES, LaneDeal, LoopShape, deal_jobs, loop_shape,
                                       per_lane)
 from deltafl_jax.engine.client import (LOCAL_SGD, AdaptState, ClientJob, ClientUpdate,
@@ -18,7 +18,7 @@ from deltafl_jax.engine.train import (ClientInputs, JobChoice, LocalSGDConfig, R
                                       TrainResult, train_jobs)
 from deltafl_jax.engine.trees import tree_all_finite, tree_sqnorm
 
-__all__ = ["EvalResult", "evaluate_streams", "LANE_MODES", "LaneDeal", "LoopShape", "deal_jobs",
+__all__ = ["EvalLayout", "EvalResult", "EvalStreams", "evaluate_streams", "LANE_MODES", "LaneDeal", "LoopShape", "deal_jobs",
            "loop_shape", "per_lane",
            "LOCAL_SGD", "AdaptState", "ClientJob", "ClientUpdate", "LocalState", "difference",
            "fine_tune_step", "local_final", "local_init", "optimizer_step", "ClientInputs", "JobChoice", "LocalSGDConfig", "ReplicaRound", "TrainResult", "train_jobs",

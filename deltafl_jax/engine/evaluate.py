@@ -76,26 +76,41 @@ def in_stream_order(items, n_chunks, init=None):
     return lax.fori_loop(0, Q, add, start)
 
 
-def evaluate_streams(model: Model, params, *, X, Y, idx, seg, length, stream_of_replica,
-                     num_segments: int, chunk: int, lanes: int,
-                     axis: DeviceAxis = SINGLE, init=None) -> EvalResult:
+class EvalStreams(NamedTuple):
+    """G packed example streams, each the examples of S clients (segments) back to back."""
+
+    idx: jax.Array       # [G, L] example indices (L a multiple of the chunk)
+    seg: jax.Array       # [G, L] segment (client) of each entry; S for padding
+    length: jax.Array    # [G] real entries per stream
+    num_segments: int    # S, the number of clients in a stream
+
+
+class EvalLayout(NamedTuple):
+    """How evaluation work is cut and run: static for a program."""
+
+    chunk: int                  # examples per work item
+    lanes: int                  # items processed at once (per device)
+    axis: DeviceAxis = SINGLE   # the devices sharing the items
+
+
+def evaluate_streams(model: Model, params, X, Y, streams: EvalStreams, stream_of_replica,
+                     layout: EvalLayout, init=None) -> EvalResult:
     """Sum of losses and errors of each replica's model over the segments of its stream.
 
     Args:
       model: the model.
       params: pytree with leading dim R (one model per replica).
       X, Y: the device-resident split ([N, ...] inputs, [N] labels).
-      idx: [G, L] example indices (L a multiple of `chunk`); seg: [G, L] segment of each
-        entry (num_segments for padding); length: [G] real entries per stream.
+      streams: the G streams (:class:`EvalStreams`).
       stream_of_replica: [R] which stream each replica evaluates.
-      num_segments: S, the number of clients in a stream.
-      chunk: examples per work item; lanes: items processed at once (per device).
-      axis: the devices sharing the items (round-robin over D x lanes global lanes); the sums
-        are reduced once after the loop.
+      layout: chunk, lanes and the devices sharing the items (round-robin over D x lanes
+        global lanes); the sums are reduced once after the loop.
       init: (loss_sum, error_sum), each [R, S], to continue from (None: zeros): a stream
         evaluated in blocks one after another (the host-kept split) adds up in the order of one
         whole stream, so on one device the sums are the same bit for bit.
     """
+    idx, seg, length, num_segments = streams
+    chunk, lanes, axis = layout
     R = stream_of_replica.shape[0]
     S = num_segments
     n_chunks = ceil_div(length, chunk)[stream_of_replica]            # [R]

@@ -37,10 +37,9 @@ def eval_program(model: Model, place: Placement, num_segments: int, mesh=None) -
 
     def eval_fn(params, x, y, idx, seg, length, loss0, err0):
         group = jnp.zeros((jax.tree.leaves(params)[0].shape[0],), jnp.int32)
-        res = engine.evaluate_streams(model, params, X=x, Y=y, idx=idx, seg=seg, length=length,
-                                      stream_of_replica=group, num_segments=num_segments,
-                                      chunk=place.eval_chunk, lanes=place.eval_lanes, axis=axis,
-                                      init=(loss0, err0))
+        res = engine.evaluate_streams(
+            model, params, x, y, engine.EvalStreams(idx, seg, length, num_segments), group,
+            engine.EvalLayout(place.eval_chunk, place.eval_lanes, axis), init=(loss0, err0))
         return res.loss_sum, res.error_sum
     return jax.jit(eval_fn if mesh is None else mesh_lib.sharded(eval_fn, mesh, 8))
 
