@@ -27,7 +27,10 @@ run by ``python -m experiments.run`` in its own process, one after another:
   (the same data, speeds and availability; no deadline, which FedBuff refuses). A round is a
   server step, so ``--rounds`` caps the steps. It drops nothing by deadline; the stale updates
   it drops (``--max_staleness``, unset in that flagfile: none) are read from rounds.npz
-  (``dropped_updates``), with the updates aggregated (``num_selected``), per seed.
+  (``dropped_updates``), with the updates aggregated (``num_selected``), per seed. Beside it,
+  on the same flagfile and events, Delta-FL under buffered asynchrony
+  (``--algorithm=deltafl_buffered``, theta 0.8 and 0.5: of each buffer, the updates whose loss
+  at their base version is in the top theta share).
 
 ``--flagfiles=shakespeare`` runs the same four settings on
 ``experiments/async_shakespeare_cpu.flags`` and ``experiments/async_shakespeare_cpu_fedbuff.flags``
@@ -81,7 +84,7 @@ SETTING_RUNS = {
     "no_deadline": (0, "fedavg,deltafl", {"round_deadline": None, "over_select": None}),
     "deadline_overselect": (0, "fedavg,deltafl", {}),
     "partial_work": (0, "fednova,fedavg,deltafl", {"over_select": None, "partial_work": ""}),
-    "asynchronous": (1, "fedbuff", {}),
+    "asynchronous": (1, "fedbuff,deltafl_buffered", {"thetas": "0.8,0.5"}),
 }
 
 
@@ -93,7 +96,7 @@ def settings_of(pair: str = "synthetic") -> dict:
 
 
 SETTINGS = settings_of()
-METHOD_DIRS = ("fedavg", "deltafl", "fednova", "fedbuff")
+METHOD_DIRS = ("fedavg", "deltafl", "fednova", "fedbuff", "deltafl_buffered")
 
 
 def _parse(argv):
@@ -210,36 +213,41 @@ def drops(run_dir: str, method: str, theta: float):
     return None
 
 
-ASYNC_FIELDS = ("updates_aggregated", "stale_updates_dropped", "staleness_mean",
-                "update_share_by_speed_quintile")
+ASYNC_FIELDS = ("updates_aggregated", "updates_kept", "stale_updates_dropped",
+                "staleness_mean", "update_share_by_speed_quintile")
 
 
-def async_counts(run_dir: str, method: str) -> dict:
-    """Per seed of an asynchronous run: the updates aggregated and the stale updates dropped
-    (summed over its server steps, rounds.npz), the mean staleness of the updates aggregated
-    (steps), and the share of the updates aggregated from each compute-speed quintile (q1 the
-    fastest fifth, clients.npz ``train_updates_aggregated``); every field None for a
-    synchronous run."""
+def async_counts(run_dir: str, method: str, theta: float = 1.0) -> dict:
+    """Per seed of an asynchronous run's column (its replicas at `theta`): the updates
+    aggregated (buffered) and the stale updates dropped (summed over its server steps,
+    rounds.npz), the updates its filter kept (buffered Delta-FL's ``kept_updates``; None for
+    a rule without a filter), the mean staleness of the updates aggregated (steps), and the
+    share of the updates aggregated from each compute-speed quintile (q1 the fastest fifth,
+    clients.npz ``train_updates_aggregated``); every field None for a synchronous run."""
     from deltafl_jax.report.io import read_run
     from deltafl_jax.report.speed_drops import run_per_example_s, speed_quintiles
     out = dict.fromkeys(ASYNC_FIELDS)
     path = os.path.join(run_dir, method, "rounds.npz")
     if not os.path.exists(path):
         return out
+    run = read_run(os.path.join(run_dir, method))
+    mine = np.asarray([float(label.theta) == theta for label in run.labels])
     with np.load(path) as r:
         if "dropped_updates" not in r:
             return out
-        taken = np.asarray(r["num_selected"], np.float64)
+        taken = np.asarray(r["num_selected"], np.float64)[:, mine]
         out["updates_aggregated"] = taken.sum(axis=0).astype(int).tolist()
-        out["stale_updates_dropped"] = np.asarray(r["dropped_updates"]).sum(axis=0) \
+        out["stale_updates_dropped"] = np.asarray(r["dropped_updates"])[:, mine].sum(axis=0) \
             .astype(int).tolist()
-        out["staleness_mean"] = ((np.asarray(r["staleness_mean"]) * taken).sum(axis=0)
+        out["staleness_mean"] = ((np.asarray(r["staleness_mean"])[:, mine] * taken).sum(axis=0)
                                  / taken.sum(axis=0)).tolist()
-    run = read_run(os.path.join(run_dir, method))
+        if "kept_updates" in r:
+            out["updates_kept"] = np.asarray(r["kept_updates"])[:, mine].sum(axis=0) \
+                .astype(int).tolist()
     x = run_per_example_s(run)
     if x is not None:
         q = speed_quintiles(x)
-        u = np.atleast_2d(np.asarray(run.clients["train_updates_aggregated"], np.float64))
+        u = np.atleast_2d(np.asarray(run.clients["train_updates_aggregated"], np.float64))[mine]
         by_quintile = np.stack([u[:, q == j].sum(axis=1) for j in range(5)], axis=1)
         out["update_share_by_speed_quintile"] = \
             (by_quintile / u.sum(axis=1, keepdims=True)).tolist()
@@ -263,7 +271,7 @@ def analyse(run_dirs: dict, at_hours, target) -> dict:
         for (method, algorithm, theta), seeds in cols.items():
             p90_at = [value_at(t, v, at) for t, v in seeds.values()]
             got = drops(run_dirs[setting], method, theta)
-            counts = async_counts(run_dirs[setting], method)
+            counts = async_counts(run_dirs[setting], method, theta)
             row_seeds.append(seeds)
             rows.append({"setting": setting, "method": method_name(algorithm, theta),
                          "algorithm": algorithm, "theta": theta, "seeds": sorted(seeds),

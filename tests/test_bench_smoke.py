@@ -675,7 +675,8 @@ def test_timing_comparison_smoke_reads_every_setting(tmp_path):
     """bench.timing_comparison at toy size: a row per setting and method, the p90 at the fixed
     time read from the runs' own evaluations, drops only where the deadline drops, and
     FedBuff's updates counted as its clients' own counts; --reuse of the synchronous
-    settings runs only the asynchronous one and reads the others' runs back."""
+    settings runs only the asynchronous one (FedBuff and buffered Delta-FL at two thetas, the
+    last three rows) and reads the others' runs back."""
     runs = tmp_path / "runs"
     toy = ["bench.timing_comparison", "--rounds=4", "--seeds=1", "--eval_every=2",
            "--virtual_hours=0.004", f"--runs_dir={runs}"]
@@ -685,11 +686,12 @@ def test_timing_comparison_smoke_reads_every_setting(tmp_path):
     assert set(first["wall_seconds"]) == set(sync.split(","))
     assert set(res["wall_seconds"]) == {"asynchronous"}
     for key in ("final_p90", "final_virtual_hours", "drop_rate_by_speed_quintile"):
-        assert [r[key] for r in first["rows"]] == [r[key] for r in res["rows"][:-1]]
+        assert [r[key] for r in first["rows"]] == [r[key] for r in res["rows"][:-3]]
     got = {(r["setting"], r["method"]) for r in res["rows"]}
     assert got == {(s, m) for s in ("no_deadline", "deadline_overselect", "partial_work")
                    for m in ("FedAvg", "Δ-FL, θ = 0.8", "Δ-FL, θ = 0.5")} | {
-        ("partial_work", "FedNova"), ("asynchronous", "FedBuff")}
+        ("partial_work", "FedNova"), ("asynchronous", "FedBuff"),
+        ("asynchronous", "Δ-FL (buffered), θ = 0.8"), ("asynchronous", "Δ-FL (buffered), θ = 0.5")}
     at = res["fixed_virtual_hours"] * 3600
     for r in res["rows"]:
         recs = [json.loads(line) for line in open(
@@ -700,8 +702,9 @@ def test_timing_comparison_smoke_reads_every_setting(tmp_path):
                 else np.isnan(r["p90_at_fixed_time"][0]))
         if r["setting"] == "asynchronous":
             assert r["drop_rate_by_speed_quintile"] is None     # no deadline, no rounds
-            clients = np.load(runs / "asynchronous" / "fedbuff" / "clients.npz")
-            assert r["updates_aggregated"] == [int(clients["train_updates_aggregated"].sum())]
+            clients = np.load(runs / "asynchronous" / r["algorithm"] / "clients.npz")
+            aggregated = clients["train_updates_aggregated"]   # [replicas, clients]
+            assert r["updates_aggregated"] == [int(aggregated.sum()) // aggregated.shape[0]]
             assert r["stale_updates_dropped"] == [0]             # --max_staleness unset
             assert sum(r["update_share_by_speed_quintile"][0]) == pytest.approx(1.0)
             continue
