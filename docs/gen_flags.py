@@ -33,7 +33,8 @@ PAGE = os.path.join(REPO, "docs", "reference", "flags.md")
 # The documented commands, in the page's order: `python -m NAME`.
 COMMANDS = ("experiments.run", "experiments.tune", "experiments.leaderboard",
             "experiments.report", "experiments.readme_tables", "data_prep.prepare",
-            "data_prep.stats", "data_prep.verify")
+            "data_prep.stats", "data_prep.verify", "experiments.pretrain",
+            "experiments.lora_base_row")
 
 # --------------------------------------------------------------------------------------------
 # In the fresh interpreter: import one command, record its flags.

@@ -79,7 +79,8 @@ class LLMSettings:
                                 bounds=Bounds(0.0, float("inf"), low_open=True))
     lora_targets: Tuple[str, ...] = setting(
         ("q_proj", "v_proj"), "--finetune=lora: the projections that get adapters, among q_proj, "
-        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj", kind="list", parse=_names)
+        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (all-linear: all seven)",
+        kind="list", parse=_names)
     base_dtype: str = setting("float32", "--model=llama: dtype of the frozen base (bfloat16: "
                               "half the memory; the trained part stays float32)",
                               choices=BASE_DTYPES)
@@ -236,7 +237,7 @@ def llama_model(data: FederatedDataset, options: ModelOptions) -> Model:
 
 def sequence_losses(model: LLMModel, params, x) -> np.ndarray:
     """[B] the mean token loss of each stored sequence x [B, L] (its perplexity: exp)."""
-    return np.asarray(model.losses(params, jnp.asarray(x)))
+    return np.asarray(model.losses(params, jnp.asarray(x), None))
 
 
 def generate(model: LLMModel, params, prompt_ids: List[int], max_new_tokens: int,
