@@ -326,32 +326,6 @@ def _privatize(private, clip: float, m: int, feedback: ClientFeedback, hyper, ke
 privatize_feedback = _privatize
 
 
-def _private_feedback(privatize, private, adaptive, correlated, m, feedback, tr, hyper, keys,
-                      z, dp, keep):
-    """Every replica's feedback made private, with DP's own state (:class:`ServerState`'s
-    ``dp``) stepped: (feedback, dp, extra round metrics). Adaptive clipping: the clip's step
-    from the noised unclipped count (:func:`deltafl_jax.privacy.dp.adaptive_clip`; expected count
-    D / a_max); BandMF: the noise history (:func:`deltafl_jax.privacy.dp.bandmf_privatize`)."""
-    if private is None:
-        return feedback, dp, {}
-    if adaptive is not None:
-        clip = dp["clip"]
-        feedback = privatize(feedback, hyper, keys, z, clip)
-        unclipped = jnp.sum(tr.job_trained & tr.job_finite & ~tr.job_clipped, axis=1)
-        new, frac = jax.vmap(lambda c, u, k, zz, h: adaptive_clip(
-            c, u, k, zz, adaptive, private.denominator(h, m) / private.max_weight(h, m)))(
-                clip, unclipped, keys, z, hyper)
-        return (feedback, {**dp, "clip": jnp.where(keep, new, clip)},
-                {"dp_clip_norm": clip, "dp_unclipped_fraction": frac})
-    if correlated is not None and len(correlated.coef) > 1:
-        feedback, history = privatize(feedback, hyper, keys, z, dp["noise"])
-        return feedback, {**dp, "noise": jax.tree.map(
-            lambda n, o: _per_replica_where(keep, n, o), history, dp["noise"])}, {}
-    if correlated is not None:   # one band: independent noise, no history
-        return privatize(feedback, hyper, keys, z, feedback.delta_sum)[0], dp, {}
-    return privatize(feedback, hyper, keys, z), dp, {}
-
-
 def _private(algorithm, clip, m, adaptive=None, correlated=None):
     """(the algorithm's private version, the vmapped feedback transform) with a clip, else
     (None, None); a run with a clip has one (:func:`deltafl_jax.run.resolve.resolve` refuses
@@ -369,33 +343,33 @@ def _private(algorithm, clip, m, adaptive=None, correlated=None):
     return private, jax.vmap(functools.partial(_privatize, private, clip, m))
 
 
-def _cohort_weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z,
-                    expected: Optional[int]):
-    """The weights of step 2; with `expected` (a Poisson cohort of that expected size) a_max
-    on every sampled client of a fixed-denominator private version
+def _cohort_weights(algorithm, private, ctx: RoundContext, z, expected: Optional[int]):
+    """The weights of step 2 (`ctx`: every replica's :class:`RoundContext`, leaves [R, ...];
+    z [R] the noise multipliers); with `expected` (a Poisson cohort of that expected size)
+    a_max on every sampled client of a fixed-denominator private version
     (:func:`deltafl_jax.privacy.dp.poisson_weights`). Empty slots are masked by the round
     (:func:`_masked_weights`)."""
-    weights = _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z)
+    weights = _weights(algorithm, private, ctx, z)
     if expected is not None and private is not None:
-        weights = jax.vmap(lambda w, h: poisson_weights(private, w, h, expected))(weights, hyper)
+        weights = jax.vmap(lambda w, h: poisson_weights(private, w, h, expected))(weights,
+                                                                                   ctx.hyper)
     return weights
 
 
-def _masked_weights(dpr, algorithm, state, losses, sizes, hyper, keys, clients, z,
-                    variable: bool):
+def _masked_weights(dpr, algorithm, ctx: RoundContext, z, variable: bool):
     """(losses, weights) of step 2. A cohort whose size varies (`variable`: Poisson sampling,
     or fewer clients online than slots) has empty slots (size 0): their loss and weight are
     0 for every algorithm, before and after its weighting, so they count in none of its sums."""
     if not variable:
-        return losses, dpr.weights(algorithm, state, losses, sizes, hyper, keys, clients, z)
-    losses = jnp.where(sizes > 0, losses, 0.0)
-    weights = dpr.weights(algorithm, state, losses, sizes, hyper, keys, clients, z)
-    return losses, jnp.where(sizes > 0, weights, 0.0)
+        return ctx.losses, dpr.weights(algorithm, ctx, z)
+    ctx = ctx._replace(losses=jnp.where(ctx.sizes > 0, ctx.losses, 0.0))
+    weights = dpr.weights(algorithm, ctx, z)
+    return ctx.losses, jnp.where(ctx.sizes > 0, weights, 0.0)
 
 
-def _weights(algorithm, private, state, losses, sizes, hyper, keys, clients, z):
-    """Step 2 for every replica: the algorithm's client_weights, or its private version."""
-    ctx = RoundContext(state.algo_state, losses, sizes, hyper, keys, clients)
+def _weights(algorithm, private, ctx: RoundContext, z):
+    """Step 2 for every replica (`ctx` leaves [R, ...]): the algorithm's client_weights, or
+    its private version."""
     if private is not None and private.client_weights is not None:
         return jax.vmap(private.client_weights)(ctx, z)
     return jax.vmap(algorithm.client_weights)(ctx)
@@ -413,20 +387,45 @@ class _RoundDP:
         self.expected, self.adaptive, self.correlated = expected, adaptive, correlated
         self.private, self.privatize = _private(algorithm, clip, self.m, adaptive, correlated)
 
-    def weights(self, algorithm, state, losses, sizes, hyper, keys, clients, z):
-        return _cohort_weights(algorithm, self.private, state, losses, sizes, hyper, keys,
-                               clients, z, self.expected)
+    def weights(self, algorithm, ctx: RoundContext, z):
+        return _cohort_weights(algorithm, self.private, ctx, z, self.expected)
+
+    def private_feedback(self, feedback, tr, hyper, keys, z, dp, keep):
+        """Every replica's feedback made private, with DP's own state (:class:`ServerState`'s
+        ``dp``) stepped: (feedback, dp, extra round metrics). Adaptive clipping: the clip's
+        step from the noised unclipped count (:func:`deltafl_jax.privacy.dp.adaptive_clip`;
+        expected count D / a_max); BandMF: the noise history
+        (:func:`deltafl_jax.privacy.dp.bandmf_privatize`)."""
+        privatize, private, m = self.privatize, self.private, self.m
+        adaptive, correlated = self.adaptive, self.correlated
+        if private is None:
+            return feedback, dp, {}
+        if adaptive is not None:
+            clip = dp["clip"]
+            feedback = privatize(feedback, hyper, keys, z, clip)
+            unclipped = jnp.sum(tr.job_trained & tr.job_finite & ~tr.job_clipped, axis=1)
+            new, frac = jax.vmap(lambda c, u, k, zz, h: adaptive_clip(
+                c, u, k, zz, adaptive, private.denominator(h, m) / private.max_weight(h, m)))(
+                    clip, unclipped, keys, z, hyper)
+            return (feedback, {**dp, "clip": jnp.where(keep, new, clip)},
+                    {"dp_clip_norm": clip, "dp_unclipped_fraction": frac})
+        if correlated is not None and len(correlated.coef) > 1:
+            feedback, history = privatize(feedback, hyper, keys, z, dp["noise"])
+            return feedback, {**dp, "noise": jax.tree.map(
+                lambda n, o: _per_replica_where(keep, n, o), history, dp["noise"])}, {}
+        if correlated is not None:   # one band: independent noise, no history
+            return privatize(feedback, hyper, keys, z, feedback.delta_sum)[0], dp, {}
+        return privatize(feedback, hyper, keys, z), dp, {}
 
     def clips(self, state):
         """[R] each replica's clip (adaptive clipping), else None (the engine's static C)."""
         return state.dp["clip"] if self.adaptive is not None else None
 
-    def feedback(self, feedback, tr, hyper, keys, z, dp, keep):
-        """(feedback, dp, extra metrics) (:func:`_private_feedback`), and each Poisson
+    def feedback(self, feedback, tr, each: engine.ReplicaRound, z, dp, keep):
+        """(feedback, dp, extra metrics) (:meth:`private_feedback`), and each Poisson
         round's cohort size."""
-        feedback, dp, extra = _private_feedback(self.privatize, self.private, self.adaptive,
-                                                self.correlated, self.m, feedback, tr, hyper,
-                                                keys, z, dp, keep)
+        feedback, dp, extra = self.private_feedback(feedback, tr, each.hyper, each.keys, z, dp,
+                                                    keep)
         if self.expected is not None:
             extra["cohort_size"] = jnp.sum(feedback.sizes > 0, axis=1)
         return feedback, dp, extra
@@ -463,8 +462,8 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(key)
         clients = data.plan.clients[group]                          # [R, m] client ids
         z = jnp.asarray(z_np)
-        losses, weights = _masked_weights(dpr, algorithm, state, losses, sizes, hyper, keys,
-                                          clients, z, variable)
+        ctx = RoundContext(state.algo_state, losses, sizes, hyper, keys, clients)
+        losses, weights = _masked_weights(dpr, algorithm, ctx, z, variable)
         keep = (state.active if state.active is not None
                 else jnp.ones((weights.shape[0],), bool))
         weights = jnp.where(keep[:, None], weights, 0.0)
@@ -475,7 +474,7 @@ def build_round_fn(model: Model, algorithm: FederatedAlgorithm, replicas: Replic
         tr = engine.train_jobs(model, state.params, data, each, engine.JobChoice(weights, runs),
                                local, inputs, slot_tables)
         feedback = _feedback(tr, losses, sizes, weights, lr, clients)
-        feedback, dp, extra = dpr.feedback(feedback, tr, hyper, keys, z, state.dp, keep)
+        feedback, dp, extra = dpr.feedback(feedback, tr, each, z, state.dp, keep)
         feedback = _probed(model, algorithm, state, feedback, data, each, layout)
         params, algo_state, opt_state, algo_metrics = _server(
             algorithm, server_tx, state, feedback, hyper, keep)
