@@ -219,15 +219,17 @@ def make_round_plan(seeds: Sequence[int], round_idx: int, offsets: np.ndarray, m
             train_start[g, i] = pos
             train_idx[g, pos:pos + perm.size] = start + perm
             pos += perm.size
-    return _streams(clients, present, offsets, work, eval_idx, eval_seg, eval_len,
-                    train_idx, train_start, steps)
+    sizes, seg_len, batches_per_epoch, steps = _slot_work(clients, present, offsets, work,
+                                                          cap=steps)
+    return RoundPlan(clients=clients, sizes=sizes, eval_idx=eval_idx, eval_seg=eval_seg,
+                     eval_len=eval_len, train_idx=train_idx, train_start=train_start,
+                     seg_len=seg_len, batches_per_epoch=batches_per_epoch, steps=steps)
 
 
-def _streams(clients, present, offsets, work: LocalWork, eval_idx, eval_seg, eval_len,
-             train_idx, train_start, cap=None) -> RoundPlan:
-    """The plan of the slots' clients: sizes, segment lengths and steps (at most `cap`
-    [G, m] when given); an empty slot (not `present`) has no examples and no steps (one empty
-    batch an epoch)."""
+def _slot_work(clients, present, offsets, work: LocalWork, cap=None):
+    """(sizes, seg_len, batches_per_epoch, steps), each [G, m] int32, of the slots' clients
+    (steps at most `cap` [G, m] when given); an empty slot (not `present`) has no examples and
+    no steps (one empty batch an epoch)."""
     sizes = (offsets[clients + 1] - offsets[clients]).astype(np.int32)
     sizes = np.where(present, sizes, 0).astype(np.int32)
     if work.local_steps is None:
@@ -240,9 +242,7 @@ def _streams(clients, present, offsets, work: LocalWork, eval_idx, eval_seg, eva
     steps = np.where(present, steps, 0).astype(np.int32)
     if cap is not None:
         steps = np.minimum(steps, np.asarray(cap, np.int64)).astype(np.int32)
-    return RoundPlan(clients=clients, sizes=sizes, eval_idx=eval_idx, eval_seg=eval_seg,
-                     eval_len=eval_len, train_idx=train_idx, train_start=train_start,
-                     seg_len=seg_len, batches_per_epoch=batches_per_epoch, steps=steps)
+    return sizes, seg_len, batches_per_epoch, steps
 
 
 def pack_round(split, clients: np.ndarray, caps: Capacities,
