@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from deltafl_jax.errors import ConfigError
-from deltafl_jax.sampling.clock import check_deadline, examples_done, finish, keep_cohort
+from deltafl_jax.sampling.clock import (SlotJobs, check_deadline, examples_done, finish,
+                                        keep_cohort)
 from deltafl_jax.sampling.samplers import Cohort
 from deltafl_jax.sampling.speeds import TimingSettings, build_speeds
 
@@ -112,7 +113,7 @@ def test_finish_equals_an_event_simulation_on_a_thousand_rounds():
         if rng.random() < 0.7 and present.any():
             deadline = float(rng.uniform(0.3, 1.2) * full[present].max())
         partial = deadline is not None and bool(rng.random() < 0.5)
-        fin = finish(speeds, ids, present, r["planned"], r["batch_size"], r["sizes"],
+        fin = finish(speeds, SlotJobs(ids, present, r["planned"], r["sizes"]), r["batch_size"],
                      r["model_bytes"], m=r["m"], deadline=deadline, partial_work=partial,
                      full_batches=r["full_batches"])
         keep, steps, arrival, end = reference(
@@ -149,30 +150,30 @@ def test_hand_computed_deadline_partial_work_and_over_selection():
     sizes = np.array([100, 250, 30, 50, 0])            # B = 10, one epoch: 10, 25, 3, 5 steps
     planned = np.array([10, 25, 3, 5, 0])
     # full durations: 2 s of transfer + 0.01 s x n: 3.0, 4.5, 2.3, 2.5
-    fin = finish(speeds, ids, present, planned, 10, sizes, 1024, m=4, deadline=None,
+    fin = finish(speeds, SlotJobs(ids, present, planned, sizes), 10, 1024, m=4, deadline=None,
                  partial_work=False)
     np.testing.assert_allclose(fin.seconds, [3.0, 4.5, 2.3, 2.5, np.inf])
     assert fin.keep.tolist() == [True, True, True, True, False]
     assert fin.round_seconds == pytest.approx(4.5)
     # over-selection: the 3 first of 4
-    fin = finish(speeds, ids, present, planned, 10, sizes, 1024, m=3, deadline=None,
+    fin = finish(speeds, SlotJobs(ids, present, planned, sizes), 10, 1024, m=3, deadline=None,
                  partial_work=False)
     assert fin.keep.tolist() == [True, False, True, True, False]
     assert fin.round_seconds == pytest.approx(3.0)
     # a deadline of 2.9 s: clients 2 and 5 late; fewer than m, so the round waits until 2.9 s
-    fin = finish(speeds, ids, present, planned, 10, sizes, 1024, m=3, deadline=2.9,
+    fin = finish(speeds, SlotJobs(ids, present, planned, sizes), 10, 1024, m=3, deadline=2.9,
                  partial_work=False)
     assert fin.keep.tolist() == [False, False, True, True, False]
     assert fin.round_seconds == 2.9
     # partial work: 0.9 s of compute fit, 9 steps of 10 examples (client 2) and (client 5)
-    fin = finish(speeds, ids, present, planned, 10, sizes, 1024, m=4, deadline=2.9,
+    fin = finish(speeds, SlotJobs(ids, present, planned, sizes), 10, 1024, m=4, deadline=2.9,
                  partial_work=True)
     assert fin.keep.tolist() == [True, True, True, True, False]
     assert fin.steps.tolist() == [9, 9, 3, 5, 0]
     np.testing.assert_allclose(fin.arrival, [2.9, 2.9, 2.3, 2.5, np.inf])
     # a deadline under the transfers alone: nobody, with or without partial work
     for partial in (False, True):
-        fin = finish(speeds, ids, present, planned, 10, sizes, 1024, m=4, deadline=1.5,
+        fin = finish(speeds, SlotJobs(ids, present, planned, sizes), 10, 1024, m=4, deadline=1.5,
                      partial_work=partial)
         assert not fin.keep.any() and fin.round_seconds == 1.5
 
@@ -180,8 +181,8 @@ def test_hand_computed_deadline_partial_work_and_over_selection():
 def test_ties_are_broken_by_client_id():
     speeds = uniform_speeds()
     ids = np.array([8, 3, 6, 1])
-    fin = finish(speeds, ids, np.ones(4, bool), np.full(4, 2), 5, np.full(4, 10), 1024, m=2,
-                 deadline=None, partial_work=False)
+    fin = finish(speeds, SlotJobs(ids, np.ones(4, bool), np.full(4, 2), np.full(4, 10)), 5, 1024,
+                 m=2, deadline=None, partial_work=False)
     assert ids[fin.keep].tolist() == [3, 1]
 
 
@@ -200,15 +201,15 @@ def test_keep_cohort_puts_the_kept_in_m_slots_sorted():
     cohort = Cohort(np.array([1, 4, 6, 9, 0], np.int32), np.array([1, 1, 1, 1, 0], bool),
                     np.array([0.4, 0.4, 0.4, 0.4, 0.0]))
     sizes = np.array([50, 10, 30, 20, 0])
-    fin = finish(speeds, cohort.clients, cohort.present, np.array([5, 1, 3, 2, 0]), 10, sizes,
-                 1024, m=3, deadline=None, partial_work=False)
+    slots = SlotJobs(cohort.clients, cohort.present, np.array([5, 1, 3, 2, 0]), sizes)
+    fin = finish(speeds, slots, 10, 1024, m=3, deadline=None, partial_work=False)
     kept, steps = keep_cohort(cohort, fin, 3)
     assert kept.clients.tolist() == [4, 6, 9]
     assert kept.present.tolist() == [True, True, True]
     np.testing.assert_array_equal(kept.probabilities, 0.4)
     assert steps.tolist() == [1, 3, 2]
-    fin = finish(speeds, cohort.clients, cohort.present, np.array([5, 1, 3, 2, 0]), 10, sizes,
-                 1024, m=3, deadline=2.25, partial_work=False)
+    slots = SlotJobs(cohort.clients, cohort.present, np.array([5, 1, 3, 2, 0]), sizes)
+    fin = finish(speeds, slots, 10, 1024, m=3, deadline=2.25, partial_work=False)
     kept, steps = keep_cohort(cohort, fin, 3)
     assert kept.clients.tolist() == [4, 9, 0] and kept.present.tolist() == [True, True, False]
     assert steps.tolist() == [1, 2, 0] and kept.probabilities[2] == 0.0

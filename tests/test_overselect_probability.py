@@ -17,7 +17,7 @@ from scipy import stats
 from conftest import tiny_config
 from deltafl_jax.run.resolve import participation_probabilities, resolve
 from deltafl_jax.sampling.availability import Schedule
-from deltafl_jax.sampling.clock import finish
+from deltafl_jax.sampling.clock import SlotJobs, finish
 from deltafl_jax.sampling.inclusion import (arrivals, expected_kept_probability,
                                             hypergeom_cdf, hypergeom_cdf_by_marked, keep_order,
                                             kept_probability, mean_kept_probability)
@@ -44,8 +44,8 @@ def brute_force(speeds, online, M, m, deadline, partial):
     kept = np.zeros(SIZES.size)
     for subset in draws:
         ids = np.array(subset, np.int64)
-        fin = finish(speeds, ids, np.ones(ids.size, bool), PLANNED[ids], B, SIZES[ids], BYTES,
-                     m=m, deadline=deadline, partial_work=partial)
+        fin = finish(speeds, SlotJobs(ids, np.ones(ids.size, bool), PLANNED[ids], SIZES[ids]), B,
+                     BYTES, m=m, deadline=deadline, partial_work=partial)
         kept[ids[fin.keep]] += 1
     return kept / len(draws)
 
@@ -188,8 +188,8 @@ def test_known_prob_on_an_over_selected_run_weighs_by_the_kept_probability(tiny_
     rounds = []
     for subset in itertools.combinations(range(N), 6):
         ids = np.array(subset, np.int64)
-        fin = finish(speeds, ids, np.ones(6, bool), planned[ids], cfg.batch_size, sizes[ids],
-                     model_bytes, m=4, deadline=deadline, partial_work=False)
+        fin = finish(speeds, SlotJobs(ids, np.ones(6, bool), planned[ids], sizes[ids]),
+                     cfg.batch_size, model_bytes, m=4, deadline=deadline, partial_work=False)
         rounds.append(ids[fin.keep])
     p = np.bincount(np.concatenate(rounds), minlength=N) / len(rounds)
     assert (p == 0).any() and (p > 0).sum() > 4

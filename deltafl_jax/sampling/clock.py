@@ -114,21 +114,29 @@ def partial_steps(compute_s: np.ndarray, transfer_s: np.ndarray, planned: np.nda
     return np.where(fits(s) | (s == 0), s, down)
 
 
-def finish(speeds: DeviceSpeeds, clients: np.ndarray, present: np.ndarray,
-           planned_steps: np.ndarray, batch_size: int, sizes: np.ndarray, model_bytes: int,
-           *, m: int, deadline: Optional[float], partial_work: bool,
-           full_batches: bool = False, online_for: Optional[np.ndarray] = None) -> Finish:
+class SlotJobs(NamedTuple):
+    """The jobs of M sampled slots, as the clock times them."""
+
+    clients: np.ndarray         # [M] the slots' clients
+    present: np.ndarray         # [M] bool: the slot holds a client
+    planned_steps: np.ndarray   # [M] its planned local steps
+    sizes: np.ndarray           # [M] its client's example count
+    online_for: Optional[np.ndarray] = None   # [M] seconds its client stays online from the
+    #                                           job's start; None: it never goes offline
+
+
+def finish(speeds: DeviceSpeeds, slots: SlotJobs, batch_size: int, model_bytes: int, *,
+           m: int, deadline: Optional[float], partial_work: bool,
+           full_batches: bool = False) -> Finish:
     """Who of M sampled slots finishes: the m first to finish (ties by client id) among those
     done by the deadline and still online when their work arrives; with partial_work a client
-    past the deadline keeps the local steps it completed by then (dropped if none). clients,
-    present, planned_steps, sizes [M]: the slots' clients, whether a slot holds one, its
-    planned local steps and its client's example count; full_batches: the run uses
-    --local_steps; online_for [M]: the seconds each slot's client stays online from the job's
-    start (None: it never goes offline) (module docstring)."""
-    present = np.asarray(present, bool)
-    ids = np.asarray(clients, np.int64)[present]
-    planned = np.asarray(planned_steps, np.int64)[present]
-    n = np.asarray(sizes, np.int64)[present]
+    past the deadline keeps the local steps it completed by then (dropped if none);
+    full_batches: the run uses --local_steps (module docstring)."""
+    present = np.asarray(slots.present, bool)
+    ids = np.asarray(slots.clients, np.int64)[present]
+    planned = np.asarray(slots.planned_steps, np.int64)[present]
+    n = np.asarray(slots.sizes, np.int64)[present]
+    online_for = slots.online_for
     compute_s = speeds.per_example_s(ids)
     transfer_s = float(model_bytes) / speeds.bandwidth_Bps(ids)
     full = 2.0 * transfer_s + compute_s * examples_done(planned, n, batch_size,

@@ -41,7 +41,7 @@ from typing import Iterable, NamedTuple, Optional
 
 import numpy as np
 
-from deltafl_jax.sampling.clock import finish
+from deltafl_jax.sampling.clock import SlotJobs, finish
 
 _TABLE = 64
 _LOG_FACTORIAL = np.array([math.lgamma(k + 1.0) for k in range(_TABLE)], np.float64)
@@ -146,9 +146,9 @@ def arrivals(speeds, sizes, planned_steps, batch_size: int, model_bytes: int, *,
     beyond m), inf where it cannot arrive by the deadline. sizes, planned_steps [N] by id."""
     sizes = np.asarray(sizes, np.int64)
     ids = np.arange(sizes.size, dtype=np.int64)
-    fin = finish(speeds, ids, np.ones(sizes.size, bool), planned_steps, batch_size, sizes,
-                 model_bytes, m=sizes.size, deadline=deadline, partial_work=partial_work,
-                 full_batches=full_batches)
+    fin = finish(speeds, SlotJobs(ids, np.ones(sizes.size, bool), planned_steps, sizes),
+                 batch_size, model_bytes, m=sizes.size, deadline=deadline,
+                 partial_work=partial_work, full_batches=full_batches)
     return np.asarray(fin.arrival, np.float64)
 
 

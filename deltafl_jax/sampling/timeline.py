@@ -40,7 +40,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from deltafl_jax.sampling.availability import Trace
-from deltafl_jax.sampling.clock import check_deadline, fastest_job, finish, keep_cohort
+from deltafl_jax.sampling.clock import SlotJobs, check_deadline, fastest_job, finish, keep_cohort
 from deltafl_jax.sampling.inclusion import KeepOrder, arrivals, keep_order, kept_probability
 from deltafl_jax.sampling.offline import TraceStretches, check_sessions, exponential_sessions
 from deltafl_jax.sampling.samplers import Cohort, FixedSampler, Sampler
@@ -141,10 +141,9 @@ class VirtualClock:
         n = np.where(present, self.sizes[clients], 0)
         planned = np.where(present, self.work.steps_for(np.maximum(n, 1)), 0).astype(np.int32)
         t = self.settings
-        return finish(self.speeds, clients, present, planned, self.work.batch_size, n,
-                      self.model_bytes, m=self.m, deadline=t.round_deadline,
-                      partial_work=t.partial_work,
-                      full_batches=self.work.local_steps is not None, online_for=online_for)
+        return finish(self.speeds, SlotJobs(clients, present, planned, n, online_for),
+                      self.work.batch_size, self.model_bytes, m=self.m, deadline=t.round_deadline,
+                      partial_work=t.partial_work, full_batches=self.work.local_steps is not None)
 
     def select(self, round_idx: int, cohorts: Sequence[Cohort], online=None
                ) -> Tuple[List[Cohort], np.ndarray]:
