@@ -147,13 +147,15 @@ def test_the_command_refuses_k_over_c_and_leaves_the_folder(tiny_synthetic, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["fedbuff", "fedasync"])
-def test_an_asynchronous_run_killed_and_rerun_is_bit_identical(tmp_path, algorithm):
+@pytest.mark.parametrize("algorithm, thetas", [
+    ("fedbuff", "1"), ("fedasync", "1"), ("fedbuff_fedscale", "1"), ("deltafl_buffered", "0.5")])
+def test_an_asynchronous_run_killed_and_rerun_is_bit_identical(tmp_path, algorithm, thetas):
     """SIGKILL after a checkpoint in the middle of the run, rerun: the same outputs, bit for
     bit, as a run never stopped (the ring of versions, the server optimizer's state, the
-    schedulers' clocks, jobs in flight, buffers and Markov chains come back)."""
+    schedulers' clocks, jobs in flight, buffers and Markov chains come back; FedScale's form
+    with its larger ring and its refill before the step, buffered Delta-FL with its filter)."""
     from test_resume import killed_and_rerun
-    out = killed_and_rerun(tmp_path, f"--algorithm={algorithm}", "--thetas=1",
+    out = killed_and_rerun(tmp_path, f"--algorithm={algorithm}", f"--thetas={thetas}",
                            "--client_speed=lognormal", "--concurrency=6", "--buffer_size=3",
                            "--max_staleness=3", "--availability=markov", "--availability_p=0.7",
                            "--server_optimizer=adam", "--server_lr=0.05")
