@@ -9,7 +9,7 @@ staleness, applied through the server optimizer from the current version
 (the buffer's sum divided by its size K, no weighting by n_k) with the paper's polynomial
 staleness scaling 1/sqrt(1 + tau) applied to each update. FLSim (the authors' simulator,
 facebookresearch/FLSim at 7311f2d) sums the weighted updates without the 1/K and normalises
-the staleness weight at tau = 1 (sqrt(2) / sqrt(1 + tau)): constant factors, K / sqrt(2),
+the staleness weight at tau = 1 (sqrt(2) / sqrt(1 + tau)): constant factors, sqrt(2) K,
 that a server learning rate absorbs. FedScale's form (model averaging, its own events) is
 :mod:`deltafl_jax.algorithms.buffered.fedscale`.
 
