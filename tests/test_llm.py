@@ -314,3 +314,21 @@ def test_pretrain_writes_a_checkpoint_of_the_other_plays(tmp_path):
     with torch.no_grad():
         theirs = ref(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_perplexity_summaries_by_hand():
+    """exp of each client's loss; the mean, the lower p90 (the 9th smallest of 10) and the worst
+    10% (of 10 clients: the largest) of each population; train_loss (with its L2) left out."""
+    from deltafl_jax.evaluation.metrics import perplexity_summaries
+    rng = np.random.default_rng(0)
+    loss = rng.uniform(1.0, 5.0, size=(2, 10))
+    out = perplexity_summaries({"test_loss": loss, "seen_ft3_loss": loss[::-1],
+                                "train_loss": loss, "test_error": loss})
+    assert sorted(out) == sorted(f"{p}_ppl_{s}" for p in ("test", "seen_ft3")
+                                 for s in ("mean", "p90", "worst10"))
+    for r in range(2):
+        ppl = np.sort(np.exp(loss[r]))
+        np.testing.assert_allclose(out["test_ppl_mean"][r], ppl.mean(), rtol=1e-12)
+        np.testing.assert_allclose(out["test_ppl_p90"][r], ppl[8], rtol=1e-6)
+        np.testing.assert_allclose(out["test_ppl_worst10"][r], ppl[9], rtol=1e-12)
+        np.testing.assert_allclose(out["seen_ft3_ppl_worst10"][1 - r], ppl[9], rtol=1e-12)

@@ -30,6 +30,8 @@ that any population of clients can be summarised with them):
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 
@@ -181,15 +183,16 @@ def worst_mean(values, fraction: float = WORST_FRACTION) -> np.ndarray:
 
 def perplexity_summaries(per_client, percents=(90,)) -> dict:
     """A language model's per-client perplexity exp(mean token loss of the client), for each
-    population whose losses `per_client` holds ([R, N] ``train_loss`` without its L2 term is
-    not separated here: ``test_loss`` and, with ``--client_holdout``, ``seen_loss``):
-    ``{name}_ppl_mean`` (the unweighted mean over the clients), ``{name}_ppl_p{p}`` (lower
-    percentiles) and ``{name}_ppl_worst10`` (:func:`worst_mean`: the mean of the worst 10%),
-    each [R]."""
+    population whose [R, N] losses `per_client` holds: ``test_loss`` (the unseen test
+    clients) and, with ``--client_holdout``, the personalised evaluation's ``seen_loss``,
+    ``unseen_loss`` and their ``_ft<k>`` variants after k adaptation steps (``train_loss``
+    holds the L2 term, and is left out): ``{name}_ppl_mean`` (the unweighted mean over the
+    clients), ``{name}_ppl_p{p}`` (lower percentiles) and ``{name}_ppl_worst10``
+    (:func:`worst_mean`: the mean of the worst 10%), each [R]."""
     out = {}
-    for name in ("test", "seen"):
-        if f"{name}_loss" not in per_client:
-            continue
+    names = [k[:-len("_loss")] for k in per_client
+             if re.fullmatch(r"(test|seen|unseen)(_ft\d+)?_loss", k)]
+    for name in names:
         ppl = np.exp(np.asarray(per_client[f"{name}_loss"], np.float64))
         out[f"{name}_ppl_mean"] = ppl.mean(axis=1)
         for p, v in zip(percents, percentiles(ppl, None, percents).T):
