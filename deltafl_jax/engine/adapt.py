@@ -62,6 +62,14 @@ class AdaptPlan(NamedTuple):
     eval_steps: Any
 
 
+class AdaptBlock(NamedTuple):
+    """One block of K clients: its examples and their index streams."""
+
+    x: Any            # [n, ...] the block's examples (adaptation and held-out)
+    y: Any            # [n] their labels
+    plan: AdaptPlan   # the streams into x, y (device arrays)
+
+
 class AdaptConfig(NamedTuple):
     """Static choices of the personalised evaluation.
 
@@ -97,8 +105,10 @@ class AdaptCarry(NamedTuple):
 class _AdaptProgram:
     """The loop's pieces with the block's constants bound (J = R K jobs, c lanes)."""
 
-    def __init__(self, model, params, X, Y, plan, hyper, learning_rate, l2, cfg, clients):
-        self.model, self.params, self.X, self.Y, self.plan = model, params, X, Y, plan
+    def __init__(self, model, params, block: AdaptBlock, hyper, learning_rate, l2, cfg, clients):
+        plan = block.plan
+        self.model, self.params, self.X, self.Y, self.plan = (model, params, block.x, block.y,
+                                                              plan)
         self.hyper, self.lr, self.l2, self.cfg = hyper, learning_rate, l2, cfg
         self.clients = clients if clients is not None else ClientInputs((), (), None)
         R = jax.tree.leaves(params)[0].shape[0]
@@ -188,20 +198,20 @@ class _AdaptProgram:
                           real=jnp.int32(0))
 
 
-def adapt_and_evaluate(model: Model, params, *, X, Y, plan: AdaptPlan, hyper, learning_rate,
-                       l2, cfg: AdaptConfig, clients: Optional[ClientInputs] = None):
+def adapt_and_evaluate(model: Model, params, block: AdaptBlock, hyper, learning_rate, l2,
+                       cfg: AdaptConfig, clients: Optional[ClientInputs] = None):
     """(loss_sum, error_sum), each [R, K] float32, over every client's held-out examples, of
     the model each replica served it, after its adaptation steps (module docstring).
 
     Args:
       params: pytree, leading dim R: the served global models.
-      X, Y: the block's examples; plan: its :class:`AdaptPlan` (device arrays).
+      block: the block's examples and its :class:`AdaptPlan` (:class:`AdaptBlock`).
       hyper: the algorithm's hyper-parameters, leaves [R]; learning_rate, l2: [R] of the
         adaptation steps.
       clients: the algorithm's state [R, ...] and the training clients' own states
         [R, N, ...] (``ids`` unused: the plan's ids are the clients), for `cfg.seen`.
     """
-    prog = _AdaptProgram(model, params, X, Y, plan, hyper, learning_rate, l2, cfg, clients)
+    prog = _AdaptProgram(model, params, block, hyper, learning_rate, l2, cfg, clients)
     out = lax.while_loop(lambda cr: cr.trip < prog.timeline.deal.trips, prog.body, prog.init())
     axis = cfg.axis
     return (axis.sum(out.loss_out).reshape(prog.R, prog.K),

@@ -28,6 +28,7 @@ import numpy as np
 
 from deltafl_jax import engine
 from deltafl_jax.engine import mesh as mesh_lib
+from deltafl_jax.engine.adapt import AdaptConfig
 from deltafl_jax.evaluation.by_availability import AvailabilitySplit
 from deltafl_jax.evaluation.metrics import perplexity_summaries, summarize
 from deltafl_jax.evaluation.sample import EvalSample, EvalSampler, summarize_sample
@@ -169,10 +170,11 @@ def availability_split(run: ResolvedRun, program: Program) -> Optional[Availabil
 def build_evaluator(run: ResolvedRun, program: Program) -> Evaluator:
     """The evaluation of `run` on `program`'s devices and examples."""
     config, data, place = run.config, run.data, program.placement
+    layout = AdaptConfig(batch_size=config.training.batch_size, lanes=place.lanes,
+                         lane_mode=place.lane_mode, branchless=place.branchless,
+                         optimizer=config.client.transformation)
     personal = None if data.holdout is None else personal_lib.PersonalEvaluation(
-        data, run.model, run.algorithm, run.replicas, batch_size=config.training.batch_size,
-        lanes=place.lanes, lane_mode=place.lane_mode, branchless=place.branchless,
-        optimizer=config.client.transformation, finetune_steps=config.personal.finetune_steps,
-        finetune_lr=config.personal.finetune_lr, put=program.store.put, mesh=program.mesh)
+        data, run.model, run.algorithm, run.replicas, layout, config.personal,
+        put=program.store.put, mesh=program.mesh)
     return Evaluator(run, program.store, eval_clients=eval_clients(config, data),
                      personal=personal, availability_split=availability_split(run, program))

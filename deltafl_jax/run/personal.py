@@ -40,11 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from deltafl_jax.engine import mesh as mesh_lib
-from deltafl_jax.engine.adapt import AdaptConfig, AdaptPlan, adapt_and_evaluate
+from deltafl_jax.engine.adapt import AdaptBlock, AdaptConfig, AdaptPlan, adapt_and_evaluate
 from deltafl_jax.engine.train import ClientInputs
 from deltafl_jax.evaluation.metrics import summarize_population
 from deltafl_jax.evaluation.sample import summarize_population_sample
-from deltafl_jax.run.config import PERCENTILES
+from deltafl_jax.run.config import PERCENTILES, Personalisation
 
 PERSONAL_STREAM = 0x5EE
 POPULATIONS = ("seen", "unseen")
@@ -191,23 +191,22 @@ class PersonalEvaluation:
     """The personalised evaluation of an experiment (module docstring).
 
     data: the FederatedDataset with its ``holdout``; model, algorithm, replicas: the run's;
-    batch_size, lanes, lane_mode, branchless: the local steps' layout; optimizer: (lr, l2) ->
-    the client optimizer; finetune_steps: the k values; finetune_lr: None for the replicas'
-    own rates; put: host -> device(s); mesh: the device mesh or None.
+    layout: the adaptation steps' batch size, lanes, lane mode, branchless flag and client
+    optimizer ((lr, l2) -> optax), an :class:`AdaptConfig` whose other fields each program
+    sets; settings: the run's :class:`Personalisation` (finetune_steps: the k values;
+    finetune_lr: None for the replicas' own rates); put: host -> device(s); mesh: the device
+    mesh or None.
     """
 
-    def __init__(self, data, model, algorithm, replicas, *, batch_size: int, lanes: int,
-                 lane_mode: str, branchless: bool, optimizer: Callable,
-                 finetune_steps: Sequence[int], finetune_lr: Optional[float],
-                 put: Callable, mesh=None):
+    def __init__(self, data, model, algorithm, replicas, layout: AdaptConfig,
+                 settings: Personalisation, put: Callable, mesh=None):
         self.data, self.holdout, self.model = data, data.holdout, model
-        self.algorithm, self.replicas = algorithm, replicas
-        self.batch, self.lanes, self.lane_mode = batch_size, lanes, lane_mode
-        self.branchless, self.optimizer = branchless, optimizer
-        self.steps = tuple(int(k) for k in finetune_steps)
-        self.finetune_lr, self.put, self.mesh = finetune_lr, put, mesh
+        self.algorithm, self.replicas, self.layout = algorithm, replicas, layout
+        self.batch = layout.batch_size
+        self.steps = tuple(int(k) for k in settings.finetune_steps)
+        self.finetune_lr, self.put, self.mesh = settings.finetune_lr, put, mesh
         self.caps = block_caps([self._sizes(p) for p in POPULATIONS], max(self.steps),
-                               batch_size)
+                               self.batch)
         self._programs: Dict[Tuple[bool, bool], Callable] = {}
 
     def _sizes(self, population: str):
@@ -219,18 +218,14 @@ class PersonalEvaluation:
         if (seen, train) not in self._programs:
             axis = (mesh_lib.SINGLE if self.mesh is None else
                     mesh_lib.DeviceAxis(self.mesh.devices.size, mesh_lib.AXIS))
-            cfg = AdaptConfig(batch_size=self.batch, lanes=self.lanes, lane_mode=self.lane_mode,
-                              axis=axis, optimizer=self.optimizer,
-                              adapt_step=self.algorithm.adapt_step,
-                              client_model=self.algorithm.client_model, seen=seen,
-                              train=train, branchless=self.branchless)
+            cfg = self.layout._replace(axis=axis, adapt_step=self.algorithm.adapt_step,
+                                       client_model=self.algorithm.client_model, seen=seen,
+                                       train=train)
 
-            def run(params, x, y, plan, hyper, lr, l2, server_state, client_state):
-                return adapt_and_evaluate(self.model, params, X=x, Y=y, plan=plan, hyper=hyper,
-                                          learning_rate=lr, l2=l2, cfg=cfg,
-                                          clients=ClientInputs(server_state, client_state,
-                                                               None))
-            fn = run if self.mesh is None else mesh_lib.sharded(run, self.mesh, 9)
+            def run(params, block: AdaptBlock, hyper, lr, l2, server_state, client_state):
+                return adapt_and_evaluate(self.model, params, block, hyper, lr, l2, cfg,
+                                          ClientInputs(server_state, client_state, None))
+            fn = run if self.mesh is None else mesh_lib.sharded(run, self.mesh, 7)
             self._programs[(seen, train)] = jax.jit(fn)
         return self._programs[(seen, train)]
 
@@ -271,7 +266,7 @@ class PersonalEvaluation:
                 block = clients[lo:lo + K]
                 key = (int(seed), int(round_idx), PERSONAL_STREAM, POPULATIONS.index(population))
                 plan, x, y = block_plan(adapt, held, block, steps, self.batch, self.caps, key)
-                ls, es = run(served, *self.put((x, y, plan)), hyper, lr, l2,
+                ls, es = run(served, self.put(AdaptBlock(x, y, plan)), hyper, lr, l2,
                              state.algo_state if seen else (),
                              state.client_state if seen else ())
                 ls, es = mesh_lib.tree_to_host((ls, es))
