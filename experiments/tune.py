@@ -21,8 +21,8 @@ from absl import app, flags, logging
 
 from deltafl_jax.algorithms import registry
 from deltafl_jax.studies.tuning import (LINEAR_MODELS, PAPER_DECAYS, PAPER_L2, TuningError,
-                                        best, check, default_lr_grid, l2_per_theta, l2_thetas,
-                                        param_sweep, scores_markdown, tune, tunes_l2)
+                                        TuningPlan, best, check, default_lr_grid, l2_per_theta,
+                                        l2_thetas, param_sweep, scores_markdown, tune, tunes_l2)
 from experiments import cli
 
 FLAGS = flags.FLAGS
@@ -212,10 +212,11 @@ def _tune_and_write(config, lr_grid, decay_grid, l2_grid, tune_l2, tune_param) -
         raise TuningError(f"--clients_per_round={config.training.clients_per_round} exceeds the "
                           f"{data.train.num_clients} training clients of {data.name}")
     mark_command_dir(config.output.output_dir, MARKER, "experiments.tune")   # made, and ours
-    result = tune(config, data, lr_grid, decay_grid, l2_grid, tune_lr=FLAGS.tune_lr,
-                  tune_l2=tune_l2, per_theta=FLAGS.l2_per_theta,
-                  validation_seed=FLAGS.validation_seed, out_dir=config.output.output_dir,
-                  log=lambda s: print(s, flush=True), tune_param=tune_param)
+    plan = TuningPlan(lr_grid=lr_grid, decay_grid=decay_grid, l2_grid=l2_grid,
+                      tune_lr=FLAGS.tune_lr, tune_l2=tune_l2, per_theta=FLAGS.l2_per_theta,
+                      validation_seed=FLAGS.validation_seed, tune_param=tune_param)
+    result = tune(config, data, plan, out_dir=config.output.output_dir,
+                  log=lambda s: print(s, flush=True))
     flagfile = _write_flagfile(config, result, config.output.output_dir)
     _write_scores(config, result, config.output.output_dir, flagfile)
     return flagfile

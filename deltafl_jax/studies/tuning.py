@@ -178,6 +178,20 @@ def run_grid(config, data, replicas, log: Optional[Callable[[str], None]] = None
     return run_experiment(config, data, log=quiet, replicas=replicas)
 
 
+@dataclasses.dataclass(frozen=True)
+class TuningPlan:
+    """What the protocol tunes, over which grids (module docstring)."""
+
+    lr_grid: Sequence[float] = ()       # step 1: the client learning rates
+    decay_grid: Sequence[float] = ()    # step 1: the learning-rate decays
+    l2_grid: Sequence[float] = ()       # step 2: the lambdas
+    tune_lr: bool = True                # run step 1 (else the configuration's rate and decay)
+    tune_l2: bool = True                # run step 2
+    per_theta: bool = True              # step 2: one lambda per theta (else theta = 1's for all)
+    validation_seed: int = 0            # the seed of the validation split of steps 2 and 3
+    tune_param: bool = False            # run step 3 (a baseline's swept parameter)
+
+
 @dataclasses.dataclass
 class TuningResult:
     learning_rate: float
@@ -284,10 +298,12 @@ def tune_lr_step(config, data, lr_grid, decay_grid, out_dir, log, notes):
     return lr, decay, lr_scores
 
 
-def tune_l2_step(config, data, lr, decay, l2_grid, per_theta, validation_seed, out_dir, log):
-    """Step 2: ({theta: lambda}, scores) of the smallest validation p90 per theta."""
+def tune_l2_step(config, data, lr, decay, plan: TuningPlan, out_dir, log):
+    """Step 2: ({theta: lambda}, scores) of the smallest validation p90 per theta, over
+    ``plan.l2_grid``."""
+    l2_grid, per_theta = plan.l2_grid, plan.per_theta
     thetas = l2_thetas(config, per_theta)
-    val_data = validation_split(data, validation_seed)
+    val_data = validation_split(data, plan.validation_seed)
     grid_config = dataclasses.replace(
         config, algorithm=L2_ALGORITHM, thetas=thetas,
         training=dataclasses.replace(config.training, learning_rate=lr, lr_decay=decay,
@@ -350,29 +366,27 @@ def tune_param_step(config, data, lr, decay, validation_seed, out_dir, log):
     return sweep.flag, value, lam, found
 
 
-def tune(config, data, lr_grid: Sequence[float], decay_grid: Sequence[float],
-         l2_grid: Sequence[float], tune_lr: bool = True, tune_l2: bool = True,
-         per_theta: bool = True, validation_seed: int = 0, out_dir: Optional[str] = None,
-         log: Optional[Callable[[str], None]] = None, tune_param: bool = False
-         ) -> TuningResult:
-    """Run the protocol (module docstring). `config` is the experiment's configuration."""
+def tune(config, data, plan: TuningPlan, out_dir: Optional[str] = None,
+         log: Optional[Callable[[str], None]] = None) -> TuningResult:
+    """Run the protocol (module docstring) as `plan` asks. `config` is the experiment's
+    configuration."""
     log = log or (lambda s: None)
-    check(config, data, lr_grid, decay_grid, l2_grid, tune_lr, tune_l2, tune_param)
+    check(config, data, plan.lr_grid, plan.decay_grid, plan.l2_grid, plan.tune_lr, plan.tune_l2,
+          plan.tune_param)
     notes: List[str] = []
     lr, decay, lr_scores = config.training.learning_rate, config.training.lr_decay, []
-    if tune_lr:
-        lr, decay, lr_scores = tune_lr_step(config, data, lr_grid, decay_grid, out_dir, log,
-                                            notes)
+    if plan.tune_lr:
+        lr, decay, lr_scores = tune_lr_step(config, data, plan.lr_grid, plan.decay_grid, out_dir,
+                                            log, notes)
     l2: Dict[float, float] = {}
     l2_scores: List[Score] = []
-    if tune_l2:
-        l2, l2_scores = tune_l2_step(config, data, lr, decay, l2_grid, per_theta,
-                                     validation_seed, out_dir, log)
+    if plan.tune_l2:
+        l2, l2_scores = tune_l2_step(config, data, lr, decay, plan, out_dir, log)
     result = TuningResult(learning_rate=float(lr), lr_decay=float(decay), lr_scores=lr_scores,
                           l2=l2, l2_scores=l2_scores, notes=notes)
-    if tune_param:
+    if plan.tune_param:
         (result.param_flag, result.param_value, result.param_l2,
-         result.param_scores) = tune_param_step(config, data, lr, decay, validation_seed,
+         result.param_scores) = tune_param_step(config, data, lr, decay, plan.validation_seed,
                                                 out_dir, log)
     return result
 
