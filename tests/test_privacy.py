@@ -3,6 +3,7 @@ noise against a chi-square bound, the accounting against dp-accounting called he
 against a published figure, z = 0 against the non-private runs bit for bit, private Delta-FL,
 the calibration, and the refusals."""
 
+import dataclasses
 import math
 
 import dp_accounting
@@ -188,13 +189,14 @@ def test_a_published_figure(z, epochs, published, tighter):
 
 @pytest.mark.slow   # a long end-to-end check: CI's second step
 def test_calibration_meets_the_target_epsilon():
+    ledger = privacy.Ledger(population=1000, m=50, releases=(0.5,), rounds=300, delta=1e-5)
     for target in (8.0, 2.0, 0.5):
-        z = privacy.calibrate(target, 1000, 50, 300, 1e-5, (0.5,))
-        assert 0.99 * target < privacy.epsilon(1000, 50, z, (0.5,), 300, 1e-5) <= target
-    assert privacy.calibrate(math.inf, 1000, 50, 300, 1e-5, (0.5,)) == 0.0
+        z = privacy.calibrate(target, ledger)
+        assert 0.99 * target < privacy.epsilon(ledger, z) <= target
+    assert privacy.calibrate(math.inf, ledger) == 0.0
     # Private Delta-FL's round releases more: it needs more noise for the same epsilon.
-    assert privacy.calibrate(2.0, 1000, 50, 300, 1e-5, (0.5,) + (1.0,) * 5) > \
-        privacy.calibrate(2.0, 1000, 50, 300, 1e-5, (0.5,))
+    more = dataclasses.replace(ledger, releases=(0.5,) + (1.0,) * 5)
+    assert privacy.calibrate(2.0, more) > privacy.calibrate(2.0, ledger)
 
 
 def private_deltafl_config(**kw):

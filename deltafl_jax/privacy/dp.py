@@ -414,9 +414,9 @@ class Privacy:
             zs = tuple(float(z) for z in self.noise_multipliers)
         else:
             delta = self.delta_for(num_clients)
-            zs = tuple(calibrate(e, num_clients, m, rounds, delta, releases, sampler,
-                                 self.accountant_for(sampler), correlated)
-                       for e in self.target_epsilons)
+            ledger = Ledger(num_clients, m, releases, rounds, delta, sampler,
+                            self.accountant_for(sampler), correlated)
+            zs = tuple(calibrate(e, ledger) for e in self.target_epsilons)
         return tuple(float32_at_least(z) for z in zs)
 
 
@@ -564,15 +564,33 @@ def bandmf_privatize(private, clip: float, m: int, coef: Tuple[float, ...], scal
             jax.tree.unflatten(treedef, kept))
 
 
-def _ledger(population, m, releases, rounds, sampler, accountant,
-            correlated: Optional[Correlated] = None):
+@dataclasses.dataclass(frozen=True)
+class Ledger:
+    """What the accountant composes: `rounds` rounds, each sampling m of `population`
+    clients (Poisson: m expected) and releasing `releases` (noise multipliers relative to z,
+    the update's first); epsilon at `delta`."""
+
+    population: int
+    m: int
+    releases: Sequence[float]
+    rounds: int
+    delta: float
+    sampler: str = "fixed"        # "fixed" (:data:`ACCOUNTANT`, replace-one) or "poisson"
+    accountant: str = "rdp"       # Poisson's accountant, add-or-remove: "rdp" or "pld"
+    correlated: Optional[Correlated] = None   # BandMF's noise (one Gaussian over the prefix)
+
+
+def _ledger(ledger: Ledger):
     """(a fresh accountant maker, z -> the run's event) of a sampler and an accountant."""
     import dp_accounting
+    population, m, releases, rounds = (ledger.population, ledger.m, ledger.releases,
+                                       ledger.rounds)
+    accountant, correlated = ledger.accountant, ledger.correlated
     if correlated is not None:   # one Gaussian mechanism over the whole prefix
         scale = correlated.scale(rounds)
         return (lambda: _add_or_remove(accountant)), \
             lambda z: dp_accounting.GaussianDpEvent(z * scale)
-    if sampler == "fixed":
+    if ledger.sampler == "fixed":
         return _replace_one, lambda z: dp_accounting.SelfComposedDpEvent(
             round_event(population, m, z, releases), rounds)
     return (lambda: _add_or_remove(accountant)), lambda z: dp_accounting.SelfComposedDpEvent(
@@ -585,48 +603,44 @@ def _epsilon_of(fresh, event, z, delta) -> float:
     return float(acc.get_epsilon(delta))
 
 
-def epsilon(population: int, m: int, z: float, releases: Sequence[float], rounds: int,
-            delta: float, sampler: str = "fixed", accountant: str = "rdp",
-            correlated: Optional[Correlated] = None) -> float:
-    """epsilon at `delta` after `rounds` rounds (fixed sampling: :data:`ACCOUNTANT`;
-    Poisson: :func:`poisson_round_event` under the `accountant`, add-or-remove); inf without
-    noise, 0 before the first round."""
-    if rounds <= 0:
+def epsilon(ledger: Ledger, z: float) -> float:
+    """epsilon at ``ledger.delta`` after ``ledger.rounds`` rounds with noise multiplier z
+    (fixed sampling: :data:`ACCOUNTANT`; Poisson: :func:`poisson_round_event` under the
+    ledger's accountant, add-or-remove); inf without noise, 0 before the first round."""
+    if ledger.rounds <= 0:
         return 0.0
     if z <= 0:
         return math.inf
-    fresh, event = _ledger(population, m, releases, rounds, sampler, accountant, correlated)
+    fresh, event = _ledger(ledger)
     with _QuietAccountant():
         acc = fresh()
         acc.compose(event(z))
-        return float(acc.get_epsilon(delta))
+        return float(acc.get_epsilon(ledger.delta))
 
 
-def calibrate(target: float, population: int, m: int, rounds: int, delta: float,
-              releases: Sequence[float], sampler: str = "fixed",
-              accountant: str = "rdp", correlated: Optional[Correlated] = None) -> float:
-    """The smallest z whose epsilon after `rounds` rounds is at most `target` (0 for inf)."""
+def calibrate(target: float, ledger: Ledger) -> float:
+    """The smallest z whose epsilon after ``ledger.rounds`` rounds is at most `target` (0 for
+    inf)."""
     if math.isinf(target):
         return 0.0
     import dp_accounting
 
-    fresh, event = _ledger(population, m, releases, rounds, sampler, accountant, correlated)
+    fresh, event = _ledger(ledger)
     bracket = dp_accounting.LowerEndpointAndGuess(1e-3, 1.0)
     try:
-        if sampler != "fixed" and accountant == "pld":
-            return _calibrate_pld(target, population, m, rounds, delta, releases, sampler,
-                                  correlated, fresh, event)
+        if ledger.sampler != "fixed" and ledger.accountant == "pld":
+            return _calibrate_pld(target, ledger, fresh, event)
         with _QuietAccountant():
             return float(dp_accounting.calibrate_dp_mechanism(
-                fresh, event, target, delta, bracket_interval=bracket, tol=CALIBRATION_TOL))
+                fresh, event, target, ledger.delta, bracket_interval=bracket,
+                tol=CALIBRATION_TOL))
     except Exception as e:   # pylint: disable=broad-except
-        raise ConfigError(f"--dp_target_epsilon={target:g} cannot be calibrated for m = {m} of "
-                          f"{population} clients, {rounds} rounds, delta = {delta:g}: "
-                          f"{e}") from None
+        raise ConfigError(f"--dp_target_epsilon={target:g} cannot be calibrated for m = "
+                          f"{ledger.m} of {ledger.population} clients, {ledger.rounds} rounds, "
+                          f"delta = {ledger.delta:g}: {e}") from None
 
 
-def _calibrate_pld(target, population, m, rounds, delta, releases, sampler, correlated,
-                   fresh, event) -> float:
+def _calibrate_pld(target, ledger: Ledger, fresh, event) -> float:
     """The PLD accountant's calibration. Its discretised loss grows as 1 / z^2, and each
     composition costs seconds at the default discretisation: the search runs on a 10x
     coarser grid (PLD_COARSE; its epsilon differs by ~1e-5 relative) between the RDP
@@ -635,8 +649,8 @@ def _calibrate_pld(target, population, m, rounds, delta, releases, sampler, corr
     until the default accountant's epsilon is within the target."""
     import dp_accounting
     from dp_accounting.pld import PLDAccountant
-    z_rdp = calibrate(target, population, m, rounds, delta, releases, sampler, "rdp",
-                      correlated)
+    z_rdp = calibrate(target, dataclasses.replace(ledger, accountant="rdp"))
+    delta = ledger.delta
 
     def coarse():
         return PLDAccountant(neighboring_relation=dp_accounting.NeighboringRelation
@@ -700,9 +714,9 @@ class Accounting:
     def epsilons(self, rounds: int):
         """[R] epsilon of each replica after `rounds` rounds (float64; inf without noise)."""
         import numpy as np
-        per_z = {z: epsilon(self.population, self.m, z, self.releases, rounds, self.delta,
-                            self.sampler, self.accountant, self.correlated)
-                 for z in set(self.noise)}
+        ledger = Ledger(self.population, self.m, self.releases, rounds, self.delta,
+                        self.sampler, self.accountant, self.correlated)
+        per_z = {z: epsilon(ledger, z) for z in set(self.noise)}
         return np.asarray([per_z[z] for z in self.noise], np.float64)
 
     def overflow_delta(self, eps: float) -> float:
