@@ -176,6 +176,80 @@ def test_no_function_over_sixty_lines():
     assert not long, long
 
 
+MAX_PARAMETERS = 8   # a function needing more takes records (issue 51)
+# module.function -> why it keeps more than MAX_PARAMETERS parameters
+MANY_PARAMETERS = {
+    "deltafl_jax.models.conv_intercept.fast_conv_general_dilated":
+        "mirrors lax.conv_general_dilated's signature, which it stands in for",
+    "deltafl_jax.declared.setting": "mirrors a declaration's fields, one keyword each",
+    # Not yet converted: parts that other work of issue 51 is reorganising now (convert them
+    # once it lands, then drop them here: a stale exemption fails the test)
+    "deltafl_jax.asynchronous.run.BufferedRun.__init__": "asynchrony, being reorganised",
+    "deltafl_jax.asynchronous.scheduler.AsyncScheduler.__init__": "asynchrony, being reorganised",
+    "deltafl_jax.asynchronous.step._context": "asynchrony, being reorganised",
+    "deltafl_jax.asynchronous.step.base_losses": "asynchrony, being reorganised",
+    "deltafl_jax.run.estimate._measure_compiled": "the estimator, being reworked",
+    "deltafl_jax.run.estimate._time_rounds": "the estimator, being reworked",
+    "deltafl_jax.run.estimate.estimate_run": "the estimator, being reworked",
+    "deltafl_jax.run.estimate.measure": "the estimator, being reworked",
+    "deltafl_jax.datasets.prepared.write": "datasets/, being reworked",
+    # Callers in files the asynchrony work is editing now; to convert once it lands
+    "deltafl_jax.rounds.build_round_fn":
+        "8 callers pass its first 7 parameters positionally (one in tests/test_async_rules.py); "
+        "next: (eval_chunk, eval_lanes) as engine.EvalLayout and (num_sampled, expected, "
+        "variable) as the round's cohort",
+    "deltafl_jax.sampling.plan.make_round_plan":
+        "13 call sites in 9 files (asynchronous/run.py and tests/test_async_rules.py among "
+        "them); next: (seeds, round_idx, offsets, m) as the round's draw",
+    "deltafl_jax.privacy.dp.bandmf_privatize":
+        "vmapped per replica: 5 values bound once by the round (private, clip, m, coef, s_T), "
+        "5 per replica (feedback, hyper, key, z, history), as privatize_feedback's",
+}
+
+
+def parameters(node):
+    """The names of a function's parameters, self and cls left out."""
+    a = node.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    names += [v.arg for v in (a.vararg, a.kwarg) if v is not None]
+    return [n for n in names if n not in ("self", "cls")]
+
+
+def functions(tree, prefix):
+    """(qualified name, node) of every function at any depth: module.Class.method,
+    module.function.inner."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = f"{prefix}.{node.name}"
+            if not isinstance(node, ast.ClassDef):
+                yield name, node
+            yield from functions(node, name)
+        else:
+            yield from functions(node, prefix)
+
+
+def too_many_parameters(modules, limit=MAX_PARAMETERS):
+    """{'module.qualname': n} of every function with more than `limit` parameters."""
+    return {q: len(parameters(node)) for name, (_, tree) in modules.items()
+            for q, node in functions(tree, name) if len(parameters(node)) > limit}
+
+
+def test_the_parameter_counter_counts_every_kind_but_self():
+    tree = ast.parse("class C:\n    def f(self, a, /, b, *c, d, **e): pass\n"
+                     "def g(a, b, c, d, e, f, g, h, i):\n    def h(a, b, c, d, e): pass\n")
+    assert too_many_parameters({"m": ("m.py", tree)}, limit=4) == {
+        "m.C.f": 5, "m.g": 9, "m.g.h": 5}
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    found = too_many_parameters(MODULES)
+    assert not set(found) - set(MANY_PARAMETERS), (
+        "pass records (a NamedTuple or frozen dataclass of one concept) instead of threading "
+        f"state through many parameters: {sorted(set(found) - set(MANY_PARAMETERS))}")
+    assert not set(MANY_PARAMETERS) - set(found), (
+        f"exemptions no longer needed: {sorted(set(MANY_PARAMETERS) - set(found))}")
+
+
 def test_no_private_name_used_across_modules():
     bad = []
     for name, (_, tree) in MODULES.items():
