@@ -118,21 +118,32 @@ def test_orthogonal_init_equals_jax_qr_initialiser_without_lapack(shape):
     assert "lapack" not in lowered.lower()
 
 
-def test_no_model_initialisation_calls_lapack():
+def test_no_model_initialisation_calls_lapack(tmp_path):
     """jaxlib 0.10's CPU LAPACK kernels can deadlock XLA's thread pool when several run at
     once; the replicas' jitted, vmapped initialisation must not contain any."""
     import os
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
+    from llm_fixtures import tiny_base
     from test_text_models import sent140_like, shakespeare_like
     from deltafl_jax.models import model_names
+
+    # --model=llama: a tiny pretrained base and stored token sequences (its LoRA adapters are
+    # what the replicas initialise).
+    base = str(tmp_path / "base")
+    vocab = tiny_base(base).get_vocab_size()
+    tokens = ClientData(x=np.arange(12, dtype=np.int32).reshape(2, 6) % vocab, y=None,
+                        offsets=np.array([0, 2]), client_ids=np.array([0]))
+    text = FederatedDataset("text:rows", tokens, tokens, vocab, metadata={
+        "task": "causal_lm", "base_model": base, "input_vocab_size": vocab})
 
     words = ClientData(x=np.array([[6, 1, 2, 7, 0], [6, 3, 7, 0, 0]], np.int32), y=None,
                        offsets=np.array([0, 2]), client_ids=np.array(["u"]))
     next_word = FederatedDataset("stackoverflow", words, words, 8, metadata={
         "task": "next_word_prediction", "input_vocab_size": 8, "pad_id": 0, "eos_id": 7})
     datasets = {"gru": shakespeare_like(), "lstm": sent140_like(),
-                "sent140_linear": sent140_like(), "mean": None, "lstm_nwp": next_word}
+                "sent140_linear": sent140_like(), "mean": None, "lstm_nwp": next_word,
+                "llama": text}
     for name in model_names():
         data = datasets.get(name, image_dataset())
         if name == "mean":

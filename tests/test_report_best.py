@@ -36,12 +36,12 @@ def runs(tmp_path_factory):
 
 
 def test_best_keeps_each_baselines_best_value_and_marks_it(runs, tmp_path, capsys):
-    code, _, err = cli([runs, f"--out={tmp_path / 'all'}"], capsys)
+    code, err, _ = cli([runs, f"--out={tmp_path / 'all'}"], capsys)
     assert code in (0, None), err
     header_all, _ = table_of(parse_tables(open(tmp_path / "all" / "report.md").read()),
                              "Table 2")
     assert sum(h.startswith("FedProx") for h in header_all) == 3
-    code, _, err = cli([runs, "--best", f"--out={tmp_path / 'best'}"], capsys)
+    code, err, _ = cli([runs, "--best", f"--out={tmp_path / 'best'}"], capsys)
     assert code in (0, None), err
     md = open(tmp_path / "best" / "report.md").read()
     header, rows = table_of(parse_tables(md), "Table 2")

@@ -31,7 +31,7 @@ def validation_p90(run_dir):
 def test_baseline_parameter_is_the_validation_p90_argmin(tmp_path, capsys, algorithm, flag,
                                                          values):
     out = tmp_path / "tune"
-    code, stdout, err = cli([f"--flagfile={TINY}", f"--output_dir={out}",
+    code, err, stdout = cli([f"--flagfile={TINY}", f"--output_dir={out}",
                              f"--algorithm={algorithm}",
                              f"--{flag}={','.join(f'{v:g}' for v in values)}",
                              "--notune_lr", "--learning_rate=0.2"], capsys)
@@ -58,7 +58,7 @@ def test_baseline_parameter_is_the_validation_p90_argmin(tmp_path, capsys, algor
 
 def test_tune_param_needs_a_baseline_with_a_sweep(tmp_path, capsys):
     out = tmp_path / "tune"
-    code, _, err = cli([f"--flagfile={TINY}", f"--output_dir={out}", "--tune_param=yes"],
+    code, err, _ = cli([f"--flagfile={TINY}", f"--output_dir={out}", "--tune_param=yes"],
                        capsys)
     lines = [l for l in err.splitlines() if l.strip()]
     assert code == 2 and len(lines) == 1 and "--tune_param" in lines[0], err
