@@ -121,13 +121,10 @@ def _tie_tolerance(eta, tie_rtol):
     return jnp.asarray(tie_rtol, eta.dtype) * jnp.abs(eta)
 
 
-def tail_fractions(values, weights, theta, tie_rtol=0.0, level=None):
-    """The share m_k in [0, 1] of each weight that the superquantile LP's maximiser keeps:
-    1 for v_k above eta = weighted_quantile(v, w, 1 - theta), the same fraction
-    (theta W - w_above) / w_tied for the values tied at eta, 0 below; the tail weights are
-    pi = w m / sum(w m) (:func:`tail_weights`), and sum_k w_k m_k = theta W. At theta = 1
-    every m_k with a finite value and a positive weight is exactly 1. Arguments as
-    :func:`tail_weights`'s; returns [N] m, in the order of `values`."""
+def _tail_split(values, weights, theta, tie_rtol, level):
+    """(weights, above [N], tied [N], share): the values above eta = weighted_quantile(v, w,
+    1 - theta), those tied at it, and the fraction (theta W - w_above) / w_tied of their
+    weight that the tied values keep (:func:`tail_fractions`)."""
     values = jnp.asarray(values)
     weights = jnp.asarray(weights, dtype=jnp.result_type(values.dtype, jnp.float32))
     theta = jnp.asarray(theta, weights.dtype)
@@ -141,7 +138,18 @@ def tail_fractions(values, weights, theta, tie_rtol=0.0, level=None):
     # Mass (in weight units) that the tied values may still take: theta W - w_above, which is
     # in [0, w_tied] by the quantile's definition; clip against rounding.
     rest = jnp.clip(theta * total - w_above, 0.0, w_tied)
-    return jnp.where(above, 1.0, jnp.where(tied, rest / w_tied, 0.0)).astype(weights.dtype)
+    return weights, above, tied, rest / w_tied
+
+
+def tail_fractions(values, weights, theta, tie_rtol=0.0, level=None):
+    """The share m_k in [0, 1] of each weight that the superquantile LP's maximiser keeps:
+    1 for v_k above eta = weighted_quantile(v, w, 1 - theta), the same fraction
+    (theta W - w_above) / w_tied for the values tied at eta, 0 below; the tail weights are
+    pi = w m / sum(w m) (:func:`tail_weights`), and sum_k w_k m_k = theta W. At theta = 1
+    every m_k with a finite value and a positive weight is exactly 1. Arguments as
+    :func:`tail_weights`'s; returns [N] m, in the order of `values`."""
+    weights, above, tied, share = _tail_split(values, weights, theta, tie_rtol, level)
+    return jnp.where(above, 1.0, jnp.where(tied, share, 0.0)).astype(weights.dtype)
 
 
 def tail_weights(values, weights, theta, tie_rtol=0.0, level=None):
@@ -163,9 +171,11 @@ def tail_weights(values, weights, theta, tie_rtol=0.0, level=None):
     Returns:
       [N] pi, in the order of `values`: w m / sum(w m), m of :func:`tail_fractions`.
     """
-    values = jnp.asarray(values)
-    weights = jnp.asarray(weights, dtype=jnp.result_type(values.dtype, jnp.float32))
-    pi = weights * tail_fractions(values, weights, theta, tie_rtol, level)
+    weights, above, tied, share = _tail_split(values, weights, theta, tie_rtol, level)
+    # w m of :func:`tail_fractions`, written as a sum of the two cases: the product form
+    # (w * 1.0 above eta) let XLA fuse the round differently on two devices than on one (a last
+    # bit of one client's loss, tests/test_devices.py)
+    pi = jnp.where(above, weights, 0.0) + jnp.where(tied, weights * share, 0.0)
     return pi / jnp.sum(pi)
 
 

@@ -91,3 +91,56 @@ def test_frozen_base_counted_once_as_the_round_holds_it(tmp_path):
             got[(tuple(sorted(shape)), dtype)] += n
     assert got == want, (got, want)
     assert sum(want.values()) >= 4          # the test has matrices to count
+
+
+
+SETTING_SCRIPT = r"""
+import sys
+sys.path.insert(0, {tests!r})
+import jax, jax.numpy as jnp
+import llm_fixtures as F
+from deltafl_jax.data import ClientData, FederatedDataset
+from deltafl_jax.models import build_model, hf_checkpoint
+print("setting", jax.config.jax_use_simplified_jaxpr_constants)
+F.tiny_base({base!r})
+config, _ = hf_checkpoint.read_checkpoint({base!r})
+split = ClientData(x=jnp.zeros((2, 8), jnp.int32), y=None, offsets=[0, 2], client_ids=[0])
+data = FederatedDataset("text:rows", split, split, config.vocab_size, metadata={{
+    "task": "causal_lm", "base_model": {base!r}, "input_vocab_size": config.vocab_size}})
+model = build_model("llama", data)
+params = model.init(jax.random.key(0))
+print(jax.jit(model.apply).lower(params, jnp.zeros((2, 8), jnp.int32)).as_text())
+"""
+
+
+def _lowered_apply(tmp_path, name, simplified):
+    """The lowered forward pass of --model=llama on a tiny base, in a process started with
+    or without JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS=1 (read by JAX at its import only)."""
+    import subprocess
+    base = str(tmp_path / name)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS"}
+    if simplified:
+        env["JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS"] = "1"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", SETTING_SCRIPT.format(tests=os.path.dirname(__file__), base=base)],
+        cwd=repo, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"setting {simplified}" in proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_simplified_constants_pass_the_base_as_arguments_not_literals(tmp_path):
+    """docs/guides/llm.md's recipe for a large base: with JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS=1
+    a program gets the frozen base as arguments (``jax.const``), never as literals embedded
+    in it; without it (JAX 0.10's default) the same program embeds them (the control)."""
+    def literals(text):
+        found = re.findall(r'stablehlo\.constant dense<"0x[0-9A-Fa-f]+"> : '
+                           r'tensor<([0-9x]+x[a-z0-9]+)>', text)
+        return [t for t in found if int(np.prod(tensor_type(t)[0])) * 4 >= LARGE]
+    on = _lowered_apply(tmp_path, "on", True)
+    assert not literals(on), literals(on)
+    assert sum(program_constants(on).values()) >= 4   # the base's matrices, as arguments
+    off = _lowered_apply(tmp_path, "off", False)
+    assert len(literals(off)) >= 4
