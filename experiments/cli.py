@@ -57,6 +57,7 @@ GROUP_TITLES = {
                     "docs/guides/asynchronous.md)",
     "privacy": "Client-level differential privacy and client sampling (deltafl_jax.privacy.dp)",
     "placement": "Placement: devices, lanes, chunks (deltafl_jax.run.config.Placement)",
+    "precision": "Mixed precision (deltafl_jax.models.precision)",
     "process": "Where the process runs: joining several processes, determinism",
     "evaluation": "Evaluation (deltafl_jax.run.config.Evaluation)",
     "personal": "Personalised evaluation (deltafl_jax.run.config.Personalisation)",

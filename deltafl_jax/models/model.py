@@ -34,6 +34,8 @@ from deltafl_jax.models.lane_preferences import LanePreferences
 Params = Any
 
 LOSS_KINDS = ("softmax", "sigmoid", "squared", "sequence", "custom")
+# How the recurrent layers run over the time steps (--rnn_impl; deltafl_jax.models.text).
+RNN_IMPLS = ("scan", "pallas", "pallas_interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +179,8 @@ class ModelOptions:
     cnn_hidden: int = 0
     use_bias: Optional[bool] = None  # linear models; None: linear_bias_default(dataset)
     llm: Any = None   # --model=llama: what is fine-tuned (deltafl_jax.models.llm.LLMSettings)
+    compute_dtype: str = "float32"   # --compute_dtype (deltafl_jax.models.precision)
+    rnn_impl: Optional[str] = None   # --rnn_impl (RNN_IMPLS); None: chosen for the backend
 
     def conv_impl_for(self, lanes: LanePreferences) -> str:
         """The convolutions of a model with these lane preferences: ``conv_impl`` (the flag),

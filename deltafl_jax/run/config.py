@@ -26,6 +26,8 @@ from deltafl_jax.evaluation.metrics import DEFAULT_TARGET_ACCURACY
 from deltafl_jax.models import LINEAR_MODELS
 from deltafl_jax.models.augment import AUGMENTS
 from deltafl_jax.models.llm import LLMSettings, check_run
+from deltafl_jax.models.precision import Precision
+from deltafl_jax.models.model import RNN_IMPLS
 from deltafl_jax.optimizers.client import ClientOptimizer
 from deltafl_jax.optimizers.server import ServerOptimizer
 from deltafl_jax.privacy.dp import Privacy, check_private_version
@@ -160,6 +162,11 @@ class Placement:
         "resnet18_gn's on CPU) | im2col | xla (TPU; the module as written); unset: by backend "
         "and model",
         kind="string")
+    rnn_impl: Optional[str] = setting(
+        None, "the recurrent layers (gru, lstm, lstm_nwp): scan (XLA's scan over the time "
+        "steps, the reference; CPU) | pallas (one Pallas kernel over the time steps for the "
+        "forward pass and one for the backward pass; GPU) | pallas_interpret (the same kernels "
+        "interpreted, for tests on CPU); unset: by backend", kind="string")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +196,7 @@ GROUPS = (("training", Training), ("evaluation", Evaluation), ("server", ServerO
           ("online", AvailabilitySettings), ("timing", TimingSettings),
           ("asynchronous", AsyncSettings), ("privacy", Privacy),
           ("personal", Personalisation), ("placement", Placement), ("output", Output),
-          ("llm", LLMSettings))
+          ("llm", LLMSettings), ("precision", Precision))
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -238,6 +245,7 @@ class ExperimentConfig:
     placement: Placement = group(Placement)
     output: Output = group(Output)
     llm: LLMSettings = group(LLMSettings)   # --model=llama: --finetune, --lora_rank, ...
+    precision: Precision = group(Precision)   # --compute_dtype
 
     def __init__(self, data: DataConfig, **settings):
         thetas = settings.pop("thetas", None)   # Delta-FL's sweep, given as before
@@ -475,6 +483,10 @@ def _check(c: ExperimentConfig):
     c.sampling.check()
     c.privacy.check(c.sampling.sampler)
     c.llm.check()
+    c.precision.check()
+    if c.placement.rnn_impl not in (None,) + RNN_IMPLS:
+        raise ConfigError(f"--rnn_impl must be one of {', '.join(RNN_IMPLS)}, got "
+                          f"{c.placement.rnn_impl!r}")
     if c.training.model == "llama" or c.data.dataset.startswith("text:"):
         check_run(c.training.model, c.data.dataset, c.data.text, c.llm)
     if c.privacy.enabled and not c.online.chosen.everyone:

@@ -267,7 +267,9 @@ def _model(config: ExperimentConfig, data: FederatedDataset) -> Tuple[Model, Mod
     place = config.placement
     options = ModelOptions(conv_impl=place.conv_impl, conv_backend=place.placement_backend,
                            use_bias=config.training.use_bias,
-                           llm=config.llm if config.training.model == "llama" else None)
+                           llm=config.llm if config.training.model == "llama" else None,
+                           compute_dtype=config.precision.compute_dtype,
+                           rnn_impl=place.rnn_impl)
     try:
         return build_model(config.training.model, data, options), options
     except ValueError as e:
