@@ -110,6 +110,60 @@ def test_compare_smoke(tmp_path, model):
     assert res["trained_over_kept"] == pytest.approx(1.0)
 
 
+def flagfile_value(flagfile, name):
+    """The value of --name in an experiments/ flagfile, as text."""
+    with open(os.path.join(REPO, flagfile)) as f:
+        values = [line.strip().split("=", 1)[1] for line in f
+                  if line.strip().startswith(f"--{name}=")]
+    assert len(values) == 1, (flagfile, name, values)
+    return values[0]
+
+
+def check_recurrent_compare(res, model, methods):
+    """A toy compare run of the recurrent workloads: its flagfile's batch size and learning rate,
+    and the same work for every method. Three clients capped at 40 examples each (Shakespeare's
+    and Sent140's smallest hold 101 and 51), theta = 0.5: each client's cap is
+    40 / (0.5 * 120) = 2/3 of the mass, so the largest loss gets 2/3, the next 1/3, the third
+    none, whatever the losses: 2 clients kept and 80 examples trained by each method."""
+    flagfile = {"gru": "experiments/shakespeare.flags",
+                "lstm": "experiments/sent140_lstm.flags"}[model]
+    assert COMPARE_KEYS <= set(res) and res["model"] == model and res["flagfile"] == flagfile
+    assert res["batch_size"] == int(flagfile_value(flagfile, "batch_size"))
+    assert res["learning_rate"] == float(flagfile_value(flagfile, "learning_rate"))
+    assert res["m"] == 3 and res["num_clients"] == 8 and res["max_client_size"] == 40
+    assert res["sampled_examples_per_round"] == [120]
+    assert set(res["work_per_round"]) == set(methods)
+    for work in res["work_per_round"].values():
+        assert work == {"kept_clients": 2.0, "trained_examples": 80.0}
+    assert res["trained_over_kept"] == pytest.approx(1.0)
+
+
+RECURRENT_TOY = ["--clients=3", "--num_clients=8", "--max_client_size=40", "--rounds=1",
+                 "--warmup=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gru", "lstm"])
+def test_compare_recurrent_engine_and_jax_loop(tmp_path, model):
+    """`python -m bench.compare --model=gru|lstm` at toy size, engine and JAX loop (CI's venv
+    has no torch; test_compare_recurrent_against_torch runs the PyTorch loop where it is)."""
+    res = run_json(["bench.compare", f"--model={model}", "--methods=engine,jax_loop",
+                    *RECURRENT_TOY], tmp_path, "compare")
+    check_recurrent_compare(res, model, ["engine", "jax_loop"])
+    assert res["torch_loop_s_per_round"] is None
+
+
+@needs_torch
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gru", "lstm"])
+def test_compare_recurrent_against_torch(tmp_path, model):
+    """The same toy runs with torch.nn.GRU / torch.nn.LSTM's per-client loop as well."""
+    res = run_json(["bench.compare", f"--model={model}", *RECURRENT_TOY], tmp_path, "compare")
+    check_recurrent_compare(res, model, ["engine", "torch", "jax_loop"])
+    assert res["speedup_vs_torch"] == pytest.approx(
+        res["torch_loop_s_per_round"] / res["engine_s_per_round"])
+
+
 @pytest.mark.slow
 def test_theta_sweep_smoke(tmp_path):
     res = run_json(["bench.theta_sweep", "--r=2", "--clients=3", "--num_clients=8",
@@ -812,7 +866,9 @@ SMOKE_RUNS = {
     "code_paths.py": ["test_code_paths_smoke"],
     "image_convs.py": ["test_image_convs_smoke_times_every_case_four_ways"],
     "own_model_conv.py": ["test_own_model_conv_smoke_times_both_networks"],
-    "compare.py": ["test_compare_smoke_engine_and_jax_loop", "test_compare_smoke"],
+    "compare.py": ["test_compare_smoke_engine_and_jax_loop", "test_compare_smoke",
+                   "test_compare_recurrent_engine_and_jax_loop",
+                   "test_compare_recurrent_against_torch"],
     "loop_shape.py": ["test_loop_shape_smoke_trains_identical_models"],
     "paper_grid.py": ["test_paper_grid_toy_json_adds_up"],
     "peer_drjax.py": ["test_peers_smoke_drjax_agrees_with_engine"],
