@@ -65,7 +65,7 @@ from deltafl_jax.run.callbacks import Callback, RunContext
 from deltafl_jax.run.config import ExperimentConfig
 from deltafl_jax.run.experiment import Experiment, build_experiment
 from deltafl_jax.run.loop import Recorder
-from deltafl_jax.run.placement import frozen_bytes, tree_nbytes
+from deltafl_jax.run.placement import frozen_bytes, lanes_text, tree_nbytes
 from deltafl_jax.run.runner import standard_callbacks
 
 DEFAULT_TIMED_ROUNDS = 5
@@ -197,6 +197,9 @@ class Estimate:
     backend, devices, replicas, lanes: the placement the run gets.
     ring: an asynchronous run's :class:`VersionRing` (None for a synchronous run).
     stop_at_virtual_time: the run's ``--stop_at_virtual_time`` (None: unset).
+    lanes_line: the lanes of the round's jobs and why (a model's CPU preference,
+      ``--clients_per_step``, or on an accelerator the device's memory:
+      :func:`deltafl_jax.run.placement.fit_lanes`); "" for a projected program.
     """
 
     name: str
@@ -218,6 +221,7 @@ class Estimate:
     projected_from: str = ""
     ring: Optional[VersionRing] = None
     stop_at_virtual_time: Optional[float] = None
+    lanes_line: str = ""
 
     @property
     def evaluations(self) -> int:
@@ -250,7 +254,7 @@ class Estimate:
         ring = fields["ring"] or {}
         out.update(buffer_size=ring.get("buffer_size", 0), ring_versions=ring.get("versions", 0),
                    ring_bytes=ring.get("bytes", 0), evaluations=self.evaluations,
-                   timed_rounds=self.timed_rounds)
+                   timed_rounds=self.timed_rounds, lanes_line=self.lanes_line)
         out.update(rounds_s=self.rounds_s, evaluations_s=self.evaluations_s,
                    projected_s=self.projected_s)
         return out
@@ -266,6 +270,7 @@ class Estimate:
             f"estimate of {self.name}: {self.replicas} replicas, {self.num_rounds} {steps}, "
             f"{self.evaluations} evaluations (every {self.eval_every}), {self.devices} "
             f"{self.backend} device(s) x {self.lanes} lane(s)",
+        ] + ([f"  {self.lanes_line}"] if self.lanes_line else []) + [
             f"  build          {self.build_s:10.3f} s",
             f"  compile        {self.compile_s:10.3f} s",
             f"  {steps:<14} {self.num_rounds} x {self.round_s:.6f} s = {self.rounds_s:.3f} s "
@@ -507,7 +512,7 @@ def _measure_compiled(exp, compiled, compile_round, state, pending, keys, indice
         flops_per_round=_flops(compiled), train_trips=trips,
         work={k: float(np.mean([w[k] for w in work])) for k in work[0]}, backend=exp.backend,
         devices=exp.placement.devices, replicas=exp.replicas.size, lanes=exp.lanes,
-        ring=_ring(exp, state))
+        ring=_ring(exp, state), lanes_line=lanes_text(exp.placement))
 
 
 def _ring(exp: Experiment, state) -> Optional[VersionRing]:

@@ -10,7 +10,13 @@ the bytes each device holds.
   generated on demand.
 - :func:`compute_footprint` / :func:`placement_line` / :func:`check_memory`: the bytes each
   device holds, the start-up line that shows them, and a one-line refusal of a run that cannot
-  fit. A model's frozen part (a pretrained base under LoRA: :func:`frozen_bytes`) is counted
+  fit.
+- :func:`fit_lanes`: on an accelerator without ``--clients_per_step``, the most lanes (up to
+  the default) whose footprint fits in ``MEMORY_SHARE`` of the device's bytes_limit, each
+  lane counted with its local model, anchor and optimizer state and the activations of one
+  local step (:func:`lane_step_bytes`, XLA's memory analysis of one lane's compiled step);
+  fewer lanes run the round's jobs in more trips (:func:`deltafl_jax.engine.lanes.deal_jobs`),
+  to the same sums (the order of each replica's sum is ``order_lanes``', not the lanes'). A model's frozen part (a pretrained base under LoRA: :func:`frozen_bytes`) is counted
   once per device, shared by every lane and replica.
 - :func:`check_streams`: a one-line refusal, before anything is built or written, of a plan
   whose index streams (a round's training and evaluation streams, the personalised
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -40,6 +46,7 @@ DEVICE_DATA_SHARE = 0.25   # auto: the splits stay on the device while they fit 
 INDEX_LIMIT = 2 ** 31 - 1   # the plans index their streams with int32
 HOST_SHARE = 0.5   # the plans' host arrays (and their device copies) must fit in this share
 EVAL_BLOCK_EXAMPLES = 1 << 15   # host mode: examples per evaluation block (rounded up)
+MEMORY_SHARE = 0.9   # of a device's bytes_limit that the footprint may take (lanes, refusal)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +57,10 @@ class Placement:
     :func:`deltafl_jax.engine.loop_shape`), and where the clients' examples are kept
     (``client_data``: "device" or "host"). ``order_lanes``: the lanes by which each replica's
     sums are ordered (:func:`deltafl_jax.engine.lanes.finish_order`): those of one device of a
-    one-device run, whatever ``devices`` is (None: ``lanes``)."""
+    one-device run, whatever ``devices`` is (None: ``lanes``). ``jobs``: a round's R x m
+    jobs; ``lanes_note``: why ``lanes`` (the start-up line and ``--estimate`` print it);
+    ``by_memory``: the lanes are the accelerator's default, which :func:`fit_lanes` lowers
+    to what the device's memory holds."""
 
     lanes: int
     lane_mode: str
@@ -61,6 +71,9 @@ class Placement:
     branchless: bool = False
     client_data: str = "device"
     order_lanes: Optional[int] = None
+    jobs: int = 0
+    lanes_note: str = ""
+    by_memory: bool = False
 
     @property
     def eval_block(self) -> int:
@@ -75,7 +88,8 @@ def choose_placement(config: ExperimentConfig, model: Model, m: int, num_replica
                      client_data: str = "device") -> Placement:
     """Lanes per device: on CPU the model's measured preference; on accelerators enough that
     devices x lanes cover the R x m jobs of a round (every kept client trains in the first
-    trip), capped at m. Evaluation lanes: one on CPU (a bigger chunk is the better batch
+    trip), capped at m, which :func:`fit_lanes` then lowers to what the device's memory
+    holds (``by_memory``). Evaluation lanes: one on CPU (a bigger chunk is the better batch
     there); on accelerators one per replica (up to 16), so a step evaluates all models.
     `config.placement_backend` plans as on that backend instead of the running one, and
     `config.branchless` overrides the loop shape's body."""
@@ -87,7 +101,11 @@ def choose_placement(config: ExperimentConfig, model: Model, m: int, num_replica
     lanes = min(config.placement.clients_per_step or per_device, jobs)
     one_device = prefs.lanes(m, backend, 1) if backend == "cpu" else m
     loop = engine.loop_shape(backend)
-    return Placement(lanes=lanes, lane_mode=prefs.lane_mode(backend),
+    explicit = bool(config.placement.clients_per_step)
+    note = ("--clients_per_step" if explicit else "the model's CPU preference"
+            if backend == "cpu" else "")
+    return Placement(lanes=lanes, lane_mode=prefs.lane_mode(backend), jobs=jobs,
+                     lanes_note=note, by_memory=not note,
                      eval_chunk=config.placement.eval_chunk or prefs.eval_chunk(backend),
                      eval_lanes=1 if backend == "cpu" else max(1, min(num_replicas, 16)),
                      devices=devices, unroll=loop.unroll,
@@ -158,7 +176,10 @@ class Footprint:
     sampled client), kept so that each replica's sum adds its clients in its own order
     (:func:`deltafl_jax.engine.lanes.finish_order`). ``frozen``: the model's frozen part
     (:func:`frozen_bytes`), once: every lane and replica reads the same arrays, and only the
-    trainable part (the models, states, lanes and updates above) is per replica or lane."""
+    trainable part (the models, states, lanes and updates above) is per replica or lane.
+    ``activations``: the lanes' activations and temporaries of one local step, counted where
+    the lanes are chosen by memory (:func:`fit_lanes`; 0 elsewhere: CPU, or
+    ``--clients_per_step``)."""
 
     data: int
     state: int
@@ -167,11 +188,12 @@ class Footprint:
     clients: int = 0
     updates: int = 0
     frozen: int = 0
+    activations: int = 0
 
     @property
     def total(self) -> int:
         return (self.data + self.state + self.plan + self.lanes + self.clients + self.updates
-                + self.frozen)
+                + self.frozen + self.activations)
 
 
 def tree_nbytes(tree) -> int:
@@ -214,8 +236,86 @@ def compute_footprint(data: FederatedDataset, model: Model, replicas: Replicas,
                      updates=replicas.size * m * model_bytes, frozen=frozen_bytes(model))
 
 
+def fit_lanes(place: Placement, usage: Footprint, devices,
+              step_bytes: Callable[[], int]) -> Tuple[Placement, Footprint]:
+    """`place` and `usage` (its footprint) with, where ``place.by_memory``, the most lanes up
+    to ``place.lanes`` that fit in MEMORY_SHARE of a device's bytes_limit: the fixed part
+    (data, state, plan, frozen base, per-client state, updates) plus L x per lane (the held
+    copies of ``usage.lanes`` and `step_bytes()`, one lane's step activations: called, and
+    compiled, only here). Not even one lane: one, which :func:`check_memory` refuses. A
+    placement not by memory, or a device that reports no bytes_limit, is kept as it is."""
+    if not place.by_memory:
+        return place, usage
+    limit = _bytes_limit(devices)
+    if not limit:
+        return dataclasses.replace(place, lanes_note="the device reports no memory limit"), usage
+    held = usage.lanes // max(1, place.lanes)
+    step = int(step_bytes())
+    fixed = usage.total - usage.lanes - usage.activations
+    fit = lanes_that_fit(limit, fixed, held + step, place.lanes)
+    lanes = max(1, fit)
+    fitted = dataclasses.replace(usage, lanes=lanes * held, activations=lanes * step)
+    if fit == place.lanes:
+        every = "all fit" if place.lanes * place.devices >= place.jobs else "fit"
+        note = f"{every}: {_size(fitted.total)} of {_size(limit)}"
+    elif fit:
+        note = (f"by memory: each lane needs {_size(held + step)}, "
+                f"{_size(MEMORY_SHARE * limit - fixed)} of {_size(limit)} left after data, "
+                f"state and updates")
+    else:
+        note = f"not even one lane of {_size(held + step)} fits"
+    return dataclasses.replace(place, lanes=lanes, lanes_note=note), fitted
+
+
+def lanes_text(place: Placement) -> str:
+    """"lanes: L of J jobs (why)": the lanes per device, the round's jobs and why."""
+    where = f" per device x {place.devices} devices," if place.devices > 1 else " of"
+    jobs = f"{where} {place.jobs} jobs" if place.jobs else ""
+    note = f" ({place.lanes_note})" if place.lanes_note else ""
+    return f"lanes: {place.lanes}{jobs}{note}"
+
+
 def _mb(n: int) -> str:
     return f"{n / 2 ** 20:.1f} MB"
+
+
+def _size(n: float) -> str:
+    """Bytes in MB, or in GB from 1 GB (2 ** 30)."""
+    return f"{n / 2 ** 30:.1f} GB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MB"
+
+
+def lanes_that_fit(limit: float, fixed: float, per_lane: float, most: int) -> int:
+    """The largest L <= `most` with fixed + L x per_lane <= MEMORY_SHARE x limit (bytes);
+    0 when not even one lane fits."""
+    room = MEMORY_SHARE * limit - fixed
+    if per_lane <= 0:
+        return most if room >= 0 else 0
+    return max(0, min(most, int(room // per_lane)))
+
+
+def lane_step_bytes(model: Model, data: FederatedDataset, batch_size: int) -> int:
+    """The activations and temporaries of one local-SGD step of ONE lane at `batch_size`:
+    XLA's memory analysis of that step compiled on its own (value and gradient of the mean
+    loss of a minibatch, and the SGD update), its temporaries plus its minibatch's bytes (its
+    other arguments, the model, are the lane's held copies). XLA's buffer assignment reuses
+    memory across the forward and backward passes as the round's program does, which a sum of
+    every intermediate's shape (``jax.eval_shape``) cannot see; that sum is the fallback where
+    the backend gives no memory analysis. Vmapped lanes hold L times these bytes."""
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((batch_size,) + tuple(data.feature_shape), data.train.x_dtype)
+    y = jax.ShapeDtypeStruct((batch_size,), np.int32)
+
+    def step(p, x, y):   # p: one model; x: [B, *feature_shape]; y: [B]
+        grads = jax.grad(lambda q: model.losses(q, x, y).mean())(p)
+        return jax.tree.map(lambda a, g: a - 0.01 * g, p, grads)
+
+    batch = tree_nbytes((x, y))
+    analysis = jax.jit(step).lower(params, x, y).compile().memory_analysis()
+    if analysis is not None:
+        return int(analysis.temp_size_in_bytes) + batch
+    jaxpr = jax.make_jaxpr(step)(params, x, y)
+    return batch + sum(tree_nbytes([v.aval for v in eqn.outvars])
+                       for eqn in jaxpr.jaxpr.eqns)
 
 
 def placement_line(place: Placement, usage: Footprint, data: FederatedDataset, num_replicas: int,
@@ -237,7 +337,9 @@ def placement_line(place: Placement, usage: Footprint, data: FederatedDataset, n
             f"({place.lane_mode}{as_on}); per device: {frozen}{held}, state {_mb(usage.state)}"
             f"{clients}, "
             f"round plan {_mb(usage.plan)}, lanes {_mb(usage.lanes)}, "
-            f"updates {_mb(usage.updates)} ({num_replicas} replicas x m)")
+            f"updates {_mb(usage.updates)} ({num_replicas} replicas x m)"
+            + (f", activations {_mb(usage.activations)}" if usage.activations else "")
+            + f"; {lanes_text(place)}")
 
 
 HOST_STATE_SHARE = 0.8   # of this machine's memory that a CPU run's devices and state may take
@@ -250,7 +352,7 @@ def check_memory(usage: Footprint, devices) -> None:
     host first (every device's footprint plus one more copy of that state)."""
     limit = _bytes_limit(devices)
     if limit:
-        if usage.total > 0.9 * limit:
+        if usage.total > MEMORY_SHARE * limit:
             raise ConfigError(f"the run needs about {_mb(usage.total)} per device but "
                               f"{_local(devices)[0].device_kind} has {_mb(limit)}; reduce "
                               f"{_biggest(usage)}")
@@ -269,7 +371,8 @@ def _biggest(usage: Footprint) -> str:
                 "--max_train_clients)", usage.data),
                ("the replicas (fewer --thetas, --server_lr values or --seeds)", usage.state),
                ("the per-client state (fewer replicas, or --max_train_clients)", usage.clients),
-               ("the lanes (--clients_per_step)", usage.lanes),
+               ("the lanes (--clients_per_step, --batch_size)",
+                usage.lanes + usage.activations),
                ("the round's updates (fewer replicas or --clients_per_round)", usage.updates),
                ("the frozen base (--base_dtype=bfloat16, or a smaller --base_model)",
                 usage.frozen),

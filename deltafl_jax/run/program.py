@@ -117,18 +117,20 @@ def compile_program(run: ResolvedRun) -> Program:
                                                    devices))
     _check_probe(run, place)
     server_tx = config.server.transformation()
+    state_shape = jax.eval_shape(lambda: rounds.init_state(
+        model, run.algorithm, run.replicas, run.seeds, server_tx, data.train.num_clients))
     if settings is None:
         caps = plan_lib.capacities(capacity_sizes(data.train, m), m, run.work,
                                    place.eval_chunk,
                                    with_replacement=run.algorithm.sampling is not None)
+        place, footprint = _fit_lanes(run, place, caps, m, state_shape, devices)
         buffered, round_fn = None, _round_fn(run, place, m, mesh, server_tx, devices)
     else:
         buffered = _async_round(run, settings, place, mesh, server_tx)
-        caps, round_fn = buffered.run.caps, buffered.round_fn
-    state_shape = jax.eval_shape(lambda: rounds.init_state(
-        model, run.algorithm, run.replicas, run.seeds, server_tx, data.train.num_clients))
-    footprint = placement_lib.compute_footprint(data, model, run.replicas, place, caps, m,
-                                                state_shape)
+        fitted, footprint = _fit_lanes(run, place, buffered.run.caps, m, state_shape, devices)
+        if fitted.lanes != place.lanes:   # fewer lanes by memory: the step on them
+            buffered = _async_round(run, settings, fitted, mesh, server_tx)
+        place, caps, round_fn = fitted, buffered.run.caps, buffered.round_fn
     placement_lib.check_memory(footprint, devices)
     algorithm = run.algorithm
     return Program(placement=place, footprint=footprint, mesh=mesh,
@@ -137,6 +139,18 @@ def compile_program(run: ResolvedRun) -> Program:
                    served_fn=(jax.jit(jax.vmap(algorithm.eval_params))
                               if algorithm.eval_params is not None else None),
                    buffered=buffered)
+
+
+def _fit_lanes(run: ResolvedRun, place, caps, m: int, state_shape, devices):
+    """(placement, footprint): `place`'s footprint, and on an accelerator without
+    ``--clients_per_step`` its lanes lowered to what a device holds
+    (:func:`deltafl_jax.run.placement.fit_lanes`; one lane's step is compiled only then)."""
+    footprint = placement_lib.compute_footprint(run.data, run.model, run.replicas, place, caps,
+                                                m, state_shape)
+    def step_bytes() -> int:
+        return placement_lib.lane_step_bytes(run.model, run.data, run.config.training.batch_size)
+
+    return placement_lib.fit_lanes(place, footprint, devices, step_bytes)
 
 
 def capacity_sizes(split, m: int) -> np.ndarray:
