@@ -26,7 +26,8 @@ CONV_CPU_IMPL = "winograd"
 @dataclasses.dataclass(frozen=True)
 class LanePreferences:
     """How the engine runs this model's client work, per backend (measured on a 2-core CPU,
-    bench/README.md; on accelerators every sampled client gets a lane).
+    bench/README.md; on accelerators every sampled client gets a lane while a device's memory
+    holds them, fewer when it does not: :func:`deltafl_jax.run.placement.fit_lanes`).
 
     cpu_lanes: client lanes per step on CPU.
     cpu_lane_mode: "vmap" (one batched step) or "unroll" (independent unbatched copies, for
@@ -66,7 +67,8 @@ class LanePreferences:
         """Lanes per device. On CPU, unrolled lanes are independent op streams that keep the
         host's cores busy; D > 1 host devices already do that, so each device then runs
         cpu_lanes // D of them (measured: ConvNet, 2 devices x 1 lane 10-16% faster than
-        2 x 2, bench/README.md). Vmapped lanes batch one op and keep cpu_lanes."""
+        2 x 2, bench/README.md). Vmapped lanes batch one op and keep cpu_lanes. Elsewhere
+        m, which the placement may lower to what the device's memory holds."""
         if backend != "cpu":
             return m
         if self.lane_mode(backend) == "unroll":
