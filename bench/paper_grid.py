@@ -128,9 +128,12 @@ def run(model: str, scale: float, rounds: int, min_seconds: float, extra: Sequen
     data_s = time.perf_counter() - t0
     est = estimate_run(config, data, timed_rounds=rounds, min_seconds=min_seconds, log=log)
     from deltafl_jax.models import ModelOptions, build_model
+    # FLOPs of the model in float32 with XLA's scan: the products --compute_dtype and
+    # --rnn_impl=pallas run too (a Pallas kernel's products are not in the jaxpr).
     fwd = common.forward_flops_per_example(build_model(
         config.training.model, data, ModelOptions(conv_impl=config.placement.conv_impl,
-                                                  use_bias=config.training.use_bias)))
+                                                  use_bias=config.training.use_bias,
+                                                  rnn_impl="scan")))
     w = est.work
     round_flops = fwd * (w["eval_real_examples"] + 3 * w["train_real_examples"])
     achieved = round_flops / est.round_s
@@ -150,7 +153,9 @@ def run(model: str, scale: float, rounds: int, min_seconds: float, extra: Sequen
                    "num_rounds": est.num_rounds, "eval_every": est.eval_every,
                    "local_epochs": config.training.local_epochs,
                    "batch_size": config.training.batch_size,
-                   "lanes": est.lanes, "devices": est.devices},
+                   "lanes": est.lanes, "devices": est.devices,
+                   "compute_dtype": config.precision.compute_dtype,
+                   "rnn_impl": config.placement.rnn_impl},
         "s_per_round": est.round_s,
         "compile_s": est.compile_s,
         "whole_run_s": est.projected_s,
@@ -216,8 +221,8 @@ def parse(argv):
     p.add_argument("--rounds", type=int, default=5, help="rounds timed at least")
     p.add_argument("--min_seconds", type=float, default=5.0, help="seconds of rounds at least")
     p.add_argument("--flag", action="append", default=[], dest="extra",
-                   help="an experiment flag added after the flagfile's, e.g. --flag=--lanes=64 "
-                   "(repeatable)")
+                   help="an experiment flag added after the flagfile's, e.g. --flag=--lanes=64, "
+                   "--flag=--compute_dtype=bfloat16, --flag=--rnn_impl=pallas (repeatable)")
     p.add_argument("--out", default=None, help="the JSON (default the git-ignored "
                    "bench/out/paper_grid_<model>_<backend>[_scale<F>].json)")
     args = p.parse_args(argv)
