@@ -37,7 +37,7 @@ gradient, no SGD step, no L2 penalty and no aggregation.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -49,6 +49,8 @@ from deltafl_jax.datasets.normalize import MEAN_EMBEDDING
 from deltafl_jax.models.inputs import is_token_data, linear_bias
 from deltafl_jax.models.lane_preferences import LanePreferences
 from deltafl_jax.models.model import Model, ModelOptions
+from deltafl_jax.models.recurrent import (check_rnn_impl, default_rnn_impl, gru_sequence,
+                                          lstm_sequence)
 from deltafl_jax.models.init import orthogonal  # Flax's default would call LAPACK (see init.py)
 
 GRU_EMBED_DIM = 8
@@ -86,12 +88,17 @@ class CharGRU(nn.Module):
     vocab_size: int
     embed_dim: int = GRU_EMBED_DIM
     hidden: int = GRU_HIDDEN
+    rnn_impl: str = "scan"
 
     @nn.compact
     def __call__(self, ids):
         h = nn.Embed(self.vocab_size, self.embed_dim)(ids.astype(jnp.int32))
-        cell = nn.GRUCell(self.hidden, recurrent_kernel_init=orthogonal())
-        last = nn.RNN(cell, return_carry=True)(h)[0]
+        if self.rnn_impl == "scan":
+            cell = nn.GRUCell(self.hidden, recurrent_kernel_init=orthogonal())
+            last = nn.RNN(cell, return_carry=True)(h)[0]
+        else:
+            last = _gru_layer(h, self.hidden, nn.initializers.lecun_normal(),
+                              self.rnn_impl)[:, -1]
         return nn.Dense(self.num_classes)(last)
 
 
@@ -101,6 +108,7 @@ class GloveLSTM(nn.Module):
     table: FrozenTable
     hidden: int = LSTM_HIDDEN
     max_tokens: int = LSTM_MAX_TOKENS
+    rnn_impl: str = "scan"
 
     @nn.compact
     def __call__(self, ids):
@@ -109,8 +117,12 @@ class GloveLSTM(nn.Module):
         vectors = jnp.asarray(self.table.array)[ids]
         if vectors.shape[1] < self.max_tokens:
             vectors = jnp.pad(vectors, ((0, 0), (0, self.max_tokens - vectors.shape[1]), (0, 0)))
-        cell = nn.OptimizedLSTMCell(self.hidden, recurrent_kernel_init=orthogonal())
-        (_, h), _ = nn.RNN(cell, return_carry=True)(vectors)
+        if self.rnn_impl == "scan":
+            cell = nn.OptimizedLSTMCell(self.hidden, recurrent_kernel_init=orthogonal())
+            (_, h), _ = nn.RNN(cell, return_carry=True)(vectors)
+        else:
+            h = _lstm_layer(vectors, self.hidden, nn.initializers.lecun_normal(),
+                            self.rnn_impl)[:, -1]
         return nn.Dense(1)(h)
 
 
@@ -186,6 +198,7 @@ class WordLSTM(nn.Module):
     vocab_size: int
     embed_dim: int = NWP_EMBED_DIM
     hidden: int = NWP_HIDDEN
+    rnn_impl: str = "scan"
 
     @nn.compact
     def __call__(self, ids):
@@ -193,11 +206,86 @@ class WordLSTM(nn.Module):
         h = nn.Embed(self.vocab_size, self.embed_dim,
                      embedding_init=_symmetric_uniform(0.05))(inputs)
         glorot = nn.initializers.xavier_uniform()
-        cell = nn.OptimizedLSTMCell(self.hidden, kernel_init=glorot,
-                                    recurrent_kernel_init=orthogonal())
-        h = nn.RNN(cell)(h)
+        if self.rnn_impl == "scan":
+            cell = nn.OptimizedLSTMCell(self.hidden, kernel_init=glorot,
+                                        recurrent_kernel_init=orthogonal())
+            h = nn.RNN(cell)(h)
+        else:
+            h = _lstm_layer(h, self.hidden, glorot, self.rnn_impl)
         h = nn.Dense(self.embed_dim, kernel_init=glorot)(h)
         return nn.Dense(self.vocab_size, kernel_init=glorot)(h)
+
+
+class _DenseParams(nn.Module):
+    """The kernel [in, features] (and bias [features]) an ``nn.Dense`` at this path would
+    declare, with the same names, shapes and initial values, without applying it."""
+
+    features: int
+    use_bias: bool
+    kernel_init: Callable
+
+    @nn.compact
+    def __call__(self, in_features: int):
+        kernel = self.param("kernel", self.kernel_init, (in_features, self.features),
+                            jnp.float32)
+        if not self.use_bias:
+            return kernel, None
+        return kernel, self.param("bias", nn.initializers.zeros_init(), (self.features,),
+                                  jnp.float32)
+
+
+class _CellParams(nn.Module):
+    """The parameters of Flax's ``nn.GRUCell`` (gates "rzn": ir, iz, in with biases, hr, hz
+    without, hn with) or ``nn.OptimizedLSTMCell`` (gates "ifgo": ii, ... without biases, hi, ...
+    with), joined: w_i [D, G*H], the bias of the input projection [G*H] (the GRU's input-side
+    biases; the LSTM's h-side ones, which only add), w_h [H, G*H], and the GRU's b_hn [H]."""
+
+    hidden: int
+    kernel_init: Callable
+    gates: str
+
+    @nn.compact
+    def __call__(self, in_features: int):
+        gru = self.gates == "rzn"
+        made = {}
+        for gate in self.gates:
+            made["i" + gate] = _DenseParams(self.hidden, gru, self.kernel_init,
+                                            name="i" + gate)(in_features)
+            made["h" + gate] = _DenseParams(self.hidden, not gru or gate == "n", orthogonal(),
+                                            name="h" + gate)(self.hidden)
+        join = lambda side, k: jnp.concatenate(  # noqa: E731
+            [made[side + g][k] for g in self.gates], axis=-1)
+        b_hn = made["hn"][1] if gru else None
+        return join("i", 0), join("i" if gru else "h", 1), join("h", 0), b_hn
+
+
+def _gru_layer(x, hidden: int, kernel_init, impl: str):
+    """x [B, T, D] -> the GRU's states [B, T, H] by :func:`gru_sequence`, its parameters
+    where ``nn.RNN(nn.GRUCell(...))`` keeps them (``GRUCell_0``); called inside a compact
+    ``__call__``. The input projection of every step is one product."""
+    w_i, b_i, w_h, b_hn = _CellParams(hidden, kernel_init, "rzn",
+                                      name="GRUCell_0")(x.shape[-1])
+    xp = jnp.dot(x, w_i.astype(x.dtype)) + b_i.astype(x.dtype)       # [B, T, 3H]
+    h0 = jnp.zeros((x.shape[0], hidden), jnp.float32)
+    return gru_sequence(xp, w_h.astype(x.dtype), b_hn, h0, impl)
+
+
+def _lstm_layer(x, hidden: int, kernel_init, impl: str):
+    """x [B, T, D] -> the LSTM's hidden states [B, T, H] by :func:`lstm_sequence`, its
+    parameters where ``nn.RNN(nn.OptimizedLSTMCell(...))`` keeps them
+    (``OptimizedLSTMCell_0``); Flax's h-side biases are added to the input projection."""
+    w_i, b_h, w_h, _ = _CellParams(hidden, kernel_init, "ifgo",
+                                   name="OptimizedLSTMCell_0")(x.shape[-1])
+    xp = jnp.dot(x, w_i.astype(x.dtype)) + b_h.astype(x.dtype)       # [B, T, 4H]
+    zeros = jnp.zeros((x.shape[0], hidden), jnp.float32)
+    return lstm_sequence(xp, w_h.astype(x.dtype), zeros, zeros, impl)
+
+
+def _rnn_impl(options: ModelOptions) -> str:
+    """``--rnn_impl``, else the backend's default; ValueError when it cannot run there."""
+    impl = options.rnn_impl or default_rnn_impl(options.conv_backend)
+    check_rnn_impl(impl, options.conv_backend)
+    return impl
 
 
 def _symmetric_uniform(limit: float):
@@ -208,20 +296,20 @@ def _symmetric_uniform(limit: float):
 
 def gru(data: FederatedDataset, options: ModelOptions) -> Model:
     """Shakespeare's GRU (embedding 8, GRU 128, dense to the classes)."""
-    del options
     _check_classes(data, "gru")
     vocab = int((data.metadata or {}).get("input_vocab_size", data.num_classes))
     _token_ids(data, "gru", vocab)
-    return Model("gru", CharGRU(num_classes=data.num_classes, vocab_size=vocab), "softmax",
-                 data.feature_shape, data.train.x_dtype, lanes=RECURRENT_LANES)
+    module = CharGRU(num_classes=data.num_classes, vocab_size=vocab, rnn_impl=_rnn_impl(options))
+    return Model("gru", module, "softmax", data.feature_shape, data.train.x_dtype,
+                 lanes=RECURRENT_LANES)
 
 
 def lstm(data: FederatedDataset, options: ModelOptions) -> Model:
     """Sent140's LSTM (frozen GloVe-50, hidden 50, first 25 tokens, one logit)."""
-    del options
     _check_classes(data, "lstm", 2)
-    return Model("lstm", GloveLSTM(table=_embeddings(data, "lstm")), "sigmoid",
-                 data.feature_shape, data.train.x_dtype, lanes=RECURRENT_LANES)
+    module = GloveLSTM(table=_embeddings(data, "lstm"), rnn_impl=_rnn_impl(options))
+    return Model("lstm", module, "sigmoid", data.feature_shape, data.train.x_dtype,
+                 lanes=RECURRENT_LANES)
 
 
 def sent140_linear(data: FederatedDataset, options: ModelOptions) -> Model:
@@ -241,13 +329,13 @@ def sent140_linear(data: FederatedDataset, options: ModelOptions) -> Model:
 
 def lstm_nwp(data: FederatedDataset, options: ModelOptions) -> Model:
     """StackOverflow's next-word LSTM (embedding 96, LSTM 670, dense 96, dense to the ids)."""
-    del options
     meta = data.metadata or {}
     if meta.get("task") != "next_word_prediction":
         raise ValueError(f"model 'lstm_nwp' needs a next-word prediction dataset "
                          f"(stackoverflow), got {data.name}")
     vocab = int(meta["input_vocab_size"])
     _token_ids(data, "lstm_nwp", vocab)
-    return Model("lstm_nwp", WordLSTM(vocab_size=vocab), "sequence", data.feature_shape,
-                 data.train.x_dtype, lanes=RECURRENT_LANES, pad_id=int(meta["pad_id"]),
+    module = WordLSTM(vocab_size=vocab, rnn_impl=_rnn_impl(options))
+    return Model("lstm_nwp", module, "sequence", data.feature_shape, data.train.x_dtype,
+                 lanes=RECURRENT_LANES, pad_id=int(meta["pad_id"]),
                  error_ignore_ids=(int(meta["eos_id"]),))
