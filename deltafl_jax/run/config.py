@@ -164,9 +164,10 @@ class Placement:
         kind="string")
     rnn_impl: Optional[str] = setting(
         None, "the recurrent layers (gru, lstm, lstm_nwp): scan (XLA's scan over the time "
-        "steps, the reference; CPU) | pallas (one Pallas kernel over the time steps for the "
-        "forward pass and one for the backward pass; GPU) | pallas_interpret (the same kernels "
-        "interpreted, for tests on CPU); unset: by backend", kind="string")
+        "steps, the reference) | pallas (one Pallas kernel over the time steps for the "
+        "forward pass and one for the backward pass; GPU only, not yet measured on one) | "
+        "pallas_interpret (the same kernels interpreted, for tests on CPU); unset: scan on "
+        "every backend until pallas is measured on a GPU", kind="string")
 
 
 @dataclasses.dataclass(frozen=True)
