@@ -33,8 +33,9 @@ def outer_sum(h, dz):
     where B <= OUTER_MAX_BATCH (elementwise, so XLA fuses it into its consumer), the matrix
     product otherwise."""
     if h.shape[0] <= OUTER_MAX_BATCH:
-        return functools.reduce(lambda a, b: a + b,
-                                [h[i][:, None] * dz[i][None, :] for i in range(h.shape[0])])
+        acc = jnp.promote_types(jnp.result_type(h, dz), jnp.float32)  # bfloat16: float32 sums
+        return functools.reduce(lambda a, b: a + b, [
+            h[i][:, None].astype(acc) * dz[i][None, :].astype(acc) for i in range(h.shape[0])])
     return h.T @ dz
 
 

@@ -222,7 +222,8 @@ def llama_model(data: FederatedDataset, options: ModelOptions) -> Model:
     settings.check()
     config, base = _checkpoint(str(meta["base_model"]))
     lora = _lora_config(settings, config)
-    dtype = jnp.bfloat16 if settings.base_dtype == "bfloat16" else jnp.float32
+    bf16 = "bfloat16" in (settings.base_dtype, getattr(options, "compute_dtype", "float32"))
+    dtype = jnp.bfloat16 if bf16 else jnp.float32   # the products' (--compute_dtype)
     module = llama.Llama(config=config, lora=lora, dtype=dtype, remat=bool(settings.remat))
     length = int(data.feature_shape[0]) - 1
     frozen, initial = _parts(module, base, settings, length)

@@ -30,6 +30,7 @@ import numpy as np
 from deltafl_jax.models.conv import default_conv_impl
 from deltafl_jax.models.conv_intercept import rewritten
 from deltafl_jax.models.lane_preferences import LanePreferences
+from deltafl_jax.models.precision import COMPUTE_DTYPES, mixed
 
 Params = Any
 
@@ -64,6 +65,11 @@ class Model:
         "xla" (the module as it is); None: ``ModelOptions.conv_impl`` when
         :func:`~deltafl_jax.models.build_model` builds it, else
         :func:`~deltafl_jax.models.default_conv_impl` of the backend and ``lanes``.
+      compute_dtype: the dtype of the forward and backward passes' matrix products and
+        convolutions (:func:`deltafl_jax.models.precision.mixed`): "bfloat16" casts the
+        float32 parameters and inputs for the module and its outputs back to float32; None
+        and "float32" run the module as it is. None: ``ModelOptions.compute_dtype``
+        (``--compute_dtype``) when :func:`~deltafl_jax.models.build_model` builds it.
     """
 
     name: str
@@ -79,6 +85,7 @@ class Model:
     loss_fn: Optional[Callable] = None
     error_rate: Optional[bool] = None
     conv_impl: Optional[str] = None
+    compute_dtype: Optional[str] = None
 
     def __post_init__(self):
         if self.loss_kind not in LOSS_KINDS:
@@ -86,6 +93,9 @@ class Model:
         if (self.loss_kind == "custom") != (self.loss_fn is not None):
             raise ValueError(f"model {self.name!r}: a loss_fn goes with loss_kind='custom', "
                              f"and loss_kind='custom' needs one")
+        if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"model {self.name!r}: compute_dtype must be one of "
+                             f"{', '.join(COMPUTE_DTYPES)} or None, got {self.compute_dtype!r}")
 
     @property
     def is_classifier(self) -> bool:
@@ -110,8 +120,9 @@ class Model:
     def apply(self, params: Params, x):
         """Outputs on raw (stored-dtype) inputs x: [B, ...] -> [B, ...], the module's
         convolutions and max-poolings on the fast path of ``conv_impl``
-        (:func:`deltafl_jax.models.conv_intercept.rewritten`)."""
-        forward = lambda p, x: self.module.apply({"params": p}, x)  # noqa: E731
+        (:func:`deltafl_jax.models.conv_intercept.rewritten`), its products in
+        ``compute_dtype`` (:func:`deltafl_jax.models.precision.mixed`; float32 outputs)."""
+        forward = mixed(lambda p, x: self.module.apply({"params": p}, x), self.compute_dtype)
         if self.conv_impl != "xla":   # "xla": the module as it is, nothing rewritten
             forward = rewritten(forward, self.conv_impl or default_conv_impl(
                 preferences=self.lanes))

@@ -102,14 +102,18 @@ def _convolves(model: Model, data: FederatedDataset) -> bool:
 
 
 def _completed(model: Model, options: ModelOptions, convolves) -> Model:
-    """`model` with its ``conv_impl`` from `options` unless its factory set one; a
+    """`model` with its ``conv_impl`` and its ``compute_dtype`` (``--compute_dtype``, for
+    every model, built in or registered) from `options` unless its factory set them; a
     registered model's CPU lane choices that its preferences leave unset filled in by
     whether its forward pass has a convolution (`convolves`, None for a built-in model;
-    :meth:`LanePreferences.filled`)."""
+    :meth:`LanePreferences.filled`). float32 leaves ``compute_dtype`` None: the model as
+    it was."""
     if convolves is not None and model.lanes.unset:
         model = dataclasses.replace(model, lanes=model.lanes.filled(convolves))
     if model.conv_impl is None and (options.conv_impl or options.conv_backend):
         model = dataclasses.replace(model, conv_impl=options.conv_impl_for(model.lanes))
+    if model.compute_dtype is None and options.compute_dtype not in (None, "float32"):
+        model = dataclasses.replace(model, compute_dtype=options.compute_dtype)
     return model
 
 
