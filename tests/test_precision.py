@@ -12,6 +12,7 @@ resumes after SIGKILL bit for bit and agrees across 1 and 2 devices (slow)."""
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 
 import flax.linen as nn
@@ -28,6 +29,7 @@ from deltafl_jax.models import MODELS, Model, ModelOptions, build_model
 from deltafl_jax.models.conv_intercept import equations
 from test_text_models import sent140_like, shakespeare_like
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRODUCTS = ("dot_general", "conv_general_dilated")
 # bfloat16 keeps 8 significant bits: one rounding is within 2^-8 relative; a product of K
 # rounded terms (float32 accumulation) within about 2^-8 of the sum of |terms|.
@@ -315,3 +317,39 @@ def test_llama_computes_in_bf16_and_keeps_its_base_and_adapters_float32(tmp_path
     assert {str(a.dtype) for a in jax.tree.leaves(program.out_avals)} == {"float32"}
     plain = build_model("llama", data, ModelOptions(llm=LLMSettings(lora_rank=2)))
     assert plain.module.dtype == jnp.float32
+
+
+@pytest.mark.slow   # three subprocess runs: CI's second step
+def test_bf16_resume_after_sigkill_is_bit_identical(tmp_path):
+    """A bf16 run (an MLP, Delta-FL) SIGKILLed after its checkpoint of round 10 and run again
+    ends with the outputs of the same run never stopped, bit for bit (test_resume's check)."""
+    from test_resume import killed_and_rerun
+    out = killed_and_rerun(tmp_path, "--compute_dtype=bfloat16", "--model=mlp")
+    assert saved_leaves_dtypes(out) == {"float32"}
+
+
+@pytest.mark.slow   # two subprocess runs: CI's second step
+def test_one_and_two_devices_agree_in_bf16(tmp_path):
+    """The same bf16 run on 1 and on 2 fake CPU devices: the same clients and examples, and
+    the losses and saved parameters within bfloat16's rounding of each other."""
+    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+                                       + " --xla_force_host_platform_device_count=2")}
+    outs = {}
+    for devices in (1, 2):
+        outs[devices] = str(tmp_path / f"d{devices}")
+        proc = subprocess.run([sys.executable, "-m", "experiments.run", *TINY, "--model=mlp",
+                               "--thetas=1,0.5", f"--devices={devices}",
+                               f"--output_dir={outs[devices]}"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = {d: [json.loads(line) for line in open(os.path.join(o, "metrics.jsonl"))]
+            for d, o in outs.items()}
+    assert len(recs[1]) == len(recs[2]) >= 2
+    for a, b in zip(recs[1], recs[2]):
+        assert (a["round"], a["theta"], a["num_selected"]) == (
+            b["round"], b["theta"], b["num_selected"])
+        assert b["train_loss_mean"] == pytest.approx(a["train_loss_mean"], rel=4 * BF16_EPS)
+    for theta in (1.0, 0.5):
+        p1, p2 = (load_model(outs[d], theta=theta, seed=1).params for d in (1, 2))
+        for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+            np.testing.assert_allclose(b, a, rtol=0, atol=4 * BF16_EPS * float(np.abs(a).max()))
