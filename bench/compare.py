@@ -69,6 +69,9 @@ flags.DEFINE_list("methods", ["engine", "torch", "jax_loop"], "what to time")
 flags.DEFINE_integer("clients_per_step", None, "engine lanes (default: the backend's)")
 flags.DEFINE_string("torch_device", "cpu", "where the PyTorch loop runs: cpu, or cuda for the "
                     "GPU column (each round copies its clients' data there, inside the clock)")
+flags.DEFINE_integer("torch_threads", None, "torch.set_num_threads for the PyTorch loop (default "
+                     "the machine's cores; 1 keeps a loaded CPU from stalling torch's OpenMP "
+                     "threads)")
 flags.DEFINE_bool("json", False, "also print the whole JSON on stdout")
 flags.DEFINE_string("out", None, "write the JSON here (default the git-ignored "
                     "bench/out/compare_<model>_<backend>.json)")
@@ -190,7 +193,7 @@ def make_torch(model_name, data, num_classes=62):
     import torch
     from torch import nn
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(FLAGS.torch_threads or os.cpu_count() or 1)
     torch.manual_seed(0)
     if model_name == "cnn":
         net = nn.Sequential(
@@ -501,6 +504,8 @@ def timing_result(times, med):
             "flagfile": workload().flagfile or None,
             "batch_size": batch_size(FLAGS.model), "rounds_timed": FLAGS.rounds,
             "torch_device": FLAGS.torch_device if "torch" in FLAGS.methods else None,
+            "torch_threads": ((FLAGS.torch_threads or os.cpu_count())
+                              if "torch" in FLAGS.methods else None),
             "engine_s_per_round": med.get("engine"),
             "torch_loop_s_per_round": med.get("torch"),
             "jax_loop_s_per_round": med.get("jax_loop"),
