@@ -549,6 +549,21 @@ def test_image_convs_smoke_times_every_case_four_ways(tmp_path):
 
 
 @pytest.mark.slow
+def test_recurrent_smoke_times_each_way_and_checks_the_kernels(tmp_path):
+    """bench.recurrent at toy size with the interpreted kernels: every case's variants timed,
+    the ratios those times' ratios, and each variant's gradient scan's within 1e-5."""
+    res = run_json(["bench.recurrent", "--steps=1", "--repeats=1", "--lanes=2", "--batch=2",
+                    "--interpret"], tmp_path, "recurrent")
+    assert res["variants"] == ["scan", "hoisted", "pallas_interpret"]
+    assert [r["case"] for r in res["rows"]] == ["gru", "lstm"]
+    for r in res["rows"]:
+        ms = r["ms_per_step"]
+        assert set(ms) == set(res["variants"]) and min(ms.values()) > 0
+        assert r["over_scan"]["hoisted"] == pytest.approx(ms["hoisted"] / ms["scan"])
+        assert max(r["max_grad_diff"].values()) < 1e-5
+
+
+@pytest.mark.slow
 def test_own_model_conv_smoke_times_both_networks(tmp_path):
     """bench.own_model_conv at toy size: the guide's network and the built-in one, each with
     pfl-research's parameter count, timed round by round, and the ratio of their medians."""
@@ -865,6 +880,7 @@ SMOKE_RUNS = {
     "before_after.py": ["test_bench_before_after.py::test_before_after_smoke"],
     "code_paths.py": ["test_code_paths_smoke"],
     "image_convs.py": ["test_image_convs_smoke_times_every_case_four_ways"],
+    "recurrent.py": ["test_recurrent_smoke_times_each_way_and_checks_the_kernels"],
     "own_model_conv.py": ["test_own_model_conv_smoke_times_both_networks"],
     "compare.py": ["test_compare_smoke_engine_and_jax_loop", "test_compare_smoke",
                    "test_compare_recurrent_engine_and_jax_loop",
