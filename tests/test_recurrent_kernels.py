@@ -131,6 +131,23 @@ def test_bfloat16_operands_with_float32_state():
         assert max_diff(g, r) < 2e-2 * float(jnp.max(jnp.abs(r)))
 
 
+@pytest.mark.slow   # Shakespeare's GRU at full width, 20 interpreted steps: 15 s
+def test_gru_model_in_bfloat16_with_the_kernels():
+    """--compute_dtype=bfloat16 with --rnn_impl=pallas_interpret: the loss and the float32
+    gradient of the float32 scan model, within bfloat16's rounding."""
+    data = shakespeare_like(n=4)
+    x, y = jnp.asarray(data.train.x[:3]), jnp.asarray(data.train.y[:3])
+    results = []
+    for impl, dtype in (("scan", "float32"), ("pallas_interpret", "bfloat16")):
+        model = build_model("gru", data, ModelOptions(rnn_impl=impl, compute_dtype=dtype))
+        params = model.init(jax.random.key(0))
+        results.append(jax.value_and_grad(lambda p: jnp.mean(model.losses(p, x, y)))(params))
+    (ref_loss, ref_grad), (loss, grad) = results
+    assert abs(float(loss) - float(ref_loss)) < 1e-2 * abs(float(ref_loss))
+    for g, r in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad)):
+        assert g.dtype == jnp.float32 and max_diff(g, r) < 2e-2 * float(jnp.max(jnp.abs(r)))
+
+
 def text_models():
     table = FrozenTable(np.random.default_rng(0).normal(size=(9, 3)))
     return {"gru": lambda impl: CharGRU(num_classes=5, vocab_size=7, hidden=6, rnn_impl=impl),
