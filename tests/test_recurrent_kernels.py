@@ -193,7 +193,8 @@ def test_default_is_scan_and_pallas_is_refused_off_a_gpu():
 @pytest.mark.parametrize("kind", ["gru", "lstm"])
 def test_kernels_lower_to_triton_for_cuda(kind):
     """The vmapped gradient exports for CUDA without a GPU: exactly two Triton calls (the
-    forward kernel and the backward one; the lanes a grid axis) and no while loop left to XLA.
+    forward kernel and the backward one; the two lanes a grid axis of 2) on tiles padded to
+    powers of two (batch 3 -> 16, hidden 50 -> 64), and no while loop left to XLA.
     Lowering only: Triton's compilation to PTX happens on a GPU and is untested here."""
     from jax import export
     args = operands(kind, 3, 4, 50, lanes=2)
@@ -202,8 +203,12 @@ def test_kernels_lower_to_triton_for_cuda(kind):
     exported = export.export(jax.jit(grad), platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
     text = exported.mlir_module()
-    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 2
-    assert "stablehlo.while" not in text
+    calls = [line for line in text.splitlines()
+             if "stablehlo.custom_call @__gpu$xla.gpu.triton" in line]
+    assert len(calls) == 2 and "stablehlo.while" not in text
+    # vmap's batching rule: one program per lane, each over its padded [16, 64] tiles
+    assert all("grid_x = 2 : i32, grid_y = 1 : i32, grid_z = 1" in line for line in calls)
+    assert all("x16x64xf32>" in line and "x50xf32>" not in line for line in calls)
 
 
 def run_metrics(tmp_path, impl, run_runner, capsys):
