@@ -207,6 +207,65 @@ def test_peers_smoke_engine_side(tmp_path):
     assert os.path.exists(tmp_path / "cache" / "data")
 
 
+def accelerator_run(tmp_path, backend, deadline_s=540):
+    """bench/accelerator_run.sh with a stub python that prints its arguments: (exit code, the
+    stub's lines, the step log's records)."""
+    stub = tmp_path / "python"
+    stub.write_text('#!/bin/sh\necho "PY $*"\n')
+    stub.chmod(0o755)
+    results = tmp_path / backend
+    env = dict(os.environ, BACKEND=backend, PYTHON=str(stub), RESULTS=str(results),
+               DEADLINE_S=str(deadline_s), SUFFIX=backend)
+    proc = subprocess.run(["bash", "bench/accelerator_run.sh"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    log = results / f"accelerator_steps_{backend}.jsonl"
+    steps = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    lines = [line[6:] for line in proc.stdout.splitlines() if line.startswith("PY -m ")]
+    return proc, lines, steps
+
+
+def test_accelerator_run_orders_its_steps_and_keeps_gpu_steps_to_a_gpu(tmp_path):
+    """The accelerator script's shell logic, with a stub python: on a GPU the toy run, the
+    ConvNet's paper run in float32 and bfloat16, the GRU's with the scan and the Pallas kernels,
+    then the comparisons against torch on CUDA (gru, lstm, cnn), first and in that order; on a
+    TPU no Pallas kernel, no --deterministic and no CUDA, the comparisons against the JAX loop;
+    with no time left the toy step is skipped and the script stops."""
+    proc, gpu, steps = accelerator_run(tmp_path, "gpu")
+    out = tmp_path / "gpu"
+    assert proc.returncode == 0, proc.stderr
+    assert gpu[:8] == [
+        f"bench.paper_grid --model=linear --scale=0.01 --rounds=1 --min_seconds=0 "
+        f"--out={out}/toy.json",
+        f"bench.paper_grid --model=cnn --out={out}/paper_grid_cnn_gpu.json",
+        f"bench.paper_grid --model=cnn --flag=--compute_dtype=bfloat16 "
+        f"--out={out}/paper_grid_cnn_bf16_gpu.json",
+        f"bench.paper_grid --model=gru --rounds=2 --flag=--rnn_impl=scan "
+        f"--out={out}/paper_grid_gru_gpu.json",
+        f"bench.paper_grid --model=gru --rounds=2 --flag=--rnn_impl=pallas "
+        f"--out={out}/paper_grid_gru_pallas_gpu.json",
+        f"bench.compare --model=gru --rounds=2 --torch_device=cuda --methods=engine,torch "
+        f"--out={out}/compare_gru_gpu.json",
+        f"bench.compare --model=lstm --torch_device=cuda --out={out}/compare_lstm_gpu.json",
+        f"bench.compare --model=cnn --torch_device=cuda --out={out}/compare_cnn_gpu.json"]
+    assert "experiments.run --flagfile=experiments/emnist.flags --estimate " \
+           "--compute_dtype=bfloat16" in gpu
+    assert [s["rc"] for s in steps] == [0] * len(steps) and len(steps) == len(gpu) == 19
+    proc, tpu, steps = accelerator_run(tmp_path, "tpu")
+    assert proc.returncode == 0, proc.stderr
+    assert not [c for c in tpu if "pallas" in c or "deterministic" in c or "cuda" in c]
+    assert [c.split(" --out")[0] for c in tpu if c.startswith("bench.compare")] == [
+        "bench.compare --model=gru --rounds=2 --methods=engine,jax_loop",
+        "bench.compare --model=lstm --methods=engine,jax_loop",
+        "bench.compare --model=cnn --methods=engine,jax_loop"]
+    assert sorted(s["step"] for s in steps if s.get("skipped")) == [
+        "estimate emnist --deterministic", "paper_grid gru pallas",
+        "paper_grid gru pallas bf16", "paper_grid lstm pallas"]
+    proc, lines, steps = accelerator_run(tmp_path, "cpu", deadline_s=10)
+    assert proc.returncode == 1 and lines == []
+    assert proc.stdout.splitlines()[-1] == "no time for the toy run: stopping"
+    assert steps == [{"step": "toy", "rc": None, "s": 0, "skipped": steps[0]["skipped"]}]
+
+
 @pytest.mark.slow   # a long check: CI's second step keeps the fast tests within 4 minutes
 def test_paper_grid_toy_json_adds_up(tmp_path):
     """bench.paper_grid at toy size: the flagfile's workload shrunk (emnist_linear.flags: 4
