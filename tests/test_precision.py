@@ -171,12 +171,13 @@ class OwnDense(nn.Module):
         return nn.Dense(3)(nn.tanh(nn.Dense(8)(x.reshape(x.shape[0], -1))))
 
 
-def test_frozen_float32_table_enters_the_lstm_in_bf16():
+@pytest.mark.parametrize("rnn_impl", ["scan", "pallas_interpret"])
+def test_frozen_float32_table_enters_the_lstm_in_bf16(rnn_impl):
     """GloveLSTM looks its inputs up in a float32 constant (the GloVe table): the interceptor
-    casts them as they enter nn.RNN, so the LSTM's input products are bf16 too; the scan's
-    carry keeps one dtype across steps."""
+    casts them as they enter nn.RNN (the kernels' layer: as they meet the bf16 weights), so the
+    LSTM's input products are bf16 too; the scan's carry keeps one dtype across steps."""
     data = sent140_like()
-    model = build_model("lstm", data, ModelOptions(compute_dtype="bfloat16"))
+    model = build_model("lstm", data, ModelOptions(compute_dtype="bfloat16", rnn_impl=rnn_impl))
     params = jax.eval_shape(model.init, jax.random.key(0))
     program = jax.make_jaxpr(model.apply)(params, data.train.x[:2])
     dots = [e for e in equations(program.jaxpr) if e.primitive.name == "dot_general"]

@@ -265,7 +265,8 @@ def _gru_layer(x, hidden: int, kernel_init, impl: str):
     ``__call__``. The input projection of every step is one product."""
     w_i, b_i, w_h, b_hn = _CellParams(hidden, kernel_init, "rzn",
                                       name="GRUCell_0")(x.shape[-1])
-    xp = jnp.dot(x, w_i.astype(x.dtype)) + b_i.astype(x.dtype)       # [B, T, 3H]
+    x = x.astype(w_i.dtype)   # the parameters' dtype: bf16 under --compute_dtype=bfloat16
+    xp = jnp.dot(x, w_i) + b_i.astype(x.dtype)       # [B, T, 3H]
     h0 = jnp.zeros((x.shape[0], hidden), jnp.float32)
     return gru_sequence(xp, w_h.astype(x.dtype), b_hn, h0, impl)
 
@@ -276,7 +277,8 @@ def _lstm_layer(x, hidden: int, kernel_init, impl: str):
     (``OptimizedLSTMCell_0``); Flax's h-side biases are added to the input projection."""
     w_i, b_h, w_h, _ = _CellParams(hidden, kernel_init, "ifgo",
                                    name="OptimizedLSTMCell_0")(x.shape[-1])
-    xp = jnp.dot(x, w_i.astype(x.dtype)) + b_h.astype(x.dtype)       # [B, T, 4H]
+    x = x.astype(w_i.dtype)   # GloVe rows are float32 constants: computed in the weights' dtype
+    xp = jnp.dot(x, w_i) + b_h.astype(x.dtype)       # [B, T, 4H]
     zeros = jnp.zeros((x.shape[0], hidden), jnp.float32)
     return lstm_sequence(xp, w_h.astype(x.dtype), zeros, zeros, impl)
 
