@@ -124,3 +124,33 @@ def test_fewer_lanes_by_memory_train_to_the_same_models(tiny_synthetic, monkeypa
     assert (ample.placement.lanes, two.placement.lanes) == (M, 2)
     for a, b in zip(all_lanes, by_memory):   # float32, learning rate 0.05 (stable)
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_an_asynchronous_step_on_fewer_lanes_by_memory_trains_the_same(tiny_synthetic,
+                                                                       monkeypatch):
+    """FedBuff's server step (K = 3 slots): its step is rebuilt on the lanes that fit."""
+    from conftest import run_rounds_history
+    from deltafl_jax.run import program
+    monkeypatch.setattr(placement, "lane_step_bytes", lambda model, data, batch: STEP)
+    built, real = [], program.BufferedRun   # the lanes each server step is built on
+    monkeypatch.setattr(program, "BufferedRun", lambda model, replicas, local, **kw: (
+        built.append(local.lanes), real(model, replicas, local, **kw))[1])
+
+    def step(limit):
+        monkeypatch.setattr(placement, "_bytes_limit", lambda devices: limit)
+        exp = build_experiment(tiny_config(
+            algorithm="fedbuff", thetas=(1.0,), client_speed="lognormal", concurrency=5,
+            buffer_size=3, max_staleness=2, placement_backend="gpu", client_data="device"),
+            tiny_synthetic)
+        state, _ = run_rounds_history(exp, 2)
+        assert built[-1] == exp.placement.lanes
+        return exp, [np.asarray(a) for a in jax.tree.leaves(exp.served_params(state))]
+
+    ample, all_lanes = step(10 ** 12)
+    fp = ample.program.footprint
+    fixed = fp.total - fp.lanes - fp.activations
+    two, by_memory = step(int((fixed + 2.5 * (3 * MODEL_BYTES + STEP)) / 0.9))
+    assert (ample.placement.lanes, two.placement.lanes) == (3, 2)
+    for a, b in zip(all_lanes, by_memory):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
