@@ -87,12 +87,13 @@ def test_placement_backend_forces_the_accelerator_defaults_and_leaves_the_cpu_on
     m, replicas = cpu.num_sampled, 2
     assert (acc.placement.lanes, acc.placement.lane_mode, acc.placement.eval_chunk,
             acc.placement.eval_lanes, acc.placement.branchless, conv_impl(acc)) == \
-        (m, "vmap", 1024, replicas, True, "im2col_wgrad" if case == "cnn" else None)
+        (m * replicas, "vmap", 1024, replicas, True,
+         "im2col_wgrad" if case == "cnn" else None)   # every job of the round in a lane
     assert "lane(s) (vmap, as on gpu)" in acc.view().facts.placement_line
     assert "as on" not in cpu.view().facts.placement_line
     # Each default can also be set alone; the loop body without --branchless is the cond one.
     alone = build_experiment(config(case, placement_backend="gpu"), data).placement
-    assert not alone.branchless and alone.lanes == m
+    assert not alone.branchless and alone.lanes == m * replicas
 
 
 def test_a_bad_placement_backend_is_one_line_and_exit_2(tmp_path, capsys):

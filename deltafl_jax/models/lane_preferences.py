@@ -26,8 +26,8 @@ CONV_CPU_IMPL = "winograd"
 @dataclasses.dataclass(frozen=True)
 class LanePreferences:
     """How the engine runs this model's client work, per backend (measured on a 2-core CPU,
-    bench/README.md; on accelerators every sampled client gets a lane while a device's memory
-    holds them, fewer when it does not: :func:`deltafl_jax.run.placement.fit_lanes`).
+    bench/README.md; on accelerators every job of a round (each replica's sampled clients)
+    gets a lane while a device's memory holds them, fewer when it does not: :func:`deltafl_jax.run.placement.fit_lanes`).
 
     cpu_lanes: client lanes per step on CPU.
     cpu_lane_mode: "vmap" (one batched step) or "unroll" (independent unbatched copies, for

@@ -87,9 +87,9 @@ def choose_placement(config: ExperimentConfig, model: Model, m: int, num_replica
                      backend: Optional[str] = None, devices: int = 1,
                      client_data: str = "device") -> Placement:
     """Lanes per device: on CPU the model's measured preference; on accelerators enough that
-    devices x lanes cover the R x m jobs of a round (every kept client trains in the first
-    trip), capped at m, which :func:`fit_lanes` then lowers to what the device's memory
-    holds (``by_memory``). Evaluation lanes: one on CPU (a bigger chunk is the better batch
+    devices x lanes cover the R x m jobs of a round (every replica's every kept client trains
+    in the first trip, so the critical path is the largest job), which :func:`fit_lanes` then
+    lowers to what the device's memory holds (``by_memory``). Evaluation lanes: one on CPU (a bigger chunk is the better batch
     there); on accelerators one per replica (up to 16), so a step evaluates all models.
     `config.placement_backend` plans as on that backend instead of the running one, and
     `config.branchless` overrides the loop shape's body."""
@@ -97,7 +97,7 @@ def choose_placement(config: ExperimentConfig, model: Model, m: int, num_replica
     prefs = model.lanes
     jobs = m * num_replicas
     per_device = (prefs.lanes(m, backend, devices) if backend == "cpu"
-                  else min(m, -(-jobs // devices)))
+                  else -(-jobs // devices))
     lanes = min(config.placement.clients_per_step or per_device, jobs)
     one_device = prefs.lanes(m, backend, 1) if backend == "cpu" else m
     loop = engine.loop_shape(backend)
