@@ -174,6 +174,27 @@ def test_theta_sweep_smoke(tmp_path):
     assert len(rows[2]["separate_s_per_round_each"]) == 2
 
 
+def test_emnist_shaped_smoke_writes_a_loadable_npz(tmp_path):
+    """bench/emnist_shaped.py at toy size: the file loads with --dataset=npz (its writers as
+    clients, 10 classes, 28x28 pixels scaled by 1/255), the same seed writes the same arrays,
+    and a stroke's ink is the Gaussian profile of its distance to the segment (by hand:
+    exp(-d^2 / 2) at width 1, d = 2 beside it and d = 3 beyond its end)."""
+    from bench import emnist_shaped
+    from deltafl_jax import DataConfig, load_dataset
+    out = tmp_path / "e.npz"
+    info = emnist_shaped.main([f"--out={out}", "--train_clients=5", "--test_clients=5",
+                               "--size_scale=0.05"])
+    assert info["strong_train"] == info["strong_test"] == 1
+    data = load_dataset(DataConfig("npz", data_path=str(out)))
+    assert (data.train.num_clients, data.test.num_clients, data.num_classes) == (5, 5, 10)
+    assert data.train.x.shape[1:] == (28, 28) and data.x_scale == pytest.approx(1 / 255)
+    again = emnist_shaped.generate(0, 5, 5, 0.05)
+    with np.load(out) as z:
+        assert all(np.array_equal(z[k], again[k]) for k in z.files)
+    ink = emnist_shaped.render(np.array([[[14.0, 5.0], [14.0, 20.0]]]), width=1.0)
+    assert ink[14, 10] == 1.0 and ink[16, 10] == pytest.approx(np.exp(-2.0))
+    assert ink[14, 2] == pytest.approx(np.exp(-4.5))
+
 @pytest.mark.slow
 def test_loop_shape_smoke_trains_identical_models(tmp_path):
     res = run_json(["bench.loop_shape", "--model=linear", "--shapes=1,3,b1,b2", "--clients=3",
@@ -958,6 +979,7 @@ SMOKE_RUNS = {
     "round_speed.py": ["test_round_speed_smoke"],
     "scaling.py": ["test_scaling_smoke_deals_every_job"],
     "theta_sweep.py": ["test_theta_sweep_smoke"],
+    "emnist_shaped.py": ["test_emnist_shaped_smoke_writes_a_loadable_npz"],
     "resnet_profile.py": ["test_resnet_profile_smoke_counts_and_splits"],
 }
 
